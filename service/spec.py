@@ -1,0 +1,303 @@
+"""The job spec: what a user asks Trident to train, and how.
+
+Accepted as JSON over REST and as YAML by the CLI. Field names are the public contract:
+add fields freely, never rename. Every check that needs more than one field explains itself
+with the arithmetic, and names the field, so the API can turn it into a 422.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.hardware import PROFILES
+from service.parallel import ParallelDims
+from service.presets import PRESETS
+
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+MAX_WORLD = 65536
+
+
+class SpecError(ValueError):
+    """A spec that is well-formed field by field but inconsistent as a whole."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelSpec(_Strict):
+    """A decoder-only transformer: a preset, explicit dimensions, or a preset with overrides."""
+
+    preset: str | None = None
+    """Name of a preset shape (see `service.presets`); explicit fields below override it."""
+    layers: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Number of transformer blocks."""
+    hidden: Annotated[int, Field(ge=8, le=131072)] | None = None
+    """Hidden size h."""
+    heads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Attention heads a (query heads)."""
+    kv_heads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Key/value heads for grouped-query attention; defaults to `heads` (multi-head)."""
+    vocab: Annotated[int, Field(ge=2, le=1_048_576)] | None = None
+    """Vocabulary size V."""
+    seq_len: Annotated[int, Field(ge=2, le=1_048_576)] | None = None
+    """Sequence length s in tokens."""
+    ffn_hidden: Annotated[int, Field(ge=1, le=1_048_576)] | None = None
+    """MLP inner size; defaults to 4 * hidden."""
+    activation: Literal["gelu", "swiglu"] | None = None
+    """MLP type: `gelu` (two matrices, GPT) or `swiglu` (three matrices, Llama)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; known: {sorted(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelSpec:
+        base: dict[str, Any] = dict(PRESETS[self.preset]) if self.preset else {}
+        for key in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden",
+                    "activation"):
+            value = getattr(self, key)
+            if value is None and key in base:
+                object.__setattr__(self, key, base[key])
+        missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len")
+                   if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required when no preset is given")
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.activation is None:
+            object.__setattr__(self, "activation", "gelu")
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden_)
+        if self.hidden_ % self.heads_:
+            raise ValueError(f"hidden({self.hidden}) is not divisible by heads({self.heads})")
+        if self.heads_ % self.kv_heads_:
+            raise ValueError(f"heads({self.heads}) is not divisible by kv_heads({self.kv_heads})")
+        return self
+
+    # Typed views for callers: after validation every dimension is set.
+    @property
+    def layers_(self) -> int:
+        assert self.layers is not None
+        return self.layers
+
+    @property
+    def hidden_(self) -> int:
+        assert self.hidden is not None
+        return self.hidden
+
+    @property
+    def heads_(self) -> int:
+        assert self.heads is not None
+        return self.heads
+
+    @property
+    def kv_heads_(self) -> int:
+        assert self.kv_heads is not None
+        return self.kv_heads
+
+
+class TrainSpec(_Strict):
+    """The optimisation run."""
+
+    steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    """Optimizer steps to run."""
+    global_batch: Annotated[int, Field(ge=1, le=1_048_576)] = 8
+    """Sequences per optimizer step, across all data-parallel replicas."""
+    micro_batch: Annotated[int, Field(ge=1, le=65536)] = 1
+    """Sequences per forward/backward pass on one rank."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Arithmetic precision of weights and activations (optimizer states stay fp32)."""
+    lr: Annotated[float, Field(gt=0, le=10)] = 3e-4
+    """Peak learning rate (AdamW)."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 1234
+    """Seed of initialisation and of the synthetic data."""
+
+
+class ParallelSpec(_Strict):
+    """An explicit layout: tp * pp * dp ranks, ZeRO over the dp group."""
+
+    tp: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Tensor-parallel degree (Megatron column/row split); best kept within one node."""
+    pp: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Pipeline-parallel degree: number of stages."""
+    dp: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
+    """Data-parallel degree: model replicas, the group ZeRO shards over."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage over the dp group."""
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    """CPU offload: optimizer states (ZeRO >= 1), or also parameters (ZeRO-3)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none, selective (attention core), or full (each block)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in LayerNorm/dropout regions (needs tp > 1)."""
+    virtual_stages: Annotated[int, Field(ge=1, le=64)] = 1
+    """Interleaved model chunks per pipeline rank (needs pp > 1)."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp)
+
+
+class ResourcesSpec(_Strict):
+    """What each rank claims from the cluster."""
+
+    gpus_per_worker: Annotated[int, Field(ge=0, le=16)] = 0
+    """GPUs per rank: 1 on GPU clusters, 0 to run on CPU with gloo."""
+    cpus_per_worker: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    """CPUs per rank; may be fractional so that many ranks share a few cores in tests."""
+
+
+class ClusterSpec(_Strict):
+    """Target hardware for planning; a live cluster describes itself."""
+
+    gpu: str = "cpu"
+    """Hardware profile name, e.g. a100-80gb, h100-80gb, h200, v100-32gb, cpu."""
+    nodes: Annotated[int, Field(ge=1, le=4096)] = 1
+    """Number of nodes."""
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
+    """Devices (or CPU ranks) per node."""
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        if v not in PROFILES:
+            raise ValueError(f"unknown hardware profile {v!r}; known: {sorted(PROFILES)}")
+        return v
+
+
+class CheckpointSpec(_Strict):
+    """Periodic DeepSpeed checkpoints, used to resume a restarted attempt."""
+
+    every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """Save every this many steps; 0 saves none."""
+    dir: Annotated[str, Field(max_length=4096)] | None = None
+    """Directory for this job's checkpoints; defaults to the server's data directory."""
+
+
+class JobSpec(_Strict):
+    """A training job: model, run, layout, resources and policies."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    """Human-readable job name (letters, digits, '.', '_', '-'; at most 128)."""
+    model: ModelSpec
+    """The transformer to train."""
+    train: TrainSpec = TrainSpec()
+    """The optimisation run."""
+    parallel: ParallelSpec | Literal["auto"] = ParallelSpec()
+    """An explicit layout, or "auto" to let the planner choose."""
+    resources: ResourcesSpec = ResourcesSpec()
+    """Per-rank resource claims."""
+    cluster: ClusterSpec = ClusterSpec()
+    """Target hardware for planning."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """Checkpoint policy."""
+    max_retries: Annotated[int, Field(ge=0, le=100)] = 0
+    """Restarts from the last checkpoint allowed after a recoverable failure."""
+    env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict)
+    """Environment variables for every rank (for example NCCL_* settings)."""
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    """Higher runs first among queued jobs."""
+    entrypoint: Annotated[str, Field(max_length=512)] | None = None
+    """Custom per-rank training function, "package.module:function"; default: built-in GPT."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 256:
+            raise ValueError(f"at most 256 variables, got {len(v)}")
+        for key in v:
+            if not _ENV_KEY.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return v
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str | None) -> str | None:
+        if v is not None and not _ENTRYPOINT.match(v):
+            raise ValueError(f"{v!r} is not of the form 'package.module:function'")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        for err in layout_errors(self):
+            raise err
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the job runs on: the cluster's slots when given, else tp * pp * dp."""
+        if "cluster" in self.model_fields_set or isinstance(self.parallel, str):
+            return self.cluster.nodes * self.cluster.gpus_per_node
+        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+
+    @property
+    def layout(self) -> ParallelSpec:
+        """The explicit layout; only valid once `parallel` is not "auto"."""
+        if isinstance(self.parallel, str):
+            raise ValueError("parallel is 'auto': plan the job to choose a layout")
+        return self.parallel
+
+
+def layout_errors(spec: JobSpec) -> list[SpecError]:
+    """Every inconsistency between the layout and the rest of the spec, with arithmetic."""
+    if isinstance(spec.parallel, str):
+        return []
+    p, m, t = spec.parallel, spec.model, spec.train
+    errs: list[SpecError] = []
+    if m.heads_ % p.tp:
+        errs.append(SpecError("parallel.tp", f"tp({p.tp}) does not divide heads({m.heads})"))
+    elif m.kv_heads_ % p.tp:
+        errs.append(SpecError("parallel.tp", f"tp({p.tp}) does not divide kv_heads({m.kv_heads})"))
+    if m.ffn_hidden is not None and m.ffn_hidden % p.tp:
+        errs.append(SpecError("parallel.tp",
+                              f"tp({p.tp}) does not divide ffn_hidden({m.ffn_hidden})"))
+    chunks = p.pp * p.virtual_stages
+    if m.layers_ % chunks:
+        errs.append(SpecError(
+            "parallel.pp",
+            f"layers({m.layers}) is not divisible by pp({p.pp}) * virtual_stages"
+            f"({p.virtual_stages}) = {chunks}"))
+    if p.virtual_stages > 1 and p.pp == 1:
+        errs.append(SpecError("parallel.virtual_stages",
+                              f"virtual_stages({p.virtual_stages}) needs pp > 1"))
+    if t.global_batch % (t.micro_batch * p.dp):
+        errs.append(SpecError(
+            "train.global_batch",
+            f"global_batch({t.global_batch}) is not divisible by micro_batch({t.micro_batch})"
+            f" * dp({p.dp}) = {t.micro_batch * p.dp}"))
+    if p.zero >= 2 and p.pp > 1:
+        errs.append(SpecError(
+            "parallel.zero",
+            f"zero({p.zero}) with pp({p.pp}) > 1 is not supported by DeepSpeed's pipeline"
+            " engine; use zero 0 or 1"))
+    if p.offload != "none" and p.zero == 0:
+        errs.append(SpecError("parallel.offload", f"offload={p.offload!r} needs zero >= 1"))
+    if p.offload == "optimizer+params" and p.zero != 3:
+        errs.append(SpecError("parallel.offload",
+                              f"offload='optimizer+params' needs zero 3, got zero({p.zero})"))
+    if p.sequence_parallel and p.tp == 1:
+        errs.append(SpecError("parallel.sequence_parallel", "sequence_parallel needs tp > 1"))
+    world = p.tp * p.pp * p.dp
+    if world > MAX_WORLD:
+        errs.append(SpecError("parallel", f"tp*pp*dp = {world} exceeds {MAX_WORLD} ranks"))
+    if "cluster" in spec.model_fields_set and world != spec.world_size:
+        errs.append(SpecError(
+            "parallel",
+            f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world} != world size {spec.world_size}"
+            f" (cluster.nodes({spec.cluster.nodes}) * cluster.gpus_per_node"
+            f"({spec.cluster.gpus_per_node}))"))
+    return errs
