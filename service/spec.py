@@ -20,6 +20,8 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 MAX_WORLD = 65536
+GPU_DEFAULT = "a100-80gb"
+"""Profile assumed for GPU jobs that name no cluster."""
 
 
 class SpecError(ValueError):
@@ -201,8 +203,9 @@ class JobSpec(_Strict):
     """An explicit layout, or "auto" to let the planner choose."""
     resources: ResourcesSpec = ResourcesSpec()
     """Per-rank resource claims."""
-    cluster: ClusterSpec = ClusterSpec()
-    """Target hardware for planning."""
+    cluster: ClusterSpec | None = None
+    """Target hardware for planning; when given, tp * pp * dp must use all of it. Default:
+    exactly the job's own ranks, on the `cpu` profile (or `gpu_default` with GPUs)."""
     checkpoint: CheckpointSpec = CheckpointSpec()
     """Checkpoint policy."""
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
@@ -240,9 +243,17 @@ class JobSpec(_Strict):
     @property
     def world_size(self) -> int:
         """Ranks the job runs on: the cluster's slots when given, else tp * pp * dp."""
-        if "cluster" in self.model_fields_set or isinstance(self.parallel, str):
+        if self.cluster is not None:
             return self.cluster.nodes * self.cluster.gpus_per_node
-        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+        return self.layout.dims.world_size
+
+    @property
+    def target(self) -> ClusterSpec:
+        """The hardware to plan for: `cluster`, or the job's own ranks on one node."""
+        if self.cluster is not None:
+            return self.cluster
+        gpu = "cpu" if self.resources.gpus_per_worker == 0 else GPU_DEFAULT
+        return ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=self.world_size)
 
     @property
     def layout(self) -> ParallelSpec:
@@ -255,6 +266,9 @@ class JobSpec(_Strict):
 def layout_errors(spec: JobSpec) -> list[SpecError]:
     """Every inconsistency between the layout and the rest of the spec, with arithmetic."""
     if isinstance(spec.parallel, str):
+        if spec.cluster is None:
+            return [SpecError("cluster", "parallel 'auto' needs a cluster (gpu, nodes,"
+                              " gpus_per_node) to plan for")]
         return []
     p, m, t = spec.parallel, spec.model, spec.train
     errs: list[SpecError] = []
@@ -294,7 +308,7 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
     world = p.tp * p.pp * p.dp
     if world > MAX_WORLD:
         errs.append(SpecError("parallel", f"tp*pp*dp = {world} exceeds {MAX_WORLD} ranks"))
-    if "cluster" in spec.model_fields_set and world != spec.world_size:
+    if spec.cluster is not None and world != spec.world_size:
         errs.append(SpecError(
             "parallel",
             f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world} != world size {spec.world_size}"

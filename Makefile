@@ -1,0 +1,46 @@
+# Trident: `make demo` runs the tiny job on the embedded stack; `make test` runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 8000
+SERVER := http://127.0.0.1:$(PORT)
+export TRIDENT_SERVER := $(SERVER)
+
+.PHONY: install demo test test-fast lint up stop clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first: the CPU build (on this kind of machine a local file) unless a CUDA build is
+# already installed; an unpinned torch would pull a multi-GB CUDA build.
+install: $(BIN)/python
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() or torch.version.cuda else 1)" 2>/dev/null; then \
+		echo "keeping the installed CUDA build of torch"; \
+	else \
+		$(BIN)/pip install -q "torch==2.13.0"; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+
+demo: install
+	@bash examples/demo.sh
+
+test: install
+	bash .ci/start-postgres.sh
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check service workers api tests bench migrations
+	$(BIN)/mypy service api
+
+up: install
+	$(BIN)/trident up --port $(PORT)
+
+stop:
+	@if [ -f var/trident.pid ]; then kill $$(cat var/trident.pid) && rm -f var/trident.pid && echo "stopped"; fi
+
+clean:
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,76 @@
+"""The FastAPI application: REST under /api/v1, the status page at /, OpenAPI at /docs.
+
+It reads and writes the store only and never calls Ray, so it stays fast when the cluster
+is slow. `create_app` is used by `trident up`, by uvicorn (`api.app:app`) and by the tests.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api import pages
+from api.routes import jobs
+from service.settings import Settings
+from service.store import Store
+
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_]+)*): (.*)$", re.S)
+
+
+def _name_the_field(err: dict[str, Any]) -> dict[str, Any]:
+    """Cross-field spec errors say `parallel.tp: ...`; put that field into `loc`."""
+    m = _FIELD_PREFIX.match(str(err.get("msg", "")))
+    if m and err.get("type") == "value_error":
+        err = {**err, "loc": [*err.get("loc", ["body"]), *m.group(1).split(".")],
+               "msg": m.group(2)}
+    err.pop("ctx", None)
+    err.pop("input", None)
+    return err
+
+
+def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own = store is None
+        app.state.store = store or Store(settings.db_url)
+        if own:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            app.state.store.migrate()
+        yield
+        if own:
+            app.state.store.close()
+
+    app = FastAPI(title="Trident", version="0.1.0", lifespan=lifespan,
+                  description="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
+    app.state.settings = settings
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = [_name_the_field(dict(e)) for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(detail)})
+
+    v1 = APIRouter(prefix="/api/v1")
+    v1.include_router(jobs.router)
+
+    @v1.get("/healthz", tags=["system"])
+    def healthz(request: Request) -> dict[str, str]:
+        request.app.state.store.list_jobs(limit=1)  # the database answers
+        return {"status": "ok"}
+
+    app.include_router(v1)
+    app.include_router(pages.router)
+    return app
+
+
+def app() -> FastAPI:
+    """Factory for `uvicorn --factory api.app:app`."""
+    return create_app()

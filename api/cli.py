@@ -1,0 +1,213 @@
+"""`trident`: the command line. Every command talks to the REST API, except `up` (starts the
+local stack) and `plan` (needs no server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import typer
+import yaml
+from pydantic import ValidationError
+
+from service.spec import JobSpec
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
+
+ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
+                                        help="Base URL of the Trident API.")]
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def load_spec(path: Path) -> JobSpec:
+    """Read a YAML (or JSON) spec and validate it, naming the field of any error."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}")
+    except yaml.YAMLError as exc:
+        fail(f"{path} is not valid YAML: {exc}")
+    if not isinstance(raw, dict):
+        fail(f"{path}: a spec is a mapping of fields, got {type(raw).__name__}")
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"{path}: invalid spec"]
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e["loc"]) or "spec"
+            lines.append(f"  {loc}: {e['msg']}")
+        fail("\n".join(lines))
+
+
+def _client(server: str) -> httpx.Client:
+    return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30)
+
+
+def _call(server: str, method: str, path: str, **kw: Any) -> Any:
+    try:
+        with _client(server) as c:
+            r = c.request(method, path, **kw)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the Trident API at {server}: {exc}")
+    if r.status_code >= 400:
+        try:
+            detail = r.json().get("detail")
+        except ValueError:
+            detail = r.text
+        if isinstance(detail, list):
+            detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
+                               for d in detail)
+        fail(f"{r.status_code}: {detail}")
+    return r.json()
+
+
+def _layout(plan: dict[str, Any]) -> str:
+    lay = plan.get("layout", {})
+    return " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "dp", "zero") if k in lay)
+
+
+@app.command()
+def submit(spec: Path, server: ServerOpt = DEFAULT_SERVER,
+           wait: Annotated[bool, typer.Option(help="Follow the job; fail unless it succeeds.")]
+           = False) -> None:
+    """Submit a job spec (YAML); prints the job id."""
+    job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"))
+    typer.echo(job["id"])
+    if wait:
+        raise typer.Exit(follow(server, job["id"]))
+
+
+def follow(server: str, job_id: int, interval: float = 1.0) -> int:
+    """Print state changes and new steps until the job ends; 0 if it succeeded."""
+    last_state, last_step, last_event = "", 0, 0
+    while True:
+        job = _call(server, "GET", f"/jobs/{job_id}")
+        for ev in _call(server, "GET", f"/jobs/{job_id}/events",
+                        params={"after": last_event})["items"]:
+            last_event = ev["id"]
+            if ev["kind"] not in ("state",):
+                typer.echo(f"  [{ev['kind']}] {ev['message'].splitlines()[0][:200]}")
+        if job["state"] != last_state:
+            last_state = job["state"]
+            typer.echo(f"job {job_id} {last_state}")
+        for m in _call(server, "GET", f"/jobs/{job_id}/metrics",
+                       params={"after_step": last_step})["items"]:
+            last_step = max(last_step, m["step"])
+            loss = "-" if m["loss"] is None else f"{m['loss']:.4f}"
+            typer.echo(f"  step {m['step']:>5}  loss {loss}  {m['step_time_s']*1000:8.1f} ms"
+                       f"  {m['tokens_per_s']:10.0f} tok/s")
+        if last_state in TERMINAL:
+            if job.get("error"):
+                typer.echo(job["error"], err=True)
+            return 0 if last_state == "SUCCEEDED" else 1
+        time.sleep(interval)
+
+
+@app.command()
+def status(job_id: Annotated[int | None, typer.Argument()] = None,
+           server: ServerOpt = DEFAULT_SERVER) -> None:
+    """List jobs, or show one job in detail."""
+    if job_id is None:
+        jobs = _call(server, "GET", "/jobs", params={"limit": 50})
+        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  NAME")
+        for j in jobs["items"]:
+            typer.echo(f"{j['id']:>5}  {j['state']:<10}  {j['world_size']:>5}"
+                       f"  {_layout(j['plan']):<18}  {j['name']}")
+        return
+    j = _call(server, "GET", f"/jobs/{job_id}")
+    metrics = _call(server, "GET", f"/jobs/{job_id}/metrics")["items"]
+    typer.echo(f"job {j['id']} {j['name']}: {j['state']}  ({j['world_size']} ranks,"
+               f" {_layout(j['plan'])}, attempts {j['attempts']})")
+    if metrics:
+        m = metrics[-1]
+        typer.echo(f"last step {m['step']}: loss {m['loss']}, {m['step_time_s']:.3f} s/step,"
+                   f" {m['tokens_per_s']:.0f} tokens/s")
+    if j["error"]:
+        typer.echo(f"error: {j['error']}")
+
+
+@app.command()
+def cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Cancel a job; the controller stops its workers within seconds."""
+    j = _call(server, "POST", f"/jobs/{job_id}/cancel")
+    typer.echo(f"job {job_id}: {j['state']} (cancel requested)")
+
+
+@app.command()
+def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Print a job's events (state changes, placement, failures with tracebacks)."""
+    for ev in _call(server, "GET", f"/jobs/{job_id}/events", params={"limit": 1000})["items"]:
+        typer.echo(f"{ev['time']}  {ev['kind']:<10} {ev['message']}")
+
+
+@app.command()
+def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1",
+       port: Annotated[int, typer.Option(min=1, max=65535, help="API port.")] = 8000,
+       database_url: Annotated[str, typer.Option(envvar="TRIDENT_DATABASE_URL",
+                                                 help="SQLAlchemy URL; default SQLite.")] = "",
+       ray_address: Annotated[str, typer.Option(envvar="TRIDENT_RAY_ADDRESS",
+                                                help="Existing Ray cluster; default local.")]
+       = "",
+       data_dir: Annotated[Path | None, typer.Option(envvar="TRIDENT_DATA_DIR",
+                                                     help="Database, checkpoints, logs.")]
+       = None) -> None:
+    """Start the local stack: the API and the controller (with a local Ray if no address)."""
+    import uvicorn
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    env = dict(os.environ)
+    if database_url:
+        env["TRIDENT_DATABASE_URL"] = database_url
+    if ray_address:
+        env["TRIDENT_RAY_ADDRESS"] = ray_address
+    if data_dir:
+        env["TRIDENT_DATA_DIR"] = str(data_dir)
+    os.environ.update(env)
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    from service.store import upgrade
+
+    upgrade(settings.db_url)
+    log = (settings.data_dir / "controller.log").open("ab")
+    controller = subprocess.Popen([sys.executable, "-m", "service.daemon"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)
+    typer.echo(f"controller pid {controller.pid} (log: {settings.data_dir / 'controller.log'})")
+    typer.echo(f"dashboard: http://{host}:{port}/   API: http://{host}:{port}/api/v1")
+    try:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    finally:
+        controller.terminate()
+        try:
+            controller.wait(30)
+        except subprocess.TimeoutExpired:
+            controller.kill()
+
+
+@app.command("validate")
+def validate(spec: Path) -> None:
+    """Check a spec file without a server; prints it with every default filled in."""
+    typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

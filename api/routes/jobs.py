@@ -1,0 +1,73 @@
+"""Job routes under /api/v1/jobs: submit, list, inspect, cancel, events, metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+
+from api.deps import JobDep, StoreDep
+from api.schemas import EventList, EventOut, JobList, JobOut, MetricList, MetricOut
+from service.jobs import prepare
+from service.spec import JobSpec
+from service.states import JobState, TransitionError
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=201, response_model=JobOut)
+def submit(spec: JobSpec, store: StoreDep) -> JobOut:
+    """Validate and plan a job, then queue it."""
+    try:
+        prepared = prepare(spec)
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
+    job = store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=prepared.plan,
+                           world_size=prepared.world_size, cpus=prepared.cpus,
+                           gpus=prepared.gpus, priority=spec.priority)
+    return JobOut.of(job)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(store: StoreDep,
+              state: Annotated[list[JobState] | None, Query()] = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              offset: Annotated[int, Query(ge=0)] = 0) -> JobList:
+    """Jobs, newest first; `state` may repeat to select several states."""
+    items, total = store.list_jobs(states=state, limit=limit, offset=offset)
+    return JobList(items=[JobOut.of(j) for j in items], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job: JobDep) -> JobOut:
+    return JobOut.of(job)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, status_code=202)
+def cancel(job: JobDep, store: StoreDep) -> JobOut:
+    """Ask for cancellation; the controller stops the workers within seconds."""
+    try:
+        return JobOut.of(store.request_cancel(job_id=job.id))
+    except TransitionError as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
+
+
+@router.get("/{job_id}/events", response_model=EventList)
+def events(job: JobDep, store: StoreDep,
+           after: Annotated[int, Query(ge=0)] = 0,
+           limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
+    return EventList(items=[EventOut.of(e) for e in
+                            store.list_events(job_id=job.id, after_id=after, limit=limit)])
+
+
+@router.get("/{job_id}/metrics", response_model=MetricList)
+def metrics(job: JobDep, store: StoreDep,
+            rank: Annotated[int, Query(ge=0)] = 0,
+            attempt: Annotated[int | None, Query(ge=1)] = None,
+            after_step: Annotated[int, Query(ge=0)] = 0,
+            limit: Annotated[int, Query(ge=1, le=100000)] = 10000) -> MetricList:
+    """Per-step metrics of one rank (rank 0 by default), oldest first."""
+    rows = store.list_metrics(job_id=job.id, rank=rank, attempt=attempt, after_step=after_step,
+                              limit=limit)
+    return MetricList(items=[MetricOut.of(m) for m in rows])

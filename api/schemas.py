@@ -1,0 +1,83 @@
+"""Request and response bodies of the REST API (separate from the database models)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.states import JobState
+from service.store import Event, Job, Metric
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    state: JobState
+    priority: int
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    world_size: int
+    cancel_requested: bool
+    attempts: int
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        return cls(id=job.id, name=job.name, owner=job.owner, state=job.state,
+                   priority=job.priority, spec=job.spec, plan=job.plan, world_size=job.world_size,
+                   cancel_requested=job.cancel_requested, attempts=job.attempts, error=job.error,
+                   created_at=job.created_at, updated_at=job.updated_at,
+                   started_at=job.started_at, finished_at=job.finished_at)
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class EventOut(BaseModel):
+    id: int
+    attempt: int | None
+    time: datetime
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+    @classmethod
+    def of(cls, ev: Event) -> EventOut:
+        return cls(id=ev.id, attempt=ev.attempt, time=ev.time, kind=ev.kind, message=ev.message,
+                   data=ev.data)
+
+
+class EventList(BaseModel):
+    items: list[EventOut]
+
+
+class MetricOut(BaseModel):
+    attempt: int
+    step: int
+    rank: int
+    loss: float | None
+    step_time_s: float
+    tokens_per_s: float
+    memory: dict[str, float]
+    time: datetime
+
+    @classmethod
+    def of(cls, m: Metric) -> MetricOut:
+        return cls(attempt=m.attempt, step=m.step, rank=m.rank, loss=m.loss,
+                   step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
+                   memory=m.data.get("memory", {}), time=m.time)
+
+
+class MetricList(BaseModel):
+    items: list[MetricOut]

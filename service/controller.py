@@ -1,0 +1,216 @@
+"""The controller loop: admits jobs, starts and polls worker groups, applies the failure policy.
+
+`Controller.step()` does one pass and returns what changed, so one iteration is testable with
+a fake `Launcher`. Policies decide, the controller carries out; every state change goes through
+`Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.protocols import Launcher, PollResult, StepReport, WorkerGroup
+from service.scheduler import admit
+from service.spec import JobSpec
+from service.states import JobState, TransitionError
+from service.store import Job, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Change:
+    job_id: int
+    to: JobState
+    message: str
+
+
+@dataclass
+class StepResult:
+    changes: list[Change] = field(default_factory=list)
+    metrics: int = 0
+
+
+@dataclass
+class _Running:
+    group: WorkerGroup
+    attempt: int
+    started: float
+    cancel_at: float | None = None
+
+
+def decide_on_failure(job: Job) -> JobState:
+    """Failure policy: restart from the last checkpoint while retries are left, else fail."""
+    max_retries = int(job.spec.get("max_retries", 0))
+    return JobState.RESTARTING if job.attempts <= max_retries else JobState.FAILED
+
+
+class Controller:
+    def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
+                 start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
+                 poll_timeout_s: float = 0.05) -> None:
+        self.store = store
+        self.launcher = launcher
+        self.checkpoint_root = checkpoint_root
+        self.start_timeout_s = start_timeout_s
+        self.cancel_grace_s = cancel_grace_s
+        self.poll_timeout_s = poll_timeout_s
+        self.running: dict[int, _Running] = {}
+
+    # --- one pass -----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        for job in self.store.active_jobs():
+            if job.cancel_requested and job.id not in self.running:
+                self._move(job, JobState.CANCELLED, "cancelled by request", result)
+            elif job.id in self.running:
+                self._watch(job, self.running[job.id], result)
+            elif job.state == JobState.RESTARTING:
+                self._place(job, result)
+            else:
+                self._orphaned(job, result)
+        self._admit(result)
+        return result
+
+    def shutdown(self) -> None:
+        """Stop every group this controller started (daemon exit)."""
+        for job_id, run in list(self.running.items()):
+            run.group.shutdown(self.cancel_grace_s)
+            del self.running[job_id]
+
+    # --- admission and placement ----------------------------------------------------------------
+
+    def _admit(self, result: StepResult) -> None:
+        queued = self.store.queued_jobs()
+        if not queued:
+            return
+        adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity())
+        for job, why in adm.impossible:
+            self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
+                       result, error=why)
+        for job in adm.admitted:
+            if self._move(job, JobState.PLACING, "admitted; claiming resources", result):
+                self._place(self.store.get_job(job_id=job.id), result)
+
+    def _place(self, job: Job, result: StepResult) -> None:
+        if job.state == JobState.RESTARTING and not self._move(
+                job, JobState.PLACING, "placing a new attempt", result):
+            return
+        attempt = self.store.start_attempt(job_id=job.id)
+        spec = JobSpec.model_validate(job.spec)
+        ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
+        try:
+            group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
+                                        checkpoint_dir=ckpt)
+        except Exception as exc:  # a failed start is data for the failure policy
+            log.exception("job %s: start failed", job.id)
+            self._fail_attempt(self.store.get_job(job_id=job.id), attempt,
+                               f"worker group failed to start: {exc!r}", result)
+            return
+        self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic())
+
+    def _orphaned(self, job: Job, result: StepResult) -> None:
+        # An active job with no group here: the controller restarted and the group is gone.
+        msg = "controller restarted; the worker group of this attempt is gone"
+        if job.attempts:
+            self.store.end_attempt(job_id=job.id, number=job.attempts, status="lost", error=msg)
+        to = decide_on_failure(job)
+        self._move(job, to, msg if to == JobState.FAILED else f"{msg}; restarting", result,
+                   error=msg if to == JobState.FAILED else None)
+
+    # --- watching a running group ---------------------------------------------------------------
+
+    def _watch(self, job: Job, run: _Running, result: StepResult) -> None:
+        if job.cancel_requested and run.cancel_at is None:
+            run.cancel_at = time.monotonic()
+            run.group.cancel()
+            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="cancel",
+                                 message="asked the workers to stop")
+        poll = run.group.poll(self.poll_timeout_s)
+        result.metrics += self._record(job, run, poll)
+        if poll.placement:
+            self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
+
+        if poll.state in ("running", "succeeded") and job.state == JobState.PLACING:
+            self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running", result,
+                       attempt=run.attempt)
+            job = self.store.get_job(job_id=job.id)
+        cancelling = run.cancel_at is not None
+        if cancelling and poll.state in ("stopped", "succeeded", "failed"):
+            self._finish(job, run, "cancelled", JobState.CANCELLED, "cancelled by request", result)
+        elif cancelling and time.monotonic() - (run.cancel_at or 0) > self.cancel_grace_s:
+            self._finish(job, run, "cancelled", JobState.CANCELLED,
+                         "cancelled by request (workers killed)", result)
+        elif poll.state == "starting" and time.monotonic() - run.started > self.start_timeout_s:
+            self._teardown(job.id, run)
+            self._fail_attempt(job, run.attempt, f"worker group did not start within"
+                               f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
+        elif poll.state == "succeeded":
+            self._finish(job, run, "succeeded", JobState.SUCCEEDED,
+                         f"all ranks finished {job.spec.get('train', {}).get('steps', '?')} steps",
+                         result)
+        elif poll.state == "failed":
+            self._teardown(job.id, run)
+            detail = poll.error or "a rank failed"
+            ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
+            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}",
+                               result)
+
+    def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
+        rows: list[dict[str, Any]] = []
+        for raw in poll.reports:
+            try:
+                rows.append(StepReport.model_validate(raw).row())
+            except ValidationError as exc:
+                self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
+                                     message=f"dropped an invalid worker report: {exc}",
+                                     data={"report": {k: str(v)[:200] for k, v in raw.items()}})
+        for ev in poll.events:
+            self.store.add_event(job_id=job.id, attempt=run.attempt,
+                                 kind=str(ev.get("kind", "info"))[:32],
+                                 message=str(ev.get("message", ""))[:10000],
+                                 data=ev.get("data") or {})
+        self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
+        return len(rows)
+
+    # --- endings ------------------------------------------------------------------------------
+
+    def _finish(self, job: Job, run: _Running, status: str, to: JobState, message: str,
+                result: StepResult) -> None:
+        self._teardown(job.id, run)
+        self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
+        self._move(job, to, message, result, attempt=run.attempt)
+
+    def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult) -> None:
+        self.store.end_attempt(job_id=job.id, number=attempt, status="failed", error=error)
+        to = decide_on_failure(job)
+        if to == JobState.RESTARTING:
+            left = int(job.spec.get("max_retries", 0)) - job.attempts
+            self._move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"
+                       f" ({left} retries left)", result, attempt=attempt, data={"error": error})
+        else:
+            self._move(job, JobState.FAILED, f"attempt {attempt} failed: {error}", result,
+                       error=error, attempt=attempt)
+
+    def _teardown(self, job_id: int, run: _Running) -> None:
+        run.group.shutdown(self.cancel_grace_s)
+        self.running.pop(job_id, None)
+
+    def _move(self, job: Job, to: JobState, message: str, result: StepResult, *,
+              error: str | None = None, attempt: int | None = None,
+              data: dict[str, Any] | None = None) -> bool:
+        try:
+            self.store.transition(job_id=job.id, to=to, message=message, error=error,
+                                  attempt=attempt, data=data)
+        except TransitionError as exc:
+            log.warning("job %s: %s", job.id, exc)
+            return False
+        result.changes.append(Change(job.id, to, message))
+        return True

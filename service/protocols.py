@@ -1,0 +1,90 @@
+"""What the control plane needs from a data plane, and what a worker may report.
+
+`workers.group.RayLauncher` implements `Launcher`; tests implement it with fakes. Worker
+reports cross a process boundary, so they are validated here before anything is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.spec import JobSpec
+
+
+class StepReport(BaseModel):
+    """One rank's account of one optimizer step."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: Literal["step"] = "step"
+    rank: int = Field(ge=0, le=65535)
+    step: int = Field(ge=1, le=10_000_000)
+    loss: float | None = None
+    step_time_s: float = Field(ge=0, le=86400)
+    tokens_per_s: float = Field(ge=0)
+    memory: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("loss")
+    @classmethod
+    def _finite_or_none(cls, v: float | None) -> float | None:
+        # A diverged run reports nan/inf; JSON cannot carry them, so store None and say so.
+        if v is not None and not math.isfinite(v):
+            return None
+        return v
+
+    def row(self) -> dict[str, Any]:
+        extra = dict(self.model_extra or {})
+        return {"rank": self.rank, "step": self.step, "loss": self.loss,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "data": {"memory": self.memory, **extra}}
+
+
+GroupState = Literal["starting", "running", "succeeded", "failed", "stopped"]
+
+
+@dataclass
+class PollResult:
+    """What a worker group says when polled; errors come back as data, never as raises."""
+
+    state: GroupState
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    failed_ranks: list[int] = field(default_factory=list)
+    placement: dict[str, Any] | None = None
+
+
+class WorkerGroup(Protocol):
+    """A thin handle on the ranks of one attempt."""
+
+    def poll(self, timeout_s: float) -> PollResult: ...
+
+    def cancel(self) -> None:
+        """Ask every rank to stop at the next step boundary."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the ranks to end, then kill them and free resources."""
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    node_id: str
+    cpus: float
+    gpus: float
+
+
+class Launcher(Protocol):
+    """Creates worker groups on a cluster and says what the cluster has free."""
+
+    def free_capacity(self) -> list[NodeCapacity]: ...
+
+    def total_capacity(self) -> list[NodeCapacity]: ...
+
+    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+              checkpoint_dir: str | None) -> WorkerGroup:
+        """Claim resources and start the ranks; must not block on training."""
+        ...

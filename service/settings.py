@@ -1,0 +1,58 @@
+"""Server settings: one object, read from `TRIDENT_*` environment variables.
+
+Used by the API, the controller daemon and `trident up`. In production (`TRIDENT_ENV=prod`)
+it refuses the embedded defaults that are only safe on a laptop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    return Path.cwd() / "var"
+
+
+class Settings(BaseSettings):
+    """Everything the control plane is configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="TRIDENT_", extra="ignore",
+                                      use_attribute_docstrings=True)
+
+    env: Literal["dev", "test", "prod"] = "dev"
+    """Deployment kind; `prod` refuses SQLite and a missing Ray address."""
+    data_dir: Path = Field(default_factory=default_data_dir)
+    """Where the embedded database, checkpoints and logs live."""
+    database_url: str = ""
+    """SQLAlchemy URL; empty means a SQLite file in `data_dir`."""
+    ray_address: str = ""
+    """Address of an existing Ray cluster; empty starts a local one (controller only)."""
+    poll_interval_s: float = Field(default=0.5, gt=0, le=60)
+    """How often the controller steps."""
+    cancel_grace_s: float = Field(default=5.0, ge=0, le=600)
+    """How long workers get to stop by themselves before they are killed."""
+    start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long a worker group may take to claim resources and rendezvous."""
+
+    @model_validator(mode="after")
+    def _safe_in_prod(self) -> Settings:
+        if self.env == "prod":
+            if not self.database_url or self.database_url.startswith("sqlite"):
+                raise ValueError("TRIDENT_DATABASE_URL must name a server database in prod")
+            if not self.ray_address:
+                raise ValueError("TRIDENT_RAY_ADDRESS must be set in prod")
+        return self
+
+    @property
+    def db_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / 'trident.db'}"
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.data_dir / "checkpoints"

@@ -1,0 +1,324 @@
+"""The store: the only module that reads or writes the database.
+
+Every function is keyword-only and runs in one transaction. `transition` is the single writer
+of job state: it checks the state machine and writes the event in the same transaction.
+Callers (API, controller) get plain views back, never ORM rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import AttemptRow, EventRow, JobRow, MetricRow, make_engine, utcnow
+from service.states import JobState, TransitionError, check_transition
+
+
+class NotFound(LookupError):
+    """No such job (a 404 at the API)."""
+
+
+def _aware(t: datetime | None) -> datetime | None:
+    # SQLite drops the zone on the way back; every time we store is UTC.
+    if t is not None and t.tzinfo is None:
+        return t.replace(tzinfo=UTC)
+    return t
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    name: str
+    owner: str
+    state: JobState
+    priority: int
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    world_size: int
+    cpus: float
+    gpus: float
+    cancel_requested: bool
+    attempts: int
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, row: JobRow) -> Job:
+        return cls(
+            id=row.id, name=row.name, owner=row.owner, state=JobState(row.state),
+            priority=row.priority, spec=row.spec, plan=row.plan, world_size=row.world_size,
+            cpus=row.cpus, gpus=row.gpus, cancel_requested=row.cancel_requested,
+            attempts=row.attempts, error=row.error, created_at=_aware(row.created_at),  # type: ignore[arg-type]
+            updated_at=_aware(row.updated_at), started_at=_aware(row.started_at),  # type: ignore[arg-type]
+            finished_at=_aware(row.finished_at),
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    job_id: int
+    attempt: int | None
+    time: datetime
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+    @classmethod
+    def of(cls, row: EventRow) -> Event:
+        return cls(id=row.id, job_id=row.job_id, attempt=row.attempt,
+                   time=_aware(row.time), kind=row.kind,  # type: ignore[arg-type]
+                   message=row.message, data=row.data or {})
+
+
+@dataclass(frozen=True)
+class Metric:
+    attempt: int
+    step: int
+    rank: int
+    loss: float | None
+    step_time_s: float
+    tokens_per_s: float
+    data: dict[str, Any]
+    time: datetime
+
+
+class Store:
+    """Owns an engine and a session factory; one instance per process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest Alembic revision."""
+        upgrade(self.url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def _lock_job(self, s: Session, job_id: int) -> JobRow:
+        row = s.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar()
+        if row is None:
+            raise NotFound(f"job {job_id} not found")
+        return row
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def create_job(self, *, name: str, spec: dict[str, Any], plan: dict[str, Any],
+                   world_size: int, cpus: float, gpus: float, priority: int = 0,
+                   owner: str = "local") -> Job:
+        with self._tx() as s:
+            row = JobRow(name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
+                         spec=spec, plan=plan, world_size=world_size, cpus=cpus, gpus=gpus)
+            s.add(row)
+            s.flush()
+            s.add(EventRow(job_id=row.id, kind="state", message="job queued",
+                           data={"to": JobState.QUEUED.value}))
+            return Job.of(row)
+
+    def get_job(self, *, job_id: int) -> Job:
+        with self._tx() as s:
+            row = s.get(JobRow, job_id)
+            if row is None:
+                raise NotFound(f"job {job_id} not found")
+            return Job.of(row)
+
+    def list_jobs(self, *, states: Sequence[JobState] | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[Job], int]:
+        with self._tx() as s:
+            q = select(JobRow)
+            count = select(func.count()).select_from(JobRow)
+            if states:
+                q = q.where(JobRow.state.in_([st.value for st in states]))
+                count = count.where(JobRow.state.in_([st.value for st in states]))
+            rows = s.execute(q.order_by(JobRow.id.desc()).limit(limit).offset(offset)).scalars()
+            return [Job.of(r) for r in rows], int(s.execute(count).scalar_one())
+
+    def queued_jobs(self) -> list[Job]:
+        """Queued jobs in admission order: priority first, then age."""
+        with self._tx() as s:
+            rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
+                             .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
+            return [Job.of(r) for r in rows]
+
+    def active_jobs(self) -> list[Job]:
+        with self._tx() as s:
+            active = [st.value for st in JobState if st.active]
+            rows = s.execute(select(JobRow).where(JobRow.state.in_(active))
+                             .order_by(JobRow.id)).scalars()
+            return [Job.of(r) for r in rows]
+
+    def transition(self, *, job_id: int, to: JobState, message: str,
+                   expect: Sequence[JobState] | None = None, error: str | None = None,
+                   data: dict[str, Any] | None = None, attempt: int | None = None) -> Job:
+        """Move a job to `to`, check that the move is allowed, and record the event.
+
+        `expect` guards against races: when the current state is not one of them, nothing
+        changes and TransitionError is raised.
+        """
+        with self._tx() as s:
+            row = self._lock_job(s, job_id)
+            current = JobState(row.state)
+            if expect is not None and current not in expect:
+                raise TransitionError(
+                    f"job {job_id} is {current}, expected one of {', '.join(expect)}")
+            check_transition(current, to)
+            now = utcnow()
+            row.state = to.value
+            row.updated_at = now
+            if to == JobState.RUNNING and row.started_at is None:
+                row.started_at = now
+            if to.terminal:
+                row.finished_at = now
+            if error is not None:
+                row.error = error
+            s.add(EventRow(job_id=job_id, attempt=attempt, kind="state", message=message,
+                           data={"from": current.value, "to": to.value, **(data or {})}))
+            return Job.of(row)
+
+    def request_cancel(self, *, job_id: int) -> Job:
+        """Flag a job for cancellation; a queued job is cancelled at once."""
+        with self._tx() as s:
+            row = self._lock_job(s, job_id)
+            current = JobState(row.state)
+            if current.terminal:
+                raise TransitionError(f"job {job_id} is already {current}")
+            if row.cancel_requested:
+                return Job.of(row)
+            row.cancel_requested = True
+            row.updated_at = utcnow()
+            s.add(EventRow(job_id=job_id, kind="cancel", message="cancel requested", data={}))
+            if current == JobState.QUEUED:
+                row.state = JobState.CANCELLED.value
+                row.finished_at = row.updated_at
+                s.add(EventRow(job_id=job_id, kind="state", message="cancelled while queued",
+                               data={"from": current.value, "to": JobState.CANCELLED.value}))
+            return Job.of(row)
+
+    def set_plan(self, *, job_id: int, plan: dict[str, Any]) -> None:
+        with self._tx() as s:
+            s.execute(update(JobRow).where(JobRow.id == job_id).values(plan=plan))
+
+    # --- attempts ---------------------------------------------------------------------------
+
+    def start_attempt(self, *, job_id: int) -> int:
+        """Open the next attempt of a job and return its number (1-based)."""
+        with self._tx() as s:
+            row = self._lock_job(s, job_id)
+            row.attempts += 1
+            s.add(AttemptRow(job_id=job_id, number=row.attempts, status="running"))
+            return row.attempts
+
+    def end_attempt(self, *, job_id: int, number: int, status: str,
+                    error: str | None = None) -> None:
+        with self._tx() as s:
+            s.execute(update(AttemptRow)
+                      .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
+                      .values(status=status, error=error, ended_at=utcnow()))
+
+    def set_placement(self, *, job_id: int, number: int, placement: dict[str, Any]) -> None:
+        with self._tx() as s:
+            s.execute(update(AttemptRow)
+                      .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
+                      .values(placement=placement))
+
+    def list_attempts(self, *, job_id: int) -> list[dict[str, Any]]:
+        with self._tx() as s:
+            rows = s.execute(select(AttemptRow).where(AttemptRow.job_id == job_id)
+                             .order_by(AttemptRow.number)).scalars()
+            return [{"number": r.number, "status": r.status, "placement": r.placement,
+                     "error": r.error, "started_at": _aware(r.started_at),
+                     "ended_at": _aware(r.ended_at)} for r in rows]
+
+    # --- events -----------------------------------------------------------------------------
+
+    def add_event(self, *, job_id: int, kind: str, message: str,
+                  data: dict[str, Any] | None = None, attempt: int | None = None) -> None:
+        with self._tx() as s:
+            s.add(EventRow(job_id=job_id, attempt=attempt, kind=kind, message=message,
+                           data=data or {}))
+
+    def list_events(self, *, job_id: int, after_id: int = 0, limit: int = 200) -> list[Event]:
+        with self._tx() as s:
+            rows = s.execute(select(EventRow)
+                             .where(EventRow.job_id == job_id, EventRow.id > after_id)
+                             .order_by(EventRow.id).limit(limit)).scalars()
+            return [Event.of(r) for r in rows]
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Store per-step, per-rank reports (already validated by the caller)."""
+        if not rows:
+            return
+        with self._tx() as s:
+            s.add_all(MetricRow(job_id=job_id, attempt=attempt, step=r["step"], rank=r["rank"],
+                                loss=r.get("loss"), step_time_s=r["step_time_s"],
+                                tokens_per_s=r["tokens_per_s"], data=r.get("data") or {})
+                      for r in rows)
+
+    def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
+                     after_step: int = 0, limit: int = 10000) -> list[Metric]:
+        with self._tx() as s:
+            q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.step > after_step)
+            if rank is not None:
+                q = q.where(MetricRow.rank == rank)
+            if attempt is not None:
+                q = q.where(MetricRow.attempt == attempt)
+            q = q.order_by(MetricRow.attempt, MetricRow.step, MetricRow.rank).limit(limit)
+            return [_metric(r) for r in s.execute(q).scalars()]
+
+    def latest_metric(self, *, job_id: int, rank: int = 0) -> Metric | None:
+        """The newest step of the newest attempt of one rank."""
+        with self._tx() as s:
+            row = s.execute(select(MetricRow)
+                            .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
+                            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
+                            .limit(1)).scalar()
+            return _metric(row) if row is not None else None
+
+
+def _metric(r: MetricRow) -> Metric:
+    return Metric(attempt=r.attempt, step=r.step, rank=r.rank, loss=r.loss,
+                  step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s, data=r.data or {},
+                  time=_aware(r.time))  # type: ignore[arg-type]
+
+
+def _alembic(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).resolve().parent.parent / "migrations"))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Run Alembic migrations programmatically (same as `alembic upgrade head`)."""
+    from alembic import command
+
+    command.upgrade(_alembic(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(_alembic(url), revision)

@@ -1,0 +1,68 @@
+"""Shared fixtures: a migrated store on SQLite and on the real PostgreSQL server."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from service.store import Store
+
+PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
+                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped afterwards."""
+    name = f"trident_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # the server is part of the test environment: say so loudly
+        pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is not usable: {exc}")
+    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'trident.db'}"
+        return
+    url: str = request.getfixturevalue("pg_url")
+    yield url
+    # Each test starts from an empty schema.
+    engine = create_engine(url)
+    with engine.begin() as c:
+        c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    s.migrate()
+    yield s
+    s.close()
+
+
+def tiny_spec(**over: object) -> dict[str, object]:
+    """The demo job's spec as JSON, with top-level overrides."""
+    spec: dict[str, object] = {
+        "name": "tiny",
+        "model": {"preset": "gpt-tiny"},
+        "train": {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
+                  "lr": 0.003},
+        "parallel": {"tp": 1, "pp": 1, "dp": 2, "zero": 2},
+        "resources": {"gpus_per_worker": 0, "cpus_per_worker": 0.5},
+    }
+    spec.update(over)
+    return spec

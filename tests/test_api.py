@@ -1,0 +1,106 @@
+"""The REST API through the real app, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from service.settings import Settings
+from service.states import JobState
+from service.store import Store
+from tests.conftest import tiny_spec
+
+
+@pytest.fixture
+def client(store: Store, tmp_path) -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        yield c
+
+
+def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec())
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["state"] == "QUEUED" and body["id"] >= 1
+    assert body["spec"]["parallel"]["zero"] == 2
+    assert body["spec"]["model"]["hidden"] == 64  # the preset is resolved and stored
+    assert body["plan"]["layout"]["dp"] == 2 and body["plan"]["layout"]["micro_batch"] == 2
+    assert [r["rank"] for r in body["plan"]["rank_layout"]] == [0, 1]
+    assert client.get(f"/api/v1/jobs/{body['id']}").json()["spec"] == body["spec"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "loc", "msg"),
+    [
+        (tiny_spec(parallel={"tp": 3}), ["body", "parallel", "tp"], "tp(3) does not divide"),
+        (tiny_spec(parallel={"dp": 3}), ["body", "train", "global_batch"],
+         "global_batch(8) is not divisible by micro_batch(2) * dp(3) = 6"),
+        (tiny_spec(extra=1), ["body", "extra"], "Extra inputs are not permitted"),
+        (tiny_spec(train={"steps": -1}), ["body", "train", "steps"], "greater than or equal"),
+    ],
+)
+def test_bad_specs_are_422_naming_the_field(client: TestClient, spec: dict, loc: list,
+                                            msg: str) -> None:
+    r = client.post("/api/v1/jobs", json=spec)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert any(d["loc"] == loc and msg in d["msg"] for d in detail), detail
+    assert client.get("/api/v1/jobs").json()["total"] == 0  # nothing stored
+
+
+def test_list_filters_by_state_and_paginates(client: TestClient, store: Store) -> None:
+    ids = [client.post("/api/v1/jobs", json=tiny_spec(name=f"j{i}")).json()["id"]
+           for i in range(5)]
+    store.transition(job_id=ids[0], to=JobState.PLACING, message="x")
+    page = client.get("/api/v1/jobs", params={"limit": 2, "offset": 1}).json()
+    assert page["total"] == 5 and [j["id"] for j in page["items"]] == [ids[3], ids[2]]
+    placing = client.get("/api/v1/jobs", params={"state": "PLACING"}).json()
+    assert [j["id"] for j in placing["items"]] == [ids[0]]
+    both = client.get("/api/v1/jobs", params=[("state", "PLACING"), ("state", "QUEUED")]).json()
+    assert both["total"] == 5
+    assert client.get("/api/v1/jobs", params={"state": "BOGUS"}).status_code == 422
+    assert client.get("/api/v1/jobs", params={"limit": 0}).status_code == 422
+
+
+def test_cancel_events_and_conflict(client: TestClient) -> None:
+    job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
+    r = client.post(f"/api/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 202 and r.json()["state"] == "CANCELLED"
+    assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 409
+    events = client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+    assert [e["kind"] for e in events] == ["state", "cancel", "state"]
+    after = client.get(f"/api/v1/jobs/{job_id}/events", params={"after": events[1]["id"]})
+    assert [e["id"] for e in after.json()["items"]] == [events[2]["id"]]
+
+
+def test_metrics_shape(client: TestClient, store: Store) -> None:
+    job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        {"rank": r, "step": 1, "loss": 5.5, "step_time_s": 0.2, "tokens_per_s": 1280.0,
+         "data": {"memory": {"params": 1.0}}} for r in (0, 1)])
+    items = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert len(items) == 1
+    assert {"attempt": 1, "step": 1, "rank": 0, "loss": 5.5, "step_time_s": 0.2,
+            "tokens_per_s": 1280.0}.items() <= items[0].items()
+    assert client.get(f"/api/v1/jobs/{job_id}/metrics", params={"rank": 1}).json()["items"]
+
+
+def test_unknown_job_is_404(client: TestClient) -> None:
+    for path in ("/api/v1/jobs/999", "/api/v1/jobs/999/events", "/api/v1/jobs/999/metrics"):
+        assert client.get(path).status_code == 404
+    assert client.post("/api/v1/jobs/999/cancel").status_code == 404
+    assert client.get("/api/v1/jobs/0").status_code == 422
+
+
+def test_healthz_docs_and_status_page(client: TestClient) -> None:
+    assert client.get("/api/v1/healthz").json() == {"status": "ok"}
+    assert "/api/v1/jobs" in client.get("/openapi.json").json()["paths"]
+    assert client.get("/docs").status_code == 200
+    assert client.post("/api/v1/jobs", json=tiny_spec(name="<b>x</b>")).status_code == 422
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(name="shown-here")).json()["id"]
+    page = client.get("/").text
+    assert f'<tr data-job="{job_id}"><td>{job_id}</td><td>shown-here</td>' in page
+    assert '<td class="QUEUED">QUEUED</td><td>tp1 pp1 dp2 zero2</td>' in page

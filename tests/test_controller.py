@@ -1,0 +1,194 @@
+"""One controller iteration at a time, with a fake worker group (the real one is in
+test_e2e_ray.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.controller import Controller
+from service.jobs import prepare
+from service.protocols import NodeCapacity, PollResult
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+from tests.conftest import tiny_spec
+
+
+@dataclass
+class FakeGroup:
+    script: list[PollResult]
+    cancelled: bool = False
+    shut: bool = False
+    starts: dict[str, Any] = field(default_factory=dict)
+
+    def poll(self, timeout_s: float) -> PollResult:
+        if self.cancelled:
+            return PollResult(state="stopped")
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def shutdown(self, grace_s: float) -> None:
+        self.shut = True
+
+
+class FakeLauncher:
+    def __init__(self, scripts: list[list[PollResult]], cpus: float = 4) -> None:
+        self.scripts = scripts
+        self.groups: list[FakeGroup] = []
+        self.cpus = cpus
+
+    def total_capacity(self) -> list[NodeCapacity]:
+        return [NodeCapacity("n0", self.cpus, 0)]
+
+    def free_capacity(self) -> list[NodeCapacity]:
+        return self.total_capacity()
+
+    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+              checkpoint_dir: str | None) -> FakeGroup:
+        g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir})
+        self.groups.append(g)
+        return g
+
+
+def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
+    return {"kind": "step", "rank": rank, "step": step, "loss": loss, "step_time_s": 0.1,
+            "tokens_per_s": 2560.0, "memory": {"params": 1000.0}}
+
+
+def submit(store: Store, **over: Any) -> int:
+    spec = JobSpec.model_validate(tiny_spec(**over))
+    p = prepare(spec)
+    return store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
+                            world_size=p.world_size, cpus=p.cpus, gpus=p.gpus,
+                            priority=spec.priority).id
+
+
+def make(store: Store, launcher: FakeLauncher, tmp_path: Path, **kw: Any) -> Controller:
+    return Controller(store, launcher, checkpoint_root=tmp_path, **kw)
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path):
+    s = Store(f"sqlite:///{tmp_path / 'c.db'}")
+    s.migrate()
+    yield s
+    s.close()
+
+
+def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[
+        PollResult(state="starting"),
+        PollResult(state="running", placement={"ranks": [{"rank": 0, "node_id": "n0"}]},
+                   reports=[step_report(0, 1, 5.0), step_report(1, 1, 5.0)]),
+        PollResult(state="succeeded", reports=[step_report(0, 2, 4.0)]),
+    ]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    assert [ch.to for ch in c.step().changes] == [JobState.PLACING]
+    assert launcher.groups[0].starts == {"attempt": 1, "ckpt": str(tmp_path / f"job-{job_id}")}
+    assert c.step().changes == []  # still starting
+    assert [ch.to for ch in c.step().changes] == [JobState.RUNNING]
+    assert [ch.to for ch in c.step().changes] == [JobState.SUCCEEDED]
+    assert launcher.groups[0].shut
+    assert [(m.step, m.loss) for m in sqlite_store.list_metrics(job_id=job_id)] == [
+        (1, 5.0), (2, 4.0)]
+    attempts = sqlite_store.list_attempts(job_id=job_id)
+    assert attempts[0]["status"] == "succeeded"
+    assert attempts[0]["placement"]["ranks"][0]["node_id"] == "n0"
+
+
+def test_worker_exception_fails_the_job_with_traceback(sqlite_store: Store,
+                                                       tmp_path: Path) -> None:
+    tb = 'Traceback (most recent call last):\n  File "train.py"\nRuntimeError: boom'
+    launcher = FakeLauncher([[PollResult(state="running"),
+                              PollResult(state="failed", error=tb, failed_ranks=[1])]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step(), c.step()
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and "RuntimeError: boom" in (job.error or "")
+    last = sqlite_store.list_events(job_id=job_id)[-1]
+    assert last.data["to"] == "FAILED" and "rank(s) [1] failed" in last.message
+    assert "RuntimeError: boom" in last.message
+
+
+def test_failure_with_retries_restarts_a_new_attempt(sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[PollResult(state="running"), PollResult(state="failed", error="x")],
+                             [PollResult(state="running"), PollResult(state="succeeded")]])
+    job_id = submit(sqlite_store, max_retries=1)
+    c = make(sqlite_store, launcher, tmp_path)
+    for _ in range(6):
+        c.step()
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.SUCCEEDED and job.attempts == 2
+    states = [e.data["to"] for e in sqlite_store.list_events(job_id=job_id) if e.kind == "state"]
+    assert states == ["QUEUED", "PLACING", "RUNNING", "RESTARTING", "PLACING", "RUNNING",
+                      "SUCCEEDED"]
+    assert launcher.groups[1].starts["attempt"] == 2
+
+
+def test_cancel_stops_the_group(sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[PollResult(state="running")]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    sqlite_store.request_cancel(job_id=job_id)
+    c.step()
+    assert launcher.groups[0].cancelled and launcher.groups[0].shut
+    assert sqlite_store.get_job(job_id=job_id).state == JobState.CANCELLED
+
+
+def test_invalid_reports_are_dropped_with_a_warning(sqlite_store: Store, tmp_path: Path) -> None:
+    bad = {"kind": "step", "rank": -1, "step": 1, "step_time_s": 0.1, "tokens_per_s": 1.0}
+    nan = step_report(0, 1, float("nan"))
+    launcher = FakeLauncher([[PollResult(state="running", reports=[bad, nan])]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    assert [(m.step, m.loss) for m in sqlite_store.list_metrics(job_id=job_id)] == [(1, None)]
+    warnings = [e for e in sqlite_store.list_events(job_id=job_id) if e.kind == "warning"]
+    assert len(warnings) == 1 and "rank" in warnings[0].message
+
+
+def test_group_that_never_starts_times_out(sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[PollResult(state="starting")]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path, start_timeout_s=0.0)
+    c.step(), c.step()
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and "did not start within" in (job.error or "")
+    assert launcher.groups[0].shut
+
+
+def test_job_too_big_for_the_cluster_fails_with_the_arithmetic(sqlite_store: Store,
+                                                               tmp_path: Path) -> None:
+    job_id = submit(sqlite_store, resources={"cpus_per_worker": 4})
+    c = make(sqlite_store, FakeLauncher([], cpus=4), tmp_path)
+    c.step()
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and "need 8 CPUs" in (job.error or "")
+
+
+def test_higher_priority_job_is_admitted_first(sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[PollResult(state="running")]], cpus=1)
+    low = submit(sqlite_store, resources={"cpus_per_worker": 0.5})
+    high = submit(sqlite_store, priority=10, resources={"cpus_per_worker": 0.5})
+    make(sqlite_store, launcher, tmp_path).step()
+    assert sqlite_store.get_job(job_id=high).state == JobState.PLACING
+    assert sqlite_store.get_job(job_id=low).state == JobState.QUEUED
+
+
+def test_orphaned_running_job_does_not_stay_running(sqlite_store: Store, tmp_path: Path) -> None:
+    job_id = submit(sqlite_store)
+    sqlite_store.transition(job_id=job_id, to=JobState.PLACING, message="x")
+    sqlite_store.start_attempt(job_id=job_id)
+    sqlite_store.transition(job_id=job_id, to=JobState.RUNNING, message="x")
+    make(sqlite_store, FakeLauncher([]), tmp_path).step()  # a fresh controller
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and "controller restarted" in (job.error or "")

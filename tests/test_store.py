@@ -1,0 +1,139 @@
+"""The store against SQLite and the real PostgreSQL server."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import inspect
+
+from service.states import ALLOWED, JobState, TransitionError
+from service.store import NotFound, Store, downgrade, upgrade
+
+
+def _job(store: Store, **kw: object) -> int:
+    args: dict = {"name": "j", "spec": {"max_retries": 0}, "plan": {"layout": {"tp": 1}},
+                  "world_size": 2, "cpus": 1.0, "gpus": 0.0}
+    args.update(kw)
+    return store.create_job(**args).id
+
+
+def test_create_writes_queued_and_an_event(store: Store) -> None:
+    job_id = _job(store, priority=5)
+    job = store.get_job(job_id=job_id)
+    assert job.state == JobState.QUEUED and job.priority == 5 and job.owner == "local"
+    assert [e.data["to"] for e in store.list_events(job_id=job_id)] == ["QUEUED"]
+
+
+def test_transition_checks_the_state_machine_and_records_the_event(store: Store) -> None:
+    job_id = _job(store)
+    store.transition(job_id=job_id, to=JobState.PLACING, message="admitted")
+    with pytest.raises(TransitionError, match="cannot move a job from PLACING to SUCCEEDED"):
+        store.transition(job_id=job_id, to=JobState.SUCCEEDED, message="nope")
+    assert store.get_job(job_id=job_id).state == JobState.PLACING
+    job = store.transition(job_id=job_id, to=JobState.RUNNING, message="running")
+    assert job.started_at is not None and job.finished_at is None
+    job = store.transition(job_id=job_id, to=JobState.FAILED, message="boom", error="trace")
+    assert job.finished_at is not None and job.error == "trace"
+    events = store.list_events(job_id=job_id)
+    assert [(e.data.get("from"), e.data["to"]) for e in events] == [
+        (None, "QUEUED"), ("QUEUED", "PLACING"), ("PLACING", "RUNNING"), ("RUNNING", "FAILED")]
+    with pytest.raises(TransitionError):
+        store.transition(job_id=job_id, to=JobState.RUNNING, message="again")
+
+
+def test_expect_guards_against_races(store: Store) -> None:
+    job_id = _job(store)
+    with pytest.raises(TransitionError, match="expected one of RUNNING"):
+        store.transition(job_id=job_id, to=JobState.CANCELLED, message="x",
+                         expect=[JobState.RUNNING])
+    assert store.get_job(job_id=job_id).state == JobState.QUEUED
+
+
+def test_terminal_states_allow_nothing() -> None:
+    for state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        assert state.terminal and not ALLOWED[state]
+
+
+def test_cancel_of_queued_job_is_immediate_and_idempotent(store: Store) -> None:
+    job_id = _job(store)
+    assert store.request_cancel(job_id=job_id).state == JobState.CANCELLED
+    with pytest.raises(TransitionError, match="already CANCELLED"):
+        store.request_cancel(job_id=job_id)
+
+
+def test_cancel_of_running_job_sets_the_flag(store: Store) -> None:
+    job_id = _job(store)
+    store.transition(job_id=job_id, to=JobState.PLACING, message="a")
+    job = store.request_cancel(job_id=job_id)
+    assert job.state == JobState.PLACING and job.cancel_requested
+    assert store.request_cancel(job_id=job_id).cancel_requested  # twice is fine
+
+
+def test_queue_order_is_priority_then_age(store: Store) -> None:
+    low, high, high2 = _job(store, priority=0), _job(store, priority=9), _job(store, priority=9)
+    assert [j.id for j in store.queued_jobs()] == [high, high2, low]
+    jobs, total = store.list_jobs(states=[JobState.QUEUED], limit=2)
+    assert total == 3 and [j.id for j in jobs] == [high2, high]
+    jobs, _ = store.list_jobs(limit=2, offset=2)
+    assert [j.id for j in jobs] == [low]
+
+
+def test_attempts_and_metrics(store: Store) -> None:
+    job_id = _job(store)
+    assert store.start_attempt(job_id=job_id) == 1
+    assert store.start_attempt(job_id=job_id) == 2
+    store.end_attempt(job_id=job_id, number=1, status="failed", error="x")
+    store.record_metrics(job_id=job_id, attempt=2, rows=[
+        {"rank": r, "step": s, "loss": 5.0 - s, "step_time_s": 0.1, "tokens_per_s": 100.0,
+         "data": {"memory": {"params": 10.0}}} for s in (1, 2, 3) for r in (0, 1)])
+    rank0 = store.list_metrics(job_id=job_id)
+    assert [(m.step, m.rank, m.loss) for m in rank0] == [(1, 0, 4.0), (2, 0, 3.0), (3, 0, 2.0)]
+    assert rank0[0].data["memory"]["params"] == 10.0
+    assert len(store.list_metrics(job_id=job_id, rank=None)) == 6
+    assert [m.step for m in store.list_metrics(job_id=job_id, after_step=2)] == [3]
+    latest = store.latest_metric(job_id=job_id)
+    assert latest is not None and latest.step == 3
+    attempts = store.list_attempts(job_id=job_id)
+    assert [(a["number"], a["status"]) for a in attempts] == [(1, "failed"), (2, "running")]
+
+
+def test_missing_job(store: Store) -> None:
+    with pytest.raises(NotFound):
+        store.get_job(job_id=12345)
+    with pytest.raises(NotFound):
+        store.transition(job_id=12345, to=JobState.PLACING, message="x")
+
+
+def test_concurrent_transitions_apply_exactly_once(store: Store) -> None:
+    """Two controllers racing to admit the same job: one wins, the other is refused."""
+    job_id = _job(store)
+    outcomes: list[str] = []
+
+    def admit() -> None:
+        try:
+            store.transition(job_id=job_id, to=JobState.PLACING, message="admit",
+                             expect=[JobState.QUEUED])
+            outcomes.append("ok")
+        except TransitionError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=admit) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["ok", "refused", "refused", "refused"]
+    placing = [e for e in store.list_events(job_id=job_id) if e.data.get("to") == "PLACING"]
+    assert len(placing) == 1
+
+
+def test_migrations_are_reversible(db_url: str) -> None:
+    upgrade(db_url)
+    s = Store(db_url)
+    assert {"jobs", "attempts", "events", "metrics"} <= set(inspect(s.engine).get_table_names())
+    downgrade(db_url)
+    assert not {"jobs", "attempts", "events", "metrics"} & set(
+        inspect(s.engine).get_table_names())
+    upgrade(db_url)
+    s.close()
