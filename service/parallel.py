@@ -105,7 +105,8 @@ def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[list[tup
             for s in range(pp)]
 
 
-def rank_layout(dims: ParallelDims, layers: int, virtual_stages: int = 1) -> list[dict[str, object]]:
+def rank_layout(dims: ParallelDims, layers: int,
+                virtual_stages: int = 1) -> list[dict[str, object]]:
     """The stored, JSON-ready rank layout: coordinates and the layers each rank runs."""
     stages = stage_layers(layers, dims.pp, virtual_stages)
     rows: list[dict[str, object]] = []

@@ -306,7 +306,8 @@ def _alembic(url: str) -> Any:
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(__file__).resolve().parent.parent / "migrations"))
+    migrations = Path(__file__).resolve().parent.parent / "migrations"
+    cfg.set_main_option("script_location", str(migrations))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 

@@ -1,0 +1,124 @@
+"""The `trident` CLI against a real API server (uvicorn on a free port), and the whole local
+stack (`trident up`) running the demo job."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from api.app import create_app
+from api.cli import app
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    cfg = uvicorn.Config(create_app(Settings(data_dir=tmp_path)), host="127.0.0.1", port=port,
+                         log_level="warning")
+    srv = uvicorn.Server(cfg)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(url + "/api/v1/healthz").raise_for_status()
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield url
+    srv.should_exit = True
+    t.join(5)
+
+
+def test_validate_fills_defaults() -> None:
+    r = runner.invoke(app, ["validate", str(ROOT / "examples/tiny.yaml")])
+    assert r.exit_code == 0, r.output
+    assert '"zero": 2' in r.output and '"ffn_hidden": 256' in r.output
+
+
+def test_bad_spec_file_names_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {preset: gpt-tiny}\nparallel: {tp: 3}\n")
+    r = runner.invoke(app, ["validate", str(bad)])
+    assert r.exit_code == 2
+    assert "tp(3) does not divide heads(4)" in r.output
+    bad.write_text("name: x\nmodel: {preset: gpt-tiny}\ntrain: {stepz: 3}\n")
+    r = runner.invoke(app, ["submit", str(bad), "--server", "http://127.0.0.1:9"])
+    assert r.exit_code == 2 and "train.stepz: Extra inputs are not permitted" in r.output
+    r = runner.invoke(app, ["validate", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "cannot read" in r.output
+
+
+def test_submit_status_cancel(server: str) -> None:
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    assert r.exit_code == 0, r.output
+    job_id = int(r.output.strip())
+    r = runner.invoke(app, ["status", "--server", server])
+    assert r.exit_code == 0 and f"{job_id:>5}  QUEUED" in r.output and "tiny-zero2" in r.output
+    r = runner.invoke(app, ["status", str(job_id), "--server", server])
+    assert "QUEUED" in r.output and "tp1 pp1 dp2 zero2" in r.output
+    r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
+    assert r.exit_code == 0 and "CANCELLED" in r.output
+    r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
+    assert r.exit_code == 2 and "409" in r.output
+    r = runner.invoke(app, ["logs", str(job_id), "--server", server])
+    assert "cancelled while queued" in r.output
+    r = runner.invoke(app, ["status", "999", "--server", server])
+    assert r.exit_code == 2 and "404" in r.output
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    r = runner.invoke(app, ["status", "--server", f"http://127.0.0.1:{free_port()}"])
+    assert r.exit_code == 2 and "cannot reach the Trident API" in r.output
+
+
+@pytest.mark.slow
+def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
+    """The README's demo path: `trident up`, then `trident submit examples/tiny.yaml --wait`."""
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    trident = str(Path(sys.executable).parent / "trident")
+    env = {**os.environ, "TRIDENT_DATA_DIR": str(tmp_path)}
+    up = subprocess.Popen([trident, "up", "--port", str(port)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(server + "/api/v1/healthz").raise_for_status()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"), "--wait",
+                               "--server", server], capture_output=True, text=True, timeout=400,
+                              cwd=ROOT)
+        log = (tmp_path / "controller.log").read_text()
+        assert done.returncode == 0, done.stdout + done.stderr + log
+        assert "SUCCEEDED" in done.stdout and "step    30" in done.stdout
+        assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
+        page = httpx.get(server + "/").text
+        assert '<td class="SUCCEEDED">SUCCEEDED</td>' in page
+    finally:
+        up.terminate()
+        up.wait(60)
+    assert up.returncode is not None

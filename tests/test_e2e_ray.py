@@ -1,0 +1,111 @@
+"""End to end on a real local Ray: REST submit -> store -> controller -> Ray placement group
+-> one actor per rank -> DeepSpeed ZeRO-2 over gloo -> metrics -> API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from api.app import create_app  # noqa: E402
+from service.controller import Controller  # noqa: E402
+from service.settings import Settings  # noqa: E402
+from service.states import JobState  # noqa: E402
+from service.store import Store  # noqa: E402
+from tests.conftest import tiny_spec  # noqa: E402
+from workers.group import RayLauncher  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
+    store = Store(f"sqlite:///{tmp_path / 'e2e.db'}")
+    store.migrate()
+    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
+                            start_timeout_s=120, cancel_grace_s=5)
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as client:
+        yield client, store, controller
+    controller.shutdown()
+    store.close()
+
+
+def drive(controller: Controller, store: Store, job_id: int, until: set[JobState],
+          timeout: float) -> JobState:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        controller.step()
+        state = store.get_job(job_id=job_id).state
+        if state in until:
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def test_tiny_zero2_job_trains_to_success(stack) -> None:
+    client, store, controller = stack
+    r = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 8, "global_batch": 8, "micro_batch": 2, "precision": "fp32", "lr": 0.003}))
+    assert r.status_code == 201
+    job_id = r.json()["id"]
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 240) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+
+    metrics = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert all(m["step_time_s"] > 0 and m["tokens_per_s"] > 0 for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    rank1 = client.get(f"/api/v1/jobs/{job_id}/metrics", params={"rank": 1}).json()["items"]
+    assert [m["loss"] for m in rank1] == pytest.approx([m["loss"] for m in metrics])
+
+    attempt = store.list_attempts(job_id=job_id)[0]
+    assert attempt["status"] == "succeeded"
+    assert [r["rank"] for r in attempt["placement"]["ranks"]] == [0, 1]
+    kinds = [e["kind"] for e in client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
+    assert "placement" in kinds and "rendezvous" in kinds
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"]
+
+
+def test_cancel_stops_the_workers_within_seconds(stack) -> None:
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"})).json()["id"]
+    drive(controller, store, job_id, {JobState.RUNNING}, 180)
+    deadline = time.monotonic() + 120
+    while not store.list_metrics(job_id=job_id) and time.monotonic() < deadline:
+        controller.step()
+        time.sleep(0.2)
+    assert store.list_metrics(job_id=job_id), "no step finished"
+
+    assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
+    t0 = time.monotonic()
+    assert drive(controller, store, job_id, {JobState.CANCELLED}, 30) == JobState.CANCELLED
+    assert time.monotonic() - t0 < 15
+    assert not controller.running
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"]
+
+
+def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        entrypoint="tests.entrypoints:explode")).json()["id"]
+    assert drive(controller, store, job_id, {JobState.FAILED, JobState.SUCCEEDED},
+                 180) == JobState.FAILED
+    job = client.get(f"/api/v1/jobs/{job_id}").json()
+    assert "RuntimeError: rank 1 exploded on purpose" in job["error"]
+    assert "Traceback" in job["error"]
