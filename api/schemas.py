@@ -69,7 +69,7 @@ class MetricOut(BaseModel):
     loss: float | None
     step_time_s: float
     tokens_per_s: float
-    memory: dict[str, float]
+    memory: dict[str, float | str]
     time: datetime
 
     @classmethod

@@ -26,7 +26,8 @@ class StepReport(BaseModel):
     loss: float | None = None
     step_time_s: float = Field(ge=0, le=86400)
     tokens_per_s: float = Field(ge=0)
-    memory: dict[str, float] = Field(default_factory=dict)
+    memory: dict[str, float | str] = Field(default_factory=dict)
+    """Bytes by kind (params, grads, optimizer, activations, peak); string values label them."""
 
     @field_validator("loss")
     @classmethod
