@@ -1,0 +1,41 @@
+"""The per-rank trainer end to end on gloo: the demo job, stop, and the report's contents."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.spec import JobSpec
+from tests.workers_spawn import losses, run_ranks
+
+STEP_KEYS = {"kind", "rank", "step", "loss", "step_time_s", "tokens_per_s", "memory"}
+MEMORY_KEYS = {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_peak_bytes",
+               "process_peak_bytes"}
+
+
+def demo_spec(**train) -> JobSpec:
+    return JobSpec(name="demo", model={"preset": "gpt-tiny"},
+                   parallel={"dp": 2, "zero": 2},
+                   train={"steps": 20, "global_batch": 8, "micro_batch": 2, **train})
+
+
+@pytest.mark.slow
+def test_demo_job_trains_and_reports_every_step_on_every_rank():
+    rows = run_ranks(demo_spec())[0]
+    assert sorted((r["rank"], r["step"]) for r in rows) == [
+        (rank, step) for rank in range(2) for step in range(1, 21)]
+    for row in rows:
+        assert row.keys() >= STEP_KEYS and row["memory"].keys() >= MEMORY_KEYS
+        assert row["kind"] == "step" and row["step_time_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(8 * 32 / row["step_time_s"])
+    first, last = losses(rows, 0), losses(rows, 1)
+    assert first == last, "the reported loss is the global-batch mean, equal on every rank"
+    assert first[-1] < first[0] - 0.3, first
+
+
+@pytest.mark.slow
+def test_stop_ends_the_run_between_steps_and_a_second_attempt_runs_in_the_same_process():
+    spec = demo_spec(steps=6)
+    first, second = run_ranks(spec, attempts=[2, None])
+    assert sorted(r["step"] for r in first if r["rank"] == 0) == [1, 2]
+    assert sorted(r["step"] for r in second if r["rank"] == 0) == list(range(1, 7))
+    assert losses(second)[:2] == losses(first), "no checkpoint: the new attempt starts afresh"

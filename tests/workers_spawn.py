@@ -1,0 +1,96 @@
+"""Test helper: run `train_rank` on N local processes (gloo) and collect every rank's reports."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from service.spec import JobSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | None,
+               attempts: list[int | None], queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from workers.train import RankContext, train_rank
+
+    spec = JobSpec.model_validate_json(spec_json)
+    try:
+        # Several attempts in one process, as a Ray actor may run them; an attempt with a
+        # stop step sets `stop` after that step's report.
+        for attempt, stop_after in enumerate(attempts):
+            stop = threading.Event()
+
+            def report(row: dict, attempt: int = attempt, stop_after=stop_after,
+                       stop: threading.Event = stop) -> None:
+                queue.put(("report", rank, attempt, row))
+                if stop_after is not None and row["step"] >= stop_after:
+                    stop.set()
+
+            ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
+                              master_addr="127.0.0.1", master_port=port + attempt,
+                              checkpoint_dir=ckpt, attempt=attempt)
+            train_rank(spec, ctx, report, stop)
+        queue.put(("done", rank, None, None))
+    except BaseException:
+        queue.put(("error", rank, None, traceback.format_exc()))
+
+
+def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
+              attempts: list[int | None] | None = None, timeout: float = 240
+              ) -> list[list[dict]]:
+    """Reports per attempt, in arrival order; raises with the traceback of a failed rank."""
+    attempts = attempts or [None]
+    world = spec.world_size
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(spec.model_dump_json(exclude_unset=True), r, world, port,
+                               checkpoint_dir, attempts, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: list[list[dict]] = [[] for _ in attempts]
+    done = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while done < world:
+            try:
+                kind, rank, attempt, payload = queue.get(timeout=1)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks {dead} died or timed out") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            if kind == "done":
+                done += 1
+            else:
+                out[attempt].append(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def losses(rows: list[dict], rank: int = 0) -> list[float]:
+    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == rank]

@@ -1,0 +1,205 @@
+"""The built-in decoder-only GPT, built as a list of pipeline layers.
+
+Pre-LayerNorm blocks, causal attention through `scaled_dot_product_attention` (GQA via
+`kv_heads`), a GELU or SwiGLU MLP, learned positions, an untied LM head. The model is a flat list
+[Embedding, Block 0 .. Block L-1, Head] so that the same layers serve a single-stage `GPT`
+(pp = 1) and DeepSpeed's `PipelineModule` (pp > 1, embedding on the first stage, head on the last).
+
+Layout invariance: every weight is drawn from a generator seeded by (seed, layer, name) at its
+full, unsharded shape, then sliced for this rank's TP shard. A layer therefore holds the same
+numbers whatever tp, pp or dp is, and never needs the rest of the model to exist.
+
+Called by `workers.train`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.spec import ModelSpec
+from workers.tp import (
+    ColumnParallelLinear,
+    RankGroups,
+    RowParallelLinear,
+    copy_to_tp,
+    reduce_from_tp,
+)
+
+Recompute = Literal["none", "selective", "full"]
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: int
+    activation: Literal["gelu", "swiglu"]
+
+    @classmethod
+    def from_spec(cls, m: ModelSpec) -> GPTConfig:
+        assert m.vocab is not None and m.seq_len is not None and m.ffn_hidden is not None
+        assert m.activation is not None
+        return cls(layers=m.layers_, hidden=m.hidden_, heads=m.heads_, kv_heads=m.kv_heads_,
+                   vocab=m.vocab, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden,
+                   activation=m.activation)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def init_weight(seed: int, layer: int, name: str, shape: tuple[int, ...],
+                std: float = INIT_STD) -> torch.Tensor:
+    """The full (unsharded) weight `name` of layer `layer`: a pure function of its arguments."""
+    digest = hashlib.blake2b(f"{seed}/{layer}/{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+class Embedding(nn.Module):
+    """Token and learned position embeddings (replicated over TP; layer index -1)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int) -> None:
+        super().__init__()
+        self.tok = nn.Parameter(init_weight(seed, -1, "tok", (cfg.vocab, cfg.hidden)))
+        self.pos = nn.Parameter(init_weight(seed, -1, "pos", (cfg.seq_len, cfg.hidden)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+
+
+class Block(nn.Module):
+    """One transformer block, its attention and MLP split Megatron-style over the TP group.
+
+    Per block and direction there is one TP all-reduce for attention and one for the MLP: the
+    row-parallel output is summed in forward (`reduce_from_tp`), the replicated input's
+    gradient in backward (`copy_to_tp`).
+    """
+
+    def __init__(self, index: int, cfg: GPTConfig, seed: int, groups: RankGroups | None,
+                 recompute: Recompute = "none") -> None:
+        super().__init__()
+        tp = groups.tp_size if groups else 1
+        r = groups.tp_rank if groups else 0
+        self.group = groups.tp if groups and groups.tp_size > 1 else None
+        self.cfg, self.recompute = cfg, recompute
+        self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+        h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
+        out_std = INIT_STD / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
+
+        def w(name: str, shape: tuple[int, int], std: float = INIT_STD) -> torch.Tensor:
+            return init_weight(seed, index, name, shape, std)
+
+        self.ln1 = nn.LayerNorm(h)
+        self.q = ColumnParallelLinear(w("q", (cfg.heads * d, h)), r, tp)
+        self.k = ColumnParallelLinear(w("k", (cfg.kv_heads * d, h)), r, tp)
+        self.v = ColumnParallelLinear(w("v", (cfg.kv_heads * d, h)), r, tp)
+        self.o = RowParallelLinear(w("o", (h, cfg.heads * d), out_std), r, tp)
+        self.ln2 = nn.LayerNorm(h)
+        self.up = ColumnParallelLinear(w("up", (f, h)), r, tp)
+        self.gate = (ColumnParallelLinear(w("gate", (f, h)), r, tp)
+                     if cfg.activation == "swiglu" else None)
+        self.down = RowParallelLinear(w("down", (h, f), out_std), r, tp)
+
+    def _attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.heads != self.kv_heads)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.cfg.head_dim
+        x = copy_to_tp(self.ln1(x), self.group)
+        q = self.q(x).view(b, s, self.heads, d).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        if self.recompute == "selective":
+            # Selective recompute (Korthikanti et al.): keep the projections, recompute only
+            # the attention core, whose saved activations grow with s^2.
+            from deepspeed.checkpointing import checkpoint
+            y = checkpoint(self._attention_core, q, k, v)
+        else:
+            y = self._attention_core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, self.heads * d)
+        return reduce_from_tp(self.o(y), self.group)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(self.ln2(x), self.group)
+        y = F.silu(self.gate(x)) * self.up(x) if self.gate is not None else F.gelu(self.up(x))
+        return reduce_from_tp(self.down(y), self.group)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._attention(x)
+        return x + self._mlp(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # DeepSpeed activation checkpointing: keep only the block input, recompute the rest.
+            from deepspeed.checkpointing import checkpoint
+            return checkpoint(self._block, x)
+        return self._block(x)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the LM head (replicated over TP; layer index L)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden)
+        self.weight = nn.Parameter(init_weight(seed, cfg.layers, "lm_head",
+                                               (cfg.vocab, cfg.hidden)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln(x), self.weight)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the micro-batch, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_layers(cfg: GPTConfig, seed: int, groups: RankGroups | None,
+                 recompute: Recompute = "none",
+                 layer_range: tuple[int, int] | None = None) -> list[nn.Module]:
+    """The model as a flat layer list; only blocks in `layer_range` (default all) are built,
+    plus the embedding when the range starts at 0 and the head when it ends at L."""
+    start, end = layer_range or (0, cfg.layers)
+    layers: list[nn.Module] = []
+    if start == 0:
+        layers.append(Embedding(cfg, seed))
+    layers += [Block(i, cfg, seed, groups, recompute) for i in range(start, end)]
+    if end == cfg.layers:
+        layers.append(Head(cfg, seed))
+    return layers
+
+
+class GPT(nn.Module):
+    """The whole model on one pipeline stage: tokens in, logits out."""
+
+    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+                 recompute: Recompute = "none") -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*build_layers(cfg, seed, groups, recompute))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.layers(tokens)
+
+
+def parameter_count(cfg: GPTConfig) -> int:
+    """Parameters of the unsharded model (used by tests of the memory report)."""
+    h, f, d = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
+    attn = cfg.heads * d * h * 2 + cfg.kv_heads * d * h * 2
+    mlp = f * h * (3 if cfg.activation == "swiglu" else 2)
+    block = attn + mlp + 4 * h
+    return cfg.layers * block + cfg.vocab * h + cfg.seq_len * h + 2 * h + cfg.vocab * h

@@ -1,0 +1,66 @@
+"""Pipeline parallelism through DeepSpeed's pipeline engine.
+
+`build_pipeline` wraps the model's flat layer list [Embedding, Block 0..L-1, Head] in a
+`PipelineModule` over `PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)`, whose rank
+order (pipe, data, model; model fastest) is exactly `service.parallel.ParallelDims`. The stage
+boundaries are not DeepSpeed's own balancing: they are the stored plan's `stage_layers`, with the
+embedding on the first stage and the head on the last. DeepSpeed runs its 1F1B schedule
+(`TrainSchedule`) over global_batch / (micro_batch * dp) micro-batches per step.
+
+Interleaved stages (`virtual_stages` > 1) are not offered: DeepSpeed's pipeline engine has no
+interleaved schedule, and `torch.distributed.pipelining`'s `ScheduleInterleaved1F1B` does not
+compose with DeepSpeed's ZeRO engine; `check_supported` refuses such a layout with the reason.
+
+Called by `workers.train`.
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from service.parallel import ParallelDims, stage_layers
+from workers.model import Block, Embedding, GPTConfig, Head, Recompute, loss_fn
+from workers.tp import RankGroups
+
+
+def check_supported(virtual_stages: int) -> None:
+    if virtual_stages > 1:
+        raise NotImplementedError(
+            f"virtual_stages({virtual_stages}) > 1: DeepSpeed's pipeline engine has no"
+            " interleaved 1F1B schedule; run with virtual_stages 1")
+
+
+def layer_parts(layers: int, pp: int) -> list[int]:
+    """DeepSpeed's `parts` (layer-list boundaries per stage) from the plan's stage ranges.
+
+    The list holds the embedding at index 0, block i at index i + 1, the head at L + 1.
+    """
+    ranges = stage_layers(layers, pp)
+    parts = [0] + [rng[0][1] + 1 for rng in ranges]
+    parts[-1] = layers + 2
+    return parts
+
+
+class _PlannedPipe(PipelineModule):
+    """A PipelineModule whose stage boundaries are the plan's, not a balancing heuristic."""
+
+    def __init__(self, *args, planned_parts: list[int], **kwargs) -> None:
+        self._planned_parts = planned_parts
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        self.parts = list(self._planned_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def build_pipeline(cfg: GPTConfig, seed: int, dims: ParallelDims, groups: RankGroups,
+                   recompute: Recompute) -> PipelineModule:
+    specs = [LayerSpec(Embedding, cfg, seed)]
+    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute) for i in range(cfg.layers)]
+    specs.append(LayerSpec(Head, cfg, seed))
+    topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
+    return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
+                        planned_parts=layer_parts(cfg.layers, dims.pp),
+                        activation_checkpoint_interval=0)

@@ -1,0 +1,188 @@
+"""Tensor parallelism by hand: the Megatron column/row-parallel linear layers, the rank's
+process groups, and every collective the trainer itself issues.
+
+Why by hand: DeepSpeed AutoTP cannot run inside DeepSpeed's pipeline engine (it builds its own
+groups and trips `dp_world_size == grid.data_parallel_size`), so for tp x pp we split the
+attention and MLP matrices ourselves over the topology's TP group, as Megatron-DeepSpeed does.
+One code path then serves pp = 1 and pp > 1 alike.
+
+Every collective of ours goes through one small function per kind (`tp_all_reduce`,
+`dp_all_reduce`) so the monitor can time them per parallel dimension. The pipeline's
+point-to-point sends and ZeRO's DP collectives are DeepSpeed's own.
+
+Called by `workers.model` (layers) and `workers.train` (groups, loss averaging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from service.parallel import Dim, ParallelDims
+
+
+@dataclass
+class RankGroups:
+    """This rank's coordinates and its TP/PP/DP process groups (None when world size is 1)."""
+
+    dims: ParallelDims
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+
+def build_groups(dims: ParallelDims, rank: int) -> RankGroups:
+    """Create every TP, PP and DP group (all ranks call new_group for all, in one order)."""
+    c = dims.coord(rank)
+    mine: dict[Dim, dist.ProcessGroup | None] = {Dim.TP: None, Dim.PP: None, Dim.DP: None}
+    if dist.is_initialized():
+        for dim in (Dim.TP, Dim.PP, Dim.DP):
+            for ranks in dims.groups(dim):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[dim] = group
+    return RankGroups(dims=dims, rank=rank, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp,
+                      tp=mine[Dim.TP], pp=mine[Dim.PP], dp=mine[Dim.DP])
+
+
+class DeepSpeedMpu:
+    """The `mpu` object DeepSpeed asks for its groups: model parallel = our TP group.
+
+    With pp = 1 this tells the engine and ZeRO to reduce and shard over the DP group only.
+    (With pp > 1 the pipeline engine builds its own grid from the same topology.)
+    """
+
+    def __init__(self, groups: RankGroups) -> None:
+        self.g = groups
+
+    def get_model_parallel_group(self):
+        return self.g.tp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.g.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.g.dims.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.g.rank - self.g.tp_rank
+
+    def get_data_parallel_group(self):
+        return self.g.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.g.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.g.dims.dp
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.g.dims.group_of(self.g.rank, Dim.DP)
+
+    def get_pipeline_model_parallel_group(self):
+        return self.g.pp
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.g.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.g.dims.pp
+
+
+# --- collectives: one function per kind -------------------------------------------------------
+
+def tp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `x` over the TP group in place (the one TP collective of the Megatron split)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def dp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `x` over the DP group in place (used for the reported loss only)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the input gradient in backward (Megatron's `f`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tp_all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward; identity backward (Megatron's `g`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return tp_all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group is not None else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if group is not None else x
+
+
+# --- layers ------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W_i^T with W split by output rows; the input is replicated over the TP group.
+
+    `full_weight` is the unsharded (out, in) matrix, drawn from the seed on every rank, so the
+    model is the same whatever the layout; each rank keeps rows [tp_rank*out/tp, ...), i.e.
+    whole heads of q/k/v and whole columns of the MLP's inner dimension.
+    """
+
+    def __init__(self, full_weight: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        out = full_weight.shape[0]
+        assert out % tp_size == 0, f"tp({tp_size}) does not divide out features({out})"
+        per = out // tp_size
+        self.weight = nn.Parameter(full_weight[tp_rank * per:(tp_rank + 1) * per].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_i x_i W_i^T with W split by input columns; the caller all-reduces the sum."""
+
+    def __init__(self, full_weight: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        inp = full_weight.shape[1]
+        assert inp % tp_size == 0, f"tp({tp_size}) does not divide in features({inp})"
+        per = inp // tp_size
+        self.weight = nn.Parameter(full_weight[:, tp_rank * per:(tp_rank + 1) * per].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)

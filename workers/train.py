@@ -1,0 +1,298 @@
+"""The per-rank trainer: what one rank of a job runs, for every TP x PP x DP x ZeRO layout.
+
+Two callers: the Ray actor of `workers.group` calls `train_rank` on a thread (one actor per
+rank, rendezvous given in `RankContext`), and `python -m workers.train --spec SPEC.yaml` runs
+the same function under torchrun (rendezvous read from torchrun's environment), for debugging
+and as the baseline without orchestration.
+
+`train_rank` reads top to bottom: set up torch.distributed and the TP/PP/DP groups, build the
+model (each weight drawn unsharded from the seed, then sliced: layout-invariant), parallelize
+(tensor parallel inside the layers, then activation checkpointing inside the blocks, then ZeRO
+wrapping last through `deepspeed.initialize`), resume, loop (report every optimizer step, save
+every `checkpoint.every_steps`), tear down. A spec with `entrypoint` runs that function instead
+of the built-in GPT loop, between the same set-up and tear-down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from service.parallel import rank_layout
+from service.spec import JobSpec, ParallelSpec
+from workers import checkpoint, data, memory
+from workers.model import GPT, GPTConfig, loss_fn
+from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce
+
+Report = Callable[[dict], None]
+
+
+@dataclass
+class RankContext:
+    """Where this rank sits and how to reach the others (given by the worker group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    checkpoint_dir: str | None
+    """The job's checkpoint directory (None: no checkpoints)."""
+    attempt: int = 0
+
+
+@dataclass
+class TrainContext:
+    """What a custom `entrypoint` function receives on every rank (after set-up)."""
+
+    spec: JobSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    groups: RankGroups
+    """This rank's coordinates and its tp/pp/dp process groups."""
+    ds_config: dict[str, Any]
+    """The DeepSpeed config the built-in trainer would use for this layout."""
+    report: Report
+    checkpoint_dir: str | None
+    resume_step: int
+    """Steps already done by the newest complete checkpoint (0: start fresh)."""
+    stop: threading.Event
+    attempt: int = 0
+    layout: list[dict[str, object]] = field(default_factory=list)
+
+
+def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event) -> None:
+    """Set up torch.distributed, build the model, train spec.train.steps steps, report, tear
+    down. Exceptions propagate; `stop` ends the run cleanly between steps."""
+    device = _setup(spec, ctx)
+    try:
+        layout = spec.layout
+        groups = build_groups(layout.dims, ctx.rank)
+        ds_config = deepspeed_config(spec)
+        if spec.entrypoint:
+            _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
+        else:
+            _train_gpt(spec, ctx, device, groups, ds_config, report, stop)
+    finally:
+        _teardown()
+
+
+# --- set up and tear down -----------------------------------------------------------------------
+
+def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
+    for key, value in spec.env.items():
+        os.environ[key] = value
+    os.environ.update(MASTER_ADDR=ctx.master_addr, MASTER_PORT=str(ctx.master_port),
+                      RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      LOCAL_RANK=str(ctx.local_rank))
+    use_gpu = torch.cuda.is_available() and spec.resources.gpus_per_worker > 0
+    if not use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    layout = spec.layout
+    if layout.tp * layout.pp * layout.dp != ctx.world_size:
+        raise ValueError(f"tp({layout.tp}) * pp({layout.pp}) * dp({layout.dp}) ="
+                         f" {layout.tp * layout.pp * layout.dp} != world size {ctx.world_size}")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if use_gpu:
+        torch.cuda.set_device(ctx.local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
+                               auto_mpi_discovery=False, verbose=False,
+                               rank=ctx.rank, world_size=ctx.world_size)
+    torch.manual_seed(spec.train.seed)
+    return torch.device("cuda", ctx.local_rank) if use_gpu else torch.device("cpu")
+
+
+def _teardown() -> None:
+    """Destroy every process group so the same process can run another attempt."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    from deepspeed.utils import groups as ds_groups
+    for name in ("_DATA_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_WORLD_GROUP", "mpu"):
+        if hasattr(ds_groups, name):
+            setattr(ds_groups, name, {} if name.startswith("_EXPERT") else None)
+
+
+def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
+    """The DeepSpeed config of this layout: batch sizes, AdamW, precision, ZeRO over DP."""
+    p, t = spec.layout, spec.train
+    zero: dict[str, Any] = {"stage": p.zero}
+    if p.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if p.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.global_batch // (t.micro_batch * p.dp),
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                 "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 12},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+# --- the built-in GPT trainer -------------------------------------------------------------------
+
+def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
+               ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
+    layout, t = spec.layout, spec.train
+    cfg = GPTConfig.from_spec(spec.model)
+    _check_layout(layout, cfg, groups, ctx.rank)
+
+    # Build and parallelize: tensor parallel and activation checkpointing live inside the
+    # layers (workers.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
+    if layout.pp > 1:
+        from workers.pipeline import build_pipeline, check_supported
+        check_supported(layout.virtual_stages)
+        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config)
+    else:
+        model = GPT(cfg, t.seed, groups, layout.recompute).to(device)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config, mpu=DeepSpeedMpu(groups))
+
+    states: dict[str, int] = {}
+    inner = memory._innermost(engine.optimizer)
+    inner.register_step_post_hook(
+        lambda *_: states.update(memory.model_state_bytes(engine.module, engine.optimizer)))
+    acts = memory.ActivationMeter(engine.module)
+
+    start = 0
+    if ctx.checkpoint_dir:
+        resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
+        if resume:
+            start = checkpoint.load(engine, ctx.checkpoint_dir, resume)
+
+    tokens_per_step = t.global_batch * cfg.seq_len
+    for step in range(start, t.steps):
+        if stop.is_set():
+            break
+        t0 = time.perf_counter()
+        batches = data.micro_batches(seed=t.seed, step=step, dp_rank=groups.dp_rank,
+                                     dp=layout.dp, global_batch=t.global_batch,
+                                     micro_batch=t.micro_batch, seq_len=cfg.seq_len,
+                                     vocab=cfg.vocab)
+        with acts.track():
+            if layout.pp > 1:
+                loss = float(engine.train_batch(data_iter=_to(batches, device)))
+            else:
+                loss = _train_step(engine, _to(batches, device), groups, layout.dp)
+        dt = time.perf_counter() - t0
+        saved = None
+        if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
+                (step + 1) % spec.checkpoint.every_steps == 0:
+            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
+        report({
+            "kind": "step", "rank": ctx.rank, "step": step + 1, "loss": loss,
+            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+            "attempt": ctx.attempt, "resumed_from": start, "checkpoint": saved,
+            "memory": {
+                "params_bytes": states.get("params", 0),
+                "grads_bytes": states.get("grads", 0),
+                "optimizer_bytes": states.get("optimizer", 0),
+                "activations_peak_bytes": acts.peak,
+                "process_peak_bytes": memory.process_peak_bytes(device),
+                "kind": "cuda_max_allocated" if device.type == "cuda" else "rss_peak",
+            },
+        })
+    engine.destroy()
+
+
+def _train_step(engine, batches, groups: RankGroups, dp: int) -> float:
+    """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
+    the global-batch mean loss (mean over micro-batches, then over DP replicas)."""
+    total = torch.zeros((), dtype=torch.float32)
+    count = 0
+    for x, y in batches:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+        total += loss.detach().float().cpu()
+        count += 1
+    total /= count
+    if dp > 1:
+        device_total = total.to(engine.device)
+        dp_all_reduce(device_total, groups.dp)
+        total = device_total.cpu() / dp
+    return float(total)
+
+
+def _to(batches, device: torch.device):
+    for x, y in batches:
+        yield x.to(device), y.to(device)
+
+
+def _check_layout(layout: ParallelSpec, cfg: GPTConfig, groups: RankGroups, rank: int) -> None:
+    """The trainer runs exactly the stored plan's layout: same coordinates, same layer ranges."""
+    row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
+    assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
+
+
+# --- custom entrypoints -------------------------------------------------------------------------
+
+def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
+                    ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
+    assert spec.entrypoint is not None
+    module_name, func_name = spec.entrypoint.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
+    func(TrainContext(spec=spec, rank=ctx.rank, world_size=ctx.world_size,
+                      local_rank=ctx.local_rank, device=device, groups=groups,
+                      ds_config=ds_config, report=report, checkpoint_dir=ctx.checkpoint_dir,
+                      resume_step=resume, stop=stop, attempt=ctx.attempt,
+                      layout=rank_layout(spec.layout.dims, spec.model.layers_,
+                                         spec.layout.virtual_stages)))
+
+
+# --- torchrun entry point -----------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    import yaml
+
+    parser = argparse.ArgumentParser(description="Run one rank of a Trident job (torchrun).")
+    parser.add_argument("--spec", required=True, help="job spec, YAML or JSON")
+    parser.add_argument("--checkpoint-dir", default=None, help="overrides checkpoint.dir")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = JobSpec.model_validate(yaml.safe_load(f))
+    env = os.environ
+    ctx = RankContext(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
+                      local_rank=int(env.get("LOCAL_RANK", 0)),
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(env.get("MASTER_PORT", 29500)),
+                      checkpoint_dir=args.checkpoint_dir or spec.checkpoint.dir,
+                      attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+    def report(row: dict) -> None:
+        if ctx.rank == 0 or row.get("kind") != "step":
+            print(json.dumps(row), flush=True)
+
+    train_rank(spec, ctx, report, threading.Event())
+
+
+if __name__ == "__main__":
+    main()
