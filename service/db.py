@@ -102,6 +102,49 @@ class MetricRow(Base):
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class ProbeRow(Base):
+    """A collective-bandwidth / matmul probe: of a job's groups, or of the whole cluster."""
+
+    __tablename__ = "probes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                               nullable=True, index=True)
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    results: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class NodeRow(Base):
+    """One node of the live cluster, as the controller last saw it."""
+
+    __tablename__ = "nodes"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    alive: Mapped[bool] = mapped_column(Boolean, default=True)
+    info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ProfileRow(Base):
+    """A hardware profile calibrated by a cluster probe; overrides the built-in one of its name."""
+
+    __tablename__ = "profiles"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    probe_id: Mapped[int | None] = mapped_column(ForeignKey("probes.id", ondelete="SET NULL"),
+                                                 nullable=True)
+    profile: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):

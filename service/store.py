@@ -18,7 +18,17 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import AttemptRow, EventRow, JobRow, MetricRow, make_engine, utcnow
+from service.db import (
+    AttemptRow,
+    EventRow,
+    JobRow,
+    MetricRow,
+    NodeRow,
+    ProbeRow,
+    ProfileRow,
+    make_engine,
+    utcnow,
+)
 from service.states import JobState, TransitionError, check_transition
 
 
@@ -295,6 +305,99 @@ class Store:
                             .limit(1)).scalar()
             return _metric(row) if row is not None else None
 
+
+    # --- probes, nodes, calibrated profiles ----------------------------------------------------
+
+    def create_probe(self, *, scope: str, request: dict[str, Any], job_id: int | None = None,
+                     attempt: int | None = None, status: str = "pending") -> dict[str, Any]:
+        with self._tx() as s:
+            row = ProbeRow(scope=scope, job_id=job_id, attempt=attempt, status=status,
+                           request=request, results=[], summary={})
+            s.add(row)
+            s.flush()
+            return _probe(row)
+
+    def claim_probes(self, *, scope: str) -> list[dict[str, Any]]:
+        """Pending probes of `scope`, marked running in the same transaction."""
+        with self._tx() as s:
+            rows = list(s.execute(select(ProbeRow)
+                                  .where(ProbeRow.scope == scope, ProbeRow.status == "pending")
+                                  .order_by(ProbeRow.id).with_for_update()).scalars())
+            for r in rows:
+                r.status = "running"
+            return [_probe(r) for r in rows]
+
+    def finish_probe(self, *, probe_id: int, status: str, results: list[Any],
+                     summary: dict[str, Any], error: str | None = None) -> None:
+        with self._tx() as s:
+            s.execute(update(ProbeRow).where(ProbeRow.id == probe_id)
+                      .values(status=status, results=results, summary=summary, error=error,
+                              finished_at=utcnow()))
+
+    def get_probe(self, *, probe_id: int) -> dict[str, Any]:
+        with self._tx() as s:
+            row = s.get(ProbeRow, probe_id)
+            if row is None:
+                raise NotFound(f"probe {probe_id} not found")
+            return _probe(row)
+
+    def list_probes(self, *, job_id: int | None = None, scope: str | None = None,
+                    limit: int = 20) -> list[dict[str, Any]]:
+        with self._tx() as s:
+            q = select(ProbeRow)
+            if job_id is not None:
+                q = q.where(ProbeRow.job_id == job_id)
+            if scope is not None:
+                q = q.where(ProbeRow.scope == scope)
+            rows = s.execute(q.order_by(ProbeRow.id.desc()).limit(limit)).scalars()
+            return [_probe(r) for r in rows]
+
+    def upsert_nodes(self, *, nodes: Sequence[dict[str, Any]]) -> None:
+        """Record the live nodes; nodes not in the list are marked dead, not forgotten."""
+        with self._tx() as s:
+            seen = {n["node_id"] for n in nodes}
+            for row in s.execute(select(NodeRow)).scalars():
+                row.alive = row.node_id in seen
+            for n in nodes:
+                row = s.get(NodeRow, n["node_id"])
+                if row is None:
+                    row = NodeRow(node_id=n["node_id"])
+                    s.add(row)
+                row.hostname = str(n.get("hostname", ""))[:255]
+                row.info = n
+                row.alive = True
+                row.updated_at = utcnow()
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        with self._tx() as s:
+            rows = s.execute(select(NodeRow).order_by(NodeRow.node_id)).scalars()
+            return [{"node_id": r.node_id, "hostname": r.hostname, "alive": r.alive,
+                     "updated_at": _aware(r.updated_at), "info": r.info} for r in rows]
+
+    def save_profile(self, *, name: str, profile: dict[str, Any],
+                     probe_id: int | None = None) -> None:
+        with self._tx() as s:
+            row = s.get(ProfileRow, name)
+            if row is None:
+                row = ProfileRow(name=name)
+                s.add(row)
+            row.profile = profile
+            row.probe_id = probe_id
+            row.created_at = utcnow()
+
+    def get_profile(self, *, name: str) -> dict[str, Any] | None:
+        """The calibrated profile stored under `name`, if a probe has made one."""
+        with self._tx() as s:
+            row = s.get(ProfileRow, name)
+            return None if row is None else {**row.profile, "probe_id": row.probe_id,
+                                             "calibrated_at": _aware(row.created_at)}
+
+
+def _probe(r: ProbeRow) -> dict[str, Any]:
+    return {"id": r.id, "scope": r.scope, "job_id": r.job_id, "attempt": r.attempt,
+            "status": r.status, "request": r.request, "results": r.results,
+            "summary": r.summary, "error": r.error, "created_at": _aware(r.created_at),
+            "finished_at": _aware(r.finished_at)}
 
 def _metric(r: MetricRow) -> Metric:
     return Metric(attempt=r.attempt, step=r.step, rank=r.rank, loss=r.loss,

@@ -137,3 +137,31 @@ def test_migrations_are_reversible(db_url: str) -> None:
         inspect(s.engine).get_table_names())
     upgrade(db_url)
     s.close()
+
+
+def test_probes_are_claimed_once_and_finished(store: Store) -> None:
+    p = store.create_probe(scope="cluster", request={"sizes": [1024]})
+    assert p["status"] == "pending"
+    assert [c["id"] for c in store.claim_probes(scope="cluster")] == [p["id"]]
+    assert store.claim_probes(scope="cluster") == []
+    store.finish_probe(probe_id=p["id"], status="done", results=[{"op": "all_reduce"}],
+                       summary={"busbw": 1.5e9})
+    done = store.get_probe(probe_id=p["id"])
+    assert done["status"] == "done" and done["results"] == [{"op": "all_reduce"}]
+    assert done["finished_at"] is not None
+    assert [x["id"] for x in store.list_probes(scope="cluster")] == [p["id"]]
+
+
+def test_nodes_are_upserted_and_dead_ones_kept(store: Store) -> None:
+    store.upsert_nodes(nodes=[{"node_id": "a", "hostname": "h1", "gpus": 0},
+                              {"node_id": "b", "hostname": "h2", "gpus": 8}])
+    store.upsert_nodes(nodes=[{"node_id": "b", "hostname": "h2", "gpus": 4}])
+    nodes = {n["node_id"]: n for n in store.list_nodes()}
+    assert not nodes["a"]["alive"] and nodes["b"]["alive"] and nodes["b"]["info"]["gpus"] == 4
+
+
+def test_calibrated_profiles_replace_older_ones(store: Store) -> None:
+    assert store.get_profile(name="cpu") is None
+    store.save_profile(name="cpu", profile={"peak_flops_fp32": 1e10})
+    store.save_profile(name="cpu", profile={"peak_flops_fp32": 2e10})
+    assert store.get_profile(name="cpu")["peak_flops_fp32"] == 2e10
