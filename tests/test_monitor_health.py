@@ -60,6 +60,11 @@ def test_flag_slow_groups_judges_the_largest_size_only():
     rows = _rows([0, 1], 30e9)
     assert flag_slow_groups(rows, H100, node_of_rank={0: "a", 1: "a"})
     assert not flag_slow_groups(rows, H100, node_of_rank={0: "a", 1: "b"})
+    # all-gather is judged only on request (gloo's is slow by design)
+    ag = [dict(r, op="all_gather") for r in _rows([0, 1], 0.1e9)]
+    assert flag_slow_groups(ag, CPU) == []
+    assert [f["op"] for f in flag_slow_groups(ag, CPU, ops=None)] == ["all_gather"]
+    assert not flag_slow_groups(rows, H100, node_of_rank={0: "a", 1: "b"})
 
 
 def test_straggler_compared_only_with_its_pipeline_stage():
