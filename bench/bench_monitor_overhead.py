@@ -1,0 +1,109 @@
+"""Cost of the health monitor: steady-state step time with the comm timer and heartbeat on
+against off, interleaved in one run (acceptance: ratio < 1.02).
+
+`python bench/bench_monitor_overhead.py [--blocks 20 --steps 10]`: two gloo ranks train a small
+MLP DDP-style (one all-reduce per gradient, issued through torch.distributed so the installed
+hooks see every one, as they see DeepSpeed's). Blocks of steps alternate on / off; each
+block's median step time is kept; each on block is paired with the off block just before it,
+and the median of the pairs' ratios is printed (pairing cancels the drift of a shared
+machine). The first two blocks warm up and are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from service.parallel import ParallelDims
+from workers.comm_timer import CommTimer
+from workers.heartbeat import Heartbeat
+
+
+def _model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*mods)
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = _model(args.width, args.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(args.batch, args.width)
+    hb = Heartbeat(rank)
+    timer = CommTimer(rank, ParallelDims(dp=world), heartbeat=hb, cuda=False)
+    blocks: dict[str, list[float]] = {"on": [], "off": []}
+    step = 0
+    for block in range(args.blocks + 2):
+        on = block % 2 == 1
+        if on:
+            timer.install()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            if on:
+                timer.begin_step(step)
+                hb.beat(step, "forward")
+            loss = model(x).square().mean()
+            if on:
+                hb.beat(step, "backward")
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            if on:
+                hb.beat(step, "optimizer")
+            opt.step()
+            if on:
+                timer.step_report(step, time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
+            step += 1
+        timer.uninstall()
+        if block >= 2:
+            blocks["on" if on else "off"].append(statistics.median(times))
+    if rank == 0:
+        q.put(blocks)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    blocks = q.get()
+    for p in procs:
+        p.join()
+    on, off = statistics.median(blocks["on"]), statistics.median(blocks["off"])
+    pairs = [a / b for a, b in zip(blocks["on"], blocks["off"], strict=True)]
+    print(f"collectives per step: {2 * args.layers}; blocks per mode: {len(blocks['on'])} x "
+          f"{args.steps} steps")
+    print(f"monitor off: {off * 1e3:.3f} ms/step   monitor on: {on * 1e3:.3f} ms/step   "
+          f"ratio of medians {on / off:.4f}; median paired ratio "
+          f"{statistics.median(pairs):.4f} (target < 1.02)")
+
+
+if __name__ == "__main__":
+    main()
