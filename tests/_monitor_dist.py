@@ -21,7 +21,8 @@ def free_port() -> int:
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # DeepSpeed reads these
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)

@@ -69,3 +69,38 @@ def test_timer_attributes_collectives_by_dimension(tmp_path):
         assert set(s) == {"tp", "dp"}
         assert all(o["time_s"] > 0 for ops in s.values() for o in ops.values())
         assert r["hb"]["collective"] is None  # left() after every collective
+
+
+def _deepspeed_rank(rank, world):
+    import deepspeed
+
+    timer = CommTimer(rank, ParallelDims(dp=world), cuda=False)
+    timer.install()  # before the engine: DeepSpeed caches some collectives when it is built
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8))
+        nparams = sum(p.numel() for p in model.parameters())
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+               "zero_optimization": {"stage": 2}, "steps_per_print": 1000}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=cfg)
+        timer.step_summary()  # drop the set-up broadcasts
+        timer.begin_step(0)
+        engine.backward(engine(torch.randn(4, 64)).square().mean())
+        engine.step()
+        return {"nparams": nparams, "summary": timer.step_summary()}
+    finally:
+        timer.uninstall()
+
+
+@pytest.mark.slow
+def test_timer_catches_deepspeed_zero2_collectives(tmp_path):
+    r = run_ranks(_deepspeed_rank, 2, tmp_path)[0]
+    s, full = r["summary"], r["nparams"] * 4
+    assert set(s) == {"dp"}  # the engine's DP group is recognised by its ranks
+    # ZeRO-2 on gloo: gradients all-reduced, then the updated partitions all-gathered.
+    assert s["dp"]["all_reduce"]["bytes"] >= full
+    assert s["dp"]["all_gather"]["bytes"] == full
+    assert s["dp"]["all_gather"]["time_s"] > 0
