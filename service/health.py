@@ -134,7 +134,37 @@ def flag_slow_groups(rows: Sequence[Mapping[str, Any]], profile: HardwareProfile
     return flags
 
 
+def measured_link_bw(rows: Sequence[Mapping[str, Any]],
+                     node_of_rank: Mapping[int, str]) -> dict[str, float | None]:
+    """Link bandwidths a probe measured, for `trident probe` to calibrate a profile.
+
+    Median over groups of the all-reduce busbw at each group's largest size, split into groups
+    inside one node (`intra_node_bw`) and groups spanning nodes (`inter_node_bw`). `trident
+    probe` lays ranks out as ParallelDims(tp=devices per node, dp=nodes), so its TP groups
+    measure the node and its DP groups the network.
+    """
+    largest: dict[tuple[int, ...], Mapping[str, Any]] = {}
+    for row in rows:
+        key = tuple(row["group"])
+        if row["op"] == "all_reduce" and (key not in largest
+                                          or row["bytes"] > largest[key]["bytes"]):
+            largest[key] = row
+    intra = [r["busbw"] for g, r in largest.items() if not _cross_node(g, node_of_rank)]
+    inter = [r["busbw"] for g, r in largest.items() if _cross_node(g, node_of_rank)]
+    return {"intra_node_bw": statistics.median(intra) if intra else None,
+            "inter_node_bw": statistics.median(inter) if inter else None}
+
+
 # ---------------------------------------------------------------- stragglers
+
+
+def compute_s(step_report: Mapping[str, Any]) -> float | None:
+    """Compute time of one step report: step time less the time in collectives (None when
+    the step's collectives were not timed). Feeds `find_stragglers`."""
+    if not step_report.get("timed", True):
+        return None
+    comm = sum(o["time_s"] for ops in step_report["comm"].values() for o in ops.values())
+    return max(0.0, step_report["step_s"] - comm)
 
 
 @dataclass(frozen=True)
@@ -168,7 +198,8 @@ def find_stragglers(per_rank_compute_times: Mapping[int, Sequence[float]],
 
     Pipeline stages own different layers (and the first / last the embedding / head), so a
     rank is compared only with ranks of its own stage; a stage of one rank has no peers and
-    is not judged. Time lists are per step, aligned at their ends (latest step last).
+    is not judged. Time lists are per step, aligned at their ends (latest step last); build
+    them with `compute_s` over timed step reports (skip its None).
     """
     if threshold <= 1:
         raise ValueError(f"threshold {threshold} must be above 1")
@@ -240,7 +271,8 @@ def diagnose_hang(heartbeats: Mapping[int, Mapping[str, Any]], now: float, timeo
 
     `heartbeats[rank]` is `workers.heartbeat.Heartbeat.read()`: step, phase, collective (None
     outside collectives), dim, group (rank list), time (wall clock of the last change). Ranks
-    of `dims` without any heartbeat count as never arrived.
+    of `dims` without any heartbeat count as never arrived. Across nodes with unsynchronised
+    clocks the controller may set `time = its own receive time - age_s` before calling.
     """
     expected = range(dims.world_size) if dims else sorted(heartbeats)
     silent = [r for r in expected if r not in heartbeats]

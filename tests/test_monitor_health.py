@@ -7,10 +7,12 @@ from service.hardware import get_profile
 from service.health import (
     busbw,
     busbw_factor,
+    compute_s,
     diagnose_hang,
     expected_busbw,
     find_stragglers,
     flag_slow_groups,
+    measured_link_bw,
     summarize_comm,
     tp_placement_warnings,
 )
@@ -185,3 +187,18 @@ def test_summarize_comm_untimed_steps_count_bytes_not_time():
     out = summarize_comm(reports, {"tp": 2})
     assert out["dims"]["tp"]["time_s_per_step"] == pytest.approx(0.5)
     assert out["dims"]["tp"]["bytes_per_step"] == 100
+
+
+def test_measured_link_bw_splits_intra_and_inter_node():
+    # trident probe layout: tp=2 per node (groups [0,1] [2,3]), dp across nodes ([0,2] [1,3])
+    rows = (_rows([0, 1], 40e9, "tp") + _rows([2, 3], 60e9, "tp")
+            + _rows([0, 2], 10e9) + _rows([1, 3], 12e9))
+    bw = measured_link_bw(rows, {0: "a", 1: "a", 2: "b", 3: "b"})
+    assert bw == {"intra_node_bw": pytest.approx(50e9), "inter_node_bw": pytest.approx(11e9)}
+
+
+def test_compute_s_subtracts_timed_comm():
+    comm = {"tp": {"all_reduce": {"time_s": 0.2, "bytes": 1, "calls": 1}},
+            "dp": {"all_gather": {"time_s": 0.3, "bytes": 1, "calls": 1}}}
+    assert compute_s({"step_s": 1.0, "comm": comm}) == pytest.approx(0.5)
+    assert compute_s({"step_s": 1.0, "comm": comm, "timed": False}) is None
