@@ -447,6 +447,22 @@ def summarize_comm(rank_reports: Mapping[int, Sequence[Mapping[str, Any]]],
             "ranks": per_rank, "probe": list(probe or [])}
 
 
+def comm_series_rows(rank: int, step_report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One step report flattened into time-series rows (one per dim and op) for the store:
+    `{step, rank, dim, op, time_s, bytes, calls, timed}`; the step itself is
+    `{step, rank, dim: "step", op: "step", time_s: step_s, ...}` so the fraction can be
+    recomputed from the series alone."""
+    step, timed = step_report["step"], step_report.get("timed", True)
+    rows = [{"step": step, "rank": rank, "dim": "step", "op": "step",
+             "time_s": step_report["step_s"], "bytes": 0, "calls": 1, "timed": timed}]
+    for dim, ops in sorted(step_report["comm"].items()):
+        for op, o in sorted(ops.items()):
+            rows.append({"step": step, "rank": rank, "dim": dim, "op": op,
+                         "time_s": o["time_s"], "bytes": o["bytes"], "calls": o["calls"],
+                         "timed": timed})
+    return rows
+
+
 def _bus_bytes(op: str, n: int, o: Mapping[str, float], timed: int, total: int) -> float:
     """Bytes of `op` on timed steps, times its busbw factor (unknown ops count as factor 1)."""
     try:

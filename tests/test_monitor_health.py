@@ -7,6 +7,7 @@ from service.hardware import get_profile
 from service.health import (
     busbw,
     busbw_factor,
+    comm_series_rows,
     compute_s,
     diagnose_hang,
     expected_busbw,
@@ -202,3 +203,14 @@ def test_compute_s_subtracts_timed_comm():
             "dp": {"all_gather": {"time_s": 0.3, "bytes": 1, "calls": 1}}}
     assert compute_s({"step_s": 1.0, "comm": comm}) == pytest.approx(0.5)
     assert compute_s({"step_s": 1.0, "comm": comm, "timed": False}) is None
+
+
+def test_comm_series_rows_flatten_a_step_report():
+    report = {"step": 4, "step_s": 2.0, "comm": {
+        "tp": {"all_reduce": {"time_s": 0.1, "bytes": 10, "calls": 2}},
+        "dp": {"all_gather": {"time_s": 0.3, "bytes": 40, "calls": 1}}}}
+    rows = comm_series_rows(7, report)
+    assert [(r["dim"], r["op"]) for r in rows] == [
+        ("step", "step"), ("dp", "all_gather"), ("tp", "all_reduce")]
+    assert rows[0]["time_s"] == 2.0 and rows[2]["bytes"] == 10 and rows[2]["calls"] == 2
+    assert all(r["step"] == 4 and r["rank"] == 7 and r["timed"] for r in rows)
