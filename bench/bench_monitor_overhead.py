@@ -7,7 +7,10 @@ hooks see every one, as they see DeepSpeed's). Blocks of steps alternate on / of
 block's median step time is kept; each on block is compared with the mean of the off blocks
 on either side of it (cancelling a linear drift in the load of a shared machine), and the
 median of those ratios is printed, for wall time and for the rank's CPU time (less sensitive
-to other processes on the machine). The first two blocks warm up and are dropped.
+to other processes on the machine). The first two blocks warm up and are dropped. On a loaded
+machine both swing by several percent either way; the load-independent figure is the
+instrumentation's own cost per collective and per heartbeat, printed first and turned into
+the step-time share it implies.
 """
 
 from __future__ import annotations
@@ -77,8 +80,23 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Queu
             wall.append(statistics.median(times))
             cpu.append(statistics.median(cpus))
     if rank == 0:
-        q.put({"wall": wall, "cpu": cpu})
+        q.put({"wall": wall, "cpu": cpu, "cost": instrumentation_cost(timer, hb)})
     dist.destroy_process_group()
+
+
+def instrumentation_cost(timer: CommTimer, hb: Heartbeat, n: int = 20000) -> tuple[float, float]:
+    """Seconds the monitor adds per hooked collective (the installed torch.distributed wrapper
+    with heartbeat and bookkeeping, around a no-op collective) and per heartbeat beat."""
+    hooked = timer._wrap("all_reduce", lambda *args, **kwargs: None)
+    t = torch.ones(16)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        hooked(t)
+    per_call = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for i in range(n):
+        hb.beat(i, "forward")
+    return per_call, (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -100,6 +118,13 @@ def main() -> None:
     result = q.get()
     for p in procs:
         p.join()
+    per_call, per_beat = result.pop("cost")
+    calls = 2 * args.layers
+    off_wall = statistics.median(result["wall"][0::2])
+    cost = calls * per_call + 3 * per_beat
+    print(f"instrumentation: {per_call * 1e6:.2f} us per collective, {per_beat * 1e6:.2f} us per "
+          f"beat -> {cost * 1e6:.1f} us per step = {cost / off_wall:.2%} of "
+          f"{off_wall * 1e3:.2f} ms")
     print(f"collectives per step: {2 * args.layers}; {args.blocks // 2} on blocks of "
           f"{args.steps} steps between off blocks")
     for kind, blocks in result.items():
