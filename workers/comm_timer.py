@@ -254,6 +254,6 @@ class CommTimer:
                     setattr(mod, name, wrapped)
 
     def uninstall(self) -> None:
-        for (mod, name), fn in self._originals.items():
-            setattr(mod, name, fn)
+        for (mod, name), original in self._originals.items():
+            setattr(mod, name, original)
         self._originals.clear()
