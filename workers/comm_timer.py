@@ -244,7 +244,7 @@ class CommTimer:
         if self._originals:
             return
         for name in _WRAPPED:
-            fn = getattr(c10d, name, None)
+            fn: Callable[..., Any] | None = getattr(c10d, name, None)
             if fn is None:
                 continue
             wrapped = self._wrap(name, fn)
