@@ -249,7 +249,7 @@ class CommTimer:
                 continue
             wrapped = self._wrap(name, fn)
             for mod in (dist, c10d):
-                if getattr(mod, name, None) is fn:
+                if id(getattr(mod, name, None)) == id(fn):  # not rebound by someone else
                     self._originals[(mod, name)] = fn
                     setattr(mod, name, wrapped)
 
