@@ -1,0 +1,48 @@
+"""Collective probe over real gloo process groups (4 spawned ranks)."""
+
+import pytest
+
+from service.health import busbw_factor
+from service.parallel import ParallelDims
+from tests._monitor_dist import run_ranks
+from workers.comm_probe import DEFAULT_SIZES, pp_pairs, probe_layout
+
+SIZES = [4 << 10, 256 << 10]
+
+
+def test_default_sizes_and_pairs():
+    assert DEFAULT_SIZES[0] == 1 << 10 and DEFAULT_SIZES[-1] == 64 << 20
+    assert all(b == 4 * a for a, b in zip(DEFAULT_SIZES, DEFAULT_SIZES[1:], strict=False))
+    assert pp_pairs(ParallelDims(tp=2, pp=3)) == [(0, 2), (2, 4), (1, 3), (3, 5)]
+
+
+def _probe_rank(rank, world):
+    tp_pp = probe_layout(ParallelDims(tp=2, pp=2), rank, sizes=SIZES, iters=3, warmup=1)
+    dp_pp = probe_layout(ParallelDims(dp=2, pp=2), rank, sizes=SIZES,
+                         ops=["all_reduce"], iters=3, warmup=1)
+    return tp_pp + dp_pp
+
+
+@pytest.mark.slow
+def test_probe_layout_rows(tmp_path):
+    rows = [row for per_rank in run_ranks(_probe_rank, 4, tmp_path) for row in per_rank]
+    keys = sorted({(r["dim"], tuple(r["group"]), r["op"]) for r in rows})
+    assert keys == sorted([
+        # ParallelDims(tp=2, pp=2): tp groups [0,1] [2,3], pp pairs (0,2) (1,3)
+        *[("tp", g, op) for g in [(0, 1), (2, 3)]
+          for op in ["all_reduce", "all_gather", "reduce_scatter"]],
+        ("pp", (0, 2), "send_recv"), ("pp", (1, 3), "send_recv"),
+        # ParallelDims(dp=2, pp=2): dp groups [0,1] [2,3]
+        ("dp", (0, 1), "all_reduce"), ("dp", (2, 3), "all_reduce"),
+        # ... and the same pp pairs again
+    ])
+    assert len(rows) == len(SIZES) * (6 + 2 + 2 + 2)
+    for r in rows:
+        assert r["bytes"] in SIZES and r["time_s"] > 0 and r["algbw"] > 0
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["time_s"])
+        assert r["busbw"] == pytest.approx(r["algbw"] * busbw_factor(r["op"], len(r["group"])))
+        assert "impl" not in r  # gloo has the single-tensor forms in this torch
+    ar = next(r for r in rows if r["op"] == "all_reduce")
+    assert ar["busbw"] == pytest.approx(ar["algbw"])  # n=2: 2(n-1)/n = 1
+    ag = next(r for r in rows if r["op"] == "all_gather")
+    assert ag["busbw"] == pytest.approx(ag["algbw"] / 2)  # n=2: (n-1)/n = 1/2

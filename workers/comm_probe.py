@@ -1,0 +1,214 @@
+"""Collective bandwidth probe: how fast each TP group, DP group and PP neighbour pair really is.
+
+Called on every rank of a worker group before training (unless the job turns the probe off)
+and by `trident probe` across the cluster: `probe_layout(dims, rank)` after
+`init_process_group`. Every rank must call it (the groups are built collectively); each group's
+first rank (and each pair's sender) returns the rows, the others return []. The caller gathers
+the rows of all ranks, and `service.health.flag_slow_groups` judges them.
+
+Rows are JSON-ready: `{dim, group, op, bytes, time_s, algbw, busbw, iters}`, with nccl-tests
+definitions: `bytes` is the all-reduce tensor, the gathered all-gather output, the full
+reduce-scatter input, the sent tensor; time is the slowest rank's mean over the timed
+iterations; algbw = bytes / time_s; busbw = algbw * factor(op, n).
+
+Backends: all-gather and reduce-scatter use the single-tensor forms (`all_gather_single` /
+`reduce_scatter_single` in torch 2.13, `all_gather_into_tensor` / `reduce_scatter_tensor`
+before). gloo in torch 2.13 supports them (checked on 2 ranks); where a backend raises for
+them the probe falls back to the list forms (`all_gather`, `reduce_scatter`) and marks the
+rows `"impl": "list"`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from service.health import busbw_factor
+from service.parallel import Dim, ParallelDims
+from workers.heartbeat import Heartbeat
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [KiB * 4**i for i in range(9)]  # 1 KiB .. 64 MiB
+DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+BYTES_PER_POINT = 1 << 30
+"""Iterations at large sizes are capped so one (op, size) moves about this many bytes."""
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _iters_for(nbytes: int, iters: int) -> int:
+    return max(3, min(iters, -(-BYTES_PER_POINT // nbytes)))
+
+
+def _op_fn(op: str, nbytes: int, n: int, group: Any, device: torch.device,
+           use_list: bool) -> Callable[[], Any]:
+    """A closure that runs `op` once on preallocated float32 buffers of nccl-tests size."""
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    chunk = torch.empty(numel // n, dtype=torch.float32, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        if use_list:
+            parts = list(full.chunk(n))
+            return lambda: dist.all_gather(parts, chunk, group=group)
+        return lambda: _ALL_GATHER(full, chunk, group=group)
+    if op == "reduce_scatter":
+        if use_list:
+            parts = list(full.chunk(n))
+            return lambda: dist.reduce_scatter(chunk, parts, group=group)
+        return lambda: _REDUCE_SCATTER(chunk, full, group=group)
+    raise ValueError(f"unknown probe op {op!r}; known: {DEFAULT_OPS}")
+
+
+def _row(dim: str, ranks: Sequence[int], op: str, nbytes: int, time_s: float,
+         iters: int) -> dict[str, Any]:
+    alg = nbytes / time_s
+    return {"dim": dim, "group": list(ranks), "op": op, "bytes": nbytes, "time_s": time_s,
+            "algbw": alg, "busbw": alg * busbw_factor(op, len(ranks)), "iters": iters}
+
+
+def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
+                sizes: Iterable[int] = DEFAULT_SIZES, ops: Iterable[str] = DEFAULT_OPS,
+                iters: int = 20, warmup: int = 3,
+                heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
+    """Time `ops` at each size over `group` (global `ranks`); called by every member."""
+    n = len(ranks)
+    device = _device(group)
+    me = dist.get_rank()
+    rows = []
+    for op in ops:
+        use_list = False
+        for nbytes in sizes:
+            k = _iters_for(nbytes, iters)
+            fn = _op_fn(op, nbytes, n, group, device, use_list)
+            if heartbeat is not None:
+                heartbeat.entering(op, dim or None, ranks)
+            try:
+                fn()
+            except (RuntimeError, NotImplementedError):
+                if use_list or op == "all_reduce":
+                    raise
+                use_list = True  # this backend lacks the single-tensor form
+                fn = _op_fn(op, nbytes, n, group, device, use_list)
+                fn()
+            for _ in range(warmup - 1):
+                fn()
+            dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            _sync(device)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / k], dtype=torch.float64,
+                                   device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            if heartbeat is not None:
+                heartbeat.left()
+            if me == ranks[0]:
+                row = _row(dim, ranks, op, nbytes, float(elapsed.item()), k)
+                if use_list:
+                    row["impl"] = "list"
+                rows.append(row)
+    return rows
+
+
+def probe_pair(src: int, dst: int, *, sizes: Iterable[int] = DEFAULT_SIZES, iters: int = 20,
+               warmup: int = 3, dim: str = "pp", device: torch.device | None = None,
+               heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
+    """send/recv between global ranks `src` and `dst` (called by both): ping-pong, one-way
+    time = round trip / 2 measured on `src`, which returns the rows."""
+    me = dist.get_rank()
+    assert me in (src, dst)
+    peer = dst if me == src else src
+    device = device or _device(None)
+    rows = []
+    for nbytes in sizes:
+        k = _iters_for(nbytes, iters)
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+
+        def once(buf: torch.Tensor = buf) -> None:
+            if me == src:
+                dist.send(buf, dst=peer)
+                dist.recv(buf, src=peer)
+            else:
+                dist.recv(buf, src=peer)
+                dist.send(buf, dst=peer)
+
+        if heartbeat is not None:
+            heartbeat.entering("send" if me == src else "recv", dim, [src, dst])
+        for _ in range(warmup):
+            once()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            once()
+        _sync(device)
+        one_way = (time.perf_counter() - t0) / k / 2
+        if heartbeat is not None:
+            heartbeat.left()
+        if me == src:
+            rows.append(_row(dim, [src, dst], "send_recv", nbytes, one_way, k))
+    return rows
+
+
+def build_groups(dims: ParallelDims) -> dict[str, dict[tuple[int, ...], Any]]:
+    """Process groups of every TP and DP group of size > 1. Collective: every rank calls it,
+    in this fixed order (dim, then group), as `dist.new_group` requires."""
+    out: dict[str, dict[tuple[int, ...], Any]] = {}
+    for dim in (Dim.TP, Dim.DP):
+        for ranks in dims.groups(dim):
+            if len(ranks) > 1:
+                out.setdefault(dim.value, {})[tuple(ranks)] = dist.new_group(ranks)
+    return out
+
+
+def pp_pairs(dims: ParallelDims) -> list[tuple[int, int]]:
+    """Neighbouring pipeline stages (stage s -> s+1) of every pipeline, in a global order."""
+    return [(g[i], g[i + 1]) for g in dims.groups(Dim.PP) for i in range(len(g) - 1)]
+
+
+def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAULT_SIZES,
+                 ops: Iterable[str] = DEFAULT_OPS, iters: int = 20, warmup: int = 3,
+                 groups: dict[str, dict[tuple[int, ...], Any]] | None = None,
+                 heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
+    """Probe this rank's TP group, DP group and PP neighbour pairs; every rank calls it.
+
+    `groups` reuses the trainer's process groups ({dim: {ranks: group}}); by default they are
+    built here. All groups of one dimension run concurrently, as they do in training. Returns
+    the rows this rank reports (first rank of a group, sender of a pair).
+    """
+    sizes, ops = list(sizes), list(ops)
+    if dims.world_size != dist.get_world_size():
+        raise ValueError(f"layout world size {dims.world_size} != process group world size "
+                         f"{dist.get_world_size()}")
+    groups = build_groups(dims) if groups is None else groups
+    if heartbeat is not None:
+        heartbeat.beat(-1, "probe")
+    rows: list[dict[str, Any]] = []
+    for dim in (Dim.TP, Dim.DP):
+        mine = tuple(dims.group_of(rank, dim))
+        if len(mine) > 1:
+            rows += probe_group(groups[dim.value][mine], mine, dim=dim.value, sizes=sizes,
+                                ops=ops, iters=iters, warmup=warmup, heartbeat=heartbeat)
+    for src, dst in pp_pairs(dims):
+        if rank in (src, dst):
+            rows += probe_pair(src, dst, sizes=sizes, iters=iters, warmup=warmup,
+                               heartbeat=heartbeat)
+    return rows
