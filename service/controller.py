@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from service.protocols import Launcher, PollResult, StepReport, WorkerGroup
+from service import health
+from service.hardware import get_profile
+from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
@@ -39,10 +42,19 @@ class StepResult:
 
 @dataclass
 class _Running:
+    """What the controller keeps about one live attempt."""
+
     group: WorkerGroup
     attempt: int
     started: float
+    spec: JobSpec
     cancel_at: float | None = None
+    heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    compute: dict[int, deque[float]] = field(default_factory=dict)
+    stragglers: set[int] = field(default_factory=set)
+    probe_rows: list[dict[str, Any]] = field(default_factory=list)
+    probe_ranks: set[int] = field(default_factory=set)
+    node_of_rank: dict[int, str] = field(default_factory=dict)
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -114,7 +126,8 @@ class Controller:
             self._fail_attempt(self.store.get_job(job_id=job.id), attempt,
                                f"worker group failed to start: {exc!r}", result)
             return
-        self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic())
+        self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
+                                        spec=spec)
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         # An active job with no group here: the controller restarted and the group is gone.
@@ -134,9 +147,17 @@ class Controller:
             self.store.add_event(job_id=job.id, attempt=run.attempt, kind="cancel",
                                  message="asked the workers to stop")
         poll = run.group.poll(self.poll_timeout_s)
-        result.metrics += self._record(job, run, poll)
         if poll.placement:
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
+            run.node_of_rank = {r["rank"]: r["node_id"] for r in poll.placement.get("ranks", [])}
+        result.metrics += self._record(job, run, poll)
+        received = time.time()
+        for rank, hb in poll.heartbeats.items():
+            # Judge by this clock: the rank's own clock may differ from ours.
+            run.heartbeats[rank] = {**hb, "time": received - float(hb.get("age_s", 0.0))}
+        self._find_stragglers(job, run)
+        if poll.state == "running" and run.cancel_at is None and self._hung(job, run, result):
+            return
 
         if poll.state in ("running", "succeeded") and job.state == JobState.PLACING:
             self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running", result,
@@ -167,8 +188,15 @@ class Controller:
         rows: list[dict[str, Any]] = []
         for raw in poll.reports:
             try:
-                rows.append(StepReport.model_validate(raw).row())
-            except ValidationError as exc:
+                if raw.get("kind") == "probe":
+                    self._probe_report(job, run, ProbeReport.model_validate(raw))
+                    continue
+                report = StepReport.model_validate(raw)
+                rows.append(report.row())
+                compute = health.compute_s(raw) if "comm" in raw and "step_s" in raw else None
+                if compute is not None:
+                    run.compute.setdefault(report.rank, deque(maxlen=50)).append(compute)
+            except (ValidationError, KeyError, TypeError) as exc:
                 self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
                                      message=f"dropped an invalid worker report: {exc}",
                                      data={"report": {k: str(v)[:200] for k, v in raw.items()}})
@@ -179,6 +207,62 @@ class Controller:
                                  data=ev.get("data") or {})
         self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
         return len(rows)
+
+    # --- the health monitor ------------------------------------------------------------------
+
+    def _probe_report(self, job: Job, run: _Running, report: ProbeReport) -> None:
+        """Collect every rank's probe rows; when all are in, store them and flag slow groups."""
+        run.probe_rows.extend(r.model_dump() for r in report.rows)
+        run.probe_ranks.add(report.rank)
+        if len(run.probe_ranks) < job.world_size:
+            return
+        profile = get_profile(run.spec.target.gpu)
+        rows = health.annotate_expected(run.probe_rows, profile, run.node_of_rank or None)
+        slow = health.flag_slow_groups(run.probe_rows, profile,
+                                       run.spec.monitor.slow_group_threshold,
+                                       run.node_of_rank or None)
+        probe = self.store.create_probe(scope="job", job_id=job.id, attempt=run.attempt,
+                                        status="running",
+                                        request={"max_bytes": run.spec.monitor.probe_max_bytes})
+        self.store.finish_probe(probe_id=probe["id"], status="done", results=rows,
+                                summary={"slow_groups": slow, "profile": profile.name})
+        self.store.add_event(job_id=job.id, attempt=run.attempt, kind="probe",
+                             message=f"bandwidth probe: {len(rows)} measurements,"
+                             f" {len(slow)} slow group(s)", data={"probe_id": probe["id"]})
+        for w in slow:
+            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
+                                 message=str(w.get("message", w)), data=w)
+
+    def _find_stragglers(self, job: Job, run: _Running) -> None:
+        stage = {int(r["rank"]): int(r["pp"]) for r in job.plan.get("rank_layout", [])}
+        found = health.find_stragglers(
+            {r: list(t) for r, t in run.compute.items() if r in stage}, stage,
+            run.spec.monitor.straggler_threshold, run.spec.monitor.straggler_min_steps,
+            run.node_of_rank or None)
+        for s in found:
+            if s.rank not in run.stragglers:
+                run.stragglers.add(s.rank)
+                ev = s.to_event()
+                self.store.add_event(job_id=job.id, attempt=run.attempt, kind="straggler",
+                                     message=ev.pop("message"), data=ev)
+
+    def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
+        """Diagnose, record and stop a group in which no rank made progress in time."""
+        if not run.heartbeats:
+            return False
+        diagnosis = health.diagnose_hang(run.heartbeats, time.time(),
+                                         run.spec.monitor.hang_timeout_s, run.spec.layout.dims)
+        if diagnosis is None:
+            return False
+        self.store.add_event(job_id=job.id, attempt=run.attempt, kind="hang",
+                             message=diagnosis.summary, data=diagnosis.to_dict())
+        for rank, text in run.group.stacks(10.0).items():
+            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="stacks",
+                                 message=f"rank {rank} Python stacks at the hang",
+                                 data={"rank": rank, "stacks": text[:100_000]})
+        self._teardown(job.id, run)
+        self._fail_attempt(job, run.attempt, f"hung: {diagnosis.summary}", result)
+        return True
 
     # --- endings ------------------------------------------------------------------------------
 

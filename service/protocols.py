@@ -44,6 +44,38 @@ class StepReport(BaseModel):
                 "data": {"memory": self.memory, **extra}}
 
 
+class ProbeRowModel(BaseModel):
+    """One bandwidth measurement: one op at one size over one group (nccl-tests terms)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    dim: str = Field(max_length=16)
+    group: list[int] = Field(max_length=65536)
+    op: str = Field(max_length=32)
+    bytes: int = Field(ge=0)
+    time_s: float = Field(ge=0)
+    algbw: float = Field(ge=0)
+    busbw: float = Field(ge=0)
+
+
+class ProbeReport(BaseModel):
+    """A rank's probe rows for the groups it reports (first rank of a group, sender of a pair)."""
+
+    kind: Literal["probe"]
+    rank: int = Field(ge=0, le=65535)
+    rows: list[ProbeRowModel] = Field(max_length=10000)
+
+
+class ClusterProbeReport(BaseModel):
+    """A rank's part of `trident probe`: its matmul FLOP/s and the rows it reports."""
+
+    kind: Literal["cluster_probe"]
+    rank: int = Field(ge=0, le=65535)
+    node_id: str = Field(max_length=128)
+    matmul_flops: dict[str, float]
+    rows: list[ProbeRowModel] = Field(max_length=10000)
+
+
 GroupState = Literal["starting", "running", "succeeded", "failed", "stopped"]
 
 
@@ -57,6 +89,8 @@ class PollResult:
     error: str | None = None
     failed_ranks: list[int] = field(default_factory=list)
     placement: dict[str, Any] | None = None
+    heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each answering rank's heartbeat: step, phase, collective, dim, group, time, age_s."""
 
 
 class WorkerGroup(Protocol):
@@ -69,6 +103,10 @@ class WorkerGroup(Protocol):
 
     def shutdown(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the ranks to end, then kill them and free resources."""
+
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        """Every rank's Python stacks, for hang reports."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -88,4 +126,13 @@ class Launcher(Protocol):
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
               checkpoint_dir: str | None) -> WorkerGroup:
         """Claim resources and start the ranks; must not block on training."""
+        ...
+
+    def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
+                            max_bytes: int) -> WorkerGroup:
+        """Start `trident probe`'s group: `ranks_per_node` ranks on every node."""
+        ...
+
+    def inventory(self) -> list[dict[str, Any]]:
+        """Every live node's inventory (`workers.inventory.node_inventory` plus node_id)."""
         ...

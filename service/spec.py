@@ -190,6 +190,39 @@ class CheckpointSpec(_Strict):
     """Directory for this job's checkpoints; defaults to the server's data directory."""
 
 
+class MonitorSpec(_Strict):
+    """The health monitor: bandwidth probe, communication accounting, hangs, stragglers."""
+
+    probe: bool = True
+    """Probe every TP group, DP group and PP pair's bandwidth before training."""
+    probe_max_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 20
+    """Largest probe message (sizes run from 1 KiB in powers of 4 up to this)."""
+    hang_timeout_s: Annotated[float, Field(ge=1, le=86400)] = 300.0
+    """A job with no rank making progress for this long is hung: diagnosed and stopped."""
+    comm_sample_every: Annotated[int, Field(ge=1, le=100000)] = 10
+    """On GPUs, time collectives with CUDA events every this many steps."""
+    straggler_threshold: Annotated[float, Field(gt=1, le=100)] = 1.25
+    """A rank slower than this times its pipeline-stage peers' compute time is a straggler."""
+    straggler_min_steps: Annotated[int, Field(ge=1, le=10000)] = 5
+    """... for this many consecutive steps."""
+    slow_group_threshold: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """A probed group below this fraction of the profile's expected bandwidth is flagged."""
+
+
+class FaultSpec(_Strict):
+    """A fault injected into one rank, for tests; refused unless the server allows faults."""
+
+    kind: Literal["hang", "slow", "fail", "kill"]
+    """hang: sleep `seconds` once; slow: sleep `seconds` every step from `step` on; fail: raise;
+    kill: end the rank's process."""
+    rank: Annotated[int, Field(ge=0, le=65535)]
+    """The rank to hit."""
+    step: Annotated[int, Field(ge=1, le=10_000_000)]
+    """The step at whose start the fault fires."""
+    seconds: Annotated[float, Field(ge=0, le=86400)] = 0.0
+    """Sleep length for hang and slow."""
+
+
 class JobSpec(_Strict):
     """A training job: model, run, layout, resources and policies."""
 
@@ -216,6 +249,10 @@ class JobSpec(_Strict):
     """Higher runs first among queued jobs."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None
     """Custom per-rank training function, "package.module:function"; default: built-in GPT."""
+    monitor: MonitorSpec = MonitorSpec()
+    """Health monitor settings."""
+    faults: Annotated[list[FaultSpec], Field(max_length=16)] = Field(default_factory=list)
+    """Faults to inject (tests only; the server must set TRIDENT_ALLOW_FAULTS)."""
 
     @field_validator("env")
     @classmethod
@@ -308,6 +345,10 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
     world = p.tp * p.pp * p.dp
     if world > MAX_WORLD:
         errs.append(SpecError("parallel", f"tp*pp*dp = {world} exceeds {MAX_WORLD} ranks"))
+    for i, f in enumerate(spec.faults):
+        if f.rank >= world:
+            errs.append(SpecError(f"faults.{i}.rank",
+                                  f"rank {f.rank} outside world size {world}"))
     if spec.cluster is not None and world != spec.world_size:
         errs.append(SpecError(
             "parallel",

@@ -36,6 +36,9 @@ class FakeGroup:
     def shutdown(self, grace_s: float) -> None:
         self.shut = True
 
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        return {0: "Thread rank0:\n  File train.py, in all_reduce", 1: "Thread rank1:\n  sleep"}
+
 
 class FakeLauncher:
     def __init__(self, scripts: list[list[PollResult]], cpus: float = 4) -> None:
@@ -192,3 +195,77 @@ def test_orphaned_running_job_does_not_stay_running(sqlite_store: Store, tmp_pat
     make(sqlite_store, FakeLauncher([]), tmp_path).step()  # a fresh controller
     job = sqlite_store.get_job(job_id=job_id)
     assert job.state == JobState.FAILED and "controller restarted" in (job.error or "")
+
+
+def hb(rank: int, step: int, age: float, collective: str | None = None,
+       group: list[int] | None = None) -> dict[str, Any]:
+    return {"rank": rank, "step": step, "phase": "forward", "collective": collective,
+            "dim": "dp" if collective else None, "group": group, "time": 0.0, "age_s": age}
+
+
+def test_hang_is_diagnosed_with_stacks_and_fails_the_attempt(sqlite_store: Store,
+                                                             tmp_path: Path) -> None:
+    stuck = PollResult(state="running", heartbeats={
+        0: hb(0, 3, 5.0, "all_reduce", [0, 1]), 1: hb(1, 3, 5.0)})
+    launcher = FakeLauncher([[PollResult(state="running"), stuck]])
+    job_id = submit(sqlite_store, monitor={"hang_timeout_s": 2.0})
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step(), c.step()
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and (job.error or "").startswith("hung:")
+    events = sqlite_store.list_events(job_id=job_id)
+    hang = next(e for e in events if e.kind == "hang")
+    assert hang.data["never_arrived"] == [1]
+    assert "ranks [0] wait in all_reduce of dp group [0, 1]" in hang.message
+    assert sorted(e.data["rank"] for e in events if e.kind == "stacks") == [0, 1]
+    assert launcher.groups[0].shut
+
+
+def test_recent_heartbeats_are_not_a_hang(sqlite_store: Store, tmp_path: Path) -> None:
+    fresh = PollResult(state="running", heartbeats={0: hb(0, 3, 0.1, "all_reduce", [0, 1]),
+                                                    1: hb(1, 3, 0.1)})
+    launcher = FakeLauncher([[PollResult(state="running"), fresh]])
+    job_id = submit(sqlite_store, monitor={"hang_timeout_s": 2.0})
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step(), c.step()
+    assert sqlite_store.get_job(job_id=job_id).state == JobState.RUNNING
+
+
+def timed_report(rank: int, step: int, step_s: float) -> dict[str, Any]:
+    return {**step_report(rank, step, 3.0), "step_time_s": step_s, "step_s": step_s,
+            "timed": True, "comm": {"dp": {"all_reduce": {"time_s": 0.01, "bytes": 4096.0,
+                                                          "calls": 1.0}}}}
+
+
+def test_straggler_is_named_once(sqlite_store: Store, tmp_path: Path) -> None:
+    reports = [timed_report(r, s, 0.5 if r == 1 else 0.1) for s in range(1, 7) for r in (0, 1)]
+    launcher = FakeLauncher([[PollResult(state="running", reports=reports,
+                                         placement={"ranks": [{"rank": 0, "node_id": "a"},
+                                                              {"rank": 1, "node_id": "b"}]}),
+                              PollResult(state="running")]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step(), c.step()
+    stragglers = [e for e in sqlite_store.list_events(job_id=job_id) if e.kind == "straggler"]
+    assert len(stragglers) == 1
+    assert stragglers[0].data["rank"] == 1 and stragglers[0].data["node"] == "b"
+    assert "rank 1 (node b" in stragglers[0].message
+
+
+def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
+                                                          tmp_path: Path) -> None:
+    def row(op: str, busbw: float) -> dict[str, Any]:
+        return {"dim": "dp", "group": [0, 1], "op": op, "bytes": 64 << 20, "time_s": 0.1,
+                "algbw": busbw, "busbw": busbw}
+    reports = [{"kind": "probe", "rank": 0, "rows": [row("all_reduce", 1e6)]},
+               {"kind": "probe", "rank": 1, "rows": []}]
+    launcher = FakeLauncher([[PollResult(state="running", reports=reports)]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    (probe,) = sqlite_store.list_probes(job_id=job_id)
+    assert probe["status"] == "done" and probe["results"][0]["busbw"] == 1e6
+    assert probe["results"][0]["expected_busbw"] > 1e6
+    assert len(probe["summary"]["slow_groups"]) == 1
+    kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
+    assert "probe" in kinds and "warning" in kinds

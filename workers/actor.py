@@ -1,7 +1,10 @@
-"""One Ray actor per rank: runs the per-rank trainer on a thread and answers polls.
+"""One Ray actor per rank: runs the rank's work on a thread and answers polls.
 
-Training runs on a thread so that the actor always answers `poll`, `cancel` and `info` even
-in the middle of a long step or a stuck collective. Created by `workers.group.RayWorkerGroup`.
+The work runs on a thread so that the actor always answers `poll`, `cancel` and `stacks`,
+even in the middle of a long step or a stuck collective. Around the trainer the actor puts
+the health monitor: a heartbeat, the collective timer (installed before DeepSpeed builds its
+communication backend) and, before training, a bandwidth probe of the rank's TP, DP and PP
+groups on a process group of its own. Created by `workers.group.RayWorkerGroup`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from typing import Any
 
 import ray
 
+from workers.heartbeat import Heartbeat, dump_stacks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
 
 @ray.remote
 class RankActor:
@@ -23,6 +34,7 @@ class RankActor:
         os.environ.update(env)
         self.rank = rank
         self.world_size = world_size
+        self.heartbeat = Heartbeat(rank)
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -30,39 +42,126 @@ class RankActor:
         self._finished = False
 
     def info(self) -> dict[str, Any]:
-        """Where this rank landed, and a free port in case it is the rendezvous rank."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        """Where this rank landed, and free ports in case it is the rendezvous rank."""
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "free_port": port,
+            "free_ports": [_free_port(), _free_port()],
         }
 
-    def start(self, spec_json: dict[str, Any], master_addr: str, master_port: int,
+    def start(self, spec_json: dict[str, Any], master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int) -> None:
+        """Probe (if asked), then train, on a thread; `ports`: [training, probe]."""
         from service.spec import JobSpec
         from workers.train import RankContext, train_rank
 
         spec = JobSpec.model_validate(spec_json)
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
-                          master_addr=master_addr, master_port=master_port,
+                          master_addr=master_addr, master_port=ports[0],
                           checkpoint_dir=checkpoint_dir, attempt=attempt)
 
+        def work() -> None:
+            if spec.monitor.probe and self.world_size > 1:
+                self._probe(spec, master_addr, ports[1], local_rank)
+            self._train(spec, ctx, train_rank)
+
+        self._run(work)
+
+    def start_cluster_probe(self, master_addr: str, port: int, ranks_per_node: int,
+                            max_bytes: int) -> None:
+        """`trident probe`: matmul FLOP/s of this rank and bandwidth inside and across nodes."""
+        from workers.cluster_probe import probe_cluster_rank
+
+        self._run(lambda: self._reports.put(probe_cluster_rank(
+            rank=self.rank, world_size=self.world_size, master_addr=master_addr, port=port,
+            ranks_per_node=ranks_per_node, max_bytes=max_bytes, heartbeat=self.heartbeat)))
+
+    def _run(self, work: Any) -> None:
         def run() -> None:
             try:
-                train_rank(spec, ctx, self._reports.put, self._stop)
+                work()
             except BaseException:  # reported as data; the controller applies the policy
                 self._error = traceback.format_exc()
             finally:
                 self._finished = True
+                self.heartbeat.beat(self.heartbeat.read()["step"], "done")
 
         self._thread = threading.Thread(target=run, name=f"rank{self.rank}", daemon=True)
         self._thread.start()
+
+    # --- the monitor around the trainer -------------------------------------------------------
+
+    def _probe(self, spec: Any, master_addr: str, port: int, local_rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from workers.comm_probe import DEFAULT_SIZES, probe_layout
+        from workers.nccl_env import pg_timeout
+
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if on_gpu else "gloo",
+                                init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
+                                world_size=self.world_size,
+                                timeout=pg_timeout(spec.monitor.hang_timeout_s))
+        try:
+            sizes = [s for s in DEFAULT_SIZES if s <= spec.monitor.probe_max_bytes]
+            rows = probe_layout(spec.layout.dims, self.rank, sizes=sizes,
+                                heartbeat=self.heartbeat)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        self._reports.put({"kind": "probe", "rank": self.rank, "rows": rows})
+
+    def _train(self, spec: Any, ctx: Any, train_rank: Any) -> None:
+        from workers.comm_timer import CommTimer
+
+        faults = {f.step: f for f in spec.faults if f.rank == self.rank}
+        slow = [f for f in faults.values() if f.kind == "slow"]
+        timer = CommTimer(self.rank, spec.layout.dims, heartbeat=self.heartbeat,
+                          sample_every=spec.monitor.comm_sample_every)
+
+        def begin(step: int) -> None:
+            timer.begin_step(step)
+            self.heartbeat.beat(step, "forward")
+            fault = faults.get(step)
+            if fault is not None and fault.kind in ("hang", "fail", "kill"):
+                self._inject(fault)
+            for f in slow:
+                if step >= f.step:
+                    time.sleep(f.seconds)
+
+        def report(r: dict[str, Any]) -> None:
+            if r.get("kind", "step") == "step":
+                summary = timer.step_report(int(r["step"]), float(r["step_time_s"]))
+                r = {**r, "comm": summary["comm"], "timed": summary["timed"],
+                     "step_s": r["step_time_s"]}
+                self._reports.put(r)
+                begin(int(r["step"]) + 1)
+            else:
+                self._reports.put(r)
+
+        timer.install()  # before deepspeed.initialize: it caches the collectives it calls
+        try:
+            begin(1)
+            train_rank(spec, ctx, report, self._stop)
+        finally:
+            timer.uninstall()
+
+    def _inject(self, fault: Any) -> None:
+        if fault.kind == "hang":
+            time.sleep(fault.seconds)
+        elif fault.kind == "fail":
+            raise RuntimeError(f"injected fault: rank {self.rank} fails at step {fault.step}")
+        elif fault.kind == "kill":
+            os._exit(17)
+
+    # --- polled by the group --------------------------------------------------------------------
 
     def poll(self) -> dict[str, Any]:
         reports = []
@@ -78,7 +177,10 @@ class RankActor:
         else:
             state = "stopped" if self._stop.is_set() else "succeeded"
         return {"rank": self.rank, "state": state, "reports": reports, "error": self._error,
-                "time": time.time()}
+                "heartbeat": self.heartbeat.read()}
+
+    def stacks(self) -> str:
+        return dump_stacks()
 
     def cancel(self) -> None:
         self._stop.set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -20,54 +21,51 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.protocols import NodeCapacity, PollResult
+from service.health import tp_placement_warnings
+from service.protocols import GroupState, NodeCapacity, PollResult
 from service.spec import JobSpec
+from workers import nccl_env
 from workers.actor import RankActor
 
 log = logging.getLogger(__name__)
 
 
-def rank_env(spec: JobSpec, cpus: float) -> dict[str, str]:
-    """Environment of every rank: the spec's variables over sensible thread and device defaults."""
+def rank_env(spec_env: dict[str, str], cpus: float, gpus: float) -> dict[str, str]:
+    """Environment of every rank: the spec's variables over thread and device defaults and,
+    on GPUs, NCCL settings that make an error or timeout fail the attempt, not hang it."""
     env = {"OMP_NUM_THREADS": str(max(1, int(cpus))), "TOKENIZERS_PARALLELISM": "false"}
-    if spec.resources.gpus_per_worker == 0:
+    if gpus == 0:
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        # A NCCL error or timeout must fail the attempt instead of hanging it.
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-    env.update(spec.env)
+    env.update(nccl_env.rank_env(spec_env, on_gpu=gpus > 0))
     return env
 
 
 class RayWorkerGroup:
-    def __init__(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
-                 checkpoint_dir: str | None) -> None:
-        layout = plan["layout"]
-        self.tp = int(layout["tp"])
-        self.world_size = int(plan["world_size"])
-        self.spec = spec
-        self.attempt = attempt
-        self.checkpoint_dir = checkpoint_dir
-        cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
-        bundle: dict[str, float] = {"CPU": cpus * self.tp}
+    """The ranks of one attempt (or of one cluster probe) and their placement group."""
+
+    def __init__(self, *, name: str, world_size: int, ranks_per_bundle: int, cpus: float,
+                 gpus: float, env: dict[str, str], strategy: str = "PACK",
+                 launch: Callable[[Any, int, list[dict[str, Any]], int], Any]) -> None:
+        self.world_size = world_size
+        self.tp = ranks_per_bundle
+        self._launch = launch
+        bundle: dict[str, float] = {"CPU": cpus * ranks_per_bundle}
         if gpus:
-            bundle["GPU"] = float(gpus * self.tp)
-        self.bundles = [dict(bundle) for _ in range(self.world_size // self.tp)]
-        self.pg: PlacementGroup = placement_group(self.bundles, strategy="PACK",
-                                                  name=f"trident-job{job_id}-a{attempt}")
-        env = rank_env(spec, cpus)
+            bundle["GPU"] = float(gpus * ranks_per_bundle)
+        self.bundles = [dict(bundle) for _ in range(world_size // ranks_per_bundle)]
+        self.pg: PlacementGroup = placement_group(self.bundles, strategy=strategy, name=name)
         self.actors = [
             RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus, num_gpus=gpus, name=None,
+                num_cpus=cpus, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=r // self.tp),
-            ).remote(r, self.world_size, env)
-            for r in range(self.world_size)
+            ).remote(r, world_size, env)
+            for r in range(world_size)
         ]
         self.phase = "placing"
+        self.infos: list[dict[str, Any]] = []
         self._info_refs: list[Any] = []
-        self._infos: list[dict[str, Any]] = []
         self._poll_refs: list[Any] | None = None
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
@@ -92,31 +90,35 @@ class RayWorkerGroup:
         self._info_refs = [a.info.remote() for a in self.actors]
         return PollResult(state="starting", events=[{
             "kind": "placement", "message": f"placement group ready: {len(self.bundles)}"
-            f" bundle(s) of {self.bundles[0]} (one per TP group of {self.tp})"}])
+            f" bundle(s) of {self.bundles[0]} ({self.tp} rank(s) each, on one node)"}])
 
     def _poll_rendezvous(self, timeout_s: float) -> PollResult:
         done, _ = ray.wait(self._info_refs, num_returns=len(self._info_refs), timeout=timeout_s)
         if len(done) < len(self._info_refs):
             return PollResult(state="starting")
-        self._infos = ray.get(self._info_refs)
-        master = self._infos[0]
+        self.infos = ray.get(self._info_refs)
         per_node: Counter[str] = Counter()
         local_ranks = []
-        for info in self._infos:
+        for info in self.infos:
             local_ranks.append(per_node[info["node_id"]])
             per_node[info["node_id"]] += 1
-        ray.get([a.start.remote(self.spec.model_dump(mode="json"), master["ip"],
-                                master["free_port"], local_ranks[r], self.checkpoint_dir,
-                                self.attempt)
+        ray.get([self._launch(a, r, self.infos, local_ranks[r])
                  for r, a in enumerate(self.actors)], timeout=60)
         self.phase = "running"
-        placement = {"ranks": [{k: i[k] for k in ("rank", "node_id", "ip", "pid", "gpu_ids")}
-                               for i in self._infos],
-                     "master": f"{master['ip']}:{master['free_port']}"}
-        nodes = len(per_node)
-        return PollResult(state="running", placement=placement, events=[{
-            "kind": "rendezvous", "message": f"{self.world_size} ranks on {nodes} node(s);"
-            f" rank 0 at {placement['master']}", "data": placement}])
+        master = self.infos[0]
+        placement = {"ranks": [{k: i[k] for k in ("rank", "node_id", "hostname", "ip", "pid",
+                                                  "gpu_ids")} for i in self.infos],
+                     "master": f"{master['ip']}:{master['free_ports'][0]}"}
+        events = [{"kind": "rendezvous", "message": f"{self.world_size} ranks on"
+                   f" {len(per_node)} node(s); rank 0 at {placement['master']}",
+                   "data": placement}]
+        node_of = {i["rank"]: i["node_id"] for i in self.infos}
+        gpu_of = {i["rank"]: int(i["gpu_ids"][0]) for i in self.infos
+                  if i["gpu_ids"] and str(i["gpu_ids"][0]).isdigit()}
+        tp_groups = [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(len(self.bundles))]
+        for warning in tp_placement_warnings(tp_groups, node_of, gpu_of or None, None):
+            events.append({"kind": "warning", "message": warning})
+        return PollResult(state="running", placement=placement, events=events)
 
     def _poll_running(self, timeout_s: float) -> PollResult:
         if self._poll_refs is None:
@@ -126,6 +128,7 @@ class RayWorkerGroup:
             return PollResult(state="running")
         refs, self._poll_refs = self._poll_refs, None
         reports: list[dict[str, Any]] = []
+        heartbeats: dict[int, dict[str, Any]] = {}
         for r, ref in enumerate(refs):
             try:
                 out = ray.get(ref)
@@ -134,14 +137,15 @@ class RayWorkerGroup:
                 self._errors[r] = f"rank {r}: actor died: {exc}"
                 continue
             reports.extend(out["reports"])
+            heartbeats[r] = out["heartbeat"]
             self._states[r] = out["state"]
             if out["error"]:
                 self._errors[r] = f"rank {r}:\n{out['error']}"
-        return PollResult(state=self._overall(), reports=reports,
+        return PollResult(state=self._overall(), reports=reports, heartbeats=heartbeats,
                           error="\n".join(self._errors[r] for r in sorted(self._errors)) or None,
                           failed_ranks=sorted(self._errors))
 
-    def _overall(self) -> str:
+    def _overall(self) -> GroupState:
         states = set(self._states.values())
         if "failed" in states:
             return "failed"
@@ -150,6 +154,18 @@ class RayWorkerGroup:
         if states <= {"succeeded", "stopped"} and "stopped" in states:
             return "stopped"
         return "running"
+
+    def stacks(self, timeout_s: float = 10.0) -> dict[int, str]:
+        """Every rank's Python stacks (all threads); ranks that do not answer say so."""
+        refs = [a.stacks.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = {}
+        for r, ref in enumerate(refs):
+            try:
+                out[r] = ray.get(ref, timeout=0) if ref in ready else "(no answer)"
+            except RayError as exc:
+                out[r] = f"(actor gone: {type(exc).__name__})"
+        return out
 
     # --- stopping -----------------------------------------------------------------------------
 
@@ -177,6 +193,36 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
+def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+                checkpoint_dir: str | None) -> RayWorkerGroup:
+    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train."""
+    spec_json = spec.model_dump(mode="json")
+
+    def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
+        return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
+                                  local_rank, checkpoint_dir, attempt)
+
+    cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
+    return RayWorkerGroup(name=f"trident-job{job_id}-a{attempt}",
+                          world_size=int(plan["world_size"]),
+                          ranks_per_bundle=int(plan["layout"]["tp"]), cpus=cpus, gpus=gpus,
+                          env=rank_env(spec.env, cpus, gpus), launch=launch)
+
+
+def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus: float,
+                        gpus: float, max_bytes: int) -> RayWorkerGroup:
+    """`trident probe`: one bundle per node (strictly spread), ranks_per_node ranks each."""
+
+    def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
+        return actor.start_cluster_probe.remote(infos[0]["ip"], infos[0]["free_ports"][0],
+                                                ranks_per_node, max_bytes)
+
+    return RayWorkerGroup(name=f"trident-probe{probe_id}", world_size=nodes * ranks_per_node,
+                          ranks_per_bundle=ranks_per_node, cpus=cpus, gpus=gpus,
+                          env=rank_env({}, cpus, gpus),
+                          strategy="STRICT_SPREAD" if nodes > 1 else "PACK", launch=launch)
+
+
 class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
@@ -185,8 +231,8 @@ class RayLauncher:
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
               checkpoint_dir: str | None) -> RayWorkerGroup:
-        group = RayWorkerGroup(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                               checkpoint_dir=checkpoint_dir)
+        group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
+                            checkpoint_dir=checkpoint_dir)
         self._placing.append(group)
         return group
 
