@@ -17,11 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api import pages
-from api.routes import jobs
+from api.routes import cluster, jobs
 from service.settings import Settings
 from service.store import Store
 
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_]+)*): (.*)$", re.S)
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
 
 
 def _name_the_field(err: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
+    v1.include_router(cluster.router)
 
     @v1.get("/healthz", tags=["system"])
     def healthz(request: Request) -> dict[str, str]:

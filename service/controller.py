@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service import health
+from service.calibration import calibrate
 from service.hardware import get_profile
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
@@ -66,7 +67,7 @@ def decide_on_failure(job: Job) -> JobState:
 class Controller:
     def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
-                 poll_timeout_s: float = 0.05) -> None:
+                 poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0) -> None:
         self.store = store
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
@@ -74,6 +75,9 @@ class Controller:
         self.cancel_grace_s = cancel_grace_s
         self.poll_timeout_s = poll_timeout_s
         self.running: dict[int, _Running] = {}
+        self.probes: dict[int, tuple[WorkerGroup, dict[str, Any], float]] = {}
+        self.inventory_every_s = inventory_every_s
+        self._inventory_at = -inventory_every_s
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -89,6 +93,10 @@ class Controller:
             else:
                 self._orphaned(job, result)
         self._admit(result)
+        self._cluster_probes()
+        if time.monotonic() - self._inventory_at >= self.inventory_every_s:
+            self._inventory_at = time.monotonic()
+            self.store.upsert_nodes(nodes=self.launcher.inventory())
         return result
 
     def shutdown(self) -> None:
@@ -232,6 +240,45 @@ class Controller:
         for w in slow:
             self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
                                  message=str(w.get("message", w)), data=w)
+
+    def _cluster_probes(self) -> None:
+        """Start requested `trident probe` runs and turn finished ones into a profile."""
+        for p in self.store.claim_probes(scope="cluster"):
+            req = p["request"]
+            try:
+                group = self.launcher.start_cluster_probe(
+                    probe_id=p["id"], ranks_per_node=int(req["ranks_per_node"]),
+                    max_bytes=int(req["max_bytes"]))
+            except Exception as exc:
+                self.store.finish_probe(probe_id=p["id"], status="failed", results=[],
+                                        summary={}, error=repr(exc))
+                continue
+            self.probes[p["id"]] = (group, {"request": req, "reports": []}, time.monotonic())
+        for probe_id, (group, acc, started) in list(self.probes.items()):
+            poll = group.poll(self.poll_timeout_s)
+            acc["reports"].extend(poll.reports)
+            if poll.state == "starting" and time.monotonic() - started > self.start_timeout_s:
+                poll = PollResult(state="failed", error="probe group did not start within"
+                                  f" {self.start_timeout_s:g} s")
+            if poll.state not in ("succeeded", "failed", "stopped"):
+                continue
+            group.shutdown(self.cancel_grace_s)
+            del self.probes[probe_id]
+            if poll.state != "succeeded":
+                self.store.finish_probe(probe_id=probe_id, status="failed", results=[],
+                                        summary={}, error=poll.error or poll.state)
+                continue
+            try:
+                results, summary = calibrate({**acc["request"], "probe_id": probe_id},
+                                             acc["reports"])
+            except (ValidationError, ValueError) as exc:
+                self.store.finish_probe(probe_id=probe_id, status="failed", results=[],
+                                        summary={}, error=f"bad probe reports: {exc}")
+                continue
+            self.store.finish_probe(probe_id=probe_id, status="done", results=results,
+                                    summary=summary)
+            self.store.save_profile(name=summary["profile"]["name"], profile=summary["profile"],
+                                    probe_id=probe_id)
 
     def _find_stragglers(self, job: Job, run: _Running) -> None:
         stage = {int(r["rank"]): int(r["pp"]) for r in job.plan.get("rank_layout", [])}

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     """How long workers get to stop by themselves before they are killed."""
     start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """How long a worker group may take to claim resources and rendezvous."""
+    allow_faults: bool = False
+    """Accept jobs with `faults` (fault injection for tests); never in production."""
 
     @model_validator(mode="after")
     def _safe_in_prod(self) -> Settings:
@@ -45,6 +47,8 @@ class Settings(BaseSettings):
                 raise ValueError("TRIDENT_DATABASE_URL must name a server database in prod")
             if not self.ray_address:
                 raise ValueError("TRIDENT_RAY_ADDRESS must be set in prod")
+            if self.allow_faults:
+                raise ValueError("TRIDENT_ALLOW_FAULTS must not be set in prod")
         return self
 
     @property

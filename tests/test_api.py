@@ -104,3 +104,50 @@ def test_healthz_docs_and_status_page(client: TestClient) -> None:
     page = client.get("/").text
     assert f'<tr data-job="{job_id}"><td>{job_id}</td><td>shown-here</td>' in page
     assert '<td class="QUEUED">QUEUED</td><td>tp1 pp1 dp2 zero2</td>' in page
+
+
+def test_faults_need_the_server_setting(store: Store, tmp_path) -> None:
+    spec = tiny_spec(faults=[{"kind": "hang", "rank": 1, "step": 2, "seconds": 5}])
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        r = c.post("/api/v1/jobs", json=spec)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "faults"]
+    with TestClient(create_app(Settings(data_dir=tmp_path, allow_faults=True),
+                               store=store)) as c:
+        assert c.post("/api/v1/jobs", json=spec).status_code == 201
+        bad = tiny_spec(faults=[{"kind": "hang", "rank": 7, "step": 2}])
+        r = c.post("/api/v1/jobs", json=bad)
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"] == ["body", "faults", "0", "rank"]
+
+
+def test_comm_summarizes_stored_step_reports_per_dimension(client: TestClient,
+                                                           store: Store) -> None:
+    job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
+    rows = []
+    for step in (1, 2):
+        for rank in (0, 1):
+            comm = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2}}}
+            rows.append({"rank": rank, "step": step, "loss": 1.0, "step_time_s": 0.1,
+                         "tokens_per_s": 10.0, "data": {"comm": comm, "timed": True}})
+    store.record_metrics(job_id=job_id, attempt=1, rows=rows)
+    body = client.get(f"/api/v1/jobs/{job_id}/comm").json()
+    dp = body["dims"]["dp"]
+    assert dp["time_s_per_step"] == pytest.approx(0.02)
+    assert dp["fraction"] == pytest.approx(0.2)
+    assert dp["bytes_per_step"] == pytest.approx(1e6)
+    # all-reduce over 2 ranks: busbw = algbw * 2(n-1)/n = bytes / time
+    assert dp["busbw"] == pytest.approx(1e6 / 0.02)
+    assert [r["rank"] for r in body["ranks"]] == [0, 1]
+    assert body["attempt"] == 1 and body["probe"] == []
+
+
+def test_cluster_inventory_and_probe_requests(client: TestClient, store: Store) -> None:
+    store.upsert_nodes(nodes=[{"node_id": "n1", "hostname": "h", "accelerator": "cpu"}])
+    body = client.get("/api/v1/cluster").json()
+    assert body["nodes"][0]["info"]["accelerator"] == "cpu" and body["probe"] is None
+    r = client.post("/api/v1/probes", json={"ranks_per_node": 2, "max_bytes": 1 << 20})
+    assert r.status_code == 202 and r.json()["status"] == "pending"
+    assert client.get(f"/api/v1/probes/{r.json()['id']}").json()["request"]["max_bytes"] == 1 << 20
+    assert client.post("/api/v1/probes", json={"profile": "tpu"}).status_code == 422
+    assert client.post("/api/v1/probes", json={"ranks_per_node": 0}).status_code == 422
+    assert client.get("/api/v1/probes/999").status_code == 404

@@ -52,6 +52,15 @@ class FakeLauncher:
     def free_capacity(self) -> list[NodeCapacity]:
         return self.total_capacity()
 
+    def inventory(self) -> list[dict[str, Any]]:
+        return [{"node_id": "n0", "hostname": "fake", "accelerator": "cpu"}]
+
+    def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
+                            max_bytes: int) -> FakeGroup:
+        g = FakeGroup(self.scripts.pop(0), starts={"probe": probe_id})
+        self.groups.append(g)
+        return g
+
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
               checkpoint_dir: str | None) -> FakeGroup:
         g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir})

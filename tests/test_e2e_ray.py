@@ -37,7 +37,8 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     store.migrate()
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
                             start_timeout_s=120, cancel_grace_s=5)
-    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as client:
+    settings = Settings(data_dir=tmp_path, allow_faults=True)
+    with TestClient(create_app(settings, store=store)) as client:
         yield client, store, controller
     controller.shutdown()
     store.close()
@@ -58,7 +59,8 @@ def drive(controller: Controller, store: Store, job_id: int, until: set[JobState
 def test_tiny_zero2_job_trains_to_success(stack) -> None:
     client, store, controller = stack
     r = client.post("/api/v1/jobs", json=tiny_spec(train={
-        "steps": 8, "global_batch": 8, "micro_batch": 2, "precision": "fp32", "lr": 0.003}))
+        "steps": 8, "global_batch": 8, "micro_batch": 2, "precision": "fp32", "lr": 0.003},
+        monitor={"probe": True, "probe_max_bytes": 64 << 10}))
     assert r.status_code == 201
     job_id = r.json()["id"]
     assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
@@ -78,6 +80,63 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
     assert "placement" in kinds and "rendezvous" in kinds
     assert not [pg for pg in ray.util.placement_group_table().values()
                 if pg["state"] != "REMOVED"]
+
+    # The health monitor: the probe ran on the DP group and the step's collectives were
+    # attributed to dp (ZeRO-2's gradient reduction and parameter all-gather).
+    comm = client.get(f"/api/v1/jobs/{job_id}/comm").json()
+    dp = comm["dims"]["dp"]
+    assert dp["time_s_per_step"] > 0 and dp["bytes_per_step"] > 0 and 0 < dp["fraction"] < 1
+    assert {"tp", "pp"}.isdisjoint(k for k, v in comm["dims"].items() if v["bytes_per_step"])
+    ops = {row["op"] for row in comm["probe"]}
+    assert {"all_reduce", "all_gather", "reduce_scatter"} <= ops
+    assert all(row["group"] == [0, 1] and row["busbw"] > 0 for row in comm["probe"])
+    assert max(row["bytes"] for row in comm["probe"]) == 64 << 10
+    nodes = client.get("/api/v1/cluster").json()["nodes"]
+    assert nodes and nodes[0]["info"]["accelerator"] == "cpu"
+
+
+def test_hung_rank_is_named_within_the_timeout(stack) -> None:
+    """Rank 1 sleeps at the start of step 3; rank 0 waits for it in a dp collective."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        train={"steps": 50, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False, "hang_timeout_s": 5},
+        faults=[{"kind": "hang", "rank": 1, "step": 3, "seconds": 120}])).json()["id"]
+    drive(controller, store, job_id, {JobState.RUNNING}, 180)
+    deadline = time.monotonic() + 120
+    while not [m for m in store.list_metrics(job_id=job_id, rank=1) if m.step == 2]:
+        assert time.monotonic() < deadline, "step 2 never finished"
+        controller.step()
+        time.sleep(0.1)
+    hang_started = time.monotonic()
+    assert drive(controller, store, job_id, {JobState.FAILED}, 60) == JobState.FAILED
+    assert time.monotonic() - hang_started < 5 + 10
+    events = client.get(f"/api/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["items"]
+    hang = next(e for e in events if e["kind"] == "hang")
+    assert hang["data"]["never_arrived"] == [1]
+    (waiting,) = hang["data"]["waiting"]
+    assert waiting["waiting"] == [0] and waiting["group"] == [0, 1] and waiting["dim"] == "dp"
+    stacks = {e["data"]["rank"]: e["data"]["stacks"] for e in events if e["kind"] == "stacks"}
+    assert "_inject" in stacks[1]
+    assert client.get(f"/api/v1/jobs/{job_id}").json()["error"].startswith("hung:")
+
+
+def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
+    client, store, controller = stack
+    probe = client.post("/api/v1/probes", json={"ranks_per_node": 2,
+                                                "max_bytes": 1 << 20}).json()
+    deadline = time.monotonic() + 120
+    while store.get_probe(probe_id=probe["id"])["status"] in ("pending", "running"):
+        assert time.monotonic() < deadline, "probe did not finish"
+        controller.step()
+        time.sleep(0.2)
+    done = client.get(f"/api/v1/probes/{probe['id']}").json()
+    assert done["status"] == "done", done["error"]
+    assert done["summary"]["matmul_flops"]["fp32"] > 1e8
+    assert done["summary"]["links"]["intra_node_bw"] > 0
+    profile = client.get("/api/v1/cluster").json()["profiles"]["cpu"]
+    assert profile["peak_flops_fp32"] == done["summary"]["matmul_flops"]["fp32"]
+    assert profile["probe_id"] == probe["id"]
 
 
 def test_cancel_stops_the_workers_within_seconds(stack) -> None:

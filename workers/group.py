@@ -19,7 +19,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from service.health import tp_placement_warnings
 from service.protocols import GroupState, NodeCapacity, PollResult
@@ -223,6 +226,13 @@ def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus:
                           strategy="STRICT_SPREAD" if nodes > 1 else "PACK", launch=launch)
 
 
+@ray.remote(num_cpus=0)
+def _node_inventory() -> dict[str, Any]:
+    from workers.inventory import node_inventory
+
+    return node_inventory()
+
+
 class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
@@ -235,6 +245,38 @@ class RayLauncher:
                             checkpoint_dir=checkpoint_dir)
         self._placing.append(group)
         return group
+
+    def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
+                            max_bytes: int) -> RayWorkerGroup:
+        """Probe every node that can hold `ranks_per_node` ranks (one GPU each on GPU nodes,
+        else a share of the node's CPUs)."""
+        total = [n for n in self.total_capacity() if n.cpus > 0 or n.gpus > 0]
+        gpu_nodes = [n for n in total if n.gpus >= ranks_per_node]
+        nodes = gpu_nodes or [n for n in total if n.cpus > 0]
+        if not nodes:
+            raise ValueError("no node of the cluster has CPUs or GPUs to probe with")
+        gpus = 1.0 if gpu_nodes else 0.0
+        cpus = min(1.0, min(n.cpus for n in nodes) / ranks_per_node)
+        return cluster_probe_group(probe_id=probe_id, nodes=len(nodes),
+                                   ranks_per_node=ranks_per_node, cpus=cpus, gpus=gpus,
+                                   max_bytes=max_bytes)
+
+    def inventory(self) -> list[dict[str, Any]]:
+        """Every live node's inventory, gathered by a zero-CPU task pinned to that node."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        refs = [_node_inventory.options(  # type: ignore[attr-defined]
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+        ).remote() for n in nodes]
+        out = []
+        for n, ref in zip(nodes, refs, strict=True):
+            try:
+                inv = ray.get(ref, timeout=60)
+            except RayError as exc:
+                inv = {"hostname": n.get("NodeManagerHostname", ""), "error": repr(exc)}
+            out.append({**inv, "node_id": n["NodeID"], "address": n.get("NodeManagerAddress"),
+                        "resources": {k: v for k, v in n.get("Resources", {}).items()
+                                      if k in ("CPU", "GPU", "memory")}})
+        return out
 
     def total_capacity(self) -> list[NodeCapacity]:
         from ray._private.state import total_resources_per_node  # no public per-node view

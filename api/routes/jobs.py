@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import JobDep, StoreDep
 from api.schemas import EventList, EventOut, JobList, JobOut, MetricList, MetricOut
+from service.health import summarize_comm
 from service.jobs import prepare
+from service.parallel import ParallelDims
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
 
@@ -16,8 +18,12 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
 @router.post("", status_code=201, response_model=JobOut)
-def submit(spec: JobSpec, store: StoreDep) -> JobOut:
+def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
     """Validate and plan a job, then queue it."""
+    if spec.faults and not request.app.state.settings.allow_faults:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "faults"], "type": "value_error",
+             "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
         prepared = prepare(spec)
     except ValueError as exc:
@@ -71,3 +77,33 @@ def metrics(job: JobDep, store: StoreDep,
     rows = store.list_metrics(job_id=job.id, rank=rank, attempt=attempt, after_step=after_step,
                               limit=limit)
     return MetricList(items=[MetricOut.of(m) for m in rows])
+
+
+@router.get("/{job_id}/attempts")
+def attempts(job: JobDep, store: StoreDep) -> dict[str, Any]:
+    """Every attempt of a job: status, placement (node of every rank), error."""
+    return {"items": store.list_attempts(job_id=job.id)}
+
+
+@router.get("/{job_id}/comm")
+def comm(job: JobDep, store: StoreDep,
+         last: Annotated[int, Query(ge=1, le=10000)] = 100) -> dict[str, Any]:
+    """Communication per dimension over the last `last` steps of the newest attempt: time per
+    step, fraction of step, bytes, achieved busbw, the plan's predicted share, per-rank
+    breakdown, and the bandwidth probe."""
+    latest = store.latest_metric(job_id=job.id)
+    rank_reports: dict[int, list[dict[str, Any]]] = {}
+    if latest is not None:
+        for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                    after_step=max(0, latest.step - last)):
+            if "comm" in m.data:
+                rank_reports.setdefault(m.rank, []).append(
+                    {"step": m.step, "step_s": m.step_time_s, "timed": m.data.get("timed", True),
+                     "comm": m.data["comm"]})
+    layout = job.plan.get("layout", {})
+    dims = ParallelDims(tp=layout.get("tp", 1), pp=layout.get("pp", 1), dp=layout.get("dp", 1))
+    probes = store.list_probes(job_id=job.id, limit=1)
+    out = summarize_comm(rank_reports, dims, job.plan, probes[0]["results"] if probes else [])
+    out["attempt"] = latest.attempt if latest else None
+    out["probe_summary"] = probes[0]["summary"] if probes else None
+    return out

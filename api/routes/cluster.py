@@ -1,0 +1,60 @@
+"""Cluster routes: the node inventory the controller records, and `trident probe` runs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import StoreDep
+from service.hardware import PROFILES
+from service.store import NotFound
+
+router = APIRouter(tags=["cluster"])
+
+
+@router.get("/cluster")
+def cluster(store: StoreDep) -> dict[str, Any]:
+    """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise), the newest
+    cluster probe, and the profiles that probes calibrated."""
+    probes = store.list_probes(scope="cluster", limit=1)
+    calibrated = {name: p for name in PROFILES if (p := store.get_profile(name=name))}
+    return {"nodes": store.list_nodes(), "probe": probes[0] if probes else None,
+            "profiles": calibrated}
+
+
+class ProbeRequest(BaseModel):
+    """What `trident probe` measures."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    ranks_per_node: Annotated[int, Field(ge=1, le=64)] = 2
+    """Ranks on every node: its GPUs on GPU nodes; on CPU nodes, ranks sharing its cores."""
+    max_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 20
+    """Largest message size; sizes run from 1 KiB in powers of 4."""
+    profile: str = "cpu"
+    """The hardware profile the measurement calibrates (e.g. a100-80gb, cpu)."""
+
+
+@router.post("/probes", status_code=202)
+def request_probe(body: ProbeRequest, store: StoreDep) -> dict[str, Any]:
+    """Ask the controller to probe the cluster; poll `GET /probes/{id}` for the result."""
+    if body.profile not in PROFILES:
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["body", "profile"], "type": "value_error",
+            "msg": f"unknown hardware profile {body.profile!r}; known: {sorted(PROFILES)}"}])
+    return store.create_probe(scope="cluster", request=body.model_dump())
+
+
+@router.get("/probes")
+def list_probes(store: StoreDep) -> dict[str, Any]:
+    return {"items": store.list_probes(scope="cluster", limit=50)}
+
+
+@router.get("/probes/{probe_id}")
+def get_probe(store: StoreDep, probe_id: Annotated[int, Path(ge=1)]) -> dict[str, Any]:
+    try:
+        return store.get_probe(probe_id=probe_id)
+    except NotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None

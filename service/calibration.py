@@ -1,0 +1,56 @@
+"""`trident probe` results into a calibrated hardware profile.
+
+The controller calls `calibrate` with every rank's `ClusterProbeReport`; the store keeps the
+profile under the name of the profile it calibrates, and the planner prefers it to the
+built-in one of that name for jobs on this cluster.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, replace
+from typing import Any
+
+from service.hardware import HardwareProfile, get_profile
+from service.health import annotate_expected, measured_link_bw
+from service.protocols import ClusterProbeReport
+
+
+def calibrate(request: dict[str, Any],
+              reports: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(probe rows annotated with expectations, summary with the calibrated profile)."""
+    parsed = [ClusterProbeReport.model_validate(r) for r in reports
+              if r.get("kind") == "cluster_probe"]
+    if not parsed:
+        raise ValueError("no rank reported")
+    base = get_profile(str(request.get("profile", "cpu")))
+    node_of_rank = {p.rank: p.node_id for p in parsed}
+    rows = [r.model_dump() for p in parsed for r in p.rows]
+    flops = {kind: statistics.median(p.matmul_flops[kind] for p in parsed
+                                     if kind in p.matmul_flops)
+             for kind in {k for p in parsed for k in p.matmul_flops}}
+    links = measured_link_bw(rows, node_of_rank) if rows else {}
+    profile = calibrated_profile(base, flops=flops, intra_node_bw=links.get("intra_node_bw"),
+                                 inter_node_bw=links.get("inter_node_bw"),
+                                 probe_id=request.get("probe_id"))
+    summary = {"profile": asdict(profile), "matmul_flops": flops, "links": links,
+               "ranks": len(parsed), "nodes": len(set(node_of_rank.values()))}
+    return annotate_expected(rows, base, node_of_rank), summary
+
+
+def calibrated_profile(base: HardwareProfile, *, flops: dict[str, float],
+                       intra_node_bw: float | None, inter_node_bw: float | None,
+                       probe_id: int | None = None) -> HardwareProfile:
+    """`base` with what was measured put in place of the datasheet figures."""
+    changes: dict[str, Any] = {"source": f"calibrated by trident probe {probe_id or ''}".strip()}
+    if "fp32" in flops:
+        changes["peak_flops_fp32"] = flops["fp32"]
+    if "bf16" in flops:
+        changes["peak_flops_bf16"] = flops["bf16"]
+    elif "fp32" in flops and base.name == "cpu":
+        changes["peak_flops_bf16"] = flops["fp32"]  # CPU ranks compute bf16 no faster
+    if intra_node_bw:
+        changes["intra_node_bw"] = intra_node_bw
+    if inter_node_bw:
+        changes["inter_node_bw"] = inter_node_bw
+    return replace(base, **changes)
