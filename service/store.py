@@ -359,9 +359,9 @@ class Store:
             for row in s.execute(select(NodeRow)).scalars():
                 row.alive = row.node_id in seen
             for n in nodes:
-                row = s.get(NodeRow, n["node_id"])
-                if row is None:
-                    row = NodeRow(node_id=n["node_id"])
+                found = s.get(NodeRow, n["node_id"])
+                row = found if found is not None else NodeRow(node_id=n["node_id"])
+                if found is None:
                     s.add(row)
                 row.hostname = str(n.get("hostname", ""))[:255]
                 row.info = n
