@@ -22,26 +22,29 @@ from dataclasses import asdict, dataclass
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
 
-# Bytes per parameter: (weights, gradients, optimizer) with weights/gradients possibly
-# sharded over N. Each entry: (param_full, param_shard, grad_full, grad_shard, opt_shard).
-# 16-bit mixed precision: 16-bit weights, fp32 gradient accumulation / partition, fp32
-# master + Adam m and v (12 bytes). ZeRO-0 is Megatron's 18 bytes; ZeRO-2 is DeepSpeed's
-# estimator's 2 + 18/N (16-bit gradient partition 2 + fp32 gradient partition 4); ZeRO-3
-# is 18/N (no 16-bit gradient partition kept).
+# Bytes per parameter at the peak of model states: (weights, gradients, optimizer), each
+# either whole on every DP rank or sharded over N. Entry: (param_full, param_shard,
+# grad_full, grad_shard, opt_shard). Measured on real DeepSpeed 0.19 engines (CPU, gloo, every
+# stage; tests/test_planner_deepspeed.py): ZeRO-1 and ZeRO-2 both reduce gradients into
+# partitions; inside the optimizer step the fp32 gradient partition (4/N) sits next to the
+# fp32 master weights and Adam m, v (12/N). ZeRO-3 also keeps the 16-bit gradient partition
+# then (6/N). ZeRO-0 in 16-bit is Megatron's 18 bytes (fp32 gradient accumulation).
 _MIXED = {
     0: (2, 0, 4, 0, 12),
-    1: (2, 0, 2, 4, 12),
-    2: (2, 0, 0, 6, 12),
-    3: (0, 2, 0, 4, 12),
+    1: (2, 0, 0, 4, 12),
+    2: (2, 0, 0, 4, 12),
+    3: (0, 2, 0, 6, 12),
 }
-# fp32 training: no master copy at ZeRO-0 (Adam m and v only); ZeRO keeps an fp32 partition
-# of the weights for the optimizer (a copy), and of the reduced gradients.
+# fp32 training: no master copy at ZeRO-0 (Adam m and v only); ZeRO keeps an fp32 copy of
+# its weight partition for the optimizer; ZeRO-3 holds a second gradient partition in step.
 _FP32 = {
     0: (4, 0, 4, 0, 8),
-    1: (4, 0, 4, 4, 12),
-    2: (4, 0, 0, 8, 12),
-    3: (0, 4, 0, 4, 12),
+    1: (4, 0, 0, 4, 12),
+    2: (4, 0, 0, 4, 12),
+    3: (0, 4, 0, 8, 12),
 }
+FP32_GRAD_PARTITION = 4
+"""Bytes per parameter of the fp32 gradient partition that CPU offload moves to the host."""
 HOST_BUFFER_FACTOR = 1.5
 """Pinned host buffers over offloaded states (DeepSpeed estimators' additional_buffer_factor)."""
 
@@ -168,12 +171,12 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     p_full, p_shard, g_full, g_shard, o_shard = table[lay.zero]
     params = pr * (p_full + p_shard / n)
     grads = pr * (g_full + g_shard / n)
-    optimizer = pr * o_shard / n
+    optimizer = pr * o_shard / (n if lay.zero >= 1 else 1)  # ZeRO-0 shards nothing
     host = 0.0
     if lay.offload != "none":
-        # Optimizer states and the fp32 gradient partition live in host memory; the GPU keeps
-        # 16-bit weights (and ZeRO-1's unpartitioned 16-bit gradients).
-        host += optimizer + pr * g_shard / n
+        # Optimizer states and the fp32 gradient partition live in host memory (DeepSpeed's
+        # 16/N); the GPU keeps the 16-bit weights, gradients go to the host as reduced.
+        host += optimizer + pr * FP32_GRAD_PARTITION / n
         optimizer = 0.0
         grads = pr * g_full
     persistent = 0.0
