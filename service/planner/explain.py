@@ -81,10 +81,21 @@ def compare(best: Plan, other: Plan) -> str:
             "optimizer_s", "overhead_s"]
     diffs = {k: getattr(other.time, k) - getattr(best.time, k) for k in keys}
     k, d = max(diffs.items(), key=lambda kv: kv[1])
-    label = {"compute_s": "compute (recompute or GEMM efficiency)", "bubble_s":
+    label = {"compute_s": "compute on its slowest stage (recompute, GEMM efficiency or the LM "
+                          "head on the last stage)", "bubble_s":
              "the pipeline bubble", "tp_comm_s": "TP all-reduce", "pp_comm_s": "PP sends",
              "dp_comm_s": "DP/ZeRO communication", "offload_s": "offload transfers",
              "optimizer_s": "the optimizer step", "overhead_s": "per-op overheads"}[k]
+    sc, lay = other.scenario, other.layout
+    if k == "tp_comm_s":
+        label += (f" over the inter-node link (tp{lay.tp} > {sc.gpus_per_node} GPUs per node)"
+                  if lay.tp > sc.gpus_per_node else f" (tp{lay.tp} inside a node)")
+    elif k == "bubble_s":
+        frac = (lay.pp - 1) / (lay.virtual_stages * sc.micro_batches)
+        label += (f" at {sc.micro_batches} micro-batches ((pp-1)/(v*m) = {lay.pp - 1}/"
+                  f"({lay.virtual_stages}*{sc.micro_batches}) = {frac:.2f})")
+    elif k == "dp_comm_s":
+        label += f" (zero{lay.zero} over dp{lay.dp})"
     return (f"{layout_name(other)} is {_pct(other.time.step_s / best.time.step_s - 1)} slower: "
             f"it loses {t_s(d)} per step to {label}.")
 
@@ -94,6 +105,11 @@ def tuning_notes(plan: Plan) -> list[str]:
     lay = sc.layout
     notes: list[str] = []
     m = sc.micro_batches
+    headroom = 1 - plan.memory.total / plan.capacity_bytes
+    if 0 <= headroom < 0.05:
+        notes.append(f"Only {_pct(headroom)} memory headroom: allocator fragmentation can still "
+                     "run out of memory; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps, "
+                     "or take the next layout with more room.")
     if lay.pp > 1:
         frac = (lay.pp - 1) / (lay.virtual_stages * m)
         if frac > 0.1:
