@@ -43,6 +43,9 @@ def structural_problems(shape: ModelShape, lay: ParallelSpec, *, global_batch: i
     if global_batch % (micro_batch * lay.dp):
         out.append(f"global_batch({global_batch}) is not divisible by micro_batch"
                    f"({micro_batch}) * dp({lay.dp}) = {micro_batch * lay.dp}")
+    m = global_batch // max(1, micro_batch * lay.dp)
+    if lay.virtual_stages > 1 and lay.pp > 1 and m % lay.pp:
+        out.append(f"interleaving needs micro-batches({m}) divisible by pp({lay.pp})")
     if lay.zero >= 2 and lay.pp > 1:
         out.append(f"zero({lay.zero}) with pp({lay.pp}) > 1 is not supported by DeepSpeed's "
                    "pipeline engine")
