@@ -11,7 +11,7 @@ from service.hardware import GB, PROFILES, get_profile
 from service.planner import PlanInfeasible, evaluate, plan_job, search
 from service.planner.calibrate import fit_overheads, profile_from_measurements
 from service.planner.capacity import can_train, capacity
-from service.planner.report import render_plan, render_search
+from service.planner.report import plan_command, render_can_train, render_plan, render_search
 from service.planner.timing import ring_time
 from service.spec import JobSpec, ParallelSpec
 
@@ -251,3 +251,15 @@ def test_reports_render() -> None:
     text = render_search(res, top=5)
     assert "layouts fit" in text and "MFU" in text
     assert "tokens/s" in render_plan(res.ranked[0])
+
+
+def test_plan_command_explicit_and_auto() -> None:
+    bad = job("gpt3-13b", gb=16, parallel=ParallelSpec(dp=8))
+    out = plan_command(bad, as_json=True)
+    assert isinstance(out, dict) and out["fits"] is False and out["layout"]["dp"] == 8
+    text = plan_command(bad)
+    assert isinstance(text, str) and "Nearest layouts that fit" in text
+    auto = plan_command(job("gpt3-1.3b", gb=16), top=3, as_json=True)
+    assert isinstance(auto, dict) and len(auto["ranked"]) == 3 and auto["best"]["fits"]
+    assert "No layout fits" in render_can_train(can_train(job("gpt3-175b", gpu="a100-40gb",
+                                                              gb=8)))

@@ -11,6 +11,7 @@ from typing import Any
 from service.hardware import GB, HardwareProfile
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
+from service.planner.scenario import ZeroConfig
 from service.planner.search import nearest_fitting, search
 from service.spec import JobSpec
 
@@ -26,10 +27,15 @@ class PlanInfeasible(ValueError):
         self.reasons = reasons or []
 
 
-def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None) -> dict[str, Any]:
-    """The plan JSON stored with a job (docs/planner.md); raises PlanInfeasible."""
+def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
+             zero_cfg: ZeroConfig | None = None) -> dict[str, Any]:
+    """The plan JSON stored with a job (docs/planner.md); raises PlanInfeasible.
+
+    `profile`: a probed profile for the job's cluster (default: `cluster.gpu`'s table entry);
+    `zero_cfg`: the trainer's DeepSpeed bucket settings (default: DeepSpeed's defaults).
+    """
     if isinstance(spec.parallel, str):
-        res = search(spec, profile=profile)
+        res = search(spec, profile=profile, zero_cfg=zero_cfg)
         if res.best is None:
             reasons = sorted({r.reason for r in res.rejected})
             raise PlanInfeasible(
@@ -44,9 +50,9 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None) -> dict[s
             "explanation": res.explanation(),
         }
         return out
-    plan = evaluate(spec, profile=profile)
+    plan = evaluate(spec, profile=profile, zero_cfg=zero_cfg)
     if not plan.fits:
-        nearest = nearest_fitting(spec, spec.layout, profile=profile)
+        nearest = nearest_fitting(spec, spec.layout, profile=profile, zero_cfg=zero_cfg)
         alts = ("; nearest layouts that fit: " + ", ".join(
             f"{layout_name(p)} ({p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f} tokens/s)"
             for p in nearest)) if nearest else "; no layout of this world size fits"

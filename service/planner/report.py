@@ -5,11 +5,14 @@ Pure formatting of what plan.py, search.py and capacity.py computed; no model he
 
 from __future__ import annotations
 
-from service.hardware import GB
+from typing import Any
+
+from service.hardware import GB, HardwareProfile
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
 from service.planner.explain import layout_name
-from service.planner.plan import Plan
-from service.planner.search import SearchResult
+from service.planner.plan import Plan, evaluate
+from service.planner.search import SearchResult, nearest_fitting, search
+from service.spec import JobSpec
 
 
 def _gb(x: float) -> str:
@@ -75,3 +78,29 @@ def render_can_train(ans: CanTrain) -> str:
 
 def render_capacity(rows: list[CapacityRow], *, family: str, cluster: str) -> str:
     return capacity_text(rows, family=family, cluster=cluster)
+
+
+def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
+                 profile: HardwareProfile | None = None) -> str | dict[str, Any]:
+    """What `trident plan SPEC [--top N] [--json]` prints.
+
+    An explicit layout is evaluated exactly, even when it does not fit (the text then lists
+    the nearest layouts that fit); `parallel: auto` searches and shows the top N and the best
+    plan in full.
+    """
+    if isinstance(spec.parallel, str):
+        res = search(spec, profile=profile)
+        if as_json:
+            return res.to_json(top)
+        text = render_search(res, top)
+        return text + ("\n\n" + render_plan(res.ranked[0]) if res.ranked else "")
+    plan = evaluate(spec, profile=profile)
+    if as_json:
+        return plan.to_json()
+    text = render_plan(plan)
+    if not plan.fits:
+        near = nearest_fitting(spec, spec.layout, profile=profile)
+        text += "\n\nNearest layouts that fit:\n" + ("\n".join(
+            f"  {layout_name(p)}: {p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f} tokens/s"
+            for p in near) or "  none of this world size")
+    return text

@@ -193,9 +193,10 @@ def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: f
 
 def nearest_fitting(spec: JobSpec, layout: ParallelSpec, *, n: int = 3,
                     profile: HardwareProfile | None = None,
+                    zero_cfg: ZeroConfig | None = None,
                     result: SearchResult | None = None) -> list[Plan]:
     """Fitting layouts of the same world size that change the fewest fields of `layout`."""
-    res = result or search(spec, profile=profile,
+    res = result or search(spec, profile=profile, zero_cfg=zero_cfg,
                            world_size=layout.tp * layout.pp * layout.dp)
     want = layout.model_dump() | {"micro_batch": spec.train.micro_batch}
 
