@@ -32,7 +32,7 @@ def worker(rank: int, port: int, layers: int, zero: int, q: Any) -> None:
     import deepspeed
     import torch
 
-    from tests._ds_probe import GPT
+    from tests._planner_ds_probe import GPT
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -105,7 +105,7 @@ def _free_port() -> int:
 def _measure(stage: int, precision: str) -> list[int]:
     import torch.multiprocessing as mp
 
-    from tests._ds_probe import worker
+    from tests._planner_ds_probe import worker
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "steps_per_print": 10_000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},

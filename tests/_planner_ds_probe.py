@@ -1,5 +1,8 @@
-"""Helper for tests/test_planner_deepspeed.py: build a small GPT-shaped model in a real
-DeepSpeed engine on CPU (gloo), take one step, and count the bytes of every live tensor.
+"""Helper for tests/test_planner_deepspeed.py and bench/bench_cpu_constants.py.
+
+Builds a small GPT-shaped model (the planner's GPT conventions) in a real DeepSpeed engine on
+CPU (gloo), trains two steps, and counts the bytes of every live tensor at the peak of model
+states (after backward, and inside the optimizer step).
 
 Run as a spawned process per ZeRO stage; returns counts through a queue.
 """
