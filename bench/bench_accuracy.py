@@ -6,8 +6,13 @@ The measured errors are quoted in docs/planner.md.
 
 from __future__ import annotations
 
-from service.planner import evaluate
-from service.spec import JobSpec, ParallelSpec
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from service.planner import evaluate  # noqa: E402
+from service.spec import JobSpec, ParallelSpec  # noqa: E402
 
 TABLE5 = [  # name, L, h, a, pp, v, B, full recompute s, SP + selective s
     ("22B", 48, 6144, 64, 1, 1, 4, 1.42, 1.10),

@@ -5,11 +5,16 @@ Run: python bench/bench_planner.py   (prints seconds per search and the best lay
 
 from __future__ import annotations
 
-import time
+import os
+import sys
 
-from service.planner import search
-from service.planner.explain import layout_name
-from service.spec import JobSpec
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import time  # noqa: E402
+
+from service.planner import search  # noqa: E402
+from service.planner.explain import layout_name  # noqa: E402
+from service.spec import JobSpec  # noqa: E402
 
 
 def main() -> None:
