@@ -57,6 +57,9 @@ def test_plan_json_documented_keys() -> None:
                 "rank_layout", "host_memory", "shares", "explanation", "notes", "profile"):
         assert key in out
     assert len(out["rank_layout"]) == 8 and out["world_size"] == 8
+    stages = out["memory_by_stage"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert max(s["total"] for s in stages) == pytest.approx(mem["total"])
     assert out["tokens_per_s"] == pytest.approx(16 * 2048 / out["time"]["step_s"])
 
 

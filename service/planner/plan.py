@@ -13,7 +13,7 @@ from typing import Any
 
 from service.hardware import GB, HardwareProfile, get_profile
 from service.parallel import rank_layout
-from service.planner.memory import MemoryBreakdown, memory
+from service.planner.memory import MemoryBreakdown, memory, stage_memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
@@ -194,6 +194,11 @@ class Plan:
             "reasons": self.reasons,
             "capacity_bytes": self.capacity_bytes,
             "memory": mem,
+            "memory_by_stage": [
+                {k: v for k, v in stage_memory(sc, s).to_json().items()
+                 if k in ("stage", "params", "grads", "optimizer", "activations", "other",
+                          "total")}
+                for s in range(sc.layout.pp)],
             "host_memory": {"per_rank": self.memory.host_per_rank,
                             "per_node": self.memory.host_per_node,
                             "capacity_per_node": self.host_capacity_bytes},
