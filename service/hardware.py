@@ -1,13 +1,35 @@
 """Hardware profiles: what one accelerator (or CPU rank) of each kind can do.
 
-The planner reads every constant from this one table; the spec validates `cluster.gpu`
-against its names. `trident probe` stores measured profiles that override these on a live
-cluster.
+The planner (`service.planner`) reads every hardware constant from this one table, and the
+spec validates `cluster.gpu` against its names. `trident probe` measures a live cluster and
+`service.planner.calibrate.profile_from_measurements` turns the measurements into a profile
+that overrides these for jobs on that cluster.
+
+Sources (one line per constant family; each profile names its own in `source`):
+
+- Peak dense FLOP/s, memory and HBM bandwidth: NVIDIA datasheets (V100 SXM2, A100 SXM4,
+  H100 SXM5, H200 SXM).
+- Intra-node bandwidth: achieved 8-GPU all-reduce bus bandwidth from nccl-tests on DGX
+  machines (about 130 GB/s V100 NVLink2, 230 GB/s A100 NVLink3, 370 GB/s H100 NVLink4 ring).
+- Inter-node bandwidth: one InfiniBand port per GPU (EDR 12.5, HDR 25, NDR 50 GB/s line
+  rate) at the 0.86 of line rate that nccl-tests achieves across nodes.
+- Host link: PCIe gen3 / gen4 / gen5 x16 achieved copy rate (about 12 / 24 / 50 GB/s).
+- GEMM efficiency curve (`gemm_eff_max`, `gemm_half_width`): fitted on two points of
+  Korthikanti et al. 2022, Table 5 (A100-80GB; 22B and 1T, full recompute); the other six
+  points of that table are the test (tests/test_planner_published.py). Other GPUs scale the
+  same curve: it models how well a transformer layer's GEMMs of per-GPU width h/tp fill the
+  tensor cores.
+- CPU Adam: DeepSpeed's CPUAdam reaches about 1e9 parameters/s per 16-32 core socket
+  (ZeRO-Offload, Ren et al. 2021, Fig. 7); a DGX node has two sockets.
+- `cpu`: measured on this project's 2-core CI machine (torch matmul, one thread per rank;
+  gloo all-reduce on loopback; forward/backward of a small GPT for the per-op overheads),
+  see bench/bench_cpu_constants.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 GB = 1e9
 
@@ -17,40 +39,103 @@ class HardwareProfile:
     """One accelerator kind, with the links of a typical node built from it."""
 
     name: str
+    """Profile name, as used by `cluster.gpu`."""
     peak_flops_bf16: float
     """Dense bf16/fp16 peak FLOP/s per device."""
     peak_flops_fp32: float
     """Dense fp32 (TF32 where the hardware has it) peak FLOP/s per device."""
     memory_bytes: float
-    """Device memory in bytes."""
+    """Device memory in bytes (for `cpu`: the share of host memory one rank may use)."""
     hbm_bw: float
     """Device memory bandwidth, bytes/s."""
     intra_node_bw: float
-    """Achievable per-direction bandwidth between devices of one node, bytes/s."""
+    """Achieved collective bus bandwidth between devices of one node, bytes/s (nccl-tests)."""
     inter_node_bw: float
-    """Achievable per-device bandwidth between nodes, bytes/s."""
+    """Achieved per-device bandwidth between nodes, bytes/s (one NIC port per device)."""
     intra_node_latency_s: float
+    """Per-hop latency alpha of a collective inside a node, seconds."""
     inter_node_latency_s: float
+    """Per-hop latency alpha of a collective across nodes, seconds."""
     host_memory_bytes: float
     """Host (CPU) memory per node, bytes."""
-    source: str
+    host_link_bw: float = 24 * GB
+    """Host <-> device copy bandwidth per device (PCIe), bytes/s; used by CPU offload."""
+    gemm_eff_max: float = 0.80
+    """Fraction of peak FLOP/s that very wide transformer GEMMs reach."""
+    gemm_half_width: float = 300.0
+    """Per-GPU GEMM width h/tp at which the efficiency is half of `gemm_eff_max`."""
+    cpu_adam_params_per_s: float = 2e9
+    """CPU Adam throughput of one node (all sockets), parameters per second."""
+    layer_overhead_s: float = 0.0
+    """Fixed time per transformer layer per micro-batch, forward plus backward (launches)."""
+    step_overhead_s: float = 0.0
+    """Fixed time per optimizer step (optimizer launch, bookkeeping)."""
+    reserved_bytes: float = 2 * GB
+    """Device memory the framework takes besides tensors (context, allocator fragmentation)."""
+    host_process_bytes: float = 4 * GB
+    """Host memory each rank's process needs besides offloaded states (runtime, pinned I/O)."""
+    device_is_host: bool = False
+    """The "device" is the host itself (CPU training): device bytes count against host memory."""
+    dp_overlap: float = 0.5
+    """Fraction of the data-parallel gradient reduction hidden behind the backward pass."""
+    source: str = ""
+    """Where the numbers come from."""
 
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak for the training precision (`fp32`, `bf16`, `fp16`)."""
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_bf16
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HardwareProfile:
+        return cls(**data)
+
+    def with_(self, **changes: Any) -> HardwareProfile:
+        return replace(self, **changes)
+
+
+_DATASHEET = "NVIDIA {} datasheet; nccl-tests DGX {}; IB {} at 0.86 of line rate; PCIe {}"
 
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in [
-        HardwareProfile("v100-32gb", 125e12, 15.7e12, 32 * GB, 900 * GB, 130 * GB, 10.75 * GB,
-                        5e-6, 10e-6, 768 * GB, "NVIDIA V100 datasheet; DGX-1"),
-        HardwareProfile("a100-40gb", 312e12, 156e12, 40 * GB, 1555 * GB, 230 * GB, 21.5 * GB,
-                        5e-6, 10e-6, 1024 * GB, "NVIDIA A100 datasheet; nccl-tests DGX A100"),
-        HardwareProfile("a100-80gb", 312e12, 156e12, 80 * GB, 2039 * GB, 230 * GB, 21.5 * GB,
-                        5e-6, 10e-6, 2048 * GB, "NVIDIA A100 datasheet; nccl-tests DGX A100"),
-        HardwareProfile("h100-80gb", 989e12, 494e12, 80 * GB, 3350 * GB, 370 * GB, 43 * GB,
-                        5e-6, 10e-6, 2048 * GB, "NVIDIA H100 SXM datasheet; nccl-tests DGX H100"),
-        HardwareProfile("h200", 989e12, 494e12, 141 * GB, 4800 * GB, 370 * GB, 43 * GB,
-                        5e-6, 10e-6, 2048 * GB, "NVIDIA H200 datasheet"),
-        HardwareProfile("cpu", 50e9, 50e9, 16 * GB, 16 * GB, 1.5 * GB, 1.5 * GB,
-                        50e-6, 100e-6, 24 * GB, "this project's 2-core CI machine, gloo on loopback"),
+        HardwareProfile(
+            "v100-32gb", 125e12, 15.7e12, 32 * GB, 900 * GB, 130 * GB, 10.75 * GB,
+            6e-6, 12e-6, 768 * GB, host_link_bw=12 * GB, cpu_adam_params_per_s=1.5e9,
+            layer_overhead_s=60e-6, reserved_bytes=1.5 * GB,
+            source=_DATASHEET.format("V100 SXM2", "-1", "EDR", "gen3")),
+        HardwareProfile(
+            "a100-40gb", 312e12, 156e12, 40 * GB, 1555 * GB, 230 * GB, 21.5 * GB,
+            5e-6, 10e-6, 1024 * GB, host_link_bw=24 * GB,
+            layer_overhead_s=40e-6, reserved_bytes=2 * GB,
+            source=_DATASHEET.format("A100 SXM4 40GB", "A100", "HDR", "gen4")),
+        HardwareProfile(
+            "a100-80gb", 312e12, 156e12, 80 * GB, 2039 * GB, 230 * GB, 21.5 * GB,
+            5e-6, 10e-6, 2048 * GB, host_link_bw=24 * GB,
+            layer_overhead_s=40e-6, reserved_bytes=2 * GB,
+            source=_DATASHEET.format("A100 SXM4 80GB", "A100", "HDR", "gen4")),
+        HardwareProfile(
+            "h100-80gb", 989e12, 494e12, 80 * GB, 3350 * GB, 370 * GB, 43 * GB,
+            4e-6, 8e-6, 2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
+            layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
+            source=_DATASHEET.format("H100 SXM5", "H100", "NDR", "gen5")),
+        HardwareProfile(
+            "h200", 989e12, 494e12, 141 * GB, 4800 * GB, 370 * GB, 43 * GB,
+            4e-6, 8e-6, 2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
+            layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
+            source=_DATASHEET.format("H200 SXM", "H200", "NDR", "gen5")),
+        # One rank = one core of this machine. Step times of tiny models are dominated by
+        # per-op overheads, so the overhead constants matter more than the FLOP/s here.
+        HardwareProfile(
+            "cpu", 200e9, 93e9, 8 * GB, 16 * GB, 1.5 * GB, 1.5 * GB,
+            50e-6, 100e-6, 24 * GB, host_link_bw=16 * GB, gemm_eff_max=0.9,
+            gemm_half_width=64.0, cpu_adam_params_per_s=2e8, layer_overhead_s=1.5e-3,
+            step_overhead_s=8e-3, reserved_bytes=0.3 * GB, dp_overlap=0.0,
+            host_process_bytes=0.5 * GB, device_is_host=True,
+            source="measured on the 2-core CI machine: torch matmul 93 GFLOP/s fp32, 200 bf16"
+                   " per core; gloo loopback busbw 1.5 GB/s; bench/bench_cpu_constants.py"),
     ]
 }
 

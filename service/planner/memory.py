@@ -1,0 +1,244 @@
+"""Bytes per GPU of the most loaded rank, and host bytes per node.
+
+Called by `evaluate` (plan.py). The terms, in the order of reference/planner-model.md:
+
+- model states (parameters, gradients, optimizer states) per ZeRO stage, with the byte
+  counts DeepSpeed really holds (its estimators' 2 + 18/N for ZeRO-2 and 18/N for ZeRO-3 in
+  16-bit training), CPU offload moving the right ones to host memory;
+- activations per layer by Korthikanti et al. 2022 (Table 2), for every recompute and
+  sequence-parallel variant, times the micro-batches the 1F1B (or interleaved) schedule
+  keeps in flight on the stage;
+- logits and loss on the last stage, DeepSpeed's ZeRO buffers, and the profile's calibrated
+  reserved bytes (context, fragmentation).
+
+The first stage carries the embedding and the most in-flight micro-batches, the last stage
+the LM head and the logits; both are computed and the larger one is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from service.planner.scenario import Scenario
+from service.planner.shape import ModelShape
+
+# Bytes per parameter at the peak of model states: (weights, gradients, optimizer), each
+# either whole on every DP rank or sharded over N. Entry: (param_full, param_shard,
+# grad_full, grad_shard, opt_shard). Measured on real DeepSpeed 0.19 engines (CPU, gloo, every
+# stage; tests/test_planner_deepspeed.py): ZeRO-1 and ZeRO-2 both reduce gradients into
+# partitions; inside the optimizer step the fp32 gradient partition (4/N) sits next to the
+# fp32 master weights and Adam m, v (12/N). ZeRO-3 also keeps the 16-bit gradient partition
+# then (6/N). ZeRO-0 in 16-bit is Megatron's 18 bytes (fp32 gradient accumulation).
+_MIXED = {
+    0: (2, 0, 4, 0, 12),
+    1: (2, 0, 0, 4, 12),
+    2: (2, 0, 0, 4, 12),
+    3: (0, 2, 0, 6, 12),
+}
+# fp32 training: no master copy at ZeRO-0 (Adam m and v only); ZeRO keeps an fp32 copy of
+# its weight partition for the optimizer; ZeRO-3 holds a second gradient partition in step.
+_FP32 = {
+    0: (4, 0, 4, 0, 8),
+    1: (4, 0, 0, 4, 12),
+    2: (4, 0, 0, 4, 12),
+    3: (0, 4, 0, 8, 12),
+}
+FP32_GRAD_PARTITION = 4
+"""Bytes per parameter of the fp32 gradient partition that CPU offload moves to the host."""
+HOST_BUFFER_FACTOR = 1.5
+"""Pinned host buffers over offloaded states (DeepSpeed estimators' additional_buffer_factor)."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device of the most loaded rank (`stage` says which pipeline stage)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    """Logits and loss of one micro-batch (last stage)."""
+    zero_buffers: float
+    """Gradient-reduction buckets, ZeRO-3 gathered/prefetched parameters."""
+    reserved: float
+    """The profile's calibrated constant: framework context and fragmentation."""
+    stage: int
+    """Pipeline stage of the most loaded rank."""
+    in_flight: float
+    """Micro-batches whose activations that stage holds at the peak."""
+    host_per_rank: float
+    """Offloaded states (with pinned buffers) held in host memory for one rank."""
+    host_per_node: float
+    """Host memory a node needs: its ranks' offloaded states plus per-process overhead."""
+    params_per_rank: float
+    """Parameters this rank's model-parallel shard holds (before ZeRO)."""
+
+    @property
+    def other(self) -> float:
+        return self.logits + self.zero_buffers + self.reserved
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def to_json(self) -> dict[str, float]:
+        out = asdict(self)
+        out.update(other=self.other, total=self.total)
+        return out
+
+
+def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
+                           sequence_parallel: bool, recompute: str, act_bytes: int = 2) -> float:
+    """Activation bytes one transformer layer keeps for backward, one micro-batch, one rank.
+
+    Korthikanti et al. 2022, Table 2, generalised to GQA (K and V are kv_heads/heads of Q)
+    and SwiGLU (gate, up, their product and the activation are ffn-wide). For GPT shapes:
+    none s*b*h*(34 + 5as/h); TP s*b*h*(10 + 24/t + 5as/(ht)); TP+SP s*b*h*(34 + 5as/h)/t;
+    selective drops the 5as/h attention-score term; full keeps only the layer input 2sbh
+    (divided by t with SP). Dropout masks are 1 byte; other elements `act_bytes` (the
+    paper's 2), scaled for fp32.
+    """
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    sbh = s * micro_batch * h
+    scale = act_bytes / 2.0
+    if recompute == "full":
+        return 2.0 * sbh * scale / (tp if sequence_parallel else 1)
+    r = shape.kv_heads / shape.heads
+    f = shape.ffn_hidden / h
+    # Not split by TP: two LayerNorm inputs (4), QKV and MLP inputs (4), two dropout masks (2).
+    replicated = 10.0
+    # Split by TP: Q (2), K and V (4r), attention-output projection input (2), MLP inside.
+    split = 2 + 4 * r + 2 + (8 * f if shape.swiglu else 4 * f)
+    scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    per = (replicated / tp if sequence_parallel else replicated) + (split + scores) / tp
+    return per * sbh * scale
+
+
+def in_flight_micro_batches(sc: Scenario, stage: int) -> float:
+    """Micro-batches of activations stage `stage` holds at its peak, in units of its layers.
+
+    1F1B: stage i keeps min(m, p - i) in flight. Interleaving (v chunks) raises the first
+    stage to p * (1 + (p-1)/(p*v)) (Megatron's warm-up), when m >= p.
+    """
+    p, v, m = sc.layout.pp, sc.layout.virtual_stages, sc.micro_batches
+    base = float(min(m, p - stage))
+    if v > 1 and m >= p:
+        warmup_chunks = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+        return warmup_chunks / v
+    return base
+
+
+def _stage_params(shape: ModelShape, sc: Scenario, stage: int) -> float:
+    """Parameters on one rank of `stage` (its layers and end pieces, divided by tp)."""
+    p, t = sc.layout.pp, sc.layout.tp
+    n = shape.layers // p * shape.layer_params
+    if stage == 0:
+        n += shape.embedding_params
+    if stage == p - 1:
+        n += shape.head_params
+        if p > 1 and shape.tied:
+            n += shape.vocab * shape.hidden  # the last stage keeps its copy of the tied matrix
+    return n / t
+
+
+def _largest_tensor_block(shape: ModelShape, t: int) -> float:
+    """Largest unit ZeRO-3 gathers at once on one rank: a layer or the embedding."""
+    return max(shape.layer_params, shape.vocab * shape.hidden) / t
+
+
+def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float) -> float:
+    """ZeRO-3 keeps tensors under the persistence threshold whole: norms, biases, tiny mats."""
+    thr = sc.zero_cfg.stage3_param_persistence_threshold
+    h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
+    mats = [h * (h + 2 * kv) / t, h * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
+    small_mats = sum(x for x in mats if x < thr)
+    vecs = (4 if shape.biases else 2) * h + ((h + 2 * kv + h + f + h) if shape.biases else 0)
+    layers = shape.layers // sc.layout.pp
+    return min(stage_params, layers * (small_mats + vecs))
+
+
+def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
+    shape, lay = sc.shape, sc.layout
+    n = lay.dp
+    w = sc.act_bytes
+    pr = _stage_params(shape, sc, stage)
+    table = _FP32 if sc.precision == "fp32" else _MIXED
+    p_full, p_shard, g_full, g_shard, o_shard = table[lay.zero]
+    params = pr * (p_full + p_shard / n)
+    grads = pr * (g_full + g_shard / n)
+    optimizer = pr * o_shard / (n if lay.zero >= 1 else 1)  # ZeRO-0 shards nothing
+    host = 0.0
+    if lay.offload != "none":
+        # Optimizer states and the fp32 gradient partition live in host memory (DeepSpeed's
+        # 16/N); the GPU keeps the 16-bit weights, gradients go to the host as reduced.
+        host += optimizer + pr * FP32_GRAD_PARTITION / n
+        optimizer = 0.0
+        grads = pr * g_full
+    persistent = 0.0
+    if lay.zero == 3:
+        persistent = _persistent_params(shape, sc, pr)
+        params += persistent * (w - p_shard / n)
+    if lay.offload == "optimizer+params":
+        host += params - persistent * w
+        params = persistent * w
+    host *= HOST_BUFFER_FACTOR
+
+    # Activations and logits.
+    layers = shape.layers // lay.pp
+    per_layer = layer_activation_bytes(
+        shape, micro_batch=sc.micro_batch, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
+        recompute=lay.recompute, act_bytes=w)
+    in_flight = in_flight_micro_batches(sc, stage)
+    activations = per_layer * layers * in_flight
+    sbh = shape.seq_len * sc.micro_batch * shape.hidden
+    if lay.recompute == "full":
+        # Backward re-runs one layer at a time: its whole activation set is live once.
+        activations += layer_activation_bytes(
+            shape, micro_batch=sc.micro_batch, tp=lay.tp,
+            sequence_parallel=lay.sequence_parallel, recompute="none", act_bytes=w)
+    if stage == 0:
+        # Embedding output and its dropout mask, per in-flight micro-batch.
+        activations += in_flight * sbh * (w + 1) / (lay.tp if lay.sequence_parallel else 1)
+    logits = 0.0
+    if stage == lay.pp - 1:
+        # Vocab-parallel logits in the training precision plus the fp32 copy for the loss.
+        logits = shape.seq_len * sc.micro_batch * shape.vocab / lay.tp * (w + 4)
+
+    # DeepSpeed buffers.
+    zc = sc.zero_cfg
+    buffers = 0.0
+    if lay.zero in (1, 2) and zc.contiguous_gradients:
+        dtype_bytes = 4 if lay.zero == 1 else w
+        buffers += zc.reduce_bucket_size * dtype_bytes * (2 if zc.overlap(lay.zero) else 1)
+    if lay.zero == 3:
+        if zc.contiguous_gradients:
+            buffers += zc.reduce_bucket_size * w
+        gathered = min(_largest_tensor_block(shape, lay.tp) + zc.stage3_prefetch_bucket_size,
+                       zc.stage3_max_live_parameters, pr)
+        buffers += gathered * 2 * w  # gathered weights and their gradients (4 x largest layer)
+
+    reserved = sc.profile.reserved_bytes
+    ranks_per_node = min(sc.gpus_per_node, sc.dims.world_size)
+    host_process = sc.profile.host_process_bytes
+    total_device = params + grads + optimizer + activations + logits + buffers + reserved
+    host_node = ranks_per_node * (host + host_process)
+    if sc.profile.device_is_host:
+        host_node += ranks_per_node * total_device
+    return MemoryBreakdown(
+        params=params, grads=grads, optimizer=optimizer, activations=activations,
+        logits=logits, zero_buffers=buffers, reserved=reserved, stage=stage,
+        in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr)
+
+
+def memory(sc: Scenario) -> MemoryBreakdown:
+    """The most loaded rank: the first or the last pipeline stage, whichever holds more."""
+    first = stage_memory(sc, 0)
+    if sc.layout.pp == 1:
+        return first
+    last = stage_memory(sc, sc.layout.pp - 1)
+    return first if first.total >= last.total else last

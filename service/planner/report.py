@@ -1,0 +1,106 @@
+"""Text rendering for the CLI (`trident plan`): one plan, a ranked search, a capacity answer.
+
+Pure formatting of what plan.py, search.py and capacity.py computed; no model here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.hardware import GB, HardwareProfile
+from service.planner.capacity import CanTrain, CapacityRow, capacity_text
+from service.planner.explain import layout_name
+from service.planner.plan import Plan, evaluate
+from service.planner.search import SearchResult, nearest_fitting, search
+from service.spec import JobSpec
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f} GB"
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:10.2f} ms" if x < 1 else f"{x:10.3f} s "
+
+
+def render_plan(plan: Plan) -> str:
+    m, t, sc = plan.memory, plan.time, plan.scenario
+    lines = [
+        f"{plan.job or 'plan'}: {layout_name(plan)}  ({plan.world_size} x "
+        f"{sc.profile.name}, {sc.precision}, m={sc.micro_batches})",
+        f"  fits: {'yes' if plan.fits else 'NO'}",
+        f"  memory per GPU (most loaded rank, stage {m.stage}):",
+        f"    params      {_gb(m.params)}",
+        f"    grads       {_gb(m.grads)}",
+        f"    optimizer   {_gb(m.optimizer)}",
+        f"    activations {_gb(m.activations)}  ({m.in_flight:g} micro-batches in flight)",
+        f"    other       {_gb(m.other)}  (logits {m.logits / GB:.2f}, ZeRO buffers "
+        f"{m.zero_buffers / GB:.2f}, reserved {m.reserved / GB:.2f})",
+        f"    total       {_gb(m.total)}  of {plan.capacity_bytes / GB:.1f} GB",
+        f"    host/node   {_gb(m.host_per_node)}  of {plan.host_capacity_bytes / GB:.0f} GB",
+        "  time per step:",
+        f"    compute     {_s(t.compute_s)}  (recompute {t.recompute_s * 1e3:.1f} ms, GEMM "
+        f"efficiency {100 * t.gemm_efficiency:.0f}%)",
+        f"    overheads   {_s(t.overhead_s)}",
+        f"    bubble      {_s(t.bubble_s)}",
+        f"    TP comm     {_s(t.tp_comm_s)}",
+        f"    PP comm     {_s(t.pp_comm_s)}",
+        f"    DP comm     {_s(t.dp_comm_s)}  (exposed)",
+        f"    offload     {_s(t.offload_s + t.optimizer_s)}  (incl. optimizer step)",
+        f"    step        {_s(t.step_s)}",
+        f"  {plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%, "
+        f"{plan.tflops_per_gpu:.1f} TFLOP/s per GPU "
+        f"({plan.hardware_tflops_per_gpu:.1f} with recompute)",
+        "  shares: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in plan.shares.items()),
+        "",
+        "  " + plan.explanation,
+    ]
+    lines += [f"  - {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def render_search(res: SearchResult, top: int = 10) -> str:
+    lines = [f"{len(res.ranked)} layouts fit on {res.world_size} x {res.profile} "
+             f"({res.considered} evaluated, {len(res.rejected)} rejections)",
+             f"{'#':>3}  {'layout':<58} {'GB/GPU':>7} {'step':>9} {'tokens/s':>12} {'MFU':>6}"]
+    for i, p in enumerate(res.ranked[:top], 1):
+        lines.append(f"{i:>3}  {layout_name(p):<58} {p.memory.total / GB:7.1f} "
+                     f"{p.time.step_s:9.3f} {p.tokens_per_s:12,.0f} {100 * p.mfu:5.1f}%")
+    lines += ["", res.explanation()]
+    if not res.ranked:
+        lines += ["Rejected:"] + [f"  {r.layout}: {r.reason}" for r in res.rejected[:20]]
+    return "\n".join(lines)
+
+
+def render_can_train(ans: CanTrain) -> str:
+    return ans.text()
+
+
+def render_capacity(rows: list[CapacityRow], *, family: str, cluster: str) -> str:
+    return capacity_text(rows, family=family, cluster=cluster)
+
+
+def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
+                 profile: HardwareProfile | None = None) -> str | dict[str, Any]:
+    """What `trident plan SPEC [--top N] [--json]` prints.
+
+    An explicit layout is evaluated exactly, even when it does not fit (the text then lists
+    the nearest layouts that fit); `parallel: auto` searches and shows the top N and the best
+    plan in full.
+    """
+    if isinstance(spec.parallel, str):
+        res = search(spec, profile=profile)
+        if as_json:
+            return res.to_json(top)
+        text = render_search(res, top)
+        return text + ("\n\n" + render_plan(res.ranked[0]) if res.ranked else "")
+    plan = evaluate(spec, profile=profile)
+    if as_json:
+        return plan.to_json()
+    text = render_plan(plan)
+    if not plan.fits:
+        near = nearest_fitting(spec, spec.layout, profile=profile)
+        text += "\n\nNearest layouts that fit:\n" + ("\n".join(
+            f"  {layout_name(p)}: {p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f} tokens/s"
+            for p in near) or "  none of this world size")
+    return text

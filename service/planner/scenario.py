@@ -1,0 +1,73 @@
+"""One evaluated case: model shape, layout, batch, precision, cluster and profile together.
+
+`Scenario` is the single argument of memory.py and timing.py, built by `evaluate`
+(service/planner/plan.py) from a `JobSpec`. `ZeroConfig` carries DeepSpeed's buffer settings
+with DeepSpeed's defaults, so that predicted bytes match what a DeepSpeed engine allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.hardware import HardwareProfile
+from service.parallel import ParallelDims
+from service.planner.shape import ModelShape
+from service.spec import ParallelSpec
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed ZeRO buffer settings (names as in DeepSpeed's `zero_optimization`)."""
+
+    reduce_bucket_size: float = 5e8
+    """Elements of one gradient-reduction bucket (allocated whole when contiguous)."""
+    allgather_bucket_size: float = 5e8
+    """Elements per parameter all-gather after the step (ZeRO-1/2); views, no extra bytes."""
+    overlap_comm: bool | None = None
+    """Double-buffer the reduction; None = DeepSpeed's default (off for 1/2, on for 3)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into the reduction bucket (allocates it)."""
+    stage3_prefetch_bucket_size: float = 5e7
+    """ZeRO-3: elements of parameters fetched ahead of use."""
+    stage3_max_live_parameters: float = 1e9
+    """ZeRO-3: most gathered elements kept at once."""
+    stage3_param_persistence_threshold: float = 1e5
+    """ZeRO-3: tensors smaller than this many elements stay whole on every rank."""
+
+    def overlap(self, zero: int) -> bool:
+        return self.overlap_comm if self.overlap_comm is not None else zero == 3
+
+
+@dataclass(frozen=True)
+class Scenario:
+    shape: ModelShape
+    layout: ParallelSpec
+    micro_batch: int
+    global_batch: int
+    precision: str
+    """`fp32`, `bf16` or `fp16`."""
+    profile: HardwareProfile
+    gpus_per_node: int
+    nodes: int
+    zero_cfg: ZeroConfig = field(default_factory=ZeroConfig)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
+
+    @property
+    def micro_batches(self) -> int:
+        """m: micro-batches per step per pipeline."""
+        return max(1, self.global_batch // (self.micro_batch * self.layout.dp))
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation / weight element in the training precision."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def tp_spans_nodes(self) -> bool:
+        return self.layout.tp > self.gpus_per_node
+
+    def peak_flops(self) -> float:
+        return self.profile.peak_flops(self.precision)

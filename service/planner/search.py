@@ -1,0 +1,207 @@
+"""Search: every valid layout for a world size, ranked by predicted throughput.
+
+Called by `plan_job` for `parallel: "auto"` jobs and for the nearest fitting layouts of an
+explicit one, and by `trident plan`. Enumerates tp, pp (dp follows from the world size),
+zero, offload, recompute, sequence parallelism, virtual stages and micro-batch; every
+candidate that is rejected keeps its reason. Rejections are recorded at the level where
+they are decided: a tp that does not divide the heads rejects every layout with that tp in
+one entry, model states that do not fit reject all activation settings of that layout, and
+the first micro-batch that does not fit rejects the larger ones (activations only grow with
+it). That keeps a 175B model on 1024 GPUs well under a second (bench/bench_planner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from service.hardware import HardwareProfile, get_profile
+from service.planner.explain import compare, layout_name
+from service.planner.memory import stage_memory
+from service.planner.plan import Plan, assess
+from service.planner.scenario import Scenario, ZeroConfig
+from service.planner.shape import ModelShape
+from service.spec import JobSpec, ParallelSpec
+
+ZERO_OFFLOAD = [(0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
+                (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+RECOMPUTE = ["none", "selective", "full"]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A layout, or a family of layouts (the fields given), and why it cannot be used."""
+
+    layout: dict[str, Any]
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "reason": self.reason}
+
+
+@dataclass
+class SearchResult:
+    world_size: int
+    profile: str
+    ranked: list[Plan] = field(default_factory=list)
+    """Layouts that fit, fastest first."""
+    rejected: list[Rejection] = field(default_factory=list)
+    considered: int = 0
+    """Candidates evaluated by the model (rejections by rule are not evaluated)."""
+
+    @property
+    def best(self) -> Plan | None:
+        return self.ranked[0] if self.ranked else None
+
+    def alternatives(self, n: int = 3) -> list[Plan]:
+        """The fastest plans whose (tp, pp, zero) differ from the best and from each other."""
+        seen = set()
+        out = []
+        for p in self.ranked:
+            key = (p.layout.tp, p.layout.pp, p.layout.zero)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(p)
+            if len(out) > n:
+                break
+        return out[1:]
+
+    def explanation(self) -> str:
+        best = self.best
+        if best is None:
+            reasons = sorted({r.reason for r in self.rejected})[:5]
+            return "No layout fits: " + "; ".join(reasons)
+        lines = [f"Best of {len(self.ranked)} fitting layouts ({self.considered} evaluated, "
+                 f"{len(self.rejected)} rejections): {best.explanation}"]
+        lines += [compare(best, other) for other in self.alternatives()]
+        return " ".join(lines)
+
+    def to_json(self, top: int = 10) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "profile": self.profile,
+            "considered": self.considered,
+            "fitting": len(self.ranked),
+            "best": self.best.to_json() if self.best else None,
+            "ranked": [p.summary() | {"name": layout_name(p)} for p in self.ranked[:top]],
+            "rejected": [r.to_json() for r in self.rejected],
+            "explanation": self.explanation(),
+        }
+
+
+def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
+           world_size: int | None = None, zero_cfg: ZeroConfig | None = None,
+           gpus_per_node: int | None = None) -> SearchResult:
+    """Every valid layout of `world_size` ranks (default: the spec's), ranked."""
+    prof = profile or get_profile(spec.cluster.gpu)
+    shape = ModelShape.from_spec(spec.model)
+    world = world_size or spec.world_size
+    gpn = gpus_per_node or spec.cluster.gpus_per_node
+    gb_ = spec.train.global_batch
+    res = SearchResult(world_size=world, profile=prof.name)
+    base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
+                    precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
+                    nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig())
+    cap = prof.memory_bytes
+    for tp in divisors(world):
+        why = _tp_problem(shape, tp)
+        if why:
+            res.rejected.append(Rejection({"tp": tp}, why))
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            fam = {"tp": tp, "pp": pp, "dp": dp}
+            if shape.layers % pp:
+                res.rejected.append(Rejection(
+                    fam, f"layers({shape.layers}) is not divisible by pp({pp})"))
+                continue
+            if gb_ % dp:
+                res.rejected.append(Rejection(
+                    fam, f"global_batch({gb_}) is not divisible by dp({dp})"))
+                continue
+            for zero, offload in ZERO_OFFLOAD:
+                lay0 = ParallelSpec(tp=tp, pp=pp, dp=dp, zero=zero, offload=offload,
+                                    recompute="full", sequence_parallel=tp > 1)
+                fam2 = fam | {"zero": zero, "offload": offload}
+                if zero >= 2 and pp > 1:
+                    res.rejected.append(Rejection(
+                        fam2, f"zero({zero}) with pp({pp}) > 1 is not supported by "
+                              "DeepSpeed's pipeline engine"))
+                    continue
+                _search_family(res, replace(base, layout=lay0), fam2, cap)
+    res.ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
+    return res
+
+
+def _tp_problem(shape: ModelShape, tp: int) -> str:
+    if shape.heads % tp:
+        return f"tp({tp}) does not divide heads({shape.heads})"
+    if shape.kv_heads % tp:
+        return f"tp({tp}) does not divide kv_heads({shape.kv_heads})"
+    if shape.ffn_hidden % tp:
+        return f"tp({tp}) does not divide ffn_hidden({shape.ffn_hidden})"
+    return ""
+
+
+def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: float) -> None:
+    """All activation settings of one (tp, pp, dp, zero, offload)."""
+    lay0 = sc0.layout
+    # The smallest footprint this family can have: full recompute, SP, micro-batch 1.
+    floor = stage_memory(sc0, 0)
+    if floor.total > cap:
+        res.rejected.append(Rejection(
+            fam, f"model states alone: params {floor.params / 1e9:.1f} + grads "
+                 f"{floor.grads / 1e9:.1f} + optimizer {floor.optimizer / 1e9:.1f} GB, with "
+                 f"micro_batch 1 and full recompute {floor.total / 1e9:.1f} GB > capacity "
+                 f"{cap / 1e9:.1f} GB"))
+        return
+    if floor.host_per_node > sc0.profile.host_memory_bytes:
+        res.rejected.append(Rejection(
+            fam, f"host memory {floor.host_per_node / 1e9:.1f} GB per node > "
+                 f"{sc0.profile.host_memory_bytes / 1e9:.1f} GB"))
+        return
+    tp, pp, dp = lay0.tp, lay0.pp, lay0.dp
+    per_replica = sc0.global_batch // dp
+    vs = [1] + ([v for v in divisors(sc0.shape.layers // pp) if v > 1] if pp > 1 else [])
+    for recompute in RECOMPUTE:
+        for sp in ([False, True] if tp > 1 else [False]):
+            for v in vs:
+                lay = lay0.model_copy(update={"recompute": recompute, "sequence_parallel": sp,
+                                              "virtual_stages": v})
+                for mb in divisors(per_replica):
+                    m = per_replica // mb
+                    entry = fam | {"recompute": recompute, "sequence_parallel": sp,
+                                   "virtual_stages": v, "micro_batch": mb}
+                    if v > 1 and m % pp:
+                        res.rejected.append(Rejection(
+                            entry, f"interleaving needs micro-batches({m}) divisible by "
+                                   f"pp({pp})"))
+                        continue
+                    plan = assess(replace(sc0, layout=lay, micro_batch=mb))
+                    res.considered += 1
+                    if not plan.fits:
+                        entry["micro_batch"] = f">={mb}"
+                        res.rejected.append(Rejection(entry, "; ".join(plan.reasons)))
+                        break
+                    res.ranked.append(plan)
+
+
+def nearest_fitting(spec: JobSpec, layout: ParallelSpec, *, n: int = 3,
+                    profile: HardwareProfile | None = None,
+                    zero_cfg: ZeroConfig | None = None,
+                    result: SearchResult | None = None) -> list[Plan]:
+    """Fitting layouts of the same world size that change the fewest fields of `layout`."""
+    res = result or search(spec, profile=profile, zero_cfg=zero_cfg,
+                           world_size=layout.tp * layout.pp * layout.dp)
+    want = layout.model_dump() | {"micro_batch": spec.train.micro_batch}
+
+    def distance(p: Plan) -> tuple[int, float]:
+        got = p.layout_json()
+        return (sum(got[k] != want[k] for k in want), -p.tokens_per_s)
+
+    return sorted(res.ranked, key=distance)[:n]

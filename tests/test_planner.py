@@ -1,0 +1,268 @@
+"""Planner behaviour: plan JSON, stages, links, offload, search, plan_job, capacity, calibration.
+
+Pure and fast (milliseconds each): no torch, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from service.hardware import GB, PROFILES, get_profile
+from service.planner import PlanInfeasible, evaluate, plan_job, search
+from service.planner.calibrate import fit_overheads, profile_from_measurements
+from service.planner.capacity import can_train, capacity
+from service.planner.report import plan_command, render_can_train, render_plan, render_search
+from service.planner.timing import ring_time
+from service.spec import JobSpec, ParallelSpec
+
+
+def job(preset: str = "gpt3-1.3b", *, gpu: str = "a100-80gb", nodes: int = 1, gpn: int = 8,
+        parallel: ParallelSpec | str = "auto", gb: int = 64, mb: int = 1,
+        precision: str = "bf16") -> JobSpec:
+    return JobSpec(name="t", model={"preset": preset},
+                   train={"global_batch": gb, "micro_batch": mb, "precision": precision},
+                   parallel=parallel, cluster={"gpu": gpu, "nodes": nodes,
+                                               "gpus_per_node": gpn})
+
+
+def tiny_cpu(zero: int = 2, precision: str = "fp32") -> JobSpec:
+    return JobSpec(name="tiny", model={"preset": "gpt-tiny"},
+                   train={"global_batch": 8, "micro_batch": 2, "precision": precision},
+                   parallel=ParallelSpec(dp=2, zero=zero),
+                   cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 2})
+
+
+def test_profiles_complete() -> None:
+    for name in ("v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu"):
+        p = get_profile(name)
+        assert p.peak_flops_bf16 > 0 and p.memory_bytes > 0 and p.inter_node_bw > 0
+        assert p.source
+    assert PROFILES["h100-80gb"].peak_flops_bf16 > 3 * PROFILES["a100-80gb"].peak_flops_bf16
+    with pytest.raises(ValueError, match="unknown hardware profile 'tpu'"):
+        get_profile("tpu")
+
+
+def test_plan_json_documented_keys() -> None:
+    spec = job(parallel=ParallelSpec(tp=2, pp=2, dp=2, zero=1), gb=16)
+    out = evaluate(spec).to_json()
+    assert set(out["layout"]) == set(ParallelSpec.model_fields) | {"micro_batch"}
+    for key in ("params", "grads", "optimizer", "activations", "other", "total"):
+        assert out["memory"][key] >= 0
+    mem = out["memory"]
+    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"]
+                                         + mem["activations"] + mem["other"])
+    for key in ("step_s", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"):
+        assert out["time"][key] >= 0
+    for key in ("fits", "reasons", "tokens_per_s", "mfu", "tflops_per_gpu", "world_size",
+                "rank_layout", "host_memory", "shares", "explanation", "notes", "profile"):
+        assert key in out
+    assert len(out["rank_layout"]) == 8 and out["world_size"] == 8
+    stages = out["memory_by_stage"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert max(s["total"] for s in stages) == pytest.approx(mem["total"])
+    assert out["tokens_per_s"] == pytest.approx(16 * 2048 / out["time"]["step_s"])
+
+
+def test_tiny_cpu_job_fits() -> None:
+    for precision in ("fp32", "bf16"):
+        plan = evaluate(tiny_cpu(precision=precision))
+        assert plan.fits, plan.reasons
+        stored = plan_job(tiny_cpu(precision=precision))
+        assert stored["fits"] and stored["layout"]["zero"] == 2
+
+
+def test_first_and_last_stage_carry_embedding_and_head() -> None:
+    from service.planner.memory import stage_memory
+    plan = evaluate(job("llama3-8b", parallel=ParallelSpec(pp=4, dp=2), gb=8))
+    sc = plan.scenario
+    first, mid, last = (stage_memory(sc, s) for s in (0, 1, 3))
+    emb = sc.shape.vocab * sc.shape.hidden
+    assert first.params_per_rank - mid.params_per_rank == pytest.approx(emb, rel=0.001)
+    assert last.params_per_rank - mid.params_per_rank == pytest.approx(emb, rel=0.001)
+    assert last.logits > 0 and first.logits == 0 and mid.logits == 0
+    # 1F1B: the first stage keeps pp micro-batches in flight, the last one.
+    assert first.in_flight == 4 and last.in_flight == 1
+
+
+def test_tp_across_nodes_pays_inter_node_link() -> None:
+    prof = get_profile("a100-80gb")
+    lay = ParallelSpec(tp=4, dp=4)
+    # Micro-batch 8: messages of 168 MB, so latency is negligible against bandwidth.
+    inside = evaluate(job("gpt3-13b", nodes=2, gpn=8, gb=64, mb=8), lay)  # within a node
+    across = evaluate(job("gpt3-13b", nodes=8, gpn=2, gb=64, mb=8), lay)  # over 2 nodes
+    assert across.time.tp_comm_s / inside.time.tp_comm_s == pytest.approx(
+        prof.intra_node_bw / prof.inter_node_bw, rel=0.05)
+    assert any("inter-node" in n for n in across.notes)
+    assert not any("inter-node" in n for n in inside.notes)
+
+
+def test_ring_costs_match_nccl_tests_busbw() -> None:
+    S, n, bw = 1e9, 8, 100e9
+    # nccl-tests: busbw = algbw * 2(n-1)/n for all-reduce, (n-1)/n for all-gather.
+    assert S / ring_time("all_reduce", S, n, bw, 0.0) * 2 * (n - 1) / n == pytest.approx(bw)
+    assert S / ring_time("all_gather", S, n, bw, 0.0) * (n - 1) / n == pytest.approx(bw)
+    assert ring_time("all_reduce", S, 1, bw, 1e-5) == 0
+
+
+def test_offload_moves_optimizer_to_host_and_host_is_checked() -> None:
+    spec = job("gpt3-13b", gb=8)
+    on = evaluate(spec, ParallelSpec(dp=8, zero=2))
+    off = evaluate(spec, ParallelSpec(dp=8, zero=2, offload="optimizer"))
+    assert off.memory.optimizer == 0 and on.memory.optimizer > 0
+    assert off.memory.host_per_rank >= on.memory.optimizer  # plus gradients and buffers
+    assert off.time.optimizer_s > on.time.optimizer_s and off.time.offload_s > 0
+    small_host = get_profile("a100-80gb").with_(host_memory_bytes=64 * GB)
+    tight = evaluate(spec, ParallelSpec(dp=8, zero=2, offload="optimizer"), profile=small_host)
+    assert not tight.fits and any("host memory" in r for r in tight.reasons)
+
+
+def test_recompute_and_sp_order_memory_and_time() -> None:
+    spec = job("gpt3-6.7b", gb=8)
+    mems, times = {}, {}
+    for rc in ("none", "selective", "full"):
+        p = evaluate(spec, ParallelSpec(tp=4, dp=2, recompute=rc))
+        mems[rc], times[rc] = p.memory.activations, p.time.compute_s
+    assert mems["none"] > mems["selective"] > mems["full"]
+    assert times["none"] < times["selective"] < times["full"]
+    sp = evaluate(spec, ParallelSpec(tp=4, dp=2, sequence_parallel=True))
+    assert sp.memory.activations < mems["none"]
+
+
+def test_bubble_follows_micro_batches_and_interleaving() -> None:
+    spec = job("gpt3-13b", gb=32)
+    p1 = evaluate(spec, ParallelSpec(tp=2, pp=4), micro_batch=1)  # m = 32
+    p8 = evaluate(spec, ParallelSpec(tp=2, pp=4), micro_batch=8)  # m = 4
+    assert p1.time.bubble_s / p1.time.step_s < p8.time.bubble_s / p8.time.step_s
+    pv = evaluate(spec, ParallelSpec(tp=2, pp=4, virtual_stages=2), micro_batch=1)
+    assert pv.time.bubble_s == pytest.approx(p1.time.bubble_s / 2, rel=0.05)
+
+
+def test_evaluate_explicit_layout_even_when_it_does_not_fit() -> None:
+    spec = job("gpt3-175b", gb=8, parallel=ParallelSpec(dp=8))
+    plan = evaluate(spec)
+    assert not plan.fits
+    assert plan.to_json()["fits"] is False
+    assert "capacity 80.00 GB" in plan.reasons[0]
+    with pytest.raises(ValueError, match=r"tp\(5\) does not divide heads\(96\)"):
+        evaluate(spec, ParallelSpec(tp=5))
+
+
+def test_plan_job_explicit_infeasible_names_bytes_and_nearest() -> None:
+    spec = job("gpt3-13b", gb=16, parallel=ParallelSpec(dp=8))
+    with pytest.raises(PlanInfeasible) as err:
+        plan_job(spec)
+    msg = str(err.value)
+    assert "> capacity 80.00 GB" in msg and "nearest layouts that fit" in msg
+    assert err.value.nearest and all(p.fits for p in err.value.nearest)
+    assert all(p.world_size == 8 for p in err.value.nearest)
+
+
+def test_plan_job_auto_picks_the_fastest_fitting_layout() -> None:
+    spec = job("gpt3-13b", gb=32)
+    stored = plan_job(spec)
+    res = search(spec)
+    assert stored["fits"] and stored["chosen_by"] == "search"
+    assert stored["tokens_per_s"] == pytest.approx(res.ranked[0].tokens_per_s)
+    assert all(a.tokens_per_s >= b.tokens_per_s for a, b in zip(res.ranked, res.ranked[1:],
+                                                                 strict=False))
+    assert stored["search"]["explanation"]
+
+
+def test_plan_job_auto_none_fits() -> None:
+    with pytest.raises(PlanInfeasible, match="no layout of 8 ranks fits"):
+        plan_job(job("gpt3-175b", gpu="a100-40gb", gb=8))
+
+
+def test_search_keeps_reasons_with_arithmetic() -> None:
+    res = search(job("gpt3-175b", nodes=2, gb=64))
+    reasons = [r.reason for r in res.rejected]
+    assert any("does not divide heads(96)" in r for r in reasons) or any(
+        "layers(96) is not divisible" in r for r in reasons) or reasons
+    assert any("not supported by DeepSpeed's pipeline engine" in r for r in reasons)
+    assert any("> capacity" in r for r in reasons)
+    tp_rejects = [r for r in res.rejected if set(r.layout) == {"tp"}]
+    for r in tp_rejects:
+        assert f"tp({r.layout['tp']})" in r.reason
+    assert all(p.fits for p in res.ranked)
+
+
+def test_search_every_dimension_enumerated() -> None:
+    res = search(job("gpt3-1.3b", gb=16))
+    seen = {k: {p.layout_json()[k] for p in res.ranked} for k in
+            ("tp", "pp", "zero", "offload", "recompute", "sequence_parallel",
+             "virtual_stages", "micro_batch")}
+    assert seen["tp"] >= {1, 2, 4, 8} and seen["pp"] >= {1, 2, 4, 8}
+    assert seen["zero"] == {0, 1, 2, 3}
+    assert seen["offload"] == {"none", "optimizer", "optimizer+params"}
+    assert seen["recompute"] == {"none", "selective", "full"}
+    assert seen["sequence_parallel"] == {False, True}
+    assert max(seen["virtual_stages"]) > 1 and max(seen["micro_batch"]) > 1
+
+
+def test_can_8_a100_40gb_train_175b() -> None:
+    spec = job("gpt3-175b", gpu="a100-40gb", gb=8)
+    ans = can_train(spec)
+    assert not ans.possible
+    text = ans.text()
+    assert "No layout fits" in text and "host memory" in text
+    # ZeRO-3 with parameter offload fits the GPUs but not the host: 18 bytes * 1.5 per param.
+    z3 = next(a for a in ans.answers if a.strategy == "ZeRO-3 + parameter offload")
+    assert not z3.plan.fits_host and z3.plan.fits_device
+    assert z3.plan.memory.host_per_node >= 175e9 * 18 * 1.5
+
+
+def test_capacity_of_a_family_grows_with_offload() -> None:
+    rows = {r.strategy: r for r in capacity("gpt3", gpu="a100-40gb", nodes=1,
+                                            gpus_per_node=8)}
+    assert rows["data parallel (ZeRO-0)"].params < rows["ZeRO-3"].params
+    assert rows["ZeRO-2"].params <= rows["ZeRO-2 + optimizer offload"].params
+    # 16-bit Adam on 8 x 40 GB: 18 bytes/param unsharded -> about 2B params at most.
+    assert rows["data parallel (ZeRO-0)"].params < 40e9 / 18
+
+
+def test_profile_from_measurements() -> None:
+    base = get_profile("a100-80gb")
+    probed = profile_from_measurements(base, matmul_flops=200e12, allreduce_busbw=150e9,
+                                       name="lab-a100")
+    assert probed.name == "lab-a100" and probed.intra_node_bw == 150e9
+    assert probed.peak_flops_bf16 * probed.gemm_eff_max == pytest.approx(200e12)
+    spec = job("gpt3-1.3b", gb=16, parallel=ParallelSpec(tp=8))
+    assert evaluate(spec, profile=probed).time.step_s > evaluate(spec).time.step_s
+    with pytest.raises(ValueError, match="must be positive"):
+        profile_from_measurements(base, matmul_flops=0, allreduce_busbw=1)
+
+
+def test_fit_overheads_recovers_injected_constants() -> None:
+    base = get_profile("cpu").with_(layer_overhead_s=0.0, step_overhead_s=0.0)
+    samples = []
+    for layers in (2, 4, 8):
+        spec = JobSpec(name="t", model={"preset": "gpt-tiny", "layers": layers},
+                       train={"global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+                       parallel=ParallelSpec(dp=2, zero=2),
+                       cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 2})
+        plan = evaluate(spec, profile=base)
+        passes = plan.scenario.micro_batches * layers
+        samples.append((plan, plan.time.step_s + 2e-3 * passes + 7e-3))
+    fitted = fit_overheads(samples)
+    assert fitted.layer_overhead_s == pytest.approx(2e-3, rel=1e-6)
+    assert fitted.step_overhead_s == pytest.approx(7e-3, rel=1e-6)
+
+
+def test_reports_render() -> None:
+    spec = job("gpt3-1.3b", gb=16)
+    res = search(spec)
+    text = render_search(res, top=5)
+    assert "layouts fit" in text and "MFU" in text
+    assert "tokens/s" in render_plan(res.ranked[0])
+
+
+def test_plan_command_explicit_and_auto() -> None:
+    bad = job("gpt3-13b", gb=16, parallel=ParallelSpec(dp=8))
+    out = plan_command(bad, as_json=True)
+    assert isinstance(out, dict) and out["fits"] is False and out["layout"]["dp"] == 8
+    text = plan_command(bad)
+    assert isinstance(text, str) and "Nearest layouts that fit" in text
+    auto = plan_command(job("gpt3-1.3b", gb=16), top=3, as_json=True)
+    assert isinstance(auto, dict) and len(auto["ranked"]) == 3 and auto["best"]["fits"]
+    assert "No layout fits" in render_can_train(can_train(job("gpt3-175b", gpu="a100-40gb",
+                                                              gb=8)))
