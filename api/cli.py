@@ -199,6 +199,55 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
             controller.kill()
 
 
+@app.command()
+def probe(server: ServerOpt = DEFAULT_SERVER,
+          ranks_per_node: Annotated[int, typer.Option(min=1, max=64, help=(
+              "Ranks per node: its GPUs, or CPU ranks sharing its cores."))] = 2,
+          max_bytes: Annotated[int, typer.Option(min=1024, max=1 << 30,
+                                                 help="Largest message.")] = 64 << 20,
+          profile: Annotated[str, typer.Option(help="Profile to calibrate.")] = "cpu",
+          timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 600) -> None:
+    """Measure matmul FLOP/s and collective bandwidth on the live cluster; the result
+    calibrates the profile the planner uses for jobs on it."""
+    p = _call(server, "POST", "/probes", json={"ranks_per_node": ranks_per_node,
+                                               "max_bytes": max_bytes, "profile": profile})
+    typer.echo(f"probe {p['id']} requested; waiting for the controller")
+    deadline = time.monotonic() + timeout
+    while p["status"] in ("pending", "running"):
+        if time.monotonic() > deadline:
+            fail(f"probe {p['id']} still {p['status']} after {timeout:g} s", 1)
+        time.sleep(1)
+        p = _call(server, "GET", f"/probes/{p['id']}")
+    if p["status"] != "done":
+        fail(f"probe {p['id']} failed: {p['error']}", 1)
+    s = p["summary"]
+    typer.echo(f"{s['ranks']} ranks on {s['nodes']} node(s)")
+    for kind, flops in sorted(s["matmul_flops"].items()):
+        typer.echo(f"  matmul {kind}: {flops / 1e12:.3f} TFLOP/s per rank")
+    for link, bw in sorted(s["links"].items()):
+        if bw:
+            typer.echo(f"  {link}: {bw / 1e9:.2f} GB/s (all-reduce busbw)")
+    typer.echo(f"  {'op':<14} {'group':<10} {'bytes':>10} {'busbw GB/s':>11}")
+    for row in p["results"]:
+        typer.echo(f"  {row['op']:<14} {str(row['group']):<10} {row['bytes']:>10}"
+                   f" {row['busbw'] / 1e9:>11.3f}")
+    typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
+
+
+@app.command()
+def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
+    """The live cluster's nodes, as the controller last saw them."""
+    c = _call(server, "GET", "/cluster")
+    for n in c["nodes"]:
+        info = n["info"]
+        what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
+                if info.get("accelerator") == "gpu" else f"CPU, {info.get('cpus')} cores")
+        typer.echo(f"{n['node_id'][:12]}  {n['hostname']:<20} {'alive' if n['alive'] else 'dead'}"
+                   f"  {what}")
+    for name, p in c["profiles"].items():
+        typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
+
+
 @app.command("validate")
 def validate(spec: Path) -> None:
     """Check a spec file without a server; prints it with every default filled in."""

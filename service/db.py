@@ -152,11 +152,21 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # The driver's own transaction handling would BEGIN lazily (DEFERRED); we begin
+            # ourselves, below.
+            dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn: Any) -> None:
+            # IMMEDIATE takes the write lock up front, so a read-check-write transaction (a
+            # state transition) cannot interleave with another writer: SQLite's stand-in
+            # for PostgreSQL's SELECT ... FOR UPDATE.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True)

@@ -132,12 +132,12 @@ def _frugal(st: Strategy, shape: ModelShape, world: int, gpn: int,
 def can_train(spec: JobSpec, *, profile: HardwareProfile | None = None,
               world_size: int | None = None) -> CanTrain:
     """Every strategy's answer for this spec's model on its cluster."""
-    prof = profile or get_profile(spec.cluster.gpu)
-    world = world_size or spec.cluster.nodes * spec.cluster.gpus_per_node
-    gpn = spec.cluster.gpus_per_node
+    prof = profile or get_profile(spec.target.gpu)
+    world = world_size or spec.target.nodes * spec.target.gpus_per_node
+    gpn = spec.target.gpus_per_node
     res = search(spec, profile=prof, world_size=world)
     shape = ModelShape.from_spec(spec.model)
-    nodes = f" ({spec.cluster.nodes} nodes)" if spec.cluster.nodes > 1 else ""
+    nodes = f" ({spec.target.nodes} nodes)" if spec.target.nodes > 1 else ""
     out = CanTrain(model=spec.model.preset or spec.name, params=shape.total_params,
                    cluster=f"{world} x {prof.name}{nodes}", best=res.best)
     for st in STRATEGIES:
@@ -151,7 +151,7 @@ def can_train(spec: JobSpec, *, profile: HardwareProfile | None = None,
                 shape=shape, layout=lay, micro_batch=1,
                 global_batch=max(spec.train.global_batch, lay.dp),
                 precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
-                nodes=spec.cluster.nodes, zero_cfg=ZeroConfig()))
+                nodes=spec.target.nodes, zero_cfg=ZeroConfig()))
 
         frugal = _frugal(st, shape, world, gpn, build)
         if frugal is not None:

@@ -227,9 +227,9 @@ def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None
         shape=shape, layout=layout,
         micro_batch=micro_batch if micro_batch is not None else spec.train.micro_batch,
         global_batch=spec.train.global_batch, precision=spec.train.precision,
-        profile=profile or get_profile(spec.cluster.gpu),
-        gpus_per_node=spec.cluster.gpus_per_node,
-        nodes=max(spec.cluster.nodes, -(-world // spec.cluster.gpus_per_node)),
+        profile=profile or get_profile(spec.target.gpu),
+        gpus_per_node=spec.target.gpus_per_node,
+        nodes=max(spec.target.nodes, -(-world // spec.target.gpus_per_node)),
         zero_cfg=zero_cfg or ZeroConfig())
 
 

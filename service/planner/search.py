@@ -98,10 +98,10 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
            world_size: int | None = None, zero_cfg: ZeroConfig | None = None,
            gpus_per_node: int | None = None) -> SearchResult:
     """Every valid layout of `world_size` ranks (default: the spec's), ranked."""
-    prof = profile or get_profile(spec.cluster.gpu)
+    prof = profile or get_profile(spec.target.gpu)
     shape = ModelShape.from_spec(spec.model)
     world = world_size or spec.world_size
-    gpn = gpus_per_node or spec.cluster.gpus_per_node
+    gpn = gpus_per_node or spec.target.gpus_per_node
     gb_ = spec.train.global_batch
     res = SearchResult(world_size=world, profile=prof.name)
     base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
