@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api import pages
-from api.routes import cluster, jobs
+from api.routes import cluster, jobs, plan
 from service.settings import Settings
 from service.store import Store
 
@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
     v1.include_router(cluster.router)
+    v1.include_router(plan.router)
 
     @v1.get("/healthz", tags=["system"])
     def healthz(request: Request) -> dict[str, str]:

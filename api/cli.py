@@ -136,6 +136,14 @@ def status(job_id: Annotated[int | None, typer.Argument()] = None,
         m = metrics[-1]
         typer.echo(f"last step {m['step']}: loss {m['loss']}, {m['step_time_s']:.3f} s/step,"
                    f" {m['tokens_per_s']:.0f} tokens/s")
+    pvm = j.get("predicted_vs_measured") or {}
+    for key, unit in (("step_s", "s/step"), ("tokens_per_s", "tokens/s"),
+                      ("model_state_bytes", "bytes of model states")):
+        row = pvm.get(key) or {}
+        if row.get("predicted") is not None:
+            meas = "-" if row.get("measured") is None else f"{row['measured']:.4g}"
+            ratio = "" if row.get("ratio") is None else f"  (measured/predicted {row['ratio']:.2f})"
+            typer.echo(f"{unit:>22}: predicted {row['predicted']:.4g}, measured {meas}{ratio}")
     if j["error"]:
         typer.echo(f"error: {j['error']}")
 
@@ -246,6 +254,22 @@ def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
                    f"  {what}")
     for name, p in c["profiles"].items():
         typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
+
+
+@app.command()
+def plan(spec: Path,
+         top: Annotated[int, typer.Option(min=1, max=100, help="Layouts to list (auto).")] = 5,
+         as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
+         ) -> None:
+    """Predict memory and step time, with no server: an explicit layout exactly as given
+    (even when it does not fit), or for `parallel: auto` the best layouts."""
+    from service.planner import plan_command
+
+    try:
+        out = plan_command(load_spec(spec), top=top, as_json=as_json)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(json.dumps(out, indent=2) if as_json else out)
 
 
 @app.command("validate")

@@ -25,7 +25,8 @@ tr:nth-child(even) {{ background: #f4f4f4; }}
 <p>{total} jobs. REST API under <a href="/api/v1/jobs">/api/v1</a>, OpenAPI at
 <a href="/docs">/docs</a>.</p>
 <table id="jobs"><tr><th>id</th><th>name</th><th>state</th><th>layout</th><th>ranks</th>
-<th>last step</th><th>last loss</th><th>created</th></tr>
+<th>last step</th><th>last loss</th><th>s/step predicted</th><th>s/step measured</th>
+<th>created</th></tr>
 {rows}
 </table></body></html>"""
 
@@ -42,9 +43,13 @@ def index(store: StoreDep) -> str:
         last = store.latest_metric(job_id=j.id)
         step = str(last.step) if last else "-"
         loss = f"{last.loss:.4f}" if last and last.loss is not None else "-"
+        predicted = j.plan.get("time", {}).get("step_s")
+        pred = f"{predicted:.4g}" if predicted else "-"
+        meas = f"{last.step_time_s:.4g}" if last else "-"
         rows.append(
             f'<tr data-job="{j.id}"><td>{j.id}</td><td>{escape(j.name)}</td>'
             f'<td class="{j.state}">{j.state}</td><td>{escape(layout)}</td>'
-            f"<td>{j.world_size}</td><td>{step}</td><td>{loss}</td>"
+            f"<td>{j.world_size}</td><td>{step}</td><td>{loss}</td><td>{pred}</td>"
+            f"<td>{meas}</td>"
             f"<td>{j.created_at:%Y-%m-%d %H:%M:%S}</td></tr>")
     return _PAGE.format(total=total, rows="\n".join(rows))

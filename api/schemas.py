@@ -27,6 +27,9 @@ class JobOut(BaseModel):
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    predicted_vs_measured: dict[str, Any] | None = None
+    """Step time, tokens/s and memory: the plan's prediction and the measurement (detail
+    view only)."""
 
     @classmethod
     def of(cls, job: Job) -> JobOut:

@@ -8,11 +8,12 @@ built-in one of that name for jobs on this cluster.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from service.hardware import HardwareProfile, get_profile
 from service.health import annotate_expected, measured_link_bw
+from service.planner.calibrate import profile_from_measurements
 from service.protocols import ClusterProbeReport
 
 
@@ -33,7 +34,7 @@ def calibrate(request: dict[str, Any],
     profile = calibrated_profile(base, flops=flops, intra_node_bw=links.get("intra_node_bw"),
                                  inter_node_bw=links.get("inter_node_bw"),
                                  probe_id=request.get("probe_id"))
-    summary = {"profile": asdict(profile), "matmul_flops": flops, "links": links,
+    summary = {"profile": profile.to_json(), "matmul_flops": flops, "links": links,
                "ranks": len(parsed), "nodes": len(set(node_of_rank.values()))}
     return annotate_expected(rows, base, node_of_rank), summary
 
@@ -41,16 +42,14 @@ def calibrate(request: dict[str, Any],
 def calibrated_profile(base: HardwareProfile, *, flops: dict[str, float],
                        intra_node_bw: float | None, inter_node_bw: float | None,
                        probe_id: int | None = None) -> HardwareProfile:
-    """`base` with what was measured put in place of the datasheet figures."""
-    changes: dict[str, Any] = {"source": f"calibrated by trident probe {probe_id or ''}".strip()}
-    if "fp32" in flops:
-        changes["peak_flops_fp32"] = flops["fp32"]
-    if "bf16" in flops:
-        changes["peak_flops_bf16"] = flops["bf16"]
-    elif "fp32" in flops and base.name == "cpu":
-        changes["peak_flops_bf16"] = flops["fp32"]  # CPU ranks compute bf16 no faster
-    if intra_node_bw:
-        changes["intra_node_bw"] = intra_node_bw
-    if inter_node_bw:
-        changes["inter_node_bw"] = inter_node_bw
-    return replace(base, **changes)
+    """`base` with the measured rates in place of the datasheet figures, under base's name
+    (so that jobs planned for that profile on this cluster use it)."""
+    source = f"trident probe {probe_id}" if probe_id else "trident probe"
+    precision = "bf16" if "bf16" in flops else "fp32"
+    profile = profile_from_measurements(
+        base, matmul_flops=flops[precision], precision=precision,
+        allreduce_busbw=intra_node_bw or inter_node_bw or base.intra_node_bw,
+        inter_node_busbw=inter_node_bw, name=base.name, source=source)
+    if precision == "bf16" and "fp32" in flops:
+        profile = replace(profile, peak_flops_fp32=flops["fp32"] / base.gemm_eff_max)
+    return profile

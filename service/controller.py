@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from service import health
 from service.calibration import calibrate
 from service.hardware import get_profile
+from service.jobs import effective_spec
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
@@ -124,7 +125,7 @@ class Controller:
                 job, JobState.PLACING, "placing a new attempt", result):
             return
         attempt = self.store.start_attempt(job_id=job.id)
-        spec = JobSpec.model_validate(job.spec)
+        spec = effective_spec(JobSpec.model_validate(job.spec), job.plan)
         ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,

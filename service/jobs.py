@@ -1,16 +1,17 @@
 """Turning a submitted spec into what is stored: the plan and the resource claim.
 
-Called by the API on submit (and by `trident plan`). Raises ValueError (a 422) when the
-job cannot run as asked.
+Called by the API on submit and on `POST /plan`; the controller calls `effective_spec` to
+run the layout the plan chose. Raises ValueError (a 422) when the job cannot run as asked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from service.parallel import rank_layout
-from service.spec import JobSpec
+from service.hardware import HardwareProfile
+from service.planner import plan_job
+from service.spec import JobSpec, ParallelSpec
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,28 @@ class Prepared:
     gpus: float
 
 
-def prepare(spec: JobSpec) -> Prepared:
-    if isinstance(spec.parallel, str):
-        raise ValueError("parallel: 'auto' needs the planner, which is not available yet")
-    layout = spec.parallel
-    plan = {
-        "layout": {**layout.model_dump(), "micro_batch": spec.train.micro_batch},
-        "world_size": layout.dims.world_size,
-        "rank_layout": rank_layout(layout.dims, spec.model.layers_, layout.virtual_stages),
-    }
-    return Prepared(plan=plan, world_size=layout.dims.world_size,
+def profile_from_store(stored: dict[str, Any] | None) -> HardwareProfile | None:
+    """A calibrated profile as the store keeps it (extra bookkeeping keys dropped)."""
+    if stored is None:
+        return None
+    names = {f.name for f in fields(HardwareProfile)}
+    return HardwareProfile.from_json({k: v for k, v in stored.items() if k in names})
+
+
+def prepare(spec: JobSpec, profile: HardwareProfile | None = None) -> Prepared:
+    """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit."""
+    plan = plan_job(spec, profile=profile)
+    return Prepared(plan=plan, world_size=int(plan["world_size"]),
                     cpus=spec.resources.cpus_per_worker, gpus=spec.resources.gpus_per_worker)
+
+
+def effective_spec(spec: JobSpec, plan: dict[str, Any]) -> JobSpec:
+    """The spec the workers run: `parallel: auto` replaced by the planned layout."""
+    if not isinstance(spec.parallel, str):
+        return spec
+    layout = dict(plan["layout"])
+    micro_batch = int(layout.pop("micro_batch"))
+    data = spec.model_dump(mode="json")
+    data["parallel"] = ParallelSpec.model_validate(layout).model_dump(mode="json")
+    data["train"]["micro_batch"] = micro_batch
+    return JobSpec.model_validate(data)

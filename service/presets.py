@@ -28,7 +28,7 @@ _LLAMA3: dict[str, PresetValue] = {
 PRESETS: dict[str, dict[str, PresetValue]] = {
     # For tests and the demo: trains in seconds on two CPU ranks.
     "gpt-tiny": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32,
-                 "positions": "learned", "tied": True},
+                 "positions": "learned", "tied": False},  # as the built-in trainer builds it
     # GPT-3 family (Brown et al. 2020, Table 2.1), vocab 50257, context 2048.
     "gpt3-125m": {"layers": 12, "hidden": 768, "heads": 12, **_GPT3},
     "gpt3-350m": {"layers": 24, "hidden": 1024, "heads": 16, **_GPT3},

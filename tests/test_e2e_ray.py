@@ -91,6 +91,12 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= ops
     assert all(row["group"] == [0, 1] and row["busbw"] > 0 for row in comm["probe"])
     assert max(row["bytes"] for row in comm["probe"]) == 64 << 10
+    # Predicted next to measured, on this machine's CPU profile.
+    pvm = client.get(f"/api/v1/jobs/{job_id}").json()["predicted_vs_measured"]
+    print("predicted vs measured:", pvm)
+    assert pvm["steps_measured"] == 7
+    assert 0.7 <= pvm["step_s"]["ratio"] <= 1.3, pvm["step_s"]
+    assert 0.95 <= pvm["model_state_bytes"]["ratio"] <= 1.05, pvm["model_state_bytes"]
     nodes = client.get("/api/v1/cluster").json()["nodes"]
     assert nodes and nodes[0]["info"]["accelerator"] == "cpu"
 
@@ -135,7 +141,9 @@ def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
     assert done["summary"]["matmul_flops"]["fp32"] > 1e8
     assert done["summary"]["links"]["intra_node_bw"] > 0
     profile = client.get("/api/v1/cluster").json()["profiles"]["cpu"]
-    assert profile["peak_flops_fp32"] == done["summary"]["matmul_flops"]["fp32"]
+    measured = done["summary"]["matmul_flops"]["fp32"]
+    assert profile["peak_flops_fp32"] == pytest.approx(measured / profile["gemm_eff_max"])
+    assert profile["intra_node_bw"] == done["summary"]["links"]["intra_node_bw"]
     assert profile["probe_id"] == probe["id"]
 
 

@@ -8,8 +8,9 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import JobDep, StoreDep
 from api.schemas import EventList, EventOut, JobList, JobOut, MetricList, MetricOut
+from service.compare import compare
 from service.health import summarize_comm
-from service.jobs import prepare
+from service.jobs import prepare, profile_from_store
 from service.parallel import ParallelDims
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
@@ -25,7 +26,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        prepared = prepare(spec)
+        prepared = prepare(spec, profile_from_store(store.get_profile(name=spec.target.gpu)))
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
@@ -46,8 +47,11 @@ def list_jobs(store: StoreDep,
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job: JobDep) -> JobOut:
-    return JobOut.of(job)
+def get_job(job: JobDep, store: StoreDep) -> JobOut:
+    """A job with its plan, and the plan's predictions next to what was measured."""
+    out = JobOut.of(job)
+    out.predicted_vs_measured = compare(job.plan, store.list_metrics(job_id=job.id))
+    return out
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202)

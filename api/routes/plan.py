@@ -1,0 +1,31 @@
+"""`POST /api/v1/plan`: the planner without submitting anything."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query
+
+from api.deps import StoreDep
+from service.jobs import profile_from_store
+from service.planner import plan_command
+from service.spec import JobSpec
+
+router = APIRouter(tags=["plan"])
+
+
+@router.post("/plan")
+def plan(spec: JobSpec, store: StoreDep,
+         top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
+    """Predicted memory and step time: for an explicit layout exactly that layout (even when
+    it does not fit, with `fits: false` and the reasons); for `parallel: "auto"` the ranked
+    layouts that fit and the rejected ones with their reasons. Uses the profile calibrated by
+    `trident probe` when there is one."""
+    profile = profile_from_store(store.get_profile(name=spec.target.gpu))
+    try:
+        out = plan_command(spec, top=top, as_json=True, profile=profile)
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
+    assert isinstance(out, dict)
+    return out

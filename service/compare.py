@@ -1,0 +1,54 @@
+"""Prediction next to measurement: what a job's plan said against what its ranks reported.
+
+Called by the API for job detail and the status page, and by `trident status`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from service.store import Metric
+
+WARMUP_STEPS = 1
+"""Steps left out of the measured means: the first step builds buffers and JIT-compiles."""
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    if measured is None or not predicted:
+        return None
+    return measured / predicted
+
+
+def compare(plan: dict[str, Any], metrics: Sequence[Metric]) -> dict[str, Any]:
+    """Step time, tokens/s and memory per GPU, predicted and measured (newest attempt)."""
+    if metrics:
+        attempt = max(m.attempt for m in metrics)
+        metrics = [m for m in metrics if m.attempt == attempt]
+    steady = [m for m in metrics if m.step > WARMUP_STEPS] or list(metrics)
+    step_s = statistics.median(m.step_time_s for m in steady) if steady else None
+    tokens = statistics.median(m.tokens_per_s for m in steady) if steady else None
+    state_bytes = None
+    peak = None
+    if metrics:
+        mem = metrics[-1].data.get("memory", {})
+        parts = [mem.get(f"{k}_bytes") for k in ("params", "grads", "optimizer")]
+        if all(isinstance(p, int | float) for p in parts):
+            state_bytes = float(sum(parts))  # type: ignore[arg-type]
+        peaks = [m.data.get("memory", {}).get("process_peak_bytes") for m in metrics]
+        peaks_num = [p for p in peaks if isinstance(p, int | float)]
+        peak = max(peaks_num) if peaks_num else None
+    pred_mem = plan.get("memory", {})
+    pred_states = sum(pred_mem.get(k, 0) for k in ("params", "grads", "optimizer")) or None
+    pred_step = plan.get("time", {}).get("step_s")
+    return {
+        "steps_measured": len(steady),
+        "step_s": {"predicted": pred_step, "measured": step_s,
+                   "ratio": _ratio(step_s, pred_step)},
+        "tokens_per_s": {"predicted": plan.get("tokens_per_s"), "measured": tokens,
+                         "ratio": _ratio(tokens, plan.get("tokens_per_s"))},
+        "model_state_bytes": {"predicted": pred_states, "measured": state_bytes,
+                              "ratio": _ratio(state_bytes, pred_states)},
+        "memory_bytes": {"predicted": pred_mem.get("total"), "measured_peak": peak},
+    }

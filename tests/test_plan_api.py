@@ -1,0 +1,106 @@
+"""The planner through the control plane: POST /plan, submit-time checks, `parallel: auto`
+jobs, and `trident plan`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from api.app import create_app
+from api.cli import app as cli
+from service.jobs import effective_spec
+from service.settings import Settings
+from service.spec import JobSpec
+from service.store import Store
+from tests.conftest import tiny_spec
+
+BIG = {"name": "gpt175b", "model": {"preset": "gpt3-175b"},
+       "train": {"global_batch": 64, "micro_batch": 1},
+       "parallel": {"tp": 1, "pp": 1, "dp": 8, "zero": 0},
+       "resources": {"gpus_per_worker": 1, "cpus_per_worker": 8},
+       "cluster": {"gpu": "a100-40gb", "nodes": 1, "gpus_per_node": 8}}
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    store = Store(f"sqlite:///{tmp_path / 'p.db'}")
+    store.migrate()
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        yield c
+    store.close()
+
+
+def test_plan_of_an_explicit_layout_has_the_documented_keys(client: TestClient) -> None:
+    r = client.post("/api/v1/plan", json=tiny_spec())
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["fits"] is True
+    assert plan["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero": 2, "offload": "none",
+                              "recompute": "none", "sequence_parallel": False,
+                              "virtual_stages": 1, "micro_batch": 2}
+    for key in ("params", "grads", "optimizer", "activations", "other", "total"):
+        assert plan["memory"][key] >= 0
+    for key in ("step_s", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"):
+        assert plan["time"][key] >= 0
+    assert plan["time"]["dp_comm_s"] > 0 and plan["time"]["tp_comm_s"] == 0
+    assert plan["tokens_per_s"] > 0 and 0 < plan["mfu"] <= 1 and plan["tflops_per_gpu"] > 0
+    assert isinstance(plan["reasons"], list)
+
+
+def test_layout_that_does_not_fit_is_planned_but_not_submitted(client: TestClient) -> None:
+    plan = client.post("/api/v1/plan", json=BIG).json()
+    assert plan["fits"] is False and plan["memory"]["total"] > 40e9
+    r = client.post("/api/v1/jobs", json=BIG)
+    assert r.status_code == 422
+    (detail,) = r.json()["detail"]
+    assert detail["loc"] == ["body", "parallel"]
+    assert "does not fit" in detail["msg"] and "GB" in detail["msg"]
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+
+
+def test_auto_job_stores_the_best_layout_and_runs_it(client: TestClient) -> None:
+    spec = tiny_spec(parallel="auto", cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 2})
+    searched = client.post("/api/v1/plan", json=spec, params={"top": 3}).json()
+    assert searched["ranked"] and len(searched["ranked"]) <= 3
+    job = client.post("/api/v1/jobs", json=spec).json()
+    assert job["spec"]["parallel"] == "auto"
+    layout = job["plan"]["layout"]
+    assert layout["tp"] * layout["pp"] * layout["dp"] == 2
+    assert job["plan"]["chosen_by"] == "search"
+    run = effective_spec(JobSpec.model_validate(job["spec"]), job["plan"])
+    assert run.layout.model_dump() | {"micro_batch": run.train.micro_batch} == layout
+
+
+def test_calibrated_profile_is_used_for_plans(client: TestClient, tmp_path: Path) -> None:
+    before = client.post("/api/v1/plan", json=tiny_spec()).json()["time"]["compute_s"]
+    store: Store = client.app.state.store
+    from service.hardware import get_profile
+
+    slow = get_profile("cpu").with_(peak_flops_fp32=get_profile("cpu").peak_flops_fp32 / 10,
+                                    peak_flops_bf16=get_profile("cpu").peak_flops_bf16 / 10)
+    store.save_profile(name="cpu", profile=slow.to_json())
+    after = client.post("/api/v1/plan", json=tiny_spec()).json()["time"]["compute_s"]
+    assert after > 5 * before
+
+
+def test_trident_plan_cli(tmp_path: Path) -> None:
+    runner = CliRunner()
+    spec = tmp_path / "big.yaml"
+    spec.write_text(yaml.safe_dump(BIG))
+    r = runner.invoke(cli, ["plan", str(spec), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    assert plan["fits"] is False and plan["layout"]["dp"] == 8
+    r = runner.invoke(cli, ["plan", str(spec)])
+    assert r.exit_code == 0 and "Nearest layouts that fit" in r.output
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(yaml.safe_dump({**BIG, "parallel": "auto"}))
+    r = runner.invoke(cli, ["plan", str(auto), "--top", "2", "--json"])
+    assert r.exit_code == 0
+    assert len(json.loads(r.output)["ranked"]) <= 2
