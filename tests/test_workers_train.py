@@ -30,12 +30,3 @@ def test_demo_job_trains_and_reports_every_step_on_every_rank():
     first, last = losses(rows, 0), losses(rows, 1)
     assert first == last, "the reported loss is the global-batch mean, equal on every rank"
     assert first[-1] < first[0] - 0.3, first
-
-
-@pytest.mark.slow
-def test_stop_ends_the_run_between_steps_and_a_second_attempt_runs_in_the_same_process():
-    spec = demo_spec(steps=6)
-    first, second = run_ranks(spec, attempts=[2, None])
-    assert sorted(r["step"] for r in first if r["rank"] == 0) == [1, 2]
-    assert sorted(r["step"] for r in second if r["rank"] == 0) == list(range(1, 7))
-    assert losses(second)[:2] == losses(first), "no checkpoint: the new attempt starts afresh"

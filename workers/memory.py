@@ -71,6 +71,8 @@ def model_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
     for holder in holders:  # DeepSpeed's ZeRO/bf16 wrappers: flat buffers, masters, grad buckets
         for name, value in vars(holder).items():
             for t in _tensors(value):
+                if t.dim() == 0:  # bookkeeping scalars such as the global grad norm
+                    continue
                 if "grad" in name:
                     add("grads", t)
                 elif any(key in name for key in ("fp32", "master", "single_partition")):

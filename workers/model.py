@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch import nn
 
 from service.spec import ModelSpec
@@ -127,8 +128,7 @@ class Block(nn.Module):
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
             # the attention core, whose saved activations grow with s^2.
-            from deepspeed.checkpointing import checkpoint
-            y = checkpoint(self._attention_core, q, k, v)
+            y = ds_checkpointing.checkpoint(self._attention_core, q, k, v)
         else:
             y = self._attention_core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.heads * d)
@@ -146,8 +146,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
             # DeepSpeed activation checkpointing: keep only the block input, recompute the rest.
-            from deepspeed.checkpointing import checkpoint
-            return checkpoint(self._block, x)
+            return ds_checkpointing.checkpoint(self._block, x)
         return self._block(x)
 
 
@@ -196,10 +195,14 @@ class GPT(nn.Module):
         return self.layers(tokens)
 
 
-def parameter_count(cfg: GPTConfig) -> int:
-    """Parameters of the unsharded model (used by tests of the memory report)."""
+def parameter_count(cfg: GPTConfig, tp: int = 1) -> int:
+    """Parameters one TP rank holds (tp = 1: the whole model), counted from the shapes alone.
+
+    Attention and MLP matrices are split over tp; LayerNorms, embeddings and head replicated.
+    Used by the tests of the memory report.
+    """
     h, f, d = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
     attn = cfg.heads * d * h * 2 + cfg.kv_heads * d * h * 2
     mlp = f * h * (3 if cfg.activation == "swiglu" else 2)
-    block = attn + mlp + 4 * h
+    block = (attn + mlp) // tp + 4 * h
     return cfg.layers * block + cfg.vocab * h + cfg.seq_len * h + 2 * h + cfg.vocab * h

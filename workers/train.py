@@ -81,7 +81,7 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     try:
         layout = spec.layout
         groups = build_groups(layout.dims, ctx.rank)
-        ds_config = deepspeed_config(spec)
+        ds_config = deepspeed_config(spec, device)
         if spec.entrypoint:
             _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
         else:
@@ -106,6 +106,11 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
         raise ValueError(f"tp({layout.tp}) * pp({layout.pp}) * dp({layout.dp}) ="
                          f" {layout.tp * layout.pp * layout.dp} != world size {ctx.world_size}")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if spec.train.precision == "fp16":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError("train.precision: fp16 needs a device with fp16 arithmetic (a CUDA"
+                             f" GPU); {get_accelerator().device_name()} has none, use bf16")
     if use_gpu:
         torch.cuda.set_device(ctx.local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
@@ -127,9 +132,15 @@ def _teardown() -> None:
             setattr(ds_groups, name, {} if name.startswith("_EXPERT") else None)
 
 
-def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
-    """The DeepSpeed config of this layout: batch sizes, AdamW, precision, ZeRO over DP."""
+def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of this layout: batch sizes, AdamW, precision, ZeRO over DP.
+
+    AdamW is torch's own, except with CPU offload on a GPU, where DeepSpeed's vectorised
+    DeepSpeedCPUAdam steps the offloaded states (on a CPU-only rank the states live in CPU
+    memory anyway, and torch's AdamW needs no compiled op).
+    """
     p, t = spec.layout, spec.train
+    torch_adam = not (device is not None and device.type == "cuda" and p.offload != "none")
     zero: dict[str, Any] = {"stage": p.zero}
     if p.offload != "none":
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -141,7 +152,7 @@ def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
         "gradient_accumulation_steps": t.global_batch // (t.micro_batch * p.dp),
         "optimizer": {"type": "AdamW",
                       "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                 "weight_decay": 0.0, "torch_adam": True}},
+                                 "weight_decay": 0.0, "torch_adam": torch_adam}},
         "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 12},

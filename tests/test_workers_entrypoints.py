@@ -1,0 +1,65 @@
+"""The other ways into the per-rank trainer: resume from a checkpoint, a custom entrypoint, and
+torchrun without the control plane."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.spec import JobSpec
+from tests.workers_spawn import free_port, losses, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_a_new_attempt_resumes_from_the_newest_complete_checkpoint_with_the_same_losses(
+        tmp_path):
+    spec = JobSpec(name="resume", model={"preset": "gpt-tiny"},
+                   parallel={"pp": 2, "zero": 1},
+                   train={"steps": 6, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
+                          "precision": "fp32"},
+                   checkpoint={"every_steps": 2})
+    # Attempt 0 is stopped after step 3 (checkpoint at step 2); attempt 1 runs in the same
+    # processes, as a restarted Ray actor would, and must go on from step 2.
+    first, second = run_ranks(spec, checkpoint_dir=str(tmp_path), attempts=[3, None])
+    (uninterrupted,) = run_ranks(spec.model_copy(update={"checkpoint": spec.checkpoint}))
+    assert sorted(r["step"] for r in first if r["rank"] == 0) == [1, 2, 3], "stop is honoured"
+    assert os.path.exists(tmp_path / "step2" / "COMPLETE")
+    assert [r["step"] for r in sorted(second, key=lambda r: r["step"]) if r["rank"] == 0] == \
+        [3, 4, 5, 6]
+    assert {r["resumed_from"] for r in second} == {2}
+    assert losses(first) == losses(uninterrupted)[:3]
+    assert losses(second) == losses(uninterrupted)[2:], "fp32: bit-identical after resume"
+    assert losses(second, rank=1) == losses(second)
+
+
+@pytest.mark.slow
+def test_a_custom_entrypoint_runs_on_every_rank_with_the_jobs_groups_and_config():
+    spec = JobSpec(name="custom", model={"preset": "gpt-tiny"}, parallel={"dp": 2, "zero": 2},
+                   train={"steps": 15, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+                   entrypoint="examples.custom_entrypoint:train")
+    (rows,) = run_ranks(spec)
+    for rank in range(2):
+        mine = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["step"])
+        assert [r["step"] for r in mine] == list(range(1, 16))
+        assert {(r["dp_rank"], r["world_size"], r["zero"]) for r in mine} == {(rank, 2, 2)}
+        assert mine[-1]["loss"] < mine[0]["loss"] / 2
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_same_entry_point_without_the_control_plane():
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "workers.train",
+         "--spec", "examples/gpt-tiny-dp2.yaml"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in rows] == list(range(1, 21)) and {r["rank"] for r in rows} == {0}
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3

@@ -1,0 +1,127 @@
+"""Every layout family on gloo: same seed, model, data and global batch give the same losses
+(layout invariance, fp32, 1e-4 relative over 5 steps), and each rank's measured model-state
+bytes are exactly what its shard of the known model should hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.spec import JobSpec, ModelSpec
+from tests.workers_spawn import losses, run_ranks
+from workers.model import GPT, GPTConfig, parameter_count
+
+CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+N = parameter_count(CFG)
+STEPS = 5
+
+
+def spec(precision: str = "fp32", **parallel) -> JobSpec:
+    return JobSpec(name="layout", model={"preset": "gpt-tiny"}, parallel=parallel,
+                   train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
+                          "precision": precision})
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict]:
+    """tp1 pp1 dp1, ZeRO-0: the unsharded run every layout must reproduce."""
+    return run_ranks(spec())[0]
+
+
+def assert_same_losses(rows: list[dict], reference: list[dict], world: int) -> None:
+    expected = losses(reference)
+    assert len(expected) == STEPS and expected[-1] < expected[0]
+    for rank in range(world):
+        got = losses(rows, rank)
+        assert got == pytest.approx(expected, rel=1e-4), (rank, got, expected)
+
+
+def memory(rows: list[dict], rank: int) -> dict:
+    return next(r["memory"] for r in rows if r["rank"] == rank and r["step"] == STEPS)
+
+
+@pytest.mark.slow
+def test_unsharded_run_holds_params_grads_and_adam_states_of_the_whole_model(reference):
+    tensors = len(list(GPT(CFG, 0).parameters()))
+    mem = memory(reference, 0)
+    assert mem["params_bytes"] == 4 * N
+    assert mem["grads_bytes"] == 4 * N
+    # exp_avg and exp_avg_sq in fp32, plus torch AdamW's 4-byte step counter per tensor
+    assert mem["optimizer_bytes"] == 8 * N + 4 * tensors
+    assert mem["activations_peak_bytes"] > 0 and mem["process_peak_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_tp2_dp2_zero1(reference):
+    rows = run_ranks(spec(tp=2, dp=2, zero=1))[0]
+    assert_same_losses(rows, reference, 4)
+    n = parameter_count(CFG, tp=2)  # what one TP rank holds
+    for rank in range(4):
+        mem = memory(rows, rank)
+        assert mem["params_bytes"] == 4 * n
+        # ZeRO-1 over dp 2: half the gradients, half of fp32 master + exp_avg + exp_avg_sq
+        # (one flat partition, so a single 4-byte step counter)
+        assert mem["grads_bytes"] == 4 * n // 2
+        assert mem["optimizer_bytes"] == 12 * n // 2 + 4
+
+
+@pytest.mark.slow
+def test_tp2_dp2_zero3_with_parameter_and_optimizer_offload_and_full_recompute(reference):
+    # Offload and recompute change where bytes live and what is recomputed, not the arithmetic:
+    # the losses must still be those of the unsharded run.
+    rows = run_ranks(spec(tp=2, dp=2, zero=3, offload="optimizer+params", recompute="full"))[0]
+    assert_same_losses(rows, reference, 4)
+    n = parameter_count(CFG, tp=2)
+    for rank in range(4):
+        mem = memory(rows, rank)
+        assert mem["params_bytes"] == 4 * n // 2, "ZeRO-3 keeps a half shard"
+        assert mem["activations_peak_bytes"] < memory(reference, 0)["activations_peak_bytes"] / 2
+
+
+@pytest.mark.slow
+def test_pp2_dp2_zero1(reference):
+    rows = run_ranks(spec(pp=2, dp=2, zero=1))[0]
+    assert_same_losses(rows, reference, 4)
+    h, block = CFG.hidden, (N - 2 * CFG.vocab * CFG.hidden - CFG.seq_len * CFG.hidden
+                            - 2 * CFG.hidden) // CFG.layers
+    first = CFG.vocab * h + CFG.seq_len * h + 2 * block  # embedding + blocks 0-1
+    last = 2 * block + 2 * h + CFG.vocab * h  # blocks 2-3 + final LayerNorm and head
+    assert first + last == N
+    for rank, n in ((0, first), (1, first), (2, last), (3, last)):
+        assert memory(rows, rank)["params_bytes"] == 4 * n, rank
+
+
+@pytest.mark.slow
+def test_tp2_pp2_dp2_zero1(reference):
+    rows = run_ranks(spec(tp=2, pp=2, dp=2, zero=1))[0]
+    assert_same_losses(rows, reference, 8)
+
+
+@pytest.mark.slow
+def test_tp2_bf16_with_optimizer_offload_and_selective_recompute(reference):
+    rows = run_ranks(spec("bf16", tp=2, zero=1, offload="optimizer", recompute="selective"))[0]
+    got, expected = losses(rows), losses(reference)
+    assert losses(rows, 1) == got
+    assert got == pytest.approx(expected, rel=2e-2), "bf16 tracks the fp32 run loosely"
+    assert got[-1] < got[0]
+    # bf16 weights, 2 bytes per parameter the TP rank holds, plus the bf16 staging copy of the
+    # (dp 1: whole) partition that DeepSpeed keeps in host memory for optimizer offload
+    n = parameter_count(CFG, tp=2)
+    mem = memory(rows, 0)
+    assert mem["params_bytes"] == 2 * n + 2 * n
+    assert mem["optimizer_bytes"] == 12 * n + 4, "fp32 master, exp_avg, exp_avg_sq and step"
+
+
+def test_fp16_is_refused_with_the_reason_on_a_device_without_fp16():
+    import threading
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from workers.train import RankContext, train_rank
+
+    if torch.cuda.is_available() or get_accelerator().is_fp16_supported():
+        pytest.skip("this device has fp16")
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=1, checkpoint_dir=None)
+    with pytest.raises(ValueError, match="fp16 needs a device with fp16"):
+        train_rank(spec("fp16"), ctx, lambda row: None, threading.Event())

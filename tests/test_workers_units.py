@@ -1,0 +1,96 @@
+"""Fast, single-process checks of the trainer's parts: data, layout-invariant initialisation,
+the plan's stage boundaries, and the activation meter."""
+
+from __future__ import annotations
+
+import torch
+
+from service.parallel import ParallelDims
+from service.spec import ModelSpec
+from workers import data
+from workers.memory import ActivationMeter
+from workers.model import GPT, Block, GPTConfig, parameter_count
+from workers.pipeline import layer_parts
+from workers.tp import RankGroups
+
+CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+
+
+def _groups(tp: int, tp_rank: int) -> RankGroups:
+    # No process group: the layers only slice their weights, which is what is checked here.
+    return RankGroups(dims=ParallelDims(tp=tp), rank=tp_rank, tp_rank=tp_rank, pp_rank=0,
+                      dp_rank=0, tp=None, pp=None, dp=None)
+
+
+def test_samples_depend_only_on_seed_and_index():
+    a = data.sample(7, 123, 32, 256)
+    assert torch.equal(a, data.sample(7, 123, 32, 256))
+    assert not torch.equal(a, data.sample(7, 124, 32, 256))
+    assert not torch.equal(a, data.sample(8, 123, 32, 256))
+    assert a.shape == (33,) and int(a.max()) < 64  # a quarter of the vocabulary
+
+
+def test_the_global_batch_is_the_same_however_it_is_split_over_dp_and_micro_batches():
+    def global_batch(dp: int, micro: int) -> torch.Tensor:
+        xs = [x for d in range(dp) for x, _ in data.micro_batches(
+            seed=1, step=3, dp_rank=d, dp=dp, global_batch=8, micro_batch=micro,
+            seq_len=32, vocab=256)]
+        return torch.cat(xs)
+    reference = global_batch(1, 8)
+    assert torch.equal(reference, global_batch(2, 2))
+    assert torch.equal(reference, global_batch(4, 1))
+    assert not torch.equal(reference, torch.cat([x for x, _ in data.micro_batches(
+        seed=1, step=4, dp_rank=0, dp=1, global_batch=8, micro_batch=8, seq_len=32, vocab=256)]))
+
+
+def test_tensor_parallel_shards_are_slices_of_the_unsharded_weights():
+    full = Block(2, CFG, 5, None)
+    shards = [Block(2, CFG, 5, _groups(2, r)) for r in range(2)]
+    for name in ("q", "k", "v", "up"):  # column parallel: output rows split
+        cat = torch.cat([getattr(s, name).weight for s in shards], dim=0)
+        assert torch.equal(cat, getattr(full, name).weight), name
+    for name in ("o", "down"):  # row parallel: input columns split
+        cat = torch.cat([getattr(s, name).weight for s in shards], dim=1)
+        assert torch.equal(cat, getattr(full, name).weight), name
+    assert shards[0].q.weight.shape == (CFG.hidden // 2, CFG.hidden)
+
+
+def test_parameter_count_matches_the_built_model_for_gelu_swiglu_and_gqa():
+    for spec in (ModelSpec(preset="gpt-tiny"),
+                 ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2, ffn_hidden=96)):
+        cfg = GPTConfig.from_spec(spec)
+        model = GPT(cfg, 0)
+        assert sum(p.numel() for p in model.parameters()) == parameter_count(cfg)
+        half = sum(p.numel() for p in GPT(cfg, 0, _groups(2, 1)).parameters())
+        assert half == parameter_count(cfg, tp=2)
+
+
+def test_gpt_with_gqa_and_swiglu_runs_forward_and_backward():
+    cfg = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2))
+    model = GPT(cfg, 0)
+    x, y = data.batch(0, 0, 2, cfg.seq_len, cfg.vocab)
+    logits = model(x)
+    assert logits.shape == (2, cfg.seq_len, cfg.vocab)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_stage_boundaries_are_the_plans_with_embedding_first_and_head_last():
+    # layer list: [embedding, block 0..7, head]; pp 2 -> blocks 0-3 and 4-7
+    assert layer_parts(8, 2) == [0, 5, 10]
+    assert layer_parts(4, 4) == [0, 2, 3, 4, 6]
+
+
+def test_activation_meter_counts_saved_activations_and_less_with_full_recompute():
+    x, _ = data.batch(0, 0, 2, CFG.seq_len, CFG.vocab)
+    peaks = {}
+    for recompute in ("none", "selective", "full"):
+        model = GPT(CFG, 0, recompute=recompute)
+        meter = ActivationMeter(model)
+        with meter.track():
+            model(x).float().mean().backward()
+        assert meter.live == 0, "every saved tensor is released after backward"
+        peaks[recompute] = meter.peak
+    assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+    # Full recompute keeps about one hidden-state tensor per block plus embedding and head.
+    assert peaks["full"] < peaks["none"] / 3
