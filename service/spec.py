@@ -213,7 +213,8 @@ class FaultSpec(_Strict):
     """A fault injected into one rank, for tests; refused unless the server allows faults."""
 
     kind: Literal["hang", "slow", "fail", "kill"]
-    """hang: sleep `seconds` once; slow: sleep `seconds` every step from `step` on; fail: raise;
+    """hang: sleep `seconds` once, before the step's first collective (mid-step, after the
+    forward pass has started); slow: the same on every step from `step` on; fail: raise;
     kill: end the rank's process."""
     rank: Annotated[int, Field(ge=0, le=65535)]
     """The rank to hit."""
@@ -221,6 +222,8 @@ class FaultSpec(_Strict):
     """The step at whose start the fault fires."""
     seconds: Annotated[float, Field(ge=0, le=86400)] = 0.0
     """Sleep length for hang and slow."""
+    attempt: Annotated[int, Field(ge=1, le=1000)] = 1
+    """The attempt it fires in (so that a restarted attempt can succeed)."""
 
 
 class JobSpec(_Strict):

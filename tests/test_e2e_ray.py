@@ -123,8 +123,45 @@ def test_hung_rank_is_named_within_the_timeout(stack) -> None:
     (waiting,) = hang["data"]["waiting"]
     assert waiting["waiting"] == [0] and waiting["group"] == [0, 1] and waiting["dim"] == "dp"
     stacks = {e["data"]["rank"]: e["data"]["stacks"] for e in events if e["kind"] == "stacks"}
-    assert "_inject" in stacks[1]
+    assert "_before_collective" in stacks[1] and "time.sleep" in stacks[1]
     assert client.get(f"/api/v1/jobs/{job_id}").json()["error"].startswith("hung:")
+
+
+def test_failed_attempt_restarts_from_the_newest_checkpoint(stack) -> None:
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        train={"steps": 8, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        checkpoint={"every_steps": 2}, max_retries=1, monitor={"probe": False},
+        faults=[{"kind": "fail", "rank": 1, "step": 6, "attempt": 1}])).json()["id"]
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 300) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    job = client.get(f"/api/v1/jobs/{job_id}").json()
+    assert job["attempts"] == 2
+    states = [e["data"]["to"] for e in client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+              if e["kind"] == "state"]
+    assert states == ["QUEUED", "PLACING", "RUNNING", "RESTARTING", "PLACING", "RUNNING",
+                      "SUCCEEDED"]
+    second = [m.step for m in store.list_metrics(job_id=job_id, attempt=2)]
+    assert second == [5, 6, 7, 8]  # resumed after the step-4 checkpoint
+    first = {m.step: m.loss for m in store.list_metrics(job_id=job_id, attempt=1)}
+    resumed = {m.step: m.loss for m in store.list_metrics(job_id=job_id, attempt=2)}
+    assert resumed[5] == pytest.approx(first[5], rel=1e-6)  # fp32: same data, same state
+
+
+def test_slow_rank_is_reported_as_a_straggler(stack) -> None:
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        train={"steps": 12, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False, "straggler_min_steps": 4},
+        faults=[{"kind": "slow", "rank": 1, "step": 3, "seconds": 0.3}])).json()["id"]
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 300) == JobState.SUCCEEDED
+    events = client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+    stragglers = [e for e in events if e["kind"] == "straggler"]
+    assert [e["data"]["rank"] for e in stragglers] == [1]
+    node = store.list_attempts(job_id=job_id)[0]["placement"]["ranks"][1]["node_id"]
+    assert stragglers[0]["data"]["node"] == node and f"rank 1 (node {node}" in \
+        stragglers[0]["message"]
 
 
 def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:

@@ -13,7 +13,6 @@ import os
 import queue
 import socket
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -120,46 +119,35 @@ class RankActor:
 
     def _train(self, spec: Any, ctx: Any, train_rank: Any) -> None:
         from workers.comm_timer import CommTimer
+        from workers.faults import FaultInjector
 
-        faults = {f.step: f for f in spec.faults if f.rank == self.rank}
-        slow = [f for f in faults.values() if f.kind == "slow"]
         timer = CommTimer(self.rank, spec.layout.dims, heartbeat=self.heartbeat,
                           sample_every=spec.monitor.comm_sample_every)
+        faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
 
         def begin(step: int) -> None:
             timer.begin_step(step)
             self.heartbeat.beat(step, "forward")
-            fault = faults.get(step)
-            if fault is not None and fault.kind in ("hang", "fail", "kill"):
-                self._inject(fault)
-            for f in slow:
-                if step >= f.step:
-                    time.sleep(f.seconds)
+            faults.begin(step)
 
         def report(r: dict[str, Any]) -> None:
             if r.get("kind", "step") == "step":
                 summary = timer.step_report(int(r["step"]), float(r["step_time_s"]))
-                r = {**r, "comm": summary["comm"], "timed": summary["timed"],
-                     "step_s": r["step_time_s"]}
-                self._reports.put(r)
+                self._reports.put({**r, "comm": summary["comm"], "timed": summary["timed"],
+                                   "step_s": r["step_time_s"]})
                 begin(int(r["step"]) + 1)
             else:
                 self._reports.put(r)
 
-        timer.install()  # before deepspeed.initialize: it caches the collectives it calls
+        # Before deepspeed.initialize, which caches the collectives it calls.
+        timer.install()
+        faults.install()
         try:
             begin(1)
             train_rank(spec, ctx, report, self._stop)
         finally:
+            faults.uninstall()
             timer.uninstall()
-
-    def _inject(self, fault: Any) -> None:
-        if fault.kind == "hang":
-            time.sleep(fault.seconds)
-        elif fault.kind == "fail":
-            raise RuntimeError(f"injected fault: rank {self.rank} fails at step {fault.step}")
-        elif fault.kind == "kill":
-            os._exit(17)
 
     # --- polled by the group --------------------------------------------------------------------
 

@@ -80,6 +80,8 @@ _WRAPPED: dict[str, tuple[str, int, str, int, int | None]] = {
     "isend": ("send", 0, "tensor", 2, 1),
     "irecv": ("recv", 0, "tensor", 2, 1),
 }
+COLLECTIVES = tuple(_WRAPPED)
+"""Names of the torch.distributed functions the timer wraps (fault injection wraps them too)."""
 _ASYNC_ALWAYS = frozenset({"isend", "irecv"})
 _PEER_NAMES = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
 

@@ -69,7 +69,7 @@ class RayWorkerGroup:
         self.phase = "placing"
         self.infos: list[dict[str, Any]] = []
         self._info_refs: list[Any] = []
-        self._poll_refs: list[Any] | None = None
+        self._poll_refs: dict[int, Any] = {}
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
 
@@ -124,15 +124,21 @@ class RayWorkerGroup:
         return PollResult(state="running", placement=placement, events=events)
 
     def _poll_running(self, timeout_s: float) -> PollResult:
-        if self._poll_refs is None:
-            self._poll_refs = [a.poll.remote() for a in self.actors]
-        done, _ = ray.wait(self._poll_refs, num_returns=len(self._poll_refs), timeout=timeout_s)
-        if len(done) < len(self._poll_refs):
-            return PollResult(state="running")
-        refs, self._poll_refs = self._poll_refs, None
+        # One outstanding poll per rank: a rank whose actor does not answer (its training
+        # thread holding the interpreter in a stuck collective) must not hide the others'
+        # news, such as a peer that failed.
+        for r, a in enumerate(self.actors):
+            if r not in self._poll_refs:
+                self._poll_refs[r] = a.poll.remote()
+        refs = list(self._poll_refs.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done_set = set(done)
         reports: list[dict[str, Any]] = []
         heartbeats: dict[int, dict[str, Any]] = {}
-        for r, ref in enumerate(refs):
+        for r, ref in list(self._poll_refs.items()):
+            if ref not in done_set:
+                continue
+            del self._poll_refs[r]
             try:
                 out = ray.get(ref)
             except RayActorError as exc:
@@ -152,6 +158,8 @@ class RayWorkerGroup:
         states = set(self._states.values())
         if "failed" in states:
             return "failed"
+        if len(self._states) < self.world_size:
+            return "running"
         if states == {"succeeded"}:
             return "succeeded"
         if states <= {"succeeded", "stopped"} and "stopped" in states:

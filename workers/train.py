@@ -78,6 +78,7 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     """Set up torch.distributed, build the model, train spec.train.steps steps, report, tear
     down. Exceptions propagate; `stop` ends the run cleanly between steps."""
     device = _setup(spec, ctx)
+    clean = False
     try:
         layout = spec.layout
         groups = build_groups(layout.dims, ctx.rank)
@@ -86,8 +87,9 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
             _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
         else:
             _train_gpt(spec, ctx, device, groups, ds_config, report, stop)
+        clean = True
     finally:
-        _teardown()
+        _teardown(clean)
 
 
 # --- set up and tear down -----------------------------------------------------------------------
@@ -120,10 +122,13 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
     return torch.device("cuda", ctx.local_rank) if use_gpu else torch.device("cpu")
 
 
-def _teardown() -> None:
-    """Destroy every process group so the same process can run another attempt."""
+def _teardown(clean: bool) -> None:
+    """Destroy every process group so the same process can run another attempt. After an
+    error there is no barrier: the peers may be stuck in a collective and never arrive, and
+    the exception must reach the worker group now."""
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
     from deepspeed.utils import groups as ds_groups
     for name in ("_DATA_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP",

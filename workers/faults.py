@@ -1,0 +1,73 @@
+"""Fault injection for tests: hang, slow, fail or kill a chosen rank at a chosen step.
+
+Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the actor arms it
+around the trainer. Hang and slow sleep right before the step's first collective, inside
+the step (so the step's compute time grows and peers wait in that collective), which is how
+a stuck or slow GPU looks from outside.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from workers.comm_timer import COLLECTIVES
+
+
+class FaultInjector:
+    def __init__(self, rank: int, attempt: int, faults: Sequence[Any]) -> None:
+        self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
+        self.rank = rank
+        self._pending = 0.0
+        self._lock = threading.Lock()
+        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
+
+    def begin(self, step: int) -> None:
+        """Called at the start of every step, on the training thread."""
+        sleep = 0.0
+        for f in self.faults:
+            if f.kind == "fail" and step == f.step:
+                raise RuntimeError(f"injected fault: rank {self.rank} fails at step {step}")
+            if f.kind == "kill" and step == f.step:
+                os._exit(17)
+            if (f.kind == "hang" and step == f.step) or (f.kind == "slow" and step >= f.step):
+                sleep += f.seconds
+        with self._lock:
+            self._pending = sleep
+
+    def _before_collective(self) -> None:
+        with self._lock:
+            sleep, self._pending = self._pending, 0.0
+        if sleep:
+            time.sleep(sleep)
+
+    def install(self) -> None:
+        """Wrap the collectives (outside the timer's own wrappers, so the sleep is compute)."""
+        if not any(f.kind in ("hang", "slow") for f in self.faults) or self._originals:
+            return
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
+                self._before_collective()
+                return _fn(*args, **kwargs)
+
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is fn:
+                    self._originals[(mod, name)] = fn
+                    setattr(mod, name, wrapper)
+
+    def uninstall(self) -> None:
+        for (mod, name), fn in self._originals.items():
+            setattr(mod, name, fn)
+        self._originals.clear()
