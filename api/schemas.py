@@ -33,11 +33,7 @@ class JobOut(BaseModel):
 
     @classmethod
     def of(cls, job: Job) -> JobOut:
-        return cls(id=job.id, name=job.name, owner=job.owner, state=job.state,
-                   priority=job.priority, spec=job.spec, plan=job.plan, world_size=job.world_size,
-                   cancel_requested=job.cancel_requested, attempts=job.attempts, error=job.error,
-                   created_at=job.created_at, updated_at=job.updated_at,
-                   started_at=job.started_at, finished_at=job.finished_at)
+        return cls.model_validate(job, from_attributes=True)
 
 
 class JobList(BaseModel):
@@ -57,8 +53,7 @@ class EventOut(BaseModel):
 
     @classmethod
     def of(cls, ev: Event) -> EventOut:
-        return cls(id=ev.id, attempt=ev.attempt, time=ev.time, kind=ev.kind, message=ev.message,
-                   data=ev.data)
+        return cls.model_validate(ev, from_attributes=True)
 
 
 class EventList(BaseModel):

@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 
 
+def wait_healthy(url: str, tries: int = 200) -> None:
+    for _ in range(tries):
+        try:
+            httpx.get(url + "/api/v1/healthz").raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,12 +50,7 @@ def server(tmp_path: Path) -> Iterator[str]:
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url + "/api/v1/healthz").raise_for_status()
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    wait_healthy(url)
     yield url
     srv.should_exit = True
     t.join(5)
@@ -103,12 +108,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     up = subprocess.Popen([trident, "up", "--port", str(port)], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(200):
-            try:
-                httpx.get(server + "/api/v1/healthz").raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(server, tries=600)
         done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"), "--wait",
                                "--server", server], capture_output=True, text=True, timeout=400,
                               cwd=ROOT)
