@@ -94,3 +94,18 @@ def test_activation_meter_counts_saved_activations_and_less_with_full_recompute(
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     # Full recompute keeps about one hidden-state tensor per block plus embedding and head.
     assert peaks["full"] < peaks["none"] / 3
+
+
+def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reason():
+    import pytest
+
+    from service.spec import JobSpec
+    from workers.interleaved import check_supported
+
+    ok = JobSpec(name="v", model={"preset": "gpt-tiny"},
+                 parallel={"pp": 2, "virtual_stages": 2, "dp": 2, "zero": 1},
+                 train={"precision": "fp32", "global_batch": 8, "micro_batch": 2})
+    check_supported(ok)
+    bf16 = ok.model_copy(update={"train": ok.train.model_copy(update={"precision": "bf16"})})
+    with pytest.raises(NotImplementedError, match=r"precision='bf16'"):
+        check_supported(bf16)

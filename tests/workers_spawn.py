@@ -26,6 +26,10 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("TRIDENT_TEST_HANG_DUMP_S"):  # debugging aid: stacks of a hung rank
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["TRIDENT_TEST_HANG_DUMP_S"]),
+                                          exit=True)
     os.environ["DS_ACCELERATOR"] = "cpu"
     from workers.train import RankContext, train_rank
 

@@ -40,8 +40,9 @@ def _tensors(obj: Any, depth: int = 0):
 
 def _innermost(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer that holds the Adam states, inside DeepSpeed's wrappers."""
-    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
-        inner = getattr(optimizer, "optimizer", None)
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer") \
+            or hasattr(optimizer, "optim"):  # DeepSpeed wrappers; torch's ZeroRedundancyOptimizer
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
         if inner is None:
             break
         optimizer = inner

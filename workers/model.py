@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch import nn
 
@@ -34,6 +36,14 @@ from workers.tp import (
 )
 
 Recompute = Literal["none", "selective", "full"]
+CheckpointFn = Callable[..., Any]
+"""An activation-checkpoint function `f(function, *args)`: DeepSpeed's by default."""
+
+
+def torch_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """torch's non-reentrant checkpoint, for torch.distributed.pipelining: its stages infer
+    gradient shapes with `torch.autograd.grad`, which DeepSpeed's checkpointing refuses."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 INIT_STD = 0.02
 
 
@@ -90,12 +100,13 @@ class Block(nn.Module):
     """
 
     def __init__(self, index: int, cfg: GPTConfig, seed: int, groups: RankGroups | None,
-                 recompute: Recompute = "none") -> None:
+                 recompute: Recompute = "none", checkpoint: CheckpointFn | None = None) -> None:
         super().__init__()
+        self.checkpoint = checkpoint or ds_checkpointing.checkpoint
         tp = groups.tp_size if groups else 1
         r = groups.tp_rank if groups else 0
         self.group = groups.tp if groups and groups.tp_size > 1 else None
-        self.cfg, self.recompute = cfg, recompute
+        self.index, self.cfg, self.recompute = index, cfg, recompute
         self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
         h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
         out_std = INIT_STD / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
@@ -128,7 +139,7 @@ class Block(nn.Module):
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
             # the attention core, whose saved activations grow with s^2.
-            y = ds_checkpointing.checkpoint(self._attention_core, q, k, v)
+            y = self.checkpoint(self._attention_core, q, k, v)
         else:
             y = self._attention_core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.heads * d)
@@ -145,8 +156,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
-            # DeepSpeed activation checkpointing: keep only the block input, recompute the rest.
-            return ds_checkpointing.checkpoint(self._block, x)
+            # Full recompute: keep only the block input, recompute the rest in backward.
+            return self.checkpoint(self._block, x)
         return self._block(x)
 
 
@@ -170,14 +181,15 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def build_layers(cfg: GPTConfig, seed: int, groups: RankGroups | None,
                  recompute: Recompute = "none",
-                 layer_range: tuple[int, int] | None = None) -> list[nn.Module]:
+                 layer_range: tuple[int, int] | None = None,
+                 checkpoint: CheckpointFn | None = None) -> list[nn.Module]:
     """The model as a flat layer list; only blocks in `layer_range` (default all) are built,
     plus the embedding when the range starts at 0 and the head when it ends at L."""
     start, end = layer_range or (0, cfg.layers)
     layers: list[nn.Module] = []
     if start == 0:
         layers.append(Embedding(cfg, seed))
-    layers += [Block(i, cfg, seed, groups, recompute) for i in range(start, end)]
+    layers += [Block(i, cfg, seed, groups, recompute, checkpoint) for i in range(start, end)]
     if end == cfg.layers:
         layers.append(Head(cfg, seed))
     return layers

@@ -7,8 +7,9 @@ attention and MLP matrices ourselves over the topology's TP group, as Megatron-D
 One code path then serves pp = 1 and pp > 1 alike.
 
 Every collective of ours goes through one small function per kind (`tp_all_reduce`,
-`dp_all_reduce`) so the monitor can time them per parallel dimension. The pipeline's
-point-to-point sends and ZeRO's DP collectives are DeepSpeed's own.
+`dp_all_reduce`, `pp_broadcast`) so the monitor can time them per parallel dimension. The
+pipeline's point-to-point sends and ZeRO's DP collectives are DeepSpeed's (or, for interleaved
+stages, torch's) own.
 
 Called by `workers.model` (layers) and `workers.train` (groups, loss averaging).
 """
@@ -117,6 +118,13 @@ def dp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     """Sum `x` over the DP group in place (used for the reported loss only)."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, group=group)
+    return x
+
+
+def pp_broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Broadcast `x` from global rank `src` over the PP group (the loss, from the last stage)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast(x, src=src, group=group)
     return x
 
 
