@@ -55,7 +55,8 @@ class InterleavedEngine:
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
         chunks = [nn.Sequential(*build_layers(cfg, t.seed, groups, p.recompute, rng,
-                                              checkpoint=torch_checkpoint)).to(device)
+                                              checkpoint=torch_checkpoint,
+                                              sequence_parallel=p.sequence_parallel)).to(device)
                   for rng in stage_layers(cfg.layers, p.pp, p.virtual_stages)[groups.pp_rank]]
         self.module = nn.ModuleList(chunks)
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]

@@ -48,10 +48,12 @@ class _PlannedPipe(PipelineModule):
 
 
 def build_pipeline(cfg: GPTConfig, seed: int, dims: ParallelDims, groups: RankGroups,
-                   recompute: Recompute) -> PipelineModule:
-    specs = [LayerSpec(Embedding, cfg, seed)]
-    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute) for i in range(cfg.layers)]
-    specs.append(LayerSpec(Head, cfg, seed))
+                   recompute: Recompute, sequence_parallel: bool = False) -> PipelineModule:
+    sp = sequence_parallel
+    specs = [LayerSpec(Embedding, cfg, seed, groups, sp)]
+    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute, None, sp)
+              for i in range(cfg.layers)]
+    specs.append(LayerSpec(Head, cfg, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
     return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
                         planned_parts=layer_parts(cfg.layers, dims.pp),

@@ -165,6 +165,10 @@ def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # The pipeline engine may send 1/tp of each activation and all-gather it on receipt,
+        # which assumes activations replicated over TP; with sequence parallelism they are not.
+        "pipeline": {"pipe_partitioned": not p.sequence_parallel,
+                     "grad_partitioned": not p.sequence_parallel},
     }
 
 
@@ -184,11 +188,12 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         engine = InterleavedEngine(spec, cfg, groups, device)
     elif layout.pp > 1:
         from workers.pipeline import build_pipeline
-        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute)
+        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute,
+                               layout.sequence_parallel)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
     else:
-        model = GPT(cfg, t.seed, groups, layout.recompute).to(device)
+        model = GPT(cfg, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config, mpu=DeepSpeedMpu(groups))
     _check_stage(engine.module, layout, cfg, ctx.rank)
@@ -267,9 +272,9 @@ def _to(batches, device: torch.device):
 
 def _check_layout(layout: ParallelSpec, cfg: GPTConfig, groups: RankGroups, rank: int) -> None:
     """The trainer runs exactly the stored plan's layout: same coordinates, same layer ranges."""
-    if layout.sequence_parallel:
-        raise NotImplementedError("parallel.sequence_parallel is not implemented by the"
-                                  " trainer yet; run with sequence_parallel false")
+    if layout.sequence_parallel and cfg.seq_len % layout.tp:
+        raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
+                         f" seq_len({cfg.seq_len})")
     row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
     assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
 
