@@ -109,3 +109,16 @@ def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reas
     bf16 = ok.model_copy(update={"train": ok.train.model_copy(update={"precision": "bf16"})})
     with pytest.raises(NotImplementedError, match=r"precision='bf16'"):
         check_supported(bf16)
+
+
+def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
+    from workers import checkpoint
+
+    assert checkpoint.newest_complete_step(str(tmp_path / "missing")) == 0
+    assert checkpoint.newest_complete_step(None) == 0
+    for step, complete in ((2, True), (4, True), (6, False), (10, False)):
+        (tmp_path / f"step{step}").mkdir()
+        if complete:
+            (tmp_path / f"step{step}" / checkpoint.MARKER).write_text(f"{step}\n")
+    (tmp_path / "latest").write_text("step10")  # DeepSpeed's own pointer is not trusted
+    assert checkpoint.newest_complete_step(str(tmp_path)) == 4

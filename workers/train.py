@@ -33,9 +33,11 @@ from service.parallel import rank_layout
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
 from workers.model import GPT, Block, GPTConfig, loss_fn
+from workers.report import MemoryReport, StepReport
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce
 
 Report = Callable[[dict], None]
+"""Called once per optimizer step on every rank with a `workers.report.StepReport`."""
 
 
 @dataclass
@@ -199,7 +201,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     _check_stage(engine.module, layout, cfg, ctx.rank)
 
     states: dict[str, int] = {}
-    inner = memory._innermost(engine.optimizer)
+    inner = memory.innermost_optimizer(engine.optimizer)
     inner.register_step_post_hook(
         lambda *_: states.update(memory.model_state_bytes(engine.module, engine.optimizer)))
     acts = memory.ActivationMeter(engine.module)
@@ -229,20 +231,19 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
             saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
-        report({
-            "kind": "step", "rank": ctx.rank, "step": step + 1, "loss": loss,
-            "tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank,
-            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-            "attempt": ctx.attempt, "resumed_from": start, "checkpoint": saved,
-            "memory": {
-                "params_bytes": states.get("params", 0),
-                "grads_bytes": states.get("grads", 0),
-                "optimizer_bytes": states.get("optimizer", 0),
-                "activations_peak_bytes": acts.peak,
-                "process_peak_bytes": memory.process_peak_bytes(device),
-                "kind": "cuda_max_allocated" if device.type == "cuda" else "rss_peak",
-            },
-        })
+        report(StepReport(
+            kind="step", rank=ctx.rank, step=step + 1, loss=loss,
+            step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+            attempt=ctx.attempt, resumed_from=start, checkpoint=saved,
+            memory=MemoryReport(
+                params_bytes=states.get("params", 0),
+                grads_bytes=states.get("grads", 0),
+                optimizer_bytes=states.get("optimizer", 0),
+                activations_peak_bytes=acts.peak,
+                process_peak_bytes=memory.process_peak_bytes(device),
+                process_peak_source="cuda_max_allocated" if device.type == "cuda"
+                else "rss_peak")))
     engine.destroy()
 
 
