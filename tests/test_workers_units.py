@@ -122,3 +122,4 @@ def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
             (tmp_path / f"step{step}" / checkpoint.MARKER).write_text(f"{step}\n")
     (tmp_path / "latest").write_text("step10")  # DeepSpeed's own pointer is not trusted
     assert checkpoint.newest_complete_step(str(tmp_path)) == 4
+

@@ -11,14 +11,17 @@ the all-reduce of each TP region becomes an all-gather before it and a reduce-sc
 
 Every collective of ours goes through one small function per kind (`tp_all_reduce`,
 `tp_all_gather_seq`, `tp_reduce_scatter_seq`, `dp_all_reduce`, `pp_broadcast`) so the monitor
-can time them per parallel dimension. The pipeline's point-to-point sends and ZeRO's DP
-collectives are DeepSpeed's (or, for interleaved stages, torch's) own.
+can time them per parallel dimension (`set_collective_observer`). The pipeline's
+point-to-point sends and ZeRO's DP collectives are DeepSpeed's (or, for interleaved stages,
+torch's) own: this observer does not see them.
 
 Called by `workers.model` (layers) and `workers.train` (groups, loss averaging).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -110,31 +113,52 @@ class DeepSpeedMpu:
 
 # --- collectives: one function per kind -------------------------------------------------------
 
+CollectiveObserver = Callable[[str, str, int], AbstractContextManager[object]]
+"""`observer(dim, op, nbytes)` returns a context manager around one collective call."""
+_observer: CollectiveObserver | None = None
+
+
+def set_collective_observer(observer: CollectiveObserver | None) -> None:
+    """Let a monitor time every collective issued here, by dimension ("tp", "dp", "pp")."""
+    global _observer
+    _observer = observer
+
+
+def _observe(dim: str, op: str, x: torch.Tensor) -> AbstractContextManager[object]:
+    if _observer is None:
+        return nullcontext()
+    return _observer(dim, op, x.numel() * x.element_size())
+
+
 def tp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `x` over the TP group in place (the one TP collective of the Megatron split)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        with _observe("tp", "all_reduce", x):
+            dist.all_reduce(x, group=group)
     return x
 
 
 def dp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `x` over the DP group in place (used for the reported loss only)."""
+    """Sum `x` over the DP group in place (the reported loss; interleaved stages' gradients)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        with _observe("dp", "all_reduce", x):
+            dist.all_reduce(x, group=group)
     return x
 
 
 def pp_broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Broadcast `x` from global rank `src` over the PP group (the loss, from the last stage)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.broadcast(x, src=src, group=group)
+        with _observe("pp", "broadcast", x):
+            dist.broadcast(x, src=src, group=group)
     return x
 
 
 def tp_all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate the TP ranks' sequence chunks (dim 1): sequence parallelism's gather."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with _observe("tp", "all_gather", x):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
 
@@ -148,10 +172,12 @@ def tp_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     if dist.get_backend(group) == "nccl":
         chunks = [c.contiguous() for c in x.chunk(size, dim=1)]
         out = torch.empty_like(chunks[rank])
-        dist.reduce_scatter(out, chunks, group=group)
+        with _observe("tp", "reduce_scatter", x):
+            dist.reduce_scatter(out, chunks, group=group)
         return out
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with _observe("tp", "reduce_scatter", x):
+        dist.all_reduce(x, group=group)
     return x.chunk(size, dim=1)[rank].contiguous()
 
 
