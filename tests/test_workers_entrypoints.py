@@ -17,10 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("virtual_stages", [1, 2], ids=["deepspeed-pipeline", "interleaved"])
 def test_a_new_attempt_resumes_from_the_newest_complete_checkpoint_with_the_same_losses(
-        tmp_path):
+        tmp_path, virtual_stages):
     spec = JobSpec(name="resume", model={"preset": "gpt-tiny"},
-                   parallel={"pp": 2, "zero": 1},
+                   parallel={"pp": 2, "zero": 1, "virtual_stages": virtual_stages},
                    train={"steps": 6, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
                           "precision": "fp32"},
                    checkpoint={"every_steps": 2})

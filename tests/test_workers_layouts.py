@@ -65,6 +65,21 @@ def test_tp2_dp2_zero1(reference):
 
 
 @pytest.mark.slow
+def test_tp2_pp2_sequence_parallel_with_full_recompute(reference):
+    # Sequence-sharded activations cross the stage boundary (unpartitioned p2p) and the
+    # LayerNorm gradients are summed over TP: still the unsharded run's losses.
+    rows = run_ranks(spec(tp=2, pp=2, sequence_parallel=True, recompute="full"))[0]
+    assert_same_losses(rows, reference, 4)
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_virtual2_dp2_zero1_with_full_recompute(reference):
+    # torch.distributed.pipelining's interleaved 1F1B, ZeroRedundancyOptimizer over dp
+    rows = run_ranks(spec(pp=2, virtual_stages=2, dp=2, zero=1, recompute="full"))[0]
+    assert_same_losses(rows, reference, 4)
+
+
+@pytest.mark.slow
 def test_tp2_dp2_zero3_with_parameter_and_optimizer_offload_and_full_recompute(reference):
     # Offload and recompute change where bytes live and what is recomputed, not the arithmetic:
     # the losses must still be those of the unsharded run.

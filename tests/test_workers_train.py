@@ -25,6 +25,7 @@ def test_demo_job_trains_and_reports_every_step_on_every_rank():
         (rank, step) for rank in range(2) for step in range(1, 21)]
     for row in rows:
         assert row.keys() >= STEP_KEYS and row["memory"].keys() >= MEMORY_KEYS
+        assert row["memory"]["process_peak_source"] == "rss_peak"
         assert row["kind"] == "step" and row["step_time_s"] > 0
         assert row["tokens_per_s"] == pytest.approx(8 * 32 / row["step_time_s"])
     first, last = losses(rows, 0), losses(rows, 1)

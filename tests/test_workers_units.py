@@ -94,3 +94,32 @@ def test_activation_meter_counts_saved_activations_and_less_with_full_recompute(
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     # Full recompute keeps about one hidden-state tensor per block plus embedding and head.
     assert peaks["full"] < peaks["none"] / 3
+
+
+def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reason():
+    import pytest
+
+    from service.spec import JobSpec
+    from workers.interleaved import check_supported
+
+    ok = JobSpec(name="v", model={"preset": "gpt-tiny"},
+                 parallel={"pp": 2, "virtual_stages": 2, "dp": 2, "zero": 1},
+                 train={"precision": "fp32", "global_batch": 8, "micro_batch": 2})
+    check_supported(ok)
+    bf16 = ok.model_copy(update={"train": ok.train.model_copy(update={"precision": "bf16"})})
+    with pytest.raises(NotImplementedError, match=r"precision='bf16'"):
+        check_supported(bf16)
+
+
+def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
+    from workers import checkpoint
+
+    assert checkpoint.newest_complete_step(str(tmp_path / "missing")) == 0
+    assert checkpoint.newest_complete_step(None) == 0
+    for step, complete in ((2, True), (4, True), (6, False), (10, False)):
+        (tmp_path / f"step{step}").mkdir()
+        if complete:
+            (tmp_path / f"step{step}" / checkpoint.MARKER).write_text(f"{step}\n")
+    (tmp_path / "latest").write_text("step10")  # DeepSpeed's own pointer is not trusted
+    assert checkpoint.newest_complete_step(str(tmp_path)) == 4
+

@@ -26,6 +26,10 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("TRIDENT_TEST_HANG_DUMP_S"):  # debugging aid: stacks of a hung rank
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["TRIDENT_TEST_HANG_DUMP_S"]),
+                                          exit=True)
     os.environ["DS_ACCELERATOR"] = "cpu"
     from workers.train import RankContext, train_rank
 
@@ -45,7 +49,21 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=port + attempt,
                               checkpoint_dir=ckpt, attempt=attempt)
-            train_rank(spec, ctx, report, stop)
+            # On a thread, as the Ray actor runs it; its exception is re-raised here.
+            failure: list[BaseException] = []
+
+            def run(ctx: RankContext = ctx, report=report, stop: threading.Event = stop,
+                    failure: list[BaseException] = failure) -> None:
+                try:
+                    train_rank(spec, ctx, report, stop)
+                except BaseException as exc:
+                    failure.append(exc)
+
+            thread = threading.Thread(target=run, name=f"rank{rank}-attempt{attempt}")
+            thread.start()
+            thread.join()
+            if failure:
+                raise failure[0]
         queue.put(("done", rank, None, None))
     except BaseException:
         queue.put(("error", rank, None, traceback.format_exc()))

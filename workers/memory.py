@@ -38,10 +38,11 @@ def _tensors(obj: Any, depth: int = 0):
             yield from _tensors(x, depth + 1)
 
 
-def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer that holds the Adam states, inside DeepSpeed's wrappers."""
-    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
-        inner = getattr(optimizer, "optimizer", None)
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer") \
+            or hasattr(optimizer, "optim"):  # DeepSpeed wrappers; torch's ZeroRedundancyOptimizer
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
         if inner is None:
             break
         optimizer = inner
@@ -66,7 +67,7 @@ def model_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
         add("params", p.ds_tensor if hasattr(p, "ds_tensor") else p)
     for p in params:
         add("grads", p.grad)
-    inner = _innermost(optimizer)
+    inner = innermost_optimizer(optimizer)
     holders = [optimizer] if optimizer is not inner else []
     for holder in holders:  # DeepSpeed's ZeRO/bf16 wrappers: flat buffers, masters, grad buckets
         for name, value in vars(holder).items():

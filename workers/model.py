@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch import nn
 
@@ -29,11 +31,24 @@ from workers.tp import (
     ColumnParallelLinear,
     RankGroups,
     RowParallelLinear,
+    all_reduce_grads_over_tp,
     copy_to_tp,
+    gather_seq,
+    gather_seq_to_replicated,
     reduce_from_tp,
+    reduce_scatter_seq,
+    scatter_seq,
 )
 
 Recompute = Literal["none", "selective", "full"]
+CheckpointFn = Callable[..., Any]
+"""An activation-checkpoint function `f(function, *args)`: DeepSpeed's by default."""
+
+
+def torch_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """torch's non-reentrant checkpoint, for torch.distributed.pipelining: its stages infer
+    gradient shapes with `torch.autograd.grad`, which DeepSpeed's checkpointing refuses."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 INIT_STD = 0.02
 
 
@@ -69,16 +84,26 @@ def init_weight(seed: int, layer: int, name: str, shape: tuple[int, ...],
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-class Embedding(nn.Module):
-    """Token and learned position embeddings (replicated over TP; layer index -1)."""
+def _sp_group(groups: RankGroups | None, sequence_parallel: bool):
+    return groups.tp if sequence_parallel and groups and groups.tp_size > 1 else None
 
-    def __init__(self, cfg: GPTConfig, seed: int) -> None:
+
+class Embedding(nn.Module):
+    """Token and learned position embeddings (replicated over TP; layer index -1).
+
+    With sequence parallelism the output keeps only this TP rank's chunk of the sequence.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tok = nn.Parameter(init_weight(seed, -1, "tok", (cfg.vocab, cfg.hidden)))
         self.pos = nn.Parameter(init_weight(seed, -1, "pos", (cfg.seq_len, cfg.hidden)))
+        self.sp_group = _sp_group(groups, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+        x = F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+        return scatter_seq(x, self.sp_group) if self.sp_group is not None else x
 
 
 class Block(nn.Module):
@@ -86,16 +111,20 @@ class Block(nn.Module):
 
     Per block and direction there is one TP all-reduce for attention and one for the MLP: the
     row-parallel output is summed in forward (`reduce_from_tp`), the replicated input's
-    gradient in backward (`copy_to_tp`).
+    gradient in backward (`copy_to_tp`). With sequence parallelism each becomes an all-gather
+    of the LayerNorm output and a reduce-scatter of the row-parallel output.
     """
 
     def __init__(self, index: int, cfg: GPTConfig, seed: int, groups: RankGroups | None,
-                 recompute: Recompute = "none") -> None:
+                 recompute: Recompute = "none", checkpoint: CheckpointFn | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sp_group = _sp_group(groups, sequence_parallel)
+        self.checkpoint = checkpoint or ds_checkpointing.checkpoint
         tp = groups.tp_size if groups else 1
         r = groups.tp_rank if groups else 0
         self.group = groups.tp if groups and groups.tp_size > 1 else None
-        self.cfg, self.recompute = cfg, recompute
+        self.index, self.cfg, self.recompute = index, cfg, recompute
         self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
         h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
         out_std = INIT_STD / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
@@ -113,31 +142,44 @@ class Block(nn.Module):
         self.gate = (ColumnParallelLinear(w("gate", (f, h)), r, tp)
                      if cfg.activation == "swiglu" else None)
         self.down = RowParallelLinear(w("down", (h, f), out_std), r, tp)
+        if self.sp_group is not None:
+            all_reduce_grads_over_tp([*self.ln1.parameters(), *self.ln2.parameters()],
+                                     self.sp_group)
+
+    def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:
+            return gather_seq(x, self.sp_group)
+        return copy_to_tp(x, self.group)
+
+    def _leave_tp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:
+            return reduce_scatter_seq(x, self.sp_group)
+        return reduce_from_tp(x, self.group)
 
     def _attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=self.heads != self.kv_heads)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._enter_tp(self.ln1(x))
         b, s, _ = x.shape
         d = self.cfg.head_dim
-        x = copy_to_tp(self.ln1(x), self.group)
         q = self.q(x).view(b, s, self.heads, d).transpose(1, 2)
         k = self.k(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
             # the attention core, whose saved activations grow with s^2.
-            y = ds_checkpointing.checkpoint(self._attention_core, q, k, v)
+            y = self.checkpoint(self._attention_core, q, k, v)
         else:
             y = self._attention_core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.heads * d)
-        return reduce_from_tp(self.o(y), self.group)
+        return self._leave_tp(self.o(y))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(self.ln2(x), self.group)
+        x = self._enter_tp(self.ln2(x))
         y = F.silu(self.gate(x)) * self.up(x) if self.gate is not None else F.gelu(self.up(x))
-        return reduce_from_tp(self.down(y), self.group)
+        return self._leave_tp(self.down(y))
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._attention(x)
@@ -145,21 +187,29 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
-            # DeepSpeed activation checkpointing: keep only the block input, recompute the rest.
-            return ds_checkpointing.checkpoint(self._block, x)
+            # Full recompute: keep only the block input, recompute the rest in backward.
+            return self.checkpoint(self._block, x)
         return self._block(x)
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the LM head (replicated over TP; layer index L)."""
+    """Final LayerNorm and the LM head (replicated over TP; layer index L).
 
-    def __init__(self, cfg: GPTConfig, seed: int) -> None:
+    With sequence parallelism the whole sequence is gathered first, so the LayerNorm and the
+    head see every token and their gradients are the same on every TP rank.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(cfg.hidden)
         self.weight = nn.Parameter(init_weight(seed, cfg.layers, "lm_head",
                                                (cfg.vocab, cfg.hidden)))
+        self.sp_group = _sp_group(groups, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:
+            x = gather_seq_to_replicated(x, self.sp_group)
         return F.linear(self.ln(x), self.weight)
 
 
@@ -170,16 +220,19 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def build_layers(cfg: GPTConfig, seed: int, groups: RankGroups | None,
                  recompute: Recompute = "none",
-                 layer_range: tuple[int, int] | None = None) -> list[nn.Module]:
+                 layer_range: tuple[int, int] | None = None,
+                 checkpoint: CheckpointFn | None = None,
+                 sequence_parallel: bool = False) -> list[nn.Module]:
     """The model as a flat layer list; only blocks in `layer_range` (default all) are built,
     plus the embedding when the range starts at 0 and the head when it ends at L."""
     start, end = layer_range or (0, cfg.layers)
     layers: list[nn.Module] = []
+    sp = sequence_parallel
     if start == 0:
-        layers.append(Embedding(cfg, seed))
-    layers += [Block(i, cfg, seed, groups, recompute) for i in range(start, end)]
+        layers.append(Embedding(cfg, seed, groups, sp))
+    layers += [Block(i, cfg, seed, groups, recompute, checkpoint, sp) for i in range(start, end)]
     if end == cfg.layers:
-        layers.append(Head(cfg, seed))
+        layers.append(Head(cfg, seed, groups, sp))
     return layers
 
 
@@ -187,9 +240,10 @@ class GPT(nn.Module):
     """The whole model on one pipeline stage: tokens in, logits out."""
 
     def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
-                 recompute: Recompute = "none") -> None:
+                 recompute: Recompute = "none", sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*build_layers(cfg, seed, groups, recompute))
+        self.layers = nn.Sequential(*build_layers(cfg, seed, groups, recompute,
+                                                  sequence_parallel=sequence_parallel))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.layers(tokens)

@@ -7,9 +7,8 @@ boundaries are not DeepSpeed's own balancing: they are the stored plan's `stage_
 embedding on the first stage and the head on the last. DeepSpeed runs its 1F1B schedule
 (`TrainSchedule`) over global_batch / (micro_batch * dp) micro-batches per step.
 
-Interleaved stages (`virtual_stages` > 1) are not offered: DeepSpeed's pipeline engine has no
-interleaved schedule, and `torch.distributed.pipelining`'s `ScheduleInterleaved1F1B` does not
-compose with DeepSpeed's ZeRO engine; `check_supported` refuses such a layout with the reason.
+Interleaved stages (`virtual_stages` > 1) are not this module's: DeepSpeed's pipeline engine
+has no interleaved schedule, so `workers.interleaved` runs them on torch.distributed.pipelining.
 
 Called by `workers.train`.
 """
@@ -22,13 +21,6 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from service.parallel import ParallelDims, stage_layers
 from workers.model import Block, Embedding, GPTConfig, Head, Recompute, loss_fn
 from workers.tp import RankGroups
-
-
-def check_supported(virtual_stages: int) -> None:
-    if virtual_stages > 1:
-        raise NotImplementedError(
-            f"virtual_stages({virtual_stages}) > 1: DeepSpeed's pipeline engine has no"
-            " interleaved 1F1B schedule; run with virtual_stages 1")
 
 
 def layer_parts(layers: int, pp: int) -> list[int]:
@@ -56,10 +48,12 @@ class _PlannedPipe(PipelineModule):
 
 
 def build_pipeline(cfg: GPTConfig, seed: int, dims: ParallelDims, groups: RankGroups,
-                   recompute: Recompute) -> PipelineModule:
-    specs = [LayerSpec(Embedding, cfg, seed)]
-    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute) for i in range(cfg.layers)]
-    specs.append(LayerSpec(Head, cfg, seed))
+                   recompute: Recompute, sequence_parallel: bool = False) -> PipelineModule:
+    sp = sequence_parallel
+    specs = [LayerSpec(Embedding, cfg, seed, groups, sp)]
+    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute, None, sp)
+              for i in range(cfg.layers)]
+    specs.append(LayerSpec(Head, cfg, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
     return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
                         planned_parts=layer_parts(cfg.layers, dims.pp),

@@ -6,15 +6,22 @@ groups and trips `dp_world_size == grid.data_parallel_size`), so for tp x pp we 
 attention and MLP matrices ourselves over the topology's TP group, as Megatron-DeepSpeed does.
 One code path then serves pp = 1 and pp > 1 alike.
 
+Sequence parallelism (Megatron): LayerNorm and residual regions hold 1/tp of the sequence;
+the all-reduce of each TP region becomes an all-gather before it and a reduce-scatter after.
+
 Every collective of ours goes through one small function per kind (`tp_all_reduce`,
-`dp_all_reduce`) so the monitor can time them per parallel dimension. The pipeline's
-point-to-point sends and ZeRO's DP collectives are DeepSpeed's own.
+`tp_all_gather_seq`, `tp_reduce_scatter_seq`, `dp_all_reduce`, `pp_broadcast`) so the monitor
+can time them per parallel dimension (`set_collective_observer`). The pipeline's
+point-to-point sends and ZeRO's DP collectives are DeepSpeed's (or, for interleaved stages,
+torch's) own: this observer does not see them.
 
 Called by `workers.model` (layers) and `workers.train` (groups, loss averaging).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -106,18 +113,152 @@ class DeepSpeedMpu:
 
 # --- collectives: one function per kind -------------------------------------------------------
 
+CollectiveObserver = Callable[[str, str, int], AbstractContextManager[object]]
+"""`observer(dim, op, nbytes)` returns a context manager around one collective call."""
+_observer: CollectiveObserver | None = None
+
+
+def set_collective_observer(observer: CollectiveObserver | None) -> None:
+    """Let a monitor time every collective issued here, by dimension ("tp", "dp", "pp")."""
+    global _observer
+    _observer = observer
+
+
+def _observe(dim: str, op: str, x: torch.Tensor) -> AbstractContextManager[object]:
+    if _observer is None:
+        return nullcontext()
+    return _observer(dim, op, x.numel() * x.element_size())
+
+
 def tp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `x` over the TP group in place (the one TP collective of the Megatron split)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        with _observe("tp", "all_reduce", x):
+            dist.all_reduce(x, group=group)
     return x
 
 
 def dp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `x` over the DP group in place (used for the reported loss only)."""
+    """Sum `x` over the DP group in place (the reported loss; interleaved stages' gradients)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        with _observe("dp", "all_reduce", x):
+            dist.all_reduce(x, group=group)
     return x
+
+
+def pp_broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Broadcast `x` from global rank `src` over the PP group (the loss, from the last stage)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        with _observe("pp", "broadcast", x):
+            dist.broadcast(x, src=src, group=group)
+    return x
+
+
+def tp_all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate the TP ranks' sequence chunks (dim 1): sequence parallelism's gather."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    with _observe("tp", "all_gather", x):
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def tp_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over the TP group and keep this rank's sequence chunk (dim 1).
+
+    NCCL does it in one reduce-scatter; gloo has no reduce-scatter of its own, so there it is
+    an all-reduce and a slice (same result, more bytes on the wire).
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "nccl":
+        chunks = [c.contiguous() for c in x.chunk(size, dim=1)]
+        out = torch.empty_like(chunks[rank])
+        with _observe("tp", "reduce_scatter", x):
+            dist.reduce_scatter(out, chunks, group=group)
+        return out
+    x = x.contiguous()
+    with _observe("tp", "reduce_scatter", x):
+        dist.all_reduce(x, group=group)
+    return x.chunk(size, dim=1)[rank].contiguous()
+
+
+def _seq_chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallel -> tensor parallel region: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tp_all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tp_reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Tensor parallel -> sequence parallel region: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tp_reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tp_all_gather_seq(grad.contiguous(), ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Replicated -> sequence parallel (embedding output): keep own chunk; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tp_all_gather_seq(grad.contiguous(), ctx.group), None
+
+
+class _GatherSeqToReplicated(torch.autograd.Function):
+    """Sequence parallel -> replicated (head input): all-gather forward; backward keeps this
+    rank's chunk, since every rank's replicated head computes the same full gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tp_all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_chunk(grad, ctx.group), None
+
+
+def gather_seq(x, group):
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x, group):
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x, group):
+    return _ScatterSeq.apply(x, group)
+
+
+def gather_seq_to_replicated(x, group):
+    return _GatherSeqToReplicated.apply(x, group)
+
+
+def all_reduce_grads_over_tp(params, group: dist.ProcessGroup) -> None:
+    """With sequence parallelism a LayerNorm sees only this rank's tokens: sum its replicated
+    parameters' gradients over the TP group (a hook per parameter, as Megatron does)."""
+    for p in params:
+        p.register_hook(lambda g: tp_all_reduce(g.clone(), group))
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -32,10 +32,12 @@ import torch.distributed as dist
 from service.parallel import rank_layout
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
-from workers.model import GPT, GPTConfig, loss_fn
+from workers.model import GPT, Block, GPTConfig, loss_fn
+from workers.report import MemoryReport, StepReport
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce
 
 Report = Callable[[dict], None]
+"""Called once per optimizer step on every rank with a `workers.report.StepReport`."""
 
 
 @dataclass
@@ -78,7 +80,6 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     """Set up torch.distributed, build the model, train spec.train.steps steps, report, tear
     down. Exceptions propagate; `stop` ends the run cleanly between steps."""
     device = _setup(spec, ctx)
-    clean = False
     try:
         layout = spec.layout
         groups = build_groups(layout.dims, ctx.rank)
@@ -87,9 +88,10 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
             _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
         else:
             _train_gpt(spec, ctx, device, groups, ds_config, report, stop)
-        clean = True
-    finally:
-        _teardown(clean)
+    except BaseException:
+        _teardown(wait_for_peers=False)  # peers may be gone: a barrier would hide the error
+        raise
+    _teardown(wait_for_peers=True)
 
 
 # --- set up and tear down -----------------------------------------------------------------------
@@ -113,21 +115,21 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
         if not get_accelerator().is_fp16_supported():
             raise ValueError("train.precision: fp16 needs a device with fp16 arithmetic (a CUDA"
                              f" GPU); {get_accelerator().device_name()} has none, use bf16")
+    # With one GPU visible per actor (Ray sets CUDA_VISIBLE_DEVICES) the device index is 0.
+    gpu = ctx.local_rank % max(1, torch.cuda.device_count()) if use_gpu else 0
     if use_gpu:
-        torch.cuda.set_device(ctx.local_rank)
+        torch.cuda.set_device(gpu)
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
                                auto_mpi_discovery=False, verbose=False,
                                rank=ctx.rank, world_size=ctx.world_size)
     torch.manual_seed(spec.train.seed)
-    return torch.device("cuda", ctx.local_rank) if use_gpu else torch.device("cpu")
+    return torch.device("cuda", gpu) if use_gpu else torch.device("cpu")
 
 
-def _teardown(clean: bool) -> None:
-    """Destroy every process group so the same process can run another attempt. After an
-    error there is no barrier: the peers may be stuck in a collective and never arrive, and
-    the exception must reach the worker group now."""
+def _teardown(wait_for_peers: bool) -> None:
+    """Destroy every process group so the same process can run another attempt."""
     if dist.is_initialized():
-        if clean:
+        if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
     from deepspeed.utils import groups as ds_groups
@@ -165,6 +167,10 @@ def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # The pipeline engine may send 1/tp of each activation and all-gather it on receipt,
+        # which assumes activations replicated over TP; with sequence parallelism they are not.
+        "pipeline": {"pipe_partitioned": not p.sequence_parallel,
+                     "grad_partitioned": not p.sequence_parallel},
     }
 
 
@@ -178,19 +184,24 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
 
     # Build and parallelize: tensor parallel and activation checkpointing live inside the
     # layers (workers.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
-    if layout.pp > 1:
-        from workers.pipeline import build_pipeline, check_supported
-        check_supported(layout.virtual_stages)
-        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute)
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
+        from workers.interleaved import InterleavedEngine
+        engine = InterleavedEngine(spec, cfg, groups, device)
+    elif layout.pp > 1:
+        from workers.pipeline import build_pipeline
+        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute,
+                               layout.sequence_parallel)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
     else:
-        model = GPT(cfg, t.seed, groups, layout.recompute).to(device)
+        model = GPT(cfg, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config, mpu=DeepSpeedMpu(groups))
+    _check_stage(engine.module, layout, cfg, ctx.rank)
 
     states: dict[str, int] = {}
-    inner = memory._innermost(engine.optimizer)
+    inner = memory.innermost_optimizer(engine.optimizer)
     inner.register_step_post_hook(
         lambda *_: states.update(memory.model_state_bytes(engine.module, engine.optimizer)))
     acts = memory.ActivationMeter(engine.module)
@@ -220,19 +231,19 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
             saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
-        report({
-            "kind": "step", "rank": ctx.rank, "step": step + 1, "loss": loss,
-            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-            "attempt": ctx.attempt, "resumed_from": start, "checkpoint": saved,
-            "memory": {
-                "params_bytes": states.get("params", 0),
-                "grads_bytes": states.get("grads", 0),
-                "optimizer_bytes": states.get("optimizer", 0),
-                "activations_peak_bytes": acts.peak,
-                "process_peak_bytes": memory.process_peak_bytes(device),
-                "kind": "cuda_max_allocated" if device.type == "cuda" else "rss_peak",
-            },
-        })
+        report(StepReport(
+            kind="step", rank=ctx.rank, step=step + 1, loss=loss,
+            step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+            attempt=ctx.attempt, resumed_from=start, checkpoint=saved,
+            memory=MemoryReport(
+                params_bytes=states.get("params", 0),
+                grads_bytes=states.get("grads", 0),
+                optimizer_bytes=states.get("optimizer", 0),
+                activations_peak_bytes=acts.peak,
+                process_peak_bytes=memory.process_peak_bytes(device),
+                process_peak_source="cuda_max_allocated" if device.type == "cuda"
+                else "rss_peak")))
     engine.destroy()
 
 
@@ -262,8 +273,20 @@ def _to(batches, device: torch.device):
 
 def _check_layout(layout: ParallelSpec, cfg: GPTConfig, groups: RankGroups, rank: int) -> None:
     """The trainer runs exactly the stored plan's layout: same coordinates, same layer ranges."""
+    if layout.sequence_parallel and cfg.seq_len % layout.tp:
+        raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
+                         f" seq_len({cfg.seq_len})")
     row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
     assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
+
+
+def _check_stage(module: torch.nn.Module, layout: ParallelSpec, cfg: GPTConfig,
+                 rank: int) -> None:
+    """The blocks this rank built are the plan's layer ranges for its stage, in order."""
+    row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
+    planned = [i for start, end in row["layers"] for i in range(start, end)]  # type: ignore[union-attr]
+    built = [m.index for m in module.modules() if isinstance(m, Block)]
+    assert built == planned, f"rank {rank} built blocks {built}, the plan says {planned}"
 
 
 # --- custom entrypoints -------------------------------------------------------------------------

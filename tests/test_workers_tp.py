@@ -1,0 +1,86 @@
+"""Megatron tensor parallelism on two gloo ranks: the collectives one block issues, counted
+through the collective observer, and the block's output equal to the unsharded block's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from service.parallel import ParallelDims
+from service.spec import ModelSpec
+from tests.workers_spawn import free_port
+from workers import tp
+from workers.model import Block, GPTConfig
+
+CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+
+
+def _rank(rank: int, port: int, sequence_parallel: bool, out: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        groups = tp.build_groups(ParallelDims(tp=2), rank)
+        block = Block(1, CFG, 3, groups, sequence_parallel=sequence_parallel)
+        x = torch.randn(2, CFG.seq_len, CFG.hidden, generator=torch.Generator().manual_seed(0))
+        x_in = x.chunk(2, dim=1)[rank] if sequence_parallel else x
+        counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
+        phase = "forward"
+
+        @contextlib.contextmanager
+        def observer(dim: str, op: str, nbytes: int):
+            counts[phase][(dim, op)] += 1
+            yield
+
+        tp.set_collective_observer(observer)
+        y = block(x_in.clone().requires_grad_())
+        phase = "backward"
+        y.sum().backward()
+        tp.set_collective_observer(None)
+        out[rank] = ({k: dict(v) for k, v in counts.items()}, y.detach())
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(sequence_parallel: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, port, sequence_parallel, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        return dict(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_one_block_issues_megatrons_collectives_and_matches_the_unsharded_block(
+        sequence_parallel):
+    out = _run(sequence_parallel)
+    x = torch.randn(2, CFG.seq_len, CFG.hidden, generator=torch.Generator().manual_seed(0))
+    expected = Block(1, CFG, 3, None)(x).detach()
+    if sequence_parallel:
+        # all-gather before attention and MLP, reduce-scatter after; the mirror in backward,
+        # plus the LayerNorm weight and bias gradients summed over TP (two LayerNorms)
+        want = {"forward": {("tp", "all_gather"): 2, ("tp", "reduce_scatter"): 2},
+                "backward": {("tp", "all_gather"): 2, ("tp", "reduce_scatter"): 2,
+                             ("tp", "all_reduce"): 4}}
+        got = torch.cat([out[r][1] for r in range(2)], dim=1)
+    else:
+        # one all-reduce for attention and one for the MLP, in each direction
+        want = {"forward": {("tp", "all_reduce"): 2}, "backward": {("tp", "all_reduce"): 2}}
+        got = out[0][1]
+        assert torch.equal(out[0][1], out[1][1]), "TP output is replicated"
+    for rank in range(2):
+        assert out[rank][0] == want
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,136 @@
+"""Interleaved pipeline stages (`virtual_stages` > 1) through `torch.distributed.pipelining`.
+
+Why not DeepSpeed here: its pipeline engine has only the plain 1F1B schedule. torch's
+`ScheduleInterleaved1F1B` runs several model chunks per pipeline rank; chunk k of pipeline rank
+s holds virtual stage k * pp + s, i.e. exactly the plan's `stage_layers` ranges. ZeRO-1 is
+torch's `ZeroRedundancyOptimizer` over the DP group. The DP gradient average is by hand (one
+flat all-reduce after the schedule's last backward): `DistributedDataParallel` around the chunks
+trips an internal assert in its bucket rebuilding under the interleaved schedule
+("rebuilt parameter indices size is not same as original model parameters size").
+ZeRO >= 2, CPU offload and bf16/fp16 are DeepSpeed-engine features that this path does not
+offer; `check_supported` says so before anything starts.
+
+`InterleavedEngine` offers the few engine methods the trainer's loop and `workers.checkpoint`
+use (`train_batch`, `save_checkpoint`, `load_checkpoint`, `module`, `optimizer`, `destroy`), so
+the loop in `workers.train` is the same for every layout.
+
+Called by `workers.train`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+from service.parallel import Dim, stage_layers
+from service.spec import JobSpec
+from workers.model import GPTConfig, build_layers, loss_fn, torch_checkpoint
+from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
+
+ADAM = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def check_supported(spec: JobSpec) -> None:
+    p, t = spec.layout, spec.train
+    if p.zero > 1 or p.offload != "none" or t.precision != "fp32":
+        raise NotImplementedError(
+            f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining with"
+            f" DDP/ZeroRedundancyOptimizer: it supports zero 0 or 1, no offload and fp32; got"
+            f" zero({p.zero}), offload={p.offload!r}, precision={t.precision!r}")
+
+
+class InterleavedEngine:
+    """This rank's model chunks, their pipeline stages, the schedule and the optimizer."""
+
+    def __init__(self, spec: JobSpec, cfg: GPTConfig, groups: RankGroups,
+                 device: torch.device) -> None:
+        check_supported(spec)
+        p, t = spec.layout, spec.train
+        self.groups, self.rank = groups, groups.rank
+        self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
+        chunks = [nn.Sequential(*build_layers(cfg, t.seed, groups, p.recompute, rng,
+                                              checkpoint=torch_checkpoint,
+                                              sequence_parallel=p.sequence_parallel)).to(device)
+                  for rng in stage_layers(cfg.layers, p.pp, p.virtual_stages)[groups.pp_rank]]
+        self.module = nn.ModuleList(chunks)
+        stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
+        self.has_first = 0 in stage_ids
+        self.has_last = self.stages_total - 1 in stage_ids
+        self.stages = [PipelineStage(mod, sid, self.stages_total, device, group=groups.pp)
+                       for mod, sid in zip(chunks, stage_ids, strict=True)]
+        self.micro_batches = t.global_batch // (t.micro_batch * p.dp)
+        self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.micro_batches,
+                                                loss_fn=loss_fn)
+        if p.zero == 1 and p.dp > 1:
+            self.optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+                self.module.parameters(), optimizer_class=torch.optim.AdamW,
+                process_group=groups.dp, lr=t.lr, **ADAM)
+        else:
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr, **ADAM)
+        pp_ranks = groups.dims.group_of(self.rank, Dim.PP)
+        self._last_stage_rank = pp_ranks[-1]
+
+    def train_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over this DP replica's micro-batches; the global-batch mean loss,
+        the same on every rank."""
+        xs, ys = zip(*data_iter, strict=True)
+        assert len(xs) == self.micro_batches
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        args = (torch.cat(xs),) if self.has_first else ()
+        target = torch.cat(ys) if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        self._average_gradients_over_dp()
+        self.optimizer.step()
+        loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp
+        return pp_broadcast(loss, self._last_stage_rank, self.groups.pp)
+
+    def _average_gradients_over_dp(self) -> None:
+        dp = self.groups.dims.dp
+        if dp == 1:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dp_all_reduce(flat, self.groups.dp).div_(dp)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _path(self, directory: str, tag: str) -> str:
+        return os.path.join(directory, tag, f"interleaved_rank{self.rank:05d}.pt")
+
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        # ZeroRedundancyOptimizer's own state_dict gathers every shard on one rank; each rank
+        # saves and restores its own shard instead (same layout on resume).
+        opt = self.optimizer
+        return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
+        path = self._path(directory, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"module": self.module.state_dict(),
+                    "optimizer": self._local_optimizer().state_dict(),
+                    "client_state": client_state}, path)
+
+    def load_checkpoint(self, directory: str, tag: str) -> tuple[str | None, dict]:
+        path = self._path(directory, tag)
+        if not os.path.exists(path):
+            return None, {}
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["module"])
+        self._local_optimizer().load_state_dict(state["optimizer"])
+        dist.barrier()
+        return path, state["client_state"]
+
+    def destroy(self) -> None:
+        self.stages.clear()
