@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,10 +194,14 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
 
     upgrade(settings.db_url)
     log = (settings.data_dir / "controller.log").open("ab")
+    env["TRIDENT_PARENT_PID"] = str(os.getpid())
     controller = subprocess.Popen([sys.executable, "-m", "service.daemon"], env=env,
                                   stdout=log, stderr=subprocess.STDOUT)
     typer.echo(f"controller pid {controller.pid} (log: {settings.data_dir / 'controller.log'})")
     typer.echo(f"dashboard: http://{host}:{port}/   API: http://{host}:{port}/api/v1")
+    # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so that the
+    # `finally` below stops the controller instead of leaving it orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:

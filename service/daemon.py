@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -37,8 +38,12 @@ def run(settings: Settings, stop: threading.Event) -> None:
                             start_timeout_s=settings.start_timeout_s,
                             cancel_grace_s=settings.cancel_grace_s)
     log.info("controller running against %s", settings.db_url)
+    parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
     try:
         while not stop.is_set():
+            if parent and os.getppid() != parent:  # `trident up` is gone: so are we
+                log.info("parent process %s ended: stopping", parent)
+                break
             try:
                 result = controller.step()
             except Exception:  # one bad pass must not end the daemon

@@ -4,6 +4,7 @@ stack (`trident up`) running the demo job."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,5 +121,15 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         assert '<td class="SUCCEEDED">SUCCEEDED</td>' in page
     finally:
         up.terminate()
-        up.wait(60)
-    assert up.returncode is not None
+        out, _ = up.communicate(timeout=60)
+    # The controller (and the local Ray it started) ends with `trident up`.
+    controller_pid = int(re.search(r"controller pid (\d+)", out).group(1))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(controller_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
