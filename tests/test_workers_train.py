@@ -31,3 +31,11 @@ def test_demo_job_trains_and_reports_every_step_on_every_rank():
     first, last = losses(rows, 0), losses(rows, 1)
     assert first == last, "the reported loss is the global-batch mean, equal on every rank"
     assert first[-1] < first[0] - 0.3, first
+
+
+@pytest.mark.slow
+def test_stop_reaching_one_rank_stops_every_rank_at_the_same_step_boundary():
+    # Only rank 0's event is set (after its step-2 report); rank 1 must not run step 3 alone.
+    first, second = run_ranks(demo_spec(steps=6), attempts=[2, None], stop_ranks=[0])
+    assert sorted((r["rank"], r["step"]) for r in first) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert sorted(r["step"] for r in second if r["rank"] == 1) == list(range(1, 7))
