@@ -39,10 +39,11 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["TRIDENT_TEST_HANG_DUMP_S"]),
                                           exit=True)
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    spec = JobSpec.model_validate_json(spec_json)
+    if spec.resources.gpus_per_worker == 0:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     from workers.train import RankContext, train_rank
 
-    spec = JobSpec.model_validate_json(spec_json)
     try:
         # Several attempts in one process, as a Ray actor may run them; an attempt with a
         # stop step sets `stop` after that step's report.
