@@ -28,7 +28,7 @@ def train(ctx: TrainContext) -> None:
     true_w = torch.arange(8, dtype=torch.float32)
     micro = ctx.spec.train.micro_batch
     for step in range(ctx.resume_step, ctx.spec.train.steps):
-        if ctx.stop.is_set():
+        if ctx.should_stop():
             break
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(step * 1000 + ctx.groups.dp_rank)

@@ -21,8 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | None,
-               attempts: list[int | None], queue: Any) -> None:
+def _distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: str | None,
+               attempts: list[int | None], stop_ranks: list[int] | None, queue: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -30,10 +39,11 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["TRIDENT_TEST_HANG_DUMP_S"]),
                                           exit=True)
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    spec = JobSpec.model_validate_json(spec_json)
+    if spec.resources.gpus_per_worker == 0:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     from workers.train import RankContext, train_rank
 
-    spec = JobSpec.model_validate_json(spec_json)
     try:
         # Several attempts in one process, as a Ray actor may run them; an attempt with a
         # stop step sets `stop` after that step's report.
@@ -43,11 +53,12 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
             def report(row: dict, attempt: int = attempt, stop_after=stop_after,
                        stop: threading.Event = stop) -> None:
                 queue.put(("report", rank, attempt, row))
-                if stop_after is not None and row["step"] >= stop_after:
+                if stop_after is not None and row["step"] >= stop_after and \
+                        (stop_ranks is None or rank in stop_ranks):
                     stop.set()
 
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
-                              master_addr="127.0.0.1", master_port=port + attempt,
+                              master_addr="127.0.0.1", master_port=ports[attempt],
                               checkpoint_dir=ckpt, attempt=attempt)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
@@ -70,17 +81,21 @@ def _rank_main(spec_json: str, rank: int, world: int, port: int, ckpt: str | Non
 
 
 def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
-              attempts: list[int | None] | None = None, timeout: float = 240
-              ) -> list[list[dict]]:
-    """Reports per attempt, in arrival order; raises with the traceback of a failed rank."""
+              attempts: list[int | None] | None = None, stop_ranks: list[int] | None = None,
+              timeout: float = 240) -> list[list[dict]]:
+    """Reports per attempt, in arrival order; raises with the traceback of a failed rank.
+
+    `attempts` runs several attempts in the same processes; an attempt's number is the step
+    after which `stop` is set (None: run to the end), on `stop_ranks` only if given.
+    """
     attempts = attempts or [None]
     world = spec.world_size
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    ports = _distinct_free_ports(len(attempts))  # a fresh rendezvous port per attempt
     procs = [ctx.Process(target=_rank_main,
-                         args=(spec.model_dump_json(exclude_unset=True), r, world, port,
-                               checkpoint_dir, attempts, queue))
+                         args=(spec.model_dump_json(exclude_unset=True), r, world, ports,
+                               checkpoint_dir, attempts, stop_ranks, queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -154,6 +154,16 @@ def pp_broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> 
     return x
 
 
+def world_any(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on any rank (one tiny all-reduce over the world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    x = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    with _observe("world", "all_reduce", x):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return bool(x.item())
+
+
 def tp_all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate the TP ranks' sequence chunks (dim 1): sequence parallelism's gather."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]

@@ -34,7 +34,7 @@ from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
 from workers.model import GPT, Block, GPTConfig, loss_fn
 from workers.report import MemoryReport, StepReport
-from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce
+from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 
 Report = Callable[[dict], None]
 """Called once per optimizer step on every rank with a `workers.report.StepReport`."""
@@ -74,6 +74,10 @@ class TrainContext:
     stop: threading.Event
     attempt: int = 0
     layout: list[dict[str, object]] = field(default_factory=list)
+
+    def should_stop(self) -> bool:
+        """Collective: whether any rank was asked to stop; call it on every rank each step."""
+        return world_any(self.stop.is_set(), self.device)
 
 
 def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event) -> None:
@@ -214,7 +218,9 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
 
     tokens_per_step = t.global_batch * cfg.seq_len
     for step in range(start, t.steps):
-        if stop.is_set():
+        # Every rank stops at the same step boundary, even when `stop` reached some ranks a
+        # step later than others: a rank that left alone would leave its peers in a collective.
+        if world_any(stop.is_set(), device):
             break
         t0 = time.perf_counter()
         batches = data.micro_batches(seed=t.seed, step=step, dp_rank=groups.dp_rank,
