@@ -131,11 +131,12 @@ PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile(
             "cpu", 200e9, 93e9, 8 * GB, 16 * GB, 1.5 * GB, 1.5 * GB,
             50e-6, 100e-6, 24 * GB, host_link_bw=16 * GB, gemm_eff_max=0.9,
-            gemm_half_width=64.0, cpu_adam_params_per_s=2e8, layer_overhead_s=1.5e-3,
-            step_overhead_s=8e-3, reserved_bytes=0.3 * GB, dp_overlap=0.0,
+            gemm_half_width=64.0, cpu_adam_params_per_s=2e8, layer_overhead_s=2.2e-3,
+            step_overhead_s=10.5e-3, reserved_bytes=0.3 * GB, dp_overlap=0.0,
             host_process_bytes=0.5 * GB, device_is_host=True,
             source="measured on the 2-core CI machine: torch matmul 93 GFLOP/s fp32, 200 bf16"
-                   " per core; gloo loopback busbw 1.5 GB/s; bench/bench_cpu_constants.py"),
+                   " per core; gloo loopback busbw 1.5 GB/s; overheads fitted to the built-in"
+                   " trainer run through Ray with the monitor on: bench/bench_cpu_trainer.py"),
     ]
 }
 
