@@ -20,6 +20,7 @@ from service import health
 from service.calibration import calibrate
 from service.hardware import get_profile
 from service.jobs import effective_spec
+from service.parallel import Dim
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
@@ -159,6 +160,7 @@ class Controller:
         if poll.placement:
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
             run.node_of_rank = {r["rank"]: r["node_id"] for r in poll.placement.get("ranks", [])}
+            self._check_tp_placement(job, run, poll.placement)
         result.metrics += self._record(job, run, poll)
         received = time.time()
         for rank, hb in poll.heartbeats.items():
@@ -280,6 +282,18 @@ class Controller:
                                     summary=summary)
             self.store.save_profile(name=summary["profile"]["name"], profile=summary["profile"],
                                     probe_id=probe_id)
+
+    def _check_tp_placement(self, job: Job, run: _Running, placement: dict[str, Any]) -> None:
+        """Warn about TP groups that span nodes or, by the node's link matrix, cross PCIe."""
+        gpu_of = {r["rank"]: int(r["gpu_ids"][0]) for r in placement.get("ranks", [])
+                  if r.get("gpu_ids") and str(r["gpu_ids"][0]).isdigit()}
+        inventory = {n["node_id"]: n["info"] for n in self.store.list_nodes()}
+        groups = [g for g in run.spec.layout.dims.groups(Dim.TP)
+                  if len(g) > 1 and all(r in run.node_of_rank for r in g)]
+        for warning in health.tp_placement_warnings(groups, run.node_of_rank, gpu_of or None,
+                                                    inventory):
+            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
+                                 message=warning)
 
     def _find_stragglers(self, job: Job, run: _Running) -> None:
         stage = {int(r["rank"]): int(r["pp"]) for r in job.plan.get("rank_layout", [])}

@@ -278,3 +278,22 @@ def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
     assert len(probe["summary"]["slow_groups"]) == 1
     kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
     assert "probe" in kinds and "warning" in kinds
+
+
+def test_tp_group_across_a_pcie_link_is_warned_at_placement(sqlite_store: Store,
+                                                            tmp_path: Path) -> None:
+    sqlite_store.upsert_nodes(nodes=[{"node_id": "n0", "hostname": "gpu0", "accelerator": "gpu",
+                                      "topology": {"GPU0": {"GPU0": "X", "GPU1": "PHB"},
+                                                   "GPU1": {"GPU0": "PHB", "GPU1": "X"}}}])
+    placement = {"ranks": [{"rank": r, "node_id": "n0", "gpu_ids": [str(r)]} for r in (0, 1)]}
+    launcher = FakeLauncher([[PollResult(state="running", placement=placement)]])
+    launcher.inventory = lambda: [{"node_id": "n0", "hostname": "gpu0",  # type: ignore
+                                   "accelerator": "gpu",
+                                   "topology": {"GPU0": {"GPU0": "X", "GPU1": "PHB"},
+                                                "GPU1": {"GPU0": "PHB", "GPU1": "X"}}}]
+    job_id = submit(sqlite_store, parallel={"tp": 2, "dp": 1}, train={
+        "steps": 2, "global_batch": 8, "micro_batch": 2})
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    warnings = [e.message for e in sqlite_store.list_events(job_id=job_id) if e.kind == "warning"]
+    assert warnings == ["TP group [0, 1] on node n0 crosses slow links: GPU0-GPU1 PHB"]

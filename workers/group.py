@@ -24,7 +24,6 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from service.health import tp_placement_warnings
 from service.protocols import GroupState, NodeCapacity, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
@@ -115,12 +114,6 @@ class RayWorkerGroup:
         events = [{"kind": "rendezvous", "message": f"{self.world_size} ranks on"
                    f" {len(per_node)} node(s); rank 0 at {placement['master']}",
                    "data": placement}]
-        node_of = {i["rank"]: i["node_id"] for i in self.infos}
-        gpu_of = {i["rank"]: int(i["gpu_ids"][0]) for i in self.infos
-                  if i["gpu_ids"] and str(i["gpu_ids"][0]).isdigit()}
-        tp_groups = [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(len(self.bundles))]
-        for warning in tp_placement_warnings(tp_groups, node_of, gpu_of or None, None):
-            events.append({"kind": "warning", "message": warning})
         return PollResult(state="running", placement=placement, events=events)
 
     def _poll_running(self, timeout_s: float) -> PollResult:
