@@ -104,3 +104,19 @@ def test_trident_plan_cli(tmp_path: Path) -> None:
     r = runner.invoke(cli, ["plan", str(auto), "--top", "2", "--json"])
     assert r.exit_code == 0
     assert len(json.loads(r.output)["ranked"]) <= 2
+
+
+def test_trident_capacity_answers_with_the_arithmetic(tmp_path: Path) -> None:
+    runner = CliRunner()
+    spec = tmp_path / "c.yaml"
+    spec.write_text(yaml.safe_dump({**BIG, "parallel": "auto"}))
+    r = runner.invoke(cli, ["capacity", str(spec)])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("Can 8 x a100-40gb train gpt3-175b")
+    assert "No layout fits" in r.output and "host memory: predicted" in r.output
+    r = runner.invoke(cli, ["capacity", "--family", "gpt3", "--gpu", "a100-80gb", "--nodes",
+                            "8", "--json"])
+    rows = {row["strategy"]: row for row in json.loads(r.output)}
+    # 64 x 80 GB hold 175B with ZeRO-3 (16 bytes/param / 64 = 44 GB of model states).
+    assert rows["ZeRO-3"]["largest"] == "gpt3-175b"
+    assert rows["data parallel (ZeRO-0)"]["params"] < rows["ZeRO-3"]["params"]
