@@ -1,16 +1,14 @@
 """Cost of the health monitor: steady-state step time with the comm timer and heartbeat on
 against off, interleaved in one run (acceptance: ratio < 1.02).
 
-`python bench/bench_monitor_overhead.py [--blocks 20 --steps 10]`: two gloo ranks train a small
-MLP DDP-style (one all-reduce per gradient, issued through torch.distributed so the installed
-hooks see every one, as they see DeepSpeed's). Blocks of steps alternate on / off; each
-block's median step time is kept; each on block is compared with the mean of the off blocks
-on either side of it (cancelling a linear drift in the load of a shared machine), and the
-median of those ratios is printed, for wall time and for the rank's CPU time (less sensitive
-to other processes on the machine). The first two blocks warm up and are dropped. On a loaded
-machine both swing by several percent either way; the load-independent figure is the
-instrumentation's own cost per collective and per heartbeat, printed first and turned into
-the step-time share it implies.
+`python bench/bench_monitor_overhead.py [--blocks 40 --steps 10]` (blocks x steps steps, half
+on): two gloo ranks train a small MLP DDP-style (one all-reduce per gradient, issued through
+torch.distributed so the installed hooks see every one, as they see DeepSpeed's). The monitor
+is switched on and off step by step in ABBA order (on, off, off, on), outside the timed
+region, so drift in the load of a shared machine falls equally on both; the ratio of the
+median on-step to the median off-step is printed, for wall time and for the rank's CPU time.
+The load-independent figure, the instrumentation's own cost per collective and per
+heartbeat, is printed first with the step-time share it implies.
 """
 
 from __future__ import annotations
@@ -47,38 +45,36 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Queu
     x = torch.randn(args.batch, args.width)
     hb = Heartbeat(rank)
     timer = CommTimer(rank, ParallelDims(dp=world), heartbeat=hb, cuda=False)
-    wall: list[float] = []
-    cpu: list[float] = []
-    step = 0
-    for block in range(args.blocks + 3):
-        on = block % 2 == 1
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    warmup = 20
+    for step in range(warmup + args.blocks * args.steps):
+        # On and off alternate step by step in ABBA order, so drift in the load of a shared
+        # machine and any after-switch effect fall equally on both.
+        on = step % 4 in (0, 3)
         if on:
             timer.install()
-        times, cpus = [], []
-        for _ in range(args.steps):
-            t0, c0 = time.perf_counter(), time.process_time()
-            if on:
-                timer.begin_step(step)
-                hb.beat(step, "forward")
-            loss = model(x).square().mean()
-            if on:
-                hb.beat(step, "backward")
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-            if on:
-                hb.beat(step, "optimizer")
-            opt.step()
-            if on:
-                timer.step_report(step, time.perf_counter() - t0)
-            times.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-            step += 1
+        t0, c0 = time.perf_counter(), time.process_time()
+        if on:
+            timer.begin_step(step)
+            hb.beat(step, "forward")
+        loss = model(x).square().mean()
+        if on:
+            hb.beat(step, "backward")
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        if on:
+            hb.beat(step, "optimizer")
+        opt.step()
+        if on:
+            timer.step_report(step, time.perf_counter() - t0)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         timer.uninstall()
-        if block >= 2:  # blocks 2, 4, ... are off, 3, 5, ... on; ends with an off block
-            wall.append(statistics.median(times))
-            cpu.append(statistics.median(cpus))
+        if step >= warmup:
+            wall[on].append(dt)
+            cpu[on].append(dc)
     if rank == 0:
         q.put({"wall": wall, "cpu": cpu, "cost": instrumentation_cost(timer, hb)})
     dist.destroy_process_group()
@@ -120,19 +116,19 @@ def main() -> None:
         p.join()
     per_call, per_beat = result.pop("cost")
     calls = 2 * args.layers
-    off_wall = statistics.median(result["wall"][0::2])
+    off_wall = statistics.median(result["wall"][False])
     cost = calls * per_call + 3 * per_beat
     print(f"instrumentation: {per_call * 1e6:.2f} us per collective, {per_beat * 1e6:.2f} us per "
           f"beat -> {cost * 1e6:.1f} us per step = {cost / off_wall:.2%} of "
           f"{off_wall * 1e3:.2f} ms")
-    print(f"collectives per step: {2 * args.layers}; {args.blocks // 2} on blocks of "
-          f"{args.steps} steps between off blocks")
-    for kind, blocks in result.items():
-        off_b, on_b = blocks[0::2], blocks[1::2]
-        ratios = [on_b[i] / ((off_b[i] + off_b[i + 1]) / 2) for i in range(len(on_b))]
-        print(f"{kind:>4}: monitor off {statistics.median(off_b) * 1e3:7.3f} ms/step, on "
-              f"{statistics.median(on_b) * 1e3:7.3f} ms/step, median ratio "
-              f"{statistics.median(ratios):.4f} (target < 1.02)")
+    n = len(result["wall"][True])
+    print(f"collectives per step: {2 * args.layers}; {n} steps on and {n} off, interleaved ABBA")
+    for kind in ("wall", "cpu"):
+        on_s, off_s = result[kind][True], result[kind][False]
+        ratio = statistics.median(on_s) / statistics.median(off_s)
+        print(f"{kind:>4}: monitor off {statistics.median(off_s) * 1e3:7.3f} ms/step, on "
+              f"{statistics.median(on_s) * 1e3:7.3f} ms/step, ratio of medians {ratio:.4f}"
+              f" (target < 1.02)")
 
 
 if __name__ == "__main__":
