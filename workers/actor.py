@@ -103,7 +103,8 @@ class RankActor:
 
         on_gpu = torch.cuda.is_available()
         if on_gpu:
-            torch.cuda.set_device(local_rank)
+            # Ray shows each rank only its own GPU(s): index within what is visible.
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if on_gpu else "gloo",
                                 init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
                                 world_size=self.world_size,
