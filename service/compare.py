@@ -11,8 +11,9 @@ from typing import Any
 
 from service.store import Metric
 
-WARMUP_STEPS = 1
-"""Steps left out of the measured means: the first step builds buffers and JIT-compiles."""
+WARMUP_STEPS = 3
+"""Steps left out of the steady-state medians: the first steps build buffers, warm the
+allocator and caches (and JIT-compile on GPUs)."""
 
 
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
