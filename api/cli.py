@@ -102,15 +102,15 @@ def follow(server: str, job_id: int, interval: float = 1.0) -> int:
             last_event = ev["id"]
             if ev["kind"] not in ("state",):
                 typer.echo(f"  [{ev['kind']}] {ev['message'].splitlines()[0][:200]}")
-        if job["state"] != last_state:
-            last_state = job["state"]
-            typer.echo(f"job {job_id} {last_state}")
         for m in _call(server, "GET", f"/jobs/{job_id}/metrics",
                        params={"after_step": last_step})["items"]:
             last_step = max(last_step, m["step"])
             loss = "-" if m["loss"] is None else f"{m['loss']:.4f}"
             typer.echo(f"  step {m['step']:>5}  loss {loss}  {m['step_time_s']*1000:8.1f} ms"
                        f"  {m['tokens_per_s']:10.0f} tok/s")
+        if job["state"] != last_state:
+            last_state = job["state"]
+            typer.echo(f"job {job_id} {last_state}")
         if last_state in TERMINAL:
             if job.get("error"):
                 typer.echo(job["error"], err=True)
