@@ -12,6 +12,7 @@ from service.planner import PlanInfeasible, evaluate, plan_job, search
 from service.planner.calibrate import fit_overheads, profile_from_measurements
 from service.planner.capacity import can_train, capacity
 from service.planner.report import plan_command, render_can_train, render_plan, render_search
+from service.planner.shape import ModelShape
 from service.planner.timing import ring_time
 from service.spec import JobSpec, ParallelSpec
 
@@ -266,3 +267,15 @@ def test_plan_command_explicit_and_auto() -> None:
     assert isinstance(auto, dict) and len(auto["ranked"]) == 3 and auto["best"]["fits"]
     assert "No layout fits" in render_can_train(can_train(job("gpt3-175b", gpu="a100-40gb",
                                                               gb=8)))
+
+
+def test_reduce_bucket_is_resident_whole_on_gpus_but_only_as_written_on_cpu_ranks() -> None:
+    spec = JobSpec.model_validate({"name": "b", "model": {"preset": "gpt-tiny"},
+                                   "train": {"global_batch": 8, "micro_batch": 2,
+                                             "precision": "fp32"},
+                                   "parallel": {"dp": 2, "zero": 2}})
+    params = ModelShape.from_spec(spec.model).total_params
+    cpu = evaluate(spec).to_json()["memory"]
+    gpu = evaluate(spec, profile=get_profile("a100-80gb")).to_json()["memory"]
+    assert cpu["zero_buffers"] == pytest.approx(params * 4)  # fp32 gradients, one bucket
+    assert gpu["zero_buffers"] == pytest.approx(5e8 * 4)  # DeepSpeed's default bucket

@@ -212,12 +212,16 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     # DeepSpeed buffers.
     zc = sc.zero_cfg
     buffers = 0.0
+    # A GPU allocates the whole reduction bucket; on a CPU rank it is virtual memory whose
+    # pages become resident only as gradients are written into it, at most the stage's own.
+    bucket = min(zc.reduce_bucket_size, pr) if sc.profile.device_is_host \
+        else zc.reduce_bucket_size
     if lay.zero in (1, 2) and zc.contiguous_gradients:
         dtype_bytes = 4 if lay.zero == 1 else w
-        buffers += zc.reduce_bucket_size * dtype_bytes * (2 if zc.overlap(lay.zero) else 1)
+        buffers += bucket * dtype_bytes * (2 if zc.overlap(lay.zero) else 1)
     if lay.zero == 3:
         if zc.contiguous_gradients:
-            buffers += zc.reduce_bucket_size * w
+            buffers += bucket * w
         gathered = min(_largest_tensor_block(shape, lay.tp) + zc.stage3_prefetch_bucket_size,
                        zc.stage3_max_live_parameters, pr)
         buffers += gathered * 2 * w  # gathered weights and their gradients (4 x largest layer)
