@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,16 +44,21 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     store.close()
 
 
+def drive_until(controller: Controller, done: Callable[[], bool], timeout: float,
+                what: str) -> None:
+    """Step the controller until `done()` holds; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what} not reached after {timeout} s"
+        controller.step()
+        time.sleep(0.1)
+
+
 def drive(controller: Controller, store: Store, job_id: int, until: set[JobState],
           timeout: float) -> JobState:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        controller.step()
-        state = store.get_job(job_id=job_id).state
-        if state in until:
-            return state
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+    drive_until(controller, lambda: store.get_job(job_id=job_id).state in until, timeout,
+                f"job {job_id} in {sorted(until)}")
+    return store.get_job(job_id=job_id).state
 
 
 def test_tiny_zero2_job_trains_to_success(stack) -> None:
@@ -102,18 +107,15 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
 
 
 def test_hung_rank_is_named_within_the_timeout(stack) -> None:
-    """Rank 1 sleeps at the start of step 3; rank 0 waits for it in a dp collective."""
+    """Rank 1 sleeps in step 3 before its first collective; rank 0 waits for it there."""
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
         train={"steps": 50, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False, "hang_timeout_s": 5},
         faults=[{"kind": "hang", "rank": 1, "step": 3, "seconds": 120}])).json()["id"]
     drive(controller, store, job_id, {JobState.RUNNING}, 180)
-    deadline = time.monotonic() + 120
-    while not [m for m in store.list_metrics(job_id=job_id, rank=1) if m.step == 2]:
-        assert time.monotonic() < deadline, "step 2 never finished"
-        controller.step()
-        time.sleep(0.1)
+    drive_until(controller, lambda: any(m.step == 2 for m in store.list_metrics(
+        job_id=job_id, rank=1)), 120, "step 2 of rank 1")
     hang_started = time.monotonic()
     assert drive(controller, store, job_id, {JobState.FAILED}, 60) == JobState.FAILED
     assert time.monotonic() - hang_started < 5 + 10
@@ -168,11 +170,8 @@ def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
     client, store, controller = stack
     probe = client.post("/api/v1/probes", json={"ranks_per_node": 2,
                                                 "max_bytes": 1 << 20}).json()
-    deadline = time.monotonic() + 120
-    while store.get_probe(probe_id=probe["id"])["status"] in ("pending", "running"):
-        assert time.monotonic() < deadline, "probe did not finish"
-        controller.step()
-        time.sleep(0.2)
+    drive_until(controller, lambda: store.get_probe(probe_id=probe["id"])["status"]
+                not in ("pending", "running"), 120, f"probe {probe['id']} finished")
     done = client.get(f"/api/v1/probes/{probe['id']}").json()
     assert done["status"] == "done", done["error"]
     assert done["summary"]["matmul_flops"]["fp32"] > 1e8
@@ -189,11 +188,8 @@ def test_cancel_stops_the_workers_within_seconds(stack) -> None:
     job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
         "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"})).json()["id"]
     drive(controller, store, job_id, {JobState.RUNNING}, 180)
-    deadline = time.monotonic() + 120
-    while not store.list_metrics(job_id=job_id) and time.monotonic() < deadline:
-        controller.step()
-        time.sleep(0.2)
-    assert store.list_metrics(job_id=job_id), "no step finished"
+    drive_until(controller, lambda: bool(store.list_metrics(job_id=job_id)), 120,
+                "a finished step")
 
     assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
     t0 = time.monotonic()
