@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from service import health
 from service.calibration import calibrate
-from service.hardware import get_profile
 from service.jobs import effective_spec
 from service.parallel import Dim
+from service.profiles import profile_for
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
@@ -227,7 +227,7 @@ class Controller:
         run.probe_ranks.add(report.rank)
         if len(run.probe_ranks) < job.world_size:
             return
-        profile = get_profile(run.spec.target.gpu)
+        profile = profile_for(self.store, run.spec.target.gpu)
         rows = health.annotate_expected(run.probe_rows, profile, run.node_of_rank or None)
         slow = health.flag_slow_groups(run.probe_rows, profile,
                                        run.spec.monitor.slow_group_threshold,

@@ -6,7 +6,7 @@ run the layout the plan chose. Raises ValueError (a 422) when the job cannot run
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from service.hardware import HardwareProfile
@@ -20,14 +20,6 @@ class Prepared:
     world_size: int
     cpus: float
     gpus: float
-
-
-def profile_from_store(stored: dict[str, Any] | None) -> HardwareProfile | None:
-    """A calibrated profile as the store keeps it (extra bookkeeping keys dropped)."""
-    if stored is None:
-        return None
-    names = {f.name for f in fields(HardwareProfile)}
-    return HardwareProfile.from_json({k: v for k, v in stored.items() if k in names})
 
 
 def prepare(spec: JobSpec, profile: HardwareProfile | None = None) -> Prepared:

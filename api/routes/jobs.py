@@ -10,8 +10,9 @@ from api.deps import JobDep, StoreDep
 from api.schemas import EventList, EventOut, JobList, JobOut, MetricList, MetricOut
 from service.compare import compare
 from service.health import summarize_comm
-from service.jobs import prepare, profile_from_store
+from service.jobs import prepare
 from service.parallel import ParallelDims
+from service.profiles import profile_for
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
 
@@ -26,7 +27,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        prepared = prepare(spec, profile_from_store(store.get_profile(name=spec.target.gpu)))
+        prepared = prepare(spec, profile_for(store, spec.target.gpu))
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None

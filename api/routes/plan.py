@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query
 
 from api.deps import StoreDep
-from service.jobs import profile_from_store
 from service.planner import plan_command
+from service.profiles import profile_for
 from service.spec import JobSpec
 
 router = APIRouter(tags=["plan"])
@@ -21,7 +21,7 @@ def plan(spec: JobSpec, store: StoreDep,
     it does not fit, with `fits: false` and the reasons); for `parallel: "auto"` the ranked
     layouts that fit and the rejected ones with their reasons. Uses the profile calibrated by
     `trident probe` when there is one."""
-    profile = profile_from_store(store.get_profile(name=spec.target.gpu))
+    profile = profile_for(store, spec.target.gpu)
     try:
         out = plan_command(spec, top=top, as_json=True, profile=profile)
     except ValueError as exc:
