@@ -34,7 +34,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check service workers api tests bench migrations
-	$(BIN)/mypy service api
+	$(BIN)/mypy service api workers
 
 up: install
 	$(BIN)/trident up --port $(PORT)

@@ -27,13 +27,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from service.parallel import Dim, stage_layers
 from service.spec import JobSpec
 from workers.model import GPTConfig, build_layers, loss_fn, torch_checkpoint
 from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
 
-ADAM = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 
 
 def check_supported(spec: JobSpec) -> None:
@@ -62,17 +63,21 @@ class InterleavedEngine:
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids
         self.has_last = self.stages_total - 1 in stage_ids
-        self.stages = [PipelineStage(mod, sid, self.stages_total, device, group=groups.pp)
-                       for mod, sid in zip(chunks, stage_ids, strict=True)]
+        # Typed as the schedule's parameter: it takes a list of the stages' base class.
+        self.stages: list[_PipelineStageBase] = [
+            PipelineStage(mod, sid, self.stages_total, device, group=groups.pp)
+            for mod, sid in zip(chunks, stage_ids, strict=True)]
         self.micro_batches = t.global_batch // (t.micro_batch * p.dp)
         self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.micro_batches,
                                                 loss_fn=loss_fn)
         if p.zero == 1 and p.dp > 1:
             self.optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
                 self.module.parameters(), optimizer_class=torch.optim.AdamW,
-                process_group=groups.dp, lr=t.lr, **ADAM)
+                process_group=groups.dp, lr=t.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                weight_decay=0.0)
         else:
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr, **ADAM)
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr,
+                                               betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
         pp_ranks = groups.dims.group_of(self.rank, Dim.PP)
         self._last_stage_rank = pp_ranks[-1]
 
