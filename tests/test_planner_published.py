@@ -1,4 +1,4 @@
-"""The planner against published numbers (reference/planner-model.md).
+"""The planner against published numbers (docs/planner-model.md).
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
 Table 5 iteration times (A100-80GB, s=2048, V=51200, TP8), the per-layer activation formulas

@@ -1,6 +1,6 @@
 """Bytes per GPU of the most loaded rank, and host bytes per node.
 
-Called by `evaluate` (plan.py). The terms, in the order of reference/planner-model.md:
+Called by `evaluate` (plan.py). The terms (docs/planner-model.md derives each, with its sources):
 
 - model states (parameters, gradients, optimizer states) per ZeRO stage, with the byte
   counts DeepSpeed really holds (its estimators' 2 + 18/N for ZeRO-2 and 18/N for ZeRO-3 in

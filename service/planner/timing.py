@@ -1,6 +1,6 @@
 """Step time of one layout, split by where it goes.
 
-Called by `evaluate` (plan.py). The model (reference/planner-model.md):
+Called by `evaluate` (plan.py). The model (docs/planner-model.md, with its sources):
 
 - compute: FLOPs of the slowest pipeline stage per micro-batch (forward, backward = 2x
   forward, plus the recomputed forward: all of it for full recompute, the attention core for
