@@ -5,7 +5,13 @@ For several depths of gpt-tiny it measures the median step time (first step left
 fits `layer_overhead_s` and `step_overhead_s` (`service.planner.calibrate.fit_overheads`)
 and prints predicted against measured, before and after the fit.
 
+`--demo` runs the demo job (examples/tiny.yaml, as `make demo` does) once and prints its
+`predicted_vs_measured`: the step time, tokens/s and model-state bytes the plan predicted next
+to the steady-state medians the ranks reported (service.compare). The step-time ratio moves
+with the machine's load, so it is tracked here rather than asserted by a test.
+
 Run: python bench/bench_cpu_trainer.py [layers ...]      (about a minute per depth on 2 cores)
+     python bench/bench_cpu_trainer.py --demo            (about two minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import time
 from pathlib import Path
 
 import ray
+import yaml
 
+from service.compare import compare
 from service.controller import Controller
 from service.jobs import prepare
 from service.planner import evaluate
@@ -27,6 +35,7 @@ from service.store import Store
 from workers.group import RayLauncher
 
 STEPS = 20
+DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
 
 
 def spec_for(layers: int) -> JobSpec:
@@ -37,7 +46,8 @@ def spec_for(layers: int) -> JobSpec:
         "resources": {"cpus_per_worker": 1}})
 
 
-def measure(store: Store, controller: Controller, spec: JobSpec) -> float:
+def run_job(store: Store, controller: Controller, spec: JobSpec) -> int:
+    """Submit `spec`, drive the controller until the job ends; the job's id (it succeeded)."""
     p = prepare(spec)
     job_id = store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
                               world_size=p.world_size, cpus=p.cpus, gpus=p.gpus).id
@@ -45,16 +55,41 @@ def measure(store: Store, controller: Controller, spec: JobSpec) -> float:
         controller.step()
         time.sleep(0.2)
     assert store.get_job(job_id=job_id).state == "SUCCEEDED", store.get_job(job_id=job_id).error
+    return job_id
+
+
+def measure(store: Store, controller: Controller, spec: JobSpec) -> float:
+    job_id = run_job(store, controller, spec)
     return statistics.median(m.step_time_s for m in store.list_metrics(job_id=job_id)
                              if m.step > 1)
 
 
-def main(depths: list[int]) -> None:
+def start() -> tuple[Store, Controller]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp())
     store = Store(f"sqlite:///{tmp / 'calib.db'}")
     store.migrate()
-    controller = Controller(store, RayLauncher(), checkpoint_root=tmp)
+    return store, Controller(store, RayLauncher(), checkpoint_root=tmp)
+
+
+def demo() -> None:
+    """The demo job once: predicted against measured, as `GET /jobs/{id}` serves it."""
+    spec = JobSpec.model_validate(yaml.safe_load(DEMO_SPEC.read_text()))
+    store, controller = start()
+    job_id = run_job(store, controller, spec)
+    pvm = compare(store.get_job(job_id=job_id).plan, store.list_metrics(job_id=job_id))
+    controller.shutdown()
+    ray.shutdown()
+    print(f"{spec.name}: {pvm['steps_measured']} steady-state steps")
+    print(f"{'':<18} {'predicted':>12} {'measured':>12} {'measured/predicted':>19}")
+    for key in ("step_s", "tokens_per_s", "model_state_bytes"):
+        row = pvm[key]
+        print(f"{key:<18} {row['predicted']:>12.4g} {row['measured']:>12.4g}"
+              f" {row['ratio']:>19.3f}")
+
+
+def main(depths: list[int]) -> None:
+    store, controller = start()
     samples = []
     for layers in depths:
         spec = spec_for(layers)
@@ -73,4 +108,7 @@ def main(depths: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [2, 4, 8])
+    if sys.argv[1:] == ["--demo"]:
+        demo()
+    else:
+        main([int(a) for a in sys.argv[1:]] or [2, 4, 8])
