@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from migrations import downgrade, upgrade
 from service.hardware import get_profile
@@ -193,3 +193,22 @@ def test_calibrated_profiles_replace_older_ones(store: Store) -> None:
     calibrated = store.get_profile(name="cpu")
     assert calibrated is not None and calibrated.profile == cpu.with_(peak_flops_fp32=2e10)
     assert calibrated.probe_id is None and calibrated.calibrated_at.tzinfo is not None
+
+
+def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
+    upgrade(db_url, "0002")
+    plan = stored_plan(dp=2).to_json()
+    spec = {"name": "j", "parallel": "auto", "train": {"micro_batch": 7, "steps": 3}}
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
+                       " VALUES ('j', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
+                       " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                  {"spec": json.dumps(spec), "plan": json.dumps(plan)})
+    upgrade(db_url)
+    (job,), _ = s.list_jobs()
+    layout = dict(plan["layout"])
+    assert job.spec["train"] == {"micro_batch": layout.pop("micro_batch"), "steps": 3}
+    assert job.spec["parallel"] == layout
+    s.close()
