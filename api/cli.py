@@ -18,6 +18,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -77,8 +78,9 @@ def _call(server: str, method: str, path: str, **kw: Any) -> Any:
 
 
 def _layout(plan: dict[str, Any]) -> str:
-    lay = plan.get("layout", {})
-    return " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "dp", "zero") if k in lay)
+    """A job's layout from the REST JSON of its plan, e.g. `tp1 pp1 dp2 zero2`."""
+    lay = StoredPlan.from_json(plan).layout
+    return f"tp{lay.tp} pp{lay.pp} dp{lay.dp} zero{lay.zero}"
 
 
 @app.command()
@@ -190,7 +192,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    from service.store import upgrade
+    from migrations import upgrade
 
     upgrade(settings.db_url)
     log = (settings.data_dir / "controller.log").open("ab")

@@ -36,14 +36,12 @@ def index(store: StoreDep) -> str:
     jobs, total = store.list_jobs(limit=100)
     rows = []
     for j in jobs:
-        lay = j.plan.get("layout", {})
-        layout = " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "dp") if k in lay)
-        if "zero" in lay:
-            layout += f" zero{lay['zero']}"
+        lay = j.plan.layout
+        layout = f"tp{lay.tp} pp{lay.pp} dp{lay.dp} zero{lay.zero}"
         last = store.latest_metric(job_id=j.id)
         step = str(last.step) if last else "-"
         loss = f"{last.loss:.4f}" if last and last.loss is not None else "-"
-        predicted = j.plan.get("time", {}).get("step_s")
+        predicted = j.plan.time.step_s
         pred = f"{predicted:.4g}" if predicted else "-"
         meas = f"{last.step_time_s:.4g}" if last else "-"
         rows.append(

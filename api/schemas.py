@@ -5,35 +5,23 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from service.states import JobState
-from service.store import Event, Job, Metric
+from service.store import Attempt, Event, Job, Metric
 
 
-class JobOut(BaseModel):
-    id: int
-    name: str
-    owner: str
-    state: JobState
-    priority: int
-    spec: dict[str, Any]
-    plan: dict[str, Any]
-    world_size: int
-    cancel_requested: bool
-    attempts: int
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+class JobOut(Job):
+    """A job as the API shows it: the stored `Job` without its per-rank claim."""
+
+    cpus: float = Field(exclude=True)
+    gpus: float = Field(exclude=True)
     predicted_vs_measured: dict[str, Any] | None = None
     """Step time, tokens/s and memory: the plan's prediction and the measurement (detail
     view only)."""
 
     @classmethod
-    def of(cls, job: Job) -> JobOut:
-        return cls.model_validate(job, from_attributes=True)
+    def of(cls, job: Job, predicted_vs_measured: dict[str, Any] | None = None) -> JobOut:
+        return cls(**dict(job), predicted_vs_measured=predicted_vs_measured)
 
 
 class JobList(BaseModel):
@@ -79,3 +67,7 @@ class MetricOut(BaseModel):
 
 class MetricList(BaseModel):
     items: list[MetricOut]
+
+
+class AttemptList(BaseModel):
+    items: list[Attempt]

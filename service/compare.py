@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from service.planner.stored import StoredPlan
 from service.store import Metric
 
 WARMUP_STEPS = 3
@@ -22,7 +23,7 @@ def _ratio(measured: float | None, predicted: float | None) -> float | None:
     return measured / predicted
 
 
-def compare(plan: dict[str, Any], metrics: Sequence[Metric]) -> dict[str, Any]:
+def compare(plan: StoredPlan, metrics: Sequence[Metric]) -> dict[str, Any]:
     """Step time, tokens/s and memory per GPU, predicted and measured (newest attempt)."""
     if metrics:
         attempt = max(m.attempt for m in metrics)
@@ -40,16 +41,15 @@ def compare(plan: dict[str, Any], metrics: Sequence[Metric]) -> dict[str, Any]:
         peaks = [m.data.get("memory", {}).get("process_peak_bytes") for m in metrics]
         peaks_num = [p for p in peaks if isinstance(p, int | float)]
         peak = max(peaks_num) if peaks_num else None
-    pred_mem = plan.get("memory", {})
-    pred_states = sum(pred_mem.get(k, 0) for k in ("params", "grads", "optimizer")) or None
-    pred_step = plan.get("time", {}).get("step_s")
+    pred_states = plan.memory.model_states or None
+    pred_step = plan.time.step_s
     return {
         "steps_measured": len(steady),
         "step_s": {"predicted": pred_step, "measured": step_s,
                    "ratio": _ratio(step_s, pred_step)},
-        "tokens_per_s": {"predicted": plan.get("tokens_per_s"), "measured": tokens,
-                         "ratio": _ratio(tokens, plan.get("tokens_per_s"))},
+        "tokens_per_s": {"predicted": plan.tokens_per_s, "measured": tokens,
+                         "ratio": _ratio(tokens, plan.tokens_per_s)},
         "model_state_bytes": {"predicted": pred_states, "measured": state_bytes,
                               "ratio": _ratio(state_bytes, pred_states)},
-        "memory_bytes": {"predicted": pred_mem.get("total"), "measured_peak": peak},
+        "memory_bytes": {"predicted": plan.memory.total, "measured_peak": peak},
     }

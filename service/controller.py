@@ -18,14 +18,13 @@ from pydantic import ValidationError
 
 from service import health
 from service.calibration import calibrate
-from service.jobs import effective_spec
 from service.parallel import Dim
 from service.profiles import profile_for
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
-from service.store import Job, Store
+from service.store import AttemptStatus, Job, ProbeStatus, Store
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class Controller:
                 job, JobState.PLACING, "placing a new attempt", result):
             return
         attempt = self.store.start_attempt(job_id=job.id)
-        spec = effective_spec(JobSpec.model_validate(job.spec), job.plan)
+        spec = JobSpec.model_validate(job.spec)
         ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
@@ -143,7 +142,8 @@ class Controller:
         # An active job with no group here: the controller restarted and the group is gone.
         msg = "controller restarted; the worker group of this attempt is gone"
         if job.attempts:
-            self.store.end_attempt(job_id=job.id, number=job.attempts, status="lost", error=msg)
+            self.store.end_attempt(job_id=job.id, number=job.attempts, status=AttemptStatus.LOST,
+                                   error=msg)
         to = decide_on_failure(job)
         self._move(job, to, msg if to == JobState.FAILED else f"{msg}; restarting", result,
                    error=msg if to == JobState.FAILED else None)
@@ -176,16 +176,17 @@ class Controller:
             job = self.store.get_job(job_id=job.id)
         cancelling = run.cancel_at is not None
         if cancelling and poll.state in ("stopped", "succeeded", "failed"):
-            self._finish(job, run, "cancelled", JobState.CANCELLED, "cancelled by request", result)
+            self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
+                         "cancelled by request", result)
         elif cancelling and time.monotonic() - (run.cancel_at or 0) > self.cancel_grace_s:
-            self._finish(job, run, "cancelled", JobState.CANCELLED,
+            self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
                          "cancelled by request (workers killed)", result)
         elif poll.state == "starting" and time.monotonic() - run.started > self.start_timeout_s:
             self._teardown(job.id, run)
             self._fail_attempt(job, run.attempt, f"worker group did not start within"
                                f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
         elif poll.state == "succeeded":
-            self._finish(job, run, "succeeded", JobState.SUCCEEDED,
+            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
                          f"all ranks finished {job.spec.get('train', {}).get('steps', '?')} steps",
                          result)
         elif poll.state == "failed":
@@ -233,13 +234,13 @@ class Controller:
                                        run.spec.monitor.slow_group_threshold,
                                        run.node_of_rank or None)
         probe = self.store.create_probe(scope="job", job_id=job.id, attempt=run.attempt,
-                                        status="running",
+                                        status=ProbeStatus.RUNNING,
                                         request={"max_bytes": run.spec.monitor.probe_max_bytes})
-        self.store.finish_probe(probe_id=probe["id"], status="done", results=rows,
+        self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=rows,
                                 summary={"slow_groups": slow, "profile": profile.name})
         self.store.add_event(job_id=job.id, attempt=run.attempt, kind="probe",
                              message=f"bandwidth probe: {len(rows)} measurements,"
-                             f" {len(slow)} slow group(s)", data={"probe_id": probe["id"]})
+                             f" {len(slow)} slow group(s)", data={"probe_id": probe.id})
         for w in slow:
             self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
                                  message=str(w.get("message", w)), data=w)
@@ -247,16 +248,16 @@ class Controller:
     def _cluster_probes(self) -> None:
         """Start requested `trident probe` runs and turn finished ones into a profile."""
         for p in self.store.claim_probes(scope="cluster"):
-            req = p["request"]
+            req = p.request
             try:
                 group = self.launcher.start_cluster_probe(
-                    probe_id=p["id"], ranks_per_node=int(req["ranks_per_node"]),
+                    probe_id=p.id, ranks_per_node=int(req["ranks_per_node"]),
                     max_bytes=int(req["max_bytes"]))
             except Exception as exc:
-                self.store.finish_probe(probe_id=p["id"], status="failed", results=[],
+                self.store.finish_probe(probe_id=p.id, status=ProbeStatus.FAILED, results=[],
                                         summary={}, error=repr(exc))
                 continue
-            self.probes[p["id"]] = (group, {"request": req, "reports": []}, time.monotonic())
+            self.probes[p.id] = (group, {"request": req, "reports": []}, time.monotonic())
         for probe_id, (group, acc, started) in list(self.probes.items()):
             poll = group.poll(self.poll_timeout_s)
             acc["reports"].extend(poll.reports)
@@ -268,17 +269,17 @@ class Controller:
             group.shutdown(self.cancel_grace_s)
             del self.probes[probe_id]
             if poll.state != "succeeded":
-                self.store.finish_probe(probe_id=probe_id, status="failed", results=[],
+                self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.FAILED, results=[],
                                         summary={}, error=poll.error or poll.state)
                 continue
             try:
                 results, summary = calibrate({**acc["request"], "probe_id": probe_id},
                                              acc["reports"])
             except (ValidationError, ValueError) as exc:
-                self.store.finish_probe(probe_id=probe_id, status="failed", results=[],
+                self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.FAILED, results=[],
                                         summary={}, error=f"bad probe reports: {exc}")
                 continue
-            self.store.finish_probe(probe_id=probe_id, status="done", results=results,
+            self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.DONE, results=results,
                                     summary=summary)
             self.store.save_profile(name=summary["profile"]["name"], profile=summary["profile"],
                                     probe_id=probe_id)
@@ -287,7 +288,7 @@ class Controller:
         """Warn about TP groups that span nodes or, by the node's link matrix, cross PCIe."""
         gpu_of = {r["rank"]: int(r["gpu_ids"][0]) for r in placement.get("ranks", [])
                   if r.get("gpu_ids") and str(r["gpu_ids"][0]).isdigit()}
-        inventory = {n["node_id"]: n["info"] for n in self.store.list_nodes()}
+        inventory = {n.node_id: n.info for n in self.store.list_nodes()}
         groups = [g for g in run.spec.layout.dims.groups(Dim.TP)
                   if len(g) > 1 and all(r in run.node_of_rank for r in g)]
         for warning in health.tp_placement_warnings(groups, run.node_of_rank, gpu_of or None,
@@ -296,7 +297,7 @@ class Controller:
                                  message=warning)
 
     def _find_stragglers(self, job: Job, run: _Running) -> None:
-        stage = {int(r["rank"]): int(r["pp"]) for r in job.plan.get("rank_layout", [])}
+        stage = job.plan.stage_of()
         found = health.find_stragglers(
             {r: list(t) for r, t in run.compute.items() if r in stage}, stage,
             run.spec.monitor.straggler_threshold, run.spec.monitor.straggler_min_steps,
@@ -328,14 +329,15 @@ class Controller:
 
     # --- endings ------------------------------------------------------------------------------
 
-    def _finish(self, job: Job, run: _Running, status: str, to: JobState, message: str,
+    def _finish(self, job: Job, run: _Running, status: AttemptStatus, to: JobState, message: str,
                 result: StepResult) -> None:
         self._teardown(job.id, run)
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
         self._move(job, to, message, result, attempt=run.attempt)
 
     def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult) -> None:
-        self.store.end_attempt(job_id=job.id, number=attempt, status="failed", error=error)
+        self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.FAILED,
+                               error=error)
         to = decide_on_failure(job)
         if to == JobState.RESTARTING:
             left = int(job.spec.get("max_retries", 0)) - job.attempts

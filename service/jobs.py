@@ -1,22 +1,26 @@
-"""Turning a submitted spec into what is stored: the plan and the resource claim.
+"""Turning a submitted spec into what is stored: the spec that runs, its plan, the claim.
 
-Called by the API on submit and on `POST /plan`; the controller calls `effective_spec` to
-run the layout the plan chose. Raises ValueError (a 422) when the job cannot run as asked.
+Called by the API on submit. `parallel: "auto"` is resolved here, once: the stored spec
+carries the layout and micro-batch the search chose (the plan keeps `chosen_by: search` and
+the search summary), so the controller and the workers run the stored spec as it is.
+Raises ValueError (a 422) when the job cannot run as asked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from service.hardware import HardwareProfile
 from service.planner import plan_job
-from service.spec import JobSpec, ParallelSpec
+from service.planner.stored import StoredPlan
+from service.spec import JobSpec
 
 
 @dataclass(frozen=True)
 class Prepared:
-    plan: dict[str, Any]
+    spec: JobSpec
+    """The spec to store and run: explicit layout, even when `parallel: auto` was asked."""
+    plan: StoredPlan
     world_size: int
     cpus: float
     gpus: float
@@ -24,18 +28,17 @@ class Prepared:
 
 def prepare(spec: JobSpec, profile: HardwareProfile | None = None) -> Prepared:
     """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit."""
-    plan = plan_job(spec, profile=profile)
-    return Prepared(plan=plan, world_size=int(plan["world_size"]),
+    plan = StoredPlan.from_json(plan_job(spec, profile=profile))
+    return Prepared(spec=resolve(spec, plan), plan=plan, world_size=plan.world_size,
                     cpus=spec.resources.cpus_per_worker, gpus=spec.resources.gpus_per_worker)
 
 
-def effective_spec(spec: JobSpec, plan: dict[str, Any]) -> JobSpec:
-    """The spec the workers run: `parallel: auto` replaced by the planned layout."""
+def resolve(spec: JobSpec, plan: StoredPlan) -> JobSpec:
+    """`spec` with `parallel: auto` replaced by the plan's layout and micro-batch."""
     if not isinstance(spec.parallel, str):
         return spec
-    layout = dict(plan["layout"])
-    micro_batch = int(layout.pop("micro_batch"))
-    data = spec.model_dump(mode="json")
-    data["parallel"] = ParallelSpec.model_validate(layout).model_dump(mode="json")
-    data["train"]["micro_batch"] = micro_batch
+    data = spec.model_dump()
+    data["parallel"] = plan.layout.parallel.model_dump()
+    data["train"]["micro_batch"] = plan.layout.micro_batch
+    # Validated again: the chosen layout must pass the spec's own consistency checks.
     return JobSpec.model_validate(data)

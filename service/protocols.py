@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 
 
@@ -123,7 +124,7 @@ class Launcher(Protocol):
 
     def total_capacity(self) -> list[NodeCapacity]: ...
 
-    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> WorkerGroup:
         """Claim resources and start the ranks; must not block on training."""
         ...

@@ -26,7 +26,7 @@ class Bundle:
 
 def bundles(job: Job) -> list[Bundle]:
     """One bundle per TP group: tp ranks' worth of CPUs and GPUs."""
-    tp = int(job.plan.get("layout", {}).get("tp", 1))
+    tp = job.plan.layout.tp
     groups = job.world_size // tp
     return [Bundle(cpus=job.cpus * tp, gpus=job.gpus * tp) for _ in range(groups)]
 

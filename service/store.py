@@ -2,22 +2,20 @@
 
 Every function is keyword-only and runs in one transaction. `transition` is the single writer
 of job state: it checks the state machine and writes the event in the same transaction.
-Callers (API, controller) get plain views back, never ORM rows.
+Callers (API, controller) get the immutable views of `service.views` back, never ORM rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from migrations import upgrade
 from service.db import (
     AttemptRow,
     EventRow,
@@ -29,79 +27,26 @@ from service.db import (
     make_engine,
     utcnow,
 )
+from service.planner.stored import StoredPlan
 from service.states import JobState, TransitionError, check_transition
+from service.views import (
+    Attempt,
+    AttemptStatus,
+    CalibratedProfile,
+    Event,
+    Job,
+    Metric,
+    Node,
+    Probe,
+    ProbeStatus,
+)
+
+__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Job", "Metric", "Node",
+           "NotFound", "Probe", "ProbeStatus", "Store"]
 
 
 class NotFound(LookupError):
     """No such job (a 404 at the API)."""
-
-
-def _aware(t: datetime | None) -> datetime | None:
-    # SQLite drops the zone on the way back; every time we store is UTC.
-    if t is not None and t.tzinfo is None:
-        return t.replace(tzinfo=UTC)
-    return t
-
-
-@dataclass(frozen=True)
-class Job:
-    id: int
-    name: str
-    owner: str
-    state: JobState
-    priority: int
-    spec: dict[str, Any]
-    plan: dict[str, Any]
-    world_size: int
-    cpus: float
-    gpus: float
-    cancel_requested: bool
-    attempts: int
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-
-    @classmethod
-    def of(cls, row: JobRow) -> Job:
-        return cls(
-            id=row.id, name=row.name, owner=row.owner, state=JobState(row.state),
-            priority=row.priority, spec=row.spec, plan=row.plan, world_size=row.world_size,
-            cpus=row.cpus, gpus=row.gpus, cancel_requested=row.cancel_requested,
-            attempts=row.attempts, error=row.error, created_at=_aware(row.created_at),  # type: ignore[arg-type]
-            updated_at=_aware(row.updated_at), started_at=_aware(row.started_at),  # type: ignore[arg-type]
-            finished_at=_aware(row.finished_at),
-        )
-
-
-@dataclass(frozen=True)
-class Event:
-    id: int
-    job_id: int
-    attempt: int | None
-    time: datetime
-    kind: str
-    message: str
-    data: dict[str, Any]
-
-    @classmethod
-    def of(cls, row: EventRow) -> Event:
-        return cls(id=row.id, job_id=row.job_id, attempt=row.attempt,
-                   time=_aware(row.time), kind=row.kind,  # type: ignore[arg-type]
-                   message=row.message, data=row.data or {})
-
-
-@dataclass(frozen=True)
-class Metric:
-    attempt: int
-    step: int
-    rank: int
-    loss: float | None
-    step_time_s: float
-    tokens_per_s: float
-    data: dict[str, Any]
-    time: datetime
 
 
 class Store:
@@ -132,24 +77,25 @@ class Store:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def create_job(self, *, name: str, spec: dict[str, Any], plan: dict[str, Any],
+    def create_job(self, *, name: str, spec: dict[str, Any], plan: StoredPlan,
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
                    owner: str = "local") -> Job:
         with self._tx() as s:
             row = JobRow(name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
-                         spec=spec, plan=plan, world_size=world_size, cpus=cpus, gpus=gpus)
+                         spec=spec, plan=plan.to_json(), world_size=world_size, cpus=cpus,
+                         gpus=gpus)
             s.add(row)
             s.flush()
             s.add(EventRow(job_id=row.id, kind="state", message="job queued",
                            data={"to": JobState.QUEUED.value}))
-            return Job.of(row)
+            return Job.from_row(row)
 
     def get_job(self, *, job_id: int) -> Job:
         with self._tx() as s:
             row = s.get(JobRow, job_id)
             if row is None:
                 raise NotFound(f"job {job_id} not found")
-            return Job.of(row)
+            return Job.from_row(row)
 
     def list_jobs(self, *, states: Sequence[JobState] | None = None, limit: int = 50,
                   offset: int = 0) -> tuple[list[Job], int]:
@@ -160,21 +106,21 @@ class Store:
                 q = q.where(JobRow.state.in_([st.value for st in states]))
                 count = count.where(JobRow.state.in_([st.value for st in states]))
             rows = s.execute(q.order_by(JobRow.id.desc()).limit(limit).offset(offset)).scalars()
-            return [Job.of(r) for r in rows], int(s.execute(count).scalar_one())
+            return [Job.from_row(r) for r in rows], int(s.execute(count).scalar_one())
 
     def queued_jobs(self) -> list[Job]:
         """Queued jobs in admission order: priority first, then age."""
         with self._tx() as s:
             rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
                              .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
-            return [Job.of(r) for r in rows]
+            return [Job.from_row(r) for r in rows]
 
     def active_jobs(self) -> list[Job]:
         with self._tx() as s:
             active = [st.value for st in JobState if st.active]
             rows = s.execute(select(JobRow).where(JobRow.state.in_(active))
                              .order_by(JobRow.id)).scalars()
-            return [Job.of(r) for r in rows]
+            return [Job.from_row(r) for r in rows]
 
     def transition(self, *, job_id: int, to: JobState, message: str,
                    expect: Sequence[JobState] | None = None, error: str | None = None,
@@ -202,7 +148,7 @@ class Store:
                 row.error = error
             s.add(EventRow(job_id=job_id, attempt=attempt, kind="state", message=message,
                            data={"from": current.value, "to": to.value, **(data or {})}))
-            return Job.of(row)
+            return Job.from_row(row)
 
     def request_cancel(self, *, job_id: int) -> Job:
         """Flag a job for cancellation; a queued job is cancelled at once."""
@@ -212,7 +158,7 @@ class Store:
             if current.terminal:
                 raise TransitionError(f"job {job_id} is already {current}")
             if row.cancel_requested:
-                return Job.of(row)
+                return Job.from_row(row)
             row.cancel_requested = True
             row.updated_at = utcnow()
             s.add(EventRow(job_id=job_id, kind="cancel", message="cancel requested", data={}))
@@ -221,11 +167,7 @@ class Store:
                 row.finished_at = row.updated_at
                 s.add(EventRow(job_id=job_id, kind="state", message="cancelled while queued",
                                data={"from": current.value, "to": JobState.CANCELLED.value}))
-            return Job.of(row)
-
-    def set_plan(self, *, job_id: int, plan: dict[str, Any]) -> None:
-        with self._tx() as s:
-            s.execute(update(JobRow).where(JobRow.id == job_id).values(plan=plan))
+            return Job.from_row(row)
 
     # --- attempts ---------------------------------------------------------------------------
 
@@ -234,15 +176,16 @@ class Store:
         with self._tx() as s:
             row = self._lock_job(s, job_id)
             row.attempts += 1
-            s.add(AttemptRow(job_id=job_id, number=row.attempts, status="running"))
+            s.add(AttemptRow(job_id=job_id, number=row.attempts,
+                             status=AttemptStatus.RUNNING.value))
             return row.attempts
 
-    def end_attempt(self, *, job_id: int, number: int, status: str,
+    def end_attempt(self, *, job_id: int, number: int, status: AttemptStatus,
                     error: str | None = None) -> None:
         with self._tx() as s:
             s.execute(update(AttemptRow)
                       .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
-                      .values(status=status, error=error, ended_at=utcnow()))
+                      .values(status=status.value, error=error, ended_at=utcnow()))
 
     def set_placement(self, *, job_id: int, number: int, placement: dict[str, Any]) -> None:
         with self._tx() as s:
@@ -250,13 +193,11 @@ class Store:
                       .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
                       .values(placement=placement))
 
-    def list_attempts(self, *, job_id: int) -> list[dict[str, Any]]:
+    def list_attempts(self, *, job_id: int) -> list[Attempt]:
         with self._tx() as s:
             rows = s.execute(select(AttemptRow).where(AttemptRow.job_id == job_id)
                              .order_by(AttemptRow.number)).scalars()
-            return [{"number": r.number, "status": r.status, "placement": r.placement,
-                     "error": r.error, "started_at": _aware(r.started_at),
-                     "ended_at": _aware(r.ended_at)} for r in rows]
+            return [Attempt.from_row(r) for r in rows]
 
     # --- events -----------------------------------------------------------------------------
 
@@ -271,7 +212,7 @@ class Store:
             rows = s.execute(select(EventRow)
                              .where(EventRow.job_id == job_id, EventRow.id > after_id)
                              .order_by(EventRow.id).limit(limit)).scalars()
-            return [Event.of(r) for r in rows]
+            return [Event.from_row(r) for r in rows]
 
     # --- metrics ----------------------------------------------------------------------------
 
@@ -294,7 +235,7 @@ class Store:
             if attempt is not None:
                 q = q.where(MetricRow.attempt == attempt)
             q = q.order_by(MetricRow.attempt, MetricRow.step, MetricRow.rank).limit(limit)
-            return [_metric(r) for r in s.execute(q).scalars()]
+            return [Metric.from_row(r) for r in s.execute(q).scalars()]
 
     def latest_metric(self, *, job_id: int, rank: int = 0) -> Metric | None:
         """The newest step of the newest attempt of one rank."""
@@ -303,46 +244,47 @@ class Store:
                             .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
                             .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
                             .limit(1)).scalar()
-            return _metric(row) if row is not None else None
+            return Metric.from_row(row) if row is not None else None
 
 
     # --- probes, nodes, calibrated profiles ----------------------------------------------------
 
     def create_probe(self, *, scope: str, request: dict[str, Any], job_id: int | None = None,
-                     attempt: int | None = None, status: str = "pending") -> dict[str, Any]:
+                     attempt: int | None = None,
+                     status: ProbeStatus = ProbeStatus.PENDING) -> Probe:
         with self._tx() as s:
-            row = ProbeRow(scope=scope, job_id=job_id, attempt=attempt, status=status,
+            row = ProbeRow(scope=scope, job_id=job_id, attempt=attempt, status=status.value,
                            request=request, results=[], summary={})
             s.add(row)
             s.flush()
-            return _probe(row)
+            return Probe.from_row(row)
 
-    def claim_probes(self, *, scope: str) -> list[dict[str, Any]]:
+    def claim_probes(self, *, scope: str) -> list[Probe]:
         """Pending probes of `scope`, marked running in the same transaction."""
         with self._tx() as s:
-            rows = list(s.execute(select(ProbeRow)
-                                  .where(ProbeRow.scope == scope, ProbeRow.status == "pending")
+            pending = ProbeRow.status == ProbeStatus.PENDING.value
+            rows = list(s.execute(select(ProbeRow).where(ProbeRow.scope == scope, pending)
                                   .order_by(ProbeRow.id).with_for_update()).scalars())
             for r in rows:
-                r.status = "running"
-            return [_probe(r) for r in rows]
+                r.status = ProbeStatus.RUNNING.value
+            return [Probe.from_row(r) for r in rows]
 
-    def finish_probe(self, *, probe_id: int, status: str, results: list[Any],
+    def finish_probe(self, *, probe_id: int, status: ProbeStatus, results: list[Any],
                      summary: dict[str, Any], error: str | None = None) -> None:
         with self._tx() as s:
             s.execute(update(ProbeRow).where(ProbeRow.id == probe_id)
-                      .values(status=status, results=results, summary=summary, error=error,
+                      .values(status=status.value, results=results, summary=summary, error=error,
                               finished_at=utcnow()))
 
-    def get_probe(self, *, probe_id: int) -> dict[str, Any]:
+    def get_probe(self, *, probe_id: int) -> Probe:
         with self._tx() as s:
             row = s.get(ProbeRow, probe_id)
             if row is None:
                 raise NotFound(f"probe {probe_id} not found")
-            return _probe(row)
+            return Probe.from_row(row)
 
     def list_probes(self, *, job_id: int | None = None, scope: str | None = None,
-                    limit: int = 20) -> list[dict[str, Any]]:
+                    limit: int = 20) -> list[Probe]:
         with self._tx() as s:
             q = select(ProbeRow)
             if job_id is not None:
@@ -350,7 +292,7 @@ class Store:
             if scope is not None:
                 q = q.where(ProbeRow.scope == scope)
             rows = s.execute(q.order_by(ProbeRow.id.desc()).limit(limit)).scalars()
-            return [_probe(r) for r in rows]
+            return [Probe.from_row(r) for r in rows]
 
     def upsert_nodes(self, *, nodes: Sequence[dict[str, Any]]) -> None:
         """Record the live nodes; nodes not in the list are marked dead, not forgotten."""
@@ -368,11 +310,10 @@ class Store:
                 row.alive = True
                 row.updated_at = utcnow()
 
-    def list_nodes(self) -> list[dict[str, Any]]:
+    def list_nodes(self) -> list[Node]:
         with self._tx() as s:
             rows = s.execute(select(NodeRow).order_by(NodeRow.node_id)).scalars()
-            return [{"node_id": r.node_id, "hostname": r.hostname, "alive": r.alive,
-                     "updated_at": _aware(r.updated_at), "info": r.info} for r in rows]
+            return [Node.from_row(r) for r in rows]
 
     def save_profile(self, *, name: str, profile: dict[str, Any],
                      probe_id: int | None = None) -> None:
@@ -385,44 +326,8 @@ class Store:
             row.probe_id = probe_id
             row.created_at = utcnow()
 
-    def get_profile(self, *, name: str) -> dict[str, Any] | None:
+    def get_profile(self, *, name: str) -> CalibratedProfile | None:
         """The calibrated profile stored under `name`, if a probe has made one."""
         with self._tx() as s:
             row = s.get(ProfileRow, name)
-            return None if row is None else {**row.profile, "probe_id": row.probe_id,
-                                             "calibrated_at": _aware(row.created_at)}
-
-
-def _probe(r: ProbeRow) -> dict[str, Any]:
-    return {"id": r.id, "scope": r.scope, "job_id": r.job_id, "attempt": r.attempt,
-            "status": r.status, "request": r.request, "results": r.results,
-            "summary": r.summary, "error": r.error, "created_at": _aware(r.created_at),
-            "finished_at": _aware(r.finished_at)}
-
-def _metric(r: MetricRow) -> Metric:
-    return Metric(attempt=r.attempt, step=r.step, rank=r.rank, loss=r.loss,
-                  step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s, data=r.data or {},
-                  time=_aware(r.time))  # type: ignore[arg-type]
-
-
-def _alembic(url: str) -> Any:
-    from alembic.config import Config
-
-    cfg = Config()
-    migrations = Path(__file__).resolve().parent.parent / "migrations"
-    cfg.set_main_option("script_location", str(migrations))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return cfg
-
-
-def upgrade(url: str, revision: str = "head") -> None:
-    """Run Alembic migrations programmatically (same as `alembic upgrade head`)."""
-    from alembic import command
-
-    command.upgrade(_alembic(url), revision)
-
-
-def downgrade(url: str, revision: str = "base") -> None:
-    from alembic import command
-
-    command.downgrade(_alembic(url), revision)
+            return None if row is None else CalibratedProfile.from_row(row)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from service.planner import StoredPlan
 from service.store import Store
 
 PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
@@ -66,3 +67,15 @@ def tiny_spec(**over: object) -> dict[str, object]:
     }
     spec.update(over)
     return spec
+
+
+def stored_plan(*, tp: int = 1, pp: int = 1, dp: int = 1) -> StoredPlan:
+    """The plan the control plane stores for a small GPT on tp * pp * dp CPU ranks."""
+    from service.jobs import prepare
+    from service.spec import JobSpec
+
+    spec = JobSpec.model_validate(tiny_spec(
+        model={"layers": 8, "hidden": 64, "heads": 8, "vocab": 256, "seq_len": 32},
+        train={"global_batch": 4 * dp, "micro_batch": 1, "precision": "fp32"},
+        parallel={"tp": tp, "pp": pp, "dp": dp}))
+    return prepare(spec).plan

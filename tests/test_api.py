@@ -30,6 +30,11 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
     assert body["plan"]["layout"]["dp"] == 2 and body["plan"]["layout"]["micro_batch"] == 2
     assert [r["rank"] for r in body["plan"]["rank_layout"]] == [0, 1]
     assert client.get(f"/api/v1/jobs/{body['id']}").json()["spec"] == body["spec"]
+    # The REST job is the stored Job without its per-rank claim, plus (detail only) the
+    # prediction next to the measurement.
+    assert list(body) == ["id", "name", "owner", "state", "priority", "spec", "plan",
+                          "world_size", "cancel_requested", "attempts", "error", "created_at",
+                          "updated_at", "started_at", "finished_at", "predicted_vs_measured"]
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,11 @@ import pytest
 
 from service.controller import Controller
 from service.jobs import prepare
+from service.planner import StoredPlan
 from service.protocols import NodeCapacity, PollResult
 from service.spec import JobSpec
 from service.states import JobState
-from service.store import Store
+from service.store import AttemptStatus, ProbeStatus, Store
 from tests.conftest import tiny_spec
 
 
@@ -44,6 +45,7 @@ class FakeLauncher:
     def __init__(self, scripts: list[list[PollResult]], cpus: float = 4) -> None:
         self.scripts = scripts
         self.groups: list[FakeGroup] = []
+        self.started: list[dict[str, Any]] = []
         self.cpus = cpus
 
     def total_capacity(self) -> list[NodeCapacity]:
@@ -61,9 +63,10 @@ class FakeLauncher:
         self.groups.append(g)
         return g
 
-    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> FakeGroup:
         g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir})
+        self.started.append({"spec": spec, "plan": plan})
         self.groups.append(g)
         return g
 
@@ -76,7 +79,7 @@ def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
 def submit(store: Store, **over: Any) -> int:
     spec = JobSpec.model_validate(tiny_spec(**over))
     p = prepare(spec)
-    return store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
+    return store.create_job(name=spec.name, spec=p.spec.model_dump(mode="json"), plan=p.plan,
                             world_size=p.world_size, cpus=p.cpus, gpus=p.gpus,
                             priority=spec.priority).id
 
@@ -111,8 +114,23 @@ def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: 
     assert [(m.step, m.loss) for m in sqlite_store.list_metrics(job_id=job_id)] == [
         (1, 5.0), (2, 4.0)]
     attempts = sqlite_store.list_attempts(job_id=job_id)
-    assert attempts[0]["status"] == "succeeded"
-    assert attempts[0]["placement"]["ranks"][0]["node_id"] == "n0"
+    assert attempts[0].status == AttemptStatus.SUCCEEDED
+    assert attempts[0].placement["ranks"][0]["node_id"] == "n0"
+
+
+def test_auto_job_runs_its_stored_spec_as_it_is(sqlite_store: Store, tmp_path: Path) -> None:
+    """`parallel: auto` was resolved at submission; the launcher gets the stored spec."""
+    launcher = FakeLauncher([[PollResult(state="starting")]])
+    job_id = submit(sqlite_store, parallel="auto",
+                    cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 2})
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.plan.chosen_by == "search" and job.spec["parallel"] != "auto"
+    make(sqlite_store, launcher, tmp_path).step()
+    started = launcher.started[0]
+    assert started["spec"] == JobSpec.model_validate(job.spec)
+    assert started["spec"].layout == job.plan.layout.parallel
+    assert started["spec"].train.micro_batch == job.plan.layout.micro_batch
+    assert started["plan"] == job.plan
 
 
 def test_worker_exception_fails_the_job_with_traceback(sqlite_store: Store,
@@ -273,9 +291,9 @@ def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
     (probe,) = sqlite_store.list_probes(job_id=job_id)
-    assert probe["status"] == "done" and probe["results"][0]["busbw"] == 1e6
-    assert probe["results"][0]["expected_busbw"] > 1e6
-    assert len(probe["summary"]["slow_groups"]) == 1
+    assert probe.status == ProbeStatus.DONE and probe.results[0]["busbw"] == 1e6
+    assert probe.results[0]["expected_busbw"] > 1e6
+    assert len(probe.summary["slow_groups"]) == 1
     kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
     assert "probe" in kinds and "warning" in kinds
 

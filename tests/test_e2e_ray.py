@@ -17,7 +17,7 @@ from api.app import create_app  # noqa: E402
 from service.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.states import JobState  # noqa: E402
-from service.store import Store  # noqa: E402
+from service.store import AttemptStatus, Store  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from workers.group import RayLauncher  # noqa: E402
 
@@ -79,8 +79,8 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
     assert [m["loss"] for m in rank1] == pytest.approx([m["loss"] for m in metrics])
 
     attempt = store.list_attempts(job_id=job_id)[0]
-    assert attempt["status"] == "succeeded"
-    assert [r["rank"] for r in attempt["placement"]["ranks"]] == [0, 1]
+    assert attempt.status == AttemptStatus.SUCCEEDED
+    assert [r["rank"] for r in attempt.placement["ranks"]] == [0, 1]
     kinds = [e["kind"] for e in client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
     assert "placement" in kinds and "rendezvous" in kinds
     assert not [pg for pg in ray.util.placement_group_table().values()
@@ -166,7 +166,7 @@ def test_slow_rank_is_reported_as_a_straggler(stack) -> None:
     events = client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
     stragglers = [e for e in events if e["kind"] == "straggler"]
     assert [e["data"]["rank"] for e in stragglers] == [1]
-    node = store.list_attempts(job_id=job_id)[0]["placement"]["ranks"][1]["node_id"]
+    node = store.list_attempts(job_id=job_id)[0].placement["ranks"][1]["node_id"]
     assert stragglers[0]["data"]["node"] == node and f"rank 1 (node {node}" in \
         stragglers[0]["message"]
 
@@ -175,7 +175,7 @@ def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
     client, store, controller = stack
     probe = client.post("/api/v1/probes", json={"ranks_per_node": 2,
                                                 "max_bytes": 1 << 20}).json()
-    drive_until(controller, lambda: store.get_probe(probe_id=probe["id"])["status"]
+    drive_until(controller, lambda: store.get_probe(probe_id=probe["id"]).status
                 not in ("pending", "running"), 120, f"probe {probe['id']} finished")
     done = client.get(f"/api/v1/probes/{probe['id']}").json()
     assert done["status"] == "done", done["error"]

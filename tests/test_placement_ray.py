@@ -49,7 +49,7 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
         resources={"gpus_per_worker": 1, "cpus_per_worker": 0.25},
         cluster={"gpu": "cpu", "nodes": 2, "gpus_per_node": 4}))
     p = prepare(spec)
-    job_id = store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
+    job_id = store.create_job(name=spec.name, spec=p.spec.model_dump(mode="json"), plan=p.plan,
                               world_size=p.world_size, cpus=p.cpus, gpus=p.gpus).id
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     assert len(controller.launcher.total_capacity()) == 3  # head (no CPUs) + 2 GPU nodes
@@ -65,7 +65,7 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
     job = store.get_job(job_id=job_id)
     assert job.state == JobState.SUCCEEDED, job.error
 
-    ranks = store.list_attempts(job_id=job_id)[0]["placement"]["ranks"]
+    ranks = store.list_attempts(job_id=job_id)[0].placement["ranks"]
     node_of = {r["rank"]: r["node_id"] for r in ranks}
     assert len(node_of) == 8
     for group in ParallelDims(tp=2, pp=2, dp=2).groups(Dim.TP):

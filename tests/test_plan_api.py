@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.cli import app as cli
-from service.jobs import effective_spec
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
@@ -69,12 +68,18 @@ def test_auto_job_stores_the_best_layout_and_runs_it(client: TestClient) -> None
     searched = client.post("/api/v1/plan", json=spec, params={"top": 3}).json()
     assert searched["ranked"] and len(searched["ranked"]) <= 3
     job = client.post("/api/v1/jobs", json=spec).json()
-    assert job["spec"]["parallel"] == "auto"
     layout = job["plan"]["layout"]
+    assert layout == searched["ranked"][0]["layout"]
     assert layout["tp"] * layout["pp"] * layout["dp"] == 2
-    assert job["plan"]["chosen_by"] == "search"
-    run = effective_spec(JobSpec.model_validate(job["spec"]), job["plan"])
-    assert run.layout.model_dump() | {"micro_batch": run.train.micro_batch} == layout
+    assert job["plan"]["chosen_by"] == "search" and job["plan"]["search"]["fitting"] >= 1
+    # Resolved once, at submission: the stored spec is the spec that runs.
+    stored = job["spec"]
+    assert stored["parallel"] != "auto"
+    assert stored["parallel"] | {"micro_batch": stored["train"]["micro_batch"]} == layout
+    run = JobSpec.model_validate(stored)
+    assert run.layout.dims.world_size == 2 and run.cluster == JobSpec.model_validate(
+        spec).cluster
+    assert client.get(f"/api/v1/jobs/{job['id']}").json()["spec"] == stored
 
 
 def test_calibrated_profile_is_used_for_plans(client: TestClient, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from service.protocols import NodeCapacity
 from service.scheduler import Bundle, admit, bundles, pack
 from service.states import JobState
 from service.store import Job
+from tests.conftest import stored_plan
 
 NOW = datetime.now(UTC)
 
@@ -15,9 +16,9 @@ NOW = datetime.now(UTC)
 def job(job_id: int, *, world: int, tp: int = 1, cpus: float = 1, gpus: float = 0,
         priority: int = 0) -> Job:
     return Job(id=job_id, name=f"j{job_id}", owner="local", state=JobState.QUEUED,
-               priority=priority, spec={}, plan={"layout": {"tp": tp}}, world_size=world,
-               cpus=cpus, gpus=gpus, cancel_requested=False, attempts=0, error=None,
-               created_at=NOW, updated_at=NOW, started_at=None, finished_at=None)
+               priority=priority, spec={}, plan=stored_plan(tp=tp, dp=world // tp),
+               world_size=world, cpus=cpus, gpus=gpus, cancel_requested=False, attempts=0,
+               error=None, created_at=NOW, updated_at=NOW, started_at=None, finished_at=None)
 
 
 def nodes(*caps: tuple[float, float]) -> list[NodeCapacity]:

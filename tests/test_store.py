@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
+from migrations import downgrade, upgrade
+from service.hardware import get_profile
+from service.spec import ParallelSpec
 from service.states import ALLOWED, JobState, TransitionError
-from service.store import NotFound, Store, downgrade, upgrade
+from service.store import AttemptStatus, NotFound, ProbeStatus, Store
+from tests.conftest import stored_plan
 
 
 def _job(store: Store, **kw: object) -> int:
-    args: dict = {"name": "j", "spec": {"max_retries": 0}, "plan": {"layout": {"tp": 1}},
+    args: dict = {"name": "j", "spec": {"max_retries": 0}, "plan": stored_plan(dp=2),
                   "world_size": 2, "cpus": 1.0, "gpus": 0.0}
     args.update(kw)
     return store.create_job(**args).id
@@ -40,6 +45,18 @@ def test_transition_checks_the_state_machine_and_records_the_event(store: Store)
         (None, "QUEUED"), ("QUEUED", "PLACING"), ("PLACING", "RUNNING"), ("RUNNING", "FAILED")]
     with pytest.raises(TransitionError):
         store.transition(job_id=job_id, to=JobState.RUNNING, message="again")
+
+
+def test_plan_comes_back_typed_and_as_stored(store: Store) -> None:
+    plan = stored_plan(tp=2, pp=2, dp=1)
+    job = store.get_job(job_id=_job(store, plan=plan, world_size=4))
+    assert job.plan.layout.parallel == ParallelSpec(tp=2, pp=2, dp=1)
+    assert job.plan.world_size == 4 and job.plan.stage_of() == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert job.plan.rank_layout[3].layers == [(4, 8)] and job.plan.rank_layout[3].last_stage
+    assert job.plan.time.step_s > 0 and job.plan.memory.total > job.plan.memory.model_states
+    # Every key, typed or not, in the order it was stored.
+    assert json.dumps(job.plan.to_json()) == json.dumps(plan.to_json())
+    assert "explanation" in job.plan.to_json() and job.plan.chosen_by == "spec"
 
 
 def test_expect_guards_against_races(store: Store) -> None:
@@ -83,7 +100,7 @@ def test_attempts_and_metrics(store: Store) -> None:
     job_id = _job(store)
     assert store.start_attempt(job_id=job_id) == 1
     assert store.start_attempt(job_id=job_id) == 2
-    store.end_attempt(job_id=job_id, number=1, status="failed", error="x")
+    store.end_attempt(job_id=job_id, number=1, status=AttemptStatus.FAILED, error="x")
     store.record_metrics(job_id=job_id, attempt=2, rows=[
         {"rank": r, "step": s, "loss": 5.0 - s, "step_time_s": 0.1, "tokens_per_s": 100.0,
          "data": {"memory": {"params": 10.0}}} for s in (1, 2, 3) for r in (0, 1)])
@@ -95,7 +112,10 @@ def test_attempts_and_metrics(store: Store) -> None:
     latest = store.latest_metric(job_id=job_id)
     assert latest is not None and latest.step == 3
     attempts = store.list_attempts(job_id=job_id)
-    assert [(a["number"], a["status"]) for a in attempts] == [(1, "failed"), (2, "running")]
+    assert [(a.number, a.status) for a in attempts] == [(1, AttemptStatus.FAILED),
+                                                        (2, AttemptStatus.RUNNING)]
+    assert attempts[0].error == "x" and attempts[0].ended_at is not None
+    assert attempts[1].ended_at is None and attempts[1].started_at.tzinfo is not None
 
 
 def test_missing_job(store: Store) -> None:
@@ -141,27 +161,54 @@ def test_migrations_are_reversible(db_url: str) -> None:
 
 def test_probes_are_claimed_once_and_finished(store: Store) -> None:
     p = store.create_probe(scope="cluster", request={"sizes": [1024]})
-    assert p["status"] == "pending"
-    assert [c["id"] for c in store.claim_probes(scope="cluster")] == [p["id"]]
+    assert p.status == ProbeStatus.PENDING
+    assert [c.id for c in store.claim_probes(scope="cluster")] == [p.id]
     assert store.claim_probes(scope="cluster") == []
-    store.finish_probe(probe_id=p["id"], status="done", results=[{"op": "all_reduce"}],
+    assert store.get_probe(probe_id=p.id).status == ProbeStatus.RUNNING
+    store.finish_probe(probe_id=p.id, status=ProbeStatus.DONE, results=[{"op": "all_reduce"}],
                        summary={"busbw": 1.5e9})
-    done = store.get_probe(probe_id=p["id"])
-    assert done["status"] == "done" and done["results"] == [{"op": "all_reduce"}]
-    assert done["finished_at"] is not None
-    assert [x["id"] for x in store.list_probes(scope="cluster")] == [p["id"]]
+    done = store.get_probe(probe_id=p.id)
+    assert done.status == ProbeStatus.DONE and done.results == [{"op": "all_reduce"}]
+    assert done.finished_at is not None and done.summary == {"busbw": 1.5e9}
+    assert [x.id for x in store.list_probes(scope="cluster")] == [p.id]
+    with pytest.raises(NotFound):
+        store.get_probe(probe_id=p.id + 1)
 
 
 def test_nodes_are_upserted_and_dead_ones_kept(store: Store) -> None:
     store.upsert_nodes(nodes=[{"node_id": "a", "hostname": "h1", "gpus": 0},
                               {"node_id": "b", "hostname": "h2", "gpus": 8}])
     store.upsert_nodes(nodes=[{"node_id": "b", "hostname": "h2", "gpus": 4}])
-    nodes = {n["node_id"]: n for n in store.list_nodes()}
-    assert not nodes["a"]["alive"] and nodes["b"]["alive"] and nodes["b"]["info"]["gpus"] == 4
+    nodes = {n.node_id: n for n in store.list_nodes()}
+    assert not nodes["a"].alive and nodes["b"].alive and nodes["b"].info["gpus"] == 4
+    assert nodes["b"].hostname == "h2" and nodes["b"].updated_at.tzinfo is not None
 
 
 def test_calibrated_profiles_replace_older_ones(store: Store) -> None:
     assert store.get_profile(name="cpu") is None
-    store.save_profile(name="cpu", profile={"peak_flops_fp32": 1e10})
-    store.save_profile(name="cpu", profile={"peak_flops_fp32": 2e10})
-    assert store.get_profile(name="cpu")["peak_flops_fp32"] == 2e10
+    cpu = get_profile("cpu")
+    store.save_profile(name="cpu", profile=cpu.with_(peak_flops_fp32=1e10).to_json())
+    store.save_profile(name="cpu", profile={**cpu.with_(peak_flops_fp32=2e10).to_json(),
+                                            "retired_field": 1}, probe_id=None)
+    calibrated = store.get_profile(name="cpu")
+    assert calibrated is not None and calibrated.profile == cpu.with_(peak_flops_fp32=2e10)
+    assert calibrated.probe_id is None and calibrated.calibrated_at.tzinfo is not None
+
+
+def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
+    upgrade(db_url, "0002")
+    plan = stored_plan(dp=2).to_json()
+    spec = {"name": "j", "parallel": "auto", "train": {"micro_batch": 7, "steps": 3}}
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
+                       " VALUES ('j', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
+                       " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                  {"spec": json.dumps(spec), "plan": json.dumps(plan)})
+    upgrade(db_url)
+    (job,), _ = s.list_jobs()
+    layout = dict(plan["layout"])
+    assert job.spec["train"] == {"micro_batch": layout.pop("micro_batch"), "steps": 3}
+    assert job.spec["parallel"] == layout
+    s.close()

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from service.planner.stored import StoredPlan
 from service.protocols import GroupState, NodeCapacity, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
@@ -197,7 +198,7 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
-def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                 checkpoint_dir: str | None) -> RayWorkerGroup:
     """A job's attempt: one bundle per TP group, ranks probe (if asked) and train."""
     spec_json = spec.model_dump(mode="json")
@@ -208,8 +209,8 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any
 
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=f"trident-job{job_id}-a{attempt}",
-                          world_size=int(plan["world_size"]),
-                          ranks_per_bundle=int(plan["layout"]["tp"]), cpus=cpus, gpus=gpus,
+                          world_size=plan.world_size,
+                          ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
                           env=rank_env(spec.env, cpus, gpus), launch=launch)
 
 
@@ -240,7 +241,7 @@ class RayLauncher:
     def __init__(self) -> None:
         self._placing: list[RayWorkerGroup] = []
 
-    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: dict[str, Any],
+    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> RayWorkerGroup:
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
                             checkpoint_dir=checkpoint_dir)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import StoreDep
 from service.hardware import PROFILES
-from service.store import NotFound
+from service.store import NotFound, Probe
 
 router = APIRouter(tags=["cluster"])
 
@@ -19,7 +19,7 @@ def cluster(store: StoreDep) -> dict[str, Any]:
     """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise), the newest
     cluster probe, and the profiles that probes calibrated."""
     probes = store.list_probes(scope="cluster", limit=1)
-    calibrated = {name: p for name in PROFILES if (p := store.get_profile(name=name))}
+    calibrated = {name: p.to_json() for name in PROFILES if (p := store.get_profile(name=name))}
     return {"nodes": store.list_nodes(), "probe": probes[0] if probes else None,
             "profiles": calibrated}
 
@@ -38,7 +38,7 @@ class ProbeRequest(BaseModel):
 
 
 @router.post("/probes", status_code=202)
-def request_probe(body: ProbeRequest, store: StoreDep) -> dict[str, Any]:
+def request_probe(body: ProbeRequest, store: StoreDep) -> Probe:
     """Ask the controller to probe the cluster; poll `GET /probes/{id}` for the result."""
     if body.profile not in PROFILES:
         raise HTTPException(status_code=422, detail=[{
@@ -53,7 +53,7 @@ def list_probes(store: StoreDep) -> dict[str, Any]:
 
 
 @router.get("/probes/{probe_id}")
-def get_probe(store: StoreDep, probe_id: Annotated[int, Path(ge=1)]) -> dict[str, Any]:
+def get_probe(store: StoreDep, probe_id: Annotated[int, Path(ge=1)]) -> Probe:
     try:
         return store.get_probe(probe_id=probe_id)
     except NotFound as exc:

@@ -7,11 +7,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import JobDep, StoreDep
-from api.schemas import EventList, EventOut, JobList, JobOut, MetricList, MetricOut
+from api.schemas import (
+    AttemptList,
+    EventList,
+    EventOut,
+    JobList,
+    JobOut,
+    MetricList,
+    MetricOut,
+)
 from service.compare import compare
 from service.health import summarize_comm
 from service.jobs import prepare
-from service.parallel import ParallelDims
 from service.profiles import profile_for
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
@@ -21,7 +28,8 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 @router.post("", status_code=201, response_model=JobOut)
 def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
-    """Validate and plan a job, then queue it."""
+    """Validate and plan a job, then queue it. For `parallel: auto` the stored spec carries
+    the layout the search chose (the plan says `chosen_by: search`)."""
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
@@ -31,7 +39,8 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
-    job = store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=prepared.plan,
+    job = store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
+                           plan=prepared.plan,
                            world_size=prepared.world_size, cpus=prepared.cpus,
                            gpus=prepared.gpus, priority=spec.priority)
     return JobOut.of(job)
@@ -50,9 +59,8 @@ def list_jobs(store: StoreDep,
 @router.get("/{job_id}", response_model=JobOut)
 def get_job(job: JobDep, store: StoreDep) -> JobOut:
     """A job with its plan, and the plan's predictions next to what was measured."""
-    out = JobOut.of(job)
-    out.predicted_vs_measured = compare(job.plan, store.list_metrics(job_id=job.id))
-    return out
+    return JobOut.of(job, predicted_vs_measured=compare(job.plan,
+                                                        store.list_metrics(job_id=job.id)))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202)
@@ -84,10 +92,10 @@ def metrics(job: JobDep, store: StoreDep,
     return MetricList(items=[MetricOut.of(m) for m in rows])
 
 
-@router.get("/{job_id}/attempts")
-def attempts(job: JobDep, store: StoreDep) -> dict[str, Any]:
+@router.get("/{job_id}/attempts", response_model=AttemptList)
+def attempts(job: JobDep, store: StoreDep) -> AttemptList:
     """Every attempt of a job: status, placement (node of every rank), error."""
-    return {"items": store.list_attempts(job_id=job.id)}
+    return AttemptList(items=store.list_attempts(job_id=job.id))
 
 
 @router.get("/{job_id}/comm")
@@ -105,10 +113,10 @@ def comm(job: JobDep, store: StoreDep,
                 rank_reports.setdefault(m.rank, []).append(
                     {"step": m.step, "step_s": m.step_time_s, "timed": m.data.get("timed", True),
                      "comm": m.data["comm"]})
-    layout = job.plan.get("layout", {})
-    dims = ParallelDims(tp=layout.get("tp", 1), pp=layout.get("pp", 1), dp=layout.get("dp", 1))
+    dims = job.plan.layout.dims
     probes = store.list_probes(job_id=job.id, limit=1)
-    out = summarize_comm(rank_reports, dims, job.plan, probes[0]["results"] if probes else [])
+    out = summarize_comm(rank_reports, dims, job.plan.to_json(),
+                         probes[0].results if probes else [])
     out["attempt"] = latest.attempt if latest else None
-    out["probe_summary"] = probes[0]["summary"] if probes else None
+    out["probe_summary"] = probes[0].summary if probes else None
     return out

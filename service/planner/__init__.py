@@ -13,9 +13,10 @@ from service.planner.report import plan_command, render_plan, render_search
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.search import Rejection, SearchResult, nearest_fitting, search
 from service.planner.shape import ModelShape
+from service.planner.stored import StoredPlan
 
 __all__ = ["CanTrain", "CapacityRow", "ModelShape", "Plan", "PlanInfeasible", "Rejection",
-           "Scenario", "SearchResult", "ZeroConfig", "can_train", "capacity", "evaluate",
-           "fit_overheads", "nearest_fitting", "plan_command", "plan_job",
+           "Scenario", "SearchResult", "StoredPlan", "ZeroConfig", "can_train", "capacity",
+           "evaluate", "fit_overheads", "nearest_fitting", "plan_command", "plan_job",
            "profile_from_measurements", "render_plan", "render_search", "search",
            "structural_problems"]

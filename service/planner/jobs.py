@@ -1,7 +1,7 @@
 """What the control plane stores for a job: `plan_job`, and `PlanInfeasible`.
 
-Called at submission (the API turns `PlanInfeasible` into a 422) and by the controller for
-`parallel: "auto"` jobs, which run the best layout found by search.
+Called at submission through `service.jobs.prepare` (the API turns `PlanInfeasible` into a
+422), which writes the layout the search chose for `parallel: "auto"` into the stored spec.
 """
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""What the store hands out: immutable views of its rows, never ORM objects.
+
+`service.store` builds them; the API, the controller, the scheduler and the CLI read them.
+`Job` is a pydantic model so that the API's `JobOut` can extend it instead of repeating its
+fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from service.db import AttemptRow, EventRow, JobRow, MetricRow, NodeRow, ProbeRow, ProfileRow
+from service.hardware import HardwareProfile
+from service.planner.stored import StoredPlan
+from service.states import JobState
+
+
+def aware(t: datetime | None) -> datetime | None:
+    # SQLite drops the zone on the way back; every time we store is UTC.
+    if t is not None and t.tzinfo is None:
+        return t.replace(tzinfo=UTC)
+    return t
+
+
+def _utc(t: datetime) -> datetime:
+    out = aware(t)
+    assert out is not None
+    return out
+
+
+class Job(BaseModel):
+    """A job as stored: its spec (with the layout it runs), plan, claim and state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    name: str
+    owner: str
+    state: JobState
+    priority: int
+    spec: dict[str, Any]
+    plan: StoredPlan
+    world_size: int
+    cpus: float
+    gpus: float
+    cancel_requested: bool
+    attempts: int
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: JobRow) -> Job:
+        return cls(
+            id=row.id, name=row.name, owner=row.owner, state=JobState(row.state),
+            priority=row.priority, spec=row.spec, plan=StoredPlan.from_json(row.plan),
+            world_size=row.world_size, cpus=row.cpus, gpus=row.gpus,
+            cancel_requested=row.cancel_requested, attempts=row.attempts, error=row.error,
+            created_at=_utc(row.created_at), updated_at=_utc(row.updated_at),
+            started_at=aware(row.started_at), finished_at=aware(row.finished_at))
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    job_id: int
+    attempt: int | None
+    time: datetime
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+    @classmethod
+    def from_row(cls, row: EventRow) -> Event:
+        return cls(id=row.id, job_id=row.job_id, attempt=row.attempt, time=_utc(row.time),
+                   kind=row.kind, message=row.message, data=row.data or {})
+
+
+@dataclass(frozen=True)
+class Metric:
+    attempt: int
+    step: int
+    rank: int
+    loss: float | None
+    step_time_s: float
+    tokens_per_s: float
+    data: dict[str, Any]
+    time: datetime
+
+    @classmethod
+    def from_row(cls, r: MetricRow) -> Metric:
+        return cls(attempt=r.attempt, step=r.step, rank=r.rank, loss=r.loss,
+                   step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
+                   data=r.data or {}, time=_utc(r.time))
+
+
+class AttemptStatus(StrEnum):
+    """How an attempt of a job ended (or that it has not)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    """The controller restarted and the attempt's worker group was gone."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    status: AttemptStatus
+    placement: dict[str, Any]
+    """The node (and GPUs) of every rank, as the worker group reported it."""
+    error: str | None
+    started_at: datetime
+    ended_at: datetime | None
+
+    @classmethod
+    def from_row(cls, r: AttemptRow) -> Attempt:
+        return cls(number=r.number, status=AttemptStatus(r.status), placement=r.placement,
+                   error=r.error, started_at=_utc(r.started_at), ended_at=aware(r.ended_at))
+
+
+class ProbeStatus(StrEnum):
+    PENDING = "pending"
+    """Requested (`trident probe`); the controller has not started it."""
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A bandwidth / matmul probe: of one job attempt's groups, or of the whole cluster."""
+
+    id: int
+    scope: str
+    job_id: int | None
+    attempt: int | None
+    status: ProbeStatus
+    request: dict[str, Any]
+    results: list[Any]
+    summary: dict[str, Any]
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, r: ProbeRow) -> Probe:
+        return cls(id=r.id, scope=r.scope, job_id=r.job_id, attempt=r.attempt,
+                   status=ProbeStatus(r.status), request=r.request, results=r.results,
+                   summary=r.summary, error=r.error, created_at=_utc(r.created_at),
+                   finished_at=aware(r.finished_at))
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the live cluster, as the controller last saw it."""
+
+    node_id: str
+    hostname: str
+    alive: bool
+    updated_at: datetime
+    info: dict[str, Any]
+    """`workers.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
+
+    @classmethod
+    def from_row(cls, r: NodeRow) -> Node:
+        return cls(node_id=r.node_id, hostname=r.hostname, alive=r.alive,
+                   updated_at=_utc(r.updated_at), info=r.info)
+
+
+@dataclass(frozen=True)
+class CalibratedProfile:
+    """A hardware profile that a cluster probe calibrated on this cluster."""
+
+    profile: HardwareProfile
+    probe_id: int | None
+    calibrated_at: datetime
+
+    @classmethod
+    def from_row(cls, r: ProfileRow) -> CalibratedProfile:
+        # Keys that are no longer profile fields (an older calibration) are dropped.
+        names = {f.name for f in fields(HardwareProfile)}
+        profile = HardwareProfile.from_json({k: v for k, v in r.profile.items() if k in names})
+        return cls(profile=profile, probe_id=r.probe_id, calibrated_at=_utc(r.created_at))
+
+    def to_json(self) -> dict[str, Any]:
+        """The profile's fields with `probe_id` and `calibrated_at` (GET /cluster)."""
+        return {**self.profile.to_json(), "probe_id": self.probe_id,
+                "calibrated_at": self.calibrated_at}
