@@ -3,13 +3,14 @@ test_e2e_ray.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service.controller import Controller
+from service.hardware import get_profile
 from service.jobs import prepare
 from service.protocols import NodeCapacity, PollResult
 from service.spec import JobSpec
@@ -70,7 +71,7 @@ class FakeLauncher:
 
 def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
     return {"kind": "step", "rank": rank, "step": step, "loss": loss, "step_time_s": 0.1,
-            "tokens_per_s": 2560.0, "memory": {"params": 1000.0}}
+            "tokens_per_s": 2560.0, "memory": {"params_bytes": 1000}}
 
 
 def submit(store: Store, **over: Any) -> int:
@@ -241,7 +242,7 @@ def test_recent_heartbeats_are_not_a_hang(sqlite_store: Store, tmp_path: Path) -
 
 
 def timed_report(rank: int, step: int, step_s: float) -> dict[str, Any]:
-    return {**step_report(rank, step, 3.0), "step_time_s": step_s, "step_s": step_s,
+    return {**step_report(rank, step, 3.0), "step_time_s": step_s,
             "timed": True, "comm": {"dp": {"all_reduce": {"time_s": 0.01, "bytes": 4096.0,
                                                           "calls": 1.0}}}}
 
@@ -261,14 +262,16 @@ def test_straggler_is_named_once(sqlite_store: Store, tmp_path: Path) -> None:
     assert "rank 1 (node b" in stragglers[0].message
 
 
+def probe_reports(busbw: float) -> list[dict[str, Any]]:
+    """Rank 0 reports the all-reduce of DP group [0, 1] at 64 MiB; rank 1 reports no group."""
+    row = {"dim": "dp", "group": [0, 1], "op": "all_reduce", "bytes": 64 << 20, "time_s": 0.1,
+           "algbw": busbw, "busbw": busbw}
+    return [{"kind": "probe", "rank": 0, "rows": [row]}, {"kind": "probe", "rank": 1, "rows": []}]
+
+
 def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
                                                           tmp_path: Path) -> None:
-    def row(op: str, busbw: float) -> dict[str, Any]:
-        return {"dim": "dp", "group": [0, 1], "op": op, "bytes": 64 << 20, "time_s": 0.1,
-                "algbw": busbw, "busbw": busbw}
-    reports = [{"kind": "probe", "rank": 0, "rows": [row("all_reduce", 1e6)]},
-               {"kind": "probe", "rank": 1, "rows": []}]
-    launcher = FakeLauncher([[PollResult(state="running", reports=reports)]])
+    launcher = FakeLauncher([[PollResult(state="running", reports=probe_reports(1e6))]])
     job_id = submit(sqlite_store)
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
@@ -278,6 +281,24 @@ def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
     assert len(probe["summary"]["slow_groups"]) == 1
     kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
     assert "probe" in kinds and "warning" in kinds
+
+
+def test_probe_is_judged_against_the_profile_trident_probe_calibrated(sqlite_store: Store,
+                                                                      tmp_path: Path) -> None:
+    # 1 MB/s is far below the built-in cpu profile's link (flagged in the test above), but on
+    # a cluster whose calibrated cpu profile measured a 1.5 MB/s link it is as expected.
+    datasheet = get_profile("cpu")
+    slow_link = replace(datasheet, intra_node_bw=1.5e6, inter_node_bw=1.5e6)
+    sqlite_store.save_profile(name="cpu", profile=slow_link.to_json())
+    launcher = FakeLauncher([[PollResult(state="running", reports=probe_reports(1e6))]])
+    job_id = submit(sqlite_store)
+    assert JobSpec.model_validate(sqlite_store.get_job(job_id=job_id).spec).target.gpu == "cpu"
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    (probe,) = sqlite_store.list_probes(job_id=job_id)
+    assert probe["summary"]["slow_groups"] == []
+    assert probe["results"][0]["expected_busbw"] < 1.5e6 < datasheet.intra_node_bw
+    assert "warning" not in [e.kind for e in sqlite_store.list_events(job_id=job_id)]
 
 
 def test_tp_group_across_a_pcie_link_is_warned_at_placement(sqlite_store: Store,
