@@ -318,3 +318,28 @@ def test_tp_group_across_a_pcie_link_is_warned_at_placement(sqlite_store: Store,
     c.step(), c.step()
     warnings = [e.message for e in sqlite_store.list_events(job_id=job_id) if e.kind == "warning"]
     assert warnings == ["TP group [0, 1] on node n0 crosses slow links: GPU0-GPU1 PHB"]
+
+
+def test_cluster_probe_runs_are_started_and_calibrate_a_profile(sqlite_store: Store,
+                                                                tmp_path: Path) -> None:
+    rows = [{"dim": "tp", "group": [0, 1], "op": "all_reduce", "bytes": 1 << 20,
+             "time_s": 0.1, "algbw": 2e8, "busbw": 2e8}]
+    reports = [{"kind": "cluster_probe", "rank": r, "node_id": "n0",
+                "matmul_flops": {"fp32": 4e10}, "rows": rows if r == 0 else []} for r in (0, 1)]
+    launcher = FakeLauncher([[PollResult(state="running", reports=reports),
+                              PollResult(state="succeeded")],
+                             [PollResult(state="failed", error="rank 1 died")]])
+    good = sqlite_store.create_probe(scope="cluster", request={
+        "ranks_per_node": 2, "max_bytes": 1 << 20, "profile": "cpu"})
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step()
+    assert launcher.groups[0].starts == {"probe": good["id"]}
+    bad = sqlite_store.create_probe(scope="cluster", request={
+        "ranks_per_node": 2, "max_bytes": 1 << 20, "profile": "cpu"})
+    c.step(), c.step()
+    assert all(g.shut for g in launcher.groups)
+    done = sqlite_store.get_probe(probe_id=good["id"])
+    assert done["status"] == "done" and done["summary"]["links"]["intra_node_bw"] == 2e8
+    assert sqlite_store.get_profile(name="cpu")["intra_node_bw"] == 2e8
+    failed = sqlite_store.get_probe(probe_id=bad["id"])
+    assert failed["status"] == "failed" and failed["error"] == "rank 1 died"
