@@ -1,6 +1,6 @@
 """Probe figures on this machine: `python bench/bench_probe.py [world]` runs the default probe
 (1 KiB .. 64 MiB) over a pure-DP gloo layout and prints one line per (op, size) with the
-profile's expectation and the slow-group verdict of `service.health`."""
+profile's expectation and the slow-group verdict of `service.monitor.probe`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from service.hardware import get_profile
-from service.health import annotate_expected, flag_slow_groups
+from service.monitor.probe import annotate_expected, flag_slow_groups
 from service.parallel import ParallelDims
 from workers.comm_probe import probe_layout
 

@@ -39,8 +39,11 @@ def train(ctx: TrainContext) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        ctx.report({"kind": "step", "rank": ctx.rank, "step": step + 1,
-                    "loss": sum(losses) / len(losses), "step_time_s": time.perf_counter() - t0,
-                    "tokens_per_s": 0.0, "memory": {}, "dp_rank": ctx.groups.dp_rank,
-                    "world_size": ctx.world_size, "zero": config["zero_optimization"]["stage"]})
+        # A dict validated into a `service.protocols.StepReport`; values of our own go in
+        # `custom` (a `StepReport(...)` works too).
+        ctx.report({"rank": ctx.rank, "step": step + 1, "loss": sum(losses) / len(losses),
+                    "step_time_s": time.perf_counter() - t0, "tokens_per_s": 0.0,
+                    "dp_rank": ctx.groups.dp_rank,
+                    "custom": {"world_size": ctx.world_size,
+                               "zero": config["zero_optimization"]["stage"]}})
     engine.destroy()

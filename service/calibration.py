@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from service.hardware import HardwareProfile, get_profile
-from service.health import annotate_expected, measured_link_bw
+from service.monitor.probe import annotate_expected, measured_link_bw
 from service.planner.calibrate import profile_from_measurements
 from service.protocols import ClusterProbeReport
 

@@ -2,29 +2,28 @@
 
 `Controller.step()` does one pass and returns what changed, so one iteration is testable with
 a fake `Launcher`. Policies decide, the controller carries out; every state change goes through
-`Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop.
+`Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop. Each attempt's
+health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `trident probe`
+runs by `ClusterProbes` (both in `service.monitor`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from service import health
-from service.calibration import calibrate
-from service.parallel import Dim
-from service.profiles import profile_for
+from service.monitor.attempt import AttemptHealth
+from service.monitor.cluster_probe import ClusterProbes
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.scheduler import admit
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
-from service.store import AttemptStatus, Job, ProbeStatus, Store
+from service.store import AttemptStatus, Job, Store
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +49,8 @@ class _Running:
     attempt: int
     started: float
     spec: JobSpec
+    health: AttemptHealth
     cancel_at: float | None = None
-    heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
-    compute: dict[int, deque[float]] = field(default_factory=dict)
-    stragglers: set[int] = field(default_factory=set)
-    probe_rows: list[dict[str, Any]] = field(default_factory=list)
-    probe_ranks: set[int] = field(default_factory=set)
-    node_of_rank: dict[int, str] = field(default_factory=dict)
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -76,7 +70,8 @@ class Controller:
         self.cancel_grace_s = cancel_grace_s
         self.poll_timeout_s = poll_timeout_s
         self.running: dict[int, _Running] = {}
-        self.probes: dict[int, tuple[WorkerGroup, dict[str, Any], float]] = {}
+        self.cluster_probes = ClusterProbes(store, launcher, start_timeout_s=start_timeout_s,
+                                            grace_s=cancel_grace_s, poll_timeout_s=poll_timeout_s)
         self.inventory_every_s = inventory_every_s
         self._inventory_at = -inventory_every_s
 
@@ -94,7 +89,7 @@ class Controller:
             else:
                 self._orphaned(job, result)
         self._admit(result)
-        self._cluster_probes()
+        self.cluster_probes.step()
         if time.monotonic() - self._inventory_at >= self.inventory_every_s:
             self._inventory_at = time.monotonic()
             self.store.upsert_nodes(nodes=self.launcher.inventory())
@@ -136,7 +131,8 @@ class Controller:
                                f"worker group failed to start: {exc!r}", result)
             return
         self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
-                                        spec=spec)
+                                        spec=spec, health=AttemptHealth(self.store, job, attempt,
+                                                                        spec))
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         # An active job with no group here: the controller restarted and the group is gone.
@@ -159,14 +155,9 @@ class Controller:
         poll = run.group.poll(self.poll_timeout_s)
         if poll.placement:
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
-            run.node_of_rank = {r["rank"]: r["node_id"] for r in poll.placement.get("ranks", [])}
-            self._check_tp_placement(job, run, poll.placement)
+            run.health.placed(poll.placement)
         result.metrics += self._record(job, run, poll)
-        received = time.time()
-        for rank, hb in poll.heartbeats.items():
-            # Judge by this clock: the rank's own clock may differ from ours.
-            run.heartbeats[rank] = {**hb, "time": received - float(hb.get("age_s", 0.0))}
-        self._find_stragglers(job, run)
+        run.health.polled(poll.heartbeats)
         if poll.state == "running" and run.cancel_at is None and self._hung(job, run, result):
             return
 
@@ -201,13 +192,11 @@ class Controller:
         for raw in poll.reports:
             try:
                 if raw.get("kind") == "probe":
-                    self._probe_report(job, run, ProbeReport.model_validate(raw))
+                    run.health.probe_report(ProbeReport.model_validate(raw))
                     continue
                 report = StepReport.model_validate(raw)
                 rows.append(report.row())
-                compute = health.compute_s(raw) if "comm" in raw and "step_s" in raw else None
-                if compute is not None:
-                    run.compute.setdefault(report.rank, deque(maxlen=50)).append(compute)
+                run.health.step_report(report)
             except (ValidationError, KeyError, TypeError) as exc:
                 self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
                                      message=f"dropped an invalid worker report: {exc}",
@@ -220,109 +209,11 @@ class Controller:
         self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
         return len(rows)
 
-    # --- the health monitor ------------------------------------------------------------------
-
-    def _probe_report(self, job: Job, run: _Running, report: ProbeReport) -> None:
-        """Collect every rank's probe rows; when all are in, store them and flag slow groups."""
-        run.probe_rows.extend(r.model_dump() for r in report.rows)
-        run.probe_ranks.add(report.rank)
-        if len(run.probe_ranks) < job.world_size:
-            return
-        profile = profile_for(self.store, run.spec.target.gpu)
-        rows = health.annotate_expected(run.probe_rows, profile, run.node_of_rank or None)
-        slow = health.flag_slow_groups(run.probe_rows, profile,
-                                       run.spec.monitor.slow_group_threshold,
-                                       run.node_of_rank or None)
-        probe = self.store.create_probe(scope="job", job_id=job.id, attempt=run.attempt,
-                                        status=ProbeStatus.RUNNING,
-                                        request={"max_bytes": run.spec.monitor.probe_max_bytes})
-        self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=rows,
-                                summary={"slow_groups": slow, "profile": profile.name})
-        self.store.add_event(job_id=job.id, attempt=run.attempt, kind="probe",
-                             message=f"bandwidth probe: {len(rows)} measurements,"
-                             f" {len(slow)} slow group(s)", data={"probe_id": probe.id})
-        for w in slow:
-            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
-                                 message=str(w.get("message", w)), data=w)
-
-    def _cluster_probes(self) -> None:
-        """Start requested `trident probe` runs and turn finished ones into a profile."""
-        for p in self.store.claim_probes(scope="cluster"):
-            req = p.request
-            try:
-                group = self.launcher.start_cluster_probe(
-                    probe_id=p.id, ranks_per_node=int(req["ranks_per_node"]),
-                    max_bytes=int(req["max_bytes"]))
-            except Exception as exc:
-                self.store.finish_probe(probe_id=p.id, status=ProbeStatus.FAILED, results=[],
-                                        summary={}, error=repr(exc))
-                continue
-            self.probes[p.id] = (group, {"request": req, "reports": []}, time.monotonic())
-        for probe_id, (group, acc, started) in list(self.probes.items()):
-            poll = group.poll(self.poll_timeout_s)
-            acc["reports"].extend(poll.reports)
-            if poll.state == "starting" and time.monotonic() - started > self.start_timeout_s:
-                poll = PollResult(state="failed", error="probe group did not start within"
-                                  f" {self.start_timeout_s:g} s")
-            if poll.state not in ("succeeded", "failed", "stopped"):
-                continue
-            group.shutdown(self.cancel_grace_s)
-            del self.probes[probe_id]
-            if poll.state != "succeeded":
-                self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.FAILED, results=[],
-                                        summary={}, error=poll.error or poll.state)
-                continue
-            try:
-                results, summary = calibrate({**acc["request"], "probe_id": probe_id},
-                                             acc["reports"])
-            except (ValidationError, ValueError) as exc:
-                self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.FAILED, results=[],
-                                        summary={}, error=f"bad probe reports: {exc}")
-                continue
-            self.store.finish_probe(probe_id=probe_id, status=ProbeStatus.DONE, results=results,
-                                    summary=summary)
-            self.store.save_profile(name=summary["profile"]["name"], profile=summary["profile"],
-                                    probe_id=probe_id)
-
-    def _check_tp_placement(self, job: Job, run: _Running, placement: dict[str, Any]) -> None:
-        """Warn about TP groups that span nodes or, by the node's link matrix, cross PCIe."""
-        gpu_of = {r["rank"]: int(r["gpu_ids"][0]) for r in placement.get("ranks", [])
-                  if r.get("gpu_ids") and str(r["gpu_ids"][0]).isdigit()}
-        inventory = {n.node_id: n.info for n in self.store.list_nodes()}
-        groups = [g for g in run.spec.layout.dims.groups(Dim.TP)
-                  if len(g) > 1 and all(r in run.node_of_rank for r in g)]
-        for warning in health.tp_placement_warnings(groups, run.node_of_rank, gpu_of or None,
-                                                    inventory):
-            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
-                                 message=warning)
-
-    def _find_stragglers(self, job: Job, run: _Running) -> None:
-        stage = job.plan.stage_of()
-        found = health.find_stragglers(
-            {r: list(t) for r, t in run.compute.items() if r in stage}, stage,
-            run.spec.monitor.straggler_threshold, run.spec.monitor.straggler_min_steps,
-            run.node_of_rank or None)
-        for s in found:
-            if s.rank not in run.stragglers:
-                run.stragglers.add(s.rank)
-                ev = s.to_event()
-                self.store.add_event(job_id=job.id, attempt=run.attempt, kind="straggler",
-                                     message=ev.pop("message"), data=ev)
-
     def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
-        """Diagnose, record and stop a group in which no rank made progress in time."""
-        if not run.heartbeats:
-            return False
-        diagnosis = health.diagnose_hang(run.heartbeats, time.time(),
-                                         run.spec.monitor.hang_timeout_s, run.spec.layout.dims)
+        """Stop a group in which no rank made progress in time (diagnosed by its health)."""
+        diagnosis = run.health.hung(lambda: run.group.stacks(10.0))
         if diagnosis is None:
             return False
-        self.store.add_event(job_id=job.id, attempt=run.attempt, kind="hang",
-                             message=diagnosis.summary, data=diagnosis.to_dict())
-        for rank, text in run.group.stacks(10.0).items():
-            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="stacks",
-                                 message=f"rank {rank} Python stacks at the hang",
-                                 data={"rank": rank, "stacks": text[:100_000]})
         self._teardown(job.id, run)
         self._fail_attempt(job, run.attempt, f"hung: {diagnosis.summary}", result)
         return True

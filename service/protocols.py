@@ -11,24 +11,90 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import TypedDict  # pydantic takes typing's only from Python 3.12
 
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 
 
-class StepReport(BaseModel):
-    """One rank's account of one optimizer step."""
+class MemoryReport(BaseModel):
+    """Bytes a rank really holds, measured (see `workers.memory`). A custom entrypoint may
+    leave any of them out (None)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+
+    params_bytes: int | None = Field(default=None, ge=0)
+    """Parameter storages the rank holds: its TP/PP shard, or its ZeRO-3 partition, plus any
+    staging copy DeepSpeed keeps (bf16 copy for optimizer offload)."""
+    grads_bytes: int | None = Field(default=None, ge=0)
+    """Gradient storages right after the optimizer step (ZeRO-2/3: the rank's partition plus
+    DeepSpeed's reduction buffers)."""
+    optimizer_bytes: int | None = Field(default=None, ge=0)
+    """Optimizer states: Adam moments, step counters and fp32 master weights of the rank's
+    partition."""
+    activations_peak_bytes: int | None = Field(default=None, ge=0)
+    """Peak bytes of tensors saved for backward so far (saved-tensor hooks)."""
+    process_peak_bytes: int | None = Field(default=None, ge=0)
+    """Peak RSS of the process (CPU) or `torch.cuda.max_memory_allocated` (GPU)."""
+    process_peak_source: Literal["rss_peak", "cuda_max_allocated"] | None = None
+
+
+class CommOpStats(TypedDict):
+    """One op's collectives of one dimension in one step (`workers.comm_timer.CommTimer`)."""
+
+    time_s: float
+    """Seconds in the op's calls; 0 on steps that were not timed (see `StepReport.timed`)."""
+    bytes: float
+    """Bytes moved, nccl-tests sizes (see `service.monitor.bandwidth`)."""
+    calls: float
+
+
+CustomValue = bool | int | float | str | None
+"""A value a custom entrypoint may report beside the fields of `StepReport`."""
+
+METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s"})
+"""Fields of `StepReport` stored as columns of a metrics row; the rest goes to its `data`."""
+
+
+class StepReport(BaseModel):
+    """One rank's account of one optimizer step.
+
+    Built by the rank (`workers.train`; a custom entrypoint builds one or passes a dict that is
+    validated into one), completed by the rank actor with the step's collectives (`comm`,
+    `timed`), sent across Ray as `model_dump()`, validated again by the controller and stored
+    by `row()`: the columns of `METRIC_COLUMNS`, everything else once in `data`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["step"] = "step"
     rank: int = Field(ge=0, le=65535)
     step: int = Field(ge=1, le=10_000_000)
+    """1-based optimizer step."""
     loss: float | None = None
+    """Mean loss over the global batch; the same value on every rank (None: not finite)."""
     step_time_s: float = Field(ge=0, le=86400)
+    """Wall time of this rank's optimizer step."""
     tokens_per_s: float = Field(ge=0)
-    memory: dict[str, float | str] = Field(default_factory=dict)
-    """Bytes by kind (params, grads, optimizer, activations, peak); string values label them."""
+    """Global tokens (global_batch * seq_len) per second of this rank's step time."""
+    memory: MemoryReport = Field(default_factory=MemoryReport)
+    tp_rank: int | None = Field(default=None, ge=0)
+    pp_rank: int | None = Field(default=None, ge=0)
+    dp_rank: int | None = Field(default=None, ge=0)
+    attempt: int | None = Field(default=None, ge=0)
+    """The worker group's attempt number as the rank knows it."""
+    resumed_from: int | None = Field(default=None, ge=0)
+    """Step of the checkpoint this attempt resumed from (0: started fresh)."""
+    checkpoint: str | None = None
+    """Directory of the checkpoint saved after this step, if any."""
+    comm: dict[str, dict[str, CommOpStats]] | None = None
+    """Collectives of this step: dim (tp, pp, dp, or another group's name) -> op -> stats.
+    Added by the rank actor's `CommTimer`; None when the step's collectives were not counted."""
+    timed: bool = True
+    """Whether `comm` carries times: False on GPU steps between CUDA-event samples, which
+    count bytes and calls only."""
+    custom: dict[str, CustomValue] | None = None
+    """Whatever else a custom entrypoint wants kept with the step (stored as is)."""
 
     @field_validator("loss")
     @classmethod
@@ -39,10 +105,10 @@ class StepReport(BaseModel):
         return v
 
     def row(self) -> dict[str, Any]:
-        extra = dict(self.model_extra or {})
-        return {"rank": self.rank, "step": self.step, "loss": self.loss,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "data": {"memory": self.memory, **extra}}
+        """A metrics row for `Store.record_metrics`; unset (None) fields are left out of `data`."""
+        out = self.model_dump(include=set(METRIC_COLUMNS))
+        out["data"] = self.model_dump(exclude={"kind", *METRIC_COLUMNS}, exclude_none=True)
+        return out
 
 
 class ProbeRowModel(BaseModel):

@@ -3,13 +3,14 @@ test_e2e_ray.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service.controller import Controller
+from service.hardware import get_profile
 from service.jobs import prepare
 from service.planner import StoredPlan
 from service.protocols import NodeCapacity, PollResult
@@ -73,7 +74,7 @@ class FakeLauncher:
 
 def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
     return {"kind": "step", "rank": rank, "step": step, "loss": loss, "step_time_s": 0.1,
-            "tokens_per_s": 2560.0, "memory": {"params": 1000.0}}
+            "tokens_per_s": 2560.0, "memory": {"params_bytes": 1000}}
 
 
 def submit(store: Store, **over: Any) -> int:
@@ -259,7 +260,7 @@ def test_recent_heartbeats_are_not_a_hang(sqlite_store: Store, tmp_path: Path) -
 
 
 def timed_report(rank: int, step: int, step_s: float) -> dict[str, Any]:
-    return {**step_report(rank, step, 3.0), "step_time_s": step_s, "step_s": step_s,
+    return {**step_report(rank, step, 3.0), "step_time_s": step_s,
             "timed": True, "comm": {"dp": {"all_reduce": {"time_s": 0.01, "bytes": 4096.0,
                                                           "calls": 1.0}}}}
 
@@ -279,14 +280,16 @@ def test_straggler_is_named_once(sqlite_store: Store, tmp_path: Path) -> None:
     assert "rank 1 (node b" in stragglers[0].message
 
 
+def probe_reports(busbw: float) -> list[dict[str, Any]]:
+    """Rank 0 reports the all-reduce of DP group [0, 1] at 64 MiB; rank 1 reports no group."""
+    row = {"dim": "dp", "group": [0, 1], "op": "all_reduce", "bytes": 64 << 20, "time_s": 0.1,
+           "algbw": busbw, "busbw": busbw}
+    return [{"kind": "probe", "rank": 0, "rows": [row]}, {"kind": "probe", "rank": 1, "rows": []}]
+
+
 def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
                                                           tmp_path: Path) -> None:
-    def row(op: str, busbw: float) -> dict[str, Any]:
-        return {"dim": "dp", "group": [0, 1], "op": op, "bytes": 64 << 20, "time_s": 0.1,
-                "algbw": busbw, "busbw": busbw}
-    reports = [{"kind": "probe", "rank": 0, "rows": [row("all_reduce", 1e6)]},
-               {"kind": "probe", "rank": 1, "rows": []}]
-    launcher = FakeLauncher([[PollResult(state="running", reports=reports)]])
+    launcher = FakeLauncher([[PollResult(state="running", reports=probe_reports(1e6))]])
     job_id = submit(sqlite_store)
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
@@ -296,6 +299,24 @@ def test_probe_reports_of_all_ranks_are_stored_and_judged(sqlite_store: Store,
     assert len(probe.summary["slow_groups"]) == 1
     kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
     assert "probe" in kinds and "warning" in kinds
+
+
+def test_probe_is_judged_against_the_profile_trident_probe_calibrated(sqlite_store: Store,
+                                                                      tmp_path: Path) -> None:
+    # 1 MB/s is far below the built-in cpu profile's link (flagged in the test above), but on
+    # a cluster whose calibrated cpu profile measured a 1.5 MB/s link it is as expected.
+    datasheet = get_profile("cpu")
+    slow_link = replace(datasheet, intra_node_bw=1.5e6, inter_node_bw=1.5e6)
+    sqlite_store.save_profile(name="cpu", profile=slow_link.to_json())
+    launcher = FakeLauncher([[PollResult(state="running", reports=probe_reports(1e6))]])
+    job_id = submit(sqlite_store)
+    assert JobSpec.model_validate(sqlite_store.get_job(job_id=job_id).spec).target.gpu == "cpu"
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    (probe,) = sqlite_store.list_probes(job_id=job_id)
+    assert probe.summary["slow_groups"] == []
+    assert probe.results[0]["expected_busbw"] < 1.5e6 < datasheet.intra_node_bw
+    assert "warning" not in [e.kind for e in sqlite_store.list_events(job_id=job_id)]
 
 
 def test_tp_group_across_a_pcie_link_is_warned_at_placement(sqlite_store: Store,
@@ -315,3 +336,28 @@ def test_tp_group_across_a_pcie_link_is_warned_at_placement(sqlite_store: Store,
     c.step(), c.step()
     warnings = [e.message for e in sqlite_store.list_events(job_id=job_id) if e.kind == "warning"]
     assert warnings == ["TP group [0, 1] on node n0 crosses slow links: GPU0-GPU1 PHB"]
+
+
+def test_cluster_probe_runs_are_started_and_calibrate_a_profile(sqlite_store: Store,
+                                                                tmp_path: Path) -> None:
+    rows = [{"dim": "tp", "group": [0, 1], "op": "all_reduce", "bytes": 1 << 20,
+             "time_s": 0.1, "algbw": 2e8, "busbw": 2e8}]
+    reports = [{"kind": "cluster_probe", "rank": r, "node_id": "n0",
+                "matmul_flops": {"fp32": 4e10}, "rows": rows if r == 0 else []} for r in (0, 1)]
+    launcher = FakeLauncher([[PollResult(state="running", reports=reports),
+                              PollResult(state="succeeded")],
+                             [PollResult(state="failed", error="rank 1 died")]])
+    good = sqlite_store.create_probe(scope="cluster", request={
+        "ranks_per_node": 2, "max_bytes": 1 << 20, "profile": "cpu"})
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step()
+    assert launcher.groups[0].starts == {"probe": good.id}
+    bad = sqlite_store.create_probe(scope="cluster", request={
+        "ranks_per_node": 2, "max_bytes": 1 << 20, "profile": "cpu"})
+    c.step(), c.step()
+    assert all(g.shut for g in launcher.groups)
+    done = sqlite_store.get_probe(probe_id=good.id)
+    assert done.status == "done" and done.summary["links"]["intra_node_bw"] == 2e8
+    assert sqlite_store.get_profile(name="cpu").profile.intra_node_bw == 2e8
+    failed = sqlite_store.get_probe(probe_id=bad.id)
+    assert failed.status == "failed" and failed.error == "rank 1 died"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from service.health import diagnose_hang
+from service.monitor.hang import diagnose_hang
 from service.parallel import ParallelDims
 from tests._monitor_dist import free_port
 from workers.comm_timer import CommTimer

@@ -1,23 +1,17 @@
-"""Pure unit tests of service.health: nccl-tests arithmetic, slow groups, stragglers, hangs,
+"""Pure unit tests of service.monitor: nccl-tests arithmetic, slow groups, stragglers, hangs,
 TP placement warnings and the /comm summary."""
 
 import pytest
 
 from service.hardware import get_profile
-from service.health import (
-    busbw,
-    busbw_factor,
-    comm_series_rows,
-    compute_s,
-    diagnose_hang,
-    expected_busbw,
-    find_stragglers,
-    flag_slow_groups,
-    measured_link_bw,
-    summarize_comm,
-    tp_placement_warnings,
-)
+from service.monitor.bandwidth import busbw, busbw_factor, expected_busbw
+from service.monitor.comm import summarize_comm
+from service.monitor.hang import diagnose_hang
+from service.monitor.placement import tp_placement_warnings
+from service.monitor.probe import flag_slow_groups, measured_link_bw
+from service.monitor.stragglers import compute_s, find_stragglers
 from service.parallel import Dim, ParallelDims
+from service.protocols import StepReport
 
 CPU = get_profile("cpu")
 H100 = get_profile("h100-80gb")
@@ -157,13 +151,13 @@ def test_tp_placement_warnings():
 
 def test_summarize_comm_per_dimension_with_prediction():
     dims = ParallelDims(tp=2, dp=2)
-    step = {"step_s": 1.0, "comm": {
+    step = {"step_time_s": 1.0, "comm": {
         "tp": {"all_reduce": {"time_s": 0.1, "bytes": 1_000_000, "calls": 4}},
         "dp": {"reduce_scatter": {"time_s": 0.2, "bytes": 4_000_000, "calls": 1},
                "all_gather": {"time_s": 0.1, "bytes": 4_000_000, "calls": 1}}}}
     reports = {r: [dict(step, step=s) for s in range(3)] for r in range(4)}
-    plan = {"time": {"step_s": 0.8, "tp_comm_s": 0.08, "pp_comm_s": 0.0, "dp_comm_s": 0.4}}
-    out = summarize_comm(reports, dims, plan, probe=[{"dim": "tp"}])
+    predicted = {"step_s": 0.8, "tp_comm_s": 0.08, "pp_comm_s": 0.0, "dp_comm_s": 0.4}
+    out = summarize_comm(reports, dims, predicted, probe=[{"dim": "tp"}])
     tp, dp = out["dims"]["tp"], out["dims"]["dp"]
     assert tp["time_s_per_step"] == pytest.approx(0.1)
     assert tp["fraction"] == pytest.approx(0.1)
@@ -183,8 +177,8 @@ def test_summarize_comm_per_dimension_with_prediction():
 def test_summarize_comm_untimed_steps_count_bytes_not_time():
     s = {"tp": {"all_reduce": {"time_s": 0.5, "bytes": 100, "calls": 1}}}
     untimed = {"tp": {"all_reduce": {"time_s": 0.0, "bytes": 100, "calls": 1}}}
-    reports = {0: [{"step": 0, "step_s": 1.0, "comm": s},
-                   {"step": 1, "step_s": 1.0, "comm": untimed, "timed": False}]}
+    reports = {0: [{"step": 0, "step_time_s": 1.0, "comm": s},
+                   {"step": 1, "step_time_s": 1.0, "comm": untimed, "timed": False}]}
     out = summarize_comm(reports, {"tp": 2})
     assert out["dims"]["tp"]["time_s_per_step"] == pytest.approx(0.5)
     assert out["dims"]["tp"]["bytes_per_step"] == 100
@@ -201,16 +195,7 @@ def test_measured_link_bw_splits_intra_and_inter_node():
 def test_compute_s_subtracts_timed_comm():
     comm = {"tp": {"all_reduce": {"time_s": 0.2, "bytes": 1, "calls": 1}},
             "dp": {"all_gather": {"time_s": 0.3, "bytes": 1, "calls": 1}}}
-    assert compute_s({"step_s": 1.0, "comm": comm}) == pytest.approx(0.5)
-    assert compute_s({"step_s": 1.0, "comm": comm, "timed": False}) is None
-
-
-def test_comm_series_rows_flatten_a_step_report():
-    report = {"step": 4, "step_s": 2.0, "comm": {
-        "tp": {"all_reduce": {"time_s": 0.1, "bytes": 10, "calls": 2}},
-        "dp": {"all_gather": {"time_s": 0.3, "bytes": 40, "calls": 1}}}}
-    rows = comm_series_rows(7, report)
-    assert [(r["dim"], r["op"]) for r in rows] == [
-        ("step", "step"), ("dp", "all_gather"), ("tp", "all_reduce")]
-    assert rows[0]["time_s"] == 2.0 and rows[2]["bytes"] == 10 and rows[2]["calls"] == 2
-    assert all(r["step"] == 4 and r["rank"] == 7 and r["timed"] for r in rows)
+    report = StepReport(rank=0, step=1, step_time_s=1.0, tokens_per_s=1.0, comm=comm)
+    assert compute_s(report) == pytest.approx(0.5)
+    assert compute_s(report.model_copy(update={"timed": False})) is None
+    assert compute_s(report.model_copy(update={"comm": None})) is None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from service.health import busbw_factor
+from service.monitor.bandwidth import busbw_factor
 from service.parallel import ParallelDims
 from tests._monitor_dist import run_ranks
 from workers.comm_probe import DEFAULT_SIZES, pp_pairs, probe_layout

@@ -48,7 +48,8 @@ def test_a_custom_entrypoint_runs_on_every_rank_with_the_jobs_groups_and_config(
     for rank in range(2):
         mine = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["step"])
         assert [r["step"] for r in mine] == list(range(1, 16))
-        assert {(r["dp_rank"], r["world_size"], r["zero"]) for r in mine} == {(rank, 2, 2)}
+        assert {(r["dp_rank"], r["custom"]["world_size"], r["custom"]["zero"])
+                for r in mine} == {(rank, 2, 2)}
         assert mine[-1]["loss"] < mine[0]["loss"] / 2
 
 

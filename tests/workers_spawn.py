@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from service.protocols import StepReport
 from service.spec import JobSpec
 
 
@@ -50,10 +51,10 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
         for attempt, stop_after in enumerate(attempts):
             stop = threading.Event()
 
-            def report(row: dict, attempt: int = attempt, stop_after=stop_after,
+            def report(r: StepReport, attempt: int = attempt, stop_after=stop_after,
                        stop: threading.Event = stop) -> None:
-                queue.put(("report", rank, attempt, row))
-                if stop_after is not None and row["step"] >= stop_after and \
+                queue.put(("report", rank, attempt, r.model_dump()))
+                if stop_after is not None and r.step >= stop_after and \
                         (stop_ranks is None or rank in stop_ranks):
                     stop.set()
 

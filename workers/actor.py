@@ -119,6 +119,7 @@ class RankActor:
         self._reports.put({"kind": "probe", "rank": self.rank, "rows": rows})
 
     def _train(self, spec: Any, ctx: Any, train_rank: Any) -> None:
+        from service.protocols import StepReport
         from workers.comm_timer import CommTimer
         from workers.faults import FaultInjector
 
@@ -131,14 +132,12 @@ class RankActor:
             self.heartbeat.beat(step, "forward")
             faults.begin(step)
 
-        def report(r: dict[str, Any]) -> None:
-            if r.get("kind", "step") == "step":
-                summary = timer.step_report(int(r["step"]), float(r["step_time_s"]))
-                self._reports.put({**r, "comm": summary["comm"], "timed": summary["timed"],
-                                   "step_s": r["step_time_s"]})
-                begin(int(r["step"]) + 1)
-            else:
-                self._reports.put(r)
+        def report(r: StepReport) -> None:
+            summary = timer.step_report(r.step, r.step_time_s)
+            # Plain dicts across Ray; the controller validates them back into a StepReport.
+            self._reports.put(r.model_copy(update={"comm": summary["comm"],
+                                                   "timed": summary["timed"]}).model_dump())
+            begin(r.step + 1)
 
         # Before deepspeed.initialize, which caches the collectives it calls.
         timer.install()

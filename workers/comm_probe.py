@@ -4,7 +4,7 @@ Called on every rank of a worker group before training (unless the job turns the
 and by `trident probe` across the cluster: `probe_layout(dims, rank)` after
 `init_process_group`. Every rank must call it (the groups are built collectively); each group's
 first rank (and each pair's sender) returns the rows, the others return []. The caller gathers
-the rows of all ranks, and `service.health.flag_slow_groups` judges them.
+the rows of all ranks, and `service.monitor.probe.flag_slow_groups` judges them.
 
 Rows are JSON-ready: `{dim, group, op, bytes, time_s, algbw, busbw, iters}`, with nccl-tests
 definitions: `bytes` is the all-reduce tensor, the gathered all-gather output, the full
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from service.health import busbw_factor
+from service.monitor.bandwidth import busbw_factor
 from service.parallel import Dim, ParallelDims
 from workers.heartbeat import Heartbeat
 

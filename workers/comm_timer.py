@@ -8,7 +8,7 @@ Called by the trainer loop, one `CommTimer` per rank:
         timer.begin_step(step)
         with timer.collective("tp", "all_reduce", x, group=tp_group): dist.all_reduce(x, ...)
         ...                            # DeepSpeed's own DP/ZeRO collectives are caught too
-        report = timer.step_report(step, step_s)   # {"step", "step_s", "timed", "comm"}
+        report = timer.step_report(step, step_time_s)  # {"step", "step_time_s", "timed", "comm"}
     timer.uninstall()
 
 Two ways in:
@@ -33,7 +33,8 @@ current stream, but only on every `sample_every`-th step (the conversion needs a
 other steps count bytes and calls with `"timed": False`. Async ops (`async_op=True`, isend,
 irecv) count bytes and calls; their time is spent in `wait()`, which is not seen here.
 
-Bytes follow nccl-tests sizes (see `service.health`), so busbw can be derived per dimension.
+Bytes follow nccl-tests sizes (see `service.monitor.bandwidth`), so busbw can be derived per
+dimension.
 """
 
 from __future__ import annotations
@@ -211,10 +212,12 @@ class CommTimer:
         self._stats = {}
         return out
 
-    def step_report(self, step: int, step_s: float) -> dict[str, Any]:
-        """The per-step record `service.health.summarize_comm` reads."""
+    def step_report(self, step: int, step_time_s: float) -> dict[str, Any]:
+        """The per-step record `service.monitor.comm.summarize_comm` reads; its `timed` and
+        `comm` are the fields of `service.protocols.StepReport` the rank actor fills in."""
         timed = self._timing
-        return {"step": step, "step_s": step_s, "timed": timed, "comm": self.step_summary()}
+        return {"step": step, "step_time_s": step_time_s, "timed": timed,
+                "comm": self.step_summary()}
 
     # ------------------------------------------------------------ torch.distributed hooks
 

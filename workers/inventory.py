@@ -2,7 +2,7 @@
 
 Called once per node by the Ray worker group (one actor per node, or rank 0 of each node) and
 by `trident cluster` / the controller's cluster refresh; the result is stored and served by
-`GET /api/v1/cluster`, and `service.health.tp_placement_warnings` reads its `topology`.
+`GET /api/v1/cluster`, and `service.monitor.placement.tp_placement_warnings` reads its `topology`.
 
 GPU facts come from NVML (pynvml, when installed) or `nvidia-smi`; the link matrix from
 `nvidia-smi topo -m`. A node without either reports `"accelerator": "cpu"`.

@@ -30,14 +30,18 @@ import torch
 import torch.distributed as dist
 
 from service.parallel import rank_layout
+from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
 from workers.model import GPT, Block, GPTConfig, loss_fn
-from workers.report import MemoryReport, StepReport
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 
-Report = Callable[[dict], None]
-"""Called once per optimizer step on every rank with a `workers.report.StepReport`."""
+Report = Callable[[StepReport], None]
+"""Called once per optimizer step on every rank with a `service.protocols.StepReport`."""
+
+CustomReport = Callable[[StepReport | dict[str, Any]], None]
+"""A custom entrypoint's `TrainContext.report`: a `StepReport`, or a dict validated into one
+(values beyond its fields go in its `custom` dict)."""
 
 
 @dataclass
@@ -67,7 +71,7 @@ class TrainContext:
     """This rank's coordinates and its tp/pp/dp process groups."""
     ds_config: dict[str, Any]
     """The DeepSpeed config the built-in trainer would use for this layout."""
-    report: Report
+    report: CustomReport
     checkpoint_dir: str | None
     resume_step: int
     """Steps already done by the newest complete checkpoint (0: start fresh)."""
@@ -238,7 +242,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 (step + 1) % spec.checkpoint.every_steps == 0:
             saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
         report(StepReport(
-            kind="step", rank=ctx.rank, step=step + 1, loss=loss,
+            rank=ctx.rank, step=step + 1, loss=loss,
             step_time_s=dt, tokens_per_s=tokens_per_step / dt,
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
             attempt=ctx.attempt, resumed_from=start, checkpoint=saved,
@@ -305,7 +309,8 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
     resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
     func(TrainContext(spec=spec, rank=ctx.rank, world_size=ctx.world_size,
                       local_rank=ctx.local_rank, device=device, groups=groups,
-                      ds_config=ds_config, report=report, checkpoint_dir=ctx.checkpoint_dir,
+                      ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
+                      report=lambda r: report(StepReport.model_validate(r)),
                       resume_step=resume, stop=stop, attempt=ctx.attempt,
                       layout=rank_layout(spec.layout.dims, spec.model.layers_,
                                          spec.layout.virtual_stages)))
@@ -314,8 +319,6 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
 # --- torchrun entry point -----------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    import json
-
     import yaml
 
     parser = argparse.ArgumentParser(description="Run one rank of a Trident job (torchrun).")
@@ -332,9 +335,9 @@ def main(argv: list[str] | None = None) -> None:
                       checkpoint_dir=args.checkpoint_dir or spec.checkpoint.dir,
                       attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
-    def report(row: dict) -> None:
-        if ctx.rank == 0 or row.get("kind") != "step":
-            print(json.dumps(row), flush=True)
+    def report(r: StepReport) -> None:
+        if ctx.rank == 0:
+            print(r.model_dump_json(), flush=True)
 
     train_rank(spec, ctx, report, threading.Event())
 

@@ -17,8 +17,8 @@ from api.schemas import (
     MetricOut,
 )
 from service.compare import compare
-from service.health import summarize_comm
 from service.jobs import prepare
+from service.monitor.comm import comm_view
 from service.profiles import profile_for
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
@@ -104,19 +104,4 @@ def comm(job: JobDep, store: StoreDep,
     """Communication per dimension over the last `last` steps of the newest attempt: time per
     step, fraction of step, bytes, achieved busbw, the plan's predicted share, per-rank
     breakdown, and the bandwidth probe."""
-    latest = store.latest_metric(job_id=job.id)
-    rank_reports: dict[int, list[dict[str, Any]]] = {}
-    if latest is not None:
-        for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
-                                    after_step=max(0, latest.step - last)):
-            if "comm" in m.data:
-                rank_reports.setdefault(m.rank, []).append(
-                    {"step": m.step, "step_s": m.step_time_s, "timed": m.data.get("timed", True),
-                     "comm": m.data["comm"]})
-    dims = job.plan.layout.dims
-    probes = store.list_probes(job_id=job.id, limit=1)
-    out = summarize_comm(rank_reports, dims, job.plan.to_json(),
-                         probes[0].results if probes else [])
-    out["attempt"] = latest.attempt if latest else None
-    out["probe_summary"] = probes[0].summary if probes else None
-    return out
+    return comm_view(store, job, last)

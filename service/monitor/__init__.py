@@ -1,0 +1,16 @@
+"""The health monitor's judgements, pure Python (no torch, ray or workers): the workers
+measure, these modules decide.
+
+- `bandwidth`: nccl-tests arithmetic (busbw factors, algbw, busbw, the profile's expected
+  busbw). The only part the workers import (`workers.comm_probe`, `workers.comm_timer`).
+- `probe`: a bandwidth probe's rows judged against a hardware profile.
+- `stragglers`: ranks whose compute time per step stays beyond their stage peers'.
+- `hang`: which ranks never arrived when a job stops making progress.
+- `placement`: TP groups placed across a slow link.
+- `comm`: the `GET /api/v1/jobs/{id}/comm` view over the stored step reports.
+- `attempt`: one running attempt's health state, fed by the controller's poll loop.
+- `cluster_probe`: `trident probe` runs, started and collected by the controller.
+
+Import the submodules, not this package: it re-exports nothing, so that a worker importing
+`service.monitor.bandwidth` pulls in nothing else.
+"""

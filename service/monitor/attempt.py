@@ -1,0 +1,127 @@
+"""One running attempt's health: heartbeats, compute times, stragglers, the bandwidth probe,
+TP placement and hangs.
+
+The controller creates an `AttemptHealth` when it starts an attempt and feeds it each poll:
+the placement once known, every validated report, the ranks' heartbeats. It records its
+findings as events of the attempt (`probe`, `warning`, `straggler`, `hang`, `stacks`) and
+stores the job's probe; `hung` tells the controller when to stop the group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from service.monitor.hang import Diagnosis, diagnose_hang
+from service.monitor.placement import tp_placement_warnings
+from service.monitor.probe import annotate_expected, flag_slow_groups
+from service.monitor.stragglers import compute_s, find_stragglers
+from service.parallel import Dim
+from service.profiles import profile_for
+from service.protocols import ProbeReport, StepReport
+from service.spec import JobSpec
+from service.store import Job, ProbeStatus, Store
+
+COMPUTE_WINDOW = 50
+"""Compute times kept per rank for straggler detection (steps)."""
+
+
+class AttemptHealth:
+    """The health state of one attempt of one job."""
+
+    def __init__(self, store: Store, job: Job, attempt: int, spec: JobSpec) -> None:
+        self.store = store
+        self.job_id = job.id
+        self.world_size = job.world_size
+        self.attempt = attempt
+        self.spec = spec
+        self.stage_of_rank = job.plan.stage_of()
+        self.heartbeats: dict[int, dict[str, Any]] = {}
+        self.compute: dict[int, deque[float]] = {}
+        self.stragglers: set[int] = set()
+        self.probe_rows: list[dict[str, Any]] = []
+        self.probe_ranks: set[int] = set()
+        self.node_of_rank: dict[int, str] = {}
+
+    def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self.store.add_event(job_id=self.job_id, attempt=self.attempt, kind=kind,
+                             message=message, data=data)
+
+    # --- fed by the controller's poll -----------------------------------------------------------
+
+    def placed(self, placement: Mapping[str, Any]) -> None:
+        """Where the ranks landed: remember their nodes and warn about TP groups that span
+        nodes or, by the node's link matrix, cross PCIe."""
+        ranks = placement.get("ranks", [])
+        self.node_of_rank = {r["rank"]: r["node_id"] for r in ranks}
+        gpu_of = {r["rank"]: int(r["gpu_ids"][0]) for r in ranks
+                  if r.get("gpu_ids") and str(r["gpu_ids"][0]).isdigit()}
+        inventory = {n.node_id: n.info for n in self.store.list_nodes()}
+        groups = [g for g in self.spec.layout.dims.groups(Dim.TP)
+                  if len(g) > 1 and all(r in self.node_of_rank for r in g)]
+        for warning in tp_placement_warnings(groups, self.node_of_rank, gpu_of or None,
+                                             inventory):
+            self._event("warning", warning)
+
+    def step_report(self, report: StepReport) -> None:
+        compute = compute_s(report)
+        if compute is not None:
+            self.compute.setdefault(report.rank, deque(maxlen=COMPUTE_WINDOW)).append(compute)
+
+    def probe_report(self, report: ProbeReport) -> None:
+        """Collect every rank's probe rows; when all are in, store them and flag slow groups
+        against the profile this cluster plans with (calibrated if `trident probe` ran)."""
+        self.probe_rows.extend(r.model_dump() for r in report.rows)
+        self.probe_ranks.add(report.rank)
+        if len(self.probe_ranks) < self.world_size:
+            return
+        monitor = self.spec.monitor
+        profile = profile_for(self.store, self.spec.target.gpu)
+        nodes = self.node_of_rank or None
+        rows = annotate_expected(self.probe_rows, profile, nodes)
+        slow = flag_slow_groups(self.probe_rows, profile, monitor.slow_group_threshold, nodes)
+        probe = self.store.create_probe(scope="job", job_id=self.job_id, attempt=self.attempt,
+                                        status=ProbeStatus.RUNNING,
+                                        request={"max_bytes": monitor.probe_max_bytes})
+        self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=rows,
+                                summary={"slow_groups": slow, "profile": profile.name})
+        self._event("probe", f"bandwidth probe: {len(rows)} measurements, {len(slow)} slow"
+                    " group(s)", {"probe_id": probe.id})
+        for w in slow:
+            self._event("warning", str(w.get("message", w)), w)
+
+    def polled(self, heartbeats: Mapping[int, Mapping[str, Any]],
+               received: float | None = None) -> None:
+        """After each poll: take the ranks' heartbeats and name new stragglers (once each)."""
+        received = time.time() if received is None else received
+        for rank, hb in heartbeats.items():
+            # Judge by this clock: the rank's own clock may differ from ours.
+            self.heartbeats[rank] = {**hb, "time": received - float(hb.get("age_s", 0.0))}
+        monitor = self.spec.monitor
+        found = find_stragglers(
+            {r: list(t) for r, t in self.compute.items() if r in self.stage_of_rank},
+            self.stage_of_rank, monitor.straggler_threshold, monitor.straggler_min_steps,
+            self.node_of_rank or None)
+        for s in found:
+            if s.rank not in self.stragglers:
+                self.stragglers.add(s.rank)
+                ev = s.to_event()
+                self._event("straggler", ev.pop("message"), ev)
+
+    def hung(self, stacks: Callable[[], dict[int, str]],
+             now: float | None = None) -> Diagnosis | None:
+        """The diagnosis when no rank made progress within `monitor.hang_timeout_s`, recorded
+        with every rank's Python stacks (`stacks()`, asked only then); else None."""
+        if not self.heartbeats:
+            return None
+        diagnosis = diagnose_hang(self.heartbeats, time.time() if now is None else now,
+                                  self.spec.monitor.hang_timeout_s, self.spec.layout.dims)
+        if diagnosis is None:
+            return None
+        self._event("hang", diagnosis.summary, diagnosis.to_dict())
+        for rank, text in stacks().items():
+            self._event("stacks", f"rank {rank} Python stacks at the hang",
+                        {"rank": rank, "stacks": text[:100_000]})
+        return diagnosis
