@@ -55,8 +55,12 @@ class _Running:
 
 def decide_on_failure(job: Job) -> JobState:
     """Failure policy: restart from the last checkpoint while retries are left, else fail."""
-    max_retries = int(job.spec.get("max_retries", 0))
-    return JobState.RESTARTING if job.attempts <= max_retries else JobState.FAILED
+    return JobState.RESTARTING if job.attempts <= retries(job) else JobState.FAILED
+
+
+def retries(job: Job) -> int:
+    """Restarts the job's spec allows (`max_retries`)."""
+    return int(job.spec.get("max_retries", 0))
 
 
 class Controller:
@@ -112,14 +116,20 @@ class Controller:
             self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
                        result, error=why)
         for job in adm.admitted:
-            if self._move(job, JobState.PLACING, "admitted; claiming resources", result):
-                self._place(self.store.get_job(job_id=job.id), result)
+            placing = self._move(job, JobState.PLACING, "admitted; claiming resources", result)
+            if placing is not None:
+                self._place(placing, result)
 
     def _place(self, job: Job, result: StepResult) -> None:
-        if job.state == JobState.RESTARTING and not self._move(
-                job, JobState.PLACING, "placing a new attempt", result):
-            return
-        attempt = self.store.start_attempt(job_id=job.id)
+        """Start the next attempt of a PLACING (or RESTARTING) job: the stored spec is the
+        spec that runs."""
+        if job.state == JobState.RESTARTING:
+            placing = self._move(job, JobState.PLACING, "placing a new attempt", result)
+            if placing is None:
+                return
+            job = placing
+        job = self.store.start_attempt(job_id=job.id)
+        attempt = job.attempts
         spec = JobSpec.model_validate(job.spec)
         ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
         try:
@@ -127,8 +137,7 @@ class Controller:
                                         checkpoint_dir=ckpt)
         except Exception as exc:  # a failed start is data for the failure policy
             log.exception("job %s: start failed", job.id)
-            self._fail_attempt(self.store.get_job(job_id=job.id), attempt,
-                               f"worker group failed to start: {exc!r}", result)
+            self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
             return
         self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
@@ -162,9 +171,8 @@ class Controller:
             return
 
         if poll.state in ("running", "succeeded") and job.state == JobState.PLACING:
-            self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running", result,
-                       attempt=run.attempt)
-            job = self.store.get_job(job_id=job.id)
+            job = self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running",
+                             result, attempt=run.attempt) or job
         cancelling = run.cancel_at is not None
         if cancelling and poll.state in ("stopped", "succeeded", "failed"):
             self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
@@ -178,8 +186,7 @@ class Controller:
                                f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
         elif poll.state == "succeeded":
             self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
-                         f"all ranks finished {job.spec.get('train', {}).get('steps', '?')} steps",
-                         result)
+                         f"all ranks finished {run.spec.train.steps} steps", result)
         elif poll.state == "failed":
             self._teardown(job.id, run)
             detail = poll.error or "a rank failed"
@@ -231,7 +238,7 @@ class Controller:
                                error=error)
         to = decide_on_failure(job)
         if to == JobState.RESTARTING:
-            left = int(job.spec.get("max_retries", 0)) - job.attempts
+            left = retries(job) - job.attempts
             self._move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"
                        f" ({left} retries left)", result, attempt=attempt, data={"error": error})
         else:
@@ -244,12 +251,14 @@ class Controller:
 
     def _move(self, job: Job, to: JobState, message: str, result: StepResult, *,
               error: str | None = None, attempt: int | None = None,
-              data: dict[str, Any] | None = None) -> bool:
+              data: dict[str, Any] | None = None) -> Job | None:
+        """Move the job through `Store.transition`; the job as moved, or None when the state
+        machine refused (a concurrent change, logged)."""
         try:
-            self.store.transition(job_id=job.id, to=to, message=message, error=error,
-                                  attempt=attempt, data=data)
+            moved = self.store.transition(job_id=job.id, to=to, message=message, error=error,
+                                          attempt=attempt, data=data)
         except TransitionError as exc:
             log.warning("job %s: %s", job.id, exc)
-            return False
+            return None
         result.changes.append(Change(job.id, to, message))
-        return True
+        return moved

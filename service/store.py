@@ -171,14 +171,15 @@ class Store:
 
     # --- attempts ---------------------------------------------------------------------------
 
-    def start_attempt(self, *, job_id: int) -> int:
-        """Open the next attempt of a job and return its number (1-based)."""
+    def start_attempt(self, *, job_id: int) -> Job:
+        """Open the next attempt of a job; the job back, `attempts` being the new attempt's
+        number (1-based)."""
         with self._tx() as s:
             row = self._lock_job(s, job_id)
             row.attempts += 1
             s.add(AttemptRow(job_id=job_id, number=row.attempts,
                              status=AttemptStatus.RUNNING.value))
-            return row.attempts
+            return Job.from_row(row)
 
     def end_attempt(self, *, job_id: int, number: int, status: AttemptStatus,
                     error: str | None = None) -> None:

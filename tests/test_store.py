@@ -98,8 +98,8 @@ def test_queue_order_is_priority_then_age(store: Store) -> None:
 
 def test_attempts_and_metrics(store: Store) -> None:
     job_id = _job(store)
-    assert store.start_attempt(job_id=job_id) == 1
-    assert store.start_attempt(job_id=job_id) == 2
+    assert store.start_attempt(job_id=job_id).attempts == 1
+    assert store.start_attempt(job_id=job_id).attempts == 2
     store.end_attempt(job_id=job_id, number=1, status=AttemptStatus.FAILED, error="x")
     store.record_metrics(job_id=job_id, attempt=2, rows=[
         {"rank": r, "step": s, "loss": 5.0 - s, "step_time_s": 0.1, "tokens_per_s": 100.0,
