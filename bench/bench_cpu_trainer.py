@@ -27,7 +27,7 @@ import yaml
 
 from service.compare import compare
 from service.controller import Controller
-from service.jobs import prepare
+from service.jobs import submit
 from service.planner import evaluate
 from service.planner.calibrate import fit_overheads
 from service.spec import JobSpec
@@ -48,9 +48,7 @@ def spec_for(layers: int) -> JobSpec:
 
 def run_job(store: Store, controller: Controller, spec: JobSpec) -> int:
     """Submit `spec`, drive the controller until the job ends; the job's id (it succeeded)."""
-    p = prepare(spec)
-    job_id = store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
-                              world_size=p.world_size, cpus=p.cpus, gpus=p.gpus).id
+    job_id = submit(store, spec).id
     while not store.get_job(job_id=job_id).state.terminal:
         controller.step()
         time.sleep(0.2)

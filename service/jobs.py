@@ -1,6 +1,7 @@
 """Turning a submitted spec into what is stored: the spec that runs, its plan, the claim.
 
-Called by the API on submit. `parallel: "auto"` is resolved here, once: the stored spec
+`submit` is what `POST /api/v1/jobs` does (the benchmarks and tests submit through it too).
+`parallel: "auto"` is resolved here, once: the stored spec
 carries the layout and micro-batch the search chose (the plan keeps `chosen_by: search` and
 the search summary), so the controller and the workers run the stored spec as it is.
 Raises ValueError (a 422) when the job cannot run as asked.
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from service.hardware import HardwareProfile
 from service.planner import plan_job
 from service.planner.stored import StoredPlan
+from service.profiles import profile_for
 from service.spec import JobSpec
+from service.store import Job, Store
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,12 @@ def resolve(spec: JobSpec, plan: StoredPlan) -> JobSpec:
     data["train"]["micro_batch"] = plan.layout.micro_batch
     # Validated again: the chosen layout must pass the spec's own consistency checks.
     return JobSpec.model_validate(data)
+
+
+def submit(store: Store, spec: JobSpec) -> Job:
+    """Plan `spec` with the profile this cluster plans with and queue it; PlanInfeasible (a
+    ValueError) if it cannot fit."""
+    prepared = prepare(spec, profile_for(store, spec.target.gpu))
+    return store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
+                            plan=prepared.plan, world_size=prepared.world_size,
+                            cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority)

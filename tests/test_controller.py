@@ -11,7 +11,7 @@ import pytest
 
 from service.controller import Controller
 from service.hardware import get_profile
-from service.jobs import prepare
+from service.jobs import submit as submit_job
 from service.planner import StoredPlan
 from service.protocols import NodeCapacity, PollResult
 from service.spec import JobSpec
@@ -78,11 +78,7 @@ def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
 
 
 def submit(store: Store, **over: Any) -> int:
-    spec = JobSpec.model_validate(tiny_spec(**over))
-    p = prepare(spec)
-    return store.create_job(name=spec.name, spec=p.spec.model_dump(mode="json"), plan=p.plan,
-                            world_size=p.world_size, cpus=p.cpus, gpus=p.gpus,
-                            priority=spec.priority).id
+    return submit_job(store, JobSpec.model_validate(tiny_spec(**over))).id
 
 
 def make(store: Store, launcher: FakeLauncher, tmp_path: Path, **kw: Any) -> Controller:

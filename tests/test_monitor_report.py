@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from api.schemas import MetricOut
 from service.compare import compare
-from service.jobs import prepare
+from service.jobs import submit
 from service.monitor.comm import comm_view
 from service.protocols import METRIC_COLUMNS, MemoryReport, StepReport
 from service.spec import JobSpec
@@ -63,11 +63,7 @@ def job_store(tmp_path: Path):
 
 
 def test_readers_of_stored_rows_take_new_rows_and_old_ones_with_step_s(job_store: Store):
-    spec = JobSpec.model_validate(tiny_spec())
-    p = prepare(spec)
-    job = job_store.create_job(name=spec.name, spec=spec.model_dump(mode="json"), plan=p.plan,
-                               world_size=p.world_size, cpus=p.cpus, gpus=p.gpus,
-                               priority=spec.priority)
+    job = submit(job_store, JobSpec.model_validate(tiny_spec()))
     old = {"rank": 1, "step": 1, "loss": 2.5, "step_time_s": 0.1, "tokens_per_s": 640.0,
            "data": {"memory": {"params_bytes": 10}, "comm": COMM, "timed": True,
                     "step_s": 0.1, "dp_rank": 1}}  # as stored before step_s went

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from service.controller import Controller  # noqa: E402
-from service.jobs import prepare  # noqa: E402
+from service.jobs import submit  # noqa: E402
 from service.parallel import Dim, ParallelDims  # noqa: E402
 from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
@@ -48,9 +48,7 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
         parallel={"tp": 2, "pp": 2, "dp": 2, "zero": 1},
         resources={"gpus_per_worker": 1, "cpus_per_worker": 0.25},
         cluster={"gpu": "cpu", "nodes": 2, "gpus_per_node": 4}))
-    p = prepare(spec)
-    job_id = store.create_job(name=spec.name, spec=p.spec.model_dump(mode="json"), plan=p.plan,
-                              world_size=p.world_size, cpus=p.cpus, gpus=p.gpus).id
+    job_id = submit(store, spec).id
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     assert len(controller.launcher.total_capacity()) == 3  # head (no CPUs) + 2 GPU nodes
     try:

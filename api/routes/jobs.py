@@ -17,9 +17,8 @@ from api.schemas import (
     MetricOut,
 )
 from service.compare import compare
-from service.jobs import prepare
+from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
-from service.profiles import profile_for
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
 
@@ -35,14 +34,10 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        prepared = prepare(spec, profile_for(store, spec.target.gpu))
+        job = submit_job(store, spec)
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
-    job = store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
-                           plan=prepared.plan,
-                           world_size=prepared.world_size, cpus=prepared.cpus,
-                           gpus=prepared.gpus, priority=spec.priority)
     return JobOut.of(job)
 
 
