@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedule's element type
 
 from service.parallel import Dim, stage_layers
 from service.planner.shape import ModelShape
@@ -34,7 +36,7 @@ from service.spec import JobSpec
 from workers.model import build_layers, loss_fn, torch_checkpoint
 from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
 
-ADAM = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+ADAM: dict[str, Any] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def check_supported(spec: JobSpec) -> None:
@@ -63,8 +65,9 @@ class InterleavedEngine:
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids
         self.has_last = self.stages_total - 1 in stage_ids
-        self.stages = [PipelineStage(mod, sid, self.stages_total, device, group=groups.pp)
-                       for mod, sid in zip(chunks, stage_ids, strict=True)]
+        self.stages: list[_PipelineStageBase] = [
+            PipelineStage(mod, sid, self.stages_total, device, group=groups.pp)
+            for mod, sid in zip(chunks, stage_ids, strict=True)]
         self.micro_batches = t.global_batch // (t.micro_batch * p.dp)
         self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.micro_batches,
                                                 loss_fn=loss_fn)

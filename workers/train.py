@@ -29,7 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from service.parallel import rank_layout
+from service.parallel import rank_layout, stage_layers
 from service.planner.shape import ModelShape
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
@@ -291,8 +291,8 @@ def _check_layout(layout: ParallelSpec, shape: ModelShape, groups: RankGroups,
 def _check_stage(module: torch.nn.Module, layout: ParallelSpec, shape: ModelShape,
                  rank: int) -> None:
     """The blocks this rank built are the plan's layer ranges for its stage, in order."""
-    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages)[rank]
-    planned = [i for start, end in row["layers"] for i in range(start, end)]  # type: ignore[union-attr]
+    ranges = stage_layers(shape.layers, layout.pp, layout.virtual_stages)
+    planned = [i for start, end in ranges[layout.dims.coord(rank).pp] for i in range(start, end)]
     built = [m.index for m in module.modules() if isinstance(m, Block)]
     assert built == planned, f"rank {rank} built blocks {built}, the plan says {planned}"
 
