@@ -21,9 +21,12 @@ Sources (one line per constant family; each profile names its own in `source`):
   tensor cores.
 - CPU Adam: DeepSpeed's CPUAdam reaches about 1e9 parameters/s per 16-32 core socket
   (ZeRO-Offload, Ren et al. 2021, Fig. 7); a DGX node has two sockets.
-- `cpu`: measured on this project's 2-core CI machine (torch matmul, one thread per rank;
-  gloo all-reduce on loopback; forward/backward of a small GPT for the per-op overheads),
-  see bench/bench_cpu_constants.py.
+- `cpu`: measured on one core of a 2-core x86-64 machine (one rank per core): torch matmul
+  on one thread for the FLOP/s; gloo all-reduce on loopback for the bandwidth
+  (`python bench/bench_probe.py`); the per-layer and per-step overheads fitted to the
+  built-in trainer's step times at several depths (`python bench/bench_cpu_trainer.py`, or
+  `python bench/bench_cpu_constants.py` for DeepSpeed without Ray). Re-run those on the
+  target machine, or calibrate a live cluster with `trident probe`.
 """
 
 from __future__ import annotations
@@ -102,41 +105,55 @@ PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in [
         HardwareProfile(
-            "v100-32gb", 125e12, 15.7e12, 32 * GB, 900 * GB, 130 * GB, 10.75 * GB,
-            6e-6, 12e-6, 768 * GB, host_link_bw=12 * GB, cpu_adam_params_per_s=1.5e9,
+            name="v100-32gb", peak_flops_bf16=125e12, peak_flops_fp32=15.7e12,
+            memory_bytes=32 * GB, hbm_bw=900 * GB, intra_node_bw=130 * GB,
+            inter_node_bw=10.75 * GB, intra_node_latency_s=6e-6, inter_node_latency_s=12e-6,
+            host_memory_bytes=768 * GB, host_link_bw=12 * GB, cpu_adam_params_per_s=1.5e9,
             layer_overhead_s=60e-6, reserved_bytes=1.5 * GB,
             source=_DATASHEET.format("V100 SXM2", "-1", "EDR", "gen3")),
         HardwareProfile(
-            "a100-40gb", 312e12, 156e12, 40 * GB, 1555 * GB, 230 * GB, 21.5 * GB,
-            5e-6, 10e-6, 1024 * GB, host_link_bw=24 * GB,
+            name="a100-40gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
+            memory_bytes=40 * GB, hbm_bw=1555 * GB, intra_node_bw=230 * GB,
+            inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
+            host_memory_bytes=1024 * GB, host_link_bw=24 * GB,
             layer_overhead_s=40e-6, reserved_bytes=2 * GB,
             source=_DATASHEET.format("A100 SXM4 40GB", "A100", "HDR", "gen4")),
         HardwareProfile(
-            "a100-80gb", 312e12, 156e12, 80 * GB, 2039 * GB, 230 * GB, 21.5 * GB,
-            5e-6, 10e-6, 2048 * GB, host_link_bw=24 * GB,
+            name="a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
+            memory_bytes=80 * GB, hbm_bw=2039 * GB, intra_node_bw=230 * GB,
+            inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
+            host_memory_bytes=2048 * GB, host_link_bw=24 * GB,
             layer_overhead_s=40e-6, reserved_bytes=2 * GB,
             source=_DATASHEET.format("A100 SXM4 80GB", "A100", "HDR", "gen4")),
         HardwareProfile(
-            "h100-80gb", 989e12, 494e12, 80 * GB, 3350 * GB, 370 * GB, 43 * GB,
-            4e-6, 8e-6, 2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
+            name="h100-80gb", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
+            memory_bytes=80 * GB, hbm_bw=3350 * GB, intra_node_bw=370 * GB,
+            inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
+            host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
             layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
             source=_DATASHEET.format("H100 SXM5", "H100", "NDR", "gen5")),
         HardwareProfile(
-            "h200", 989e12, 494e12, 141 * GB, 4800 * GB, 370 * GB, 43 * GB,
-            4e-6, 8e-6, 2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
+            name="h200", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
+            memory_bytes=141 * GB, hbm_bw=4800 * GB, intra_node_bw=370 * GB,
+            inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
+            host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
             layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
             source=_DATASHEET.format("H200 SXM", "H200", "NDR", "gen5")),
-        # One rank = one core of this machine. Step times of tiny models are dominated by
-        # per-op overheads, so the overhead constants matter more than the FLOP/s here.
+        # One rank = one core of a 2-core x86-64 machine. Step times of tiny models are
+        # dominated by per-op overheads, so the overhead constants matter more than the FLOP/s.
         HardwareProfile(
-            "cpu", 200e9, 93e9, 8 * GB, 16 * GB, 1.5 * GB, 1.5 * GB,
-            50e-6, 100e-6, 24 * GB, host_link_bw=16 * GB, gemm_eff_max=0.9,
+            name="cpu", peak_flops_bf16=200e9, peak_flops_fp32=93e9,
+            memory_bytes=8 * GB, hbm_bw=16 * GB, intra_node_bw=1.5 * GB,
+            inter_node_bw=1.5 * GB, intra_node_latency_s=50e-6, inter_node_latency_s=100e-6,
+            host_memory_bytes=24 * GB, host_link_bw=16 * GB, gemm_eff_max=0.9,
             gemm_half_width=64.0, cpu_adam_params_per_s=2e8, layer_overhead_s=2.2e-3,
             step_overhead_s=10.5e-3, reserved_bytes=0.3 * GB, dp_overlap=0.0,
             host_process_bytes=0.5 * GB, device_is_host=True,
-            source="measured on the 2-core CI machine: torch matmul 93 GFLOP/s fp32, 200 bf16"
-                   " per core; gloo loopback busbw 1.5 GB/s; overheads fitted to the built-in"
-                   " trainer run through Ray with the monitor on: bench/bench_cpu_trainer.py"),
+            source="one core of a 2-core x86-64 machine: one-thread torch matmul 93 GFLOP/s"
+                   " fp32, 200 bf16; gloo loopback all-reduce busbw 1.5 GB/s"
+                   " (bench/bench_probe.py); per-layer and per-step overheads fitted to the"
+                   " built-in trainer run through Ray with the monitor on"
+                   " (bench/bench_cpu_trainer.py)"),
     ]
 }
 

@@ -1,15 +1,19 @@
 """Model presets: named transformer shapes that a spec can refer to by `model.preset`.
 
 `service.spec.ModelSpec` copies the dimension keys (layers, hidden, heads, kv_heads, vocab,
-seq_len, ffn_hidden, activation) into the spec. Two more keys describe the architecture for
-the planner's parameter count (`service.planner.shape`) and are ignored by the spec:
+seq_len, ffn_hidden, activation) into the spec. More keys describe the architecture, for the
+planner's parameter count and the built-in trainer (both through `service.planner.shape`), and
+are ignored by the spec:
 
 - `positions`: `learned` (GPT-3: a seq_len x hidden table), `rotary` (Llama) or `alibi`
   (BLOOM); only `learned` holds parameters.
 - `tied`: whether the LM head shares the input embedding matrix.
+- `biases`: whether the linear layers carry biases.
+- `norm`: `layernorm` (with a shift) or `rmsnorm`.
 
-Without a preset, `gelu` models are counted as GPT (biases, LayerNorm, learned positions,
-tied head) and `swiglu` models as Llama (no biases, RMSNorm, rotary, untied head).
+Without a preset (and for keys a preset leaves out), `gelu` models are counted as GPT
+(biases, LayerNorm, learned positions, tied head) and `swiglu` models as Llama (no biases,
+RMSNorm, rotary, untied head).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ _LLAMA3: dict[str, PresetValue] = {
 
 PRESETS: dict[str, dict[str, PresetValue]] = {
     # For tests and the demo: trains in seconds on two CPU ranks.
+    # Its architecture is the built-in trainer's: LayerNorm, no biases, learned positions,
+    # untied head, whatever activation a spec overrides it with.
     "gpt-tiny": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32,
-                 "positions": "learned", "tied": False},  # as the built-in trainer builds it
+                 "positions": "learned", "tied": False, "biases": False, "norm": "layernorm"},
     # GPT-3 family (Brown et al. 2020, Table 2.1), vocab 50257, context 2048.
     "gpt3-125m": {"layers": 12, "hidden": 768, "heads": 12, **_GPT3},
     "gpt3-350m": {"layers": 24, "hidden": 1024, "heads": 16, **_GPT3},

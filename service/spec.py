@@ -10,7 +10,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from service.hardware import PROFILES
 from service.parallel import ParallelDims
@@ -37,79 +45,85 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
+_INT: TypeAdapter[int] = TypeAdapter(int)
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` read as pydantic reads an int field, or None when it is not one."""
+    try:
+        return _INT.validate_python(value)
+    except ValidationError:
+        return None
+
+
+_DIMENSIONS = ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden",
+               "activation")
+"""The keys a preset supplies to a spec (`service.presets` holds more, for the planner)."""
+
+
 class ModelSpec(_Strict):
-    """A decoder-only transformer: a preset, explicit dimensions, or a preset with overrides."""
+    """A decoder-only transformer: a preset, explicit dimensions, or a preset with overrides.
+
+    The preset is merged before the fields are validated, so a validated spec holds every
+    dimension as a plain number, and its dump validates back to the same spec.
+    """
 
     preset: str | None = None
     """Name of a preset shape (see `service.presets`); explicit fields below override it."""
-    layers: Annotated[int, Field(ge=1, le=1024)] | None = None
+    layers: Annotated[int, Field(ge=1, le=1024)]
     """Number of transformer blocks."""
-    hidden: Annotated[int, Field(ge=8, le=131072)] | None = None
+    hidden: Annotated[int, Field(ge=8, le=131072)]
     """Hidden size h."""
-    heads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    heads: Annotated[int, Field(ge=1, le=1024)]
     """Attention heads a (query heads)."""
-    kv_heads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    kv_heads: Annotated[int, Field(ge=1, le=1024)]
     """Key/value heads for grouped-query attention; defaults to `heads` (multi-head)."""
-    vocab: Annotated[int, Field(ge=2, le=1_048_576)] | None = None
+    vocab: Annotated[int, Field(ge=2, le=1_048_576)]
     """Vocabulary size V."""
-    seq_len: Annotated[int, Field(ge=2, le=1_048_576)] | None = None
+    seq_len: Annotated[int, Field(ge=2, le=1_048_576)]
     """Sequence length s in tokens."""
-    ffn_hidden: Annotated[int, Field(ge=1, le=1_048_576)] | None = None
+    ffn_hidden: Annotated[int, Field(ge=1, le=1_048_576)]
     """MLP inner size; defaults to 4 * hidden."""
-    activation: Literal["gelu", "swiglu"] | None = None
+    activation: Literal["gelu", "swiglu"] = "gelu"
     """MLP type: `gelu` (two matrices, GPT) or `swiglu` (three matrices, Llama)."""
 
-    @field_validator("preset")
+    @model_validator(mode="before")
     @classmethod
-    def _known_preset(cls, v: str | None) -> str | None:
-        if v is not None and v not in PRESETS:
-            raise ValueError(f"unknown preset {v!r}; known: {sorted(PRESETS)}")
-        return v
-
-    @model_validator(mode="after")
-    def _complete(self) -> ModelSpec:
-        base: dict[str, Any] = dict(PRESETS[self.preset]) if self.preset else {}
-        for key in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden",
-                    "activation"):
-            value = getattr(self, key)
-            if value is None and key in base:
-                object.__setattr__(self, key, base[key])
+    def _merge_preset(cls, data: Any) -> Any:
+        preset = data.get("preset") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not isinstance(preset, str | None):
+            return data  # a validated ModelSpec, or a wrong type for pydantic to name
+        if isinstance(preset, str) and preset not in PRESETS:
+            # Refused here, at the field, so that the missing dimensions are not reported too.
+            error = ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+            raise ValidationError.from_exception_data(cls.__name__, [{
+                "type": "value_error", "loc": ("preset",), "input": preset,
+                "ctx": {"error": error}}])
+        base = PRESETS[preset] if preset is not None else {}
+        # A dimension given as null takes the preset's value, as an absent one does.
+        merged = {k: v for k, v in data.items() if not (k in _DIMENSIONS and v is None)}
+        for key in _DIMENSIONS:
+            if key not in merged and key in base:
+                merged[key] = base[key]
         missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len")
-                   if getattr(self, k) is None]
+                   if k not in merged]
         if missing:
             raise ValueError(f"{', '.join(missing)} required when no preset is given")
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
-        if self.activation is None:
-            object.__setattr__(self, "activation", "gelu")
-        if self.ffn_hidden is None:
-            object.__setattr__(self, "ffn_hidden", 4 * self.hidden_)
-        if self.hidden_ % self.heads_:
+        # Defaults that follow other fields; when those are not numbers, their own errors say so.
+        heads, hidden = _as_int(merged.get("heads")), _as_int(merged.get("hidden"))
+        if "kv_heads" not in merged and heads is not None:
+            merged["kv_heads"] = heads
+        if "ffn_hidden" not in merged and hidden is not None:
+            merged["ffn_hidden"] = 4 * hidden
+        return merged
+
+    @model_validator(mode="after")
+    def _divisible(self) -> ModelSpec:
+        if self.hidden % self.heads:
             raise ValueError(f"hidden({self.hidden}) is not divisible by heads({self.heads})")
-        if self.heads_ % self.kv_heads_:
+        if self.heads % self.kv_heads:
             raise ValueError(f"heads({self.heads}) is not divisible by kv_heads({self.kv_heads})")
         return self
-
-    # Typed views for callers: after validation every dimension is set.
-    @property
-    def layers_(self) -> int:
-        assert self.layers is not None
-        return self.layers
-
-    @property
-    def hidden_(self) -> int:
-        assert self.hidden is not None
-        return self.hidden
-
-    @property
-    def heads_(self) -> int:
-        assert self.heads is not None
-        return self.heads
-
-    @property
-    def kv_heads_(self) -> int:
-        assert self.kv_heads is not None
-        return self.kv_heads
 
 
 class TrainSpec(_Strict):
@@ -312,15 +326,15 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
         return []
     p, m, t = spec.parallel, spec.model, spec.train
     errs: list[SpecError] = []
-    if m.heads_ % p.tp:
+    if m.heads % p.tp:
         errs.append(SpecError("parallel.tp", f"tp({p.tp}) does not divide heads({m.heads})"))
-    elif m.kv_heads_ % p.tp:
+    elif m.kv_heads % p.tp:
         errs.append(SpecError("parallel.tp", f"tp({p.tp}) does not divide kv_heads({m.kv_heads})"))
-    if m.ffn_hidden is not None and m.ffn_hidden % p.tp:
+    if m.ffn_hidden % p.tp:
         errs.append(SpecError("parallel.tp",
                               f"tp({p.tp}) does not divide ffn_hidden({m.ffn_hidden})"))
     chunks = p.pp * p.virtual_stages
-    if m.layers_ % chunks:
+    if m.layers % chunks:
         errs.append(SpecError(
             "parallel.pp",
             f"layers({m.layers}) is not divisible by pp({p.pp}) * virtual_stages"

@@ -104,3 +104,36 @@ def test_auto_layout_needs_a_cluster() -> None:
     assert spec.parallel == "auto"
     with pytest.raises(ValueError, match="auto"):
         _ = spec.layout
+
+
+def test_a_validated_model_holds_plain_numbers_and_its_dump_round_trips() -> None:
+    from service.spec import ModelSpec
+
+    stored = {"preset": "llama2-70b"}  # a spec stored before presets were merged on input
+    model = ModelSpec.model_validate(stored)
+    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn_hidden,
+            model.activation) == (80, 8192, 64, 8, 28672, "swiglu")
+    assert ModelSpec.model_validate(model.model_dump()) == model
+    assert ModelSpec.model_validate_json(model.model_dump_json()) == model
+    explicit = ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq_len=16)
+    assert (explicit.kv_heads, explicit.ffn_hidden, explicit.activation) == (4, 256, "gelu")
+    assert ModelSpec.model_validate(explicit.model_dump()) == explicit
+    nulls = ModelSpec.model_validate({"preset": "gpt-tiny", "layers": None, "kv_heads": None})
+    assert nulls == ModelSpec(preset="gpt-tiny")
+
+
+def test_an_unknown_preset_is_the_only_error_reported() -> None:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(tiny_spec(model={"preset": "nope"}))
+    assert [(e["loc"], e["msg"][:30]) for e in info.value.errors()] == [
+        (("model", "preset"), "Value error, unknown preset 'n")]
+
+
+@pytest.mark.parametrize(("model", "match"), [
+    ({"preset": "gpt-tiny", "heads": 3}, r"hidden\(64\) is not divisible by heads\(3\)"),
+    ({"preset": "gpt-tiny", "kv_heads": 3}, r"heads\(4\) is not divisible by kv_heads\(3\)"),
+])
+def test_model_dimensions_that_do_not_divide_are_rejected(model: dict, match: str) -> None:
+    with pytest.raises(ValidationError, match=match) as info:
+        JobSpec.model_validate(tiny_spec(model=model))
+    assert [e["loc"] for e in info.value.errors()] == [("model",)]

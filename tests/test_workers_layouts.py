@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from service.planner.shape import ModelShape
 from service.spec import JobSpec, ModelSpec
 from tests.workers_spawn import losses, run_ranks
-from workers.model import GPT, GPTConfig, parameter_count
+from workers.model import GPT, parameter_count
 
-CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 N = parameter_count(CFG)
 STEPS = 5
 

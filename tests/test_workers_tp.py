@@ -12,12 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from service.parallel import ParallelDims
+from service.planner.shape import ModelShape
 from service.spec import ModelSpec
 from tests.workers_spawn import free_port
 from workers import tp
-from workers.model import Block, GPTConfig
+from workers.model import Block
 
-CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 
 
 def _rank(rank: int, port: int, sequence_parallel: bool, out: dict) -> None:

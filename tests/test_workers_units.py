@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 from service.parallel import ParallelDims
+from service.planner.shape import ModelShape
 from service.spec import ModelSpec
 from workers import data
 from workers.memory import ActivationMeter
-from workers.model import GPT, Block, GPTConfig, parameter_count
+from workers.model import GPT, Block, parameter_count
 from workers.pipeline import layer_parts
 from workers.tp import RankGroups
 
-CFG = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny"))
+CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 
 
 def _groups(tp: int, tp_rank: int) -> RankGroups:
@@ -55,24 +56,61 @@ def test_tensor_parallel_shards_are_slices_of_the_unsharded_weights():
     assert shards[0].q.weight.shape == (CFG.hidden // 2, CFG.hidden)
 
 
-def test_parameter_count_matches_the_built_model_for_gelu_swiglu_and_gqa():
+def test_the_trainer_builds_exactly_the_parameters_the_planner_counts():
+    llama_like = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=16,
+                           activation="swiglu")  # no preset: RMSNorm, rotary, untied
     for spec in (ModelSpec(preset="gpt-tiny"),
-                 ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2, ffn_hidden=96)):
-        cfg = GPTConfig.from_spec(spec)
-        model = GPT(cfg, 0)
-        assert sum(p.numel() for p in model.parameters()) == parameter_count(cfg)
-        half = sum(p.numel() for p in GPT(cfg, 0, _groups(2, 1)).parameters())
-        assert half == parameter_count(cfg, tp=2)
+                 ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2, ffn_hidden=96),
+                 llama_like):
+        shape = ModelShape.from_spec(spec)
+        model = GPT(shape, 0)
+        assert sum(p.numel() for p in model.parameters()) == shape.total_params, spec
+        assert parameter_count(shape) == shape.total_params
+        half = sum(p.numel() for p in GPT(shape, 0, _groups(2, 1)).parameters())
+        assert half == parameter_count(shape, tp=2)
+    assert ModelShape.from_spec(ModelSpec(preset="gpt-tiny")).total_params == 232_576
+
+
+def test_the_trainer_refuses_a_shape_it_would_build_differently_naming_the_trait():
+    import dataclasses
+
+    import pytest
+
+    from workers.model import check_buildable
+
+    gpt = ModelShape.from_spec(ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq_len=16))
+    with pytest.raises(ValueError, match=r"no linear biases \(biases=True\)"):
+        GPT(gpt, 0)
+    with pytest.raises(ValueError, match=r"untied LM head \(tied=True\)"):
+        check_buildable(dataclasses.replace(gpt, biases=False))
+    with pytest.raises(ValueError, match=r"not 'alibi'"):
+        check_buildable(dataclasses.replace(CFG, positions="alibi"))
+    with pytest.raises(ValueError, match=r"biases=True"):
+        check_buildable(ModelShape.from_spec(ModelSpec(preset="gpt3-125m")))
+
+
+def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
+    from workers.model import rotary
+
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8)
+    scores = rotary(q) @ rotary(k).transpose(-1, -2)  # the same q and k at every position
+    for offset in range(-5, 6):
+        diagonal = torch.diagonal(scores[0, 0], offset)
+        assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-5), offset
+    assert torch.allclose(rotary(q).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
 
 
 def test_gpt_with_gqa_and_swiglu_runs_forward_and_backward():
-    cfg = GPTConfig.from_spec(ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2))
-    model = GPT(cfg, 0)
-    x, y = data.batch(0, 0, 2, cfg.seq_len, cfg.vocab)
-    logits = model(x)
-    assert logits.shape == (2, cfg.seq_len, cfg.vocab)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    assert all(p.grad is not None for p in model.parameters())
+    for spec in (ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2),
+                 ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=16,
+                           activation="swiglu")):  # Llama-like: RMSNorm, rotary
+        shape = ModelShape.from_spec(spec)
+        model = GPT(shape, 0)
+        x, y = data.batch(0, 0, 2, shape.seq_len, shape.vocab)
+        logits = model(x)
+        assert logits.shape == (2, shape.seq_len, shape.vocab)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        assert all(p.grad is not None for p in model.parameters())
 
 
 def test_stage_boundaries_are_the_plans_with_embedding_first_and_head_last():

@@ -141,12 +141,11 @@ class RankActor:
 
         # Before deepspeed.initialize, which caches the collectives it calls.
         timer.install()
-        faults.install()
+        faults.arm(timer)
         try:
             begin(1)
             train_rank(spec, ctx, report, self._stop)
         finally:
-            faults.uninstall()
             timer.uninstall()
 
     # --- polled by the group --------------------------------------------------------------------

@@ -25,6 +25,10 @@ Two ways in:
   by op name and message size only (no process group, so no dimension) and synchronizes the
   device after every op, which costs more than the 2% budget.
 
+`add_before_collective(fn)` runs `fn()` before each blocking collective, outside the timed
+region and before the heartbeat says "in a collective": fault injection (`workers.faults`)
+sleeps there, so an injected stall counts as compute, as a slow GPU's would.
+
 Inside `collective()` the wrappers stand aside, and nested library calls (a deprecated
 torch function calling its successor) are counted once: only the outermost call records.
 
@@ -81,8 +85,6 @@ _WRAPPED: dict[str, tuple[str, int, str, int, int | None]] = {
     "isend": ("send", 0, "tensor", 2, 1),
     "irecv": ("recv", 0, "tensor", 2, 1),
 }
-COLLECTIVES = tuple(_WRAPPED)
-"""Names of the torch.distributed functions the timer wraps (fault injection wraps them too)."""
 _ASYNC_ALWAYS = frozenset({"isend", "irecv"})
 _PEER_NAMES = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
 
@@ -116,6 +118,7 @@ class CommTimer:
         self._stats: dict[str, dict[str, list[float]]] = {}
         self._events: list[tuple[str, str, Any, Any]] = []
         self._timing = True
+        self._before: list[Callable[[], None]] = []
         self.step = -1
 
     # ------------------------------------------------------------ attribution
@@ -141,6 +144,16 @@ class CommTimer:
             if peer in g:
                 return dim
         return "other"
+
+    # ------------------------------------------------------------ hooks
+
+    def add_before_collective(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` before each blocking collective, outside its timing (see module)."""
+        self._before.append(fn)
+
+    def _before_collective(self) -> None:
+        for fn in self._before:
+            fn()
 
     # ------------------------------------------------------------ recording
 
@@ -197,6 +210,7 @@ class CommTimer:
                 group_ranks = self.dims.group_of(self.rank, Dim(dim))
             else:
                 group_ranks = [self.rank]
+        self._before_collective()
         with self._timed(dim, op, _nbytes(tensor), group_ranks, blocking=True):
             yield
 
@@ -237,6 +251,8 @@ class CommTimer:
                 dim, ranks = self.peer_dim(peer), sorted({self.rank, peer})
             blocking = name not in _ASYNC_ALWAYS and not kwargs.get("async_op", False) and not (
                 len(args) > g_idx + 1 and args[g_idx + 1] is True)
+            if blocking:
+                self._before_collective()
             with self._timed(dim, op, _nbytes(_arg(args, kwargs, t_idx, t_name)), ranks,
                              blocking):
                 return fn(*args, **kwargs)
@@ -259,6 +275,8 @@ class CommTimer:
                     setattr(mod, name, wrapped)
 
     def uninstall(self) -> None:
+        """Restore torch.distributed and drop the before-collective hooks."""
         for (mod, name), original in self._originals.items():
             setattr(mod, name, original)
         self._originals.clear()
+        self._before.clear()

@@ -1,24 +1,20 @@
 """Fault injection for tests: hang, slow, fail or kill a chosen rank at a chosen step.
 
-Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the actor arms it
-around the trainer. Hang and slow sleep right before the step's first collective, inside
+Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the actor arms it on
+the rank's `CommTimer`. Hang and slow sleep right before the step's first collective, inside
 the step (so the step's compute time grows and peers wait in that collective), which is how
 a stuck or slow GPU looks from outside.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-
-from workers.comm_timer import COLLECTIVES
+from workers.comm_timer import CommTimer
 
 
 class FaultInjector:
@@ -27,7 +23,6 @@ class FaultInjector:
         self.rank = rank
         self._pending = 0.0
         self._lock = threading.Lock()
-        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
 
     def begin(self, step: int) -> None:
         """Called at the start of every step, on the training thread."""
@@ -48,26 +43,8 @@ class FaultInjector:
         if sleep:
             time.sleep(sleep)
 
-    def install(self) -> None:
-        """Wrap the collectives (outside the timer's own wrappers, so the sleep is compute)."""
-        if not any(f.kind in ("hang", "slow") for f in self.faults) or self._originals:
-            return
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-
-            @functools.wraps(fn)
-            def wrapper(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
-                self._before_collective()
-                return _fn(*args, **kwargs)
-
-            for mod in (dist, c10d):
-                if getattr(mod, name, None) is fn:
-                    self._originals[(mod, name)] = fn
-                    setattr(mod, name, wrapper)
-
-    def uninstall(self) -> None:
-        for (mod, name), fn in self._originals.items():
-            setattr(mod, name, fn)
-        self._originals.clear()
+    def arm(self, timer: CommTimer) -> None:
+        """Sleep before the step's first collective, through the timer's hook (outside its
+        timing, so the sleep is compute); the timer's `uninstall` disarms it."""
+        if any(f.kind in ("hang", "slow") for f in self.faults):
+            timer.add_before_collective(self._before_collective)

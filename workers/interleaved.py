@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedule's element type
 
 from service.parallel import Dim, stage_layers
+from service.planner.shape import ModelShape
 from service.spec import JobSpec
-from workers.model import GPTConfig, build_layers, loss_fn, torch_checkpoint
+from workers.model import build_layers, loss_fn, torch_checkpoint
 from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
@@ -49,16 +50,16 @@ def check_supported(spec: JobSpec) -> None:
 class InterleavedEngine:
     """This rank's model chunks, their pipeline stages, the schedule and the optimizer."""
 
-    def __init__(self, spec: JobSpec, cfg: GPTConfig, groups: RankGroups,
+    def __init__(self, spec: JobSpec, shape: ModelShape, groups: RankGroups,
                  device: torch.device) -> None:
         check_supported(spec)
         p, t = spec.layout, spec.train
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
-        chunks = [nn.Sequential(*build_layers(cfg, t.seed, groups, p.recompute, rng,
+        chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
                                               checkpoint=torch_checkpoint,
                                               sequence_parallel=p.sequence_parallel)).to(device)
-                  for rng in stage_layers(cfg.layers, p.pp, p.virtual_stages)[groups.pp_rank]]
+                  for rng in stage_layers(shape.layers, p.pp, p.virtual_stages)[groups.pp_rank]]
         self.module = nn.ModuleList(chunks)
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids

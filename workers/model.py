@@ -1,8 +1,11 @@
-"""The built-in decoder-only GPT, built as a list of pipeline layers.
+"""The built-in decoder-only GPT, built as a list of pipeline layers from the planner's shape.
 
-Pre-LayerNorm blocks, causal attention through `scaled_dot_product_attention` (GQA via
-`kv_heads`), a GELU or SwiGLU MLP, learned positions, an untied LM head. The model is a flat list
-[Embedding, Block 0 .. Block L-1, Head] so that the same layers serve a single-stage `GPT`
+The model is `service.planner.shape.ModelShape`, the object the planner counts, so the two
+cannot disagree: pre-norm blocks (LayerNorm or RMSNorm, as `layer_norm` says), causal attention
+through `scaled_dot_product_attention` (GQA via `kv_heads`), a GELU or SwiGLU MLP, learned or
+rotary positions, an untied LM head, no linear biases. `check_buildable` refuses, naming the
+trait, the shapes this model does not build (biases, a tied head, ALiBi). The model is a flat
+list [Embedding, Block 0 .. Block L-1, Head] so that the same layers serve a single-stage `GPT`
 (pp = 1) and DeepSpeed's `PipelineModule` (pp > 1, embedding on the first stage, head on the last).
 
 Layout invariance: every weight is drawn from a generator seeded by (seed, layer, name) at its
@@ -17,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -26,7 +28,7 @@ import torch.utils.checkpoint
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from torch import nn
 
-from service.spec import ModelSpec
+from service.planner.shape import ModelShape
 from workers.tp import (
     ColumnParallelLinear,
     RankGroups,
@@ -52,28 +54,37 @@ def torch_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
 INIT_STD = 0.02
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    seq_len: int
-    ffn_hidden: int
-    activation: Literal["gelu", "swiglu"]
+def check_buildable(shape: ModelShape) -> None:
+    """Refuse a shape this model would build differently from the planner's count."""
+    gpt = "GPT-style models have them (activation 'gelu' without a preset, the gpt3-* presets)"
+    use = "use model.preset 'gpt-tiny' (its fields may be overridden) or an entrypoint"
+    if shape.biases:
+        raise ValueError(f"model: the built-in trainer builds no linear biases (biases=True); "
+                         f"{gpt}: {use}")
+    if shape.tied:
+        raise ValueError(f"model: the built-in trainer builds an untied LM head (tied=True); "
+                         f"{gpt}: {use}")
+    if shape.positions == "alibi":
+        raise ValueError(f"model: the built-in trainer builds learned or rotary positions, not"
+                         f" {shape.positions!r}: {use}")
+    if shape.positions == "rotary" and shape.head_dim % 2:
+        raise ValueError(f"model: rotary positions need an even head size, got hidden"
+                         f"({shape.hidden}) / heads({shape.heads}) = {shape.head_dim}")
 
-    @classmethod
-    def from_spec(cls, m: ModelSpec) -> GPTConfig:
-        assert m.vocab is not None and m.seq_len is not None and m.ffn_hidden is not None
-        assert m.activation is not None
-        return cls(layers=m.layers_, hidden=m.hidden_, heads=m.heads_, kv_heads=m.kv_heads_,
-                   vocab=m.vocab, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden,
-                   activation=m.activation)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+def _norm(shape: ModelShape) -> nn.Module:
+    return nn.LayerNorm(shape.hidden) if shape.layer_norm else nn.RMSNorm(shape.hidden)
+
+
+def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) queries or keys by their position (RoPE, with the
+    halves of each head as the pairs, as Llama's Hugging Face port does)."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    angle = torch.outer(torch.arange(s, dtype=torch.float32, device=x.device), inv)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def init_weight(seed: int, layer: int, name: str, shape: tuple[int, ...],
@@ -89,20 +100,23 @@ def _sp_group(groups: RankGroups | None, sequence_parallel: bool):
 
 
 class Embedding(nn.Module):
-    """Token and learned position embeddings (replicated over TP; layer index -1).
+    """Token embeddings, and learned positions (replicated over TP; layer index -1).
 
     With sequence parallelism the output keeps only this TP rank's chunk of the sequence.
     """
 
-    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+    def __init__(self, shape: ModelShape, seed: int, groups: RankGroups | None = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.tok = nn.Parameter(init_weight(seed, -1, "tok", (cfg.vocab, cfg.hidden)))
-        self.pos = nn.Parameter(init_weight(seed, -1, "pos", (cfg.seq_len, cfg.hidden)))
+        self.tok = nn.Parameter(init_weight(seed, -1, "tok", (shape.vocab, shape.hidden)))
+        self.pos = (nn.Parameter(init_weight(seed, -1, "pos", (shape.seq_len, shape.hidden)))
+                    if shape.learned_positions else None)
         self.sp_group = _sp_group(groups, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
+        x = F.embedding(tokens, self.tok)
+        if self.pos is not None:
+            x = x + self.pos[: tokens.shape[1]]
         return scatter_seq(x, self.sp_group) if self.sp_group is not None else x
 
 
@@ -115,7 +129,7 @@ class Block(nn.Module):
     of the LayerNorm output and a reduce-scatter of the row-parallel output.
     """
 
-    def __init__(self, index: int, cfg: GPTConfig, seed: int, groups: RankGroups | None,
+    def __init__(self, index: int, shape: ModelShape, seed: int, groups: RankGroups | None,
                  recompute: Recompute = "none", checkpoint: CheckpointFn | None = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -124,23 +138,23 @@ class Block(nn.Module):
         tp = groups.tp_size if groups else 1
         r = groups.tp_rank if groups else 0
         self.group = groups.tp if groups and groups.tp_size > 1 else None
-        self.index, self.cfg, self.recompute = index, cfg, recompute
-        self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
-        h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
-        out_std = INIT_STD / math.sqrt(2 * cfg.layers)  # GPT-2: scale residual projections
+        self.index, self.shape, self.recompute = index, shape, recompute
+        self.heads, self.kv_heads = shape.heads // tp, shape.kv_heads // tp
+        h, d, f = shape.hidden, shape.head_dim, shape.ffn_hidden
+        out_std = INIT_STD / math.sqrt(2 * shape.layers)  # GPT-2: scale residual projections
 
         def w(name: str, shape: tuple[int, int], std: float = INIT_STD) -> torch.Tensor:
             return init_weight(seed, index, name, shape, std)
 
-        self.ln1 = nn.LayerNorm(h)
-        self.q = ColumnParallelLinear(w("q", (cfg.heads * d, h)), r, tp)
-        self.k = ColumnParallelLinear(w("k", (cfg.kv_heads * d, h)), r, tp)
-        self.v = ColumnParallelLinear(w("v", (cfg.kv_heads * d, h)), r, tp)
-        self.o = RowParallelLinear(w("o", (h, cfg.heads * d), out_std), r, tp)
-        self.ln2 = nn.LayerNorm(h)
+        self.ln1 = _norm(shape)
+        self.q = ColumnParallelLinear(w("q", (shape.heads * d, h)), r, tp)
+        self.k = ColumnParallelLinear(w("k", (shape.kv_heads * d, h)), r, tp)
+        self.v = ColumnParallelLinear(w("v", (shape.kv_heads * d, h)), r, tp)
+        self.o = RowParallelLinear(w("o", (h, shape.heads * d), out_std), r, tp)
+        self.ln2 = _norm(shape)
         self.up = ColumnParallelLinear(w("up", (f, h)), r, tp)
         self.gate = (ColumnParallelLinear(w("gate", (f, h)), r, tp)
-                     if cfg.activation == "swiglu" else None)
+                     if shape.activation == "swiglu" else None)
         self.down = RowParallelLinear(w("down", (h, f), out_std), r, tp)
         if self.sp_group is not None:
             all_reduce_grads_over_tp([*self.ln1.parameters(), *self.ln2.parameters()],
@@ -163,10 +177,12 @@ class Block(nn.Module):
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         x = self._enter_tp(self.ln1(x))
         b, s, _ = x.shape
-        d = self.cfg.head_dim
+        d = self.shape.head_dim
         q = self.q(x).view(b, s, self.heads, d).transpose(1, 2)
         k = self.k(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        if self.shape.positions == "rotary":
+            q, k = rotary(q), rotary(k)
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
             # the attention core, whose saved activations grow with s^2.
@@ -193,18 +209,18 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the LM head (replicated over TP; layer index L).
+    """Final norm and the LM head (replicated over TP; layer index L).
 
-    With sequence parallelism the whole sequence is gathered first, so the LayerNorm and the
+    With sequence parallelism the whole sequence is gathered first, so the norm and the
     head see every token and their gradients are the same on every TP rank.
     """
 
-    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+    def __init__(self, shape: ModelShape, seed: int, groups: RankGroups | None = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.ln = nn.LayerNorm(cfg.hidden)
-        self.weight = nn.Parameter(init_weight(seed, cfg.layers, "lm_head",
-                                               (cfg.vocab, cfg.hidden)))
+        self.ln = _norm(shape)
+        self.weight = nn.Parameter(init_weight(seed, shape.layers, "lm_head",
+                                               (shape.vocab, shape.hidden)))
         self.sp_group = _sp_group(groups, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,45 +234,43 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_layers(cfg: GPTConfig, seed: int, groups: RankGroups | None,
+def build_layers(shape: ModelShape, seed: int, groups: RankGroups | None,
                  recompute: Recompute = "none",
                  layer_range: tuple[int, int] | None = None,
                  checkpoint: CheckpointFn | None = None,
                  sequence_parallel: bool = False) -> list[nn.Module]:
     """The model as a flat layer list; only blocks in `layer_range` (default all) are built,
     plus the embedding when the range starts at 0 and the head when it ends at L."""
-    start, end = layer_range or (0, cfg.layers)
+    check_buildable(shape)
+    start, end = layer_range or (0, shape.layers)
     layers: list[nn.Module] = []
     sp = sequence_parallel
     if start == 0:
-        layers.append(Embedding(cfg, seed, groups, sp))
-    layers += [Block(i, cfg, seed, groups, recompute, checkpoint, sp) for i in range(start, end)]
-    if end == cfg.layers:
-        layers.append(Head(cfg, seed, groups, sp))
+        layers.append(Embedding(shape, seed, groups, sp))
+    layers += [Block(i, shape, seed, groups, recompute, checkpoint, sp) for i in range(start, end)]
+    if end == shape.layers:
+        layers.append(Head(shape, seed, groups, sp))
     return layers
 
 
 class GPT(nn.Module):
     """The whole model on one pipeline stage: tokens in, logits out."""
 
-    def __init__(self, cfg: GPTConfig, seed: int, groups: RankGroups | None = None,
+    def __init__(self, shape: ModelShape, seed: int, groups: RankGroups | None = None,
                  recompute: Recompute = "none", sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*build_layers(cfg, seed, groups, recompute,
+        self.layers = nn.Sequential(*build_layers(shape, seed, groups, recompute,
                                                   sequence_parallel=sequence_parallel))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.layers(tokens)
 
 
-def parameter_count(cfg: GPTConfig, tp: int = 1) -> int:
-    """Parameters one TP rank holds (tp = 1: the whole model), counted from the shapes alone.
+def parameter_count(shape: ModelShape, tp: int = 1) -> int:
+    """Parameters one TP rank holds (tp = 1: the whole model, `shape.total_params`).
 
-    Attention and MLP matrices are split over tp; LayerNorms, embeddings and head replicated.
+    The blocks' matrices are split over tp; norms, embeddings and head are replicated.
     Used by the tests of the memory report.
     """
-    h, f, d = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
-    attn = cfg.heads * d * h * 2 + cfg.kv_heads * d * h * 2
-    mlp = f * h * (3 if cfg.activation == "swiglu" else 2)
-    block = (attn + mlp) // tp + 4 * h
-    return cfg.layers * block + cfg.vocab * h + cfg.seq_len * h + 2 * h + cfg.vocab * h
+    split = shape.layers * shape.layer_matmul_params()
+    return shape.total_params - split + split // tp

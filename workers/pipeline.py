@@ -19,7 +19,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from service.parallel import ParallelDims, stage_layers
-from workers.model import Block, Embedding, GPTConfig, Head, Recompute, loss_fn
+from service.planner.shape import ModelShape
+from workers.model import Block, Embedding, Head, Recompute, check_buildable, loss_fn
 from workers.tp import RankGroups
 
 
@@ -47,14 +48,15 @@ class _PlannedPipe(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(cfg: GPTConfig, seed: int, dims: ParallelDims, groups: RankGroups,
+def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: RankGroups,
                    recompute: Recompute, sequence_parallel: bool = False) -> PipelineModule:
+    check_buildable(shape)
     sp = sequence_parallel
-    specs = [LayerSpec(Embedding, cfg, seed, groups, sp)]
-    specs += [LayerSpec(Block, i, cfg, seed, groups, recompute, None, sp)
-              for i in range(cfg.layers)]
-    specs.append(LayerSpec(Head, cfg, seed, groups, sp))
+    specs = [LayerSpec(Embedding, shape, seed, groups, sp)]
+    specs += [LayerSpec(Block, i, shape, seed, groups, recompute, None, sp)
+              for i in range(shape.layers)]
+    specs.append(LayerSpec(Head, shape, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
     return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
-                        planned_parts=layer_parts(cfg.layers, dims.pp),
+                        planned_parts=layer_parts(shape.layers, dims.pp),
                         activation_checkpoint_interval=0)

@@ -29,11 +29,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from service.parallel import rank_layout
+from service.parallel import rank_layout, stage_layers
+from service.planner.shape import ModelShape
 from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
-from workers.model import GPT, Block, GPTConfig, loss_fn
+from workers.model import GPT, Block, loss_fn
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 
 Report = Callable[[StepReport], None]
@@ -187,26 +188,26 @@ def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[
 def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
                ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
     layout, t = spec.layout, spec.train
-    cfg = GPTConfig.from_spec(spec.model)
-    _check_layout(layout, cfg, groups, ctx.rank)
+    shape = ModelShape.from_spec(spec.model)  # what the planner counted; built as it is
+    _check_layout(layout, shape, groups, ctx.rank)
 
     # Build and parallelize: tensor parallel and activation checkpointing live inside the
     # layers (workers.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
     if layout.pp > 1 and layout.virtual_stages > 1:
         # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
         from workers.interleaved import InterleavedEngine
-        engine = InterleavedEngine(spec, cfg, groups, device)
+        engine = InterleavedEngine(spec, shape, groups, device)
     elif layout.pp > 1:
         from workers.pipeline import build_pipeline
-        model = build_pipeline(cfg, t.seed, layout.dims, groups, layout.recompute,
+        model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
                                layout.sequence_parallel)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
     else:
-        model = GPT(cfg, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
+        model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config, mpu=DeepSpeedMpu(groups))
-    _check_stage(engine.module, layout, cfg, ctx.rank)
+    _check_stage(engine.module, layout, shape, ctx.rank)
 
     states: dict[str, int] = {}
     inner = memory.innermost_optimizer(engine.optimizer)
@@ -220,7 +221,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if resume:
             start = checkpoint.load(engine, ctx.checkpoint_dir, resume)
 
-    tokens_per_step = t.global_batch * cfg.seq_len
+    tokens_per_step = t.global_batch * shape.seq_len
     for step in range(start, t.steps):
         # Every rank stops at the same step boundary, even when `stop` reached some ranks a
         # step later than others: a rank that left alone would leave its peers in a collective.
@@ -229,8 +230,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         t0 = time.perf_counter()
         batches = data.micro_batches(seed=t.seed, step=step, dp_rank=groups.dp_rank,
                                      dp=layout.dp, global_batch=t.global_batch,
-                                     micro_batch=t.micro_batch, seq_len=cfg.seq_len,
-                                     vocab=cfg.vocab)
+                                     micro_batch=t.micro_batch, seq_len=shape.seq_len,
+                                     vocab=shape.vocab)
         with acts.track():
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
@@ -281,20 +282,21 @@ def _to(batches, device: torch.device):
         yield x.to(device), y.to(device)
 
 
-def _check_layout(layout: ParallelSpec, cfg: GPTConfig, groups: RankGroups, rank: int) -> None:
+def _check_layout(layout: ParallelSpec, shape: ModelShape, groups: RankGroups,
+                  rank: int) -> None:
     """The trainer runs exactly the stored plan's layout: same coordinates, same layer ranges."""
-    if layout.sequence_parallel and cfg.seq_len % layout.tp:
+    if layout.sequence_parallel and shape.seq_len % layout.tp:
         raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
-                         f" seq_len({cfg.seq_len})")
-    row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
+                         f" seq_len({shape.seq_len})")
+    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages)[rank]
     assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
 
 
-def _check_stage(module: torch.nn.Module, layout: ParallelSpec, cfg: GPTConfig,
+def _check_stage(module: torch.nn.Module, layout: ParallelSpec, shape: ModelShape,
                  rank: int) -> None:
     """The blocks this rank built are the plan's layer ranges for its stage, in order."""
-    row = rank_layout(layout.dims, cfg.layers, layout.virtual_stages)[rank]
-    planned = [i for start, end in row["layers"] for i in range(start, end)]  # type: ignore[union-attr]
+    ranges = stage_layers(shape.layers, layout.pp, layout.virtual_stages)
+    planned = [i for start, end in ranges[layout.dims.coord(rank).pp] for i in range(start, end)]
     built = [m.index for m in module.modules() if isinstance(m, Block)]
     assert built == planned, f"rank {rank} built blocks {built}, the plan says {planned}"
 
@@ -312,7 +314,7 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=lambda r: report(StepReport.model_validate(r)),
                       resume_step=resume, stop=stop, attempt=ctx.attempt,
-                      layout=rank_layout(spec.layout.dims, spec.model.layers_,
+                      layout=rank_layout(spec.layout.dims, spec.model.layers,
                                          spec.layout.virtual_stages)))
 
 

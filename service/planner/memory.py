@@ -157,7 +157,7 @@ def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float) -> 
     h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
     mats = [h * (h + 2 * kv) / t, h * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
     small_mats = sum(x for x in mats if x < thr)
-    vecs = (4 if shape.biases else 2) * h + ((h + 2 * kv + h + f + h) if shape.biases else 0)
+    vecs = shape.layer_vector_params
     layers = shape.layers // sc.layout.pp
     return min(stage_params, layers * (small_mats + vecs))
 

@@ -3,15 +3,19 @@
 `ModelShape.from_spec` turns a validated `ModelSpec` into plain numbers; memory.py, timing.py
 and capacity.py read only this object. Conventions for architectures follow
 `service.presets` (GPT: biases, LayerNorm, learned positions, tied head; Llama: none of
-those, SwiGLU, GQA).
+those, SwiGLU, GQA). The built-in trainer (`workers.model`) builds its model from this object
+too, and refuses the traits it does not build, so planner and trainer count the same model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, cast, get_args
 
 from service.presets import PRESETS
 from service.spec import ModelSpec
+
+Positions = Literal["learned", "rotary", "alibi"]
 
 
 @dataclass(frozen=True)
@@ -26,27 +30,45 @@ class ModelShape:
     swiglu: bool
     """Three-matrix gated MLP (Llama) instead of two matrices with GELU (GPT)."""
     biases: bool
-    """Linear layers carry biases and norms carry a shift (GPT, BLOOM)."""
-    learned_positions: bool
-    """A seq_len x hidden position table on the first stage."""
+    """Linear layers carry biases (GPT, BLOOM)."""
+    layer_norm: bool
+    """Norms are LayerNorm, with a shift (GPT, BLOOM), rather than RMSNorm (Llama)."""
+    positions: Positions
+    """Position encoding; only `learned` (a seq_len x hidden table) holds parameters."""
     tied: bool
     """The LM head reuses the input embedding (one copy when pp == 1)."""
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> ModelShape:
-        traits = PRESETS.get(m.preset, {}) if m.preset else {}
+        traits = PRESETS[m.preset] if m.preset else {}
         swiglu = m.activation == "swiglu"
-        positions = str(traits.get("positions", "rotary" if swiglu else "learned"))
-        assert m.vocab is not None and m.seq_len is not None and m.ffn_hidden is not None
+        positions = traits.get("positions", "rotary" if swiglu else "learned")
+        assert positions in get_args(Positions), positions
         return cls(
-            layers=m.layers_, hidden=m.hidden_, heads=m.heads_, kv_heads=m.kv_heads_,
+            layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
             vocab=m.vocab, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, swiglu=swiglu,
-            biases=not swiglu, learned_positions=positions == "learned",
-            tied=bool(traits.get("tied", not swiglu)))
+            biases=bool(traits.get("biases", not swiglu)),
+            layer_norm=traits.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
+            positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)))
+
+    @property
+    def activation(self) -> Literal["gelu", "swiglu"]:
+        return "swiglu" if self.swiglu else "gelu"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.positions == "learned"
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def layer_vector_params(self) -> int:
+        """Parameters of one block outside its matrices: the two norms and the biases."""
+        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
+        norms = (4 if self.layer_norm else 2) * h
+        return norms + ((h + 2 * kv + h + f + h) if self.biases else 0)
 
     @property
     def kv_dim(self) -> int:
@@ -55,12 +77,7 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
-        attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.swiglu else 2) * h * f
-        norms = (4 if self.biases else 2) * h
-        biases = (h + 2 * kv + h + f + h) if self.biases else 0
-        return attn + mlp + norms + biases
+        return self.layer_matmul_params() + self.layer_vector_params
 
     @property
     def embedding_params(self) -> int:
@@ -71,7 +88,7 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """Output side: final norm and the LM head (its own matrix when untied)."""
-        norm = (2 if self.biases else 1) * self.hidden
+        norm = (2 if self.layer_norm else 1) * self.hidden
         return norm + (0 if self.tied else self.vocab * self.hidden)
 
     @property
