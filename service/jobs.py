@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from service.hardware import HardwareProfile
 from service.planner import plan_job
+from service.planner.shape import ModelShape
 from service.planner.stored import StoredPlan
 from service.profiles import profile_for
-from service.spec import JobSpec
+from service.spec import JobSpec, SpecError
 from service.store import Job, Store
 
 
@@ -30,7 +31,12 @@ class Prepared:
 
 
 def prepare(spec: JobSpec, profile: HardwareProfile | None = None) -> Prepared:
-    """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit."""
+    """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit, and a
+    SpecError on `model` if the built-in trainer would build another model than planned."""
+    if spec.entrypoint is None:
+        problems = ModelShape.from_spec(spec.model).builtin_trainer_problems()
+        if problems:
+            raise SpecError("model", "; ".join(problems))
     plan = StoredPlan.from_json(plan_job(spec, profile=profile))
     return Prepared(spec=resolve(spec, plan), plan=plan, world_size=plan.world_size,
                     cpus=spec.resources.cpus_per_worker, gpus=spec.resources.gpus_per_worker)

@@ -56,6 +56,20 @@ def test_bad_specs_are_422_naming_the_field(client: TestClient, spec: dict, loc:
     assert client.get("/api/v1/jobs").json()["total"] == 0  # nothing stored
 
 
+def test_a_model_the_built_in_trainer_would_build_differently_is_refused_at_submit(
+        client: TestClient) -> None:
+    gpt = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}  # tied, biases
+    r = client.post("/api/v1/jobs", json=tiny_spec(model=gpt))
+    assert r.status_code == 422
+    [d] = r.json()["detail"]
+    assert d["loc"] == ["body", "model"] and "untied LM head (tied=True)" in d["msg"], d
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+    # The planner still plans it, and a custom entrypoint may train it.
+    assert client.post("/api/v1/plan", json=tiny_spec(model=gpt)).status_code == 200
+    custom = tiny_spec(model=gpt, entrypoint="examples.custom_entrypoint:train")
+    assert client.post("/api/v1/jobs", json=custom).status_code == 201
+
+
 def test_list_filters_by_state_and_paginates(client: TestClient, store: Store) -> None:
     ids = [client.post("/api/v1/jobs", json=tiny_spec(name=f"j{i}")).json()["id"]
            for i in range(5)]

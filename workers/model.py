@@ -56,20 +56,9 @@ INIT_STD = 0.02
 
 def check_buildable(shape: ModelShape) -> None:
     """Refuse a shape this model would build differently from the planner's count."""
-    gpt = "GPT-style models have them (activation 'gelu' without a preset, the gpt3-* presets)"
-    use = "use model.preset 'gpt-tiny' (its fields may be overridden) or an entrypoint"
-    if shape.biases:
-        raise ValueError(f"model: the built-in trainer builds no linear biases (biases=True); "
-                         f"{gpt}: {use}")
-    if shape.tied:
-        raise ValueError(f"model: the built-in trainer builds an untied LM head (tied=True); "
-                         f"{gpt}: {use}")
-    if shape.positions == "alibi":
-        raise ValueError(f"model: the built-in trainer builds learned or rotary positions, not"
-                         f" {shape.positions!r}: {use}")
-    if shape.positions == "rotary" and shape.head_dim % 2:
-        raise ValueError(f"model: rotary positions need an even head size, got hidden"
-                         f"({shape.hidden}) / heads({shape.heads}) = {shape.head_dim}")
+    problems = shape.builtin_trainer_problems()
+    if problems:
+        raise ValueError("model: " + "; ".join(problems))
 
 
 def _norm(shape: ModelShape) -> nn.Module:

@@ -19,7 +19,7 @@ from api.schemas import (
 from service.compare import compare
 from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
-from service.spec import JobSpec
+from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -35,6 +35,10 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
         job = submit_job(store, spec)
+    except SpecError as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", *exc.field.split(".")], "msg": exc.message,
+             "type": "value_error"}]) from None
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None

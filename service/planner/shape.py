@@ -51,6 +51,25 @@ class ModelShape:
             layer_norm=traits.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
             positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)))
 
+    def builtin_trainer_problems(self) -> list[str]:
+        """Why the built-in trainer (`workers.model`) would build a model other than the one
+        counted here (empty when it builds exactly this one). Checked at submission for jobs
+        without an `entrypoint`, and again by the trainer."""
+        gpt = "GPT-style models have them (activation 'gelu' without a preset, the gpt3-* presets)"
+        use = "use model.preset 'gpt-tiny' (its fields may be overridden) or an entrypoint"
+        out = []
+        if self.biases:
+            out.append(f"the built-in trainer builds no linear biases (biases=True); {gpt}: {use}")
+        if self.tied:
+            out.append(f"the built-in trainer builds an untied LM head (tied=True); {gpt}: {use}")
+        if self.positions == "alibi":
+            out.append(f"the built-in trainer builds learned or rotary positions, not"
+                       f" {self.positions!r}: {use}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            out.append(f"rotary positions need an even head size, got hidden({self.hidden}) /"
+                       f" heads({self.heads}) = {self.head_dim}")
+        return out
+
     @property
     def activation(self) -> Literal["gelu", "swiglu"]:
         return "swiglu" if self.swiglu else "gelu"
