@@ -31,21 +31,9 @@ class JobList(BaseModel):
     offset: int
 
 
-class EventOut(BaseModel):
-    id: int
-    attempt: int | None
-    time: datetime
-    kind: str
-    message: str
-    data: dict[str, Any]
-
-    @classmethod
-    def of(cls, ev: Event) -> EventOut:
-        return cls.model_validate(ev, from_attributes=True)
-
-
 class EventList(BaseModel):
-    items: list[EventOut]
+    items: list[Event]
+    """The stored events as they are (`service.views.Event`), oldest first."""
 
 
 class MetricOut(BaseModel):

@@ -10,7 +10,6 @@ from api.deps import JobDep, StoreDep
 from api.schemas import (
     AttemptList,
     EventList,
-    EventOut,
     JobList,
     JobOut,
     MetricList,
@@ -75,8 +74,8 @@ def cancel(job: JobDep, store: StoreDep) -> JobOut:
 def events(job: JobDep, store: StoreDep,
            after: Annotated[int, Query(ge=0)] = 0,
            limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
-    return EventList(items=[EventOut.of(e) for e in
-                            store.list_events(job_id=job.id, after_id=after, limit=limit)])
+    """A job's events after event id `after`, oldest first."""
+    return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList)
