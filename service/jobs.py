@@ -31,12 +31,7 @@ class Prepared:
 
 
 def prepare(spec: JobSpec, profile: HardwareProfile | None = None) -> Prepared:
-    """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit, and a
-    SpecError on `model` if the built-in trainer would build another model than planned."""
-    if spec.entrypoint is None:
-        problems = ModelShape.from_spec(spec.model).builtin_trainer_problems()
-        if problems:
-            raise SpecError("model", "; ".join(problems))
+    """Plan the job (search it for `parallel: auto`); PlanInfeasible if it cannot fit."""
     plan = StoredPlan.from_json(plan_job(spec, profile=profile))
     return Prepared(spec=resolve(spec, plan), plan=plan, world_size=plan.world_size,
                     cpus=spec.resources.cpus_per_worker, gpus=spec.resources.gpus_per_worker)
@@ -54,9 +49,13 @@ def resolve(spec: JobSpec, plan: StoredPlan) -> JobSpec:
 
 
 def submit(store: Store, spec: JobSpec) -> Job:
-    """Plan `spec` with the profile this cluster plans with and queue it; PlanInfeasible (a
-    ValueError) if it cannot fit."""
+    """Plan `spec` with the profile this cluster plans with and queue it. PlanInfeasible (a
+    ValueError) if it cannot fit; a SpecError on `model` if it would run the built-in trainer
+    and that would build another model than the one planned."""
     prepared = prepare(spec, profile_for(store, spec.target.gpu))
+    refusal = ModelShape.from_spec(spec.model).builtin_trainer_refusal()
+    if spec.entrypoint is None and refusal:
+        raise SpecError("model", refusal)
     return store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
                             plan=prepared.plan, world_size=prepared.world_size,
                             cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import TypedDict  # pydantic takes typing's only from Python 3.12
@@ -49,7 +49,7 @@ class CommOpStats(TypedDict):
     calls: float
 
 
-CustomValue = bool | int | float | str | None
+CustomValue = bool | int | float | Annotated[str, Field(max_length=1024)] | None
 """A value a custom entrypoint may report beside the fields of `StepReport`."""
 
 METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s"})
@@ -93,7 +93,8 @@ class StepReport(BaseModel):
     timed: bool = True
     """Whether `comm` carries times: False on GPU steps between CUDA-event samples, which
     count bytes and calls only."""
-    custom: dict[str, CustomValue] | None = None
+    custom: dict[Annotated[str, Field(max_length=64)], CustomValue] | None = Field(
+        default=None, max_length=64)
     """Whatever else a custom entrypoint wants kept with the step (stored as is)."""
 
     @field_validator("loss")

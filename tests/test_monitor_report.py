@@ -50,6 +50,9 @@ def test_custom_entrypoints_report_a_dict_with_their_own_values_under_custom():
     with pytest.raises(ValidationError, match="world_size"):
         StepReport.model_validate({"rank": 1, "step": 3, "step_time_s": 0.2,
                                    "tokens_per_s": 0.0, "world_size": 2})
+    with pytest.raises(ValidationError, match="custom"):  # bounded, as every report field
+        StepReport.model_validate({"rank": 1, "step": 3, "step_time_s": 0.2,
+                                   "tokens_per_s": 0.0, "custom": {"note": "x" * 2000}})
     with pytest.raises(ValidationError, match="step_s"):  # the old second name is gone
         StepReport.model_validate({**rank_report().model_dump(), "step_s": 0.1})
 

@@ -56,9 +56,9 @@ INIT_STD = 0.02
 
 def check_buildable(shape: ModelShape) -> None:
     """Refuse a shape this model would build differently from the planner's count."""
-    problems = shape.builtin_trainer_problems()
-    if problems:
-        raise ValueError("model: " + "; ".join(problems))
+    refusal = shape.builtin_trainer_refusal()
+    if refusal:
+        raise ValueError(f"model: {refusal}")
 
 
 def _norm(shape: ModelShape) -> nn.Module:

@@ -51,24 +51,26 @@ class ModelShape:
             layer_norm=traits.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
             positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)))
 
-    def builtin_trainer_problems(self) -> list[str]:
+    def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.model`) would build a model other than the one
-        counted here (empty when it builds exactly this one). Checked at submission for jobs
-        without an `entrypoint`, and again by the trainer."""
-        gpt = "GPT-style models have them (activation 'gelu' without a preset, the gpt3-* presets)"
-        use = "use model.preset 'gpt-tiny' (its fields may be overridden) or an entrypoint"
-        out = []
+        counted here, naming the traits; None when it builds exactly this one. Checked at
+        submission for jobs without an `entrypoint`, and again by the trainer."""
+        traits = []
         if self.biases:
-            out.append(f"the built-in trainer builds no linear biases (biases=True); {gpt}: {use}")
+            traits.append("no linear biases (biases=True)")
         if self.tied:
-            out.append(f"the built-in trainer builds an untied LM head (tied=True); {gpt}: {use}")
+            traits.append("an untied LM head (tied=True)")
         if self.positions == "alibi":
-            out.append(f"the built-in trainer builds learned or rotary positions, not"
-                       f" {self.positions!r}: {use}")
+            traits.append(f"learned or rotary positions, not {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
-            out.append(f"rotary positions need an even head size, got hidden({self.hidden}) /"
-                       f" heads({self.heads}) = {self.head_dim}")
-        return out
+            traits.append(f"rotary positions over an even head size, not hidden({self.hidden}) /"
+                          f" heads({self.heads}) = {self.head_dim}")
+        if not traits:
+            return None
+        return ("the built-in trainer builds " + " and ".join(traits) + "; GPT-style models"
+                " have biases and a tied head (activation 'gelu' without a preset, the gpt3-*"
+                " presets): use model.preset 'gpt-tiny' (its fields may be overridden) or an"
+                " entrypoint")
 
     @property
     def activation(self) -> Literal["gelu", "swiglu"]:
