@@ -79,8 +79,7 @@ def _call(server: str, method: str, path: str, **kw: Any) -> Any:
 
 def _layout(plan: dict[str, Any]) -> str:
     """A job's layout from the REST JSON of its plan, e.g. `tp1 pp1 dp2 zero2`."""
-    lay = StoredPlan.from_json(plan).layout
-    return f"tp{lay.tp} pp{lay.pp} dp{lay.dp} zero{lay.zero}"
+    return StoredPlan.from_json(plan).layout.label
 
 
 @app.command()

@@ -36,8 +36,7 @@ def index(store: StoreDep) -> str:
     jobs, total = store.list_jobs(limit=100)
     rows = []
     for j in jobs:
-        lay = j.plan.layout
-        layout = f"tp{lay.tp} pp{lay.pp} dp{lay.dp} zero{lay.zero}"
+        layout = j.plan.layout.label
         last = store.latest_metric(job_id=j.id)
         step = str(last.step) if last else "-"
         loss = f"{last.loss:.4f}" if last and last.loss is not None else "-"

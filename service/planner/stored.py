@@ -40,6 +40,11 @@ class PlannedLayout(ParallelSpec):
     micro_batch: int
 
     @property
+    def label(self) -> str:
+        """The layout in a few characters, as the status page and the CLI list it."""
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero}"
+
+    @property
     def parallel(self) -> ParallelSpec:
         """The layout as a spec's `parallel` field (without the micro-batch)."""
         return ParallelSpec.model_validate(
