@@ -4,7 +4,9 @@
 a fake `Launcher`. Policies decide, the controller carries out; every state change goes through
 `Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop. Each attempt's
 health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `trident probe`
-runs by `ClusterProbes` (both in `service.monitor`).
+runs by `ClusterProbes` (both in `service.monitor`). Nothing in a pass waits for workers to
+die: groups are stopped beside the loop by `Teardowns` (`service.teardown`), so a cancelled
+job is CANCELLED in the pass that sees the request, however many are cancelled at once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from service.scheduler import admit
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Job, Store
+from service.teardown import Teardown, Teardowns
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,6 @@ class _Running:
     started: float
     spec: JobSpec
     health: AttemptHealth
-    cancel_at: float | None = None
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -66,16 +68,20 @@ def retries(job: Job) -> int:
 class Controller:
     def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
-                 poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0) -> None:
+                 poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
+                 shutdown_timeout_s: float = 60.0) -> None:
         self.store = store
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
         self.start_timeout_s = start_timeout_s
         self.cancel_grace_s = cancel_grace_s
         self.poll_timeout_s = poll_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.running: dict[int, _Running] = {}
+        self.teardowns = Teardowns(cancel_grace_s)
         self.cluster_probes = ClusterProbes(store, launcher, start_timeout_s=start_timeout_s,
-                                            grace_s=cancel_grace_s, poll_timeout_s=poll_timeout_s)
+                                            poll_timeout_s=poll_timeout_s,
+                                            teardowns=self.teardowns)
         self.inventory_every_s = inventory_every_s
         self._inventory_at = -inventory_every_s
 
@@ -83,13 +89,20 @@ class Controller:
 
     def step(self) -> StepResult:
         result = StepResult()
+        for td in self.teardowns.reap():
+            self._stopped(td)
         for job in self.store.active_jobs():
-            if job.cancel_requested and job.id not in self.running:
+            if job.cancel_requested and job.id in self.running:
+                self._cancel(job, self.running[job.id], result)
+            elif job.cancel_requested:
                 self._move(job, JobState.CANCELLED, "cancelled by request", result)
             elif job.id in self.running:
                 self._watch(job, self.running[job.id], result)
             elif job.state == JobState.RESTARTING:
-                self._place(job, result)
+                # The last attempt's ranks may still hold the checkpoint directory and their
+                # resources: the next attempt starts once they are gone.
+                if not self.teardowns.busy(("job", job.id)):
+                    self._place(job, result)
             else:
                 self._orphaned(job, result)
         self._admit(result)
@@ -100,10 +113,11 @@ class Controller:
         return result
 
     def shutdown(self) -> None:
-        """Stop every group this controller started (daemon exit)."""
+        """Stop every group this controller started (daemon exit), and wait for them, and for
+        the teardowns already in flight, up to `shutdown_timeout_s`."""
         for job_id, run in list(self.running.items()):
-            run.group.shutdown(self.cancel_grace_s)
-            del self.running[job_id]
+            self._teardown(job_id, run)
+        self.teardowns.wait(self.shutdown_timeout_s)
 
     # --- admission and placement ----------------------------------------------------------------
 
@@ -155,32 +169,35 @@ class Controller:
 
     # --- watching a running group ---------------------------------------------------------------
 
+    def _cancel(self, job: Job, run: _Running, result: StepResult) -> None:
+        """CANCELLED now; the ranks are asked to stop and get the grace beside the loop. A
+        group that is not running yet is not polled again, so it never starts training."""
+        if job.state == JobState.RUNNING:  # what the ranks reported so far is kept
+            result.metrics += self._record(job, run, run.group.poll(self.poll_timeout_s))
+        run.group.cancel()
+        self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
+                     f"cancelled by request; the workers get {self.cancel_grace_s:g} s to stop"
+                     " before they are killed", result)
+
     def _watch(self, job: Job, run: _Running, result: StepResult) -> None:
-        if job.cancel_requested and run.cancel_at is None:
-            run.cancel_at = time.monotonic()
-            run.group.cancel()
-            self.store.add_event(job_id=job.id, attempt=run.attempt, kind="cancel",
-                                 message="asked the workers to stop")
         poll = run.group.poll(self.poll_timeout_s)
         if poll.placement:
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
             run.health.placed(poll.placement)
         result.metrics += self._record(job, run, poll)
         run.health.polled(poll.heartbeats)
-        if poll.state == "running" and run.cancel_at is None and self._hung(job, run, result):
+        if poll.state == "running" and self._hung(job, run, result):
             return
 
         if poll.state in ("running", "succeeded") and job.state == JobState.PLACING:
-            job = self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running",
-                             result, attempt=run.attempt) or job
-        cancelling = run.cancel_at is not None
-        if cancelling and poll.state in ("stopped", "succeeded", "failed"):
-            self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
-                         "cancelled by request", result)
-        elif cancelling and time.monotonic() - (run.cancel_at or 0) > self.cancel_grace_s:
-            self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
-                         "cancelled by request (workers killed)", result)
-        elif poll.state == "starting" and time.monotonic() - run.started > self.start_timeout_s:
+            # Refused when a cancel came in since this pass read the job: the next pass
+            # cancels it, and it never reports running.
+            moved = self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running",
+                               result, attempt=run.attempt, unless_cancelled=True)
+            if moved is None:
+                return
+            job = moved
+        if poll.state == "starting" and time.monotonic() - run.started > self.start_timeout_s:
             self._teardown(job.id, run)
             self._fail_attempt(job, run.attempt, f"worker group did not start within"
                                f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
@@ -246,17 +263,31 @@ class Controller:
                        error=error, attempt=attempt)
 
     def _teardown(self, job_id: int, run: _Running) -> None:
-        run.group.shutdown(self.cancel_grace_s)
+        """Stop the group beside the loop; this controller no longer polls it."""
+        self.teardowns.start(("job", job_id), run.group, attempt=run.attempt)
         self.running.pop(job_id, None)
+
+    def _stopped(self, td: Teardown) -> None:
+        kind, key_id = td.key
+        if td.error is not None:
+            log.warning("%s %s: stopping its worker group failed: %s", kind, key_id, td.error)
+        if kind != "job":
+            return
+        self.store.add_event(
+            job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
+            message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"
+            if td.error else f"worker group stopped and its resources freed in"
+            f" {td.seconds:.1f} s", data={"seconds": round(td.seconds, 3)})
 
     def _move(self, job: Job, to: JobState, message: str, result: StepResult, *,
               error: str | None = None, attempt: int | None = None,
-              data: dict[str, Any] | None = None) -> Job | None:
+              data: dict[str, Any] | None = None, unless_cancelled: bool = False) -> Job | None:
         """Move the job through `Store.transition`; the job as moved, or None when the state
         machine refused (a concurrent change, logged)."""
         try:
             moved = self.store.transition(job_id=job.id, to=to, message=message, error=error,
-                                          attempt=attempt, data=data)
+                                          attempt=attempt, data=data,
+                                          unless_cancelled=unless_cancelled)
         except TransitionError as exc:
             log.warning("job %s: %s", job.id, exc)
             return None

@@ -124,11 +124,13 @@ class Store:
 
     def transition(self, *, job_id: int, to: JobState, message: str,
                    expect: Sequence[JobState] | None = None, error: str | None = None,
-                   data: dict[str, Any] | None = None, attempt: int | None = None) -> Job:
+                   data: dict[str, Any] | None = None, attempt: int | None = None,
+                   unless_cancelled: bool = False) -> Job:
         """Move a job to `to`, check that the move is allowed, and record the event.
 
         `expect` guards against races: when the current state is not one of them, nothing
-        changes and TransitionError is raised.
+        changes and TransitionError is raised. So does `unless_cancelled` when a cancel has
+        been requested (a job asked to stop never reports that it started).
         """
         with self._tx() as s:
             row = self._lock_job(s, job_id)
@@ -136,6 +138,8 @@ class Store:
             if expect is not None and current not in expect:
                 raise TransitionError(
                     f"job {job_id} is {current}, expected one of {', '.join(expect)}")
+            if unless_cancelled and row.cancel_requested:
+                raise TransitionError(f"job {job_id}: cancel requested; not moved to {to}")
             check_transition(current, to)
             now = utcnow()
             row.state = to.value

@@ -55,6 +55,15 @@ def store(db_url: str) -> Iterator[Store]:
     s.close()
 
 
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Store]:
+    """A migrated store on a SQLite file of its own (the controller tests)."""
+    s = Store(f"sqlite:///{tmp_path / 'c.db'}")
+    s.migrate()
+    yield s
+    s.close()
+
+
 def tiny_spec(**over: object) -> dict[str, object]:
     """The demo job's spec as JSON, with top-level overrides."""
     spec: dict[str, object] = {

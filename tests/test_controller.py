@@ -3,11 +3,11 @@ test_e2e_ray.py)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from service.controller import Controller
 from service.hardware import get_profile
@@ -26,8 +26,15 @@ class FakeGroup:
     cancelled: bool = False
     shut: bool = False
     starts: dict[str, Any] = field(default_factory=dict)
+    release: threading.Event | None = None
+    """When set, `shutdown` blocks until it is (ranks slow to stop)."""
+    on_poll: Callable[[], None] | None = None
+    polls: int = 0
 
     def poll(self, timeout_s: float) -> PollResult:
+        self.polls += 1
+        if self.on_poll is not None:
+            self.on_poll()
         if self.cancelled:
             return PollResult(state="stopped")
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
@@ -36,6 +43,8 @@ class FakeGroup:
         self.cancelled = True
 
     def shutdown(self, grace_s: float) -> None:
+        if self.release is not None:
+            assert self.release.wait(60), "shutdown never released"
         self.shut = True
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
@@ -48,6 +57,7 @@ class FakeLauncher:
         self.groups: list[FakeGroup] = []
         self.started: list[dict[str, Any]] = []
         self.cpus = cpus
+        self.release: threading.Event | None = None
 
     def total_capacity(self) -> list[NodeCapacity]:
         return [NodeCapacity("n0", self.cpus, 0)]
@@ -66,7 +76,8 @@ class FakeLauncher:
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> FakeGroup:
-        g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir})
+        g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir},
+                      release=self.release)
         self.started.append({"spec": spec, "plan": plan})
         self.groups.append(g)
         return g
@@ -85,12 +96,10 @@ def make(store: Store, launcher: FakeLauncher, tmp_path: Path, **kw: Any) -> Con
     return Controller(store, launcher, checkpoint_root=tmp_path, **kw)
 
 
-@pytest.fixture
-def sqlite_store(tmp_path: Path):
-    s = Store(f"sqlite:///{tmp_path / 'c.db'}")
-    s.migrate()
-    yield s
-    s.close()
+def stopped(c: Controller, group: FakeGroup) -> bool:
+    """Whether `group` was shut down, once the teardowns (beside the loop) are done."""
+    assert c.teardowns.wait(30), "teardowns still running"
+    return group.shut
 
 
 def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: Path) -> None:
@@ -107,7 +116,7 @@ def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: 
     assert c.step().changes == []  # still starting
     assert [ch.to for ch in c.step().changes] == [JobState.RUNNING]
     assert [ch.to for ch in c.step().changes] == [JobState.SUCCEEDED]
-    assert launcher.groups[0].shut
+    assert stopped(c, launcher.groups[0])
     assert [(m.step, m.loss) for m in sqlite_store.list_metrics(job_id=job_id)] == [
         (1, 5.0), (2, 4.0)]
     attempts = sqlite_store.list_attempts(job_id=job_id)
@@ -167,7 +176,7 @@ def test_cancel_stops_the_group(sqlite_store: Store, tmp_path: Path) -> None:
     c.step(), c.step()
     sqlite_store.request_cancel(job_id=job_id)
     c.step()
-    assert launcher.groups[0].cancelled and launcher.groups[0].shut
+    assert launcher.groups[0].cancelled and stopped(c, launcher.groups[0])
     assert sqlite_store.get_job(job_id=job_id).state == JobState.CANCELLED
 
 
@@ -190,7 +199,7 @@ def test_group_that_never_starts_times_out(sqlite_store: Store, tmp_path: Path) 
     c.step(), c.step()
     job = sqlite_store.get_job(job_id=job_id)
     assert job.state == JobState.FAILED and "did not start within" in (job.error or "")
-    assert launcher.groups[0].shut
+    assert stopped(c, launcher.groups[0])
 
 
 def test_job_too_big_for_the_cluster_fails_with_the_arithmetic(sqlite_store: Store,
@@ -242,7 +251,7 @@ def test_hang_is_diagnosed_with_stacks_and_fails_the_attempt(sqlite_store: Store
     assert hang.data["never_arrived"] == [1]
     assert "ranks [0] wait in all_reduce of dp group [0, 1]" in hang.message
     assert sorted(e.data["rank"] for e in events if e.kind == "stacks") == [0, 1]
-    assert launcher.groups[0].shut
+    assert stopped(c, launcher.groups[0])
 
 
 def test_recent_heartbeats_are_not_a_hang(sqlite_store: Store, tmp_path: Path) -> None:
@@ -351,7 +360,7 @@ def test_cluster_probe_runs_are_started_and_calibrate_a_profile(sqlite_store: St
     bad = sqlite_store.create_probe(scope="cluster", request={
         "ranks_per_node": 2, "max_bytes": 1 << 20, "profile": "cpu"})
     c.step(), c.step()
-    assert all(g.shut for g in launcher.groups)
+    assert all(stopped(c, g) for g in launcher.groups)
     done = sqlite_store.get_probe(probe_id=good.id)
     assert done.status == "done" and done.summary["links"]["intra_node_bw"] == 2e8
     assert sqlite_store.get_profile(name="cpu").profile.intra_node_bw == 2e8

@@ -54,6 +54,22 @@ def drive_until(controller: Controller, done: Callable[[], bool], timeout: float
         time.sleep(0.1)
 
 
+def cancel_delay_s(store: Store, job_id: int) -> float:
+    """Seconds from the job's cancel request to its CANCELLED state, by the store's events."""
+    events = store.list_events(job_id=job_id, limit=1000)
+    asked = next(e.time for e in events if e.kind == "cancel")
+    done = next(e.time for e in events if e.kind == "state" and e.data["to"] == "CANCELLED")
+    return (done - asked).total_seconds()
+
+
+def no_placement_groups_left(controller: Controller) -> bool:
+    """Whether every group is stopped and released, once the teardowns have finished."""
+    drive_until(controller, lambda: controller.teardowns.pending == 0, 60, "teardowns done")
+    controller.step()  # reaps the last of them
+    return not [pg for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"]
+
+
 def drive(controller: Controller, store: Store, job_id: int, until: set[JobState],
           timeout: float) -> JobState:
     drive_until(controller, lambda: store.get_job(job_id=job_id).state in until, timeout,
@@ -83,6 +99,7 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
     assert [r["rank"] for r in attempt.placement["ranks"]] == [0, 1]
     kinds = [e["kind"] for e in client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]]
     assert "placement" in kinds and "rendezvous" in kinds
+    assert controller.teardowns.wait(60)  # the group is stopped beside the controller's loop
     assert not [pg for pg in ray.util.placement_group_table().values()
                 if pg["state"] != "REMOVED"]
 
@@ -197,12 +214,37 @@ def test_cancel_stops_the_workers_within_seconds(stack) -> None:
                 "a finished step")
 
     assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
-    # Within seconds: the workers stop at their next step, or are killed after the 5 s grace;
-    # the deadline leaves room for a loaded machine.
+    # CANCELLED in the pass that sees the request; the workers stop at their next step, or
+    # are killed after the 5 s grace, beside the controller's loop.
     assert drive(controller, store, job_id, {JobState.CANCELLED}, 45) == JobState.CANCELLED
+    assert cancel_delay_s(store, job_id) < 5
     assert not controller.running
-    assert not [pg for pg in ray.util.placement_group_table().values()
-                if pg["state"] != "REMOVED"]
+    assert no_placement_groups_left(controller)
+
+
+def test_four_started_jobs_cancelled_at_once_are_cancelled_within_seconds(stack) -> None:
+    """Four training jobs (8 ranks of 0.25 CPU on the 2-CPU cluster), cancelled together:
+    each is CANCELLED within 5 s of its own request, and their groups are all released."""
+    client, store, controller = stack
+    spec = tiny_spec(train={"steps": 100000, "global_batch": 8, "micro_batch": 2,
+                            "precision": "fp32"}, monitor={"probe": False},
+                     resources={"gpus_per_worker": 0, "cpus_per_worker": 0.25})
+    jobs = [client.post("/api/v1/jobs", json=spec).json()["id"] for _ in range(4)]
+    drive_until(controller, lambda: all(store.list_metrics(job_id=j) for j in jobs), 600,
+                "a finished step of each of the four jobs")
+
+    for j in jobs:
+        assert client.post(f"/api/v1/jobs/{j}/cancel").status_code == 202
+    drive_until(controller, lambda: all(
+        store.get_job(job_id=j).state == JobState.CANCELLED for j in jobs), 60,
+        "all four CANCELLED")
+    delays = {j: cancel_delay_s(store, j) for j in jobs}
+    print("cancel request -> CANCELLED (s):", delays)
+    assert all(d < 5 for d in delays.values()), delays
+    assert no_placement_groups_left(controller)
+    for j in jobs:
+        freed = [e for e in store.list_events(job_id=j, limit=1000) if e.kind == "teardown"]
+        assert len(freed) == 1, [e.message for e in store.list_events(job_id=j, limit=1000)]
 
 
 def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:

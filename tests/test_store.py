@@ -87,6 +87,17 @@ def test_cancel_of_running_job_sets_the_flag(store: Store) -> None:
     assert store.request_cancel(job_id=job_id).cancel_requested  # twice is fine
 
 
+def test_a_job_asked_to_cancel_is_not_moved_to_running(store: Store) -> None:
+    job_id = _job(store)
+    store.transition(job_id=job_id, to=JobState.PLACING, message="a")
+    store.request_cancel(job_id=job_id)
+    with pytest.raises(TransitionError, match="cancel requested"):
+        store.transition(job_id=job_id, to=JobState.RUNNING, message="b", unless_cancelled=True)
+    assert store.get_job(job_id=job_id).state == JobState.PLACING
+    assert store.transition(job_id=job_id, to=JobState.CANCELLED, message="c",
+                            unless_cancelled=False).state == JobState.CANCELLED
+
+
 def test_queue_order_is_priority_then_age(store: Store) -> None:
     low, high, high2 = _job(store, priority=0), _job(store, priority=9), _job(store, priority=9)
     assert [j.id for j in store.queued_jobs()] == [high, high2, low]

@@ -3,9 +3,11 @@
 `RayLauncher` implements `service.protocols.Launcher` for the controller. Resources are
 claimed as one bundle per TP group (tp ranks' CPUs and GPUs), so every TP group lands on one
 node and its all-reduces stay on the fast links; pipeline stages and DP replicas may span
-nodes. A group moves through three phases without ever blocking the controller for long:
+nodes. A group moves through four phases without ever blocking the controller for long:
 placing (waiting for the placement group), rendezvous (actors report their node and rank 0's
-port), running (ranks train on their threads; polls drain their reports).
+port), launching (ranks import their libraries and start their threads), running (ranks
+train on their threads; polls drain their reports). `shutdown` may block for the grace: the
+controller runs it beside its loop (`service.teardown`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class RayWorkerGroup:
         self.phase = "placing"
         self.infos: list[dict[str, Any]] = []
         self._info_refs: list[Any] = []
+        self._launch_refs: list[Any] = []
+        self._placement: dict[str, Any] = {}
         self._poll_refs: dict[int, Any] = {}
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
@@ -81,6 +85,8 @@ class RayWorkerGroup:
                 return self._poll_placing(timeout_s)
             if self.phase == "rendezvous":
                 return self._poll_rendezvous(timeout_s)
+            if self.phase == "launching":
+                return self._poll_launching(timeout_s)
             return self._poll_running(timeout_s)
         except RayError as exc:  # errors come back as data
             return PollResult(state="failed", error=f"{type(exc).__name__}: {exc}")
@@ -105,16 +111,27 @@ class RayWorkerGroup:
         for info in self.infos:
             local_ranks.append(per_node[info["node_id"]])
             per_node[info["node_id"]] += 1
-        ray.get([self._launch(a, r, self.infos, local_ranks[r])
-                 for r, a in enumerate(self.actors)], timeout=60)
-        self.phase = "running"
+        # Starting a rank imports its libraries (seconds): waited for by later polls.
+        self._launch_refs = [self._launch(a, r, self.infos, local_ranks[r])
+                             for r, a in enumerate(self.actors)]
+        self.phase = "launching"
         master = self.infos[0]
-        placement = {"ranks": [{k: i[k] for k in ("rank", "node_id", "hostname", "ip", "pid",
-                                                  "gpu_ids")} for i in self.infos],
-                     "master": f"{master['ip']}:{master['free_ports'][0]}"}
+        self._placement = {"ranks": [{k: i[k] for k in ("rank", "node_id", "hostname", "ip",
+                                                        "pid", "gpu_ids")} for i in self.infos],
+                           "master": f"{master['ip']}:{master['free_ports'][0]}"}
+        return self._poll_launching(timeout_s)
+
+    def _poll_launching(self, timeout_s: float) -> PollResult:
+        refs = self._launch_refs
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(done) < len(refs):
+            return PollResult(state="starting")
+        ray.get(refs)  # a rank that failed to start raises here: a failed poll
+        self.phase = "running"
+        placement = self._placement
+        nodes = len({r["node_id"] for r in placement["ranks"]})
         events = [{"kind": "rendezvous", "message": f"{self.world_size} ranks on"
-                   f" {len(per_node)} node(s); rank 0 at {placement['master']}",
-                   "data": placement}]
+                   f" {nodes} node(s); rank 0 at {placement['master']}", "data": placement}]
         return PollResult(state="running", placement=placement, events=events)
 
     def _poll_running(self, timeout_s: float) -> PollResult:
@@ -185,8 +202,9 @@ class RayWorkerGroup:
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline:
                 try:
-                    states = [s["state"] for s in ray.get([a.poll.remote() for a in self.actors],
-                                                          timeout=max(0.1, grace_s))]
+                    states = [s["state"] for s in ray.get(
+                        [a.poll.remote() for a in self.actors],
+                        timeout=max(0.1, deadline - time.monotonic()))]
                 except RayError:
                     break
                 if "running" not in states:

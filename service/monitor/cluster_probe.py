@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from service.calibration import calibrate
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.store import ProbeStatus, Store
+from service.teardown import Teardowns
 
 
 @dataclass
@@ -33,11 +34,11 @@ class ClusterProbes:
     """The cluster probes this controller runs."""
 
     def __init__(self, store: Store, launcher: Launcher, *, start_timeout_s: float,
-                 grace_s: float, poll_timeout_s: float) -> None:
+                 poll_timeout_s: float, teardowns: Teardowns) -> None:
         self.store = store
         self.launcher = launcher
         self.start_timeout_s = start_timeout_s
-        self.grace_s = grace_s
+        self.teardowns = teardowns
         self.poll_timeout_s = poll_timeout_s
         self.running: dict[int, _Probe] = {}
 
@@ -62,7 +63,7 @@ class ClusterProbes:
                                   f" {self.start_timeout_s:g} s")
             if poll.state not in ("succeeded", "failed", "stopped"):
                 continue
-            probe.group.shutdown(self.grace_s)
+            self.teardowns.start(("probe", probe_id), probe.group)
             del self.running[probe_id]
             if poll.state != "succeeded":
                 self._failed(probe_id, poll.error or poll.state)
