@@ -69,7 +69,7 @@ class Controller:
     def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
-                 shutdown_timeout_s: float = 60.0) -> None:
+                 shutdown_timeout_s: float = 20.0) -> None:
         self.store = store
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
@@ -114,7 +114,8 @@ class Controller:
 
     def shutdown(self) -> None:
         """Stop every group this controller started (daemon exit), and wait for them, and for
-        the teardowns already in flight, up to `shutdown_timeout_s`."""
+        the teardowns already in flight, up to `shutdown_timeout_s` (all at once, inside the
+        30 s `trident up` gives the daemon to exit)."""
         for job_id, run in list(self.running.items()):
             self._teardown(job_id, run)
         self.teardowns.wait(self.shutdown_timeout_s)
