@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,10 +36,20 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: PyYAML reads `3e-4` (no dot) as a string, which the spec,
+    strict about numbers, would refuse."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
+
+
 def load_spec(path: Path) -> JobSpec:
     """Read a YAML (or JSON) spec and validate it, naming the field of any error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_SpecLoader)  # a SafeLoader subclass
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}")
     except yaml.YAMLError as exc:

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
-from api.deps import JobDep, StoreDep
+from api.deps import AfterStep, Attempt, EventAfter, JobDep, Offset, Rank, StoreDep
 from api.schemas import (
     AttemptList,
     EventList,
@@ -48,7 +48,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
 def list_jobs(store: StoreDep,
               state: Annotated[list[JobState] | None, Query()] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50,
-              offset: Annotated[int, Query(ge=0)] = 0) -> JobList:
+              offset: Offset = 0) -> JobList:
     """Jobs, newest first; `state` may repeat to select several states."""
     items, total = store.list_jobs(states=state, limit=limit, offset=offset)
     return JobList(items=[JobOut.of(j) for j in items], total=total, limit=limit, offset=offset)
@@ -72,7 +72,7 @@ def cancel(job: JobDep, store: StoreDep) -> JobOut:
 
 @router.get("/{job_id}/events", response_model=EventList)
 def events(job: JobDep, store: StoreDep,
-           after: Annotated[int, Query(ge=0)] = 0,
+           after: EventAfter = 0,
            limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
     """A job's events after event id `after`, oldest first."""
     return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
@@ -80,9 +80,9 @@ def events(job: JobDep, store: StoreDep,
 
 @router.get("/{job_id}/metrics", response_model=MetricList)
 def metrics(job: JobDep, store: StoreDep,
-            rank: Annotated[int, Query(ge=0)] = 0,
-            attempt: Annotated[int | None, Query(ge=1)] = None,
-            after_step: Annotated[int, Query(ge=0)] = 0,
+            rank: Rank = 0,
+            attempt: Attempt = None,
+            after_step: AfterStep = 0,
             limit: Annotated[int, Query(ge=1, le=100000)] = 10000) -> MetricList:
     """Per-step metrics of one rank (rank 0 by default), oldest first."""
     rows = store.list_metrics(job_id=job.id, rank=rank, attempt=attempt, after_step=after_step,
