@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Query, Request
+from fastapi import Depends, Header, HTTPException, Path, Query, Request
 
+from service.db import IDEMPOTENCY_KEY_MAX
 from service.store import Job, NotFound, Store
 
 INT32_MAX = 2**31 - 1
@@ -27,6 +28,12 @@ Rank = Annotated[int, Query(ge=0, le=INT32_MAX, description="The rank whose metr
 Attempt = Annotated[int | None, Query(ge=1, le=INT32_MAX,
                                       description="Only this attempt (default: every one).")]
 AfterStep = Annotated[int, Query(ge=0, le=INT32_MAX, description="Only steps above this one.")]
+IdempotencyKey = Annotated[str | None, Header(
+    min_length=1, max_length=IDEMPOTENCY_KEY_MAX, pattern=r"^[!-~]+$",
+    description="Any string of printable ASCII characters without spaces (at most"
+    f" {IDEMPOTENCY_KEY_MAX}), new for every job: a submission retried with the same key"
+    " returns the job the first one created (200) instead of creating another; the same"
+    " key with another spec is a 409.")]
 
 
 def get_store(request: Request) -> Store:

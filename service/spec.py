@@ -32,6 +32,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_WORLD = 65536
 MAX_RANKS_PER_NODE = 64
 MAX_MICRO_BATCH = 65536
+Zero = Literal[0, 1, 2, 3]
+Offload = Literal["none", "optimizer", "optimizer+params"]
 GPU_DEFAULT = "a100-80gb"
 """Profile assumed for GPU jobs that name no cluster."""
 
@@ -158,9 +160,9 @@ class ParallelSpec(_Strict):
     """Pipeline-parallel degree: number of stages."""
     dp: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
     """Data-parallel degree: model replicas, the group ZeRO shards over."""
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Zero = 0
     """DeepSpeed ZeRO stage over the dp group."""
-    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    offload: Offload = "none"
     """CPU offload: optimizer states (ZeRO >= 1), or also parameters (ZeRO-3)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core), or full (each block)."""
@@ -171,8 +173,7 @@ class ParallelSpec(_Strict):
 
     @field_validator("zero", mode="before")
     @classmethod
-    def _zero_is_an_int(cls, v: Any) -> Any:
-        # A Literal of ints would take true for 1 and 1.0 for 1.
+    def _zero_is_an_int(cls, v: Any) -> Any:  # a Literal alone takes true and 1.0 for 1
         if type(v) is not int:
             raise ValueError(f"zero is an integer 0, 1, 2 or 3, got {type(v).__name__}")
         return v

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from api.deps import AfterStep, Attempt, EventAfter, JobDep, Offset, Rank, StoreDep
+from api.deps import (
+    AfterStep,
+    Attempt,
+    EventAfter,
+    IdempotencyKey,
+    JobDep,
+    Offset,
+    Rank,
+    StoreDep,
+)
 from api.schemas import (
     AttemptList,
     EventList,
@@ -16,6 +25,7 @@ from api.schemas import (
     MetricOut,
 )
 from service.compare import compare
+from service.jobs import KeyReused, submit_once
 from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
@@ -24,16 +34,30 @@ from service.states import JobState, TransitionError
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=201, response_model=JobOut)
-def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
+@router.post("", status_code=201, response_model=JobOut,
+             responses={200: {"model": JobOut, "description": "A retried submission (same"
+                              " Idempotency-Key and spec): the job it created"},
+                        409: {"description": "The Idempotency-Key was used with another spec"}})
+def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
+           idempotency_key: IdempotencyKey = None) -> JobOut:
     """Validate and plan a job, then queue it. For `parallel: auto` the stored spec carries
-    the layout the search chose (the plan says `chosen_by: search`)."""
+    the layout the search chose (the plan says `chosen_by: search`). With an
+    `Idempotency-Key` a retry is safe: it returns the first submission's job."""
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        job = submit_job(store, spec)
+        if idempotency_key is None:
+            job = submit_job(store, spec)
+        else:
+            job, created = submit_once(store, spec, idempotency_key)
+            if not created:
+                response.status_code = 200
+    except KeyReused as exc:
+        raise HTTPException(status_code=409, detail=[
+            {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],
+        ) from None
     except SpecError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", *exc.field.split(".")], "msg": exc.message,

@@ -26,13 +26,14 @@ from service.planner.memory import stage_memory
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
-from service.spec import MAX_MICRO_BATCH, JobSpec, ParallelSpec
+from service.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 
 SEARCH_BUDGET = 16_000
 """Candidates (layout families and layouts with their micro-batch) one search may look at."""
 
-ZERO_OFFLOAD = [(0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
-                (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+ZERO_OFFLOAD: list[tuple[Zero, Offload]] = [
+    (0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"), (3, "none"),
+    (3, "optimizer"), (3, "optimizer+params")]
 RECOMPUTE = ["none", "selective", "full"]
 
 
