@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
+from service.specfile import load_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
@@ -37,20 +37,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-class _SpecLoader(yaml.SafeLoader):
-    """YAML with YAML 1.2's floats: PyYAML reads `3e-4` (no dot) as a string, which the spec,
-    strict about numbers, would refuse."""
-
-
-_SpecLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"))
-
-
 def load_spec(path: Path) -> JobSpec:
     """Read a YAML (or JSON) spec and validate it, naming the field of any error."""
     try:
-        raw = yaml.load(path.read_text(), Loader=_SpecLoader)  # a SafeLoader subclass
+        raw = load_yaml(path.read_text())
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}")
     except yaml.YAMLError as exc:
