@@ -43,4 +43,4 @@ stop:
 	@if [ -f var/trident.pid ]; then kill $$(cat var/trident.pid) && rm -f var/trident.pid && echo "stopped"; fi
 
 clean:
-	rm -rf var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache .hypothesis

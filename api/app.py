@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api import pages
+from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.routes import cluster, jobs, plan
 from service.settings import Settings
 from service.store import Store
@@ -50,8 +51,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             app.state.store.close()
 
     app = FastAPI(title="Trident", version="0.1.0", lifespan=lifespan,
-                  description="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
+                  description="Plan, run and watch TP x PP x DP (ZeRO) training jobs.\n\n"
+                  f"Request bodies are at most {MAX_BODY_BYTES} bytes (1 MiB): a larger one"
+                  " is refused with 413 before it is parsed.")
     app.state.settings = settings
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
+from service.specfile import load_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
@@ -38,7 +40,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def load_spec(path: Path) -> JobSpec:
     """Read a YAML (or JSON) spec and validate it, naming the field of any error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}")
     except yaml.YAMLError as exc:
@@ -59,12 +61,25 @@ def _client(server: str) -> httpx.Client:
     return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30)
 
 
-def _call(server: str, method: str, path: str, **kw: Any) -> Any:
-    try:
-        with _client(server) as c:
-            r = c.request(method, path, **kw)
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the Trident API at {server}: {exc}")
+RETRY_STATUS = {502, 503, 504}
+"""Answers that say the server could not handle the request now (a proxy, or a restart)."""
+
+
+def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
+    """One request; `retries` more after a transport error or a 502/503/504, with backoff
+    (only for requests that are safe to repeat)."""
+    for attempt in range(retries + 1):
+        try:
+            with _client(server) as c:
+                r = c.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            if attempt == retries:
+                fail(f"cannot reach the Trident API at {server}: {exc}")
+            time.sleep(min(0.5 * 2**attempt, 5.0))
+            continue
+        if r.status_code not in RETRY_STATUS or attempt == retries:
+            break
+        time.sleep(min(0.5 * 2**attempt, 5.0))
     if r.status_code >= 400:
         try:
             detail = r.json().get("detail")
@@ -86,8 +101,10 @@ def _layout(plan: dict[str, Any]) -> str:
 def submit(spec: Path, server: ServerOpt = DEFAULT_SERVER,
            wait: Annotated[bool, typer.Option(help="Follow the job; fail unless it succeeds.")]
            = False) -> None:
-    """Submit a job spec (YAML); prints the job id."""
-    job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"))
+    """Submit a job spec (YAML); prints the job id. Retried on connection errors under one
+    Idempotency-Key, so that a retry never queues the job twice."""
+    job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"),
+                headers={"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}, retries=4)
     typer.echo(job["id"])
     if wait:
         raise typer.Exit(follow(server, job["id"]))

@@ -1,12 +1,39 @@
-"""FastAPI dependencies, declared once as `Annotated` aliases."""
+"""FastAPI dependencies and bounded path/query parameters, declared once as `Annotated` aliases.
+
+Every integer a client puts in a path or a query is bounded by the range of the column it is
+compared with (INTEGER: 32 bits on PostgreSQL; BIGINT for event ids), so that a too large
+number is a 422 naming the parameter instead of a database overflow.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request
+from fastapi import Depends, Header, HTTPException, Path, Query, Request
 
+from service.db import IDEMPOTENCY_KEY_MAX
 from service.store import Job, NotFound, Store
+
+INT32_MAX = 2**31 - 1
+"""The largest value of an INTEGER column (job and probe ids, attempts, steps, ranks)."""
+INT64_MAX = 2**63 - 1
+"""The largest value of a BIGINT column (event ids)."""
+
+JobId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A job's id.")]
+ProbeId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A probe's id.")]
+Offset = Annotated[int, Query(ge=0, le=INT32_MAX, description="Items to skip.")]
+EventAfter = Annotated[int, Query(ge=0, le=INT64_MAX,
+                                  description="Only events with an id above this one.")]
+Rank = Annotated[int, Query(ge=0, le=INT32_MAX, description="The rank whose metrics to list.")]
+Attempt = Annotated[int | None, Query(ge=1, le=INT32_MAX,
+                                      description="Only this attempt (default: every one).")]
+AfterStep = Annotated[int, Query(ge=0, le=INT32_MAX, description="Only steps above this one.")]
+IdempotencyKey = Annotated[str | None, Header(
+    min_length=1, max_length=IDEMPOTENCY_KEY_MAX, pattern=r"^[!-~]+$",
+    description="Any string of printable ASCII characters without spaces (at most"
+    f" {IDEMPOTENCY_KEY_MAX}), new for every job: a submission retried with the same key"
+    " returns the job the first one created (200) instead of creating another; the same"
+    " key with another spec is a 409.")]
 
 
 def get_store(request: Request) -> Store:
@@ -17,7 +44,7 @@ def get_store(request: Request) -> Store:
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
-def get_job(store: StoreDep, job_id: Annotated[int, Path(ge=1)]) -> Job:
+def get_job(store: StoreDep, job_id: JobId) -> Job:
     try:
         return store.get_job(job_id=job_id)
     except NotFound as exc:

@@ -33,8 +33,12 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
+IDEMPOTENCY_KEY_MAX = 255
+
+
 class JobRow(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_idempotency_key", "idempotency_key", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -53,6 +57,11 @@ class JobRow(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(IDEMPOTENCY_KEY_MAX),
+                                                        nullable=True)
+    """The client's `Idempotency-Key` of the submission that created the job (unique)."""
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """SHA-256 of the submitted spec, to tell a retry from another request with that key."""
 
 
 class AttemptRow(Base):

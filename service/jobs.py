@@ -4,11 +4,15 @@
 `parallel: "auto"` is resolved here, once: the stored spec
 carries the layout and micro-batch the search chose (the plan keeps `chosen_by: search` and
 the search summary), so the controller and the workers run the stored spec as it is.
-Raises ValueError (a 422) when the job cannot run as asked.
+Raises ValueError (a 422) when the job cannot run as asked, including when no placement of
+its TP-group bundles exists on the nodes the controller last recorded (the API never asks
+Ray; with no nodes recorded yet the scheduler decides later, as for any job).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from service.hardware import HardwareProfile
@@ -16,8 +20,10 @@ from service.planner import plan_job
 from service.planner.shape import ModelShape
 from service.planner.stored import StoredPlan
 from service.profiles import profile_for
+from service.protocols import NodeCapacity
+from service.scheduler import Bundle, pack
 from service.spec import JobSpec, SpecError
-from service.store import Job, Store
+from service.store import Job, KeyTaken, Node, Store
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,93 @@ def resolve(spec: JobSpec, plan: StoredPlan) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
-def submit(store: Store, spec: JobSpec) -> Job:
+class KeyReused(ValueError):
+    """An idempotency key sent again with another spec than the one that created its job."""
+
+    def __init__(self, key: str, job: Job) -> None:
+        super().__init__(f"idempotency key {key!r} was used for job {job.id} with another"
+                         " spec; send a new key for a new job")
+        self.job = job
+
+
+def request_hash(spec: JobSpec) -> str:
+    """SHA-256 of the spec as validated: key order, spacing and defaults do not count."""
+    text = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def submit_once(store: Store, spec: JobSpec, key: str) -> tuple[Job, bool]:
+    """`submit` under an idempotency key: the job (and True) when this call created it; the
+    job an earlier submission with `key` created (and False) when the spec is the same;
+    KeyReused when it is not."""
+    digest = request_hash(spec)
+
+    def earlier(job: Job, digest_then: str | None) -> tuple[Job, bool]:
+        if digest_then != digest:
+            raise KeyReused(key, job)
+        return job, False
+
+    if (found := store.job_by_idempotency_key(key)) is not None:
+        return earlier(*found)
+    try:
+        return submit(store, spec, idempotency_key=key, digest=digest), True
+    except KeyTaken as taken:  # a concurrent retry created it first
+        return earlier(taken.job, taken.request_hash)
+
+
+def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
+           digest: str | None = None) -> Job:
     """Plan `spec` with the profile this cluster plans with and queue it. PlanInfeasible (a
     ValueError) if it cannot fit; a SpecError on `model` if it would run the built-in trainer
-    and that would build another model than the one planned."""
+    and that would build another model than the one planned, or on `resources` if no
+    placement of its ranks exists on the recorded nodes."""
     prepared = prepare(spec, profile_for(store, spec.target.gpu))
     refusal = ModelShape.from_spec(spec.model).builtin_trainer_refusal()
     if spec.entrypoint is None and refusal:
         raise SpecError("model", refusal)
+    unplaceable = placement_refusal(prepared, store.list_nodes())
+    if unplaceable is not None:
+        raise unplaceable
     return store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
                             plan=prepared.plan, world_size=prepared.world_size,
-                            cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority)
+                            cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority,
+                            idempotency_key=idempotency_key, request_hash=digest)
+
+
+def capacities(nodes: list[Node]) -> list[NodeCapacity]:
+    """The CPUs and GPUs of the alive nodes whose Ray resources the controller recorded."""
+    out = []
+    for n in nodes:
+        res = n.info.get("resources")
+        if n.alive and isinstance(res, dict):
+            out.append(NodeCapacity(n.node_id, float(res.get("CPU") or 0),
+                                    float(res.get("GPU") or 0)))
+    return out
+
+
+def placement_refusal(job: Prepared, nodes: list[Node]) -> SpecError | None:
+    """Why the job's bundles (one per TP group) could never be placed on `nodes`, naming the
+    field to change and the cluster's largest node; None when they fit, or no node is known."""
+    caps = capacities(nodes)
+    if not caps:
+        return None
+    tp = job.plan.layout.tp
+    bundle = Bundle(cpus=job.cpus * tp, gpus=job.gpus * tp)
+    groups = job.world_size // tp
+    if pack([bundle] * groups, caps) is not None:
+        return None
+    big_cpu, big_gpu = max(c.cpus for c in caps), max(c.gpus for c in caps)
+    largest = max(caps, key=lambda c: (c.gpus, c.cpus) if bundle.gpus else (c.cpus, c.gpus))
+    claim = (f"a TP group of tp({tp}) ranks claims {bundle.cpus:g} CPUs and {bundle.gpus:g}"
+             f" GPUs on one node; the largest of the cluster's {len(caps)} node(s) has"
+             f" {largest.cpus:g} CPUs / {largest.gpus:g} GPUs")
+    if bundle.cpus > big_cpu + 1e-9:
+        return SpecError("resources.cpus_per_worker", claim)
+    if bundle.gpus > big_gpu + 1e-9:
+        return SpecError("resources.gpus_per_worker", claim)
+    total_cpu, total_gpu = sum(c.cpus for c in caps), sum(c.gpus for c in caps)
+    return SpecError("resources", f"{groups} TP group(s) of tp({tp}) ranks, each claiming"
+                     f" {bundle.cpus:g} CPUs and {bundle.gpus:g} GPUs on one node, fit nowhere"
+                     f" together on the cluster's {len(caps)} node(s) ({total_cpu:g} CPUs,"
+                     f" {total_gpu:g} GPUs; the largest node {largest.cpus:g} CPUs /"
+                     f" {largest.gpus:g} GPUs)")

@@ -20,6 +20,9 @@ class Dim(StrEnum):
     DP = "dp"
 
 
+_AXES = tuple(d.value for d in Dim)
+
+
 @dataclass(frozen=True)
 class RankCoord:
     """Where one rank sits in the (pp, dp, tp) grid."""
@@ -39,10 +42,12 @@ class ParallelDims:
     dp: int = 1
 
     def __post_init__(self) -> None:
-        for dim in Dim:
-            value = getattr(self, dim.value)
+        # A plain tuple, not `Dim`: iterating an enum is slow, and the planner's search
+        # builds this for every candidate it evaluates.
+        for name in _AXES:
+            value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{dim.value}({value}) must be a positive integer")
+                raise ValueError(f"{name}({value}) must be a positive integer")
 
     @property
     def world_size(self) -> int:

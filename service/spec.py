@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -26,8 +27,13 @@ from service.presets import PRESETS
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 MAX_WORLD = 65536
+MAX_RANKS_PER_NODE = 64
+MAX_MICRO_BATCH = 65536
+Zero = Literal[0, 1, 2, 3]
+Offload = Literal["none", "optimizer", "optimizer+params"]
 GPU_DEFAULT = "a100-80gb"
 """Profile assumed for GPU jobs that name no cluster."""
 
@@ -42,10 +48,12 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # strict: a number is a JSON number (a bool or a string is refused; an int is a valid
+    # float), a bool is true or false.
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
-_INT: TypeAdapter[int] = TypeAdapter(int)
+_INT: TypeAdapter[int] = TypeAdapter(Annotated[int, Strict()])
 
 
 def _as_int(value: Any) -> int | None:
@@ -133,7 +141,7 @@ class TrainSpec(_Strict):
     """Optimizer steps to run."""
     global_batch: Annotated[int, Field(ge=1, le=1_048_576)] = 8
     """Sequences per optimizer step, across all data-parallel replicas."""
-    micro_batch: Annotated[int, Field(ge=1, le=65536)] = 1
+    micro_batch: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)] = 1
     """Sequences per forward/backward pass on one rank."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Arithmetic precision of weights and activations (optimizer states stay fp32)."""
@@ -152,9 +160,9 @@ class ParallelSpec(_Strict):
     """Pipeline-parallel degree: number of stages."""
     dp: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
     """Data-parallel degree: model replicas, the group ZeRO shards over."""
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Zero = 0
     """DeepSpeed ZeRO stage over the dp group."""
-    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    offload: Offload = "none"
     """CPU offload: optimizer states (ZeRO >= 1), or also parameters (ZeRO-3)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core), or full (each block)."""
@@ -162,6 +170,13 @@ class ParallelSpec(_Strict):
     """Megatron sequence parallelism in LayerNorm/dropout regions (needs tp > 1)."""
     virtual_stages: Annotated[int, Field(ge=1, le=64)] = 1
     """Interleaved model chunks per pipeline rank (needs pp > 1)."""
+
+    @field_validator("zero", mode="before")
+    @classmethod
+    def _zero_is_an_int(cls, v: Any) -> Any:  # a Literal alone takes true and 1.0 for 1
+        if type(v) is not int:
+            raise ValueError(f"zero is an integer 0, 1, 2 or 3, got {type(v).__name__}")
+        return v
 
     @property
     def dims(self) -> ParallelDims:
@@ -184,7 +199,7 @@ class ClusterSpec(_Strict):
     """Hardware profile name, e.g. a100-80gb, h100-80gb, h200, v100-32gb, cpu."""
     nodes: Annotated[int, Field(ge=1, le=4096)] = 1
     """Number of nodes."""
-    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
+    gpus_per_node: Annotated[int, Field(ge=1, le=MAX_RANKS_PER_NODE)] = 8
     """Devices (or CPU ranks) per node."""
 
     @field_validator("gpu")
@@ -276,9 +291,12 @@ class JobSpec(_Strict):
     def _env_keys(cls, v: dict[str, str]) -> dict[str, str]:
         if len(v) > 256:
             raise ValueError(f"at most 256 variables, got {len(v)}")
-        for key in v:
+        for key, value in v.items():
             if not _ENV_KEY.match(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
+            if _CONTROL.search(value):
+                raise ValueError(f"the value of {key} holds a control character (NUL, newline,"
+                                 " ...); environment values are printable text")
         return v
 
     @field_validator("entrypoint")
@@ -362,6 +380,11 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
     world = p.tp * p.pp * p.dp
     if world > MAX_WORLD:
         errs.append(SpecError("parallel", f"tp*pp*dp = {world} exceeds {MAX_WORLD} ranks"))
+    elif spec.cluster is None and world > MAX_RANKS_PER_NODE:
+        errs.append(SpecError(
+            "cluster", f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world} ranks need a cluster"
+            " (gpu, nodes, gpus_per_node) to plan for: without one the ranks are planned as"
+            f" one node, and a node has at most {MAX_RANKS_PER_NODE}"))
     for i, f in enumerate(spec.faults):
         if f.rank >= world:
             errs.append(SpecError(f"faults.{i}.rank",

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from migrations import upgrade
@@ -41,12 +42,21 @@ from service.views import (
     ProbeStatus,
 )
 
-__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Job", "Metric", "Node",
-           "NotFound", "Probe", "ProbeStatus", "Store"]
+__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Job", "KeyTaken", "Metric",
+           "Node", "NotFound", "Probe", "ProbeStatus", "Store"]
 
 
 class NotFound(LookupError):
     """No such job (a 404 at the API)."""
+
+
+class KeyTaken(Exception):
+    """A job with this idempotency key exists already (`job`, and the hash it was sent with)."""
+
+    def __init__(self, job: Job, request_hash: str | None) -> None:
+        super().__init__(f"idempotency key taken by job {job.id}")
+        self.job = job
+        self.request_hash = request_hash
 
 
 class Store:
@@ -79,16 +89,33 @@ class Store:
 
     def create_job(self, *, name: str, spec: dict[str, Any], plan: StoredPlan,
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
-                   owner: str = "local") -> Job:
+                   owner: str = "local", idempotency_key: str | None = None,
+                   request_hash: str | None = None) -> Job:
+        """Queue a new job. With an `idempotency_key` that a job holds already, nothing is
+        created and KeyTaken carries that job (the unique index decides between concurrent
+        submissions, so exactly one of them creates it)."""
+        try:
+            with self._tx() as s:
+                row = JobRow(name=name, owner=owner, state=JobState.QUEUED.value,
+                             priority=priority, spec=spec, plan=plan.to_json(),
+                             world_size=world_size, cpus=cpus, gpus=gpus,
+                             idempotency_key=idempotency_key, request_hash=request_hash)
+                s.add(row)
+                s.flush()
+                s.add(EventRow(job_id=row.id, kind="state", message="job queued",
+                               data={"to": JobState.QUEUED.value}))
+                return Job.from_row(row)
+        except IntegrityError:
+            taken = self.job_by_idempotency_key(idempotency_key) if idempotency_key else None
+            if taken is None:
+                raise
+            raise KeyTaken(*taken) from None
+
+    def job_by_idempotency_key(self, key: str) -> tuple[Job, str | None] | None:
+        """The job submitted with `key`, and the hash of the request that created it."""
         with self._tx() as s:
-            row = JobRow(name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
-                         spec=spec, plan=plan.to_json(), world_size=world_size, cpus=cpus,
-                         gpus=gpus)
-            s.add(row)
-            s.flush()
-            s.add(EventRow(job_id=row.id, kind="state", message="job queued",
-                           data={"to": JobState.QUEUED.value}))
-            return Job.from_row(row)
+            row = s.execute(select(JobRow).where(JobRow.idempotency_key == key)).scalar()
+            return None if row is None else (Job.from_row(row), row.request_hash)
 
     def get_job(self, *, job_id: int) -> Job:
         with self._tx() as s:

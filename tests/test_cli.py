@@ -96,6 +96,56 @@ def test_submit_status_cancel(server: str) -> None:
     assert r.exit_code == 2 and "404" in r.output
 
 
+def test_every_example_validates() -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        r = runner.invoke(app, ["validate", str(path)])
+        assert r.exit_code == 0, (path, r.output)
+
+
+def test_yaml_numbers_are_numbers(tmp_path: Path) -> None:
+    """`3e-4` is a float (PyYAML alone reads it as a string); quoted numbers and booleans
+    are refused, as they are over REST."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: x\nmodel: {preset: gpt-tiny}\ntrain: {lr: 3e-4, steps: 4}\n")
+    r = runner.invoke(app, ["validate", str(spec)])
+    assert r.exit_code == 0 and '"lr": 0.0003' in r.output, r.output
+    for bad in ('"40"', "true", "4.0"):
+        spec.write_text(f"name: x\nmodel: {{preset: gpt-tiny}}\ntrain: {{steps: {bad}}}\n")
+        r = runner.invoke(app, ["validate", str(spec)])
+        assert r.exit_code == 2 and "train.steps: Input should be a valid integer" in r.output
+
+
+def test_submit_retries_under_one_idempotency_key(server: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first answer is lost after the server queued the job; the retry gets that job."""
+    import api.cli
+
+    keys: list[str] = []
+    real = httpx.HTTPTransport()
+
+    class LosesFirstAnswer(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            response = real.handle_request(request)
+            if request.method == "POST":
+                keys.append(request.headers["idempotency-key"])
+                if len(keys) == 1:
+                    response.read()
+                    raise httpx.ReadError("connection reset", request=request)
+            return response
+
+    monkeypatch.setattr(api.cli, "_client", lambda s: httpx.Client(
+        base_url=s.rstrip("/") + "/api/v1", transport=LosesFirstAnswer()))
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    assert r.exit_code == 0, r.output
+    jobs = httpx.get(server + "/api/v1/jobs").json()
+    assert jobs["total"] == 1 and int(r.output.strip()) == jobs["items"][0]["id"]
+    assert len(keys) == 2 and keys[0] == keys[1]
+    # Another invocation is another job, under another key.
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    assert r.exit_code == 0 and len(set(keys)) == 2
+    assert httpx.get(server + "/api/v1/jobs").json()["total"] == 2
+
+
 def test_unreachable_server_is_a_clear_error() -> None:
     r = runner.invoke(app, ["status", "--server", f"http://127.0.0.1:{free_port()}"])
     assert r.exit_code == 2 and "cannot reach the Trident API" in r.output

@@ -279,3 +279,73 @@ def test_reduce_bucket_is_resident_whole_on_gpus_but_only_as_written_on_cpu_rank
     gpu = evaluate(spec, profile=get_profile("a100-80gb")).to_json()["memory"]
     assert cpu["zero_buffers"] == pytest.approx(params * 4)  # fp32 gradients, one bucket
     assert gpu["zero_buffers"] == pytest.approx(5e8 * 4)  # DeepSpeed's default bucket
+
+
+def test_divisors_are_every_divisor_in_order() -> None:
+    from service.planner.search import divisors
+
+    for n in [*range(1, 400), 720720, 1048576, 1048575]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _counting_assess(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import importlib
+
+    # `service.planner.search` the attribute is the function; the module is imported by name.
+    search_module = importlib.import_module("service.planner.search")
+    calls = [0]
+    real = search_module.assess
+
+    def counted(sc):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(sc)
+
+    monkeypatch.setattr(search_module, "assess", counted)
+    return calls
+
+
+def test_search_work_is_bounded_by_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worst searches (a highly composite world, batch and layer count) stop after the
+    budget's number of candidates, counted, not timed."""
+    from service.planner import SearchTooLarge
+    from service.planner.search import SEARCH_BUDGET
+
+    calls = _counting_assess(monkeypatch)
+    worst = JobSpec.model_validate({
+        "name": "worst", "model": {"layers": 720, "hidden": 720, "heads": 720, "vocab": 256,
+                                   "seq_len": 32},
+        "train": {"global_batch": 720720}, "parallel": "auto",
+        "cluster": {"gpu": "a100-80gb", "nodes": 630, "gpus_per_node": 8}})
+    with pytest.raises(SearchTooLarge, match=f"more than {SEARCH_BUDGET} candidates"):
+        search(worst)
+    assert 0 < calls[0] <= SEARCH_BUDGET
+    calls[0] = 0
+    with pytest.raises(SearchTooLarge, match="more than 50 candidates"):
+        search(worst, budget=50)
+    assert calls[0] <= 50
+    # The refusal reaches plan_job (a 422 at the API) as a ValueError.
+    with pytest.raises(ValueError, match="give an explicit parallel layout"):
+        plan_job(worst)
+
+
+def test_micro_batches_stop_at_the_largest_a_spec_accepts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of 2^20 sequences on 2 CPU ranks: micro-batches up to 65536 only, so that the
+    chosen layout is one the spec accepts, within the budget."""
+    from service.jobs import prepare
+    from service.spec import MAX_MICRO_BATCH
+
+    calls = _counting_assess(monkeypatch)
+    spec = JobSpec.model_validate({
+        "name": "big-batch", "model": {"preset": "gpt-tiny"},
+        "train": {"global_batch": 1 << 20}, "parallel": "auto",
+        "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}})
+    res = search(spec)
+    assert res.best is not None and res.work <= res.budget and calls[0] == res.considered
+    assert max(p.micro_batch for p in res.ranked) == MAX_MICRO_BATCH
+    assert prepare(spec).spec.train.micro_batch <= MAX_MICRO_BATCH
+
+
+def test_175b_on_1024_gpus_fits_the_search_budget() -> None:
+    res = search(job("gpt3-175b", nodes=128, gb=1536))
+    assert res.best is not None and res.work <= res.budget

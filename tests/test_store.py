@@ -223,3 +223,52 @@ def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
     assert job.spec["train"] == {"micro_batch": layout.pop("micro_batch"), "steps": 3}
     assert job.spec["parallel"] == layout
     s.close()
+
+
+def test_idempotency_keys_are_unique_and_find_their_job(store: Store) -> None:
+    from service.store import KeyTaken
+
+    job_id = _job(store, idempotency_key="k1", request_hash="h1")
+    _job(store)  # jobs without a key never collide
+    _job(store)
+    found = store.job_by_idempotency_key("k1")
+    assert found is not None and found[0].id == job_id and found[1] == "h1"
+    assert store.job_by_idempotency_key("k2") is None
+    with pytest.raises(KeyTaken) as taken:
+        _job(store, idempotency_key="k1", request_hash="h2")
+    assert taken.value.job.id == job_id and taken.value.request_hash == "h1"
+    assert store.list_jobs()[1] == 3
+
+
+def test_idempotency_key_revision_keeps_jobs_both_ways(db_url: str) -> None:
+    upgrade(db_url, "0003")
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
+                       " VALUES ('old', 'local', 'QUEUED', 0, '{}', :plan, 2, 1, 0, false, 0,"
+                       " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                  {"plan": json.dumps(stored_plan(dp=2).to_json())})
+        old_id = c.execute(text("SELECT id FROM jobs")).scalar_one()
+        c.execute(text("INSERT INTO events (job_id, kind, message, data, time) VALUES"
+                       " (:j, 'state', 'job queued', '{}', CURRENT_TIMESTAMP)"), {"j": old_id})
+    upgrade(db_url)
+    columns = {c["name"] for c in inspect(s.engine).get_columns("jobs")}
+    assert {"idempotency_key", "request_hash"} <= columns
+    (job,), _ = s.list_jobs()
+    assert job.name == "old" and store_has_key(s, old_id) is None
+    _job(s, idempotency_key="k")
+    downgrade(db_url, "0003")
+    columns = {c["name"] for c in inspect(s.engine).get_columns("jobs")}
+    assert not {"idempotency_key", "request_hash"} & columns
+    with s.engine.begin() as c:  # nothing cascaded away
+        assert c.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 2
+        assert c.execute(text("SELECT count(*) FROM events")).scalar_one() == 2
+    upgrade(db_url)
+    s.close()
+
+
+def store_has_key(s: Store, job_id: int) -> str | None:
+    with s.engine.begin() as c:
+        return c.execute(text("SELECT idempotency_key FROM jobs WHERE id = :i"),
+                         {"i": job_id}).scalar_one()

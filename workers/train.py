@@ -321,14 +321,14 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
 # --- torchrun entry point -----------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    import yaml
+    from service.specfile import load_yaml
 
     parser = argparse.ArgumentParser(description="Run one rank of a Trident job (torchrun).")
     parser.add_argument("--spec", required=True, help="job spec, YAML or JSON")
     parser.add_argument("--checkpoint-dir", default=None, help="overrides checkpoint.dir")
     args = parser.parse_args(argv)
     with open(args.spec) as f:
-        spec = JobSpec.model_validate(yaml.safe_load(f))
+        spec = JobSpec.model_validate(load_yaml(f))
     env = os.environ
     ctx = RankContext(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
                       local_rank=int(env.get("LOCAL_RANK", 0)),

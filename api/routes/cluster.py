@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import StoreDep
+from api.deps import ProbeId, StoreDep
 from service.hardware import PROFILES
 from service.store import NotFound, Probe
 
@@ -27,13 +27,13 @@ def cluster(store: StoreDep) -> dict[str, Any]:
 class ProbeRequest(BaseModel):
     """What `trident probe` measures."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
     ranks_per_node: Annotated[int, Field(ge=1, le=64)] = 2
     """Ranks on every node: its GPUs on GPU nodes; on CPU nodes, ranks sharing its cores."""
     max_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 20
     """Largest message size; sizes run from 1 KiB in powers of 4."""
-    profile: str = "cpu"
+    profile: Annotated[str, Field(max_length=64)] = "cpu"
     """The hardware profile the measurement calibrates (e.g. a100-80gb, cpu)."""
 
 
@@ -53,7 +53,7 @@ def list_probes(store: StoreDep) -> dict[str, Any]:
 
 
 @router.get("/probes/{probe_id}")
-def get_probe(store: StoreDep, probe_id: Annotated[int, Path(ge=1)]) -> Probe:
+def get_probe(store: StoreDep, probe_id: ProbeId) -> Probe:
     try:
         return store.get_probe(probe_id=probe_id)
     except NotFound as exc:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from api.deps import JobDep, StoreDep
+from api.deps import (
+    AfterStep,
+    Attempt,
+    EventAfter,
+    IdempotencyKey,
+    JobDep,
+    Offset,
+    Rank,
+    StoreDep,
+)
 from api.schemas import (
     AttemptList,
     EventList,
@@ -16,6 +25,7 @@ from api.schemas import (
     MetricOut,
 )
 from service.compare import compare
+from service.jobs import KeyReused, submit_once
 from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
@@ -24,16 +34,30 @@ from service.states import JobState, TransitionError
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=201, response_model=JobOut)
-def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
+@router.post("", status_code=201, response_model=JobOut,
+             responses={200: {"model": JobOut, "description": "A retried submission (same"
+                              " Idempotency-Key and spec): the job it created"},
+                        409: {"description": "The Idempotency-Key was used with another spec"}})
+def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
+           idempotency_key: IdempotencyKey = None) -> JobOut:
     """Validate and plan a job, then queue it. For `parallel: auto` the stored spec carries
-    the layout the search chose (the plan says `chosen_by: search`)."""
+    the layout the search chose (the plan says `chosen_by: search`). With an
+    `Idempotency-Key` a retry is safe: it returns the first submission's job."""
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        job = submit_job(store, spec)
+        if idempotency_key is None:
+            job = submit_job(store, spec)
+        else:
+            job, created = submit_once(store, spec, idempotency_key)
+            if not created:
+                response.status_code = 200
+    except KeyReused as exc:
+        raise HTTPException(status_code=409, detail=[
+            {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],
+        ) from None
     except SpecError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", *exc.field.split(".")], "msg": exc.message,
@@ -48,7 +72,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request) -> JobOut:
 def list_jobs(store: StoreDep,
               state: Annotated[list[JobState] | None, Query()] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50,
-              offset: Annotated[int, Query(ge=0)] = 0) -> JobList:
+              offset: Offset = 0) -> JobList:
     """Jobs, newest first; `state` may repeat to select several states."""
     items, total = store.list_jobs(states=state, limit=limit, offset=offset)
     return JobList(items=[JobOut.of(j) for j in items], total=total, limit=limit, offset=offset)
@@ -72,7 +96,7 @@ def cancel(job: JobDep, store: StoreDep) -> JobOut:
 
 @router.get("/{job_id}/events", response_model=EventList)
 def events(job: JobDep, store: StoreDep,
-           after: Annotated[int, Query(ge=0)] = 0,
+           after: EventAfter = 0,
            limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
     """A job's events after event id `after`, oldest first."""
     return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
@@ -80,9 +104,9 @@ def events(job: JobDep, store: StoreDep,
 
 @router.get("/{job_id}/metrics", response_model=MetricList)
 def metrics(job: JobDep, store: StoreDep,
-            rank: Annotated[int, Query(ge=0)] = 0,
-            attempt: Annotated[int | None, Query(ge=1)] = None,
-            after_step: Annotated[int, Query(ge=0)] = 0,
+            rank: Rank = 0,
+            attempt: Attempt = None,
+            after_step: AfterStep = 0,
             limit: Annotated[int, Query(ge=1, le=100000)] = 10000) -> MetricList:
     """Per-step metrics of one rank (rank 0 by default), oldest first."""
     rows = store.list_metrics(job_id=job.id, rank=rank, attempt=attempt, after_step=after_step,

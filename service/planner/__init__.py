@@ -11,12 +11,19 @@ from service.planner.jobs import PlanInfeasible, plan_job
 from service.planner.plan import Plan, evaluate, structural_problems
 from service.planner.report import plan_command, render_plan, render_search
 from service.planner.scenario import Scenario, ZeroConfig
-from service.planner.search import Rejection, SearchResult, nearest_fitting, search
+from service.planner.search import (
+    Rejection,
+    SearchResult,
+    SearchTooLarge,
+    nearest_fitting,
+    search,
+)
 from service.planner.shape import ModelShape
 from service.planner.stored import StoredPlan
 
 __all__ = ["CanTrain", "CapacityRow", "ModelShape", "Plan", "PlanInfeasible", "Rejection",
-           "Scenario", "SearchResult", "StoredPlan", "ZeroConfig", "can_train", "capacity",
+           "Scenario", "SearchResult", "SearchTooLarge", "StoredPlan", "ZeroConfig", "can_train",
+           "capacity",
            "evaluate", "fit_overheads", "nearest_fitting", "plan_command", "plan_job",
            "profile_from_measurements", "render_plan", "render_search", "search",
            "structural_problems"]

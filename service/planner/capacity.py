@@ -20,7 +20,7 @@ from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.search import divisors, search
 from service.planner.shape import ModelShape
 from service.presets import FAMILIES
-from service.spec import JobSpec, ParallelSpec
+from service.spec import JobSpec, Offload, ParallelSpec, Zero
 
 Pred = Callable[[ParallelSpec], bool]
 
@@ -30,8 +30,8 @@ class Strategy:
     name: str
     matches: Pred
     """Whether a layout belongs to this strategy."""
-    zero: int
-    offload: str
+    zero: Zero
+    offload: Offload
     model_parallel: str
     """`none`, `tp` (within a node) or `tp+pp` for the frugal layout."""
 
@@ -177,11 +177,12 @@ def capacity(family: str, *, gpu: str, nodes: int = 1, gpus_per_node: int = 8,
     world = nodes * gpus_per_node
     rows = {st.name: CapacityRow(st.name, None, 0, None) for st in STRATEGIES}
     for preset in FAMILIES[family]:
-        spec = JobSpec(name="capacity", model={"preset": preset},
-                       train={"global_batch": global_batch or world, "micro_batch": 1,
-                              "precision": precision},
-                       parallel="auto", cluster={"gpu": gpu, "nodes": nodes,
-                                                 "gpus_per_node": gpus_per_node})
+        spec = JobSpec.model_validate({
+            "name": "capacity", "model": {"preset": preset},
+            "train": {"global_batch": global_batch or world, "micro_batch": 1,
+                      "precision": precision},
+            "parallel": "auto",
+            "cluster": {"gpu": gpu, "nodes": nodes, "gpus_per_node": gpus_per_node}})
         ans = can_train(spec, profile=profile)
         for a in ans.answers:
             if a.fits and ans.params > rows[a.strategy].params:

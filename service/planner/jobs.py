@@ -12,7 +12,7 @@ from service.hardware import GB, HardwareProfile
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
 from service.planner.scenario import ZeroConfig
-from service.planner.search import nearest_fitting, search
+from service.planner.search import SearchTooLarge, nearest_fitting, search
 from service.spec import JobSpec
 
 
@@ -52,10 +52,14 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
         return out
     plan = evaluate(spec, profile=profile, zero_cfg=zero_cfg)
     if not plan.fits:
-        nearest = nearest_fitting(spec, spec.layout, profile=profile, zero_cfg=zero_cfg)
-        alts = ("; nearest layouts that fit: " + ", ".join(
-            f"{layout_name(p)} ({p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f} tokens/s)"
-            for p in nearest)) if nearest else "; no layout of this world size fits"
+        try:
+            nearest = nearest_fitting(spec, spec.layout, profile=profile, zero_cfg=zero_cfg)
+            alts = ("; nearest layouts that fit: " + ", ".join(
+                f"{layout_name(p)} ({p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f}"
+                " tokens/s)" for p in nearest)) if nearest else (
+                "; no layout of this world size fits")
+        except SearchTooLarge as exc:
+            nearest, alts = [], f"; nearest layouts not searched: {exc}"
         raise PlanInfeasible(
             f"layout {layout_name(plan)} does not fit: " + "; ".join(plan.reasons) + alts,
             plan=plan, nearest=nearest, reasons=plan.reasons)

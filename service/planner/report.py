@@ -11,7 +11,7 @@ from service.hardware import GB, HardwareProfile
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
-from service.planner.search import SearchResult, nearest_fitting, search
+from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
 from service.spec import JobSpec
 
 
@@ -99,7 +99,10 @@ def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
         return plan.to_json()
     text = render_plan(plan)
     if not plan.fits:
-        near = nearest_fitting(spec, spec.layout, profile=profile)
+        try:
+            near = nearest_fitting(spec, spec.layout, profile=profile)
+        except SearchTooLarge as exc:
+            return text + f"\n\nNearest layouts not searched: {exc}"
         text += "\n\nNearest layouts that fit:\n" + ("\n".join(
             f"  {layout_name(p)}: {p.memory.total / GB:.1f} GB, {p.tokens_per_s:,.0f} tokens/s"
             for p in near) or "  none of this world size")

@@ -8,10 +8,15 @@ they are decided: a tp that does not divide the heads rejects every layout with 
 one entry, model states that do not fit reject all activation settings of that layout, and
 the first micro-batch that does not fit rejects the larger ones (activations only grow with
 it). That keeps a 175B model on 1024 GPUs well under a second (bench/bench_planner.py).
+
+The work is bounded: micro-batches go up to the spec's largest, and a search that would
+look at more than `SEARCH_BUDGET` candidates stops with `SearchTooLarge` (a 422 at the API)
+instead of taking seconds of a request.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,15 +26,25 @@ from service.planner.memory import stage_memory
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
-from service.spec import JobSpec, ParallelSpec
+from service.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 
-ZERO_OFFLOAD = [(0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
-                (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+SEARCH_BUDGET = 16_000
+"""Candidates (layout families and layouts with their micro-batch) one search may look at."""
+
+ZERO_OFFLOAD: list[tuple[Zero, Offload]] = [
+    (0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"), (3, "none"),
+    (3, "optimizer"), (3, "optimizer+params")]
 RECOMPUTE = ["none", "selective", "full"]
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (in O(sqrt n): n may be a batch of a million)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+class SearchTooLarge(ValueError):
+    """The search would look at more candidates than `SEARCH_BUDGET`."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,21 @@ class SearchResult:
     rejected: list[Rejection] = field(default_factory=list)
     considered: int = 0
     """Candidates evaluated by the model (rejections by rule are not evaluated)."""
+    work: int = 0
+    """Candidates looked at: families whose floor was computed, and layouts with their
+    micro-batch, evaluated or rejected by rule; bounded by `budget`."""
+    budget: int = SEARCH_BUDGET
+
+    def charge(self, spec: JobSpec) -> None:
+        """Count one candidate; SearchTooLarge once the budget is spent."""
+        self.work += 1
+        if self.work > self.budget:
+            t, m = spec.train, spec.model
+            raise SearchTooLarge(
+                f"the layout search of {self.world_size} ranks would look at more than"
+                f" {self.budget} candidates (layers {m.layers}, global_batch {t.global_batch}"
+                f" with {len(divisors(t.global_batch))} divisors); give an explicit parallel"
+                " layout, or a global_batch or world size with fewer divisors")
 
     @property
     def best(self) -> Plan | None:
@@ -96,14 +126,15 @@ class SearchResult:
 
 def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
            world_size: int | None = None, zero_cfg: ZeroConfig | None = None,
-           gpus_per_node: int | None = None) -> SearchResult:
-    """Every valid layout of `world_size` ranks (default: the spec's), ranked."""
+           gpus_per_node: int | None = None, budget: int = SEARCH_BUDGET) -> SearchResult:
+    """Every valid layout of `world_size` ranks (default: the spec's), ranked; SearchTooLarge
+    when that would look at more than `budget` candidates."""
     prof = profile or get_profile(spec.target.gpu)
     shape = ModelShape.from_spec(spec.model)
     world = world_size or spec.world_size
     gpn = gpus_per_node or spec.target.gpus_per_node
     gb_ = spec.train.global_batch
-    res = SearchResult(world_size=world, profile=prof.name)
+    res = SearchResult(world_size=world, profile=prof.name, budget=budget)
     base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
                     precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
                     nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig())
@@ -133,7 +164,7 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
                         fam2, f"zero({zero}) with pp({pp}) > 1 is not supported by "
                               "DeepSpeed's pipeline engine"))
                     continue
-                _search_family(res, replace(base, layout=lay0), fam2, cap)
+                _search_family(res, replace(base, layout=lay0), fam2, cap, spec)
     res.ranked.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     return res
 
@@ -148,9 +179,11 @@ def _tp_problem(shape: ModelShape, tp: int) -> str:
     return ""
 
 
-def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: float) -> None:
+def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: float,
+                   spec: JobSpec) -> None:
     """All activation settings of one (tp, pp, dp, zero, offload)."""
     lay0 = sc0.layout
+    res.charge(spec)
     # The smallest footprint this family can have: full recompute, SP, micro-batch 1.
     floor = stage_memory(sc0, 0)
     if floor.total > cap:
@@ -168,12 +201,14 @@ def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: f
     tp, pp, dp = lay0.tp, lay0.pp, lay0.dp
     per_replica = sc0.global_batch // dp
     vs = [1] + ([v for v in divisors(sc0.shape.layers // pp) if v > 1] if pp > 1 else [])
+    mbs = [mb for mb in divisors(per_replica) if mb <= MAX_MICRO_BATCH]
     for recompute in RECOMPUTE:
         for sp in ([False, True] if tp > 1 else [False]):
             for v in vs:
                 lay = lay0.model_copy(update={"recompute": recompute, "sequence_parallel": sp,
                                               "virtual_stages": v})
-                for mb in divisors(per_replica):
+                for mb in mbs:
+                    res.charge(spec)
                     m = per_replica // mb
                     entry = fam | {"recompute": recompute, "sequence_parallel": sp,
                                    "virtual_stages": v, "micro_batch": mb}

@@ -1,0 +1,257 @@
+"""Input checked at the door: bounded integers in paths and queries, strict numbers in bodies,
+printable environments, resources some node can offer, a body size cap, and idempotent
+submission; on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.body_limit import MAX_BODY_BYTES
+from service.jobs import KeyReused, submit_once
+from service.settings import Settings
+from service.spec import JobSpec
+from service.store import Store
+from tests.conftest import tiny_spec
+
+TOO_BIG = [2**31, 2**63, 2**64]
+
+
+@pytest.fixture
+def client(store: Store, tmp_path: Path) -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        yield c
+
+
+def _loc(r: object) -> list[list[str]]:
+    return [d["loc"] for d in r.json()["detail"]]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("big", TOO_BIG)
+def test_integers_in_paths_and_queries_above_the_column_range_are_422(
+        client: TestClient, big: int) -> None:
+    job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
+    cases = [
+        ("GET", f"/api/v1/jobs/{big}", {}, ["path", "job_id"]),
+        ("POST", f"/api/v1/jobs/{big}/cancel", {}, ["path", "job_id"]),
+        ("GET", f"/api/v1/jobs/{big}/events", {}, ["path", "job_id"]),
+        ("GET", f"/api/v1/jobs/{big}/metrics", {}, ["path", "job_id"]),
+        ("GET", f"/api/v1/jobs/{big}/attempts", {}, ["path", "job_id"]),
+        ("GET", f"/api/v1/jobs/{big}/comm", {}, ["path", "job_id"]),
+        ("GET", f"/api/v1/probes/{big}", {}, ["path", "probe_id"]),
+        ("GET", "/api/v1/jobs", {"offset": big}, ["query", "offset"]),
+        ("GET", f"/api/v1/jobs/{job_id}/metrics", {"rank": big}, ["query", "rank"]),
+        ("GET", f"/api/v1/jobs/{job_id}/metrics", {"attempt": big}, ["query", "attempt"]),
+        ("GET", f"/api/v1/jobs/{job_id}/metrics", {"after_step": big}, ["query", "after_step"]),
+    ]
+    if big > 2**63 - 1:  # event ids are BIGINT
+        cases.append(("GET", f"/api/v1/jobs/{job_id}/events", {"after": big}, ["query", "after"]))
+    for method, path, params, loc in cases:
+        r = client.request(method, path, params=params)
+        assert r.status_code == 422, (path, params, r.text)
+        assert _loc(r) == [loc], (path, params, r.text)
+    # The largest value in range is an ordinary question with an ordinary answer.
+    assert client.get(f"/api/v1/jobs/{2**31 - 1}").status_code == 404
+    assert client.get("/api/v1/jobs", params={"offset": 2**31 - 1}).json()["items"] == []
+    r = client.get(f"/api/v1/jobs/{job_id}/events", params={"after": 2**63 - 1})
+    assert r.status_code == 200 and r.json()["items"] == []
+    r = client.get(f"/api/v1/jobs/{job_id}/metrics",
+                   params={"rank": 2**31 - 1, "attempt": 2**31 - 1, "after_step": 2**31 - 1})
+    assert r.status_code == 200 and r.json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("over", "loc"),
+    [
+        ({"train": {"steps": True}}, ["body", "train", "steps"]),
+        ({"train": {"steps": "40"}}, ["body", "train", "steps"]),
+        ({"train": {"steps": 40.0}}, ["body", "train", "steps"]),
+        ({"train": {"lr": "0.1"}}, ["body", "train", "lr"]),
+        ({"train": {"lr": True}}, ["body", "train", "lr"]),
+        ({"parallel": {"dp": 2, "zero": True}}, ["body", "parallel", "ParallelSpec", "zero"]),
+        ({"parallel": {"dp": "2"}}, ["body", "parallel", "ParallelSpec", "dp"]),
+        ({"resources": {"cpus_per_worker": "1"}}, ["body", "resources", "cpus_per_worker"]),
+        ({"monitor": {"probe": "yes"}}, ["body", "monitor", "probe"]),
+        ({"priority": False}, ["body", "priority"]),
+        ({"model": {"preset": "gpt-tiny", "layers": True}}, ["body", "model", "layers"]),
+    ],
+)
+def test_booleans_and_strings_are_not_numbers(client: TestClient, over: dict,
+                                              loc: list[str]) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec(**over))
+    assert r.status_code == 422, r.text
+    # `parallel` is a union (a layout or "auto"): pydantic names the member it tried.
+    assert loc in _loc(r), r.text
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+
+
+def test_an_integer_is_a_valid_float(client: TestClient) -> None:
+    spec = tiny_spec(train={"steps": 3, "global_batch": 8, "micro_batch": 2, "lr": 1},
+                     resources={"cpus_per_worker": 1})
+    r = client.post("/api/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["train"]["lr"] == 1.0
+
+
+def test_probe_requests_are_strict_too(client: TestClient) -> None:
+    for body, field in (({"ranks_per_node": "2"}, "ranks_per_node"),
+                        ({"ranks_per_node": True}, "ranks_per_node"),
+                        ({"max_bytes": 1.5e6}, "max_bytes")):
+        r = client.post("/api/v1/probes", json=body)
+        assert r.status_code == 422 and _loc(r) == [["body", field]], r.text
+
+
+@pytest.mark.parametrize("value", ["a\x00b", "line\nbreak", "tab\there", "bell\x07", "del\x7f"])
+def test_control_characters_in_env_values_are_refused(client: TestClient, value: str) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec(env={"NCCL_DEBUG": value}))
+    assert r.status_code == 422, r.text
+    [d] = r.json()["detail"]
+    assert d["loc"] == ["body", "env"] and "NCCL_DEBUG" in d["msg"] and "control" in d["msg"]
+    r = client.post("/api/v1/jobs", json=tiny_spec(env={"A\x00": "x"}))
+    assert r.status_code == 422 and _loc(r) == [["body", "env"]]
+    ok = client.post("/api/v1/jobs", json=tiny_spec(env={"NCCL_DEBUG": "INFO x=1 ü"}))
+    assert ok.status_code == 201, ok.text
+
+
+def test_more_ranks_than_one_node_need_a_cluster(client: TestClient) -> None:
+    wide = tiny_spec(parallel={"dp": 128}, train={"global_batch": 128, "micro_batch": 1})
+    for path in ("/api/v1/plan", "/api/v1/jobs"):
+        r = client.post(path, json=wide)
+        assert r.status_code == 422, r.text
+        [d] = r.json()["detail"]
+        assert d["loc"] == ["body", "cluster"] and "128 ranks need a cluster" in d["msg"]
+    planned = client.post("/api/v1/plan", json={
+        **wide, "cluster": {"gpu": "cpu", "nodes": 2, "gpus_per_node": 64}})
+    assert planned.status_code == 200, planned.text
+    assert planned.json()["world_size"] == 128
+
+
+def _nodes(store: Store, *resources: dict[str, float]) -> None:
+    store.upsert_nodes(nodes=[{"node_id": f"n{i}", "hostname": f"h{i}", "resources": r}
+                              for i, r in enumerate(resources)])
+
+
+def test_resources_no_node_offers_are_refused_at_submit(client: TestClient,
+                                                        store: Store) -> None:
+    # Nothing recorded yet: accepted, the scheduler decides when nodes are known.
+    assert client.post("/api/v1/jobs", json=tiny_spec(
+        resources={"cpus_per_worker": 1024})).status_code == 201
+    _nodes(store, {"CPU": 16.0, "memory": 1e10}, {"CPU": 8.0, "GPU": 2.0})
+    cases = [
+        ({"cpus_per_worker": 1024}, {}, ["body", "resources", "cpus_per_worker"],
+         "claims 1024 CPUs"),
+        ({"cpus_per_worker": 1, "gpus_per_worker": 4}, {},
+         ["body", "resources", "gpus_per_worker"], "claims 1 CPUs and 4 GPUs"),
+        # tp 2: one bundle of 2 x 10 CPUs, more than any single node.
+        ({"cpus_per_worker": 10}, {"parallel": {"tp": 2, "dp": 1}},
+         ["body", "resources", "cpus_per_worker"], "tp(2) ranks claims 20 CPUs"),
+        # Each bundle fits some node, the two together fit nowhere.
+        ({"cpus_per_worker": 12}, {}, ["body", "resources"], "fit nowhere together"),
+    ]
+    for resources, over, loc, msg in cases:
+        spec = tiny_spec(resources=resources, **over)
+        r = client.post("/api/v1/jobs", json=spec)
+        assert r.status_code == 422, r.text
+        [d] = r.json()["detail"]
+        assert d["loc"] == loc and msg in d["msg"], d
+        assert "16 CPUs" in d["msg"] or "8 CPUs / 2 GPUs" in d["msg"], d  # the largest node
+    assert client.get("/api/v1/jobs").json()["total"] == 1
+    assert client.post("/api/v1/jobs", json=tiny_spec(
+        resources={"cpus_per_worker": 8})).status_code == 201
+    # Dead nodes offer nothing; nodes recorded without resources are not counted.
+    store.upsert_nodes(nodes=[{"node_id": "x", "hostname": "x", "accelerator": "cpu"}])
+    assert client.post("/api/v1/jobs", json=tiny_spec(
+        resources={"cpus_per_worker": 1024})).status_code == 201
+
+
+def test_bodies_over_the_cap_are_413_before_parsing(client: TestClient) -> None:
+    huge = b'{"name": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    r = client.post("/api/v1/jobs", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "1 MiB" in r.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"name": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 1):
+            yield b"x" * 65536
+
+    r = client.post("/api/v1/plan", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "1 MiB" in r.json()["detail"]
+    # Just under the cap is read and judged on its content.
+    near = b'{"name": "' + b"x" * (MAX_BODY_BYTES - 20) + b'"}'
+    assert len(near) <= MAX_BODY_BYTES
+    r = client.post("/api/v1/jobs", content=near, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert str(MAX_BODY_BYTES) in client.get("/openapi.json").json()["info"]["description"]
+
+
+def test_the_worst_layout_search_is_a_bounded_422(client: TestClient) -> None:
+    many = tiny_spec(model={"layers": 720, "hidden": 720, "heads": 720, "vocab": 256,
+                            "seq_len": 32},
+                     train={"global_batch": 720720, "micro_batch": 1}, parallel="auto",
+                     cluster={"gpu": "a100-80gb", "nodes": 630, "gpus_per_node": 8})
+    for path in ("/api/v1/plan", "/api/v1/jobs"):
+        r = client.post(path, json=many)
+        assert r.status_code == 422, r.text[:300]
+        [d] = r.json()["detail"]
+        assert d["loc"] == ["body", "parallel"] and "candidates" in d["msg"], d
+
+
+def test_a_retried_submission_returns_the_first_job(client: TestClient) -> None:
+    key = {"Idempotency-Key": "retry-7f3a"}
+    first = client.post("/api/v1/jobs", json=tiny_spec(), headers=key)
+    again = client.post("/api/v1/jobs", json=tiny_spec(), headers=key)
+    assert first.status_code == 201 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert client.get("/api/v1/jobs").json()["total"] == 1
+    # Same spec, other key (or none): a new job.
+    assert client.post("/api/v1/jobs", json=tiny_spec(),
+                       headers={"Idempotency-Key": "other"}).status_code == 201
+    assert client.post("/api/v1/jobs", json=tiny_spec()).status_code == 201
+    # Same key, another spec: a conflict that says so; nothing created.
+    r = client.post("/api/v1/jobs", json=tiny_spec(name="renamed"), headers=key)
+    assert r.status_code == 409
+    [d] = r.json()["detail"]
+    assert d["loc"] == ["header", "idempotency-key"]
+    assert f"job {first.json()['id']}" in d["msg"] and "another spec" in d["msg"]
+    assert client.get("/api/v1/jobs").json()["total"] == 3
+
+
+@pytest.mark.parametrize("key", ["", "a b", "x" * 256, "é"])
+def test_idempotency_keys_are_short_printable_text(client: TestClient, key: str) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec(),
+                    headers=[("Idempotency-Key", key.encode("utf-8"))])
+    assert r.status_code == 422, r.text
+    assert _loc(r) == [["header", "idempotency-key"]]
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+
+
+def test_concurrent_retries_create_one_job(store: Store) -> None:
+    spec = JobSpec.model_validate(tiny_spec())
+    results: list[tuple[int, bool]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def retry() -> None:
+        start.wait()
+        try:
+            job, created = submit_once(store, spec, "same-key")
+            results.append((job.id, created))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=retry) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({job_id for job_id, _ in results}) == 1
+    assert sorted(created for _, created in results) == [False] * 5 + [True]
+    assert store.list_jobs()[1] == 1
+    with pytest.raises(KeyReused):
+        submit_once(store, JobSpec.model_validate(tiny_spec(name="other")), "same-key")
