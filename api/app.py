@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from api import pages
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
+from api.health import health
 from api.routes import cluster, jobs, plan
 from service.settings import Settings
 from service.store import Store
@@ -67,10 +68,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
 
-    @v1.get("/healthz", tags=["system"])
-    def healthz(request: Request) -> dict[str, str]:
-        request.app.state.store.list_jobs(limit=1)  # the database answers
-        return {"status": "ok"}
+    @v1.get("/healthz", tags=["system"], responses={503: {"description": "degraded"}})
+    def healthz(request: Request) -> JSONResponse:
+        """`ok` (200) when the database answers and a controller holds an unexpired lease;
+        else `degraded` (503), naming which of the two is wrong."""
+        return health(request.app.state.store)
 
     app.include_router(v1)
     app.include_router(pages.router)

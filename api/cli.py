@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -192,7 +191,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
        data_dir: Annotated[Path | None, typer.Option(envvar="TRIDENT_DATA_DIR",
                                                      help="Database, checkpoints, logs.")]
        = None) -> None:
-    """Start the local stack: the API and the controller (with a local Ray if no address)."""
+    """Start the local stack: the API and the controller (with a local Ray if no address).
+    The controller is restarted whenever it exits; SIGTERM or Ctrl-C stops both."""
     import uvicorn
 
     from api.app import create_app
@@ -211,23 +211,25 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     from migrations import upgrade
 
     upgrade(settings.db_url)
-    log = (settings.data_dir / "controller.log").open("ab")
+    from service.supervisor import Supervisor
+
+    log_path = settings.data_dir / "controller.log"
     env["TRIDENT_PARENT_PID"] = str(os.getpid())
-    controller = subprocess.Popen([sys.executable, "-m", "service.daemon"], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT)
-    typer.echo(f"controller pid {controller.pid} (log: {settings.data_dir / 'controller.log'})")
+    # The controller runs beside the API, in a process of its own, started again whenever it
+    # exits (with backoff); it acts once it holds the lease.
+    controller = Supervisor([sys.executable, "-m", "service.daemon"], env=env,
+                            log_path=log_path,
+                            on_start=lambda pid: typer.echo(f"controller pid {pid}"
+                                                            f" (log: {log_path})"))
     typer.echo(f"dashboard: http://{host}:{port}/   API: http://{host}:{port}/api/v1")
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so that the
     # `finally` below stops the controller instead of leaving it orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    controller.start()
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
-        controller.terminate()
-        try:
-            controller.wait(30)
-        except subprocess.TimeoutExpired:
-            controller.kill()
+        controller.stop(30)
 
 
 @app.command()

@@ -1,7 +1,11 @@
 """The controller daemon, and the composition root: the one place where `service/` meets
 `workers/`, by a lazy import, so that the control plane's modules never load Ray or torch.
 
-Run by `trident up` as its own process, or alone: `python -m service.daemon`.
+Run by `trident up` (which restarts it when it exits) as its own process, or alone:
+`python -m service.daemon`. It acts only while it holds the controller's lease
+(`service.lease`): a second daemon against the same database waits as standby and takes over
+once the leader stops renewing. A leader that finds the lease taken stops at once, without
+touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
 """
 
 from __future__ import annotations
@@ -10,67 +14,147 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
+from datetime import datetime
 from types import FrameType
 
 from service.controller import Controller
+from service.lease import Leader, Role
 from service.settings import Settings
 from service.store import Store
 
 log = logging.getLogger("trident.controller")
 
+LEASE_LOST = 3
+"""Exit status of a daemon whose lease another controller took."""
+
+
+class LeaseLost(Exception):
+    """Another controller holds the lease this one held."""
+
 
 def connect_ray(settings: Settings) -> object:
     """Connect to the configured Ray cluster, or start a local one; returns the launcher."""
     ray = importlib.import_module("ray")
+    # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
+    # (which logs, stops the loop and releases the lease) would never run: keep ours.
+    on_main = threading.current_thread() is threading.main_thread()
+    ours = signal.getsignal(signal.SIGTERM) if on_main else None
     if settings.ray_address:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
         ray.init(include_dashboard=False, log_to_driver=True)
+    if on_main and callable(ours):
+        signal.signal(signal.SIGTERM, ours)
     return importlib.import_module("workers.group").RayLauncher()
 
 
-def run(settings: Settings, stop: threading.Event) -> None:
+class LeaderLoop:
+    """One daemon pass: renew the lease, then step the controller only while leading.
+
+    The controller (and the Ray connection) is made when the lease is first held, so that a
+    standby touches nothing but the lease row.
+    """
+
+    def __init__(self, leader: Leader, make_controller: Callable[[], Controller]) -> None:
+        self.leader = leader
+        self.make_controller = make_controller
+        self.controller: Controller | None = None
+        self._standby_logged: str | None = None
+
+    def tick(self, now: datetime | None = None) -> Role:
+        """Renew (or try to take) the lease and, as leader, do one controller pass. Raises
+        LeaseLost when another controller took the lease: nothing more is done."""
+        role = self.leader.acquire_or_renew(now)
+        lease = self.leader.lease
+        if role == Role.LOST:
+            holder = lease.holder if lease else "?"
+            log.error("lease lost to %s: stopping at once, without touching any job", holder)
+            raise LeaseLost(holder)
+        if role == Role.STANDBY:
+            if lease is not None and self._standby_logged != lease.holder:
+                self._standby_logged = lease.holder
+                log.info("standby: the lease is held by %s until %s; waiting", lease.holder,
+                         lease.expires_at.isoformat(timespec="seconds"))
+            return role
+        if self.controller is None:
+            assert lease is not None
+            log.info("lease acquired by %s (epoch %s): acting as the controller",
+                     self.leader.holder, lease.epoch)
+            self.controller = self.make_controller()
+        result = self.controller.step()
+        for change in result.changes:
+            log.info("job %s -> %s: %s", change.job_id, change.to, change.message)
+        return role
+
+
+def run(settings: Settings, stop: threading.Event) -> int:
+    """The daemon's loop until `stop` is set; its exit status (LEASE_LOST, or 0)."""
     store = Store(settings.db_url)
     store.migrate()
-    controller = Controller(store, connect_ray(settings),  # type: ignore[arg-type]
-                            checkpoint_root=settings.checkpoint_root,
-                            start_timeout_s=settings.start_timeout_s,
-                            cancel_grace_s=settings.cancel_grace_s)
-    log.info("controller running against %s", settings.db_url)
+    leader = Leader(store, duration_s=settings.lease_s)
+
+    def make_controller() -> Controller:
+        return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
+                          checkpoint_root=settings.checkpoint_root,
+                          start_timeout_s=settings.start_timeout_s,
+                          cancel_grace_s=settings.cancel_grace_s)
+
+    loop = LeaderLoop(leader, make_controller)
+    log.info("controller %s starting against %s (lease %g s)", leader.holder,
+             settings.db_url, settings.lease_s)
     parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
+    status = 0
     try:
         while not stop.is_set():
             if parent and os.getppid() != parent:  # `trident up` is gone: so are we
                 log.info("parent process %s ended: stopping", parent)
                 break
             try:
-                result = controller.step()
+                loop.tick()
+            except LeaseLost:
+                status = LEASE_LOST
+                break
             except Exception:  # one bad pass must not end the daemon
-                log.exception("controller step failed")
+                log.exception("controller pass failed")
+                if leader.holding and leader.expired():
+                    # Not renewed in time (the database is away): another controller may act
+                    # now, so this one must not.
+                    log.error("lease not renewed before it expired: stopping")
+                    status = LEASE_LOST
+                    break
                 stop.wait(settings.poll_interval_s * 4)
                 continue
-            for change in result.changes:
-                log.info("job %s -> %s: %s", change.job_id, change.to, change.message)
             stop.wait(settings.poll_interval_s)
     finally:
-        controller.shutdown()
+        if status != LEASE_LOST:
+            if loop.controller is not None:
+                loop.controller.shutdown()
+            try:
+                leader.release()  # the standby need not wait for the lease to expire
+            except Exception:
+                log.exception("releasing the lease failed; it expires by itself")
         store.close()
+        log.info("controller %s stopped", leader.holder)
+    return status
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr, force=True)
     stop = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal %s: stopping", signum)
+        log.info("signal %s: stopping", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    run(settings, stop)
+    sys.exit(run(settings, stop))
 
 
 if __name__ == "__main__":

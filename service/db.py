@@ -1,5 +1,5 @@
-"""Database schema (SQLAlchemy 2) and engine set-up. Only `service.store` queries these tables;
-`migrations/` creates them."""
+"""Database schema (SQLAlchemy 2) and engine set-up. Only `service.store` (and `service.lease`,
+for the leader's lease) queries these tables; `migrations/` creates them."""
 
 from __future__ import annotations
 
@@ -152,6 +152,20 @@ class ProfileRow(Base):
                                                  nullable=True)
     profile: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class LeaseRow(Base):
+    """A named lease: who holds it and until when (the controller's leadership)."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    epoch: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), default=1)
+    """Incremented whenever the lease changes hands: a fencing token."""
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 def make_engine(url: str) -> Engine:

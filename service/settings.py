@@ -37,11 +37,19 @@ class Settings(BaseSettings):
     """How long workers get to stop by themselves before they are killed."""
     start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """How long a worker group may take to claim resources and rendezvous."""
+    lease_s: float = Field(default=15.0, gt=0, le=600)
+    """How long the controller's lease lasts unrenewed: a standby controller (or the one
+    `trident up` restarts) takes over at most this long after the leader dies. The leader
+    renews it every pass (`poll_interval_s`), well inside it."""
     allow_faults: bool = False
     """Accept jobs with `faults` (fault injection for tests); never in production."""
 
     @model_validator(mode="after")
     def _safe_in_prod(self) -> Settings:
+        if self.lease_s < 3 * self.poll_interval_s:
+            raise ValueError(f"TRIDENT_LEASE_S ({self.lease_s:g}) must be at least three"
+                             f" controller passes (TRIDENT_POLL_INTERVAL_S"
+                             f" {self.poll_interval_s:g}), so that a renewal is never late")
         if self.env == "prod":
             if not self.database_url or self.database_url.startswith("sqlite"):
                 raise ValueError("TRIDENT_DATABASE_URL must name a server database in prod")

@@ -1,0 +1,41 @@
+"""`GET /api/v1/healthz`: the database and the controller's lease, reported separately.
+
+Read from the store only (the lease row the controller renews every pass), never from Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from service.db import utcnow
+from service.lease import CONTROLLER, Leases
+from service.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def health(store: Store) -> JSONResponse:
+    """200 `ok` when the database answers and a controller holds an unexpired lease; else 503
+    `degraded`, with `database` or `controller` saying what is wrong."""
+    try:
+        lease = Leases(store).read(name=CONTROLLER)
+    except Exception as exc:  # any failure to read is the database's
+        log.warning("healthz: the database does not answer: %s", exc)
+        return JSONResponse(status_code=503, content={
+            "status": "degraded", "database": f"unavailable: {type(exc).__name__}",
+            "controller": None})
+    now = utcnow()
+    controller: dict[str, Any] = {"holder": None, "lease_age_s": None, "expires_in_s": None}
+    if lease is not None:
+        controller = {"holder": lease.holder,
+                      "lease_age_s": round((now - lease.renewed_at).total_seconds(), 3),
+                      "expires_in_s": round((lease.expires_at - now).total_seconds(), 3)}
+    ok = lease is not None and lease.held(now)
+    if not ok:
+        controller["error"] = ("no controller has held the lease" if lease is None else
+                               "the controller has not renewed its lease in time")
+    return JSONResponse(status_code=200 if ok else 503, content={
+        "status": "ok" if ok else "degraded", "database": "ok", "controller": controller})

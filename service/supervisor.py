@@ -1,0 +1,110 @@
+"""Keeps the controller daemon running: `trident up` starts it through a `Supervisor`, which
+starts it again whenever it exits (crash, kill, or a lost lease), with backoff.
+
+The backoff doubles from `backoff_min_s` to `backoff_max_s` and starts over once a process has
+run `stable_s`, so a daemon that dies at start-up does not spin, and one that ran for hours is
+back within a second. Every start and exit is a line in the controller's log. `stop` sends
+SIGTERM (the daemon stops its loop, its groups and releases its lease), then SIGKILL after a
+grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+log = logging.getLogger("trident.supervisor")
+
+
+class Supervisor:
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path,
+                 backoff_min_s: float = 1.0, backoff_max_s: float = 30.0,
+                 stable_s: float = 60.0,
+                 on_start: Callable[[int], None] | None = None) -> None:
+        self.argv = list(argv)
+        self.env = env
+        self.log_path = log_path
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.stable_s = stable_s
+        self.on_start = on_start
+        self.starts = 0
+        """Processes started so far (1 + restarts)."""
+        self.exits: list[int] = []
+        """Exit status of every process that ended by itself."""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="controller-supervisor",
+                                        daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return None if proc is None else proc.pid
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _note(self, message: str) -> None:
+        """A line in the controller's log, in the daemon's format."""
+        log.info(message)
+        stamp = datetime.now(UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        with self.log_path.open("a") as f:
+            f.write(f"{stamp} {log.name} {message}\n")
+
+    def _spawn(self) -> subprocess.Popen[bytes] | None:
+        with self._lock:
+            if self._stop.is_set():
+                return None
+            with self.log_path.open("ab") as out:
+                # Its own session: a Ctrl-C at the terminal reaches `trident up` only, which
+                # then stops the daemon through `stop` (one shutdown path, not two).
+                self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+            self.starts += 1
+            return self.proc
+
+    def _loop(self) -> None:
+        backoff = self.backoff_min_s
+        while not self._stop.is_set():
+            proc = self._spawn()
+            if proc is None:
+                return
+            began = time.monotonic()
+            self._note(f"controller pid {proc.pid} started (start {self.starts})")
+            if self.on_start is not None:
+                self.on_start(proc.pid)
+            code = proc.wait()
+            ran = time.monotonic() - began
+            if self._stop.is_set():
+                return
+            self.exits.append(code)
+            if ran >= self.stable_s:
+                backoff = self.backoff_min_s
+            self._note(f"controller pid {proc.pid} exited with status {code} after {ran:.1f} s;"
+                       f" restarting in {backoff:g} s")
+            if self._stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop restarting, and stop the running daemon: SIGTERM, then SIGKILL after
+        `grace_s`."""
+        with self._lock:
+            self._stop.set()
+            proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._note(f"controller pid {proc.pid} did not stop in {grace_s:g} s: killed")
+                proc.kill()
+                proc.wait()
+        self._thread.join(5)

@@ -1,0 +1,123 @@
+"""The controller's lease on SQLite and PostgreSQL: one holder, renewal, hand-over on expiry,
+concurrent takers; and two controllers against one database, of which only the leader acts."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from service.controller import Controller
+from service.daemon import LeaderLoop, LeaseLost
+from service.lease import Leader, Leases, Role
+from service.protocols import PollResult
+from service.states import JobState
+from service.store import AttemptStatus, Store
+from tests.test_controller import FakeLauncher, submit
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_one_holder_renews_and_expiry_hands_over(store: Store) -> None:
+    a = Leader(store, duration_s=10, holder="a")
+    b = Leader(store, duration_s=10, holder="b")
+    assert a.acquire_or_renew(at(0)) == Role.LEADER
+    assert b.acquire_or_renew(at(1)) == Role.STANDBY
+    assert b.lease is not None and b.lease.holder == "a"
+    # The holder renews: the lease runs on from the renewal, past its first expiry.
+    assert a.acquire_or_renew(at(8)) == Role.LEADER
+    assert b.acquire_or_renew(at(12)) == Role.STANDBY
+    lease = Leases(store).read(name="controller")
+    assert lease is not None and lease.holder == "a" and lease.epoch == 1
+    assert lease.renewed_at == at(8) and lease.expires_at == at(18)
+    # Not renewed: once expired, the standby takes it, and the old holder has lost it.
+    assert b.acquire_or_renew(at(18.5)) == Role.LEADER
+    assert b.lease is not None and b.lease.epoch == 2 and b.lease.acquired_at == at(18.5)
+    assert a.acquire_or_renew(at(19)) == Role.LOST
+    assert a.acquire_or_renew(at(20)) == Role.STANDBY
+
+
+def test_release_lets_the_standby_take_over_at_once(store: Store) -> None:
+    a = Leader(store, duration_s=60, holder="a")
+    b = Leader(store, duration_s=60, holder="b")
+    assert a.acquire_or_renew(at(0)) == Role.LEADER
+    assert not Leases(store).release(name="controller", holder="b", now=at(1))  # not b's
+    assert b.acquire_or_renew(at(1)) == Role.STANDBY
+    a.release(at(2))
+    assert b.acquire_or_renew(at(2.5)) == Role.LEADER
+
+
+def test_concurrent_takers_get_exactly_one_holder(db_url: str, store: Store) -> None:
+    n = 8
+    stores = [Store(db_url) for _ in range(n)]  # one engine each, as separate processes
+    leaders = [Leader(s, duration_s=30, holder=f"c{i}") for i, s in enumerate(stores)]
+    barrier = threading.Barrier(n)
+    roles: dict[int, Role] = {}
+    errors: list[BaseException] = []
+
+    def take(i: int) -> None:
+        try:
+            barrier.wait(30)
+            roles[i] = leaders[i].acquire_or_renew(at(0))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in stores:
+        s.close()
+    assert not errors, errors
+    winners = [i for i, r in roles.items() if r == Role.LEADER]
+    assert len(roles) == n and len(winners) == 1, roles
+    lease = Leases(store).read(name="controller")
+    assert lease is not None and lease.holder == f"c{winners[0]}" and lease.epoch == 1
+
+
+def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over(
+        store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the leader's launcher starts the queued job; when the leader stops renewing, the
+    standby takes over after expiry and never starts the attempt the first leader started."""
+    job_id = submit(store, max_retries=1)
+    launchers = [FakeLauncher([[PollResult(state="running")]]) for _ in range(2)]
+    loops = [LeaderLoop(Leader(store, duration_s=5, holder=f"c{i}"),
+                        lambda i=i: Controller(store, launchers[i],  # type: ignore[misc]
+                                               checkpoint_root=tmp_path))
+             for i in range(2)]
+    caplog.set_level("INFO", logger="trident.controller")
+    assert loops[0].tick(at(0)) == Role.LEADER
+    assert loops[1].tick(at(0.1)) == Role.STANDBY
+    assert loops[1].controller is None  # a standby makes no controller, connects nothing
+    assert "standby: the lease is held by c0" in caplog.text
+    assert [g.starts["attempt"] for g in launchers[0].groups] == [1]
+    for t in (1, 2, 3):
+        assert loops[0].tick(at(t)) == Role.LEADER
+        assert loops[1].tick(at(t + 0.5)) == Role.STANDBY
+    assert store.get_job(job_id=job_id).state == JobState.RUNNING
+    assert launchers[1].groups == []
+
+    # The leader stops renewing (killed, hung). Until its lease expires the standby waits.
+    assert loops[1].tick(at(7.9)) == Role.STANDBY
+    assert launchers[1].groups == []
+    assert loops[1].tick(at(8.1)) == Role.LEADER
+    # The job is active with no group of the new leader's: lost, restarted as attempt 2.
+    assert loops[1].tick(at(8.5)) == Role.LEADER
+    assert [g.starts["attempt"] for g in launchers[1].groups] == [2]
+    assert [a.status for a in store.list_attempts(job_id=job_id)] == [
+        AttemptStatus.LOST, AttemptStatus.RUNNING]
+    # The old leader comes back: it finds the lease taken and stops without acting.
+    with pytest.raises(LeaseLost):
+        loops[0].tick(at(9))
+    assert [g.starts["attempt"] for g in launchers[0].groups] == [1]
+    assert not launchers[0].groups[0].cancelled  # it touched nothing
+    # Every attempt was started once, by one controller.
+    started = [g.starts["attempt"] for launcher in launchers for g in launcher.groups]
+    assert sorted(started) == [1, 2]
