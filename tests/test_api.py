@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from service.db import utcnow
+from service.lease import Leader
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store
@@ -114,8 +117,10 @@ def test_unknown_job_is_404(client: TestClient) -> None:
     assert client.get("/api/v1/jobs/0").status_code == 422
 
 
-def test_healthz_docs_and_status_page(client: TestClient) -> None:
-    assert client.get("/api/v1/healthz").json() == {"status": "ok"}
+def test_healthz_docs_and_status_page(client: TestClient, store: Store) -> None:
+    Leader(store, duration_s=60, holder="ctl-1").acquire_or_renew()
+    r = client.get("/api/v1/healthz")
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
     assert "/api/v1/jobs" in client.get("/openapi.json").json()["paths"]
     assert client.get("/docs").status_code == 200
     assert client.post("/api/v1/jobs", json=tiny_spec(name="<b>x</b>")).status_code == 422
@@ -170,3 +175,37 @@ def test_cluster_inventory_and_probe_requests(client: TestClient, store: Store) 
     assert client.post("/api/v1/probes", json={"profile": "tpu"}).status_code == 422
     assert client.post("/api/v1/probes", json={"ranks_per_node": 0}).status_code == 422
     assert client.get("/api/v1/probes/999").status_code == 404
+
+
+def test_healthz_reports_the_database_and_the_controller_lease(client: TestClient,
+                                                                store: Store) -> None:
+    """503 degraded while no controller holds an unexpired lease; 200 while one does."""
+    r = client.get("/api/v1/healthz")
+    assert r.status_code == 503
+    assert r.json() == {"status": "degraded", "database": "ok", "controller": {
+        "holder": None, "lease_age_s": None, "expires_in_s": None,
+        "error": "no controller has held the lease"}}
+    leader = Leader(store, duration_s=60, holder="ctl-1")
+    leader.acquire_or_renew()
+    r = client.get("/api/v1/healthz")
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "ok" and body["database"] == "ok"
+    assert body["controller"]["holder"] == "ctl-1"
+    assert 0 <= body["controller"]["lease_age_s"] < 60 < body["controller"]["expires_in_s"] + 1
+    # A lease not renewed in time: degraded, naming the last holder.
+    leader.acquire_or_renew(now=utcnow() - timedelta(seconds=120))
+    r = client.get("/api/v1/healthz")
+    assert r.status_code == 503
+    ctl = r.json()["controller"]
+    assert r.json()["status"] == "degraded" and ctl["holder"] == "ctl-1"
+    assert ctl["expires_in_s"] < 0 and ctl["lease_age_s"] >= 120
+    assert ctl["error"] == "the controller has not renewed its lease in time"
+
+
+def test_healthz_names_the_database_when_it_does_not_answer(tmp_path) -> None:
+    broken = Store(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=broken)) as c:
+        r = c.get("/api/v1/healthz")
+    assert r.status_code == 503
+    assert r.json()["status"] == "degraded"
+    assert r.json()["database"].startswith("unavailable: ")

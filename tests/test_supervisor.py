@@ -1,0 +1,116 @@
+"""`trident up`'s supervision: a controller process that exits is started again (with
+backoff), and healthz is 200 again once the new one holds the lease; `stop` ends it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from api.app import create_app
+from service.settings import Settings
+from service.store import Store
+from service.supervisor import Supervisor
+from tests.test_cli import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not {what} after {timeout_s} s")
+
+
+def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'trident.db'}"
+    Store(url).migrate()
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(Settings(data_dir=tmp_path,
+                                                            database_url=url)),
+                                        host="127.0.0.1", port=port, log_level="warning"))
+    api = threading.Thread(target=srv.run, daemon=True)
+    api.start()
+    server = f"http://127.0.0.1:{port}"
+    wait_healthy(server, controller=False)
+    assert httpx.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
+
+    log = tmp_path / "controller.log"
+    started: list[int] = []
+    sup = Supervisor([sys.executable, str(ROOT / "tests/_lease_holder.py"), url, "1.5"],
+                     env={**os.environ, "PYTHONPATH": str(ROOT)}, log_path=log,
+                     backoff_min_s=0.2, backoff_max_s=1, on_start=started.append)
+    sup.start()
+    try:
+        wait_healthy(server)
+        first = httpx.get(server + "/api/v1/healthz").json()["controller"]["holder"]
+        assert first.split(":")[1] == str(started[0])
+        os.kill(started[0], signal.SIGKILL)
+        wait_for("restarted", lambda: len(started) == 2)
+        assert started[1] != started[0] and sup.exits == [-signal.SIGKILL]
+
+        def new_holder() -> bool:
+            r = httpx.get(server + "/api/v1/healthz")
+            return r.status_code == 200 and r.json()["controller"]["holder"] != first
+
+        wait_for("healthy under the new controller", new_holder)
+    finally:
+        sup.stop(10)
+        srv.should_exit = True
+        api.join(10)
+    text = log.read_text()
+    assert f"controller pid {started[0]} exited with status -9" in text
+    assert "restarting in 0.2 s" in text and f"controller pid {started[1]} started" in text
+    # `stop` ends it with SIGTERM, which the controller handles: it released its lease.
+    assert text.rstrip().endswith("stopped")
+    assert len(started) == 2  # not restarted after stop
+
+
+def test_backoff_doubles_up_to_its_bound(tmp_path: Path) -> None:
+    log = tmp_path / "controller.log"
+    sup = Supervisor([sys.executable, "-c", "import sys; sys.exit(7)"], env=dict(os.environ),
+                     log_path=log, backoff_min_s=0.05, backoff_max_s=0.2, stable_s=60)
+    sup.start()
+    try:
+        wait_for("restarted four times", lambda: sup.starts >= 5)
+    finally:
+        sup.stop(5)
+    waits = [line.rsplit("restarting in ", 1)[1] for line in log.read_text().splitlines()
+             if "restarting in" in line]
+    assert waits[:4] == ["0.05 s", "0.1 s", "0.2 s", "0.2 s"]
+    assert set(sup.exits) == {7}
+
+
+def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> None:
+    """ray.init installs a bare `sys.exit` for SIGTERM; the daemon's own handler (which logs
+    and stops cleanly) must still be the one that runs."""
+    from types import SimpleNamespace
+
+    import service.daemon as daemon
+
+    def ray_init(**_: object) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
+
+    fakes = {"ray": SimpleNamespace(init=ray_init),
+             "workers.group": SimpleNamespace(RayLauncher=lambda: "launcher")}
+    monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
+
+    def ours(_signum: int, _frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        assert daemon.connect_ray(Settings()) == "launcher"
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
