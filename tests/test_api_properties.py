@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 
 from api.app import create_app
 from service.jobs import submit
+from service.lease import Leader
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
@@ -34,8 +35,10 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 @pytest.fixture(scope="module", autouse=True)
 def _data() -> Iterator[None]:
     """Something to find: a job (id 1) and a node with its resources, so that the routes that
-    read them and the submit-time placement check have data to work on."""
+    read them and the submit-time placement check have data to work on; and a controller
+    holding its lease, without which healthz is (by design) a 503."""
     store: Store = app.state.store
+    Leader(store, duration_s=3600, holder="test-controller").acquire_or_renew()
     if not store.list_jobs(limit=1)[0]:
         submit(store, JobSpec.model_validate(tiny_spec()))
         store.upsert_nodes(nodes=[{"node_id": "n0", "hostname": "h0", "accelerator": "cpu",
