@@ -25,7 +25,7 @@ from service.protocols import Launcher, PollResult, ProbeReport, StepReport, Wor
 from service.scheduler import admit
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
-from service.store import AttemptStatus, Job, Store
+from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,11 @@ class Controller:
     def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
-                 shutdown_timeout_s: float = 20.0) -> None:
+                 shutdown_timeout_s: float = 20.0, fence: Fence | None = None) -> None:
         self.store = store
+        self.fence = fence
+        """The lease this controller acts under (the daemon's); attempts start only while it
+        is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise)."""
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
         self.start_timeout_s = start_timeout_s
@@ -143,7 +146,7 @@ class Controller:
             if placing is None:
                 return
             job = placing
-        job = self.store.start_attempt(job_id=job.id)
+        job = self.store.start_attempt(job_id=job.id, fence=self.fence)
         attempt = job.attempts
         spec = JobSpec.model_validate(job.spec)
         ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")

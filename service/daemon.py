@@ -21,9 +21,9 @@ from datetime import datetime
 from types import FrameType
 
 from service.controller import Controller
-from service.lease import Leader, Role
+from service.lease import CONTROLLER, Leader, Role
 from service.settings import Settings
-from service.store import Store
+from service.store import Fence, NotHolder, Store
 
 log = logging.getLogger("trident.controller")
 
@@ -84,7 +84,11 @@ class LeaderLoop:
             log.info("lease acquired by %s (epoch %s): acting as the controller",
                      self.leader.holder, lease.epoch)
             self.controller = self.make_controller()
-        result = self.controller.step()
+        try:
+            result = self.controller.step()
+        except NotHolder as exc:  # taken over in the middle of this pass
+            log.error("%s: stopping at once, without touching any job", exc)
+            raise LeaseLost(str(exc)) from exc
         for change in result.changes:
             log.info("job %s -> %s: %s", change.job_id, change.to, change.message)
         return role
@@ -100,7 +104,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
         return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
                           checkpoint_root=settings.checkpoint_root,
                           start_timeout_s=settings.start_timeout_s,
-                          cancel_grace_s=settings.cancel_grace_s)
+                          cancel_grace_s=settings.cancel_grace_s,
+                          fence=Fence(CONTROLLER, leader.holder))
 
     loop = LeaderLoop(leader, make_controller)
     log.info("controller %s starting against %s (lease %g s)", leader.holder,

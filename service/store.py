@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -21,6 +22,7 @@ from service.db import (
     AttemptRow,
     EventRow,
     JobRow,
+    LeaseRow,
     MetricRow,
     NodeRow,
     ProbeRow,
@@ -40,14 +42,29 @@ from service.views import (
     Node,
     Probe,
     ProbeStatus,
+    aware,
 )
 
-__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Job", "KeyTaken", "Metric",
-           "Node", "NotFound", "Probe", "ProbeStatus", "Store"]
+__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Fence", "Job", "KeyTaken",
+           "Metric", "Node", "NotFound", "NotHolder", "Probe", "ProbeStatus", "Store"]
 
 
 class NotFound(LookupError):
     """No such job (a 404 at the API)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A lease (`service.lease`) the caller must still hold for a write to happen: checked in
+    the write's own transaction, so that a controller whose lease was taken while it was in
+    the middle of a pass cannot start an attempt that the new leader also starts."""
+
+    lease: str
+    holder: str
+
+
+class NotHolder(RuntimeError):
+    """The caller no longer holds its fence's lease: nothing was written."""
 
 
 class KeyTaken(Exception):
@@ -78,6 +95,15 @@ class Store:
     def _tx(self) -> Iterator[Session]:
         with self._sessions.begin() as session:
             yield session
+
+    def _check_fence(self, s: Session, fence: Fence) -> None:
+        # FOR SHARE: a controller taking the lease over (FOR UPDATE) waits for this write.
+        lease = s.execute(select(LeaseRow).where(LeaseRow.name == fence.lease)
+                          .with_for_update(read=True)).scalar()
+        expires = aware(lease.expires_at) if lease is not None else None
+        if lease is None or lease.holder != fence.holder or expires is None or expires <= utcnow():
+            holder = lease.holder if lease else "nobody"
+            raise NotHolder(f"the {fence.lease} lease is held by {holder}, not {fence.holder}")
 
     def _lock_job(self, s: Session, job_id: int) -> JobRow:
         row = s.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar()
@@ -202,10 +228,12 @@ class Store:
 
     # --- attempts ---------------------------------------------------------------------------
 
-    def start_attempt(self, *, job_id: int) -> Job:
+    def start_attempt(self, *, job_id: int, fence: Fence | None = None) -> Job:
         """Open the next attempt of a job; the job back, `attempts` being the new attempt's
-        number (1-based)."""
+        number (1-based). With a `fence`, only while its holder holds that lease (NotHolder)."""
         with self._tx() as s:
+            if fence is not None:
+                self._check_fence(s, fence)
             row = self._lock_job(s, job_id)
             row.attempts += 1
             s.add(AttemptRow(job_id=job_id, number=row.attempts,

@@ -11,10 +11,10 @@ import pytest
 
 from service.controller import Controller
 from service.daemon import LeaderLoop, LeaseLost
-from service.lease import Leader, Leases, Role
+from service.lease import CONTROLLER, Leader, Leases, Role
 from service.protocols import PollResult
 from service.states import JobState
-from service.store import AttemptStatus, Store
+from service.store import AttemptStatus, Fence, NotHolder, Store
 from tests.test_controller import FakeLauncher, submit
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -121,3 +121,22 @@ def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over(
     # Every attempt was started once, by one controller.
     started = [g.starts["attempt"] for launcher in launchers for g in launcher.groups]
     assert sorted(started) == [1, 2]
+
+
+def test_an_attempt_starts_only_while_its_controllers_lease_is_held(store: Store,
+                                                                    tmp_path: Path) -> None:
+    """A leader taken over in the middle of a pass (its lease expired while the pass ran) cannot
+    start an attempt: the lease is checked in the attempt's own transaction."""
+    job_id = submit(store)
+    old = Leader(store, duration_s=5, holder="old")
+    assert old.acquire_or_renew(at(0)) == Role.LEADER
+    assert Leader(store, duration_s=5, holder="new").acquire_or_renew(at(6)) == Role.LEADER
+    launcher = FakeLauncher([[PollResult(state="running")]])
+    controller = Controller(store, launcher, checkpoint_root=tmp_path,
+                            fence=Fence(CONTROLLER, "old"))
+    with pytest.raises(NotHolder, match="held by new, not old"):
+        controller.step()
+    assert launcher.groups == [] and store.list_attempts(job_id=job_id) == []
+    assert store.get_job(job_id=job_id).attempts == 0
+    # The holder's fence lets it through.
+    assert store.start_attempt(job_id=job_id, fence=Fence(CONTROLLER, "new")).attempts == 1
