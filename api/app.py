@@ -6,6 +6,7 @@ is slow. `create_app` is used by `trident up`, by uvicorn (`api.app:app`) and by
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from api import pages
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
@@ -22,6 +24,11 @@ from api.health import health
 from api.routes import cluster, jobs, plan
 from service.settings import Settings
 from service.store import Store
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+"""`Retry-After` of a 503 while the database is away."""
 
 _FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
 
@@ -62,6 +69,16 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = [_name_the_field(dict(e)) for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(detail)})
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database_away(_: Request, exc: DBAPIError) -> JSONResponse:
+        # The database is away (stopped, restarting, unreachable): the client should retry,
+        # not take it for a bug. Nothing was written: every store function is one transaction.
+        log.warning("database unavailable: %s", exc.orig)
+        return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
+                            content={"detail": "the database is unavailable"
+                                     f" ({type(exc.orig).__name__}); retry in a few seconds"})
 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)

@@ -209,3 +209,21 @@ def test_healthz_names_the_database_when_it_does_not_answer(tmp_path) -> None:
     assert r.status_code == 503
     assert r.json()["status"] == "degraded"
     assert r.json()["database"].startswith("unavailable: ")
+
+
+def test_routes_answer_503_with_retry_after_while_the_database_is_away(tmp_path) -> None:
+    """A PostgreSQL server that does not answer (nothing listens on the port): every route that
+    reads or writes the store says 503 with Retry-After, never 500."""
+    away = Store("postgresql+psycopg://postgres@127.0.0.1:1/test?connect_timeout=2")
+    try:
+        with TestClient(create_app(Settings(data_dir=tmp_path), store=away)) as c:
+            for method, path, body in [("GET", "/api/v1/jobs", None),
+                                       ("GET", "/api/v1/jobs/1", None),
+                                       ("POST", "/api/v1/jobs", tiny_spec()),
+                                       ("GET", "/api/v1/cluster", None)]:
+                r = c.request(method, path, json=body)
+                assert r.status_code == 503, (path, r.status_code, r.text)
+                assert r.headers["Retry-After"] == "5"
+                assert "database is unavailable" in r.json()["detail"]
+    finally:
+        away.close()
