@@ -21,7 +21,7 @@ from service.planner.shape import ModelShape
 from service.planner.stored import StoredPlan
 from service.profiles import profile_for
 from service.protocols import NodeCapacity
-from service.scheduler import Bundle, pack
+from service.scheduler import bundles, pack
 from service.spec import JobSpec, SpecError
 from service.store import Job, KeyTaken, Node, Store
 
@@ -124,11 +124,10 @@ def placement_refusal(job: Prepared, nodes: list[Node]) -> SpecError | None:
     caps = capacities(nodes)
     if not caps:
         return None
-    tp = job.plan.layout.tp
-    bundle = Bundle(cpus=job.cpus * tp, gpus=job.gpus * tp)
-    groups = job.world_size // tp
-    if pack([bundle] * groups, caps) is not None:
+    items = bundles(job)
+    if pack(items, caps) is not None:
         return None
+    tp, bundle, groups = job.plan.layout.tp, items[0], len(items)
     big_cpu, big_gpu = max(c.cpus for c in caps), max(c.gpus for c in caps)
     largest = max(caps, key=lambda c: (c.gpus, c.cpus) if bundle.gpus else (c.cpus, c.gpus))
     claim = (f"a TP group of tp({tp}) ranks claims {bundle.cpus:g} CPUs and {bundle.gpus:g}"

@@ -11,7 +11,9 @@ reported as impossible instead of blocking the queue.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
 from service.store import Job
 
@@ -24,7 +26,20 @@ class Bundle:
     gpus: float
 
 
-def bundles(job: Job) -> list[Bundle]:
+class Claim(Protocol):
+    """What a job claims: a stored `Job`, or one being submitted (`service.jobs.Prepared`)."""
+
+    @property
+    def plan(self) -> StoredPlan: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def cpus(self) -> float: ...
+    @property
+    def gpus(self) -> float: ...
+
+
+def bundles(job: Claim) -> list[Bundle]:
     """One bundle per TP group: tp ranks' worth of CPUs and GPUs."""
     tp = job.plan.layout.tp
     groups = job.world_size // tp
