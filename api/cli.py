@@ -190,9 +190,16 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
        = "",
        data_dir: Annotated[Path | None, typer.Option(envvar="TRIDENT_DATA_DIR",
                                                      help="Database, checkpoints, logs.")]
-       = None) -> None:
-    """Start the local stack: the API and the controller (with a local Ray if no address).
-    The controller is restarted whenever it exits; SIGTERM or Ctrl-C stops both."""
+       = None,
+       stop_jobs: Annotated[bool, typer.Option(
+           "--stop-jobs", help="On SIGTERM or Ctrl-C, stop running jobs too (by default they"
+           " train on and the next `trident up` re-attaches them).")] = False) -> None:
+    """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
+    head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
+    controller; running jobs train on unless --stop-jobs.
+
+    Example: trident up --port 8000
+    """
     import uvicorn
 
     from api.app import create_app
@@ -205,14 +212,24 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         env["TRIDENT_RAY_ADDRESS"] = ray_address
     if data_dir:
         env["TRIDENT_DATA_DIR"] = str(data_dir)
+    env["TRIDENT_STOP_JOBS"] = "1" if stop_jobs else "0"
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     from migrations import upgrade
 
     upgrade(settings.db_url)
+    from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
+    head = None
+    if not settings.ray_address:
+        # Its own supervised process, so that jobs outlive the controller and `trident up`.
+        head = RayHead(settings.data_dir)
+        env.update(head.env())
+        env["TRIDENT_RAY_ADDRESS"] = head.start()
+        typer.echo(f"ray head at {head.address}"
+                   f"{' (already running: adopted)' if head.adopted else ''}")
     log_path = settings.data_dir / "controller.log"
     env["TRIDENT_PARENT_PID"] = str(os.getpid())
     # The controller runs beside the API, in a process of its own, started again whenever it
@@ -230,6 +247,25 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
+        if head is not None:
+            _stop_head(head, settings, stop_jobs)
+
+
+def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
+    """Stop the local Ray head, unless jobs are still active on it (they train on, and the
+    next `trident up` adopts the head and re-attaches them)."""
+    from service.store import Store
+
+    store = Store(settings.db_url)
+    try:
+        active = [] if stop_jobs else store.active_jobs()
+    finally:
+        store.close()
+    if active:
+        typer.echo(f"{len(active)} job(s) still active keep the Ray head at {head.address}"
+                   " running; `trident up` re-attaches them (--stop-jobs stops them)")
+        return
+    head.stop()
 
 
 @app.command()

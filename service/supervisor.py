@@ -6,6 +6,10 @@ run `stable_s`, so a daemon that dies at start-up does not spin, and one that ra
 back within a second. Every start and exit is a line in the controller's log. `stop` sends
 SIGTERM (the daemon stops its loop, its groups and releases its lease), then SIGKILL after a
 grace.
+
+The same class keeps the embedded default's Ray head up (`service.rayhead`): there
+`running_elsewhere` says whether a head started earlier (by a `trident up` that was killed)
+still runs, which is then watched, not started twice.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ class Supervisor:
     def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path,
                  backoff_min_s: float = 1.0, backoff_max_s: float = 30.0,
                  stable_s: float = 60.0,
-                 on_start: Callable[[int], None] | None = None) -> None:
+                 on_start: Callable[[int], None] | None = None,
+                 name: str = "controller",
+                 running_elsewhere: Callable[[], bool] | None = None) -> None:
         self.argv = list(argv)
+        self.name = name
+        self.running_elsewhere = running_elsewhere
         self.env = env
         self.log_path = log_path
         self.backoff_min_s = backoff_min_s
@@ -40,7 +48,7 @@ class Supervisor:
         self.proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="controller-supervisor",
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-supervisor",
                                         daemon=True)
 
     @property
@@ -52,7 +60,7 @@ class Supervisor:
         self._thread.start()
 
     def _note(self, message: str) -> None:
-        """A line in the controller's log, in the daemon's format."""
+        """A line in the supervised process's log, in the daemon's format."""
         log.info(message)
         stamp = datetime.now(UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         with self.log_path.open("a") as f:
@@ -73,11 +81,17 @@ class Supervisor:
     def _loop(self) -> None:
         backoff = self.backoff_min_s
         while not self._stop.is_set():
+            if self.running_elsewhere is not None and self.running_elsewhere():
+                self._note(f"{self.name} already running: watching it")
+                while self.running_elsewhere():
+                    if self._stop.wait(2):
+                        return
+                self._note(f"{self.name} started earlier is gone: starting one")
             proc = self._spawn()
             if proc is None:
                 return
             began = time.monotonic()
-            self._note(f"controller pid {proc.pid} started (start {self.starts})")
+            self._note(f"{self.name} pid {proc.pid} started (start {self.starts})")
             if self.on_start is not None:
                 self.on_start(proc.pid)
             code = proc.wait()
@@ -87,8 +101,8 @@ class Supervisor:
             self.exits.append(code)
             if ran >= self.stable_s:
                 backoff = self.backoff_min_s
-            self._note(f"controller pid {proc.pid} exited with status {code} after {ran:.1f} s;"
-                       f" restarting in {backoff:g} s")
+            self._note(f"{self.name} pid {proc.pid} exited with status {code} after"
+                       f" {ran:.1f} s; restarting in {backoff:g} s")
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.backoff_max_s)
@@ -104,7 +118,7 @@ class Supervisor:
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self._note(f"controller pid {proc.pid} did not stop in {grace_s:g} s: killed")
+                self._note(f"{self.name} pid {proc.pid} did not stop in {grace_s:g} s: killed")
                 proc.kill()
                 proc.wait()
         self._thread.join(5)
