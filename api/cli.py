@@ -1,5 +1,5 @@
 """`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack) and `plan` (needs no server).
+local stack), `controller` (runs the controller alone) and `plan` (needs no server).
 """
 
 from __future__ import annotations
@@ -230,6 +230,22 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
+
+
+@app.command()
+def controller() -> None:
+    """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
+    its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly."""
+    from service.settings import Settings
+    from service.supervisor import run_controller
+
+    try:
+        Settings()  # a bad setting is an error now, not a daemon restarted forever
+    except ValidationError as exc:
+        fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
+                       + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    raise typer.Exit(run_controller(dict(os.environ)))
 
 
 @app.command()
