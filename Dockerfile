@@ -47,7 +47,7 @@ COPY api api
 COPY migrations migrations
 COPY examples examples
 RUN pip install . \
- && python -c "import torch, ray, api.app, service.daemon"
+ && cd / && python -c "import torch, ray, api.app, service.daemon"
 
 # Not root. /data holds checkpoints and logs (TRIDENT_DATA_DIR); a named volume mounted there
 # starts out owned by this user.
@@ -55,6 +55,8 @@ RUN useradd --create-home --uid 1000 trident \
  && mkdir /data \
  && chown trident:trident /data
 USER trident
+# Out of the source tree, so that every process imports the installed packages.
+WORKDIR /home/trident
 ENV TRIDENT_DATA_DIR=/data
 VOLUME /data
 EXPOSE 8000
