@@ -1,5 +1,5 @@
 """`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack) and `plan` (needs no server).
+local stack), `controller` (runs the controller alone) and `plan` (needs no server).
 """
 
 from __future__ import annotations
@@ -266,6 +266,22 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
                    " running; `trident up` re-attaches them (--stop-jobs stops them)")
         return
     head.stop()
+
+
+@app.command()
+def controller() -> None:
+    """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
+    its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly."""
+    from service.settings import Settings
+    from service.supervisor import run_controller
+
+    try:
+        Settings()  # a bad setting is an error now, not a daemon restarted forever
+    except ValidationError as exc:
+        fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
+                       + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    raise typer.Exit(run_controller(dict(os.environ)))
 
 
 @app.command()

@@ -3,9 +3,9 @@ starts it again whenever it exits (crash, kill, or a lost lease), with backoff.
 
 The backoff doubles from `backoff_min_s` to `backoff_max_s` and starts over once a process has
 run `stable_s`, so a daemon that dies at start-up does not spin, and one that ran for hours is
-back within a second. Every start and exit is a line in the controller's log. `stop` sends
-SIGTERM (the daemon stops its loop, its groups and releases its lease), then SIGKILL after a
-grace.
+back within a second. Every start and exit is a line in the controller's log (a file, or
+stderr for `trident controller`, whose output a container runtime or systemd collects). `stop`
+sends SIGTERM (the daemon stops its loop and releases its lease), then SIGKILL after a grace.
 
 The same class keeps the embedded default's Ray head up (`service.rayhead`): there
 `running_elsewhere` says whether a head started earlier (by a `trident up` that was killed)
@@ -15,7 +15,10 @@ still runs, which is then watched, not started twice.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +29,7 @@ log = logging.getLogger("trident.supervisor")
 
 
 class Supervisor:
-    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path,
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path | None,
                  backoff_min_s: float = 1.0, backoff_max_s: float = 30.0,
                  stable_s: float = 60.0,
                  on_start: Callable[[int], None] | None = None,
@@ -62,6 +65,8 @@ class Supervisor:
     def _note(self, message: str) -> None:
         """A line in the supervised process's log, in the daemon's format."""
         log.info(message)
+        if self.log_path is None:  # the log is this process's stderr, where `log` writes
+            return
         stamp = datetime.now(UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         with self.log_path.open("a") as f:
             f.write(f"{stamp} {log.name} {message}\n")
@@ -70,11 +75,15 @@ class Supervisor:
         with self._lock:
             if self._stop.is_set():
                 return None
-            with self.log_path.open("ab") as out:
-                # Its own session: a Ctrl-C at the terminal reaches `trident up` only, which
-                # then stops the daemon through `stop` (one shutdown path, not two).
-                self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+            # Its own session: a Ctrl-C at the terminal reaches `trident up` only, which then
+            # stops the daemon through `stop` (one shutdown path, not two).
+            if self.log_path is None:  # inherit stdout and stderr
+                self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            else:
+                with self.log_path.open("ab") as out:
+                    self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                                 stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
             self.starts += 1
             return self.proc
 
@@ -122,3 +131,28 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
         self._thread.join(5)
+
+
+def run_controller(env: dict[str, str], grace_s: float = 30.0) -> int:
+    """`trident controller`: the daemon under a Supervisor, logging to stderr, until SIGTERM or
+    SIGINT; then it is stopped as `trident up` stops it. The production shape (one per
+    container or host, any number of them: the lease lets one act and keeps the others
+    standby); the container runtime restarts this process if it ever ends."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr, force=True)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("signal %s: stopping the controller", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    # The daemon stops by itself should this process die without stopping it (kill -9).
+    env = {**env, "TRIDENT_PARENT_PID": str(os.getpid())}
+    sup = Supervisor([sys.executable, "-m", "service.daemon"], env=env, log_path=None)
+    sup.start()
+    while not stop.wait(1.0):
+        pass
+    sup.stop(grace_s)
+    return 0
