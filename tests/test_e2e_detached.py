@@ -160,7 +160,7 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         pg.stop()
         r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
-        time.sleep(10)  # the ranks train on; their reports wait for the database
+        time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
         pg.start()
         wait_for("SUCCEEDED", lambda: httpx.get(
             f"{up.server}/api/v1/jobs/{job_id}", timeout=30).json().get("state") in (
