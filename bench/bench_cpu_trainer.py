@@ -63,7 +63,8 @@ def measure(store: Store, controller: Controller, spec: JobSpec) -> float:
 
 
 def start() -> tuple[Store, Controller]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a new Ray of its own, never one that `ray start` left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp())
     store = Store(f"sqlite:///{tmp / 'calib.db'}")
     store.migrate()

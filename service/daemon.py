@@ -48,7 +48,9 @@ def connect_ray(settings: Settings) -> object:
     if settings.ray_address:
         ray.init(address=settings.ray_address, namespace=group.NAMESPACE, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, namespace=group.NAMESPACE, log_to_driver=True)
+        # "local": a Ray of its own, not whichever cluster `ray start` last left on this host.
+        ray.init(address="local", include_dashboard=False, namespace=group.NAMESPACE,
+                 log_to_driver=True)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
     return group.RayLauncher()

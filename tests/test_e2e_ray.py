@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a new Ray of its own, never one that `ray start` left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
