@@ -15,7 +15,7 @@ import hmac
 from datetime import timedelta
 from html import escape
 from typing import Annotated
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -109,7 +109,8 @@ async def login(request: Request) -> RedirectResponse:
     try:
         who = identity.authenticate(token)
     except AuthError as exc:
-        return RedirectResponse(f"/login?message=log-in refused: {exc}", status_code=303)
+        return RedirectResponse("/login?" + urlencode({"message": f"log-in refused: {exc}"}),
+                                status_code=303)
     request.state.principal = who
     hours = request.app.state.settings.session_hours
     secret, _ = identity.create_token(user=who.name, name=SESSION_TOKEN_NAME,

@@ -131,9 +131,18 @@ def create_token(body: TokenIn, who: Who, identity: IdentityDep) -> NewToken:
 
 
 @router.get("/tokens", tags=["identity"], dependencies=_TOKENS)
-def list_tokens(who: Who, identity: IdentityDep) -> dict[str, list[Token]]:
-    """Tokens (never their secrets): an admin's list has everyone's, others their own."""
-    return {"items": identity.list_tokens(user=None if who.role == "admin" else who.name)}
+def list_tokens(who: Who, identity: IdentityDep,
+                user: Annotated[str | None, Query(
+                    min_length=1, max_length=NAME_MAX,
+                    description="Only this user's tokens (others than yourself: admins only)."
+                    )] = None) -> dict[str, list[Token]]:
+    """Tokens (never their secrets): by default an admin's list has everyone's, others
+    their own."""
+    if user is not None:
+        check_owner(who, "tokens:manage", user)
+    elif who.role != "admin":
+        user = who.name
+    return {"items": identity.list_tokens(user=user)}
 
 
 @router.delete("/tokens/{token_id}", tags=["identity"], dependencies=_TOKENS)
