@@ -28,7 +28,7 @@ from service.presets import PRESETS
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_ENV = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
+_ENV: dict[str, Any] = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
 
 MAX_WORLD = 65536
 MAX_RANKS_PER_NODE = 64
