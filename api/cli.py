@@ -1,5 +1,7 @@
 """`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack) and `plan` (needs no server).
+local stack), `bootstrap` (the first admin) and `plan` (needs no server). The API token comes
+from `TRIDENT_TOKEN`, a `trident login` profile, or a local server's bootstrap token file
+(`api.cli_auth`); the identity commands are in `api.cli_identity`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from api.cli_auth import token_for
+from api.cli_identity import register
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -65,12 +69,15 @@ RETRY_STATUS = {502, 503, 504}
 
 
 def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
-    """One request; `retries` more after a transport error or a 502/503/504, with backoff
-    (only for requests that are safe to repeat)."""
+    """One request, with the API token; `retries` more after a transport error or a
+    502/503/504, with backoff (only for requests that are safe to repeat)."""
+    token, source = token_for(server)
+    headers = {**({"Authorization": f"Bearer {token}"} if token else {}),
+               **kw.pop("headers", {})}
     for attempt in range(retries + 1):
         try:
             with _client(server) as c:
-                r = c.request(method, path, **kw)
+                r = c.request(method, path, headers=headers, **kw)
         except httpx.HTTPError as exc:
             if attempt == retries:
                 fail(f"cannot reach the Trident API at {server}: {exc}")
@@ -87,6 +94,9 @@ def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -
         if isinstance(detail, list):
             detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
                                for d in detail)
+        if r.status_code == 401:
+            detail = (f"{detail} (token from {source}; set TRIDENT_TOKEN or run `trident"
+                      " login`)")
         fail(f"{r.status_code}: {detail}")
     return r.json()
 
@@ -99,10 +109,13 @@ def _layout(plan: dict[str, Any]) -> str:
 @app.command()
 def submit(spec: Path, server: ServerOpt = DEFAULT_SERVER,
            wait: Annotated[bool, typer.Option(help="Follow the job; fail unless it succeeds.")]
-           = False) -> None:
+           = False,
+           project: Annotated[str | None, typer.Option(
+               help="Project to submit under (default: your first).")] = None) -> None:
     """Submit a job spec (YAML); prints the job id. Retried on connection errors under one
     Idempotency-Key, so that a retry never queues the job twice."""
     job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"),
+                params={"project": project} if project else None,
                 headers={"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}, retries=4)
     typer.echo(job["id"])
     if wait:
@@ -137,14 +150,19 @@ def follow(server: str, job_id: int, interval: float = 1.0) -> int:
 
 @app.command()
 def status(job_id: Annotated[int | None, typer.Argument()] = None,
-           server: ServerOpt = DEFAULT_SERVER) -> None:
-    """List jobs, or show one job in detail."""
+           server: ServerOpt = DEFAULT_SERVER,
+           owner: Annotated[str | None, typer.Option(help="Only this user's jobs.")] = None
+           ) -> None:
+    """List jobs (with their owner and project), or show one job in detail."""
     if job_id is None:
-        jobs = _call(server, "GET", "/jobs", params={"limit": 50})
-        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  NAME")
+        params: dict[str, Any] = {"limit": 50, **({"owner": owner} if owner else {})}
+        jobs = _call(server, "GET", "/jobs", params=params)
+        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  {'OWNER':<12}"
+                   f"  {'PROJECT':<12}  NAME")
         for j in jobs["items"]:
             typer.echo(f"{j['id']:>5}  {j['state']:<10}  {j['world_size']:>5}"
-                       f"  {_layout(j['plan']):<18}  {j['name']}")
+                       f"  {_layout(j['plan']):<18}  {j['owner']:<12}  {j['project'] or '-':<12}"
+                       f"  {j['name']}")
         return
     j = _call(server, "GET", f"/jobs/{job_id}")
     metrics = _call(server, "GET", f"/jobs/{job_id}/metrics")["items"]
@@ -162,6 +180,8 @@ def status(job_id: Annotated[int | None, typer.Argument()] = None,
             meas = "-" if row.get("measured") is None else f"{row['measured']:.4g}"
             ratio = "" if row.get("ratio") is None else f"  (measured/predicted {row['ratio']:.2f})"
             typer.echo(f"{unit:>22}: predicted {row['predicted']:.4g}, measured {meas}{ratio}")
+    if j.get("waiting"):
+        typer.echo(j["waiting"])
     if j["error"]:
         typer.echo(f"error: {j['error']}")
 
@@ -211,6 +231,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     from migrations import upgrade
 
     upgrade(settings.db_url)
+    if settings.env != "prod":
+        _bootstrap(settings)
     from service.supervisor import Supervisor
 
     log_path = settings.data_dir / "controller.log"
@@ -230,6 +252,50 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
+
+
+def _bootstrap(settings: Any) -> None:
+    """Create the first admin and its token file, once; say where the file is."""
+    from service.identity import Identity, bootstrap, token_file
+    from service.store import Store
+
+    store = Store(settings.db_url)
+    try:
+        created = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    path = token_file(settings.data_dir)
+    if created:
+        typer.echo(f"first start: created the admin user; its API token is in {path}"
+                   " (readable by you only; the CLI uses it for this local server)")
+    elif path.exists():
+        typer.echo(f"admin token: {path}")
+
+
+@app.command("bootstrap")
+def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
+        envvar="TRIDENT_DATA_DIR", help="Where the token file goes.")] = None) -> None:
+    """Create the first admin user and its token file (`trident up` does it by itself,
+    except with TRIDENT_ENV=prod). Talks to the database, not the API."""
+    from migrations import upgrade
+    from service.identity import Identity, bootstrap
+    from service.settings import Settings
+    from service.store import Store
+
+    if data_dir:
+        os.environ["TRIDENT_DATA_DIR"] = str(data_dir)
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.db_url)
+    store = Store(settings.db_url)
+    try:
+        path = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    if path is None:
+        fail("users exist already: nothing was created (an admin adds users with"
+             " `trident user add`)", 1)
+    typer.echo(f"created the admin user; its API token is in {path} (readable by you only)")
 
 
 @app.command()
@@ -334,6 +400,9 @@ def capacity(spec: Annotated[Path | None, typer.Argument(
 def validate(spec: Path) -> None:
     """Check a spec file without a server; prints it with every default filled in."""
     typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
+
+
+register(app)
 
 
 def main() -> None:
