@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from api import pages, session
-from api.audit import Audit
+from api.audit import Audit, AuditWriter
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
 from api.routes import cluster, identity, jobs, plan
@@ -63,7 +63,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.env == "prod" and (why := prod_refusal(app.state.identity,
                                                            settings.data_dir)):
             raise RuntimeError(f"refusing to start in prod: {why}")
+        app.state.audit = AuditWriter(app.state.identity)
         yield
+        app.state.audit.close()
         if own:
             app.state.store.close()
 

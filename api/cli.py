@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from api.cli_auth import token_for
-from api.cli_identity import register
+from api.cli_identity import announce_bootstrap, register
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -232,7 +232,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
 
     upgrade(settings.db_url)
     if settings.env != "prod":
-        _bootstrap(settings)
+        announce_bootstrap(settings)
     from service.supervisor import Supervisor
 
     log_path = settings.data_dir / "controller.log"
@@ -252,50 +252,6 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
-
-
-def _bootstrap(settings: Any) -> None:
-    """Create the first admin and its token file, once; say where the file is."""
-    from service.identity import Identity, bootstrap, token_file
-    from service.store import Store
-
-    store = Store(settings.db_url)
-    try:
-        created = bootstrap(Identity(store), settings.data_dir)
-    finally:
-        store.close()
-    path = token_file(settings.data_dir)
-    if created:
-        typer.echo(f"first start: created the admin user; its API token is in {path}"
-                   " (readable by you only; the CLI uses it for this local server)")
-    elif path.exists():
-        typer.echo(f"admin token: {path}")
-
-
-@app.command("bootstrap")
-def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
-        envvar="TRIDENT_DATA_DIR", help="Where the token file goes.")] = None) -> None:
-    """Create the first admin user and its token file (`trident up` does it by itself,
-    except with TRIDENT_ENV=prod). Talks to the database, not the API."""
-    from migrations import upgrade
-    from service.identity import Identity, bootstrap
-    from service.settings import Settings
-    from service.store import Store
-
-    if data_dir:
-        os.environ["TRIDENT_DATA_DIR"] = str(data_dir)
-    settings = Settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(settings.db_url)
-    store = Store(settings.db_url)
-    try:
-        path = bootstrap(Identity(store), settings.data_dir)
-    finally:
-        store.close()
-    if path is None:
-        fail("users exist already: nothing was created (an admin adds users with"
-             " `trident user add`)", 1)
-    typer.echo(f"created the admin user; its API token is in {path} (readable by you only)")
 
 
 @app.command()

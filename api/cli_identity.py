@@ -3,7 +3,8 @@ talks to the REST API (`api.cli._call`), as the caller's token allows."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -16,6 +17,12 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")
 project_app = typer.Typer(no_args_is_help=True, help="Projects and their quotas.")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    from api.cli import fail as cli_fail
+
+    cli_fail(message, code)
 
 
 def _call(server: str, method: str, path: str, **kw: Any) -> Any:
@@ -147,8 +154,50 @@ def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
                    f" {_quota(p['cpu_quota']):>6}  {', '.join(p['members'])}")
 
 
+def announce_bootstrap(settings: Any) -> None:
+    """Create the first admin and its token file, once; say where the file is."""
+    from service.identity import Identity, bootstrap, token_file
+    from service.store import Store
+
+    store = Store(settings.db_url)
+    try:
+        created = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    path = token_file(settings.data_dir)
+    if created:
+        typer.echo(f"first start: created the admin user; its API token is in {path}"
+                   " (readable by you only; the CLI uses it for this local server)")
+    elif path.exists():
+        typer.echo(f"admin token: {path}")
+
+
+def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
+        envvar="TRIDENT_DATA_DIR", help="Where the token file goes.")] = None) -> None:
+    """Create the first admin user and its token file (`trident up` does it by itself,
+    except with TRIDENT_ENV=prod). Talks to the database, not the API."""
+    from migrations import upgrade
+    from service.identity import Identity, bootstrap
+    from service.settings import Settings
+    from service.store import Store
+
+    settings = Settings(data_dir=data_dir) if data_dir else Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.db_url)
+    store = Store(settings.db_url)
+    try:
+        path = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    if path is None:
+        fail("users exist already: nothing was created (an admin adds users with"
+             " `trident user add`)", 1)
+    typer.echo(f"created the admin user; its API token is in {path} (readable by you only)")
+
+
 def register(app: typer.Typer) -> None:
     """Add these commands to the `trident` app."""
+    app.command("bootstrap")(bootstrap_admin)
     app.command()(login)
     app.command()(whoami)
     app.add_typer(user_app, name="user")

@@ -18,6 +18,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -307,11 +308,14 @@ class Identity:
 
     # --- audit ------------------------------------------------------------------------------
 
-    def record(self, *, actor: str | None, client: str | None, method: str, path: str,
-               action: str | None, status: int) -> None:
+    def record_many(self, entries: list[dict[str, Any]]) -> None:
+        """Audit rows (`actor`, `client`, `method`, `path`, `action`, `status`), in one
+        transaction."""
         with self._tx() as s:
-            s.add(AuditRow(actor=actor, client=(client or "")[:64] or None, method=method[:8],
-                           path=path[:512], action=action, status=status))
+            s.add_all(AuditRow(actor=e["actor"], client=(e["client"] or "")[:64] or None,
+                               method=e["method"][:8], path=e["path"][:512],
+                               action=e["action"], status=e["status"], time=e.get("time")
+                               or utcnow()) for e in entries)
 
     def list_audit(self, *, actor: str | None = None, after_id: int = 0,
                    limit: int = 200) -> list[AuditEntry]:

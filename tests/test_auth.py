@@ -203,3 +203,16 @@ def test_dashboard_login_sets_a_strict_httponly_session_with_csrf(client: TestCl
     assert r.status_code == 303 and r.headers["location"] == "/login"
     r = client.get("/api/v1/whoami", headers=bearer(session))
     assert r.status_code == 401 and "revoked" in r.json()["detail"]
+
+
+def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: Path) -> None:
+    prod = Settings.model_construct(**{**Settings(data_dir=tmp_path).model_dump(),
+                                       "env": "prod"})
+    with pytest.raises(RuntimeError, match="refusing to start in prod: no admin user exists"):
+        with TestClient(create_app(prod, store=store)):
+            pass
+    assert not token_file(tmp_path).exists()  # nothing is created by itself in prod
+    bootstrap(Identity(store), tmp_path)
+    with TestClient(create_app(prod, store=store)) as c:
+        assert c.get("/api/v1/whoami", headers=bearer(token_file(tmp_path).read_text().strip())
+                     ).json()["user"] == "admin"

@@ -252,3 +252,11 @@ def test_identity_commands_over_the_api(server: str, tmp_path: Path,
     assert "run `trident login`" in r.output
     monkeypatch.setenv("TRIDENT_TOKEN", (tmp_path / "admin.token").read_text().strip())
     assert "user alice disabled" in run("user", "disable", "alice")
+
+
+def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 0 and f"its API token is in {tmp_path / 'admin.token'}" in r.output
+    assert (tmp_path / "admin.token").stat().st_mode & 0o077 == 0
+    r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 1 and "users exist already" in r.output

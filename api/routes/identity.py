@@ -224,7 +224,7 @@ def add_member(name: ProjectPath, body: MemberIn, identity: IdentityDep) -> Proj
 # --- audit ----------------------------------------------------------------------------------
 
 @router.get("/audit", tags=["identity"], dependencies=[Depends(require("audit:read"))])
-def audit(identity: IdentityDep,
+def audit(request: Request, identity: IdentityDep,
           actor: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
                                              description="Only this user's requests.")] = None,
           after: Annotated[int, Query(ge=0, le=INT64_MAX,
@@ -232,4 +232,5 @@ def audit(identity: IdentityDep,
           limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, list[AuditEntry]]:
     """Every request that changed something (or tried to): who, when, from where, the rule
     of the route and the status it got; oldest first."""
+    request.app.state.audit.flush()  # every request answered before this one is listed
     return {"items": identity.list_audit(actor=actor, after_id=after, limit=limit)}
