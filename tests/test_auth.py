@@ -208,9 +208,9 @@ def test_dashboard_login_sets_a_strict_httponly_session_with_csrf(client: TestCl
 def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: Path) -> None:
     prod = Settings.model_construct(**{**Settings(data_dir=tmp_path).model_dump(),
                                        "env": "prod"})
-    with pytest.raises(RuntimeError, match="refusing to start in prod: no admin user exists"):
-        with TestClient(create_app(prod, store=store)):
-            pass
+    with (pytest.raises(RuntimeError, match="refusing to start in prod: no admin user exists"),
+          TestClient(create_app(prod, store=store))):
+        pass
     assert not token_file(tmp_path).exists()  # nothing is created by itself in prod
     bootstrap(Identity(store), tmp_path)
     with TestClient(create_app(prod, store=store)) as c:
