@@ -194,6 +194,12 @@ def cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
 
 
 @app.command()
+def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Queue a new job with a job's spec (members: their own jobs); prints the new id."""
+    typer.echo(_call(server, "POST", f"/jobs/{job_id}/resubmit")["id"])
+
+
+@app.command()
 def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
     """Print a job's events (state changes, placement, failures with tracebacks)."""
     for ev in _call(server, "GET", f"/jobs/{job_id}/events", params={"limit": 1000})["items"]:

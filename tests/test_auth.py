@@ -216,3 +216,22 @@ def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: P
     with TestClient(create_app(prod, store=store)) as c:
         assert c.get("/api/v1/whoami", headers=bearer(token_file(tmp_path).read_text().strip())
                      ).json()["user"] == "admin"
+
+
+def test_resubmit_copies_the_spec_for_its_owner_and_the_last_admin_stays(
+        client: TestClient, store: Store) -> None:
+    admin, alice = user_token(store), user_token(store, "alice", "member")
+    bob = user_token(store, "bob", "member")
+    spec = tiny_spec(name="again", env={"NCCL_DEBUG": "INFO"})
+    first = client.post("/api/v1/jobs", json=spec, headers=bearer(alice)).json()
+    r = client.post(f"/api/v1/jobs/{first['id']}/resubmit", headers=bearer(alice))
+    assert r.status_code == 201, r.text
+    again = r.json()
+    assert again["id"] != first["id"] and again["spec"] == first["spec"]
+    assert (again["owner"], again["project"], again["state"]) == ("alice", "default", "QUEUED")
+    r = client.post(f"/api/v1/jobs/{first['id']}/resubmit", headers=bearer(bob))
+    assert r.status_code == 403 and r.json()["detail"].startswith("jobs:resubmit:")
+    assert client.post(f"/api/v1/jobs/{first['id']}/resubmit",
+                       headers=bearer(admin)).json()["owner"] == "admin"
+    r = client.post("/api/v1/users/admin/disable", headers=bearer(admin))
+    assert r.status_code == 409 and "last active admin" in r.json()["detail"]

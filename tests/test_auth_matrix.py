@@ -40,6 +40,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "jobs:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "jobs:submit": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:cancel": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:resubmit": {"admin": ANY, "member": OWN, "viewer": NONE},
     "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
     "plan": {"admin": ANY, "member": ANY, "viewer": ANY},
@@ -93,6 +94,8 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.job(w.owner(c, r))}", None),
     ("POST", "/api/v1/jobs/{job_id}/cancel"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/cancel", None),
+    ("POST", "/api/v1/jobs/{job_id}/resubmit"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/resubmit", None),
     ("GET", "/api/v1/jobs/{job_id}/events"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/events", None),
     ("GET", "/api/v1/jobs/{job_id}/metrics"): lambda w, c, r: (

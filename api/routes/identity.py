@@ -87,10 +87,17 @@ def list_users(identity: IdentityDep) -> dict[str, list[User]]:
     return {"items": identity.list_users()}
 
 
-@router.post("/users/{name}/disable", tags=["identity"], dependencies=_USERS)
+@router.post("/users/{name}/disable", tags=["identity"], dependencies=_USERS,
+             responses={409: {"description": "The last active admin"}})
 def disable_user(name: UserName, identity: IdentityDep) -> User:
-    """Disable a user: their tokens are refused from the next request on."""
+    """Disable a user: their tokens are refused from the next request on. The last active
+    admin stays (409): someone must be able to manage users."""
     try:
+        user = identity.get_user(name=name)
+        admins = [u for u in identity.list_users() if u.role == "admin" and not u.disabled]
+        if user.role == "admin" and not user.disabled and len(admins) == 1:
+            raise HTTPException(status_code=409, detail=f"{name} is the last active admin;"
+                                " make another admin first")
         return identity.set_disabled(name=name)
     except NotFound as exc:
         raise _not_found(exc) from None

@@ -34,7 +34,7 @@ from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
-from service.store import NotFound
+from service.store import Job, NotFound, Store
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -86,18 +86,25 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     submission's job. `checkpoint.dir` must lie inside the server's checkpoint roots,
     `entrypoint` under its allowed modules, and `env` may not set loader variables
     (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin submits."""
+    job, created = _queue(store, spec, request, submitter(request, who, project),
+                          idempotency_key)
+    if not created:
+        response.status_code = 200
+    return JobOut.of(job)
+
+
+def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
+           idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Submit `spec` as `by`: the job, and whether this call created it; the refusals as
+    4xx naming the field."""
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
-    by = submitter(request, who, project)
     try:
         if idempotency_key is None:
-            job = submit_job(store, spec, by=by)
-        else:
-            job, created = submit_once(store, spec, idempotency_key, by)
-            if not created:
-                response.status_code = 200
+            return submit_job(store, spec, by=by), True
+        return submit_once(store, spec, idempotency_key, by)
     except KeyReused as exc:
         raise HTTPException(status_code=409, detail=[
             {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],
@@ -109,7 +116,6 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
-    return JobOut.of(job)
 
 
 _READ = [Depends(require("jobs:read"))]
@@ -148,6 +154,18 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
         return JobOut.of(store.request_cancel(job_id=job.id))
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
+
+
+@router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
+             dependencies=[Depends(require("jobs:resubmit"))])
+def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut:
+    """Queue a new job with this job's stored spec, under its project (or the caller's
+    default), owned by the caller; checked as a new submission. Members resubmit only their
+    own jobs."""
+    check_owner(who, "jobs:resubmit", job.owner)
+    spec = JobSpec.model_validate(job.spec)
+    new, _ = _queue(store, spec, request, submitter(request, who, job.project))
+    return JobOut.of(new)
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)
