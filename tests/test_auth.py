@@ -129,7 +129,8 @@ def test_every_mutating_request_is_audited(client: TestClient, store: Store) -> 
     job = client.post("/api/v1/jobs", json=tiny_spec(), headers=bearer(admin)).json()
     client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=bearer(viewer))  # refused
     client.post("/api/v1/jobs", json=tiny_spec())  # no token
-    client.post("/api/v1/users", json={"name": "zed"}, headers=bearer(admin))
+    zed = client.post("/api/v1/users", json={"name": "zed"}, headers=bearer(admin)).json()
+    assert (zed["role"], zed["projects"]) == ("member", ["default"])  # the default project
     client.get("/api/v1/jobs", headers=bearer(admin))  # reads are not audited
     r = client.get("/api/v1/audit", headers=bearer(admin))
     got = [(e["actor"], e["method"], e["path"], e["action"], e["status"])

@@ -12,7 +12,15 @@ from api.auth import Who, check_owner, identity_of, require
 from api.deps import INT32_MAX, INT64_MAX
 from api.routes.jobs import NAME_PATTERN
 from service.db import NAME_MAX
-from service.identity import AuditEntry, Conflict, Identity, Project, Token, User
+from service.identity import (
+    DEFAULT_PROJECT,
+    AuditEntry,
+    Conflict,
+    Identity,
+    Project,
+    Token,
+    User,
+)
 from service.store import NotFound
 
 router = APIRouter()
@@ -63,7 +71,8 @@ class UserIn(_Body):
     role: Literal["admin", "member", "viewer"] = "member"
     """admin: everything; member: submits, reads all, cancels its own; viewer: reads."""
     projects: Annotated[list[Name], Field(max_length=64)] = Field(default_factory=list)
-    """Projects it belongs to; the first is its default."""
+    """Projects it belongs to; the first is its default. None given: the `default` project
+    (made on the first start), so that a new member can submit."""
 
 
 _USERS = [Depends(require("users:manage"))]
@@ -73,8 +82,11 @@ _USERS = [Depends(require("users:manage"))]
              responses={409: {"description": "The name is taken"}})
 def add_user(body: UserIn, identity: IdentityDep) -> User:
     """Create a user (it gets tokens with `POST /tokens` and `user`)."""
+    projects = body.projects
+    if not projects and any(p.name == DEFAULT_PROJECT for p in identity.list_projects()):
+        projects = [DEFAULT_PROJECT]
     try:
-        return identity.create_user(name=body.name, role=body.role, projects=body.projects)
+        return identity.create_user(name=body.name, role=body.role, projects=projects)
     except Conflict as exc:
         raise _conflict(exc) from None
     except NotFound as exc:
