@@ -21,6 +21,11 @@ install: $(BIN)/python
 		$(BIN)/pip install -q "torch==2.13.0"; \
 	fi
 	$(BIN)/pip install -q -e ".[dev]"
+	@# Debian's docker-compose: tests/test_compose.py validates docker-compose.yml with it.
+	@command -v docker-compose >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get install -y -q docker-compose \
+		|| { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q docker-compose; }; }
 
 demo: install
 	@bash examples/demo.sh

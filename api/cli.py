@@ -1,12 +1,12 @@
 """`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack), `bootstrap` (the first admin) and `plan` (needs no server). The API token comes
-from `TRIDENT_TOKEN`, a `trident login` profile, or a local server's bootstrap token file
-(`api.cli_auth`); the identity commands are in `api.cli_identity`.
+local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
+`plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
+profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
+are in `api.cli_identity`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from api.cli_auth import token_for
 from api.cli_identity import announce_bootstrap, register
+from api.cli_offline import register_offline
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -216,9 +217,16 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
        = "",
        data_dir: Annotated[Path | None, typer.Option(envvar="TRIDENT_DATA_DIR",
                                                      help="Database, checkpoints, logs.")]
-       = None) -> None:
-    """Start the local stack: the API and the controller (with a local Ray if no address).
-    The controller is restarted whenever it exits; SIGTERM or Ctrl-C stops both."""
+       = None,
+       stop_jobs: Annotated[bool, typer.Option(
+           "--stop-jobs", help="On SIGTERM or Ctrl-C, stop running jobs too (by default they"
+           " train on and the next `trident up` re-attaches them).")] = False) -> None:
+    """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
+    head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
+    controller; running jobs train on unless --stop-jobs.
+
+    Example: trident up --port 8000
+    """
     import uvicorn
 
     from api.app import create_app
@@ -231,6 +239,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         env["TRIDENT_RAY_ADDRESS"] = ray_address
     if data_dir:
         env["TRIDENT_DATA_DIR"] = str(data_dir)
+    env["TRIDENT_STOP_JOBS"] = "1" if stop_jobs else "0"
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -239,8 +248,17 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     upgrade(settings.db_url)
     if settings.env != "prod":
         announce_bootstrap(settings)
+    from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
+    head = None
+    if not settings.ray_address:
+        # Its own supervised process, so that jobs outlive the controller and `trident up`.
+        head = RayHead(settings.data_dir)
+        env.update(head.env())
+        env["TRIDENT_RAY_ADDRESS"] = head.start()
+        typer.echo(f"ray head at {head.address}"
+                   f"{' (already running: adopted)' if head.adopted else ''}")
     log_path = settings.data_dir / "controller.log"
     env["TRIDENT_PARENT_PID"] = str(os.getpid())
     # The controller runs beside the API, in a process of its own, started again whenever it
@@ -258,6 +276,41 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
+        if head is not None:
+            _stop_head(head, settings, stop_jobs)
+
+
+def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
+    """Stop the local Ray head, unless jobs are still active on it (they train on, and the
+    next `trident up` adopts the head and re-attaches them)."""
+    from service.store import Store
+
+    store = Store(settings.db_url)
+    try:
+        active = [] if stop_jobs else store.active_jobs()
+    finally:
+        store.close()
+    if active:
+        typer.echo(f"{len(active)} job(s) still active keep the Ray head at {head.address}"
+                   " running; `trident up` re-attaches them (--stop-jobs stops them)")
+        return
+    head.stop()
+
+
+@app.command()
+def controller() -> None:
+    """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
+    its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly."""
+    from service.settings import Settings
+    from service.supervisor import run_controller
+
+    try:
+        Settings()  # a bad setting is an error now, not a daemon restarted forever
+    except ValidationError as exc:
+        fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
+                       + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    raise typer.Exit(run_controller(dict(os.environ)))
 
 
 @app.command()
@@ -309,62 +362,8 @@ def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
         typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
 
 
-@app.command()
-def plan(spec: Path,
-         top: Annotated[int, typer.Option(min=1, max=100, help="Layouts to list (auto).")] = 5,
-         as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
-         ) -> None:
-    """Predict memory and step time, with no server: an explicit layout exactly as given
-    (even when it does not fit), or for `parallel: auto` the best layouts."""
-    from service.planner import plan_command
-
-    try:
-        out = plan_command(load_spec(spec), top=top, as_json=as_json)
-    except ValueError as exc:
-        fail(str(exc))
-    typer.echo(json.dumps(out, indent=2) if as_json else out)
-
-
-@app.command()
-def capacity(spec: Annotated[Path | None, typer.Argument(
-                 help="Answer for this spec's model and cluster.")] = None,
-             family: Annotated[str | None, typer.Option(
-                 help="Instead: the largest model of a family (gpt3, llama2, llama3).")] = None,
-             gpu: Annotated[str, typer.Option(help="Profile, with --family.")] = "a100-80gb",
-             nodes: Annotated[int, typer.Option(min=1, max=4096)] = 1,
-             gpus_per_node: Annotated[int, typer.Option(min=1, max=64)] = 8,
-             as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Can this cluster train this model, and with which strategy? Or: the largest model
-    of a family each strategy (TP, PP, ZeRO 1-3, with and without offload) can train."""
-    from service.planner.capacity import can_train
-    from service.planner.capacity import capacity as family_capacity
-    from service.planner.report import render_can_train, render_capacity
-
-    try:
-        if family is not None:
-            rows = family_capacity(family, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node)
-            cluster_name = f"{nodes * gpus_per_node} x {gpu}"
-            if as_json:
-                typer.echo(json.dumps([{"strategy": r.strategy, "largest": r.largest,
-                                        "params": r.params} for r in rows], indent=2))
-            else:
-                typer.echo(render_capacity(rows, family=family, cluster=cluster_name))
-            return
-        if spec is None:
-            fail("give a SPEC or --family")
-        ans = can_train(load_spec(spec))
-    except ValueError as exc:
-        fail(str(exc))
-    typer.echo(json.dumps(ans.to_json(), indent=2) if as_json else render_can_train(ans))
-
-
-@app.command("validate")
-def validate(spec: Path) -> None:
-    """Check a spec file without a server; prints it with every default filled in."""
-    typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
-
-
 register(app)
+register_offline(app)
 
 
 def main() -> None:

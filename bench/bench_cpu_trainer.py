@@ -76,7 +76,7 @@ def demo() -> None:
     store, controller = start()
     job_id = run_job(store, controller, spec)
     pvm = compare(store.get_job(job_id=job_id).plan, store.list_metrics(job_id=job_id))
-    controller.shutdown()
+    controller.shutdown(stop_jobs=True)
     ray.shutdown()
     print(f"{spec.name}: {pvm['steps_measured']} steady-state steps")
     print(f"{'':<18} {'predicted':>12} {'measured':>12} {'measured/predicted':>19}")
@@ -101,7 +101,7 @@ def main(depths: list[int]) -> None:
         print(f"{layers:>6} {measured:>11.4f} {plan.time.step_s:>10.4f}"
               f" {plan.time.step_s / measured - 1:>+7.1%} {refit:>10.4f}"
               f" {refit / measured - 1:>+7.1%}")
-    controller.shutdown()
+    controller.shutdown(stop_jobs=True)
     ray.shutdown()
 
 

@@ -7,6 +7,11 @@ health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `
 runs by `ClusterProbes` (both in `service.monitor`). Nothing in a pass waits for workers to
 die: groups are stopped beside the loop by `Teardowns` (`service.teardown`), so a cancelled
 job is CANCELLED in the pass that sees the request, however many are cancelled at once.
+
+Groups outlive the controller: a controller that starts re-attaches to the live group of each
+PLACING or RUNNING job (no retry used; the ranks send again what was not stored, which the
+store takes once) and, after its first pass, stops every group on the cluster that belongs to
+no active attempt. Reports are acknowledged to the ranks only once they are stored.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
-from service.scheduler import admit
+from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, Store
@@ -91,6 +96,7 @@ class Controller:
         self._inventory_at = -inventory_every_s
         self.identity = Identity(store)
         self.quota_notes = QuotaNotes(store)
+        self._swept = False
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -109,9 +115,11 @@ class Controller:
                 # The last attempt's ranks may still hold the checkpoint directory and their
                 # resources: the next attempt starts once they are gone.
                 if not self.teardowns.busy(("job", job.id)):
-                    self._place(job, result)
+                    self._restart(job, result)
             else:
                 self._orphaned(job, result)
+        if not self._swept:  # once the groups there are to re-attach are re-attached
+            self._sweep()
         self._admit(result)
         self.cluster_probes.step()
         if time.monotonic() - self._inventory_at >= self.inventory_every_s:
@@ -119,13 +127,26 @@ class Controller:
             self.store.upsert_nodes(nodes=self.launcher.inventory())
         return result
 
-    def shutdown(self) -> None:
-        """Stop every group this controller started (daemon exit), and wait for them, and for
-        the teardowns already in flight, up to `shutdown_timeout_s` (all at once, inside the
-        30 s `trident up` gives the daemon to exit)."""
-        for job_id, run in list(self.running.items()):
-            self._teardown(job_id, run)
+    def shutdown(self, *, stop_jobs: bool = False) -> None:
+        """The controller is stopping (daemon exit). Groups are detached: they train on and the
+        next controller re-attaches them, unless `stop_jobs`, which stops every group this
+        controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
+        (all at once, inside the 30 s `trident up` gives the daemon to exit)."""
+        if stop_jobs:
+            for job_id, run in list(self.running.items()):
+                self._teardown(job_id, run)
+        elif self.running:
+            log.info("leaving %d worker group(s) running: the next controller re-attaches them",
+                     len(self.running))
+            self.running.clear()
         self.teardowns.wait(self.shutdown_timeout_s)
+
+    def _sweep(self) -> None:
+        keep = {(job_id, run.attempt) for job_id, run in self.running.items()}
+        for name in self.launcher.sweep(keep):
+            log.warning("stopped worker group %s: no active attempt of the store is its own",
+                        name)
+        self._swept = True
 
     # --- admission and placement ----------------------------------------------------------------
 
@@ -137,6 +158,8 @@ class Controller:
         adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
                     quotas=quotas, holding=held(self.store.active_jobs()) if quotas else None)
         for job, why in adm.impossible:
+            if job.attempts:  # it ran here: the cluster shrank, and may grow back
+                continue
             self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
                        result, error=why)
         for job, why in adm.waiting:
@@ -148,6 +171,17 @@ class Controller:
             placing = self._move(job, JobState.PLACING, "admitted; claiming resources", result)
             if placing is not None:
                 self._place(placing, result)
+
+    def _restart(self, job: Job, result: StepResult) -> None:
+        """The next attempt, from the checkpoint; or, when the cluster no longer has room for
+        it (it lost a node), back to the queue until it has."""
+        why = unplaceable(job, self.launcher.total_capacity())
+        if why is None:
+            self._place(job, result)
+        else:
+            self._move(job, JobState.QUEUED, f"waiting for the cluster: it no longer has room"
+                       f" for this job ({why}); it resumes from its checkpoint when it has",
+                       result)
 
     def _place(self, job: Job, result: StepResult) -> None:
         """Start the next attempt of a PLACING (or RESTARTING) job: the stored spec is the
@@ -173,7 +207,21 @@ class Controller:
                                                                         spec))
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
-        # An active job with no group here: the controller restarted and the group is gone.
+        """An active job with no group here: the controller restarted. Its group may still
+        run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
+        if job.attempts and job.state in (JobState.PLACING, JobState.RUNNING):
+            spec = JobSpec.model_validate(job.spec)
+            group = self.launcher.attach(job_id=job.id, attempt=job.attempts, spec=spec,
+                                         plan=job.plan)
+            if group is not None:
+                self.running[job.id] = _Running(
+                    group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
+                    health=AttemptHealth(self.store, job, job.attempts, spec))
+                self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
+                                     message=f"re-attached to the running worker group of"
+                                     f" attempt {job.attempts}: no retry used; reports not"
+                                     " stored yet are sent again")
+                return
         msg = "controller restarted; the worker group of this attempt is gone"
         if job.attempts:
             self.store.end_attempt(job_id=job.id, number=job.attempts, status=AttemptStatus.LOST,
@@ -246,6 +294,8 @@ class Controller:
                                  message=str(ev.get("message", ""))[:10000],
                                  data=ev.get("data") or {})
         self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
+        if poll.acks:  # stored: the ranks may forget them
+            run.group.acknowledge(poll.acks)
         return len(rows)
 
     def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:

@@ -2,7 +2,9 @@
 `workers/`, by a lazy import, so that the control plane's modules never load Ray or torch.
 
 Run by `trident up` (which restarts it when it exits) as its own process, or alone:
-`python -m service.daemon`. It acts only while it holds the controller's lease
+`python -m service.daemon`. When it stops, the jobs' worker groups train on (they are
+detached Ray actors) and the next controller re-attaches them; `TRIDENT_STOP_JOBS` stops them
+with it on SIGTERM. It acts only while it holds the controller's lease
 (`service.lease`): a second daemon against the same database waits as standby and takes over
 once the leader stops renewing. A leader that finds the lease taken stops at once, without
 touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
@@ -42,13 +44,14 @@ def connect_ray(settings: Settings) -> object:
     # (which logs, stops the loop and releases the lease) would never run: keep ours.
     on_main = threading.current_thread() is threading.main_thread()
     ours = signal.getsignal(signal.SIGTERM) if on_main else None
+    group = importlib.import_module("workers.group")
     if settings.ray_address:
-        ray.init(address=settings.ray_address, log_to_driver=True)
+        ray.init(address=settings.ray_address, namespace=group.NAMESPACE, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        ray.init(include_dashboard=False, namespace=group.NAMESPACE, log_to_driver=True)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
-    return importlib.import_module("workers.group").RayLauncher()
+    return group.RayLauncher()
 
 
 class LeaderLoop:
@@ -136,7 +139,9 @@ def run(settings: Settings, stop: threading.Event) -> int:
     finally:
         if status != LEASE_LOST:
             if loop.controller is not None:
-                loop.controller.shutdown()
+                # Jobs train on, detached, unless a signal stopped us with stop_jobs set (a
+                # controller whose `trident up` died leaves them to the next one).
+                loop.controller.shutdown(stop_jobs=settings.stop_jobs and stop.is_set())
             try:
                 leader.release()  # the standby need not wait for the lease to expire
             except Exception:

@@ -3,6 +3,8 @@ for the leader's lease) queries these tables; `migrations/` creates them."""
 
 from __future__ import annotations
 
+import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -243,10 +245,30 @@ class AuditRow(Base):
     status: Mapped[int] = mapped_column(Integer)
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps_json(value: Any) -> str:
+    """JSON columns' serializer: standard JSON, so a non-finite float (which PostgreSQL
+    refuses and other readers choke on) is stored as null instead of failing the write."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               json_serializer=dumps_json)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -267,4 +289,4 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, json_serializer=dumps_json)

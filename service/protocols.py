@@ -159,6 +159,9 @@ class PollResult:
     placement: dict[str, Any] | None = None
     heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Each answering rank's heartbeat: step, phase, collective, dim, group, time, age_s."""
+    acks: dict[int, int] = field(default_factory=dict)
+    """Per rank, the sequence number of its last report in `reports`: given back to
+    `WorkerGroup.acknowledge` once they are stored, so that the rank may forget them."""
 
 
 class WorkerGroup(Protocol):
@@ -175,6 +178,9 @@ class WorkerGroup(Protocol):
     def stacks(self, timeout_s: float) -> dict[int, str]:
         """Every rank's Python stacks, for hang reports."""
         ...
+
+    def acknowledge(self, acks: dict[int, int]) -> None:
+        """The reports of `PollResult.acks` are stored; until then ranks send them again."""
 
 
 @dataclass(frozen=True)
@@ -203,4 +209,15 @@ class Launcher(Protocol):
 
     def inventory(self) -> list[dict[str, Any]]:
         """Every live node's inventory (`workers.inventory.node_inventory` plus node_id)."""
+        ...
+
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
+               plan: StoredPlan) -> WorkerGroup | None:
+        """The attempt's group, still running from before this controller started, or None
+        (and whatever is left of it stopped)."""
+        ...
+
+    def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
+        """Stop the job groups on the cluster but those of the (job, attempt) pairs in `keep`;
+        the names of those stopped."""
         ...

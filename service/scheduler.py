@@ -108,6 +108,12 @@ def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]
     return Admission(admitted=admitted, impossible=impossible, waiting=waiting)
 
 
+def unplaceable(job: Job, total: list[NodeCapacity]) -> str | None:
+    """Why the job cannot be placed on the whole cluster even when idle, or None if it can."""
+    items = bundles(job)
+    return None if pack(items, total) is not None else _why_impossible(job, items, total)
+
+
 def _why_impossible(job: Job, items: list[Bundle], total: list[NodeCapacity]) -> str:
     need_cpu = sum(b.cpus for b in items)
     need_gpu = sum(b.gpus for b in items)

@@ -30,7 +30,13 @@ class Settings(BaseSettings):
     database_url: str = ""
     """SQLAlchemy URL; empty means a SQLite file in `data_dir`."""
     ray_address: str = ""
-    """Address of an existing Ray cluster; empty starts a local one (controller only)."""
+    """Address of an existing Ray cluster. Empty: `trident up` starts a local Ray head as a
+    supervised process of its own (`service.rayhead`); the daemon run alone starts one inside
+    itself, which ends with it."""
+    stop_jobs: bool = False
+    """Whether a controller stopped by a signal stops its jobs' worker groups too. By default
+    they train on, detached, and the next controller re-attaches them (`trident up
+    --stop-jobs` sets it)."""
     poll_interval_s: float = Field(default=0.5, gt=0, le=60)
     """How often the controller steps."""
     cancel_grace_s: float = Field(default=5.0, ge=0, le=600)

@@ -4,6 +4,7 @@
     RUNNING -> RESTARTING -> PLACING        (recoverable failure, retries left)
     QUEUED | PLACING | RESTARTING -> CANCELLED | FAILED
     PLACING -> RESTARTING                   (the group failed before it ran)
+    RESTARTING -> QUEUED                    (the cluster lost the room it ran in: it waits)
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
         {JobState.RUNNING, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset(
         {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.RESTARTING}),
-    JobState.RESTARTING: frozenset({JobState.PLACING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RESTARTING: frozenset(
+        {JobState.PLACING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

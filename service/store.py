@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -279,14 +280,18 @@ class Store:
     # --- metrics ----------------------------------------------------------------------------
 
     def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
-        """Store per-step, per-rank reports (already validated by the caller)."""
+        """Store per-step, per-rank reports (already validated by the caller). A report stored
+        before (a rank sends again what a controller that died never acknowledged) is kept
+        once: (job, attempt, step, rank) is unique and a repeat is skipped."""
         if not rows:
             return
+        values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],
+                   "loss": r.get("loss"), "step_time_s": r["step_time_s"],
+                   "tokens_per_s": r["tokens_per_s"], "data": r.get("data") or {},
+                   "time": utcnow()} for r in rows]
+        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
         with self._tx() as s:
-            s.add_all(MetricRow(job_id=job_id, attempt=attempt, step=r["step"], rank=r["rank"],
-                                loss=r.get("loss"), step_time_s=r["step_time_s"],
-                                tokens_per_s=r["tokens_per_s"], data=r.get("data") or {})
-                      for r in rows)
+            s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), values)
 
     def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
                      after_step: int = 0, limit: int = 10000) -> list[Metric]:

@@ -3,15 +3,22 @@ starts it again whenever it exits (crash, kill, or a lost lease), with backoff.
 
 The backoff doubles from `backoff_min_s` to `backoff_max_s` and starts over once a process has
 run `stable_s`, so a daemon that dies at start-up does not spin, and one that ran for hours is
-back within a second. Every start and exit is a line in the controller's log. `stop` sends
-SIGTERM (the daemon stops its loop, its groups and releases its lease), then SIGKILL after a
-grace.
+back within a second. Every start and exit is a line in the controller's log (a file, or
+stderr for `trident controller`, whose output a container runtime or systemd collects). `stop`
+sends SIGTERM (the daemon stops its loop and releases its lease), then SIGKILL after a grace.
+
+The same class keeps the embedded default's Ray head up (`service.rayhead`): there
+`running_elsewhere` says whether a head started earlier (by a `trident up` that was killed)
+still runs, which is then watched, not started twice.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +29,15 @@ log = logging.getLogger("trident.supervisor")
 
 
 class Supervisor:
-    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path,
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: Path | None,
                  backoff_min_s: float = 1.0, backoff_max_s: float = 30.0,
                  stable_s: float = 60.0,
-                 on_start: Callable[[int], None] | None = None) -> None:
+                 on_start: Callable[[int], None] | None = None,
+                 name: str = "controller",
+                 running_elsewhere: Callable[[], bool] | None = None) -> None:
         self.argv = list(argv)
+        self.name = name
+        self.running_elsewhere = running_elsewhere
         self.env = env
         self.log_path = log_path
         self.backoff_min_s = backoff_min_s
@@ -40,7 +51,7 @@ class Supervisor:
         self.proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="controller-supervisor",
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-supervisor",
                                         daemon=True)
 
     @property
@@ -52,8 +63,10 @@ class Supervisor:
         self._thread.start()
 
     def _note(self, message: str) -> None:
-        """A line in the controller's log, in the daemon's format."""
+        """A line in the supervised process's log, in the daemon's format."""
         log.info(message)
+        if self.log_path is None:  # the log is this process's stderr, where `log` writes
+            return
         stamp = datetime.now(UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         with self.log_path.open("a") as f:
             f.write(f"{stamp} {log.name} {message}\n")
@@ -62,22 +75,32 @@ class Supervisor:
         with self._lock:
             if self._stop.is_set():
                 return None
-            with self.log_path.open("ab") as out:
-                # Its own session: a Ctrl-C at the terminal reaches `trident up` only, which
-                # then stops the daemon through `stop` (one shutdown path, not two).
-                self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+            # Its own session: a Ctrl-C at the terminal reaches `trident up` only, which then
+            # stops the daemon through `stop` (one shutdown path, not two).
+            if self.log_path is None:  # inherit stdout and stderr
+                self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            else:
+                with self.log_path.open("ab") as out:
+                    self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                                 stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
             self.starts += 1
             return self.proc
 
     def _loop(self) -> None:
         backoff = self.backoff_min_s
         while not self._stop.is_set():
+            if self.running_elsewhere is not None and self.running_elsewhere():
+                self._note(f"{self.name} already running: watching it")
+                while self.running_elsewhere():
+                    if self._stop.wait(2):
+                        return
+                self._note(f"{self.name} started earlier is gone: starting one")
             proc = self._spawn()
             if proc is None:
                 return
             began = time.monotonic()
-            self._note(f"controller pid {proc.pid} started (start {self.starts})")
+            self._note(f"{self.name} pid {proc.pid} started (start {self.starts})")
             if self.on_start is not None:
                 self.on_start(proc.pid)
             code = proc.wait()
@@ -87,8 +110,8 @@ class Supervisor:
             self.exits.append(code)
             if ran >= self.stable_s:
                 backoff = self.backoff_min_s
-            self._note(f"controller pid {proc.pid} exited with status {code} after {ran:.1f} s;"
-                       f" restarting in {backoff:g} s")
+            self._note(f"{self.name} pid {proc.pid} exited with status {code} after"
+                       f" {ran:.1f} s; restarting in {backoff:g} s")
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.backoff_max_s)
@@ -104,7 +127,32 @@ class Supervisor:
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self._note(f"controller pid {proc.pid} did not stop in {grace_s:g} s: killed")
+                self._note(f"{self.name} pid {proc.pid} did not stop in {grace_s:g} s: killed")
                 proc.kill()
                 proc.wait()
         self._thread.join(5)
+
+
+def run_controller(env: dict[str, str], grace_s: float = 30.0) -> int:
+    """`trident controller`: the daemon under a Supervisor, logging to stderr, until SIGTERM or
+    SIGINT; then it is stopped as `trident up` stops it. The production shape (one per
+    container or host, any number of them: the lease lets one act and keeps the others
+    standby); the container runtime restarts this process if it ever ends."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr, force=True)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("signal %s: stopping the controller", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    # The daemon stops by itself should this process die without stopping it (kill -9).
+    env = {**env, "TRIDENT_PARENT_PID": str(os.getpid())}
+    sup = Supervisor([sys.executable, "-m", "service.daemon"], env=env, log_path=None)
+    sup.start()
+    while not stop.wait(1.0):
+        pass
+    sup.stop(grace_s)
+    return 0

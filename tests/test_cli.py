@@ -193,7 +193,12 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     # The controller's own SIGTERM handler ran: it logged, stopped and released its lease.
     log = (tmp_path / "controller.log").read_text()
     assert "signal SIGTERM: stopping" in log and re.search(r"controller \S+ stopped", log), log
-    # The controller (and the local Ray it started) ends with `trident up`.
+    # No job is active: the Ray head `trident up` started stops with it.
+    from service.rayhead import answers, live_head
+
+    head = re.search(r"ray head at (\S+)", out)
+    assert head and live_head(tmp_path) is None and not answers(head.group(1)), out
+    # The controller ends with `trident up`.
     controller_pid = int(re.search(r"controller pid (\d+)", out).group(1))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -30,6 +30,7 @@ class FakeGroup:
     """When set, `shutdown` blocks until it is (ranks slow to stop)."""
     on_poll: Callable[[], None] | None = None
     polls: int = 0
+    acked: dict[int, int] = field(default_factory=dict)
 
     def poll(self, timeout_s: float) -> PollResult:
         self.polls += 1
@@ -50,6 +51,9 @@ class FakeGroup:
     def stacks(self, timeout_s: float) -> dict[int, str]:
         return {0: "Thread rank0:\n  File train.py, in all_reduce", 1: "Thread rank1:\n  sleep"}
 
+    def acknowledge(self, acks: dict[int, int]) -> None:
+        self.acked.update(acks)
+
 
 class FakeLauncher:
     def __init__(self, scripts: list[list[PollResult]], cpus: float = 4) -> None:
@@ -58,6 +62,21 @@ class FakeLauncher:
         self.started: list[dict[str, Any]] = []
         self.cpus = cpus
         self.release: threading.Event | None = None
+        self.live: dict[tuple[int, int], FakeGroup] = {}
+        """Groups that outlive a controller, by (job, attempt): what `attach` finds."""
+        self.swept: list[tuple[int, int]] = []
+
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
+               plan: StoredPlan) -> FakeGroup | None:
+        g = self.live.get((job_id, attempt))
+        return g if g is not None and not g.shut else None
+
+    def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
+        gone = [k for k in self.live if k not in keep]
+        for k in gone:
+            self.live.pop(k).shut = True
+            self.swept.append(k)
+        return [f"job{j}-a{a}" for j, a in gone]
 
     def total_capacity(self) -> list[NodeCapacity]:
         return [NodeCapacity("n0", self.cpus, 0)]
@@ -80,6 +99,7 @@ class FakeLauncher:
                       release=self.release)
         self.started.append({"spec": spec, "plan": plan})
         self.groups.append(g)
+        self.live[(job_id, attempt)] = g
         return g
 
 

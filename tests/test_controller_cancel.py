@@ -119,7 +119,7 @@ def test_controller_shutdown_waits_for_the_teardowns(sqlite_store: Store,
     c.step()
     timer = threading.Timer(0.2, launcher.release.set)
     timer.start()
-    c.shutdown()
+    c.shutdown(stop_jobs=True)
     timer.join()
     assert all(g.shut for g in launcher.groups) and c.teardowns.pending == 0
 
@@ -130,7 +130,7 @@ def test_controller_shutdown_is_bounded(sqlite_store: Store, tmp_path: Path) -> 
     submit(sqlite_store)
     c = make(sqlite_store, launcher, tmp_path, shutdown_timeout_s=0.1)
     c.step(), c.step()
-    c.shutdown()  # returns with the group still stopping
+    c.shutdown(stop_jobs=True)  # returns with the group still stopping
     assert c.teardowns.pending == 1 and not launcher.groups[0].shut
     launcher.release.set()
     assert stopped(c, launcher.groups[0])

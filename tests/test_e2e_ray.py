@@ -40,7 +40,7 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     settings = Settings(data_dir=tmp_path, allow_faults=True)
     with authed_client(create_app(settings, store=store), store) as client:
         yield client, store, controller
-    controller.shutdown()
+    controller.shutdown(stop_jobs=True)
     store.close()
 
 

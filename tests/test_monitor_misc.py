@@ -72,3 +72,10 @@ def test_heartbeat_read_from_another_thread_and_stacks():
     stop.set()
     t.join()
     assert "Thread trainer" in text and "parked_in_a_named_function" in text
+
+
+def test_a_straggler_against_idle_peers_has_a_finite_ratio() -> None:
+    from service.monitor.stragglers import find_stragglers
+
+    found = find_stragglers({0: [0.08] * 5, 1: [0.0] * 5}, {0: 0, 1: 0})
+    assert [s.rank for s in found] == [0] and found[0].ratio == 80.0

@@ -59,7 +59,7 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
                 break
             time.sleep(0.3)
     finally:
-        controller.shutdown()
+        controller.shutdown(stop_jobs=True)
     job = store.get_job(job_id=job_id)
     assert job.state == JobState.SUCCEEDED, job.error
 

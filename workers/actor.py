@@ -1,7 +1,10 @@
 """One Ray actor per rank: runs the rank's work on a thread and answers polls.
 
 The work runs on a thread so that the actor always answers `poll`, `cancel` and `stacks`,
-even in the middle of a long step or a stuck collective. Around the trainer the actor puts
+even in the middle of a long step or a stuck collective. Training actors are detached and
+named (`workers.group`), so they train on while no controller is there; their reports wait in
+a bounded buffer until a controller acknowledges that it stored them (`poll(ack)`), so a
+controller that restarts and re-attaches misses none. Around the trainer the actor puts
 the health monitor: a heartbeat, the collective timer (installed before DeepSpeed builds its
 communication backend) and, before training, a bandwidth probe of the rank's TP, DP and PP
 groups on a process group of its own. Created by `workers.group.RayWorkerGroup`.
@@ -9,16 +12,21 @@ groups on a process group of its own. Created by `workers.group.RayWorkerGroup`.
 
 from __future__ import annotations
 
+import itertools
 import os
-import queue
 import socket
 import threading
 import traceback
+from collections import deque
 from typing import Any
 
 import ray
 
 from workers.heartbeat import Heartbeat, dump_stacks
+
+REPORT_BUFFER = 50_000
+"""Reports a rank keeps unacknowledged (about 14 hours at a step a second); beyond that the
+oldest are dropped and the next poll says how many."""
 
 
 def _free_port() -> int:
@@ -34,7 +42,10 @@ class RankActor:
         self.rank = rank
         self.world_size = world_size
         self.heartbeat = Heartbeat(rank)
-        self._reports: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reports: deque[tuple[int, dict[str, Any]]] = deque()
+        self._seq = itertools.count(1)
+        self._dropped = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
@@ -75,7 +86,7 @@ class RankActor:
         """`trident probe`: matmul FLOP/s of this rank and bandwidth inside and across nodes."""
         from workers.cluster_probe import probe_cluster_rank
 
-        self._run(lambda: self._reports.put(probe_cluster_rank(
+        self._run(lambda: self._put(probe_cluster_rank(
             rank=self.rank, world_size=self.world_size, master_addr=master_addr, port=port,
             ranks_per_node=ranks_per_node, max_bytes=max_bytes, heartbeat=self.heartbeat)))
 
@@ -116,7 +127,7 @@ class RankActor:
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        self._reports.put({"kind": "probe", "rank": self.rank, "rows": rows})
+        self._put({"kind": "probe", "rank": self.rank, "rows": rows})
 
     def _train(self, spec: Any, ctx: Any, train_rank: Any) -> None:
         from service.protocols import StepReport
@@ -135,8 +146,8 @@ class RankActor:
         def report(r: StepReport) -> None:
             summary = timer.step_report(r.step, r.step_time_s)
             # Plain dicts across Ray; the controller validates them back into a StepReport.
-            self._reports.put(r.model_copy(update={"comm": summary["comm"],
-                                                   "timed": summary["timed"]}).model_dump())
+            self._put(r.model_copy(update={"comm": summary["comm"],
+                                           "timed": summary["timed"]}).model_dump())
             begin(r.step + 1)
 
         # Before deepspeed.initialize, which caches the collectives it calls.
@@ -150,13 +161,21 @@ class RankActor:
 
     # --- polled by the group --------------------------------------------------------------------
 
-    def poll(self) -> dict[str, Any]:
-        reports = []
-        while True:
-            try:
-                reports.append(self._reports.get_nowait())
-            except queue.Empty:
-                break
+    def _put(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            self._reports.append((next(self._seq), report))
+            while len(self._reports) > REPORT_BUFFER:
+                self._reports.popleft()
+                self._dropped += 1
+
+    def poll(self, ack: int = 0) -> dict[str, Any]:
+        """Forget the reports up to `ack` (stored by the controller) and send the rest, each
+        with its sequence number; the controller acknowledges them once stored."""
+        with self._lock:
+            while self._reports and self._reports[0][0] <= ack:
+                self._reports.popleft()
+            reports = [{**r, "seq": seq} for seq, r in self._reports]
+            dropped, self._dropped = self._dropped, 0
         if not self._finished:
             state = "running"
         elif self._error:
@@ -164,7 +183,11 @@ class RankActor:
         else:
             state = "stopped" if self._stop.is_set() else "succeeded"
         return {"rank": self.rank, "state": state, "reports": reports, "error": self._error,
-                "heartbeat": self.heartbeat.read()}
+                "heartbeat": self.heartbeat.read(), "dropped": dropped}
+
+    def started(self) -> bool:
+        """Whether this rank's work was started (a controller that re-attaches needs it)."""
+        return self._thread is not None
 
     def stacks(self) -> str:
         return dump_stacks()

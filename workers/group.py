@@ -12,15 +12,23 @@ controller runs it beside its loop (`service.teardown`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import PlacementGroupID
 from ray.exceptions import RayActorError, RayError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
@@ -46,12 +54,27 @@ def rank_env(spec_env: dict[str, str], cpus: float, gpus: float) -> dict[str, st
     return env
 
 
+NAMESPACE = "trident"
+"""Ray namespace of the controller and of every group it names."""
+
+
+def rank_actor_name(group: str, rank: int) -> str:
+    return f"{group}-r{rank}"
+
+
 class RayWorkerGroup:
-    """The ranks of one attempt (or of one cluster probe) and their placement group."""
+    """The ranks of one attempt (or of one cluster probe) and their placement group.
+
+    A job's group is detached and named (`trident-job<id>-a<attempt>`, its ranks `...-r<rank>`)
+    in the `trident` namespace: it lives on when the controller's process ends, and a new
+    controller re-attaches to it by name (`RayLauncher.attach`). Only `shutdown` ends it.
+    """
 
     def __init__(self, *, name: str, world_size: int, ranks_per_bundle: int, cpus: float,
                  gpus: float, env: dict[str, str], strategy: str = "PACK",
-                 launch: Callable[[Any, int, list[dict[str, Any]], int], Any]) -> None:
+                 launch: Callable[[Any, int, list[dict[str, Any]], int], Any] | None,
+                 detached: bool = False, attach: bool = False) -> None:
+        self.name = name
         self.world_size = world_size
         self.tp = ranks_per_bundle
         self._launch = launch
@@ -59,15 +82,6 @@ class RayWorkerGroup:
         if gpus:
             bundle["GPU"] = float(gpus * ranks_per_bundle)
         self.bundles = [dict(bundle) for _ in range(world_size // ranks_per_bundle)]
-        self.pg: PlacementGroup = placement_group(self.bundles, strategy=strategy, name=name)
-        self.actors = [
-            RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r // self.tp),
-            ).remote(r, world_size, env)
-            for r in range(world_size)
-        ]
         self.phase = "placing"
         self.infos: list[dict[str, Any]] = []
         self._info_refs: list[Any] = []
@@ -76,6 +90,29 @@ class RayWorkerGroup:
         self._poll_refs: dict[int, Any] = {}
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
+        self._acked: dict[int, int] = {}
+        self.actors: list[Any]
+        if attach:  # the ranks exist and train: look them up by name
+            found = get_placement_group(name)
+            if found is None:
+                raise LookupError(f"no placement group {name}")
+            self.pg = found
+            self.actors = [ray.get_actor(rank_actor_name(name, r), namespace=NAMESPACE)
+                           for r in range(world_size)]
+            self.phase = "running"
+            return
+        lifetime = {"lifetime": "detached"} if detached else {}
+        self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime)
+        self.actors = [
+            RankActor.options(  # type: ignore[attr-defined]
+                num_cpus=cpus, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=r // self.tp),
+                **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
+                   if detached else {}),
+            ).remote(r, world_size, env)
+            for r in range(world_size)
+        ]
 
     # --- polling ----------------------------------------------------------------------------
 
@@ -112,6 +149,7 @@ class RayWorkerGroup:
             local_ranks.append(per_node[info["node_id"]])
             per_node[info["node_id"]] += 1
         # Starting a rank imports its libraries (seconds): waited for by later polls.
+        assert self._launch is not None
         self._launch_refs = [self._launch(a, r, self.infos, local_ranks[r])
                              for r, a in enumerate(self.actors)]
         self.phase = "launching"
@@ -140,12 +178,14 @@ class RayWorkerGroup:
         # news, such as a peer that failed.
         for r, a in enumerate(self.actors):
             if r not in self._poll_refs:
-                self._poll_refs[r] = a.poll.remote()
+                self._poll_refs[r] = a.poll.remote(self._acked.get(r, 0))
         refs = list(self._poll_refs.values())
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done_set = set(done)
         reports: list[dict[str, Any]] = []
         heartbeats: dict[int, dict[str, Any]] = {}
+        acks: dict[int, int] = {}
+        events: list[dict[str, Any]] = []
         for r, ref in list(self._poll_refs.items()):
             if ref not in done_set:
                 continue
@@ -156,14 +196,25 @@ class RayWorkerGroup:
                 self._states[r] = "failed"
                 self._errors[r] = f"rank {r}: actor died: {exc}"
                 continue
-            reports.extend(out["reports"])
+            for report in out["reports"]:
+                acks[r] = max(acks.get(r, 0), report.pop("seq"))
+                reports.append(report)
+            if out.get("dropped"):
+                events.append({"kind": "warning", "message": f"rank {r} dropped"
+                               f" {out['dropped']} unacknowledged report(s): its buffer is full"})
             heartbeats[r] = out["heartbeat"]
             self._states[r] = out["state"]
             if out["error"]:
                 self._errors[r] = f"rank {r}:\n{out['error']}"
         return PollResult(state=self._overall(), reports=reports, heartbeats=heartbeats,
                           error="\n".join(self._errors[r] for r in sorted(self._errors)) or None,
-                          failed_ranks=sorted(self._errors))
+                          failed_ranks=sorted(self._errors), acks=acks, events=events)
+
+    def acknowledge(self, acks: dict[int, int]) -> None:
+        """The reports up to these sequence numbers are stored: the ranks may forget them
+        (with the next poll of each rank)."""
+        for r, seq in acks.items():
+            self._acked[r] = max(self._acked.get(r, 0), seq)
 
     def _overall(self) -> GroupState:
         states = set(self._states.values())
@@ -226,10 +277,17 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                                   local_rank, checkpoint_dir, attempt)
 
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
-    return RayWorkerGroup(name=f"trident-job{job_id}-a{attempt}",
-                          world_size=plan.world_size,
+    return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
-                          env=rank_env(spec.env, cpus, gpus), launch=launch)
+                          env=rank_env(spec.env, cpus, gpus), launch=launch, detached=True)
+
+
+def job_group_name(job_id: int, attempt: int) -> str:
+    return f"{JOB_GROUP_PREFIX}{job_id}-a{attempt}"
+
+
+JOB_GROUP_PREFIX = "trident-job"
+_RANK_SUFFIX = re.compile(r"-r\d+$")
 
 
 def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus: float,
@@ -265,6 +323,55 @@ class RayLauncher:
                             checkpoint_dir=checkpoint_dir)
         self._placing.append(group)
         return group
+
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
+               plan: StoredPlan) -> RayWorkerGroup | None:
+        """The attempt's detached group if all its ranks live and were started (a controller
+        that restarted re-attaches to it), else None, with whatever is left of it stopped."""
+        name = job_group_name(job_id, attempt)
+        try:
+            group = RayWorkerGroup(name=name, world_size=plan.world_size,
+                                   ranks_per_bundle=plan.layout.tp,
+                                   cpus=spec.resources.cpus_per_worker,
+                                   gpus=spec.resources.gpus_per_worker, env={}, launch=None,
+                                   attach=True)
+            started = ray.get([a.started.remote() for a in group.actors], timeout=30)
+        except (LookupError, ValueError, RayError) as exc:
+            log.info("%s: no live group to re-attach (%s)", name, exc)
+            self._stop_named({name})
+            return None
+        if not all(started):  # the last controller died before it started every rank
+            log.info("%s: not every rank was started; stopping what is left", name)
+            self._stop_named({name})
+            return None
+        return group
+
+    def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
+        """Stop the detached job groups on the cluster but those of `keep`'s (job, attempt)
+        pairs: their job finished, was cancelled or moved on while no controller watched.
+        The names of the groups stopped."""
+        return self._stop_named(None, {job_group_name(j, a) for j, a in keep})
+
+    def _stop_named(self, names: set[str] | None, keep: set[str] | None = None) -> list[str]:
+        """Kill the named job actors and remove the placement groups of the groups in
+        `names` (None: every job group not in `keep`)."""
+        def chosen(group: str) -> bool:
+            return group.startswith(JOB_GROUP_PREFIX) and group not in (keep or ()) and (
+                names is None or group in names)
+
+        stopped: set[str] = set()
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            group = _RANK_SUFFIX.sub("", entry["name"])
+            if entry["namespace"] == NAMESPACE and chosen(group):
+                with contextlib.suppress(ValueError, RayError):  # gone meanwhile
+                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE),
+                             no_restart=True)
+                stopped.add(group)
+        for pg_id, pg in ray.util.placement_group_table().items():
+            if pg["state"] != "REMOVED" and chosen(pg.get("name") or ""):
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+                stopped.add(pg["name"])
+        return sorted(stopped)
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
                             max_bytes: int) -> RayWorkerGroup:

@@ -23,6 +23,11 @@ def compute_s(report: StepReport) -> float | None:
     return max(0.0, report.step_time_s - comm)
 
 
+MIN_COMPUTE_S = 1e-3
+"""Peers' compute time below which the ratio is taken against this instead (peers that only
+wait in collectives compute about nothing; the ratio must stay finite)."""
+
+
 @dataclass(frozen=True)
 class Straggler:
     """A rank whose compute time per step stayed beyond its pipeline-stage peers'."""
@@ -78,5 +83,5 @@ def find_stragglers(per_rank_compute_times: Mapping[int, Sequence[float]],
                 out.append(Straggler(
                     rank=rank, node=node_of_rank.get(rank) if node_of_rank else None,
                     stage=stage, rank_s=mine, peers_s=theirs,
-                    ratio=mine / theirs if theirs > 0 else float("inf"), steps=min_steps))
+                    ratio=mine / max(theirs, MIN_COMPUTE_S), steps=min_steps))
     return out

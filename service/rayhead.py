@@ -1,0 +1,127 @@
+"""The embedded default's Ray head: a process of its own, supervised by `trident up`.
+
+Jobs' worker groups are detached actors on this head, so the head must not belong to the
+controller (whose restart would take every job with it) nor end with `trident up`: it runs as
+`ray start --head --block` in a session of its own, restarted by a `Supervisor` when it exits.
+Its address is kept in `<data_dir>/ray/head.json`, and Ray's token authentication is on, with a
+token of the data directory's (`<data_dir>/ray/auth_token`, owner-only) given to the head and
+the controller; a `trident up` that starts while a head
+from an earlier one still answers there (that one was killed) watches it instead of starting
+a second. `trident up` stops the head when it stops, unless jobs are still active in the store
+(without `--stop-jobs`), which keep training on it and are re-attached by the next controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from service.supervisor import Supervisor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers(address: str, timeout_s: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def live_head(data_dir: Path) -> str | None:
+    """The address of the head recorded under `data_dir`, if it answers there."""
+    try:
+        address = str(json.loads((data_dir / "ray" / "head.json").read_text())["address"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return address if answers(address) else None
+
+
+class RayHead:
+    def __init__(self, data_dir: Path, *, num_cpus: int | None = None) -> None:
+        self.dir = data_dir / "ray"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.dir / "head.json"
+        recorded = live_head(data_dir)
+        self._adopting = recorded is not None
+        self.address = recorded or f"127.0.0.1:{_free_port()}"
+        port = self.address.rpartition(":")[2]
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+                "--disable-usage-stats"]
+        if num_cpus is not None:
+            argv.append(f"--num-cpus={num_cpus}")
+        self.supervisor = Supervisor(argv, env={**os.environ, **self.env()}, name="ray head",
+                                     log_path=data_dir / "ray-head.log",
+                                     running_elsewhere=self._adopted,
+                                     on_start=self._record)
+
+    def env(self) -> dict[str, str]:
+        """What the head and every driver of it (the controller) need: Ray's token
+        authentication, with a token of this data directory's, readable by its owner only."""
+        token = self.dir / "auth_token"
+        if not token.exists():
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+    def _record(self, pid: int) -> None:
+        self.state_path.write_text(json.dumps({"address": self.address, "pid": pid}))
+
+    def _adopted(self) -> bool:
+        """Whether the head to watch is one this `trident up` did not start (and lives)."""
+        if not self._adopting:
+            return False
+        self._adopting = answers(self.address)
+        return self._adopting
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Start (or adopt) the head and wait until it answers; its address."""
+        self.supervisor.start()
+        deadline = time.monotonic() + timeout_s
+        while not answers(self.address):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not answer at {self.address} within"
+                                   f" {timeout_s:g} s (log: {self.supervisor.log_path})")
+            time.sleep(0.5)
+        return self.address
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopting
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop the head (and everything on it), whether this `trident up` started it or
+        adopted it."""
+        if self._adopting:
+            self._adopting = False
+            self._stop_adopted(grace_s)
+        self.supervisor.stop(grace_s)
+        self.state_path.unlink(missing_ok=True)
+
+    def _stop_adopted(self, grace_s: float) -> None:
+        """A head started by an earlier `trident up` is not our child: SIGTERM to the
+        `ray start --block` process recorded with it (which stops the head's processes)."""
+        try:
+            pid = int(json.loads(self.state_path.read_text())["pid"])
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if b"--block" in cmd and f"--port={self.address.rpartition(':')[2]}".encode() in cmd:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while answers(self.address) and time.monotonic() < deadline:
+            time.sleep(0.5)

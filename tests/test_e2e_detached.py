@@ -1,0 +1,182 @@
+"""Jobs outlive the control plane, on real processes: `trident up` (API, supervised controller,
+its own Ray head), a real job of two DeepSpeed ranks, and then `kill -9` of the controller, of
+`trident up` itself, and a PostgreSQL outage. Each time the job keeps its attempt (no retry is
+used), succeeds, and every step of every rank is in /metrics exactly once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.rayhead import answers, live_head
+from tests._private_pg import PrivatePostgres
+from tests.conftest import tiny_spec
+from tests.test_cli import free_port, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 60
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, why: Callable[[], str]
+             = lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s\n{why()}")
+        time.sleep(0.2)
+
+
+class Up:
+    """`trident up` as a user runs it, in its own process (and session)."""
+
+    def __init__(self, data_dir: Path, port: int, env: dict[str, str]) -> None:
+        self.data_dir = data_dir
+        self.server = f"http://127.0.0.1:{port}"
+        self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port)],
+            env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
+            stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        parts = []
+        for name in ("controller.log", "ray-head.log"):
+            path = self.data_dir / name
+            if path.exists():
+                parts.append(f"--- {name}\n" + path.read_text()[-6000:])
+        return "\n".join(parts)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The bootstrap admin's token, from the file `trident up` wrote on its first start."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin.token').read_text().strip()}"}
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = httpx.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
+                      timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def controller_pid(self) -> int:
+        return int(self.get("/healthz")["controller"]["holder"].split(":")[1])
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(90)
+        self.out.close()
+        return Path(self.out.name).read_text()
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    # A short lease, so that a killed controller's successor takes over within seconds.
+    return {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2",
+            "TRIDENT_ALLOW_FAULTS": "1"}
+
+
+def submit_long_job(up: Up) -> int:
+    spec = tiny_spec(train={"steps": STEPS, "global_batch": 8, "micro_batch": 2,
+                            "precision": "fp32", "lr": 0.003},
+                     monitor={"probe": False}, max_retries=2,
+                     checkpoint={"every_steps": 20},
+                     # Every step takes at least 0.2 s, so that the job outlasts the kills.
+                     faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
+    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    assert r.status_code == 201, r.text
+    return int(r.json()["id"])
+
+
+def last_step(up: Up, job_id: int) -> int:
+    items = up.get(f"/jobs/{job_id}/metrics", after_step=0)["items"]
+    return max((m["step"] for m in items), default=0)
+
+
+def check_outcome(up: Up, job_id: int, reattached: int) -> None:
+    job = up.get(f"/jobs/{job_id}")
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    assert job["attempts"] == 1, "a retry was used up"
+    for rank in (0, 1):  # every step of every rank, exactly once
+        steps = [m["step"] for m in up.get(f"/jobs/{job_id}/metrics", rank=rank)["items"]]
+        assert steps == list(range(1, STEPS + 1)), (rank, steps)
+    events = up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
+    assert sum(e["kind"] == "reattach" for e in events) == reattached, events
+
+
+def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    port = free_port()
+    up = Up(tmp_path, port, env)
+    try:
+        wait_healthy(up.server, timeout_s=180)
+        job_id = submit_long_job(up)
+        wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+
+        # kill -9 of the controller: trident up starts another, which takes the lease when
+        # it expires and re-attaches to the ranks, which trained on meanwhile.
+        killed = up.controller_pid()
+        os.kill(killed, signal.SIGKILL)
+        wait_for("re-attached", lambda: any(
+            e["kind"] == "reattach" for e in up.get(f"/jobs/{job_id}/events")["items"]),
+            120, up.log)
+        assert up.controller_pid() != killed
+        before = last_step(up, job_id)
+        assert before < STEPS, "the job ended before the second kill"
+
+        # kill -9 of trident up: the controller follows it, the Ray head and the ranks stay.
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait(10)
+        up.stop()
+        time.sleep(2)
+        assert live_head(tmp_path), "the Ray head ended with trident up"
+        up = Up(tmp_path, port, env)  # started again by hand, on the same data directory
+        wait_healthy(up.server, timeout_s=180)
+        wait_for("SUCCEEDED", lambda: up.get(f"/jobs/{job_id}")["state"] in (
+            "SUCCEEDED", "FAILED"), 300, up.log)
+        check_outcome(up, job_id, reattached=2)
+    finally:
+        head = live_head(tmp_path)
+        out = up.stop()
+    assert "adopted" in out, out
+    # No job is active: stopping trident up stopped the Ray head too.
+    assert head and not answers(head) and live_head(tmp_path) is None
+
+
+@pytest.mark.postgres
+def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, str]) -> None:
+    pg = PrivatePostgres()
+    pg.start()
+    up = Up(tmp_path, free_port(), {**env, "TRIDENT_DATABASE_URL": pg.url})
+    try:
+        wait_healthy(up.server, timeout_s=180)
+        job_id = submit_long_job(up)
+        wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+        pg.stop()
+        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
+        time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
+        pg.start()
+        wait_for("SUCCEEDED", lambda: httpx.get(
+            f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30
+        ).json().get("state") in (
+            "SUCCEEDED", "FAILED"), 300, up.log)
+        log = (tmp_path / "controller.log").read_text()
+        # The controller lost its lease while the database was away and was started again.
+        assert re.search(r"lease not renewed before it expired", log), up.log()
+        assert re.search(r"controller pid \d+ started \(start 2\)", log), up.log()
+        check_outcome(up, job_id, reattached=1)
+    finally:
+        up.stop()
+        pg.close()
