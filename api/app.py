@@ -18,10 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from api import pages
+from api import pages, session
+from api.audit import Audit, AuditWriter
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
-from api.routes import cluster, jobs, plan
+from api.routes import cluster, identity, jobs, plan
+from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
 from service.store import Store
 
@@ -51,19 +53,33 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = store is None
         app.state.store = store or Store(settings.db_url)
+        app.state.identity = Identity(app.state.store)
         if own:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             app.state.store.migrate()
+            if settings.env != "prod" and (path := bootstrap(app.state.identity,
+                                                             settings.data_dir)):
+                log.warning("first start: created the admin user; its token is in %s", path)
+        if settings.env == "prod" and (why := prod_refusal(app.state.identity,
+                                                           settings.data_dir)):
+            raise RuntimeError(f"refusing to start in prod: {why}")
+        app.state.audit = AuditWriter(app.state.identity)
         yield
+        app.state.audit.close()
         if own:
             app.state.store.close()
 
     app = FastAPI(title="Trident", version="0.1.0", lifespan=lifespan,
                   description="Plan, run and watch TP x PP x DP (ZeRO) training jobs.\n\n"
                   f"Request bodies are at most {MAX_BODY_BYTES} bytes (1 MiB): a larger one"
-                  " is refused with 413 before it is parsed.")
+                  " is refused with 413 before it is parsed.\n\n"
+                  "Every route but `GET /api/v1/healthz` needs `Authorization: Bearer <token>`"
+                  " (401 when it is missing, unknown, expired or revoked); roles: `admin`"
+                  " (everything), `member` (submits, reads, cancels its own jobs), `viewer`"
+                  " (reads); a route its role may not call is a 403 naming the rule.")
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(Audit)  # outermost: it records the refusals of the others too
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,6 +100,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(jobs.router)
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
+    v1.include_router(identity.router)
 
     @v1.get("/healthz", tags=["system"], responses={503: {"description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:
@@ -93,6 +110,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     app.include_router(v1)
     app.include_router(pages.router)
+    app.include_router(session.router)
     return app
 
 

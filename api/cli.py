@@ -1,10 +1,12 @@
 """`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack), `controller` (runs the controller alone) and `plan` (needs no server).
+local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
+`plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
+profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
+are in `api.cli_identity`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -18,6 +20,9 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from api.cli_auth import token_for
+from api.cli_identity import announce_bootstrap, register
+from api.cli_offline import register_offline
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -65,12 +70,15 @@ RETRY_STATUS = {502, 503, 504}
 
 
 def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
-    """One request; `retries` more after a transport error or a 502/503/504, with backoff
-    (only for requests that are safe to repeat)."""
+    """One request, with the API token; `retries` more after a transport error or a
+    502/503/504, with backoff (only for requests that are safe to repeat)."""
+    token, source = token_for(server)
+    headers = {**({"Authorization": f"Bearer {token}"} if token else {}),
+               **kw.pop("headers", {})}
     for attempt in range(retries + 1):
         try:
             with _client(server) as c:
-                r = c.request(method, path, **kw)
+                r = c.request(method, path, headers=headers, **kw)
         except httpx.HTTPError as exc:
             if attempt == retries:
                 fail(f"cannot reach the Trident API at {server}: {exc}")
@@ -87,6 +95,9 @@ def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -
         if isinstance(detail, list):
             detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
                                for d in detail)
+        if r.status_code == 401:
+            detail = (f"{detail} (token from {source}; set TRIDENT_TOKEN or run `trident"
+                      " login`)")
         fail(f"{r.status_code}: {detail}")
     return r.json()
 
@@ -99,10 +110,13 @@ def _layout(plan: dict[str, Any]) -> str:
 @app.command()
 def submit(spec: Path, server: ServerOpt = DEFAULT_SERVER,
            wait: Annotated[bool, typer.Option(help="Follow the job; fail unless it succeeds.")]
-           = False) -> None:
+           = False,
+           project: Annotated[str | None, typer.Option(
+               help="Project to submit under (default: your first).")] = None) -> None:
     """Submit a job spec (YAML); prints the job id. Retried on connection errors under one
     Idempotency-Key, so that a retry never queues the job twice."""
     job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"),
+                params={"project": project} if project else None,
                 headers={"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}, retries=4)
     typer.echo(job["id"])
     if wait:
@@ -137,14 +151,19 @@ def follow(server: str, job_id: int, interval: float = 1.0) -> int:
 
 @app.command()
 def status(job_id: Annotated[int | None, typer.Argument()] = None,
-           server: ServerOpt = DEFAULT_SERVER) -> None:
-    """List jobs, or show one job in detail."""
+           server: ServerOpt = DEFAULT_SERVER,
+           owner: Annotated[str | None, typer.Option(help="Only this user's jobs.")] = None
+           ) -> None:
+    """List jobs (with their owner and project), or show one job in detail."""
     if job_id is None:
-        jobs = _call(server, "GET", "/jobs", params={"limit": 50})
-        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  NAME")
+        params: dict[str, Any] = {"limit": 50, **({"owner": owner} if owner else {})}
+        jobs = _call(server, "GET", "/jobs", params=params)
+        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  {'OWNER':<12}"
+                   f"  {'PROJECT':<12}  NAME")
         for j in jobs["items"]:
             typer.echo(f"{j['id']:>5}  {j['state']:<10}  {j['world_size']:>5}"
-                       f"  {_layout(j['plan']):<18}  {j['name']}")
+                       f"  {_layout(j['plan']):<18}  {j['owner']:<12}  {j['project'] or '-':<12}"
+                       f"  {j['name']}")
         return
     j = _call(server, "GET", f"/jobs/{job_id}")
     metrics = _call(server, "GET", f"/jobs/{job_id}/metrics")["items"]
@@ -162,6 +181,8 @@ def status(job_id: Annotated[int | None, typer.Argument()] = None,
             meas = "-" if row.get("measured") is None else f"{row['measured']:.4g}"
             ratio = "" if row.get("ratio") is None else f"  (measured/predicted {row['ratio']:.2f})"
             typer.echo(f"{unit:>22}: predicted {row['predicted']:.4g}, measured {meas}{ratio}")
+    if j.get("waiting"):
+        typer.echo(j["waiting"])
     if j["error"]:
         typer.echo(f"error: {j['error']}")
 
@@ -171,6 +192,12 @@ def cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
     """Cancel a job; the controller stops its workers within seconds."""
     j = _call(server, "POST", f"/jobs/{job_id}/cancel")
     typer.echo(f"job {job_id}: {j['state']} (cancel requested)")
+
+
+@app.command()
+def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Queue a new job with a job's spec (members: their own jobs); prints the new id."""
+    typer.echo(_call(server, "POST", f"/jobs/{job_id}/resubmit")["id"])
 
 
 @app.command()
@@ -219,6 +246,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     from migrations import upgrade
 
     upgrade(settings.db_url)
+    if settings.env != "prod":
+        announce_bootstrap(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
@@ -333,59 +362,8 @@ def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
         typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
 
 
-@app.command()
-def plan(spec: Path,
-         top: Annotated[int, typer.Option(min=1, max=100, help="Layouts to list (auto).")] = 5,
-         as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
-         ) -> None:
-    """Predict memory and step time, with no server: an explicit layout exactly as given
-    (even when it does not fit), or for `parallel: auto` the best layouts."""
-    from service.planner import plan_command
-
-    try:
-        out = plan_command(load_spec(spec), top=top, as_json=as_json)
-    except ValueError as exc:
-        fail(str(exc))
-    typer.echo(json.dumps(out, indent=2) if as_json else out)
-
-
-@app.command()
-def capacity(spec: Annotated[Path | None, typer.Argument(
-                 help="Answer for this spec's model and cluster.")] = None,
-             family: Annotated[str | None, typer.Option(
-                 help="Instead: the largest model of a family (gpt3, llama2, llama3).")] = None,
-             gpu: Annotated[str, typer.Option(help="Profile, with --family.")] = "a100-80gb",
-             nodes: Annotated[int, typer.Option(min=1, max=4096)] = 1,
-             gpus_per_node: Annotated[int, typer.Option(min=1, max=64)] = 8,
-             as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Can this cluster train this model, and with which strategy? Or: the largest model
-    of a family each strategy (TP, PP, ZeRO 1-3, with and without offload) can train."""
-    from service.planner.capacity import can_train
-    from service.planner.capacity import capacity as family_capacity
-    from service.planner.report import render_can_train, render_capacity
-
-    try:
-        if family is not None:
-            rows = family_capacity(family, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node)
-            cluster_name = f"{nodes * gpus_per_node} x {gpu}"
-            if as_json:
-                typer.echo(json.dumps([{"strategy": r.strategy, "largest": r.largest,
-                                        "params": r.params} for r in rows], indent=2))
-            else:
-                typer.echo(render_capacity(rows, family=family, cluster=cluster_name))
-            return
-        if spec is None:
-            fail("give a SPEC or --family")
-        ans = can_train(load_spec(spec))
-    except ValueError as exc:
-        fail(str(exc))
-    typer.echo(json.dumps(ans.to_json(), indent=2) if as_json else render_can_train(ans))
-
-
-@app.command("validate")
-def validate(spec: Path) -> None:
-    """Check a spec file without a server; prints it with every default filled in."""
-    typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
+register(app)
+register_offline(app)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The status page at `/`: jobs and their states, read from the store."""
+"""The status page at `/`: jobs and their states, read from the store. It needs a log-in
+(`api.session`): a session cookie, or a Bearer token."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 from api.deps import StoreDep
+from api.session import PageUser
 
 router = APIRouter(include_in_schema=False)
 
@@ -22,7 +24,7 @@ tr:nth-child(even) {{ background: #f4f4f4; }}
 .SUCCEEDED {{ color: #198754; }} .FAILED {{ color: #dc3545; }} .CANCELLED {{ color: #b58105; }}
 </style></head><body>
 <h1>Trident</h1>
-<p>{total} jobs. REST API under <a href="/api/v1/jobs">/api/v1</a>, OpenAPI at
+<p>{who}: {total} jobs. REST API under <a href="/api/v1/jobs">/api/v1</a>, OpenAPI at
 <a href="/docs">/docs</a>.</p>
 <table id="jobs"><tr><th>id</th><th>name</th><th>state</th><th>layout</th><th>ranks</th>
 <th>last step</th><th>last loss</th><th>s/step predicted</th><th>s/step measured</th>
@@ -32,7 +34,7 @@ tr:nth-child(even) {{ background: #f4f4f4; }}
 
 
 @router.get("/", response_class=HTMLResponse)
-def index(store: StoreDep) -> str:
+def index(store: StoreDep, who: PageUser) -> str:
     jobs, total = store.list_jobs(limit=100)
     rows = []
     for j in jobs:
@@ -49,4 +51,4 @@ def index(store: StoreDep) -> str:
             f"<td>{j.world_size}</td><td>{step}</td><td>{loss}</td><td>{pred}</td>"
             f"<td>{meas}</td>"
             f"<td>{j.created_at:%Y-%m-%d %H:%M:%S}</td></tr>")
-    return _PAGE.format(total=total, rows="\n".join(rows))
+    return _PAGE.format(total=total, rows="\n".join(rows), who=escape(who.name))

@@ -20,4 +20,5 @@ fi
 "$BIN/trident" submit examples/tiny.yaml --wait --server "$SERVER"
 echo
 echo "dashboard: $SERVER/   (REST: $SERVER/api/v1/jobs, OpenAPI: $SERVER/docs)"
+echo "log in with the admin's token in var/admin.token (trident token create makes others)"
 echo "the stack keeps running; 'make stop' ends it"

@@ -24,9 +24,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service.identity import Identity
 from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
+from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
@@ -92,6 +94,8 @@ class Controller:
                                             teardowns=self.teardowns)
         self.inventory_every_s = inventory_every_s
         self._inventory_at = -inventory_every_s
+        self.identity = Identity(store)
+        self.quota_notes = QuotaNotes(store)
         self._swept = False
 
     # --- one pass -----------------------------------------------------------------------------
@@ -150,13 +154,20 @@ class Controller:
         queued = self.store.queued_jobs()
         if not queued:
             return
-        adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity())
+        quotas = {p: Quota(gpus, cpus) for p, (gpus, cpus) in self.identity.quotas().items()}
+        adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
+                    quotas=quotas, holding=held(self.store.active_jobs()) if quotas else None)
         for job, why in adm.impossible:
             if job.attempts:  # it ran here: the cluster shrank, and may grow back
                 continue
             self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
                        result, error=why)
+        for job, why in adm.waiting:
+            if job.waiting != why:
+                self.quota_notes.note(job.id, why)
         for job in adm.admitted:
+            if job.waiting is not None:
+                self.quota_notes.note(job.id, None)
             placing = self._move(job, JobState.PLACING, "admitted; claiming resources", result)
             if placing is not None:
                 self._place(placing, result)

@@ -36,11 +36,14 @@ class Base(DeclarativeBase):
 
 
 IDEMPOTENCY_KEY_MAX = 255
+NAME_MAX = 64
+"""Longest user, token and project name."""
 
 
 class JobRow(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_idempotency_key", "idempotency_key", unique=True),)
+    __table_args__ = (Index("ix_jobs_idempotency_key", "idempotency_key", unique=True),
+                      Index("ix_jobs_owner", "owner"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -64,6 +67,10 @@ class JobRow(Base):
     """The client's `Idempotency-Key` of the submission that created the job (unique)."""
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
     """SHA-256 of the submitted spec, to tell a retry from another request with that key."""
+    project: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    """The project the job was submitted under (NULL: submitted before projects existed)."""
+    waiting: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why a queued job is not admitted although it could fit (its project's quota)."""
 
 
 class AttemptRow(Base):
@@ -168,6 +175,74 @@ class LeaseRow(Base):
     acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class UserRow(Base):
+    """A person (or service account) who calls the API with tokens; `role` says what they may do."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(NAME_MAX), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TokenRow(Base):
+    """An API token: only its SHA-256 is kept (`hash`, unique: a check is one index look-up)."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(NAME_MAX))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ProjectRow(Base):
+    """A project jobs are submitted under, with its quota of concurrently held resources."""
+
+    __tablename__ = "projects"
+
+    name: Mapped[str] = mapped_column(String(NAME_MAX), primary_key=True)
+    gpu_quota: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """GPUs its running jobs may hold together (NULL: no limit)."""
+    cpu_quota: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """CPUs its running CPU-only jobs may hold together (NULL: no limit)."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class MembershipRow(Base):
+    """A user's membership of a project; the lowest id is the user's default project."""
+
+    __tablename__ = "memberships"
+    __table_args__ = (UniqueConstraint("user_id", "project"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    project: Mapped[str] = mapped_column(ForeignKey("projects.name", ondelete="CASCADE"))
+
+
+class AuditRow(Base):
+    """One mutating request: who, when, from where, what, and how it ended."""
+
+    __tablename__ = "audit"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    actor: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    """The user (NULL: the request was not authenticated)."""
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    method: Mapped[str] = mapped_column(String(8))
+    path: Mapped[str] = mapped_column(String(512))
+    action: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The authorization rule of the route (e.g. `jobs:cancel`)."""
+    status: Mapped[int] = mapped_column(Integer)
 
 
 def _finite(value: Any) -> Any:

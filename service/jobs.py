@@ -15,6 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from service.confine import Confinement
 from service.hardware import HardwareProfile
 from service.planner import plan_job
 from service.planner.shape import ModelShape
@@ -69,7 +70,17 @@ def request_hash(spec: JobSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def submit_once(store: Store, spec: JobSpec, key: str) -> tuple[Job, bool]:
+@dataclass(frozen=True)
+class Submitter:
+    """Who submits, under which project, and the limits their spec must keep."""
+
+    owner: str = "local"
+    project: str | None = None
+    confinement: Confinement | None = None
+
+
+def submit_once(store: Store, spec: JobSpec, key: str,
+                by: Submitter | None = None) -> tuple[Job, bool]:
     """`submit` under an idempotency key: the job (and True) when this call created it; the
     job an earlier submission with `key` created (and False) when the spec is the same;
     KeyReused when it is not."""
@@ -83,17 +94,21 @@ def submit_once(store: Store, spec: JobSpec, key: str) -> tuple[Job, bool]:
     if (found := store.job_by_idempotency_key(key)) is not None:
         return earlier(*found)
     try:
-        return submit(store, spec, idempotency_key=key, digest=digest), True
+        return submit(store, spec, idempotency_key=key, digest=digest, by=by), True
     except KeyTaken as taken:  # a concurrent retry created it first
         return earlier(taken.job, taken.request_hash)
 
 
 def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
-           digest: str | None = None) -> Job:
-    """Plan `spec` with the profile this cluster plans with and queue it. PlanInfeasible (a
-    ValueError) if it cannot fit; a SpecError on `model` if it would run the built-in trainer
+           digest: str | None = None, by: Submitter | None = None) -> Job:
+    """Plan `spec` with the profile this cluster plans with and queue it, owned by `by`.
+    PlanInfeasible (a ValueError) if it cannot fit; a SpecError on the field that reaches
+    outside the job (`by.confinement`), on `model` if it would run the built-in trainer
     and that would build another model than the one planned, or on `resources` if no
     placement of its ranks exists on the recorded nodes."""
+    by = by or Submitter()
+    if by.confinement is not None:
+        by.confinement.check(spec)
     prepared = prepare(spec, profile_for(store, spec.target.gpu))
     refusal = ModelShape.from_spec(spec.model).builtin_trainer_refusal()
     if spec.entrypoint is None and refusal:
@@ -104,6 +119,7 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
     return store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
                             plan=prepared.plan, world_size=prepared.world_size,
                             cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority,
+                            owner=by.owner, project=by.project,
                             idempotency_key=idempotency_key, request_hash=digest)
 
 

@@ -5,16 +5,19 @@ one per TP group (a TP group must sit on one node), so fitting a job means packi
 bundles onto the free capacity of the nodes. Queued jobs are taken by priority, then age;
 admission stops at the first job that does not fit, so a large high-priority job is not
 starved by smaller ones behind it. A job that could not fit even on the empty cluster is
-reported as impossible instead of blocking the queue.
+reported as impossible instead of blocking the queue. A job whose project's quota
+(`service.quota`) it would pass waits, with the reason, and does not block the jobs of other
+projects behind it: within quota, priority then age decide.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
+from service.quota import Held, Quotas, over_quota, take
 from service.store import Job
 
 _EPS = 1e-9
@@ -68,22 +71,32 @@ def pack(items: list[Bundle], nodes: list[NodeCapacity]) -> list[int] | None:
 class Admission:
     admitted: list[Job]
     impossible: list[tuple[Job, str]]
+    waiting: list[tuple[Job, str]] = field(default_factory=list)
+    """Jobs over their project's quota, and why."""
 
 
-def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]) -> Admission:
-    """Choose the queued jobs (already in priority order) that start now."""
+def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity],
+          quotas: Quotas | None = None, holding: Held | None = None) -> Admission:
+    """Choose the queued jobs (already in priority order) that start now, within their
+    projects' `quotas`, given what every project's active jobs hold (`holding`)."""
     remaining = list(free)
     admitted: list[Job] = []
     impossible: list[tuple[Job, str]] = []
+    waiting: list[tuple[Job, str]] = []
+    holding = {p: dict(h) for p, h in (holding or {}).items()}
     for job in queued:
         items = bundles(job)
         if pack(items, total) is None:
             impossible.append((job, _why_impossible(job, items, total)))
             continue
+        if (why := over_quota(job, holding, quotas or {})) is not None:
+            waiting.append((job, why))
+            continue
         where = pack(items, remaining)
         if where is None:
             break
         admitted.append(job)
+        take(holding, job)
         used: dict[int, list[float]] = {}
         for b, n in zip(items, where, strict=True):
             acc = used.setdefault(n, [0.0, 0.0])
@@ -92,7 +105,7 @@ def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]
         remaining = [NodeCapacity(node.node_id, node.cpus - used.get(i, [0, 0])[0],
                                   node.gpus - used.get(i, [0, 0])[1])
                      for i, node in enumerate(remaining)]
-    return Admission(admitted=admitted, impossible=impossible)
+    return Admission(admitted=admitted, impossible=impossible, waiting=waiting)
 
 
 def unplaceable(job: Job, total: list[NodeCapacity]) -> str | None:

@@ -49,6 +49,17 @@ class Settings(BaseSettings):
     renews it every pass (`poll_interval_s`), well inside it."""
     allow_faults: bool = False
     """Accept jobs with `faults` (fault injection for tests); never in production."""
+    checkpoint_roots: str = ""
+    """Comma-separated directories a spec's `checkpoint.dir` must resolve inside (after `..`
+    and symlinks); empty means `data_dir` alone."""
+    entrypoint_modules: str = ""
+    """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
+    `examples.custom_entrypoint:train`); empty allows any module."""
+    env_allow: str = ""
+    """Comma-separated variable names that a spec's `env` may set although they change how
+    the worker process loads (`LD_PRELOAD`, `PYTHONPATH`, ...); admins may always set them."""
+    session_hours: float = Field(default=12.0, gt=0, le=24 * 30)
+    """How long a dashboard log-in lasts."""
 
     @model_validator(mode="after")
     def _safe_in_prod(self) -> Settings:
@@ -70,6 +81,20 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.data_dir / 'trident.db'}"
+
+    @property
+    def checkpoint_root_dirs(self) -> list[Path]:
+        """`checkpoint_roots` as paths (the data directory when empty)."""
+        roots = [Path(p.strip()) for p in self.checkpoint_roots.split(",") if p.strip()]
+        return roots or [self.data_dir]
+
+    @property
+    def entrypoint_prefixes(self) -> list[str]:
+        return [p.strip() for p in self.entrypoint_modules.split(",") if p.strip()]
+
+    @property
+    def env_allowed(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.env_allow.split(",") if p.strip())
 
     @property
     def checkpoint_root(self) -> Path:

@@ -28,6 +28,7 @@ from service.presets import PRESETS
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV: dict[str, Any] = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
 
 MAX_WORLD = 65536
 MAX_RANKS_PER_NODE = 64
@@ -216,7 +217,7 @@ class CheckpointSpec(_Strict):
     every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
     """Save every this many steps; 0 saves none."""
     dir: Annotated[str, Field(max_length=4096)] | None = None
-    """Directory for this job's checkpoints; defaults to the server's data directory."""
+    """Absolute, inside the server's checkpoint roots (default: its data directory)."""
 
 
 class MonitorSpec(_Strict):
@@ -275,8 +276,8 @@ class JobSpec(_Strict):
     """Checkpoint policy."""
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
     """Restarts from the last checkpoint allowed after a recoverable failure."""
-    env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict)
-    """Environment variables for every rank (for example NCCL_* settings)."""
+    env: dict[str, Annotated[str, Field(max_length=4096)]] = Field({}, json_schema_extra=_ENV)
+    """Environment variables for every rank (e.g. NCCL_*); no LD_*, PYTHON*, PATH (admins)."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     """Higher runs first among queued jobs."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -116,16 +116,16 @@ class Store:
 
     def create_job(self, *, name: str, spec: dict[str, Any], plan: StoredPlan,
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
-                   owner: str = "local", idempotency_key: str | None = None,
-                   request_hash: str | None = None) -> Job:
+                   owner: str = "local", project: str | None = None,
+                   idempotency_key: str | None = None, request_hash: str | None = None) -> Job:
         """Queue a new job. With an `idempotency_key` that a job holds already, nothing is
         created and KeyTaken carries that job (the unique index decides between concurrent
         submissions, so exactly one of them creates it)."""
         try:
             with self._tx() as s:
-                row = JobRow(name=name, owner=owner, state=JobState.QUEUED.value,
-                             priority=priority, spec=spec, plan=plan.to_json(),
-                             world_size=world_size, cpus=cpus, gpus=gpus,
+                row = JobRow(name=name, owner=owner, project=project,
+                             state=JobState.QUEUED.value, priority=priority, spec=spec,
+                             plan=plan.to_json(), world_size=world_size, cpus=cpus, gpus=gpus,
                              idempotency_key=idempotency_key, request_hash=request_hash)
                 s.add(row)
                 s.flush()
@@ -151,16 +151,18 @@ class Store:
                 raise NotFound(f"job {job_id} not found")
             return Job.from_row(row)
 
-    def list_jobs(self, *, states: Sequence[JobState] | None = None, limit: int = 50,
+    def list_jobs(self, *, states: Sequence[JobState] | None = None, owner: str | None = None,
+                  project: str | None = None, limit: int = 50,
                   offset: int = 0) -> tuple[list[Job], int]:
+        where: list[ColumnElement[bool]] = []
+        where += [JobRow.state.in_([st.value for st in states])] if states else []
+        where += [JobRow.owner == owner] if owner is not None else []
+        where += [JobRow.project == project] if project is not None else []
         with self._tx() as s:
-            q = select(JobRow)
-            count = select(func.count()).select_from(JobRow)
-            if states:
-                q = q.where(JobRow.state.in_([st.value for st in states]))
-                count = count.where(JobRow.state.in_([st.value for st in states]))
-            rows = s.execute(q.order_by(JobRow.id.desc()).limit(limit).offset(offset)).scalars()
-            return [Job.from_row(r) for r in rows], int(s.execute(count).scalar_one())
+            q = select(JobRow).where(*where).order_by(JobRow.id.desc()).limit(limit).offset(offset)
+            count = select(func.count()).select_from(JobRow).where(*where)
+            return ([Job.from_row(r) for r in s.execute(q).scalars()],
+                    int(s.execute(count).scalar_one()))
 
     def queued_jobs(self) -> list[Job]:
         """Queued jobs in admission order: priority first, then age."""

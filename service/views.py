@@ -41,6 +41,8 @@ class Job(BaseModel):
     id: int
     name: str
     owner: str
+    project: str | None = None
+    """The project it was submitted under (None: submitted before projects existed)."""
     state: JobState
     priority: int
     spec: dict[str, Any]
@@ -55,11 +57,14 @@ class Job(BaseModel):
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    waiting: str | None = None
+    """Why it is still queued although it would fit (its project's quota), if it is."""
 
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
         return cls(
-            id=row.id, name=row.name, owner=row.owner, state=JobState(row.state),
+            id=row.id, name=row.name, owner=row.owner, project=row.project,
+            state=JobState(row.state), waiting=row.waiting,
             priority=row.priority, spec=row.spec, plan=StoredPlan.from_json(row.plan),
             world_size=row.world_size, cpus=row.cpus, gpus=row.gpus,
             cancel_requested=row.cancel_requested, attempts=row.attempts, error=row.error,

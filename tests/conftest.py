@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from service.planner import StoredPlan
@@ -88,3 +91,23 @@ def stored_plan(*, tp: int = 1, pp: int = 1, dp: int = 1) -> StoredPlan:
         train={"global_batch": 4 * dp, "micro_batch": 1, "precision": "fp32"},
         parallel={"tp": tp, "pp": pp, "dp": dp}))
     return prepare(spec).plan
+
+
+def user_token(store: Store, name: str = "admin", role: str = "admin",
+               projects: tuple[str, ...] = ("default",)) -> str:
+    """A token of user `name` (created, with its projects, unless it exists)."""
+    from service.identity import Conflict, Identity
+
+    identity = Identity(store)
+    for p in projects:
+        with contextlib.suppress(Conflict):
+            identity.create_project(name=p)
+    with contextlib.suppress(Conflict):
+        identity.create_user(name=name, role=role, projects=list(projects))
+    return identity.create_token(user=name, name="test")[0]
+
+
+def authed_client(app: FastAPI, store: Store, **kw: object) -> TestClient:
+    """A TestClient of `app` that sends an admin's token with every request."""
+    return TestClient(app, headers={"Authorization": f"Bearer {user_token(store)}"},
+                      **kw)  # type: ignore[arg-type]

@@ -14,12 +14,12 @@ from service.lease import Leader
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store
-from tests.conftest import tiny_spec
+from tests.conftest import authed_client, tiny_spec
 
 
 @pytest.fixture
 def client(store: Store, tmp_path) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         yield c
 
 
@@ -35,9 +35,10 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
     assert client.get(f"/api/v1/jobs/{body['id']}").json()["spec"] == body["spec"]
     # The REST job is the stored Job without its per-rank claim, plus (detail only) the
     # prediction next to the measurement.
-    assert list(body) == ["id", "name", "owner", "state", "priority", "spec", "plan",
+    assert list(body) == ["id", "name", "owner", "project", "state", "priority", "spec", "plan",
                           "world_size", "cancel_requested", "attempts", "error", "created_at",
-                          "updated_at", "started_at", "finished_at", "predicted_vs_measured"]
+                          "updated_at", "started_at", "finished_at", "waiting",
+                          "predicted_vs_measured"]
 
 
 @pytest.mark.parametrize(
@@ -132,11 +133,11 @@ def test_healthz_docs_and_status_page(client: TestClient, store: Store) -> None:
 
 def test_faults_need_the_server_setting(store: Store, tmp_path) -> None:
     spec = tiny_spec(faults=[{"kind": "hang", "rank": 1, "step": 2, "seconds": 5}])
-    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         r = c.post("/api/v1/jobs", json=spec)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "faults"]
-    with TestClient(create_app(Settings(data_dir=tmp_path, allow_faults=True),
-                               store=store)) as c:
+    with authed_client(create_app(Settings(data_dir=tmp_path, allow_faults=True),
+                                  store=store), store) as c:
         assert c.post("/api/v1/jobs", json=spec).status_code == 201
         bad = tiny_spec(faults=[{"kind": "hang", "rank": 7, "step": 2}])
         r = c.post("/api/v1/jobs", json=bad)
@@ -216,7 +217,8 @@ def test_routes_answer_503_with_retry_after_while_the_database_is_away(tmp_path)
     reads or writes the store says 503 with Retry-After, never 500."""
     away = Store("postgresql+psycopg://postgres@127.0.0.1:1/test?connect_timeout=2")
     try:
-        with TestClient(create_app(Settings(data_dir=tmp_path), store=away)) as c:
+        with TestClient(create_app(Settings(data_dir=tmp_path), store=away),
+                        headers={"Authorization": "Bearer any"}) as c:
             for method, path, body in [("GET", "/api/v1/jobs", None),
                                        ("GET", "/api/v1/jobs/1", None),
                                        ("POST", "/api/v1/jobs", tiny_spec()),

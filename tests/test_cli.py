@@ -48,8 +48,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def admin_headers(data_dir: Path) -> dict[str, str]:
+    """The bootstrap admin's token, from the file the server's first start wrote."""
+    return {"Authorization": f"Bearer {(data_dir / 'admin.token').read_text().strip()}"}
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An API server whose first start created the admin; the CLI finds its token file as
+    it would for `trident up` (TRIDENT_DATA_DIR), and no `trident login` profile."""
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
     port = free_port()
     cfg = uvicorn.Config(create_app(Settings(data_dir=tmp_path)), host="127.0.0.1", port=port,
                          log_level="warning")
@@ -119,7 +129,7 @@ def test_yaml_numbers_are_numbers(tmp_path: Path) -> None:
         assert r.exit_code == 2 and "train.steps: Input should be a valid integer" in r.output
 
 
-def test_submit_retries_under_one_idempotency_key(server: str,
+def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The first answer is lost after the server queued the job; the retry gets that job."""
     import api.cli
@@ -141,13 +151,14 @@ def test_submit_retries_under_one_idempotency_key(server: str,
         base_url=s.rstrip("/") + "/api/v1", transport=LosesFirstAnswer()))
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
     assert r.exit_code == 0, r.output
-    jobs = httpx.get(server + "/api/v1/jobs").json()
+    jobs = httpx.get(server + "/api/v1/jobs", headers=admin_headers(tmp_path)).json()
     assert jobs["total"] == 1 and int(r.output.strip()) == jobs["items"][0]["id"]
     assert len(keys) == 2 and keys[0] == keys[1]
     # Another invocation is another job, under another key.
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
     assert r.exit_code == 0 and len(set(keys)) == 2
-    assert httpx.get(server + "/api/v1/jobs").json()["total"] == 2
+    assert httpx.get(server + "/api/v1/jobs",
+                     headers=admin_headers(tmp_path)).json()["total"] == 2
 
 
 def test_unreachable_server_is_a_clear_error() -> None:
@@ -168,16 +179,17 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         wait_healthy(server, timeout_s=180)
         done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"), "--wait",
                                "--server", server], capture_output=True, text=True, timeout=400,
-                              cwd=ROOT)
+                              cwd=ROOT, env=env)
         log = (tmp_path / "controller.log").read_text()
         assert done.returncode == 0, done.stdout + done.stderr + log
         assert "SUCCEEDED" in done.stdout and "step    30" in done.stdout
         assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
-        page = httpx.get(server + "/").text
+        page = httpx.get(server + "/", headers=admin_headers(tmp_path)).text
         assert '<td class="SUCCEEDED">SUCCEEDED</td>' in page
     finally:
         up.terminate()
         out, _ = up.communicate(timeout=60)
+    assert f"its API token is in {tmp_path / 'admin.token'}" in out, out
     # The controller's own SIGTERM handler ran: it logged, stopped and released its lease.
     log = (tmp_path / "controller.log").read_text()
     assert "signal SIGTERM: stopping" in log and re.search(r"controller \S+ stopped", log), log
@@ -197,3 +209,59 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         time.sleep(0.5)
     else:
         raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
+
+
+def test_identity_commands_over_the_api(server: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """login, whoami, user add/list/disable, token create/list/revoke, project add/quota/list;
+    the token comes from TRIDENT_TOKEN, else the login profile, else the bootstrap file."""
+    def run(*args: str) -> str:
+        r = runner.invoke(app, [*args, "--server", server])
+        assert r.exit_code == 0, (args, r.output)
+        return r.output
+
+    assert run("whoami").startswith("admin (admin); projects: default")  # the bootstrap file
+    assert "quota 24 GPUs, - CPUs" in run("project", "add", "vision", "--gpus", "24")
+    assert "user alice (member); projects: vision" in run("user", "add", "alice", "--project",
+                                                          "vision")
+    created = runner.invoke(app, ["token", "create", "laptop", "--user", "alice",
+                                  "--server", server])
+    assert created.exit_code == 0, created.output
+    secret = created.stdout.splitlines()[0]
+    assert secret.startswith("trd_") and "shown once" in created.stderr
+    out = run("login", "--token", secret)
+    assert f"logged in to {server} as alice (member)" in out
+    profile = tmp_path / "config" / "profiles.json"
+    assert oct(profile.stat().st_mode & 0o777) == "0o600"
+    assert run("whoami").startswith("alice (member); projects: vision;")  # the profile
+    job_id = int(run("submit", str(ROOT / "examples/tiny.yaml")).strip())
+    listing = run("status", "--owner", "alice")
+    assert re.search(rf"{job_id:>5}  QUEUED .* alice +vision +tiny-zero2", listing), listing
+    r = runner.invoke(app, ["user", "list", "--server", server])
+    assert r.exit_code == 2 and "403: users:manage: only admins manage users" in r.output
+    tokens = run("token", "list")
+    assert "laptop" in tokens and "bootstrap" not in tokens  # a member sees only their own
+    # TRIDENT_TOKEN comes first: the admin again.
+    monkeypatch.setenv("TRIDENT_TOKEN", (tmp_path / "admin.token").read_text().strip())
+    assert "bootstrap" in run("token", "list")
+    assert re.search(r"alice +member +active +vision", run("user", "list"))
+    assert "quota 8 GPUs, 16 CPUs" in run("project", "quota", "vision", "--gpus", "8",
+                                          "--cpus", "16")
+    assert re.search(r"vision +GPUs +8 +CPUs +16 +alice", run("project", "list"))
+    laptop = next(line.split()[0] for line in run("token", "list").splitlines()
+                  if "laptop" in line)
+    assert "revoked" in run("token", "revoke", laptop)
+    monkeypatch.delenv("TRIDENT_TOKEN")
+    r = runner.invoke(app, ["whoami", "--server", server])
+    assert r.exit_code == 2 and "401: token 'laptop' of alice was revoked" in r.output
+    assert "run `trident login`" in r.output
+    monkeypatch.setenv("TRIDENT_TOKEN", (tmp_path / "admin.token").read_text().strip())
+    assert "user alice disabled" in run("user", "disable", "alice")
+
+
+def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 0 and f"its API token is in {tmp_path / 'admin.token'}" in r.output
+    assert (tmp_path / "admin.token").stat().st_mode & 0o077 == 0
+    r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 1 and "users exist already" in r.output

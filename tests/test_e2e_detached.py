@@ -58,8 +58,14 @@ class Up:
                 parts.append(f"--- {name}\n" + path.read_text()[-6000:])
         return "\n".join(parts)
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The bootstrap admin's token, from the file `trident up` wrote on its first start."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin.token').read_text().strip()}"}
+
     def get(self, path: str, **params: Any) -> Any:
-        r = httpx.get(f"{self.server}/api/v1{path}", params=params, timeout=10)
+        r = httpx.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
+                      timeout=10)
         r.raise_for_status()
         return r.json()
 
@@ -88,7 +94,7 @@ def submit_long_job(up: Up) -> int:
                      checkpoint={"every_steps": 20},
                      # Every step takes at least 0.2 s, so that the job outlasts the kills.
                      faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
-    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, timeout=30)
+    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
     assert r.status_code == 201, r.text
     return int(r.json()["id"])
 
@@ -158,12 +164,13 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         job_id = submit_long_job(up)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
         pg.stop()
-        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", timeout=30)
+        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
         pg.start()
         wait_for("SUCCEEDED", lambda: httpx.get(
-            f"{up.server}/api/v1/jobs/{job_id}", timeout=30).json().get("state") in (
+            f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30
+        ).json().get("state") in (
             "SUCCEEDED", "FAILED"), 300, up.log)
         log = (tmp_path / "controller.log").read_text()
         # The controller lost its lease while the database was away and was started again.

@@ -18,7 +18,7 @@ from service.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import authed_client, tiny_spec  # noqa: E402
 from workers.group import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
                             start_timeout_s=120, cancel_grace_s=5)
     settings = Settings(data_dir=tmp_path, allow_faults=True)
-    with TestClient(create_app(settings, store=store)) as client:
+    with authed_client(create_app(settings, store=store), store) as client:
         yield client, store, controller
     controller.shutdown(stop_jobs=True)
     store.close()

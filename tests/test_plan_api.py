@@ -17,7 +17,7 @@ from api.cli import app as cli
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import tiny_spec
+from tests.conftest import authed_client, tiny_spec
 
 BIG = {"name": "gpt175b", "model": {"preset": "gpt3-175b"},
        "train": {"global_batch": 64, "micro_batch": 1},
@@ -30,7 +30,7 @@ BIG = {"name": "gpt175b", "model": {"preset": "gpt3-175b"},
 def client(tmp_path: Path) -> Iterator[TestClient]:
     store = Store(f"sqlite:///{tmp_path / 'p.db'}")
     store.migrate()
-    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         yield c
     store.close()
 

@@ -17,14 +17,14 @@ from service.jobs import KeyReused, submit_once
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import tiny_spec
+from tests.conftest import authed_client, tiny_spec
 
 TOO_BIG = [2**31, 2**63, 2**64]
 
 
 @pytest.fixture
 def client(store: Store, tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         yield c
 
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Depends, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.auth import require
 from api.deps import ProbeId, StoreDep
 from service.hardware import PROFILES
 from service.store import NotFound, Probe
 
 router = APIRouter(tags=["cluster"])
+_READ = [Depends(require("cluster:read"))]
 
 
-@router.get("/cluster")
+@router.get("/cluster", dependencies=_READ)
 def cluster(store: StoreDep) -> dict[str, Any]:
     """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise), the newest
     cluster probe, and the profiles that probes calibrated."""
@@ -37,7 +39,7 @@ class ProbeRequest(BaseModel):
     """The hardware profile the measurement calibrates (e.g. a100-80gb, cpu)."""
 
 
-@router.post("/probes", status_code=202)
+@router.post("/probes", status_code=202, dependencies=[Depends(require("cluster:probe"))])
 def request_probe(body: ProbeRequest, store: StoreDep) -> Probe:
     """Ask the controller to probe the cluster; poll `GET /probes/{id}` for the result."""
     if body.profile not in PROFILES:
@@ -47,12 +49,12 @@ def request_probe(body: ProbeRequest, store: StoreDep) -> Probe:
     return store.create_probe(scope="cluster", request=body.model_dump())
 
 
-@router.get("/probes")
+@router.get("/probes", dependencies=_READ)
 def list_probes(store: StoreDep) -> dict[str, Any]:
     return {"items": store.list_probes(scope="cluster", limit=50)}
 
 
-@router.get("/probes/{probe_id}")
+@router.get("/probes/{probe_id}", dependencies=_READ)
 def get_probe(store: StoreDep, probe_id: ProbeId) -> Probe:
     try:
         return store.get_probe(probe_id=probe_id)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 
+from api.auth import Who, check_owner, identity_of, require
 from api.deps import (
     AfterStep,
     Attempt,
@@ -25,35 +26,85 @@ from api.schemas import (
     MetricOut,
 )
 from service.compare import compare
-from service.jobs import KeyReused, submit_once
+from service.confine import Confinement
+from service.db import NAME_MAX
+from service.identity import Principal
+from service.jobs import KeyReused, Submitter, submit_once
 from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
+from service.store import Job, NotFound, Store
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""User and project names: letters, digits, '.', '_', '-'."""
+ProjectName = Annotated[str | None, Query(
+    min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN,
+    description="The project to submit under (default: your first project); members only"
+    " under their own projects.")]
+
+
+def submitter(request: Request, who: Principal, project: str | None) -> Submitter:
+    """The job's owner and project, and the limits its spec must keep. A member submits only
+    under a project of theirs; an admin under any."""
+    identity = identity_of(request)
+    mine = identity.get_user(name=who.name).projects
+    if project is None:
+        if not mine and who.role != "admin":
+            raise HTTPException(status_code=403, detail=f"jobs:submit: {who.name} belongs to"
+                                " no project; an admin adds them to one")
+        project = mine[0] if mine else None
+    else:
+        try:
+            identity.get_project(name=project)
+        except NotFound as exc:
+            raise HTTPException(status_code=422, detail=[
+                {"loc": ["query", "project"], "msg": str(exc), "type": "value_error"}]) from None
+        if who.role != "admin" and project not in mine:
+            raise HTTPException(status_code=403, detail=(
+                f"jobs:submit: members submit only under their own projects; {who.name}"
+                f" belongs to {', '.join(mine) or 'none'}, not {project}"))
+    settings = request.app.state.settings
+    return Submitter(owner=who.name, project=project, confinement=Confinement(
+        checkpoint_roots=settings.checkpoint_root_dirs,
+        entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
+        admin=who.role == "admin"))
+
 
 @router.post("", status_code=201, response_model=JobOut,
+             dependencies=[Depends(require("jobs:submit"))],
              responses={200: {"model": JobOut, "description": "A retried submission (same"
                               " Idempotency-Key and spec): the job it created"},
                         409: {"description": "The Idempotency-Key was used with another spec"}})
-def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
-           idempotency_key: IdempotencyKey = None) -> JobOut:
-    """Validate and plan a job, then queue it. For `parallel: auto` the stored spec carries
-    the layout the search chose (the plan says `chosen_by: search`). With an
-    `Idempotency-Key` a retry is safe: it returns the first submission's job."""
+def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response, who: Who,
+           idempotency_key: IdempotencyKey = None, project: ProjectName = None) -> JobOut:
+    """Validate and plan a job, then queue it, owned by the caller, under `project`. For
+    `parallel: auto` the stored spec carries the layout the search chose (the plan says
+    `chosen_by: search`). With an `Idempotency-Key` a retry is safe: it returns the first
+    submission's job. `checkpoint.dir` must lie inside the server's checkpoint roots,
+    `entrypoint` under its allowed modules, and `env` may not set loader variables
+    (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin submits."""
+    job, created = _queue(store, spec, request, submitter(request, who, project),
+                          idempotency_key)
+    if not created:
+        response.status_code = 200
+    return JobOut.of(job)
+
+
+def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
+           idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Submit `spec` as `by`: the job, and whether this call created it; the refusals as
+    4xx naming the field."""
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
         if idempotency_key is None:
-            job = submit_job(store, spec)
-        else:
-            job, created = submit_once(store, spec, idempotency_key)
-            if not created:
-                response.status_code = 200
+            return submit_job(store, spec, by=by), True
+        return submit_once(store, spec, idempotency_key, by)
     except KeyReused as exc:
         raise HTTPException(status_code=409, detail=[
             {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],
@@ -65,36 +116,59 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
-    return JobOut.of(job)
 
 
-@router.get("", response_model=JobList)
+_READ = [Depends(require("jobs:read"))]
+
+
+@router.get("", response_model=JobList, dependencies=_READ)
 def list_jobs(store: StoreDep,
               state: Annotated[list[JobState] | None, Query()] = None,
+              owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                                 description="Only this user's jobs.")] = None,
+              project: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                                   description="Only this project's jobs.")]
+              = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50,
               offset: Offset = 0) -> JobList:
     """Jobs, newest first; `state` may repeat to select several states."""
-    items, total = store.list_jobs(states=state, limit=limit, offset=offset)
+    items, total = store.list_jobs(states=state, owner=owner, project=project, limit=limit,
+                                   offset=offset)
     return JobList(items=[JobOut.of(j) for j in items], total=total, limit=limit, offset=offset)
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, dependencies=_READ)
 def get_job(job: JobDep, store: StoreDep) -> JobOut:
     """A job with its plan, and the plan's predictions next to what was measured."""
     return JobOut.of(job, predicted_vs_measured=compare(job.plan,
                                                         store.list_metrics(job_id=job.id)))
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, status_code=202)
-def cancel(job: JobDep, store: StoreDep) -> JobOut:
-    """Ask for cancellation; the controller stops the workers within seconds."""
+@router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,
+             dependencies=[Depends(require("jobs:cancel"))])
+def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
+    """Ask for cancellation; the controller stops the workers within seconds. Members cancel
+    only their own jobs."""
+    check_owner(who, "jobs:cancel", job.owner)
     try:
         return JobOut.of(store.request_cancel(job_id=job.id))
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
 
 
-@router.get("/{job_id}/events", response_model=EventList)
+@router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
+             dependencies=[Depends(require("jobs:resubmit"))])
+def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut:
+    """Queue a new job with this job's stored spec, under its project (or the caller's
+    default), owned by the caller; checked as a new submission. Members resubmit only their
+    own jobs."""
+    check_owner(who, "jobs:resubmit", job.owner)
+    spec = JobSpec.model_validate(job.spec)
+    new, _ = _queue(store, spec, request, submitter(request, who, job.project))
+    return JobOut.of(new)
+
+
+@router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)
 def events(job: JobDep, store: StoreDep,
            after: EventAfter = 0,
            limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
@@ -102,7 +176,7 @@ def events(job: JobDep, store: StoreDep,
     return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
 
 
-@router.get("/{job_id}/metrics", response_model=MetricList)
+@router.get("/{job_id}/metrics", response_model=MetricList, dependencies=_READ)
 def metrics(job: JobDep, store: StoreDep,
             rank: Rank = 0,
             attempt: Attempt = None,
@@ -114,13 +188,13 @@ def metrics(job: JobDep, store: StoreDep,
     return MetricList(items=[MetricOut.of(m) for m in rows])
 
 
-@router.get("/{job_id}/attempts", response_model=AttemptList)
+@router.get("/{job_id}/attempts", response_model=AttemptList, dependencies=_READ)
 def attempts(job: JobDep, store: StoreDep) -> AttemptList:
     """Every attempt of a job: status, placement (node of every rank), error."""
     return AttemptList(items=store.list_attempts(job_id=job.id))
 
 
-@router.get("/{job_id}/comm")
+@router.get("/{job_id}/comm", dependencies=_READ)
 def comm(job: JobDep, store: StoreDep,
          last: Annotated[int, Query(ge=1, le=10000)] = 100) -> dict[str, Any]:
     """Communication per dimension over the last `last` steps of the newest attempt: time per

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 
+from api.auth import require
 from api.deps import StoreDep
 from service.planner import plan_command
 from service.profiles import profile_for
@@ -14,7 +15,7 @@ from service.spec import JobSpec
 router = APIRouter(tags=["plan"])
 
 
-@router.post("/plan")
+@router.post("/plan", dependencies=[Depends(require("plan"))])
 def plan(spec: JobSpec, store: StoreDep,
          top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
     """Predicted memory and step time: for an explicit layout exactly that layout (even when

@@ -1,0 +1,161 @@
+"""Who may call what: the rule of every route, checked by one dependency per route.
+
+Every route under /api/v1 but `GET /healthz` declares its rule as `Depends(require("jobs:cancel"))`
+(usually through its router's `dependencies`); `RULES` is the one table of rules, and the
+authorization matrix test reads each route's rule back from its dependencies, so that a route
+without one fails the test. A request is authenticated by `Authorization: Bearer <token>`, or
+by the dashboard's session cookie (`api.session`); a cookie-authenticated request that changes
+something must also carry the session's CSRF token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.routing import APIRoute, iter_route_contexts
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.identity import AuthError, Identity, Principal
+
+SESSION_COOKIE = "trident_session"
+CSRF_HEADER = "X-CSRF-Token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Which roles may call a route: on anything (`roles`), or only on what they own
+    (`own`: the route checks ownership with `check_owner`)."""
+
+    name: str
+    roles: frozenset[str]
+    own: frozenset[str] = frozenset()
+    text: str = ""
+
+    def refusal(self, who: Principal) -> str:
+        return (f"{self.name}: {self.text} (you are {who.name}, {who.role})")
+
+
+def _rule(name: str, roles: str, own: str = "", text: str = "") -> tuple[str, Rule]:
+    return name, Rule(name, frozenset(roles.split()), frozenset(own.split()), text)
+
+
+RULES: dict[str, Rule] = dict([
+    _rule("jobs:read", "admin member viewer", text="any user may read jobs"),
+    _rule("jobs:submit", "admin member",
+          text="admins and members submit jobs, members only under their own projects"),
+    _rule("jobs:cancel", "admin", own="member",
+          text="admins cancel any job, members only their own"),
+    _rule("jobs:resubmit", "admin", own="member",
+          text="admins resubmit any job, members only their own"),
+    _rule("cluster:read", "admin member viewer", text="any user may read the cluster"),
+    _rule("cluster:probe", "admin member", text="admins and members may probe the cluster"),
+    _rule("plan", "admin member viewer", text="any user may plan"),
+    _rule("self", "admin member viewer", text="any user may see who they are"),
+    _rule("tokens:manage", "admin", own="member viewer",
+          text="admins manage every token, other users only their own"),
+    _rule("users:manage", "admin", text="only admins manage users"),
+    _rule("projects:read", "admin member viewer", text="any user may read projects"),
+    _rule("projects:manage", "admin", text="only admins manage projects and quotas"),
+    _rule("audit:read", "admin", text="only admins read the audit log"),
+    _rule("pages:read", "admin member viewer", text="any user may see the dashboard"),
+])
+
+_bearer = HTTPBearer(auto_error=False, description="An API token: `trident token create`,"
+                     " or the bootstrap admin's `DATA_DIR/admin.token`.")
+
+
+def identity_of(request: Request) -> Identity:
+    ident: Identity = request.app.state.identity
+    return ident
+
+
+def csrf_token(session: str) -> str:
+    """The CSRF token of a session: derived from its secret, so it needs no storage."""
+    return hmac.new(session.encode(), b"trident-csrf", hashlib.sha256).hexdigest()
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(status_code=401, detail=message,
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None,
+                                                     Depends(_bearer)]) -> Principal:
+    """The principal of the request's Bearer token (or session cookie); a 401 saying what is
+    wrong otherwise."""
+    header = request.headers.get("authorization")
+    if creds is not None:
+        token = creds.credentials
+    elif header:
+        raise _unauthorized("malformed Authorization header: send `Authorization: Bearer"
+                            " <token>`")
+    elif (cookie := request.cookies.get(SESSION_COOKIE)) is not None:
+        token = cookie
+        if request.method not in SAFE_METHODS and not hmac.compare_digest(
+                request.headers.get(CSRF_HEADER, ""), csrf_token(cookie)):
+            raise HTTPException(status_code=403, detail=f"csrf: a request authenticated by the"
+                                f" session cookie must carry the session's {CSRF_HEADER}")
+    else:
+        raise _unauthorized("missing token: send `Authorization: Bearer <token>`")
+    try:
+        who = identity_of(request).authenticate(token)
+    except AuthError as exc:
+        raise _unauthorized(str(exc)) from None
+    request.state.principal = who
+    return who
+
+
+def require(name: str) -> Callable[..., Principal]:
+    """The dependency of a route under rule `name`: the principal, when its role may call
+    the route at all (owners are checked by the route, `check_owner`); a 403 naming the rule
+    otherwise."""
+    rule = RULES[name]
+
+    def dependency(request: Request,
+                   who: Annotated[Principal, Depends(authenticate)]) -> Principal:
+        request.state.action = rule.name
+        if who.role not in rule.roles | rule.own:
+            raise HTTPException(status_code=403, detail=rule.refusal(who))
+        return who
+
+    dependency.rule = rule  # type: ignore[attr-defined]
+    return dependency
+
+
+def check_owner(who: Principal, name: str, owner: str) -> None:
+    """A 403 unless `who` may act on something `owner` owns under rule `name`."""
+    rule = RULES[name]
+    if who.role in rule.roles or (who.role in rule.own and owner == who.name):
+        return
+    raise HTTPException(status_code=403, detail=rule.refusal(who) + f"; this belongs to {owner}")
+
+
+def rule_of(route: Any) -> Rule | None:
+    """The rule a route declares (through `require`), if any: read by the matrix test."""
+    stack = [getattr(route, "original_route", route).dependant]
+    while stack:
+        dep = stack.pop()
+        rule = getattr(dep.call, "rule", None)
+        if isinstance(rule, Rule):
+            return rule
+        stack.extend(dep.dependencies)
+    return None
+
+
+def api_routes(app: FastAPI) -> Iterator[tuple[str, str, Rule | None]]:
+    """(method, path, rule) of every API route of `app` (pages and OpenAPI excluded)."""
+    for ctx in iter_route_contexts(app.routes):
+        route = ctx.original_route
+        if isinstance(route, APIRoute) and route.include_in_schema and ctx.path:
+            for method in sorted(ctx.methods or ()):
+                yield method, ctx.path, rule_of(route)
+
+
+Who = Annotated[Principal, Depends(authenticate)]
+"""The request's principal, once its route's rule (in the router's dependencies) let it in."""

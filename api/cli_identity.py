@@ -1,0 +1,205 @@
+"""The identity commands of `trident`: log in, who am I, users, tokens, projects. Every one
+talks to the REST API (`api.cli._call`), as the caller's token allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from api.cli_auth import save_profile
+
+ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
+                                        help="Base URL of the Trident API.")]
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
+token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")
+project_app = typer.Typer(no_args_is_help=True, help="Projects and their quotas.")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    from api.cli import fail as cli_fail
+
+    cli_fail(message, code)
+
+
+def _call(server: str, method: str, path: str, **kw: Any) -> Any:
+    from api.cli import _call as call  # late: api.cli registers these commands
+
+    return call(server, method, path, **kw)
+
+
+def _quota(q: float | None) -> str:
+    return "-" if q is None else f"{q:g}"
+
+
+def login(server: ServerOpt = DEFAULT_SERVER,
+          token: Annotated[str | None, typer.Option(
+              help="The API token (default: asked for, not echoed).")] = None) -> None:
+    """Check a token against the server and remember it for that server (owner-only file)."""
+    secret = (token or typer.prompt("API token", hide_input=True)).strip()
+    me = _call(server, "GET", "/whoami", headers={"Authorization": f"Bearer {secret}"})
+    path = save_profile(server, secret, me["user"])
+    typer.echo(f"logged in to {server} as {me['user']} ({me['role']}); saved in {path}")
+
+
+def whoami(server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Your user, role, projects (the default first) and the token in use."""
+    me = _call(server, "GET", "/whoami")
+    typer.echo(f"{me['user']} ({me['role']}); projects: {', '.join(me['projects']) or '-'};"
+               f" token {me['token']['name']!r} (id {me['token']['id']})")
+
+
+@user_app.command("add")
+def user_add(name: str, server: ServerOpt = DEFAULT_SERVER,
+             role: Annotated[str, typer.Option(help="admin, member or viewer.")] = "member",
+             project: Annotated[list[str] | None, typer.Option(
+                 help="A project it belongs to (repeat; the first is its default).")] = None
+             ) -> None:
+    """Create a user; give it a token with `trident token create NAME --user USER`."""
+    u = _call(server, "POST", "/users", json={"name": name, "role": role,
+                                              "projects": project or []})
+    typer.echo(f"user {u['name']} ({u['role']}); projects: {', '.join(u['projects']) or '-'}")
+
+
+@user_app.command("list")
+def user_list(server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Every user, with role, projects and whether it is disabled."""
+    typer.echo(f"{'NAME':<16}  {'ROLE':<7}  {'STATE':<8}  PROJECTS")
+    for u in _call(server, "GET", "/users")["items"]:
+        typer.echo(f"{u['name']:<16}  {u['role']:<7}  "
+                   f"{'disabled' if u['disabled'] else 'active':<8}  {', '.join(u['projects'])}")
+
+
+@user_app.command("disable")
+def user_disable(name: str, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Disable a user: every token of theirs is refused from the next request on."""
+    _call(server, "POST", f"/users/{name}/disable")
+    typer.echo(f"user {name} disabled")
+
+
+@token_app.command("create")
+def token_create(name: str, server: ServerOpt = DEFAULT_SERVER,
+                 user: Annotated[str | None, typer.Option(
+                     help="Whose token (admins; default: yours).")] = None,
+                 expires_days: Annotated[float | None, typer.Option(
+                     min=0.001, max=3650, help="Days until it expires (default: never).")]
+                 = None) -> None:
+    """Create a token; its secret is printed once (only its hash is stored)."""
+    body: dict[str, Any] = {"name": name}
+    if user:
+        body["user"] = user
+    if expires_days:
+        body["expires_in_days"] = expires_days
+    t = _call(server, "POST", "/tokens", json=body)
+    info = t["info"]
+    typer.echo(t["token"])
+    typer.echo(f"token {info['id']} {info['name']!r} of {info['user']}, expires"
+               f" {info['expires_at'] or 'never'}; shown once: keep it now", err=True)
+
+
+@token_app.command("list")
+def token_list(server: ServerOpt = DEFAULT_SERVER,
+               user: Annotated[str | None, typer.Option(help="Only this user's.")] = None
+               ) -> None:
+    """Tokens (never their secrets): yours, or, for an admin, everyone's."""
+    typer.echo(f"{'ID':>5}  {'USER':<16}  {'NAME':<20}  {'EXPIRES':<20}  STATE")
+    for t in _call(server, "GET", "/tokens", params={"user": user} if user else None)["items"]:
+        state = "revoked" if t["revoked_at"] else "active"
+        typer.echo(f"{t['id']:>5}  {t['user']:<16}  {t['name']:<20}"
+                   f"  {(t['expires_at'] or 'never')[:19]:<20}  {state}")
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Revoke a token: the next request with it is refused."""
+    t = _call(server, "DELETE", f"/tokens/{token_id}")
+    typer.echo(f"token {t['id']} {t['name']!r} of {t['user']} revoked")
+
+
+@project_app.command("add")
+def project_add(name: str, server: ServerOpt = DEFAULT_SERVER,
+                gpus: Annotated[float | None, typer.Option(
+                    min=0, help="GPUs its running jobs may hold together.")] = None,
+                cpus: Annotated[float | None, typer.Option(
+                    min=0, help="CPUs its running CPU-only jobs may hold together.")] = None,
+                member: Annotated[list[str] | None, typer.Option(
+                    help="A user to add to it (repeat).")] = None) -> None:
+    """Create a project (admins), with a quota and members."""
+    p = _call(server, "POST", "/projects", json={"name": name, "gpus": gpus, "cpus": cpus,
+                                                 "members": member or []})
+    typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
+               f" {_quota(p['cpu_quota'])} CPUs; members: {', '.join(p['members']) or '-'}")
+
+
+@project_app.command("quota")
+def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
+                  gpus: Annotated[float | None, typer.Option(
+                      min=0, help="GPUs (none: no limit).")] = None,
+                  cpus: Annotated[float | None, typer.Option(
+                      min=0, help="CPUs of CPU-only jobs (none: no limit).")] = None) -> None:
+    """Set a project's quota (admins); the scheduler applies it from its next pass."""
+    p = _call(server, "PUT", f"/projects/{name}/quota", json={"gpus": gpus, "cpus": cpus})
+    typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
+               f" {_quota(p['cpu_quota'])} CPUs")
+
+
+@project_app.command("list")
+def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Projects, their quotas and members."""
+    for p in _call(server, "GET", "/projects")["items"]:
+        typer.echo(f"{p['name']:<16}  GPUs {_quota(p['gpu_quota']):>6}  CPUs"
+                   f" {_quota(p['cpu_quota']):>6}  {', '.join(p['members'])}")
+
+
+def announce_bootstrap(settings: Any) -> None:
+    """Create the first admin and its token file, once; say where the file is."""
+    from service.identity import Identity, bootstrap, token_file
+    from service.store import Store
+
+    store = Store(settings.db_url)
+    try:
+        created = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    path = token_file(settings.data_dir)
+    if created:
+        typer.echo(f"first start: created the admin user; its API token is in {path}"
+                   " (readable by you only; the CLI uses it for this local server)")
+    elif path.exists():
+        typer.echo(f"admin token: {path}")
+
+
+def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
+        envvar="TRIDENT_DATA_DIR", help="Where the token file goes.")] = None) -> None:
+    """Create the first admin user and its token file (`trident up` does it by itself,
+    except with TRIDENT_ENV=prod). Talks to the database, not the API."""
+    from migrations import upgrade
+    from service.identity import Identity, bootstrap
+    from service.settings import Settings
+    from service.store import Store
+
+    settings = Settings(data_dir=data_dir) if data_dir else Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.db_url)
+    store = Store(settings.db_url)
+    try:
+        path = bootstrap(Identity(store), settings.data_dir)
+    finally:
+        store.close()
+    if path is None:
+        fail("users exist already: nothing was created (an admin adds users with"
+             " `trident user add`)", 1)
+    typer.echo(f"created the admin user; its API token is in {path} (readable by you only)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the `trident` app."""
+    app.command("bootstrap")(bootstrap_admin)
+    app.command()(login)
+    app.command()(whoami)
+    app.add_typer(user_app, name="user")
+    app.add_typer(token_app, name="token")
+    app.add_typer(project_app, name="project")

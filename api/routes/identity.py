@@ -1,0 +1,255 @@
+"""Identity routes: who am I, users, API tokens, projects with their quotas, the audit log."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.auth import Who, check_owner, identity_of, require
+from api.deps import INT32_MAX, INT64_MAX
+from api.routes.jobs import NAME_PATTERN
+from service.db import NAME_MAX
+from service.identity import (
+    DEFAULT_PROJECT,
+    AuditEntry,
+    Conflict,
+    Identity,
+    Project,
+    Token,
+    User,
+)
+from service.store import NotFound
+
+router = APIRouter()
+
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)]
+UserName = Annotated[str, Path(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN,
+                               description="A user's name.")]
+ProjectPath = Annotated[str, Path(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN,
+                                  description="A project's name.")]
+TokenId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A token's id.")]
+Quota = Annotated[float, Field(ge=0, le=1_000_000)] | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+def _identity(request: Request) -> Identity:
+    return identity_of(request)
+
+
+IdentityDep = Annotated[Identity, Depends(_identity)]
+
+
+def _not_found(exc: NotFound) -> HTTPException:
+    return HTTPException(status_code=404, detail=str(exc))
+
+
+def _conflict(exc: Conflict) -> HTTPException:
+    return HTTPException(status_code=409, detail=str(exc))
+
+
+# --- who am I -------------------------------------------------------------------------------
+
+@router.get("/whoami", tags=["identity"], dependencies=[Depends(require("self"))])
+def whoami(who: Who, identity: IdentityDep) -> dict[str, object]:
+    """The caller: user, role, projects (the default first) and the token used."""
+    user = identity.get_user(name=who.name)
+    return {"user": who.name, "role": who.role, "projects": user.projects,
+            "token": {"id": who.token_id, "name": who.token_name}}
+
+
+# --- users ----------------------------------------------------------------------------------
+
+class UserIn(_Body):
+    name: Name
+    """Letters, digits, '.', '_', '-'; at most 64."""
+    role: Literal["admin", "member", "viewer"] = "member"
+    """admin: everything; member: submits, reads all, cancels its own; viewer: reads."""
+    projects: Annotated[list[Name], Field(max_length=64)] = Field(default_factory=list)
+    """Projects it belongs to; the first is its default. None given: the `default` project
+    (made on the first start), so that a new member can submit."""
+
+
+_USERS = [Depends(require("users:manage"))]
+
+
+@router.post("/users", status_code=201, tags=["identity"], dependencies=_USERS,
+             responses={409: {"description": "The name is taken"}})
+def add_user(body: UserIn, identity: IdentityDep) -> User:
+    """Create a user (it gets tokens with `POST /tokens` and `user`)."""
+    projects = body.projects
+    if not projects and any(p.name == DEFAULT_PROJECT for p in identity.list_projects()):
+        projects = [DEFAULT_PROJECT]
+    try:
+        return identity.create_user(name=body.name, role=body.role, projects=projects)
+    except Conflict as exc:
+        raise _conflict(exc) from None
+    except NotFound as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "projects"], "msg": str(exc), "type": "value_error"}]) from None
+
+
+@router.get("/users", tags=["identity"], dependencies=_USERS)
+def list_users(identity: IdentityDep) -> dict[str, list[User]]:
+    return {"items": identity.list_users()}
+
+
+@router.post("/users/{name}/disable", tags=["identity"], dependencies=_USERS,
+             responses={409: {"description": "The last active admin"}})
+def disable_user(name: UserName, identity: IdentityDep) -> User:
+    """Disable a user: their tokens are refused from the next request on. The last active
+    admin stays (409): someone must be able to manage users."""
+    try:
+        user = identity.get_user(name=name)
+        admins = [u for u in identity.list_users() if u.role == "admin" and not u.disabled]
+        if user.role == "admin" and not user.disabled and len(admins) == 1:
+            raise HTTPException(status_code=409, detail=f"{name} is the last active admin;"
+                                " make another admin first")
+        return identity.set_disabled(name=name)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+# --- tokens ---------------------------------------------------------------------------------
+
+class TokenIn(_Body):
+    name: Name
+    """What the token is for (e.g. `laptop`, `ci`)."""
+    expires_in_days: Annotated[float, Field(gt=0, le=3650)] | None = None
+    """Days until it expires; none: it lasts until revoked."""
+    user: Name | None = None
+    """Whose token (admins only; default: the caller's)."""
+
+
+class NewToken(BaseModel):
+    token: str
+    """The secret: shown this once, stored only as a hash."""
+    info: Token
+
+
+_TOKENS = [Depends(require("tokens:manage"))]
+
+
+@router.post("/tokens", status_code=201, tags=["identity"], dependencies=_TOKENS)
+def create_token(body: TokenIn, who: Who, identity: IdentityDep) -> NewToken:
+    """A new API token, for the caller (or, for an admin, any user)."""
+    user = body.user or who.name
+    check_owner(who, "tokens:manage", user)
+    expires = timedelta(days=body.expires_in_days) if body.expires_in_days else None
+    try:
+        secret, info = identity.create_token(user=user, name=body.name, expires_in=expires)
+    except NotFound as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "user"], "msg": str(exc), "type": "value_error"}]) from None
+    return NewToken(token=secret, info=info)
+
+
+@router.get("/tokens", tags=["identity"], dependencies=_TOKENS)
+def list_tokens(who: Who, identity: IdentityDep,
+                user: Annotated[str | None, Query(
+                    min_length=1, max_length=NAME_MAX,
+                    description="Only this user's tokens (others than yourself: admins only)."
+                    )] = None) -> dict[str, list[Token]]:
+    """Tokens (never their secrets): by default an admin's list has everyone's, others
+    their own."""
+    if user is not None:
+        check_owner(who, "tokens:manage", user)
+    elif who.role != "admin":
+        user = who.name
+    return {"items": identity.list_tokens(user=user)}
+
+
+@router.delete("/tokens/{token_id}", tags=["identity"], dependencies=_TOKENS)
+def revoke_token(token_id: TokenId, who: Who, identity: IdentityDep) -> Token:
+    """Revoke a token: the next request with it is a 401."""
+    try:
+        token = identity.get_token(token_id=token_id)
+        check_owner(who, "tokens:manage", token.user)
+        return identity.revoke_token(token_id=token_id)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+# --- projects -------------------------------------------------------------------------------
+
+class ProjectIn(_Body):
+    name: Name
+    gpus: Quota = None
+    """GPUs its running jobs may hold together (none: no limit)."""
+    cpus: Quota = None
+    """CPUs its running CPU-only jobs may hold together (none: no limit)."""
+    members: Annotated[list[Name], Field(max_length=1000)] = Field(default_factory=list)
+    """Users to add to it."""
+
+
+class QuotaIn(_Body):
+    gpus: Quota = None
+    """GPUs its running jobs may hold together (none: no limit)."""
+    cpus: Quota = None
+    """CPUs its running CPU-only jobs may hold together (none: no limit)."""
+
+
+class MemberIn(_Body):
+    user: Name
+
+
+_MANAGE = [Depends(require("projects:manage"))]
+
+
+@router.post("/projects", status_code=201, tags=["identity"], dependencies=_MANAGE,
+             responses={409: {"description": "The name is taken"}})
+def add_project(body: ProjectIn, identity: IdentityDep) -> Project:
+    try:
+        project = identity.create_project(name=body.name, gpu_quota=body.gpus,
+                                          cpu_quota=body.cpus)
+        for user in body.members:
+            project = identity.add_member(project=body.name, user=user)
+    except Conflict as exc:
+        raise _conflict(exc) from None
+    except NotFound as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "members"], "msg": str(exc), "type": "value_error"}]) from None
+    return project
+
+
+@router.get("/projects", tags=["identity"], dependencies=[Depends(require("projects:read"))])
+def list_projects(identity: IdentityDep) -> dict[str, list[Project]]:
+    return {"items": identity.list_projects()}
+
+
+@router.put("/projects/{name}/quota", tags=["identity"], dependencies=_MANAGE)
+def set_quota(name: ProjectPath, body: QuotaIn, identity: IdentityDep) -> Project:
+    """Set (or, with none, lift) a project's quota; the scheduler applies it from its next
+    pass on."""
+    try:
+        return identity.set_quota(name=name, gpu_quota=body.gpus, cpu_quota=body.cpus)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+@router.post("/projects/{name}/members", tags=["identity"], dependencies=_MANAGE)
+def add_member(name: ProjectPath, body: MemberIn, identity: IdentityDep) -> Project:
+    try:
+        return identity.add_member(project=name, user=body.user)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+@router.get("/audit", tags=["identity"], dependencies=[Depends(require("audit:read"))])
+def audit(request: Request, identity: IdentityDep,
+          actor: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                             description="Only this user's requests.")] = None,
+          after: Annotated[int, Query(ge=0, le=INT64_MAX,
+                                      description="Only entries with an id above this.")] = 0,
+          limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, list[AuditEntry]]:
+    """Every request that changed something (or tried to): who, when, from where, the rule
+    of the route and the status it got; oldest first."""
+    request.app.state.audit.flush()  # every request answered before this one is listed
+    return {"items": identity.list_audit(actor=actor, after_id=after, limit=limit)}

@@ -1,0 +1,75 @@
+"""Keeping a submitted spec inside its job: where it may write, what code it may run, and
+which environment variables it may set. Checked at submission (`service.jobs.submit`), with
+the server's settings and the submitter's role; each refusal is a SpecError naming the field.
+
+- `checkpoint.dir` must resolve, after `..` and symlinks, inside one of the checkpoint roots
+  (`TRIDENT_CHECKPOINT_ROOTS`, default the data directory).
+- `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
+- `env` may not set variables that change how the worker process itself loads (the dynamic
+  loader's, the interpreter's, the shell's start-up files), unless they are in
+  `TRIDENT_ENV_ALLOW` or an admin submits; NCCL_*, TORCH_*, CUDA_* and other names pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.spec import JobSpec, SpecError
+
+DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
+"""The dynamic loader's (`LD_PRELOAD`, `LD_LIBRARY_PATH`, `LD_AUDIT`, macOS's `DYLD_*`) and the
+interpreter's (`PYTHONPATH`, `PYTHONSTARTUP`, `PYTHONHOME`, `PYTHONUSERBASE`, ...)."""
+DENIED_ENV_NAMES = frozenset({"PATH", "BASH_ENV", "ENV", "PERL5LIB", "RUBYOPT", "NODE_OPTIONS",
+                              "MALLOC_CONF", "GCONV_PATH"})
+"""Other variables that choose which code a process loads or runs at start."""
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """The server's limits on a spec, and whether the submitter is an admin."""
+
+    checkpoint_roots: list[Path]
+    entrypoint_modules: list[str] = field(default_factory=list)
+    env_allow: frozenset[str] = frozenset()
+    admin: bool = False
+
+    def check(self, spec: JobSpec) -> None:
+        """Raise SpecError for the first field that reaches outside the job."""
+        if spec.checkpoint.dir is not None:
+            self._checkpoint_dir(spec.checkpoint.dir)
+        if spec.entrypoint is not None:
+            self._entrypoint(spec.entrypoint)
+        self._env(spec.env)
+
+    def _checkpoint_dir(self, raw: str) -> None:
+        roots = [os.path.realpath(r) for r in self.checkpoint_roots]
+        allowed = ", ".join(roots)
+        if not os.path.isabs(raw):
+            raise SpecError("checkpoint.dir", f"{raw!r} is not an absolute path; it must lie"
+                            f" inside the server's checkpoint roots: {allowed}")
+        # realpath resolves `..` and every symlink of the part of the path that exists.
+        real = os.path.realpath(raw)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+            raise SpecError("checkpoint.dir", f"{raw!r} resolves to {real}, outside the"
+                            f" server's checkpoint roots: {allowed}")
+
+    def _entrypoint(self, entrypoint: str) -> None:
+        if not self.entrypoint_modules:
+            return
+        module = entrypoint.split(":", 1)[0]
+        if not any(module == p or module.startswith(p + ".") for p in self.entrypoint_modules):
+            raise SpecError("entrypoint", f"module {module!r} is not under the modules this"
+                            f" server allows (TRIDENT_ENTRYPOINT_MODULES):"
+                            f" {', '.join(self.entrypoint_modules)}")
+
+    def _env(self, env: dict[str, str]) -> None:
+        if self.admin:
+            return
+        denied = sorted(k for k in env if k not in self.env_allow
+                        and (k.startswith(DENIED_ENV_PREFIXES) or k in DENIED_ENV_NAMES))
+        if denied:
+            raise SpecError("env", f"{', '.join(denied)} would change how the worker process"
+                            " itself loads (LD_*, DYLD_*, PYTHON*, PATH, ...); only an admin may"
+                            " set them, or allow them for everyone with TRIDENT_ENV_ALLOW")

@@ -1,0 +1,195 @@
+"""The authorization matrix: every API route x every role x owner / not owner / other project,
+on SQLite and PostgreSQL.
+
+The routes come from the app itself (`api.auth.api_routes`), so a new route fails this test
+until it declares a rule (`Depends(require(...))`) and has an example request here. What each
+role may do is written out below, apart from `api.auth.RULES`, so that a rule loosened by
+mistake fails too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.auth import api_routes
+from service.identity import Identity
+from service.jobs import Submitter
+from service.jobs import submit as submit_job
+from service.settings import Settings
+from service.spec import JobSpec
+from service.store import Store
+from tests.conftest import tiny_spec
+
+ROLES = ("admin", "member", "viewer")
+RELATIONS = ("own", "other", "other_project")
+CALLER = {"admin": "admin", "member": "alice", "viewer": "victor"}
+OTHER = {"own": None, "other": "bob", "other_project": "carol"}
+"""Whose object a relation targets: the caller's own, another user's of the caller's project
+(vision), or a user's of another project (speech)."""
+PUBLIC = {("GET", "/api/v1/healthz")}
+
+ANY, OWN, NONE = "any", "own", "none"
+EXPECTED: dict[str, dict[str, str]] = {
+    "jobs:read": {"admin": ANY, "member": ANY, "viewer": ANY},
+    "jobs:submit": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:cancel": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:resubmit": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
+    "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
+    "plan": {"admin": ANY, "member": ANY, "viewer": ANY},
+    "self": {"admin": ANY, "member": ANY, "viewer": ANY},
+    "tokens:manage": {"admin": ANY, "member": OWN, "viewer": OWN},
+    "users:manage": {"admin": ANY, "member": NONE, "viewer": NONE},
+    "projects:read": {"admin": ANY, "member": ANY, "viewer": ANY},
+    "projects:manage": {"admin": ANY, "member": NONE, "viewer": NONE},
+    "audit:read": {"admin": ANY, "member": NONE, "viewer": NONE},
+}
+"""rule -> role -> ANY (allowed on everything), OWN (only on the caller's own), NONE (403)."""
+
+
+@dataclass
+class World:
+    store: Store
+    identity: Identity
+    tokens: dict[str, str] = field(default_factory=dict)
+    counter: int = 0
+
+    def owner(self, caller: str, relation: str) -> str:
+        return OTHER[relation] or caller
+
+    def project(self, caller: str, relation: str) -> str:
+        """The caller's project, except for `other_project`."""
+        if relation == "other_project":
+            return "speech"
+        return "default" if caller == "admin" else "vision"
+
+    def job(self, owner: str) -> int:
+        project = "speech" if owner == "carol" else "default" if owner == "admin" else "vision"
+        spec = JobSpec.model_validate(tiny_spec())
+        return submit_job(self.store, spec, by=Submitter(owner=owner, project=project)).id
+
+    def token_id(self, user: str) -> int:
+        return self.identity.create_token(user=user, name="t")[1].id
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+
+Example = Callable[[World, str, str], tuple[str, Any]]
+"""(world, caller, relation) -> (path with its parameters, JSON body or None)."""
+
+EXAMPLES: dict[tuple[str, str], Example] = {
+    ("POST", "/api/v1/jobs"): lambda w, c, r: (
+        f"/api/v1/jobs?project={w.project(c, r)}", tiny_spec()),
+    ("GET", "/api/v1/jobs"): lambda w, c, r: (f"/api/v1/jobs?owner={w.owner(c, r)}", None),
+    ("GET", "/api/v1/jobs/{job_id}"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}", None),
+    ("POST", "/api/v1/jobs/{job_id}/cancel"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/cancel", None),
+    ("POST", "/api/v1/jobs/{job_id}/resubmit"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/resubmit", None),
+    ("GET", "/api/v1/jobs/{job_id}/events"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/events", None),
+    ("GET", "/api/v1/jobs/{job_id}/metrics"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/metrics", None),
+    ("GET", "/api/v1/jobs/{job_id}/attempts"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/attempts", None),
+    ("GET", "/api/v1/jobs/{job_id}/comm"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/comm", None),
+    ("GET", "/api/v1/cluster"): lambda w, c, r: ("/api/v1/cluster", None),
+    ("POST", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", {"ranks_per_node": 1}),
+    ("GET", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", None),
+    ("GET", "/api/v1/probes/{probe_id}"): lambda w, c, r: (
+        f"/api/v1/probes/{w.store.create_probe(scope='cluster', request={}).id}", None),
+    ("POST", "/api/v1/plan"): lambda w, c, r: ("/api/v1/plan", tiny_spec()),
+    ("GET", "/api/v1/whoami"): lambda w, c, r: ("/api/v1/whoami", None),
+    ("POST", "/api/v1/users"): lambda w, c, r: (
+        "/api/v1/users", {"name": w.fresh("u"), "role": "member", "projects": ["vision"]}),
+    ("GET", "/api/v1/users"): lambda w, c, r: ("/api/v1/users", None),
+    ("POST", "/api/v1/users/{name}/disable"): lambda w, c, r: (
+        f"/api/v1/users/{w.identity.create_user(name=w.fresh('d'), role='member').name}"
+        "/disable", None),
+    ("POST", "/api/v1/tokens"): lambda w, c, r: (
+        "/api/v1/tokens", {"name": "new", "user": w.owner(c, r)}),
+    ("GET", "/api/v1/tokens"): lambda w, c, r: (f"/api/v1/tokens?user={w.owner(c, r)}", None),
+    ("DELETE", "/api/v1/tokens/{token_id}"): lambda w, c, r: (
+        f"/api/v1/tokens/{w.token_id(w.owner(c, r))}", None),
+    ("POST", "/api/v1/projects"): lambda w, c, r: ("/api/v1/projects", {"name": w.fresh("p")}),
+    ("GET", "/api/v1/projects"): lambda w, c, r: ("/api/v1/projects", None),
+    ("PUT", "/api/v1/projects/{name}/quota"): lambda w, c, r: (
+        f"/api/v1/projects/{w.project(c, r)}/quota", {"gpus": 8}),
+    ("POST", "/api/v1/projects/{name}/members"): lambda w, c, r: (
+        f"/api/v1/projects/{w.project(c, r)}/members", {"user": "bob"}),
+    ("GET", "/api/v1/audit"): lambda w, c, r: ("/api/v1/audit", None),
+}
+"""One example request per route. Where the relation matters it picks the object: the
+caller's own job or token, another user's, or one of another project (submit: the caller's
+project, or another one)."""
+
+
+@pytest.fixture
+def world(store: Store, tmp_path: Path) -> Iterator[tuple[TestClient, World]]:
+    identity = Identity(store)
+    for p in ("default", "vision", "speech"):
+        identity.create_project(name=p)
+    w = World(store, identity)
+    for name, role, project in [("admin", "admin", "default"), ("alice", "member", "vision"),
+                                ("bob", "member", "vision"), ("carol", "member", "speech"),
+                                ("victor", "viewer", "vision")]:
+        identity.create_user(name=name, role=role, projects=[project])
+        w.tokens[name] = identity.create_token(user=name, name="matrix")[0]
+    store.upsert_nodes(nodes=[{"node_id": "n0", "hostname": "h0", "accelerator": "cpu",
+                               "resources": {"CPU": 64.0}}])
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as client:
+        yield client, w
+
+
+def test_every_route_has_a_rule_and_an_example(store: Store, tmp_path: Path) -> None:
+    routes = list(api_routes(create_app(Settings(data_dir=tmp_path), store=store)))
+    assert len(routes) > 20
+    for method, path, rule in routes:
+        if (method, path) in PUBLIC:
+            assert rule is None
+            continue
+        assert rule is not None, f"{method} {path} declares no rule: add Depends(require(...))"
+        assert rule.name in EXPECTED, f"{method} {path}: rule {rule.name} is not in EXPECTED"
+        assert (method, path) in EXAMPLES, f"{method} {path}: add an example request here"
+
+
+def test_authorization_matrix(world: tuple[TestClient, World]) -> None:
+    client, w = world
+    cells = 0
+    for method, path, rule in api_routes(client.app):  # type: ignore[arg-type]
+        if (method, path) in PUBLIC:
+            assert client.request(method, path).status_code in (200, 503)
+            continue
+        assert rule is not None
+        url, body = EXAMPLES[(method, path)](w, "admin", "own")
+        r = client.request(method, url, json=body)
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+        assert "missing token" in r.json()["detail"]
+        for role in ROLES:
+            caller = CALLER[role]
+            for relation in RELATIONS:
+                mode = EXPECTED[rule.name][role]
+                allowed = mode == ANY or (mode == OWN and (
+                    relation == "own" or (rule.name == "jobs:submit" and relation == "other")))
+                url, body = EXAMPLES[(method, path)](w, caller, relation)
+                r = client.request(method, url, json=body,
+                                   headers={"Authorization": f"Bearer {w.tokens[caller]}"})
+                where = f"{role} {relation}: {method} {url} -> {r.status_code} {r.text[:300]}"
+                if allowed:
+                    assert r.status_code < 400, where
+                else:
+                    assert r.status_code == 403, where
+                    assert r.json()["detail"].startswith(rule.name + ":"), where
+                cells += 1
+    assert cells == 3 * 3 * (len(EXAMPLES))
