@@ -6,14 +6,14 @@ revision keep it, and their `project` stays NULL (shown as "-"); only an admin m
 them. `jobs.waiting` says why a queued job waits (its project's quota). Columns are added in
 place: a batch copy of `jobs` would cascade-delete its attempts, events and metrics on SQLite.
 
-Revision ID: 0007
+Revision ID: 0006
 Revises: 0005
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
+revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
