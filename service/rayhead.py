@@ -113,15 +113,24 @@ class RayHead:
         self.state_path.unlink(missing_ok=True)
 
     def _stop_adopted(self, grace_s: float) -> None:
-        """A head started by an earlier `trident up` is not our child: SIGTERM to the
-        `ray start --block` process recorded with it (which stops the head's processes)."""
-        try:
-            pid = int(json.loads(self.state_path.read_text())["pid"])
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        if b"--block" in cmd and f"--port={self.address.rpartition(':')[2]}".encode() in cmd:
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while answers(self.address) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        stop_recorded_head(self.dir.parent, grace_s)
+
+
+def stop_recorded_head(data_dir: Path, grace_s: float = 30.0) -> bool:
+    """Stop the head recorded under `data_dir` that is not this process's child (started by
+    an earlier `trident up`): SIGTERM to its `ray start --block` process, which stops the
+    head's processes. Whether one was running."""
+    state = data_dir / "ray" / "head.json"
+    try:
+        recorded = json.loads(state.read_text())
+        pid, address = int(recorded["pid"]), str(recorded["address"])
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if b"--block" not in cmd or f"--port={address.rpartition(':')[2]}".encode() not in cmd:
+        return False  # the pid was reused
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while answers(address) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return True

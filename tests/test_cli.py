@@ -189,6 +189,9 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     finally:
         up.terminate()
         out, _ = up.communicate(timeout=60)
+        from service.rayhead import stop_recorded_head
+
+        left_up = stop_recorded_head(tmp_path)  # only if a job was still active
     assert f"its API token is in {tmp_path / 'admin.token'}" in out, out
     # The controller's own SIGTERM handler ran: it logged, stopped and released its lease.
     log = (tmp_path / "controller.log").read_text()
@@ -196,6 +199,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     # No job is active: the Ray head `trident up` started stops with it.
     from service.rayhead import answers, live_head
 
+    assert not left_up, out
     head = re.search(r"ray head at (\S+)", out)
     assert head and live_head(tmp_path) is None and not answers(head.group(1)), out
     # The controller ends with `trident up`.

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.rayhead import answers, live_head
+from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
 from tests.test_cli import free_port, wait_healthy
@@ -149,6 +149,8 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
     finally:
         head = live_head(tmp_path)
         out = up.stop()
+        stopped = stop_recorded_head(tmp_path)  # only if the test failed with a job active
+    assert not stopped
     assert "adopted" in out, out
     # No job is active: stopping trident up stopped the Ray head too.
     assert head and not answers(head) and live_head(tmp_path) is None
@@ -179,4 +181,5 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         check_outcome(up, job_id, reattached=1)
     finally:
         up.stop()
+        stop_recorded_head(tmp_path)  # left up if the job was still active
         pg.close()
