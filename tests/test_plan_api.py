@@ -42,7 +42,7 @@ def test_plan_of_an_explicit_layout_has_the_documented_keys(client: TestClient) 
     assert plan["fits"] is True
     assert plan["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero": 2, "offload": "none",
                               "recompute": "none", "sequence_parallel": False,
-                              "virtual_stages": 1, "micro_batch": 2}
+                              "virtual_stages": 1, "partition": "uniform", "micro_batch": 2}
     for key in ("params", "grads", "optimizer", "activations", "other", "total"):
         assert plan["memory"][key] >= 0
     for key in ("step_s", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"):

@@ -116,7 +116,7 @@ def _frugal(st: Strategy, shape: ModelShape, world: int, gpn: int,
         if shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp:
             continue
         for pp in divisors(world // tp):
-            if shape.layers % pp:
+            if shape.layers < pp:
                 continue
             kind = "none" if tp == pp == 1 else ("tp" if pp == 1 and tp <= gpn else
                                                   "tp+pp" if pp > 1 else "")

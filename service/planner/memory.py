@@ -136,7 +136,7 @@ def in_flight_micro_batches(sc: Scenario, stage: int) -> float:
 def _stage_params(shape: ModelShape, sc: Scenario, stage: int) -> float:
     """Parameters on one rank of `stage` (its layers and end pieces, divided by tp)."""
     p, t = sc.layout.pp, sc.layout.tp
-    n = shape.layers // p * shape.layer_params
+    n = sc.stage_blocks[stage] * shape.layer_params
     if stage == 0:
         n += shape.embedding_params
     if stage == p - 1:
@@ -151,15 +151,15 @@ def _largest_tensor_block(shape: ModelShape, t: int) -> float:
     return max(shape.layer_params, shape.vocab * shape.hidden) / t
 
 
-def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float) -> float:
+def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float,
+                       stage: int) -> float:
     """ZeRO-3 keeps tensors under the persistence threshold whole: norms, biases, tiny mats."""
     thr = sc.zero_cfg.stage3_param_persistence_threshold
     h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
     mats = [h * (h + 2 * kv) / t, h * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
     small_mats = sum(x for x in mats if x < thr)
     vecs = shape.layer_vector_params
-    layers = shape.layers // sc.layout.pp
-    return min(stage_params, layers * (small_mats + vecs))
+    return min(stage_params, sc.stage_blocks[stage] * (small_mats + vecs))
 
 
 def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
@@ -181,7 +181,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         grads = pr * g_full
     persistent = 0.0
     if lay.zero == 3:
-        persistent = _persistent_params(shape, sc, pr)
+        persistent = _persistent_params(shape, sc, pr, stage)
         params += persistent * (w - p_shard / n)
     if lay.offload == "optimizer+params":
         host += params - persistent * w
@@ -189,7 +189,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     host *= HOST_BUFFER_FACTOR
 
     # Activations and logits.
-    layers = shape.layers // lay.pp
+    layers = sc.stage_blocks[stage]
     per_layer = layer_activation_bytes(
         shape, micro_batch=sc.micro_batch, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
         recompute=lay.recompute, act_bytes=w)
@@ -239,10 +239,22 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr)
 
 
+def loaded_stage_candidates(sc: Scenario) -> list[int]:
+    """Stages that can be the most loaded: the first and the last, and among the middle
+    ones the first of each block count (in-flight micro-batches fall with the stage index,
+    so a later middle stage with as many blocks never holds more)."""
+    p = sc.layout.pp
+    out = [0] + ([p - 1] if p > 1 else [])
+    seen: set[int] = set()
+    for s in range(1, p - 1):
+        n = sc.stage_blocks[s]
+        if n not in seen:
+            seen.add(n)
+            out.append(s)
+    return out
+
+
 def memory(sc: Scenario) -> MemoryBreakdown:
-    """The most loaded rank: the first or the last pipeline stage, whichever holds more."""
-    first = stage_memory(sc, 0)
-    if sc.layout.pp == 1:
-        return first
-    last = stage_memory(sc, sc.layout.pp - 1)
-    return first if first.total >= last.total else last
+    """The most loaded rank: whichever pipeline stage holds the most bytes."""
+    return max((stage_memory(sc, s) for s in loaded_stage_candidates(sc)),
+               key=lambda m: (m.total, -m.stage))

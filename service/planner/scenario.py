@@ -8,6 +8,7 @@ with DeepSpeed's defaults, so that predicted bytes match what a DeepSpeed engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from service.hardware import HardwareProfile
 from service.parallel import ParallelDims
@@ -50,6 +51,19 @@ class Scenario:
     gpus_per_node: int
     nodes: int
     zero_cfg: ZeroConfig = field(default_factory=ZeroConfig)
+    stack: str = "trident"
+    """`train.stack`: whose kernels, buffers and optimizer layout (service.planner.stacks)."""
+
+    @cached_property
+    def stage_ranges(self) -> list[list[tuple[int, int]]]:
+        """Each pipeline rank's block ranges (uneven when the layers do not divide)."""
+        lay = self.layout
+        return self.shape.stages(lay.pp, lay.virtual_stages, lay.partition)
+
+    @cached_property
+    def stage_blocks(self) -> list[int]:
+        """Blocks on each pipeline rank, all its chunks together."""
+        return [sum(b - a for a, b in rngs) for rngs in self.stage_ranges]
 
     @property
     def dims(self) -> ParallelDims:

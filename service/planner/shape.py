@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
+from service.parallel import stage_layers
 from service.presets import PRESETS
 from service.spec import ModelSpec
 
@@ -115,6 +116,18 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    def pipeline_weights(self) -> list[int]:
+        """Parameters of [embedding, block 0 .. L-1, head] as a pipeline lays them out (a tied
+        head on its own stage keeps its copy): DeepSpeed's `parameters` partition weights."""
+        head = self.head_params + (self.vocab * self.hidden if self.tied else 0)
+        return [self.embedding_params, *[self.layer_params] * self.layers, head]
+
+    def stages(self, pp: int, virtual_stages: int = 1,
+               partition: str = "uniform") -> list[list[tuple[int, int]]]:
+        """Each pipeline rank's [start, end) block ranges (`service.parallel.stage_layers`)."""
+        weights = self.pipeline_weights() if partition == "parameters" and pp > 1 else None
+        return stage_layers(self.layers, pp, virtual_stages, weights)
 
     def layer_matmul_params(self) -> int:
         """Weights that take part in the layer's GEMMs (for FLOPs: 2 per weight per token)."""
