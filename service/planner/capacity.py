@@ -151,7 +151,7 @@ def can_train(spec: JobSpec, *, profile: HardwareProfile | None = None,
                 shape=shape, layout=lay, micro_batch=1,
                 global_batch=max(spec.train.global_batch, lay.dp),
                 precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
-                nodes=spec.target.nodes, zero_cfg=ZeroConfig()))
+                nodes=spec.target.nodes, zero_cfg=ZeroConfig(), stack=spec.train.stack))
 
         frugal = _frugal(st, shape, world, gpn, build)
         if frugal is not None:

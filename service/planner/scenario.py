@@ -13,6 +13,7 @@ from functools import cached_property
 from service.hardware import HardwareProfile
 from service.parallel import ParallelDims
 from service.planner.shape import ModelShape
+from service.planner.stacks import Stack, get_stack, profile_efficiency
 from service.spec import ParallelSpec
 
 
@@ -53,6 +54,29 @@ class Scenario:
     zero_cfg: ZeroConfig = field(default_factory=ZeroConfig)
     stack: str = "trident"
     """`train.stack`: whose kernels, buffers and optimizer layout (service.planner.stacks)."""
+    constants: Stack | None = None
+    """The stack's constants; None = `get_stack(stack)` (priors with the fitted values)."""
+    gpu_efficiency: float | None = None
+    """Fitted factor on the profile's GEMM rate; None = the fitted file's (1 when absent)."""
+    flash_attention: bool | None = None
+    """Override of the stack's flash attention (a published run made without it)."""
+
+    @cached_property
+    def stack_constants(self) -> Stack:
+        return self.constants or get_stack(self.stack)
+
+    @property
+    def flash(self) -> bool:
+        if self.flash_attention is not None:
+            return self.flash_attention
+        return self.stack_constants.flash_attention
+
+    @cached_property
+    def efficiency(self) -> float:
+        """Stack x GPU factor on the GEMM rate (fitted to published runs)."""
+        g = self.gpu_efficiency if self.gpu_efficiency is not None else \
+            profile_efficiency(self.profile.name)
+        return self.stack_constants.efficiency * g
 
     @cached_property
     def stage_ranges(self) -> list[list[tuple[int, int]]]:

@@ -137,7 +137,8 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
     res = SearchResult(world_size=world, profile=prof.name, budget=budget)
     base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
                     precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
-                    nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig())
+                    nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig(),
+                    stack=spec.train.stack)
     cap = prof.memory_bytes
     for tp in divisors(world):
         why = _tp_problem(shape, tp)

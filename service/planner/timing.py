@@ -93,7 +93,7 @@ def group_link(sc: Scenario, stride: int, size: int) -> tuple[float, float, bool
 def gemm_efficiency(sc: Scenario) -> float:
     width = sc.shape.hidden / sc.layout.tp
     prof = sc.profile
-    return prof.gemm_eff_max * width / (width + prof.gemm_half_width)
+    return prof.gemm_eff_max * width / (width + prof.gemm_half_width) * sc.efficiency
 
 
 def step_time(sc: Scenario) -> TimeBreakdown:
