@@ -49,12 +49,15 @@ class Stack:
     framework_bytes: float
     """Device bytes the framework itself keeps per process (workspaces, fused-kernel state)."""
     source: str
+    dp_overlap: float | None = None
+    """Share of data-parallel traffic hidden behind compute; None = the profile's (0.5)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "flash_attention": self.flash_attention,
                 "optimizer_layout": self.optimizer_layout, "efficiency": self.efficiency,
                 "allocator_slack": self.allocator_slack,
-                "framework_bytes": self.framework_bytes, "source": self.source}
+                "framework_bytes": self.framework_bytes, "dp_overlap": self.dp_overlap,
+                "source": self.source}
 
 
 PRIORS: dict[str, Stack] = {s.name: s for s in [
@@ -67,9 +70,11 @@ PRIORS: dict[str, Stack] = {s.name: s for s in [
           " fp32 main gradients in a contiguous buffer, distributed optimizer"
           " (megatron/training/theoretical_memory_usage.py: 18 bytes/param, 6 + 12/d with"
           " the distributed optimizer); the profile's GEMM curve is fitted on its runs"),
-    Stack("megatron-deepspeed", False, "deepspeed", 1.0, 0.05, 0.5 * (1 << 30),
+    Stack("megatron-deepspeed", False, "megatron", 1.0, 0.05, 0.5 * (1 << 30),
           "Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron's fused kernels without flash"
-          " attention by default, DeepSpeed's ZeRO-1 and pipeline engine"),
+          " attention by default, DeepSpeed's pipeline engine; bf16 with ZeRO-1 runs"
+          " DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py), which keeps"
+          " full fp32 gradient accumulation buffers: 2 + 4 + 12/N bytes per parameter"),
     Stack("deepspeed", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
           "DeepSpeed ZeRO on a PyTorch model (Hugging Face style), SDPA flash attention;"
           " bytes per parameter measured on DeepSpeed 0.19 engines"
@@ -78,7 +83,8 @@ PRIORS: dict[str, Stack] = {s.name: s for s in [
           "PyTorch FSDP (Zhao et al. 2023, VLDB): full sharding of fp32 parameters,"
           " gradients and Adam states (16/N bytes per parameter with bf16 mixed precision),"
           " unsharded bf16 parameters of the running and the prefetched block; SDPA flash"
-          " attention"),
+          " attention; all-gathers prefetched ahead of the block that needs them (forward and"
+          " backward prefetch), so dp_overlap 0.9 (an assumption, not fitted)", 0.9),
 ]}
 STACK_NAMES = tuple(PRIORS)
 

@@ -156,7 +156,8 @@ def step_time(sc: Scenario) -> TimeBreakdown:
         dp_raw = zero3_gather_s + m * ring_time("reduce_scatter", grad_bytes, n, dp_bw,
                                                 dp_alpha)
         window = m * mb_compute
-    hidden = min(sc.profile.dp_overlap * dp_raw, window)
+    overlap = sc.stack_constants.dp_overlap
+    hidden = min((sc.profile.dp_overlap if overlap is None else overlap) * dp_raw, window)
     dp_comm_s = dp_raw - hidden
 
     # Optimizer and offload.
