@@ -17,6 +17,7 @@ from service.planner.memory import MemoryBreakdown, memory, stage_memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
+from service.planner.uncertainty import ranges
 from service.spec import JobSpec, ParallelSpec
 from service.spec_stack import layer_split_errors
 
@@ -211,6 +212,7 @@ class Plan:
                                        "micro_batch_s": self.time.stage_micro_batch_s[s]}
                 for s in range(sc.layout.pp)],
             "stages": self.stages_json(),
+            "ranges": ranges(self),
             "host_memory": {"per_rank": self.memory.host_per_rank,
                             "per_node": self.memory.host_per_node,
                             "capacity_per_node": self.host_capacity_bytes},
