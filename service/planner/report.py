@@ -31,6 +31,8 @@ def render_plan(plan: Plan) -> str:
         f"{plan.job or 'plan'}: {layout_name(plan)}  ({plan.world_size} x "
         f"{sc.profile.name}, {sc.precision}, m={sc.micro_batches})",
         f"  fits: {'yes' if plan.fits else 'NO'}",
+        *([f"  stages ({sc.layout.partition}): blocks {sc.stage_blocks}, most loaded"
+           f" {m.stage}, slowest {t.slowest_stage}"] if sc.layout.pp > 1 else []),
         f"  memory per GPU (most loaded rank, stage {m.stage}):",
         f"    params      {_gb(m.params)}",
         f"    grads       {_gb(m.grads)}",
