@@ -319,21 +319,30 @@ def _non_tensor_bytes(sc: Scenario, allocated: float) -> tuple[float, float, flo
 
 
 def loaded_stage_candidates(sc: Scenario) -> list[int]:
-    """Stages that can be the most loaded: the first and the last, and among the middle
-    ones the first of each block count (in-flight micro-batches fall with the stage index,
-    so a later middle stage with as many blocks never holds more)."""
+    """Stages that can be the most loaded: the first and the last, and a middle stage only
+    when it holds more blocks than the first (the first of each such count: in-flight
+    micro-batches fall with the stage index, and the first also holds the embedding)."""
     p = sc.layout.pp
     out = [0] + ([p - 1] if p > 1 else [])
-    seen: set[int] = set()
-    for s in range(1, p - 1):
-        n = sc.stage_blocks[s]
-        if n not in seen:
-            seen.add(n)
-            out.append(s)
+    blocks = sc.stage_blocks
+    if p > 2 and max(blocks[1:-1]) > blocks[0]:
+        seen: set[int] = set()
+        for s in range(1, p - 1):
+            n = blocks[s]
+            if n > blocks[0] and n not in seen:
+                seen.add(n)
+                out.append(s)
     return out
 
 
 def memory(sc: Scenario) -> MemoryBreakdown:
-    """The most loaded rank: whichever pipeline stage holds the most bytes."""
-    return max((stage_memory(sc, s) for s in loaded_stage_candidates(sc)),
-               key=lambda m: (m.total, -m.stage))
+    """The most loaded rank: whichever pipeline stage holds the most bytes (the lowest
+    stage among equals)."""
+    best = stage_memory(sc, 0)
+    if sc.layout.pp == 1:
+        return best
+    for s in loaded_stage_candidates(sc)[1:]:
+        m = stage_memory(sc, s)
+        if m.total > best.total:
+            best = m
+    return best

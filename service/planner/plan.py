@@ -170,7 +170,7 @@ class Plan:
         """The pipeline split: blocks per stage, the most loaded stage by memory and the
         slowest by time (with uneven stages they need not be the first and the last)."""
         sc, t = self.scenario, self.time
-        return {"partition": sc.layout.partition, "blocks": sc.stage_blocks,
+        return {"partition": sc.layout.partition, "blocks": list(sc.stage_blocks),
                 "most_loaded": {"stage": self.memory.stage, "memory_total": self.memory.total,
                                 "blocks": sc.stage_blocks[self.memory.stage]},
                 "slowest": {"stage": t.slowest_stage, "blocks": sc.stage_blocks[t.slowest_stage],

@@ -8,7 +8,6 @@ with DeepSpeed's defaults, so that predicted bytes match what a DeepSpeed engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from service.hardware import HardwareProfile
 from service.parallel import ParallelDims
@@ -61,7 +60,7 @@ class Scenario:
     flash_attention: bool | None = None
     """Override of the stack's flash attention (a published run made without it)."""
 
-    @cached_property
+    @property
     def stack_constants(self) -> Stack:
         return self.constants or get_stack(self.stack)
 
@@ -71,23 +70,24 @@ class Scenario:
             return self.flash_attention
         return self.stack_constants.flash_attention
 
-    @cached_property
+    @property
     def efficiency(self) -> float:
         """Stack x GPU factor on the GEMM rate (fitted to published runs)."""
         g = self.gpu_efficiency if self.gpu_efficiency is not None else \
             profile_efficiency(self.profile.name)
         return self.stack_constants.efficiency * g
 
-    @cached_property
+    @property
     def stage_ranges(self) -> list[list[tuple[int, int]]]:
         """Each pipeline rank's block ranges (uneven when the layers do not divide)."""
         lay = self.layout
         return self.shape.stages(lay.pp, lay.virtual_stages, lay.partition)
 
-    @cached_property
-    def stage_blocks(self) -> list[int]:
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
         """Blocks on each pipeline rank, all its chunks together."""
-        return [sum(b - a for a, b in rngs) for rngs in self.stage_ranges]
+        lay = self.layout
+        return self.shape.stage_blocks(lay.pp, lay.virtual_stages, lay.partition)
 
     @property
     def dims(self) -> ParallelDims:

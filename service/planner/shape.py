@@ -10,6 +10,7 @@ too, and refuses the traits it does not build, so planner and trainer count the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, cast, get_args
 
 from service.parallel import stage_layers
@@ -126,8 +127,13 @@ class ModelShape:
     def stages(self, pp: int, virtual_stages: int = 1,
                partition: str = "uniform") -> list[list[tuple[int, int]]]:
         """Each pipeline rank's [start, end) block ranges (`service.parallel.stage_layers`)."""
-        weights = self.pipeline_weights() if partition == "parameters" and pp > 1 else None
-        return stage_layers(self.layers, pp, virtual_stages, weights)
+        return [list(r) for r in _stages(self, pp, virtual_stages, partition)]
+
+    def stage_blocks(self, pp: int, virtual_stages: int = 1,
+                     partition: str = "uniform") -> tuple[int, ...]:
+        """Blocks on each pipeline rank, all its chunks together (cached: the search asks
+        for the same split thousands of times)."""
+        return _stage_blocks(self, pp, virtual_stages, partition)
 
     def layer_matmul_params(self) -> int:
         """Weights that take part in the layer's GEMMs (for FLOPs: 2 per weight per token)."""
@@ -158,3 +164,17 @@ class ModelShape:
         """
         return 3.0 * (self.layers * self.layer_forward_flops(tokens)
                       + self.head_forward_flops(tokens))
+
+
+@lru_cache(maxsize=4096)
+def _stages(shape: ModelShape, pp: int, virtual_stages: int,
+            partition: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+    weights = shape.pipeline_weights() if partition == "parameters" and pp > 1 else None
+    return tuple(tuple(r) for r in stage_layers(shape.layers, pp, virtual_stages, weights))
+
+
+@lru_cache(maxsize=4096)
+def _stage_blocks(shape: ModelShape, pp: int, virtual_stages: int,
+                  partition: str) -> tuple[int, ...]:
+    return tuple(sum(b - a for a, b in rngs)
+                 for rngs in _stages(shape, pp, virtual_stages, partition))

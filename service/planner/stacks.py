@@ -102,6 +102,7 @@ def fitted_constants() -> dict[str, Any]:
     return _fitted()
 
 
+@cache
 def get_stack(name: str, *, fitted: bool = True) -> Stack:
     """The stack's constants: priors overridden by the fitted values (unless fitted=False)."""
     try:
@@ -115,6 +116,7 @@ def get_stack(name: str, *, fitted: bool = True) -> Stack:
                    allocator_slack=float(over.get("allocator_slack", base.allocator_slack)))
 
 
+@cache
 def profile_efficiency(profile: str, *, fitted: bool = True) -> float:
     """Fitted factor on a GPU type's GEMM rate (1 when not fitted: Megatron's A100 curve)."""
     if not fitted:

@@ -112,7 +112,8 @@ def step_time(sc: Scenario) -> TimeBreakdown:
     head_fwd = shape.head_forward_flops(tokens) / t
     per_layer_overhead = sc.profile.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
     stage_s = stage_micro_batch_seconds(sc, layer_fwd, extra, head_fwd, rate, per_layer_overhead)
-    slowest = max(range(p), key=lambda s: (stage_s[s], s))
+    longest = max(stage_s)
+    slowest = p - 1 - stage_s[::-1].index(longest)  # the last of equals (it has the head)
     layers = sc.stage_blocks[slowest]
     mb_flops = layers * (3 * layer_fwd + extra) + (3 * head_fwd if slowest == p - 1 else 0.0)
     mb_recompute = layers * extra
@@ -189,9 +190,10 @@ def stage_micro_batch_seconds(sc: Scenario, layer_fwd: float, extra: float, head
                               rate: float, per_layer_overhead: float) -> list[float]:
     """One micro-batch's compute on each stage: its blocks, and the head on the last."""
     p = sc.layout.pp
-    return [n * ((3 * layer_fwd + extra) / rate + per_layer_overhead)
-            + (3 * head_fwd / rate if s == p - 1 else 0.0)
-            for s, n in enumerate(sc.stage_blocks)]
+    per_block = (3 * layer_fwd + extra) / rate + per_layer_overhead
+    out = [n * per_block for n in sc.stage_blocks]
+    out[p - 1] += 3 * head_fwd / rate
+    return out
 
 
 def _params_per_rank(sc: Scenario) -> float:
@@ -201,6 +203,7 @@ def _params_per_rank(sc: Scenario) -> float:
     if p == 1:
         return shape.total_params / lay.tp
     head = shape.head_params + (shape.vocab * shape.hidden if shape.tied else 0)
-    ends = [shape.embedding_params] + [0] * (p - 2) + [head]
-    return max(n * shape.layer_params + e for n, e in zip(sc.stage_blocks, ends,
-                                                          strict=True)) / lay.tp
+    blocks, lp = sc.stage_blocks, shape.layer_params
+    middle = max(blocks[1:-1]) * lp if p > 2 else 0
+    return max(blocks[0] * lp + shape.embedding_params, blocks[-1] * lp + head,
+               middle) / lay.tp
