@@ -84,4 +84,4 @@ def test_search_offers_uneven_pipelines():
     assert {2, 4} <= pps  # 25 layers divide by neither
     assert not any("not divisible by pp" in r.reason for r in res.rejected)
     sc = scenario_for(sp, ParallelSpec(pp=4))
-    assert sc.stage_blocks == [7, 6, 6, 6]
+    assert sc.stage_blocks == (7, 6, 6, 6)
