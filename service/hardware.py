@@ -73,8 +73,13 @@ class HardwareProfile:
     """Fixed time per transformer layer per micro-batch, forward plus backward (launches)."""
     step_overhead_s: float = 0.0
     """Fixed time per optimizer step (optimizer launch, bookkeeping)."""
-    reserved_bytes: float = 2 * GB
-    """Device memory the framework takes besides tensors (context, allocator fragmentation)."""
+    reserved_bytes: float = 0.6 * GB
+    """The CUDA context and kernel images of one process (on `cpu`: the calibrated bytes a
+    rank takes besides tensors). NCCL buffers, framework buffers and allocator slack are
+    added by the planner (service.planner.stacks)."""
+    nccl_channels: int = 16
+    """NCCL channels per communicator (`NCCL_DEBUG=INFO` prints them); buffers are
+    channels x peers x NCCL_BUFFSIZE."""
     host_process_bytes: float = 4 * GB
     """Host memory each rank's process needs besides offloaded states (runtime, pinned I/O)."""
     device_is_host: bool = False
@@ -109,35 +114,35 @@ PROFILES: dict[str, HardwareProfile] = {
             memory_bytes=32 * GB, hbm_bw=900 * GB, intra_node_bw=130 * GB,
             inter_node_bw=10.75 * GB, intra_node_latency_s=6e-6, inter_node_latency_s=12e-6,
             host_memory_bytes=768 * GB, host_link_bw=12 * GB, cpu_adam_params_per_s=1.5e9,
-            layer_overhead_s=60e-6, reserved_bytes=1.5 * GB,
+            layer_overhead_s=60e-6, reserved_bytes=0.5 * GB,
             source=_DATASHEET.format("V100 SXM2", "-1", "EDR", "gen3")),
         HardwareProfile(
             name="a100-40gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
             memory_bytes=40 * GB, hbm_bw=1555 * GB, intra_node_bw=230 * GB,
             inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
             host_memory_bytes=1024 * GB, host_link_bw=24 * GB,
-            layer_overhead_s=40e-6, reserved_bytes=2 * GB,
+            layer_overhead_s=40e-6,
             source=_DATASHEET.format("A100 SXM4 40GB", "A100", "HDR", "gen4")),
         HardwareProfile(
             name="a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
             memory_bytes=80 * GB, hbm_bw=2039 * GB, intra_node_bw=230 * GB,
             inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
             host_memory_bytes=2048 * GB, host_link_bw=24 * GB,
-            layer_overhead_s=40e-6, reserved_bytes=2 * GB,
+            layer_overhead_s=40e-6,
             source=_DATASHEET.format("A100 SXM4 80GB", "A100", "HDR", "gen4")),
         HardwareProfile(
             name="h100-80gb", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
             memory_bytes=80 * GB, hbm_bw=3350 * GB, intra_node_bw=370 * GB,
             inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
             host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
-            layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
+            layer_overhead_s=30e-6, reserved_bytes=0.7 * GB,
             source=_DATASHEET.format("H100 SXM5", "H100", "NDR", "gen5")),
         HardwareProfile(
             name="h200", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
             memory_bytes=141 * GB, hbm_bw=4800 * GB, intra_node_bw=370 * GB,
             inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
             host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
-            layer_overhead_s=30e-6, reserved_bytes=2.5 * GB,
+            layer_overhead_s=30e-6, reserved_bytes=0.7 * GB,
             source=_DATASHEET.format("H200 SXM", "H200", "NDR", "gen5")),
         # One rank = one core of a 2-core x86-64 machine. Step times of tiny models are
         # dominated by per-op overheads, so the overhead constants matter more than the FLOP/s.

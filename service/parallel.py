@@ -8,8 +8,10 @@ This is the order of DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, dat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 
 class Dim(StrEnum):
@@ -93,27 +95,95 @@ class ParallelDims:
         return next(g for g in self.groups(dim) if rank in g)
 
 
-def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[list[tuple[int, int]]]:
+PARTITION_WORK_LIMIT = 2_000_000
+"""Most (items^2 x parts) the `parameters` partition's dynamic programme may cost."""
+
+
+def partition_uniform(items: int, parts: int) -> list[int]:
+    """DeepSpeed's `partition_uniform`: boundaries of `parts` runs of `items`, the first
+    `items % parts` runs one longer; with fewer items than parts, one item per run."""
+    if items <= parts:
+        return [min(p, items) for p in range(parts + 1)]
+    chunk, extra = divmod(items, parts)
+    return [p * chunk + min(p, extra) for p in range(parts + 1)]
+
+
+def partition_work(items: int, parts: int) -> int:
+    return items * items * parts
+
+
+@lru_cache(maxsize=256)
+def partition_balanced(weights: tuple[float, ...], parts: int) -> list[int]:
+    """DeepSpeed's `partition_balanced` (its `partition_method='parameters'`): the linear
+    partition of `weights` into `parts` contiguous runs with the smallest spread between the
+    heaviest and the lightest run, ties broken as DeepSpeed breaks them (the last split)."""
+    n, m = len(weights), parts
+    if n <= m:
+        return partition_uniform(n, m)
+    if partition_work(n, m) > PARTITION_WORK_LIMIT:
+        raise ValueError(f"balancing {n} layers over {m} stages by parameters costs more than"
+                         f" {PARTITION_WORK_LIMIT} steps; use partition 'uniform'")
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    dmax = [[inf] * (m + 1) for _ in range(n + 1)]
+    dmin = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    pos = [[0] * (m + 1) for _ in range(n + 1)]
+    dmax[0][0] = cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                hi, lo = max(dmax[k][j - 1], run), min(dmin[k][j - 1], run)
+                if cost[i][j] >= hi - lo:
+                    cost[i][j], dmax[i][j], dmin[i][j], pos[i][j] = hi - lo, hi, lo, k
+    out = [n]
+    for j in range(m, 0, -1):
+        out.append(pos[out[-1]][j])
+    return out[::-1]
+
+
+def stage_layers(layers: int, pp: int, virtual_stages: int = 1,
+                 weights: Sequence[float] | None = None) -> list[list[tuple[int, int]]]:
     """Layer ranges [start, end) owned by each pipeline rank, one range per virtual stage.
 
+    Layers need not divide by pp * virtual_stages. Without `weights` the blocks are split as
+    DeepSpeed's `partition_uniform` splits them (the first chunks take one block more when
+    they do not divide), and the embedding and the head ride on the first and last stage. With
+    `weights` = parameters of [embedding, block 0 .. block L-1, head], the chunks are
+    DeepSpeed's `partition_method='parameters'` over that list, embedding and head counted.
     With interleaving, model chunk k of stage s holds the layers of virtual stage k*pp + s
     (Megatron's interleaved schedule), so each rank owns `virtual_stages` separate ranges.
     """
     chunks = pp * virtual_stages
-    if layers % chunks:
+    if layers < chunks:
         raise ValueError(
-            f"layers({layers}) is not divisible by pp({pp}) * virtual_stages({virtual_stages})"
-            f" = {chunks}"
-        )
-    per = layers // chunks
-    return [[((k * pp + s) * per, (k * pp + s + 1) * per) for k in range(virtual_stages)]
+            f"layers({layers}) is fewer than pp({pp}) * virtual_stages({virtual_stages})"
+            f" = {chunks}: every model chunk needs a layer")
+    if weights is None:
+        bounds = partition_uniform(layers, chunks)
+    else:
+        if len(weights) != layers + 2:
+            raise ValueError(f"weights: {len(weights)} for {layers} layers + embedding + head")
+        items = partition_balanced(tuple(float(w) for w in weights), chunks)
+        # Items are [embedding, blocks, head]: item i + 1 is block i.
+        bounds = [min(max(b - 1, 0), layers) for b in items]
+        bounds[0], bounds[-1] = 0, layers
+    return [[(bounds[k * pp + s], bounds[k * pp + s + 1]) for k in range(virtual_stages)]
             for s in range(pp)]
 
 
-def rank_layout(dims: ParallelDims, layers: int,
-                virtual_stages: int = 1) -> list[dict[str, object]]:
+def stage_block_counts(stages: list[list[tuple[int, int]]]) -> list[int]:
+    """Blocks each pipeline rank holds (all its chunks together)."""
+    return [sum(end - start for start, end in rngs) for rngs in stages]
+
+
+def rank_layout(dims: ParallelDims, layers: int, virtual_stages: int = 1,
+                weights: Sequence[float] | None = None) -> list[dict[str, object]]:
     """The stored, JSON-ready rank layout: coordinates and the layers each rank runs."""
-    stages = stage_layers(layers, dims.pp, virtual_stages)
+    stages = stage_layers(layers, dims.pp, virtual_stages, weights)
     rows: list[dict[str, object]] = []
     for r in range(dims.world_size):
         c = dims.coord(r)

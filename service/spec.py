@@ -24,6 +24,7 @@ from pydantic import (
 from service.hardware import PROFILES
 from service.parallel import ParallelDims
 from service.presets import PRESETS
+from service.spec_stack import Partition, Stack, layer_split_errors
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -150,6 +151,8 @@ class TrainSpec(_Strict):
     """Peak learning rate (AdamW)."""
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 1234
     """Seed of initialisation and of the synthetic data."""
+    stack: Stack = "trident"
+    """Training software the planner models (speed, memory); Trident runs only `trident`."""
 
 
 class ParallelSpec(_Strict):
@@ -171,6 +174,8 @@ class ParallelSpec(_Strict):
     """Megatron sequence parallelism in LayerNorm/dropout regions (needs tp > 1)."""
     virtual_stages: Annotated[int, Field(ge=1, le=64)] = 1
     """Interleaved model chunks per pipeline rank (needs pp > 1)."""
+    partition: Partition = "uniform"
+    """How stages split the layers: evenly (`uniform`) or by `parameters` (as DeepSpeed)."""
 
     @field_validator("zero", mode="before")
     @classmethod
@@ -352,12 +357,8 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
     if m.ffn_hidden % p.tp:
         errs.append(SpecError("parallel.tp",
                               f"tp({p.tp}) does not divide ffn_hidden({m.ffn_hidden})"))
-    chunks = p.pp * p.virtual_stages
-    if m.layers % chunks:
-        errs.append(SpecError(
-            "parallel.pp",
-            f"layers({m.layers}) is not divisible by pp({p.pp}) * virtual_stages"
-            f"({p.virtual_stages}) = {chunks}"))
+    errs += [SpecError(f, msg) for f, msg in layer_split_errors(m.layers, p.pp,
+                                                                 p.virtual_stages, p.partition)]
     if p.virtual_stages > 1 and p.pp == 1:
         errs.append(SpecError("parallel.virtual_stages",
                               f"virtual_stages({p.virtual_stages}) needs pp > 1"))

@@ -90,14 +90,16 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any], dims: dict[str
         return orig_step(*args, **kwargs)
 
     inner.step = measured_step  # type: ignore[method-assign]
-    for _ in range(2):
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    for _ in range(2 * gas):
         idx = torch.randint(0, dims["vocab"], (cfg["train_micro_batch_size_per_gpu"],
                                                dims["seq"]))
         loss = engine(idx)
         engine.backward(loss)
         del loss, idx
-        # The peak of model states: gradients reduced, optimizer states from the last step.
-        held = live_tensor_bytes() - base
+        # The peak of model states: gradients reduced (or, between micro-steps of gradient
+        # accumulation, held as the engine holds them), optimizer states from the last step.
+        held = max(held, live_tensor_bytes() - base)
         engine.step()
     q.put((rank, held, max(in_step[1:] or [0])))
     torch.distributed.barrier()

@@ -42,7 +42,7 @@ def test_plan_of_an_explicit_layout_has_the_documented_keys(client: TestClient) 
     assert plan["fits"] is True
     assert plan["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero": 2, "offload": "none",
                               "recompute": "none", "sequence_parallel": False,
-                              "virtual_stages": 1, "micro_batch": 2}
+                              "virtual_stages": 1, "partition": "uniform", "micro_batch": 2}
     for key in ("params", "grads", "optimizer", "activations", "other", "total"):
         assert plan["memory"][key] >= 0
     for key in ("step_s", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"):
@@ -125,3 +125,21 @@ def test_trident_capacity_answers_with_the_arithmetic(tmp_path: Path) -> None:
     # 64 x 80 GB hold 175B with ZeRO-3 (16 bytes/param / 64 = 44 GB of model states).
     assert rows["ZeRO-3"]["largest"] == "gpt3-175b"
     assert rows["data parallel (ZeRO-0)"]["params"] < rows["ZeRO-3"]["params"]
+
+
+def test_plan_of_a_model_that_fits_nowhere_on_its_cluster_says_what_it_would_take(
+        client: TestClient) -> None:
+    r = client.post("/api/v1/plan", json=BIG | {"parallel": "auto"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["best"] is None
+    takes = {c["gpu"]: c for c in body["what_it_takes"]}
+    assert set(takes) == {"v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200"}
+    a100 = takes["a100-40gb"]
+    assert a100["trains"] and a100["nodes"] > 1 and a100["gpus_per_node"] == 8
+    assert a100["world_size"] == 8 * a100["nodes"]
+    assert a100["step_s_range"][0] < a100["step_s"] < a100["step_s_range"][1]
+    assert a100["gpu_hours_per_billion_tokens"] > 0
+    # A spec that fits has ranges and no what_it_takes.
+    small = client.post("/api/v1/plan", json=tiny_spec()).json()
+    assert "what_it_takes" not in small and small["ranges"]["note"]

@@ -36,7 +36,7 @@ def test_explicit_model_needs_all_dimensions() -> None:
     ("over", "match"),
     [
         ({"parallel": {"tp": 3, "dp": 1}}, r"tp\(3\) does not divide heads\(4\)"),
-        ({"parallel": {"pp": 3}}, r"layers\(4\) is not divisible by pp\(3\)"),
+        ({"parallel": {"pp": 5}}, r"layers\(4\) is fewer than pp\(5\)"),
         ({"parallel": {"pp": 2, "virtual_stages": 4}},
          r"pp\(2\) \* virtual_stages\(4\) = 8"),
         ({"parallel": {"dp": 3}}, r"global_batch\(8\) is not divisible by micro_batch\(2\)"

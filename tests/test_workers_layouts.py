@@ -141,3 +141,28 @@ def test_fp16_is_refused_with_the_reason_on_a_device_without_fp16():
                       master_port=1, checkpoint_dir=None)
     with pytest.raises(ValueError, match="fp16 needs a device with fp16"):
         train_rank(spec("fp16"), ctx, lambda row: None, threading.Event())
+
+
+def spec5(**parallel) -> JobSpec:
+    """gpt-tiny with 5 blocks: they do not divide by 2 stages."""
+    return JobSpec(name="layout", model={"preset": "gpt-tiny", "layers": 5}, parallel=parallel,
+                   train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
+                          "precision": "fp32"})
+
+
+@pytest.mark.slow
+def test_uneven_pp2_with_five_layers_dp2_zero1():
+    # 5 blocks on 2 stages (3 + 2, DeepSpeed's uniform split): same losses as the unsharded
+    # 5-layer run, and each stage holds exactly its blocks' parameters.
+    reference = run_ranks(spec5())[0]
+    rows = run_ranks(spec5(pp=2, dp=2, zero=1))[0]
+    assert_same_losses(rows, reference, 4)
+    shape = ModelShape.from_spec(ModelSpec(preset="gpt-tiny", layers=5))
+    n5 = parameter_count(shape)
+    h, block = shape.hidden, (n5 - 2 * shape.vocab * shape.hidden
+                              - shape.seq_len * shape.hidden - 2 * shape.hidden) // 5
+    first = shape.vocab * h + shape.seq_len * h + 3 * block  # embedding + blocks 0-2
+    last = 2 * block + 2 * h + shape.vocab * h  # blocks 3-4 + final LayerNorm and head
+    assert first + last == n5
+    for rank, n in ((0, first), (1, first), (2, last), (3, last)):
+        assert memory(rows, rank)["params_bytes"] == 4 * n, rank

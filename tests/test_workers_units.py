@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from service.parallel import ParallelDims
+from service.parallel import ParallelDims, partition_balanced, stage_layers
 from service.planner.shape import ModelShape
 from service.spec import ModelSpec
 from workers import data
@@ -115,8 +115,10 @@ def test_gpt_with_gqa_and_swiglu_runs_forward_and_backward():
 
 def test_stage_boundaries_are_the_plans_with_embedding_first_and_head_last():
     # layer list: [embedding, block 0..7, head]; pp 2 -> blocks 0-3 and 4-7
-    assert layer_parts(8, 2) == [0, 5, 10]
-    assert layer_parts(4, 4) == [0, 2, 3, 4, 6]
+    assert layer_parts(stage_layers(8, 2), 8) == [0, 5, 10]
+    assert layer_parts(stage_layers(4, 4), 4) == [0, 2, 3, 4, 6]
+    # uneven: 5 blocks on 2 stages, the first takes the extra one (DeepSpeed's uniform)
+    assert layer_parts(stage_layers(5, 2), 5) == [0, 4, 7]
 
 
 def test_activation_meter_counts_saved_activations_and_less_with_full_recompute():
@@ -161,3 +163,22 @@ def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
     (tmp_path / "latest").write_text("step10")  # DeepSpeed's own pointer is not trusted
     assert checkpoint.newest_complete_step(str(tmp_path)) == 4
 
+
+
+def test_parameters_partition_is_deepspeeds_own_balance():
+    # The planner's copy of DeepSpeed's linear-partition dynamic programme must choose the
+    # boundaries DeepSpeed's PipelineModule(partition_method='parameters') would choose.
+    from deepspeed.runtime.utils import partition_balanced as ds_balanced
+
+    shape = ModelShape.from_spec(ModelSpec(preset="gpt-tiny", layers=7))
+    weights = shape.pipeline_weights()
+    for parts in (2, 3, 4):
+        assert partition_balanced(tuple(map(float, weights)), parts) == \
+            ds_balanced(weights, parts)
+    for weights, parts in (([5, 1, 1, 1, 1, 1, 1, 5], 3), ([1, 2, 3, 4, 5, 6], 4),
+                           ([3, 3, 3, 3, 3], 2)):
+        assert partition_balanced(tuple(map(float, weights)), parts) == \
+            ds_balanced(weights, parts)
+    # The heavy embedding and head push blocks towards the middle stages.
+    stages = shape.stages(3, 1, "parameters")
+    assert [b - a for (a, b), in stages][1] >= max(b - a for (a, b), in stages)

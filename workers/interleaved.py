@@ -29,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedule's element type
 
-from service.parallel import Dim, stage_layers
+from service.parallel import Dim
 from service.planner.shape import ModelShape
 from service.spec import JobSpec
 from workers.model import build_layers, loss_fn, torch_checkpoint
@@ -59,7 +59,7 @@ class InterleavedEngine:
         chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
                                               checkpoint=torch_checkpoint,
                                               sequence_parallel=p.sequence_parallel)).to(device)
-                  for rng in stage_layers(shape.layers, p.pp, p.virtual_stages)[groups.pp_rank]]
+                  for rng in shape.stages(p.pp, p.virtual_stages, p.partition)[groups.pp_rank]]
         self.module = nn.ModuleList(chunks)
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids

@@ -3,7 +3,8 @@
 `build_pipeline` wraps the model's flat layer list [Embedding, Block 0..L-1, Head] in a
 `PipelineModule` over `PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)`, whose rank
 order (pipe, data, model; model fastest) is exactly `service.parallel.ParallelDims`. The stage
-boundaries are not DeepSpeed's own balancing: they are the stored plan's `stage_layers`, with the
+boundaries are the stored plan's (`ModelShape.stages`: uniform, or by parameters as DeepSpeed's
+`partition_method='parameters'` balances them; the layers need not divide by pp), with the
 embedding on the first stage and the head on the last. DeepSpeed runs its 1F1B schedule
 (`TrainSchedule`) over global_batch / (micro_batch * dp) micro-batches per step.
 
@@ -18,19 +19,19 @@ from __future__ import annotations
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from service.parallel import ParallelDims, stage_layers
+from service.parallel import ParallelDims
 from service.planner.shape import ModelShape
 from workers.model import Block, Embedding, Head, Recompute, check_buildable, loss_fn
 from workers.tp import RankGroups
 
 
-def layer_parts(layers: int, pp: int) -> list[int]:
-    """DeepSpeed's `parts` (layer-list boundaries per stage) from the plan's stage ranges.
+def layer_parts(stages: list[list[tuple[int, int]]], layers: int) -> list[int]:
+    """DeepSpeed's `parts` (layer-list boundaries per stage) from the plan's stage ranges
+    (`ModelShape.stages`, even or not).
 
     The list holds the embedding at index 0, block i at index i + 1, the head at L + 1.
     """
-    ranges = stage_layers(layers, pp)
-    parts = [0] + [rng[0][1] + 1 for rng in ranges]
+    parts = [0] + [rng[0][1] + 1 for rng in stages]
     parts[-1] = layers + 2
     return parts
 
@@ -49,7 +50,8 @@ class _PlannedPipe(PipelineModule):
 
 
 def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: RankGroups,
-                   recompute: Recompute, sequence_parallel: bool = False) -> PipelineModule:
+                   recompute: Recompute, sequence_parallel: bool = False,
+                   partition: str = "uniform") -> PipelineModule:
     check_buildable(shape)
     sp = sequence_parallel
     specs = [LayerSpec(Embedding, shape, seed, groups, sp)]
@@ -58,5 +60,6 @@ def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: Ran
     specs.append(LayerSpec(Head, shape, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
     return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
-                        planned_parts=layer_parts(shape.layers, dims.pp),
+                        planned_parts=layer_parts(shape.stages(dims.pp, 1, partition),
+                                                  shape.layers),
                         activation_checkpoint_interval=0)

@@ -29,7 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from service.parallel import rank_layout, stage_layers
+from service.parallel import rank_layout
 from service.planner.shape import ModelShape
 from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec, ParallelSpec
@@ -200,7 +200,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     elif layout.pp > 1:
         from workers.pipeline import build_pipeline
         model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
-                               layout.sequence_parallel)
+                               layout.sequence_parallel, layout.partition)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
     else:
@@ -288,14 +288,21 @@ def _check_layout(layout: ParallelSpec, shape: ModelShape, groups: RankGroups,
     if layout.sequence_parallel and shape.seq_len % layout.tp:
         raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
                          f" seq_len({shape.seq_len})")
-    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages)[rank]
+    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages,
+                      _weights(layout, shape))[rank]
     assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
+
+
+def _weights(layout: ParallelSpec, shape: ModelShape) -> list[int] | None:
+    """The `parameters` partition's weights, as the planner's rank layout uses them."""
+    return shape.pipeline_weights() if layout.partition == "parameters" and layout.pp > 1 \
+        else None
 
 
 def _check_stage(module: torch.nn.Module, layout: ParallelSpec, shape: ModelShape,
                  rank: int) -> None:
     """The blocks this rank built are the plan's layer ranges for its stage, in order."""
-    ranges = stage_layers(shape.layers, layout.pp, layout.virtual_stages)
+    ranges = shape.stages(layout.pp, layout.virtual_stages, layout.partition)
     planned = [i for start, end in ranges[layout.dims.coord(rank).pp] for i in range(start, end)]
     built = [m.index for m in module.modules() if isinstance(m, Block)]
     assert built == planned, f"rank {rank} built blocks {built}, the plan says {planned}"
@@ -315,7 +322,9 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       report=lambda r: report(StepReport.model_validate(r)),
                       resume_step=resume, stop=stop, attempt=ctx.attempt,
                       layout=rank_layout(spec.layout.dims, spec.model.layers,
-                                         spec.layout.virtual_stages)))
+                                         spec.layout.virtual_stages,
+                                         _weights(spec.layout,
+                                                  ModelShape.from_spec(spec.model)))))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------

@@ -20,8 +20,12 @@ def plan(spec: JobSpec, store: StoreDep,
          top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
     """Predicted memory and step time: for an explicit layout exactly that layout (even when
     it does not fit, with `fits: false` and the reasons); for `parallel: "auto"` the ranked
-    layouts that fit and the rejected ones with their reasons. Uses the profile calibrated by
-    `trident probe` when there is one."""
+    layouts that fit and the rejected ones with their reasons. Every plan carries `ranges`
+    (from the planner's held-out error on published runs) and `stages` (each pipeline stage's
+    layers, the most loaded and the slowest). When the model fits no layout of its cluster,
+    `what_it_takes` lists the smallest cluster of each GPU type that trains it (nodes x GPUs
+    per node, best layout, step time, GPU-hours per billion tokens). Uses the profile
+    calibrated by `trident probe` when there is one."""
     profile = profile_for(store, spec.target.gpu)
     try:
         out = plan_command(spec, top=top, as_json=True, profile=profile)

@@ -60,7 +60,7 @@ def fit_overheads(samples: Sequence[tuple[Plan, float]]) -> HardwareProfile:
     for plan, measured in samples:
         sc = plan.scenario
         t = plan.time
-        passes = sc.micro_batches * (sc.shape.layers // sc.layout.pp) \
+        passes = sc.micro_batches * sc.stage_blocks[plan.time.slowest_stage] \
             * (4 / 3 if sc.layout.recompute == "full" else 1)
         xs.append(passes)
         ys.append(measured - (t.step_s - t.overhead_s))

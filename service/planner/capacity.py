@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.hardware import GB, HardwareProfile, get_profile
+from service.planner.clusters import ClusterAnswer, smallest_clusters, what_it_takes_text
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
@@ -85,6 +86,8 @@ class CanTrain:
     cluster: str
     answers: list[StrategyAnswer] = field(default_factory=list)
     best: Plan | None = None
+    smallest_clusters: list[ClusterAnswer] = field(default_factory=list)
+    """When nothing fits: the smallest cluster of each GPU type that trains the model."""
 
     @property
     def possible(self) -> bool:
@@ -95,7 +98,10 @@ class CanTrain:
                 + (f"Yes: best {layout_name(self.best)} at {self.best.tokens_per_s:,.0f} "
                    f"tokens/s, MFU {100 * self.best.mfu:.1f}%."
                    if self.best else "No layout fits."))
-        return "\n".join([head, *("  " + a.line() for a in self.answers)])
+        lines = [head, *("  " + a.line() for a in self.answers)]
+        if self.smallest_clusters:
+            lines.append(what_it_takes_text(self.smallest_clusters))
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "params": self.params, "cluster": self.cluster,
@@ -105,6 +111,7 @@ class CanTrain:
                                 "layout": a.plan.layout_json(), "reasons": a.plan.reasons,
                                 "memory_total": a.plan.memory.total}
                                for a in self.answers],
+                "smallest_clusters": [c.to_json() for c in self.smallest_clusters],
                 "text": self.text()}
 
 
@@ -116,7 +123,7 @@ def _frugal(st: Strategy, shape: ModelShape, world: int, gpn: int,
         if shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp:
             continue
         for pp in divisors(world // tp):
-            if shape.layers % pp:
+            if shape.layers < pp:
                 continue
             kind = "none" if tp == pp == 1 else ("tp" if pp == 1 and tp <= gpn else
                                                   "tp+pp" if pp > 1 else "")
@@ -151,11 +158,13 @@ def can_train(spec: JobSpec, *, profile: HardwareProfile | None = None,
                 shape=shape, layout=lay, micro_batch=1,
                 global_batch=max(spec.train.global_batch, lay.dp),
                 precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
-                nodes=spec.target.nodes, zero_cfg=ZeroConfig()))
+                nodes=spec.target.nodes, zero_cfg=ZeroConfig(), stack=spec.train.stack))
 
         frugal = _frugal(st, shape, world, gpn, build)
         if frugal is not None:
             out.answers.append(StrategyAnswer(st.name, False, frugal))
+    if res.best is None:
+        out.smallest_clusters = smallest_clusters(spec, gpus_per_node=gpn)
     return out
 
 

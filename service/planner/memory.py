@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
+from service.planner.stacks import MIB as MIB_
+from service.planner.stacks import nccl_buffer_bytes
 
 # Bytes per parameter at the peak of model states: (weights, gradients, optimizer), each
 # either whole on every DP rank or sharded over N. Entry: (param_full, param_shard,
@@ -43,6 +45,14 @@ _FP32 = {
     2: (4, 0, 0, 4, 12),
     3: (0, 4, 0, 8, 12),
 }
+# Megatron-LM (fp32 main gradients in a contiguous buffer; "ZeRO-1" is its distributed
+# optimizer: 6 + 12/d bytes, megatron/training/theoretical_memory_usage.py). It has no
+# ZeRO-2/3; those fall back to DeepSpeed's bytes.
+_MEGATRON = {0: (2, 0, 4, 0, 12), 1: (2, 0, 4, 0, 12), 2: _MIXED[2], 3: _MIXED[3]}
+# PyTorch FSDP with bf16 mixed precision keeps fp32 sharded parameters, gradients and Adam
+# states (16/N): FULL_SHARD (3); SHARD_GRAD_OP (2) also keeps the bf16 parameters whole;
+# 0 and 1 are DDP (fp32 weights and gradients, Adam m and v), 1 sharding Adam over dp.
+_FSDP = {0: (4, 0, 4, 0, 8), 1: (4, 0, 4, 0, 8), 2: (2, 4, 0, 4, 8), 3: (0, 4, 0, 4, 8)}
 FP32_GRAD_PARTITION = 4
 """Bytes per parameter of the fp32 gradient partition that CPU offload moves to the host."""
 HOST_BUFFER_FACTOR = 1.5
@@ -62,7 +72,8 @@ class MemoryBreakdown:
     zero_buffers: float
     """Gradient-reduction buckets, ZeRO-3 gathered/prefetched parameters."""
     reserved: float
-    """The profile's calibrated constant: framework context and fragmentation."""
+    """Bytes besides tensors: CUDA context, NCCL buffers, framework buffers and allocator
+    slack (the four fields below); `total` (what nvidia-smi shows) includes them."""
     stage: int
     """Pipeline stage of the most loaded rank."""
     in_flight: float
@@ -73,6 +84,24 @@ class MemoryBreakdown:
     """Host memory a node needs: its ranks' offloaded states plus per-process overhead."""
     params_per_rank: float
     """Parameters this rank's model-parallel shard holds (before ZeRO)."""
+    cuda_context: float = 0.0
+    """CUDA context and kernel images of the process (part of `reserved`)."""
+    nccl_buffers: float = 0.0
+    """NCCL's channel buffers of the rank's communicators (part of `reserved`)."""
+    framework: float = 0.0
+    """The framework's own device buffers (part of `reserved`)."""
+    allocator_slack: float = 0.0
+    """The caching allocator's reserve over allocated tensors (part of `reserved`)."""
+
+    @property
+    def allocated(self) -> float:
+        """Tensor bytes at the peak (torch.cuda.max_memory_allocated)."""
+        return self.total - self.reserved
+
+    @property
+    def reserved_by_allocator(self) -> float:
+        """What the caching allocator holds (torch.cuda.max_memory_reserved)."""
+        return self.allocated + self.allocator_slack
 
     @property
     def other(self) -> float:
@@ -88,12 +117,14 @@ class MemoryBreakdown:
 
     def to_json(self) -> dict[str, float]:
         out = asdict(self)
-        out.update(other=self.other, total=self.total)
+        out.update(other=self.other, total=self.total, allocated=self.allocated,
+                   reserved_by_allocator=self.reserved_by_allocator)
         return out
 
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
-                           sequence_parallel: bool, recompute: str, act_bytes: int = 2) -> float:
+                           sequence_parallel: bool, recompute: str, act_bytes: int = 2,
+                           flash: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, one micro-batch, one rank.
 
     Korthikanti et al. 2022, Table 2, generalised to GQA (K and V are kv_heads/heads of Q)
@@ -101,7 +132,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
     none s*b*h*(34 + 5as/h); TP s*b*h*(10 + 24/t + 5as/(ht)); TP+SP s*b*h*(34 + 5as/h)/t;
     selective drops the 5as/h attention-score term; full keeps only the layer input 2sbh
     (divided by t with SP). Dropout masks are 1 byte; other elements `act_bytes` (the
-    paper's 2), scaled for fp32.
+    paper's 2), scaled for fp32. Flash attention never stores the scores (as selective).
     """
     s, h, a = shape.seq_len, shape.hidden, shape.heads
     sbh = s * micro_batch * h
@@ -114,7 +145,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
     replicated = 10.0
     # Split by TP: Q (2), K and V (4r), attention-output projection input (2), MLP inside.
     split = 2 + 4 * r + 2 + (8 * f if shape.swiglu else 4 * f)
-    scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    scores = 0.0 if recompute == "selective" or flash else 5.0 * a * s / h
     per = (replicated / tp if sequence_parallel else replicated) + (split + scores) / tp
     return per * sbh * scale
 
@@ -136,7 +167,7 @@ def in_flight_micro_batches(sc: Scenario, stage: int) -> float:
 def _stage_params(shape: ModelShape, sc: Scenario, stage: int) -> float:
     """Parameters on one rank of `stage` (its layers and end pieces, divided by tp)."""
     p, t = sc.layout.pp, sc.layout.tp
-    n = shape.layers // p * shape.layer_params
+    n = sc.stage_blocks[stage] * shape.layer_params
     if stage == 0:
         n += shape.embedding_params
     if stage == p - 1:
@@ -151,15 +182,31 @@ def _largest_tensor_block(shape: ModelShape, t: int) -> float:
     return max(shape.layer_params, shape.vocab * shape.hidden) / t
 
 
-def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float) -> float:
+def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float,
+                       stage: int) -> float:
     """ZeRO-3 keeps tensors under the persistence threshold whole: norms, biases, tiny mats."""
     thr = sc.zero_cfg.stage3_param_persistence_threshold
     h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
     mats = [h * (h + 2 * kv) / t, h * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
     small_mats = sum(x for x in mats if x < thr)
     vecs = shape.layer_vector_params
-    layers = shape.layers // sc.layout.pp
-    return min(stage_params, layers * (small_mats + vecs))
+    return min(stage_params, sc.stage_blocks[stage] * (small_mats + vecs))
+
+
+def model_state_bytes(sc: Scenario) -> tuple[float, float, float, float, float]:
+    """(param_full, param_shard, grad_full, grad_shard, opt_shard) bytes per parameter for
+    the stack's optimizer layout, precision and ZeRO stage."""
+    layout = sc.stack_constants.optimizer_layout
+    if sc.precision == "fp32":
+        return _FP32[sc.layout.zero]
+    if layout == "megatron":
+        return _MEGATRON[sc.layout.zero]
+    if layout == "fsdp":
+        return _FSDP[sc.layout.zero]
+    # DeepSpeed 0.19's stage 1 does not keep the ZeRO paper's full 16-bit gradients: with
+    # or without gradient accumulation it reduces into partitions as stage 2 does (measured,
+    # tests/test_planner_deepspeed.py::test_zero1_with_accumulation_holds_no_full_gradients).
+    return _MIXED[sc.layout.zero]
 
 
 def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
@@ -167,8 +214,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     n = lay.dp
     w = sc.act_bytes
     pr = _stage_params(shape, sc, stage)
-    table = _FP32 if sc.precision == "fp32" else _MIXED
-    p_full, p_shard, g_full, g_shard, o_shard = table[lay.zero]
+    p_full, p_shard, g_full, g_shard, o_shard = model_state_bytes(sc)
     params = pr * (p_full + p_shard / n)
     grads = pr * (g_full + g_shard / n)
     optimizer = pr * o_shard / (n if lay.zero >= 1 else 1)  # ZeRO-0 shards nothing
@@ -181,7 +227,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         grads = pr * g_full
     persistent = 0.0
     if lay.zero == 3:
-        persistent = _persistent_params(shape, sc, pr)
+        persistent = _persistent_params(shape, sc, pr, stage)
         params += persistent * (w - p_shard / n)
     if lay.offload == "optimizer+params":
         host += params - persistent * w
@@ -189,10 +235,10 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     host *= HOST_BUFFER_FACTOR
 
     # Activations and logits.
-    layers = shape.layers // lay.pp
+    layers = sc.stage_blocks[stage]
     per_layer = layer_activation_bytes(
         shape, micro_batch=sc.micro_batch, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-        recompute=lay.recompute, act_bytes=w)
+        recompute=lay.recompute, act_bytes=w, flash=sc.flash)
     in_flight = in_flight_micro_batches(sc, stage)
     activations = per_layer * layers * in_flight
     sbh = shape.seq_len * sc.micro_batch * shape.hidden
@@ -200,7 +246,8 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         # Backward re-runs one layer at a time: its whole activation set is live once.
         activations += layer_activation_bytes(
             shape, micro_batch=sc.micro_batch, tp=lay.tp,
-            sequence_parallel=lay.sequence_parallel, recompute="none", act_bytes=w)
+            sequence_parallel=lay.sequence_parallel, recompute="none", act_bytes=w,
+            flash=sc.flash)
     if stage == 0:
         # Embedding output and its dropout mask, per in-flight micro-batch.
         activations += in_flight * sbh * (w + 1) / (lay.tp if lay.sequence_parallel else 1)
@@ -216,33 +263,86 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     # pages become resident only as gradients are written into it, at most the stage's own.
     bucket = min(zc.reduce_bucket_size, pr) if sc.profile.device_is_host \
         else zc.reduce_bucket_size
-    if lay.zero in (1, 2) and zc.contiguous_gradients:
+    stack = sc.stack_constants
+    if stack.optimizer_layout == "fsdp":
+        buffers += _fsdp_buffers(shape, sc, pr)
+    elif stack.optimizer_layout == "megatron" and lay.zero <= 1:
+        pass  # the gradient buffer is the fp32 main gradients, counted as grads
+    elif lay.zero in (1, 2) and zc.contiguous_gradients:
         dtype_bytes = 4 if lay.zero == 1 else w
         buffers += bucket * dtype_bytes * (2 if zc.overlap(lay.zero) else 1)
-    if lay.zero == 3:
+    if lay.zero == 3 and stack.optimizer_layout != "fsdp":
         if zc.contiguous_gradients:
             buffers += bucket * w
         gathered = min(_largest_tensor_block(shape, lay.tp) + zc.stage3_prefetch_bucket_size,
                        zc.stage3_max_live_parameters, pr)
         buffers += gathered * 2 * w  # gathered weights and their gradients (4 x largest layer)
 
-    reserved = sc.profile.reserved_bytes
+    allocated = params + grads + optimizer + activations + logits + buffers
+    context, nccl, framework, slack = _non_tensor_bytes(sc, allocated)
+    reserved = context + nccl + framework + slack
     ranks_per_node = min(sc.gpus_per_node, sc.dims.world_size)
     host_process = sc.profile.host_process_bytes
-    total_device = params + grads + optimizer + activations + logits + buffers + reserved
+    total_device = allocated + reserved
     host_node = ranks_per_node * (host + host_process)
     if sc.profile.device_is_host:
         host_node += ranks_per_node * total_device
     return MemoryBreakdown(
         params=params, grads=grads, optimizer=optimizer, activations=activations,
         logits=logits, zero_buffers=buffers, reserved=reserved, stage=stage,
-        in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr)
+        in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr,
+        cuda_context=context, nccl_buffers=nccl, framework=framework, allocator_slack=slack)
+
+
+def _fsdp_buffers(shape: ModelShape, sc: Scenario, pr: float) -> float:
+    """FSDP's unsharded 16-bit parameters and gradients of the running and the prefetched
+    block (FULL_SHARD), or DDP's gradient buckets (25 MB, twice) for ZeRO 0 and 1."""
+    if sc.layout.zero <= 1:
+        return 2 * 25 * MIB_
+    block = min(max(shape.layer_params, shape.vocab * shape.hidden) / sc.layout.tp, pr)
+    return 2 * block * 2 * sc.act_bytes if sc.layout.zero == 3 else 0.0
+
+
+def _non_tensor_bytes(sc: Scenario, allocated: float) -> tuple[float, float, float, float]:
+    """(CUDA context, NCCL buffers, framework buffers, allocator slack) of one rank.
+
+    The CUDA context and kernel images are the profile's `reserved_bytes`; NCCL keeps
+    channels x peers x NCCL_BUFFSIZE per communicator (one per TP, DP and PP group); the
+    framework its own buffers; the caching allocator reserves `allocator_slack` over what it
+    hands out. On CPU ranks only the calibrated `reserved_bytes` counts.
+    """
+    prof, lay, st = sc.profile, sc.layout, sc.stack_constants
+    if prof.device_is_host:
+        return prof.reserved_bytes, 0.0, 0.0, 0.0
+    nccl = nccl_buffer_bytes([lay.tp, lay.dp, min(lay.pp, 2)], prof.nccl_channels)
+    return prof.reserved_bytes, nccl, st.framework_bytes, st.allocator_slack * allocated
+
+
+def loaded_stage_candidates(sc: Scenario) -> list[int]:
+    """Stages that can be the most loaded: the first and the last, and a middle stage only
+    when it holds more blocks than the first (the first of each such count: in-flight
+    micro-batches fall with the stage index, and the first also holds the embedding)."""
+    p = sc.layout.pp
+    out = [0] + ([p - 1] if p > 1 else [])
+    blocks = sc.stage_blocks
+    if p > 2 and max(blocks[1:-1]) > blocks[0]:
+        seen: set[int] = set()
+        for s in range(1, p - 1):
+            n = blocks[s]
+            if n > blocks[0] and n not in seen:
+                seen.add(n)
+                out.append(s)
+    return out
 
 
 def memory(sc: Scenario) -> MemoryBreakdown:
-    """The most loaded rank: the first or the last pipeline stage, whichever holds more."""
-    first = stage_memory(sc, 0)
+    """The most loaded rank: whichever pipeline stage holds the most bytes (the lowest
+    stage among equals)."""
+    best = stage_memory(sc, 0)
     if sc.layout.pp == 1:
-        return first
-    last = stage_memory(sc, sc.layout.pp - 1)
-    return first if first.total >= last.total else last
+        return best
+    for s in loaded_stage_candidates(sc)[1:]:
+        m = stage_memory(sc, s)
+        if m.total > best.total:
+            best = m
+    return best

@@ -17,7 +17,9 @@ from service.planner.memory import MemoryBreakdown, memory, stage_memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
+from service.planner.uncertainty import ranges
 from service.spec import JobSpec, ParallelSpec
+from service.spec_stack import layer_split_errors
 
 
 def gb(x: float) -> str:
@@ -34,10 +36,8 @@ def structural_problems(shape: ModelShape, lay: ParallelSpec, *, global_batch: i
         out.append(f"tp({lay.tp}) does not divide kv_heads({shape.kv_heads})")
     if shape.ffn_hidden % lay.tp:
         out.append(f"tp({lay.tp}) does not divide ffn_hidden({shape.ffn_hidden})")
-    chunks = lay.pp * lay.virtual_stages
-    if shape.layers % chunks:
-        out.append(f"layers({shape.layers}) is not divisible by pp({lay.pp}) * "
-                   f"virtual_stages({lay.virtual_stages}) = {chunks}")
+    out += [msg for _, msg in layer_split_errors(shape.layers, lay.pp, lay.virtual_stages,
+                                                 lay.partition)]
     if lay.virtual_stages > 1 and lay.pp == 1:
         out.append(f"virtual_stages({lay.virtual_stages}) needs pp > 1")
     if global_batch % (micro_batch * lay.dp):
@@ -166,6 +166,16 @@ class Plan:
         from service.planner.explain import tuning_notes
         return [*tuning_notes(self), *self.extra_notes]
 
+    def stages_json(self) -> dict[str, Any]:
+        """The pipeline split: blocks per stage, the most loaded stage by memory and the
+        slowest by time (with uneven stages they need not be the first and the last)."""
+        sc, t = self.scenario, self.time
+        return {"partition": sc.layout.partition, "blocks": list(sc.stage_blocks),
+                "most_loaded": {"stage": self.memory.stage, "memory_total": self.memory.total,
+                                "blocks": sc.stage_blocks[self.memory.stage]},
+                "slowest": {"stage": t.slowest_stage, "blocks": sc.stage_blocks[t.slowest_stage],
+                            "micro_batch_s": t.stage_micro_batch_s[t.slowest_stage]}}
+
     def layout_json(self) -> dict[str, Any]:
         out: dict[str, Any] = self.layout.model_dump()
         out["micro_batch"] = self.micro_batch
@@ -197,8 +207,12 @@ class Plan:
             "memory_by_stage": [
                 {k: v for k, v in stage_memory(sc, s).to_json().items()
                  if k in ("stage", "params", "grads", "optimizer", "activations", "other",
-                          "total")}
+                          "total")} | {"layers": [list(r) for r in sc.stage_ranges[s]],
+                                       "blocks": sc.stage_blocks[s],
+                                       "micro_batch_s": self.time.stage_micro_batch_s[s]}
                 for s in range(sc.layout.pp)],
+            "stages": self.stages_json(),
+            "ranges": ranges(self),
             "host_memory": {"per_rank": self.memory.host_per_rank,
                             "per_node": self.memory.host_per_node,
                             "capacity_per_node": self.host_capacity_bytes},
@@ -213,8 +227,10 @@ class Plan:
             "notes": self.notes,
         }
         if with_ranks:
+            weights = (sc.shape.pipeline_weights() if sc.layout.partition == "parameters"
+                       and sc.layout.pp > 1 else None)
             out["rank_layout"] = rank_layout(sc.dims, sc.shape.layers,
-                                             sc.layout.virtual_stages)
+                                             sc.layout.virtual_stages, weights)
         return out
 
 
@@ -230,7 +246,7 @@ def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None
         profile=profile or get_profile(spec.target.gpu),
         gpus_per_node=spec.target.gpus_per_node,
         nodes=max(spec.target.nodes, -(-world // spec.target.gpus_per_node)),
-        zero_cfg=zero_cfg or ZeroConfig())
+        zero_cfg=zero_cfg or ZeroConfig(), stack=spec.train.stack)
 
 
 def assess(sc: Scenario, *, job: str = "") -> Plan:

@@ -12,6 +12,7 @@ from service.planner.capacity import CanTrain, CapacityRow, capacity_text
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
 from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
+from service.planner.uncertainty import ranges
 from service.spec import JobSpec
 
 
@@ -25,10 +26,13 @@ def _s(x: float) -> str:
 
 def render_plan(plan: Plan) -> str:
     m, t, sc = plan.memory, plan.time, plan.scenario
+    rg = ranges(plan)
     lines = [
         f"{plan.job or 'plan'}: {layout_name(plan)}  ({plan.world_size} x "
         f"{sc.profile.name}, {sc.precision}, m={sc.micro_batches})",
         f"  fits: {'yes' if plan.fits else 'NO'}",
+        *([f"  stages ({sc.layout.partition}): blocks {sc.stage_blocks}, most loaded"
+           f" {m.stage}, slowest {t.slowest_stage}"] if sc.layout.pp > 1 else []),
         f"  memory per GPU (most loaded rank, stage {m.stage}):",
         f"    params      {_gb(m.params)}",
         f"    grads       {_gb(m.grads)}",
@@ -52,6 +56,11 @@ def render_plan(plan: Plan) -> str:
         f"{plan.tflops_per_gpu:.1f} TFLOP/s per GPU "
         f"({plan.hardware_tflops_per_gpu:.1f} with recompute)",
         "  shares: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in plan.shares.items()),
+        f"  range: step {rg['step_s'][0]:.3g}-{rg['step_s'][1]:.3g} s, memory "
+        f"{rg['memory_total'][0] / GB:.1f}-{rg['memory_total'][1] / GB:.1f} GB (held-out error"
+        f" of {rg['time_basis']} runs {100 * rg['time_error']:.0f}% / "
+        f"{100 * rg['memory_error']:.0f}%); dominated by {rg['dominant_time_constant']};"
+        f" {rg['note']}",
         "",
         "  " + plan.explanation,
     ]
@@ -88,16 +97,27 @@ def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
     the nearest layouts that fit); `parallel: auto` searches and shows the top N and the best
     plan in full.
     """
+    from service.planner.clusters import what_it_takes, what_it_takes_text
+
     if isinstance(spec.parallel, str):
         res = search(spec, profile=profile)
+        takes = what_it_takes(spec, profile) if res.best is None else None
         if as_json:
-            return res.to_json(top)
+            return res.to_json(top) | ({"what_it_takes": [a.to_json() for a in takes]}
+                                       if takes else {})
         text = render_search(res, top)
+        if takes:
+            text += "\n\n" + what_it_takes_text(takes)
         return text + ("\n\n" + render_plan(res.ranked[0]) if res.ranked else "")
     plan = evaluate(spec, profile=profile)
+    takes = what_it_takes(spec, profile) if not plan.fits else None
     if as_json:
-        return plan.to_json()
+        return plan.to_json() | ({"what_it_takes": [a.to_json() for a in takes]}
+                                 if takes else {})
     text = render_plan(plan)
+    if takes:  # nothing of this world size fits: no nearest layout to search for
+        return (text + "\n\nNearest layouts that fit:\n  none of this world size\n\n"
+                + what_it_takes_text(takes))
     if not plan.fits:
         try:
             near = nearest_fitting(spec, spec.layout, profile=profile)

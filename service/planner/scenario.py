@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from service.hardware import HardwareProfile
 from service.parallel import ParallelDims
 from service.planner.shape import ModelShape
+from service.planner.stacks import Stack, get_stack, profile_efficiency
 from service.spec import ParallelSpec
 
 
@@ -50,6 +51,43 @@ class Scenario:
     gpus_per_node: int
     nodes: int
     zero_cfg: ZeroConfig = field(default_factory=ZeroConfig)
+    stack: str = "trident"
+    """`train.stack`: whose kernels, buffers and optimizer layout (service.planner.stacks)."""
+    constants: Stack | None = None
+    """The stack's constants; None = `get_stack(stack)` (priors with the fitted values)."""
+    gpu_efficiency: float | None = None
+    """Fitted factor on the profile's GEMM rate; None = the fitted file's (1 when absent)."""
+    flash_attention: bool | None = None
+    """Override of the stack's flash attention (a published run made without it)."""
+
+    @property
+    def stack_constants(self) -> Stack:
+        return self.constants or get_stack(self.stack)
+
+    @property
+    def flash(self) -> bool:
+        if self.flash_attention is not None:
+            return self.flash_attention
+        return self.stack_constants.flash_attention
+
+    @property
+    def efficiency(self) -> float:
+        """Stack x GPU factor on the GEMM rate (fitted to published runs)."""
+        g = self.gpu_efficiency if self.gpu_efficiency is not None else \
+            profile_efficiency(self.profile.name)
+        return self.stack_constants.efficiency * g
+
+    @property
+    def stage_ranges(self) -> list[list[tuple[int, int]]]:
+        """Each pipeline rank's block ranges (uneven when the layers do not divide)."""
+        lay = self.layout
+        return self.shape.stages(lay.pp, lay.virtual_stages, lay.partition)
+
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
+        """Blocks on each pipeline rank, all its chunks together."""
+        lay = self.layout
+        return self.shape.stage_blocks(lay.pp, lay.virtual_stages, lay.partition)
 
     @property
     def dims(self) -> ParallelDims:

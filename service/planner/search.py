@@ -137,7 +137,8 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
     res = SearchResult(world_size=world, profile=prof.name, budget=budget)
     base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
                     precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
-                    nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig())
+                    nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig(),
+                    stack=spec.train.stack)
     cap = prof.memory_bytes
     for tp in divisors(world):
         why = _tp_problem(shape, tp)
@@ -147,9 +148,9 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
             fam = {"tp": tp, "pp": pp, "dp": dp}
-            if shape.layers % pp:
+            if shape.layers < pp:
                 res.rejected.append(Rejection(
-                    fam, f"layers({shape.layers}) is not divisible by pp({pp})"))
+                    fam, f"layers({shape.layers}) is fewer than pp({pp}) stages"))
                 continue
             if gb_ % dp:
                 res.rejected.append(Rejection(
@@ -200,7 +201,9 @@ def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: f
         return
     tp, pp, dp = lay0.tp, lay0.pp, lay0.dp
     per_replica = sc0.global_batch // dp
-    vs = [1] + ([v for v in divisors(sc0.shape.layers // pp) if v > 1] if pp > 1 else [])
+    # Interleaving only over even splits; uneven stages run the plain 1F1B schedule.
+    vs = [1] + ([v for v in divisors(sc0.shape.layers // pp) if v > 1]
+                if pp > 1 and sc0.shape.layers % pp == 0 else [])
     mbs = [mb for mb in divisors(per_replica) if mb <= MAX_MICRO_BATCH]
     for recompute in RECOMPUTE:
         for sp in ([False, True] if tp > 1 else [False]):

@@ -10,8 +10,10 @@ too, and refuses the traits it does not build, so planner and trainer count the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, cast, get_args
 
+from service.parallel import stage_layers
 from service.presets import PRESETS
 from service.spec import ModelSpec
 
@@ -116,6 +118,23 @@ class ModelShape:
     def total_params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.head_params
 
+    def pipeline_weights(self) -> list[int]:
+        """Parameters of [embedding, block 0 .. L-1, head] as a pipeline lays them out (a tied
+        head on its own stage keeps its copy): DeepSpeed's `parameters` partition weights."""
+        head = self.head_params + (self.vocab * self.hidden if self.tied else 0)
+        return [self.embedding_params, *[self.layer_params] * self.layers, head]
+
+    def stages(self, pp: int, virtual_stages: int = 1,
+               partition: str = "uniform") -> list[list[tuple[int, int]]]:
+        """Each pipeline rank's [start, end) block ranges (`service.parallel.stage_layers`)."""
+        return [list(r) for r in _stages(self, pp, virtual_stages, partition)]
+
+    def stage_blocks(self, pp: int, virtual_stages: int = 1,
+                     partition: str = "uniform") -> tuple[int, ...]:
+        """Blocks on each pipeline rank, all its chunks together (cached: the search asks
+        for the same split thousands of times)."""
+        return _stage_blocks(self, pp, virtual_stages, partition)
+
     def layer_matmul_params(self) -> int:
         """Weights that take part in the layer's GEMMs (for FLOPs: 2 per weight per token)."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
@@ -145,3 +164,17 @@ class ModelShape:
         """
         return 3.0 * (self.layers * self.layer_forward_flops(tokens)
                       + self.head_forward_flops(tokens))
+
+
+@lru_cache(maxsize=4096)
+def _stages(shape: ModelShape, pp: int, virtual_stages: int,
+            partition: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+    weights = shape.pipeline_weights() if partition == "parameters" and pp > 1 else None
+    return tuple(tuple(r) for r in stage_layers(shape.layers, pp, virtual_stages, weights))
+
+
+@lru_cache(maxsize=4096)
+def _stage_blocks(shape: ModelShape, pp: int, virtual_stages: int,
+                  partition: str) -> tuple[int, ...]:
+    return tuple(sum(b - a for a, b in rngs)
+                 for rngs in _stages(shape, pp, virtual_stages, partition))

@@ -29,7 +29,7 @@ inter-node bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from service.planner.scenario import Scenario
 
@@ -61,6 +61,10 @@ class TimeBreakdown:
     """Fraction of peak FLOP/s assumed for this layout's GEMMs."""
     hardware_flops: float
     """FLOPs executed per step by all ranks, recompute included."""
+    slowest_stage: int = 0
+    """The pipeline stage whose micro-batch takes longest: it sets the pipeline's pace."""
+    stage_micro_batch_s: list[float] = field(default_factory=list)
+    """Compute seconds of one micro-batch (forward, backward, recompute) on each stage."""
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
@@ -89,7 +93,7 @@ def group_link(sc: Scenario, stride: int, size: int) -> tuple[float, float, bool
 def gemm_efficiency(sc: Scenario) -> float:
     width = sc.shape.hidden / sc.layout.tp
     prof = sc.profile
-    return prof.gemm_eff_max * width / (width + prof.gemm_half_width)
+    return prof.gemm_eff_max * width / (width + prof.gemm_half_width) * sc.efficiency
 
 
 def step_time(sc: Scenario) -> TimeBreakdown:
@@ -98,18 +102,22 @@ def step_time(sc: Scenario) -> TimeBreakdown:
         sc.micro_batch
     w = sc.act_bytes
     tokens = b * shape.seq_len
-    layers = shape.layers // p
     eff = gemm_efficiency(sc)
     rate = sc.peak_flops() * eff
 
-    # Per micro-batch compute on one rank of the slowest (last) stage.
+    # Per micro-batch compute on one rank of the slowest stage (the pipeline runs at its pace).
     layer_fwd = shape.layer_forward_flops(tokens) / t
     extra = {"none": 0.0, "selective": shape.attention_core_flops(tokens) / t,
              "full": layer_fwd}[lay.recompute]
     head_fwd = shape.head_forward_flops(tokens) / t
-    mb_flops = layers * (3 * layer_fwd + extra) + 3 * head_fwd
+    per_layer_overhead = sc.profile.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
+    stage_s = stage_micro_batch_seconds(sc, layer_fwd, extra, head_fwd, rate, per_layer_overhead)
+    longest = max(stage_s)
+    slowest = p - 1 - stage_s[::-1].index(longest)  # the last of equals (it has the head)
+    layers = sc.stage_blocks[slowest]
+    mb_flops = layers * (3 * layer_fwd + extra) + (3 * head_fwd if slowest == p - 1 else 0.0)
     mb_recompute = layers * extra
-    overhead_mb = layers * sc.profile.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
+    overhead_mb = layers * per_layer_overhead
     mb_compute = mb_flops / rate + overhead_mb
 
     # TP all-reduces on the critical path.
@@ -149,7 +157,8 @@ def step_time(sc: Scenario) -> TimeBreakdown:
         dp_raw = zero3_gather_s + m * ring_time("reduce_scatter", grad_bytes, n, dp_bw,
                                                 dp_alpha)
         window = m * mb_compute
-    hidden = min(sc.profile.dp_overlap * dp_raw, window)
+    overlap = sc.stack_constants.dp_overlap
+    hidden = min((sc.profile.dp_overlap if overlap is None else overlap) * dp_raw, window)
     dp_comm_s = dp_raw - hidden
 
     # Optimizer and offload.
@@ -168,19 +177,33 @@ def step_time(sc: Scenario) -> TimeBreakdown:
     step_s = (compute_s + overhead_s + tp_comm_s + bubble_s + pp_comm_s + dp_comm_s
               + offload_s + optimizer_s)
     hardware_flops = (shape.model_flops(sc.global_batch * shape.seq_len)
-                      + sc.global_batch / b * layers * p * extra * t)
+                      + sc.global_batch / b * shape.layers * extra * t)
     return TimeBreakdown(
         step_s=step_s, compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s,
         tp_comm_s=tp_comm_s, pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s,
         zero3_gather_s=zero3_gather_s, offload_s=offload_s, optimizer_s=optimizer_s,
-        overhead_s=overhead_s, gemm_efficiency=eff, hardware_flops=hardware_flops)
+        overhead_s=overhead_s, gemm_efficiency=eff, hardware_flops=hardware_flops,
+        slowest_stage=slowest, stage_micro_batch_s=stage_s)
+
+
+def stage_micro_batch_seconds(sc: Scenario, layer_fwd: float, extra: float, head_fwd: float,
+                              rate: float, per_layer_overhead: float) -> list[float]:
+    """One micro-batch's compute on each stage: its blocks, and the head on the last."""
+    p = sc.layout.pp
+    per_block = (3 * layer_fwd + extra) / rate + per_layer_overhead
+    out = [n * per_block for n in sc.stage_blocks]
+    out[p - 1] += 3 * head_fwd / rate
+    return out
 
 
 def _params_per_rank(sc: Scenario) -> float:
-    """Parameters of the most loaded stage's rank (layers and the larger end piece) / tp."""
+    """Parameters of the most loaded stage's rank (its blocks and end pieces) / tp."""
     shape, lay = sc.shape, sc.layout
-    ends = max(shape.embedding_params, shape.head_params + (shape.vocab * shape.hidden
-                                                           if lay.pp > 1 and shape.tied else 0))
-    if lay.pp == 1:
-        ends = shape.embedding_params + shape.head_params
-    return (shape.layers // lay.pp * shape.layer_params + ends) / lay.tp
+    p = lay.pp
+    if p == 1:
+        return shape.total_params / lay.tp
+    head = shape.head_params + (shape.vocab * shape.hidden if shape.tied else 0)
+    blocks, lp = sc.stage_blocks, shape.layer_params
+    middle = max(blocks[1:-1]) * lp if p > 2 else 0
+    return max(blocks[0] * lp + shape.embedding_params, blocks[-1] * lp + head,
+               middle) / lay.tp

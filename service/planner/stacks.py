@@ -1,0 +1,134 @@
+"""Software stacks (`train.stack`): what the same layout costs under each training framework.
+
+The hardware profile says what a GPU can do; the stack says how much of it a framework's
+kernels reach and which bytes the framework keeps besides the model's tensors. Each constant
+names its source. Two kinds of constant:
+
+- Read from the framework's code or documentation (flash attention, the bytes per parameter
+  its optimizer layout keeps, NCCL's buffer size): fixed here.
+- Fitted to published runs (`efficiency`, the fraction of the Megatron-fitted GEMM rate the
+  stack reaches, and `allocator_slack`, the caching allocator's reserve over what it hands
+  out): the priors are here, the fitted values are `service/planner/data/fitted.json`, which
+  `python -m service.planner.fit --write` recomputes from `published_runs.yaml`
+  (docs/planner.md has the table and the leave-one-source-out errors).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+FITTED_PATH = Path(__file__).with_name("data") / "fitted.json"
+
+MIB = 1 << 20
+NCCL_BUFFSIZE = 4 * MIB
+"""NCCL's default `NCCL_BUFFSIZE` (NCCL environment-variable documentation): the buffer of
+one protocol per channel per peer."""
+NCCL_PEERS = 2
+"""Ring collectives talk to the previous and the next rank on every channel."""
+
+GradLayout = Literal["deepspeed", "megatron", "fsdp"]
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    flash_attention: bool
+    """Attention through a fused kernel that never stores the s x s scores (FlashAttention,
+    Dao et al. 2022): the 5 a s / h activation term is gone."""
+    optimizer_layout: GradLayout
+    """Which bytes per parameter the framework keeps (memory.py `model_state_bytes`)."""
+    efficiency: float
+    """Fraction of the profile's (Megatron-fitted) GEMM rate this stack reaches."""
+    allocator_slack: float
+    """Caching allocator's reserve over the bytes it hands out (fragmentation, cached blocks):
+    reserved = allocated x (1 + slack)."""
+    framework_bytes: float
+    """Device bytes the framework itself keeps per process (workspaces, fused-kernel state)."""
+    source: str
+    dp_overlap: float | None = None
+    """Share of data-parallel traffic hidden behind compute; None = the profile's (0.5)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "flash_attention": self.flash_attention,
+                "optimizer_layout": self.optimizer_layout, "efficiency": self.efficiency,
+                "allocator_slack": self.allocator_slack,
+                "framework_bytes": self.framework_bytes, "dp_overlap": self.dp_overlap,
+                "source": self.source}
+
+
+PRIORS: dict[str, Stack] = {s.name: s for s in [
+    Stack("trident", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
+          "Trident's trainer (workers/model.py): torch scaled_dot_product_attention (a flash"
+          " kernel on GPUs), unfused layers, DeepSpeed 0.19 engine for ZeRO and pipelines;"
+          " efficiency shared with `deepspeed` (no published runs of its own)"),
+    Stack("megatron-lm", True, "megatron", 1.0, 0.03, 0.5 * (1 << 30),
+          "Megatron-LM (megatron/core): fused kernels, TransformerEngine flash attention,"
+          " fp32 main gradients in a contiguous buffer, distributed optimizer"
+          " (megatron/training/theoretical_memory_usage.py: 18 bytes/param, 6 + 12/d with"
+          " the distributed optimizer); the profile's GEMM curve is fitted on its runs"),
+    Stack("megatron-deepspeed", False, "megatron", 1.0, 0.05, 0.5 * (1 << 30),
+          "Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron's fused kernels without flash"
+          " attention by default, DeepSpeed's pipeline engine; bf16 with ZeRO-1 runs"
+          " DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py), which keeps"
+          " full fp32 gradient accumulation buffers: 2 + 4 + 12/N bytes per parameter"),
+    Stack("deepspeed", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
+          "DeepSpeed ZeRO on a PyTorch model (Hugging Face style), SDPA flash attention;"
+          " bytes per parameter measured on DeepSpeed 0.19 engines"
+          " (tests/test_planner_deepspeed.py)"),
+    Stack("fsdp", True, "fsdp", 1.0, 0.05, 0.25 * (1 << 30),
+          "PyTorch FSDP (Zhao et al. 2023, VLDB): full sharding of fp32 parameters,"
+          " gradients and Adam states (16/N bytes per parameter with bf16 mixed precision),"
+          " unsharded bf16 parameters of the running and the prefetched block; SDPA flash"
+          " attention; all-gathers prefetched ahead of the block that needs them (forward and"
+          " backward prefetch), so dp_overlap 0.9 (an assumption, not fitted)", 0.9),
+]}
+STACK_NAMES = tuple(PRIORS)
+
+
+@cache
+def _fitted() -> dict[str, Any]:
+    try:
+        return dict(json.loads(FITTED_PATH.read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+def fitted_constants() -> dict[str, Any]:
+    """The fitted file as loaded (empty when absent): stacks, profiles, errors."""
+    return _fitted()
+
+
+@cache
+def get_stack(name: str, *, fitted: bool = True) -> Stack:
+    """The stack's constants: priors overridden by the fitted values (unless fitted=False)."""
+    try:
+        base = PRIORS[name]
+    except KeyError:
+        raise ValueError(f"unknown stack {name!r}; known: {list(PRIORS)}") from None
+    if not fitted:
+        return base
+    over = _fitted().get("stacks", {}).get(name, {})
+    return replace(base, efficiency=float(over.get("efficiency", base.efficiency)),
+                   allocator_slack=float(over.get("allocator_slack", base.allocator_slack)))
+
+
+@cache
+def profile_efficiency(profile: str, *, fitted: bool = True) -> float:
+    """Fitted factor on a GPU type's GEMM rate (1 when not fitted: Megatron's A100 curve)."""
+    if not fitted:
+        return 1.0
+    return float(_fitted().get("profiles", {}).get(profile, {}).get("efficiency", 1.0))
+
+
+def nccl_buffer_bytes(group_sizes: list[int], channels: int) -> float:
+    """NCCL's device buffers: one communicator per group of more than one rank, each with
+    `channels` x peers x NCCL_BUFFSIZE (a point-to-point pipeline pair has one peer)."""
+    total = 0.0
+    for n in group_sizes:
+        if n > 1:
+            total += channels * min(NCCL_PEERS, n - 1) * NCCL_BUFFSIZE
+    return total
