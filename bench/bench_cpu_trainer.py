@@ -32,7 +32,7 @@ from service.planner import evaluate
 from service.planner.calibrate import fit_overheads
 from service.spec import JobSpec
 from service.store import Store
-from workers.group import RayLauncher
+from workers.launcher import RayLauncher
 
 STEPS = 20
 DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"

@@ -45,6 +45,7 @@ def connect_ray(settings: Settings) -> object:
     on_main = threading.current_thread() is threading.main_thread()
     ours = signal.getsignal(signal.SIGTERM) if on_main else None
     group = importlib.import_module("workers.group")
+    launcher = importlib.import_module("workers.launcher")
     if settings.ray_address:
         ray.init(address=settings.ray_address, namespace=group.NAMESPACE, log_to_driver=True)
     else:
@@ -53,7 +54,7 @@ def connect_ray(settings: Settings) -> object:
                  log_to_driver=True)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
-    return group.RayLauncher()
+    return launcher.RayLauncher()
 
 
 class LeaderLoop:

@@ -1,6 +1,6 @@
 """What the control plane needs from a data plane, and what a worker may report.
 
-`workers.group.RayLauncher` implements `Launcher`; tests implement it with fakes. Worker
+`workers.launcher.RayLauncher` implements `Launcher`; tests implement it with fakes. Worker
 reports cross a process boundary, so they are validated here before anything is stored.
 """
 

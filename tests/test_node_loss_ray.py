@@ -20,7 +20,7 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
-from workers.group import RayLauncher  # noqa: E402
+from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

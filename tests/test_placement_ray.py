@@ -21,7 +21,7 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
-from workers.group import RayLauncher  # noqa: E402
+from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

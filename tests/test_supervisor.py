@@ -102,8 +102,8 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
 
     fakes = {"ray": SimpleNamespace(init=ray_init),
-             "workers.group": SimpleNamespace(RayLauncher=lambda: "launcher",
-                                              NAMESPACE="trident")}
+             "workers.group": SimpleNamespace(NAMESPACE="trident"),
+             "workers.launcher": SimpleNamespace(RayLauncher=lambda: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
 
     def ours(_signum: int, _frame: object) -> None:

@@ -1,6 +1,6 @@
 """The Ray worker group: claims a placement group, starts one actor per rank, polls them.
 
-`RayLauncher` implements `service.protocols.Launcher` for the controller. Resources are
+`workers.launcher.RayLauncher` starts these groups for the controller. Resources are
 claimed as one bundle per TP group (tp ranks' CPUs and GPUs), so every TP group lands on one
 node and its all-reduces stay on the fast links; pipeline stages and DP replicas may span
 nodes. A group moves through four phases without ever blocking the controller for long:
@@ -12,7 +12,6 @@ controller runs it beside its loop (`service.teardown`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
@@ -21,21 +20,18 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray import PlacementGroupID
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import (
-    PlacementGroup,
     get_placement_group,
     placement_group,
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
 from service.planner.stored import StoredPlan
-from service.protocols import GroupState, NodeCapacity, PollResult
+from service.protocols import GroupState, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
 from workers.actor import RankActor
@@ -287,7 +283,7 @@ def job_group_name(job_id: int, attempt: int) -> str:
 
 
 JOB_GROUP_PREFIX = "trident-job"
-_RANK_SUFFIX = re.compile(r"-r\d+$")
+RANK_SUFFIX = re.compile(r"-r\d+$")
 
 
 def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus: float,
@@ -302,127 +298,3 @@ def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus:
                           ranks_per_bundle=ranks_per_node, cpus=cpus, gpus=gpus,
                           env=rank_env({}, cpus, gpus),
                           strategy="STRICT_SPREAD" if nodes > 1 else "PACK", launch=launch)
-
-
-@ray.remote(num_cpus=0)
-def _node_inventory() -> dict[str, Any]:
-    from workers.inventory import node_inventory
-
-    return node_inventory()
-
-
-class RayLauncher:
-    """Starts worker groups on the Ray cluster this process is connected to."""
-
-    def __init__(self) -> None:
-        self._placing: list[RayWorkerGroup] = []
-
-    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> RayWorkerGroup:
-        group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                            checkpoint_dir=checkpoint_dir)
-        self._placing.append(group)
-        return group
-
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
-               plan: StoredPlan) -> RayWorkerGroup | None:
-        """The attempt's detached group if all its ranks live and were started (a controller
-        that restarted re-attaches to it), else None, with whatever is left of it stopped."""
-        name = job_group_name(job_id, attempt)
-        try:
-            group = RayWorkerGroup(name=name, world_size=plan.world_size,
-                                   ranks_per_bundle=plan.layout.tp,
-                                   cpus=spec.resources.cpus_per_worker,
-                                   gpus=spec.resources.gpus_per_worker, env={}, launch=None,
-                                   attach=True)
-            started = ray.get([a.started.remote() for a in group.actors], timeout=30)
-        except (LookupError, ValueError, RayError) as exc:
-            log.info("%s: no live group to re-attach (%s)", name, exc)
-            self._stop_named({name})
-            return None
-        if not all(started):  # the last controller died before it started every rank
-            log.info("%s: not every rank was started; stopping what is left", name)
-            self._stop_named({name})
-            return None
-        return group
-
-    def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
-        """Stop the detached job groups on the cluster but those of `keep`'s (job, attempt)
-        pairs: their job finished, was cancelled or moved on while no controller watched.
-        The names of the groups stopped."""
-        return self._stop_named(None, {job_group_name(j, a) for j, a in keep})
-
-    def _stop_named(self, names: set[str] | None, keep: set[str] | None = None) -> list[str]:
-        """Kill the named job actors and remove the placement groups of the groups in
-        `names` (None: every job group not in `keep`)."""
-        def chosen(group: str) -> bool:
-            return group.startswith(JOB_GROUP_PREFIX) and group not in (keep or ()) and (
-                names is None or group in names)
-
-        stopped: set[str] = set()
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            group = _RANK_SUFFIX.sub("", entry["name"])
-            if entry["namespace"] == NAMESPACE and chosen(group):
-                with contextlib.suppress(ValueError, RayError):  # gone meanwhile
-                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE),
-                             no_restart=True)
-                stopped.add(group)
-        for pg_id, pg in ray.util.placement_group_table().items():
-            if pg["state"] != "REMOVED" and chosen(pg.get("name") or ""):
-                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
-                stopped.add(pg["name"])
-        return sorted(stopped)
-
-    def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
-                            max_bytes: int) -> RayWorkerGroup:
-        """Probe every node that can hold `ranks_per_node` ranks (one GPU each on GPU nodes,
-        else a share of the node's CPUs)."""
-        total = [n for n in self.total_capacity() if n.cpus > 0 or n.gpus > 0]
-        gpu_nodes = [n for n in total if n.gpus >= ranks_per_node]
-        nodes = gpu_nodes or [n for n in total if n.cpus > 0]
-        if not nodes:
-            raise ValueError("no node of the cluster has CPUs or GPUs to probe with")
-        gpus = 1.0 if gpu_nodes else 0.0
-        cpus = min(1.0, min(n.cpus for n in nodes) / ranks_per_node)
-        return cluster_probe_group(probe_id=probe_id, nodes=len(nodes),
-                                   ranks_per_node=ranks_per_node, cpus=cpus, gpus=gpus,
-                                   max_bytes=max_bytes)
-
-    def inventory(self) -> list[dict[str, Any]]:
-        """Every live node's inventory, gathered by a zero-CPU task pinned to that node."""
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        refs = [_node_inventory.options(  # type: ignore[attr-defined]
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-        ).remote() for n in nodes]
-        out = []
-        for n, ref in zip(nodes, refs, strict=True):
-            try:
-                inv = ray.get(ref, timeout=60)
-            except RayError as exc:
-                inv = {"hostname": n.get("NodeManagerHostname", ""), "error": repr(exc)}
-            out.append({**inv, "node_id": n["NodeID"], "address": n.get("NodeManagerAddress"),
-                        "resources": {k: v for k, v in n.get("Resources", {}).items()
-                                      if k in ("CPU", "GPU", "memory")}})
-        return out
-
-    def total_capacity(self) -> list[NodeCapacity]:
-        from ray._private.state import total_resources_per_node  # no public per-node view
-
-        return [NodeCapacity(n, r.get("CPU", 0.0), r.get("GPU", 0.0))
-                for n, r in sorted(total_resources_per_node().items())]
-
-    def free_capacity(self) -> list[NodeCapacity]:
-        """Ray's free resources, less what groups still waiting for placement will take."""
-        from ray._private.state import available_resources_per_node
-
-        free = {n: [r.get("CPU", 0.0), r.get("GPU", 0.0)]
-                for n, r in sorted(available_resources_per_node().items())}
-        self._placing = [g for g in self._placing if g.phase == "placing"]
-        for group in self._placing:
-            for b in group.bundles:
-                for cap in free.values():
-                    if cap[0] >= b["CPU"] and cap[1] >= b.get("GPU", 0.0):
-                        cap[0] -= b["CPU"]
-                        cap[1] -= b.get("GPU", 0.0)
-                        break
-        return [NodeCapacity(n, c[0], c[1]) for n, c in free.items()]
