@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from api import pages
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
-from api.routes import cluster, jobs, plan
+from api.routes import cluster, jobs, logs, plan
 from service.settings import Settings
 from service.store import Store
 
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
+    v1.include_router(logs.router)
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
 

@@ -53,7 +53,8 @@ def connect_ray(settings: Settings) -> object:
                  log_to_driver=True)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
-    return group.RayLauncher()
+    return group.RayLauncher(  # type: ignore[no-any-return]
+        log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes)
 
 
 class LeaderLoop:

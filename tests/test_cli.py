@@ -94,7 +94,7 @@ def test_submit_status_cancel(server: str) -> None:
     assert r.exit_code == 0 and "CANCELLED" in r.output
     r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
     assert r.exit_code == 2 and "409" in r.output
-    r = runner.invoke(app, ["logs", str(job_id), "--server", server])
+    r = runner.invoke(app, ["events", str(job_id), "--server", server])
     assert "cancelled while queued" in r.output
     r = runner.invoke(app, ["status", "999", "--server", server])
     assert r.exit_code == 2 and "404" in r.output

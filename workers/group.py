@@ -18,6 +18,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,6 +37,7 @@ from ray.util.scheduling_strategies import (
 
 from service.planner.stored import StoredPlan
 from service.protocols import GroupState, NodeCapacity, PollResult
+from service.ranklogs import attempt_log_dir
 from service.spec import JobSpec
 from workers import nccl_env
 from workers.actor import RankActor
@@ -268,13 +270,15 @@ class RayWorkerGroup:
 
 
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-                checkpoint_dir: str | None) -> RayWorkerGroup:
-    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train."""
+                checkpoint_dir: str | None,
+                log: tuple[str, int] | None = None) -> RayWorkerGroup:
+    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
+    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
     spec_json = spec.model_dump(mode="json")
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
-                                  local_rank, checkpoint_dir, attempt)
+                                  local_rank, checkpoint_dir, attempt, log)
 
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
@@ -314,13 +318,19 @@ def _node_inventory() -> dict[str, Any]:
 class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20) -> None:
+        """`log_root`: where rank logs go (`Settings.log_root`; none: not captured)."""
         self._placing: list[RayWorkerGroup] = []
+        self.log_root = log_root
+        self.log_max_bytes = log_max_bytes
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> RayWorkerGroup:
+        log = None
+        if self.log_root is not None:
+            log = (str(attempt_log_dir(self.log_root, job_id, attempt)), self.log_max_bytes)
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                            checkpoint_dir=checkpoint_dir)
+                            checkpoint_dir=checkpoint_dir, log=log)
         self._placing.append(group)
         return group
 
