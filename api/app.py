@@ -15,12 +15,14 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from api import pages
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
+from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import cluster, jobs, logs, plan
 from service.settings import Settings
 from service.store import Store
@@ -64,6 +66,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                   " is refused with 413 before it is parsed.")
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    registry = CollectorRegistry(auto_describe=False)
+    app.add_middleware(RequestTimer, histogram=request_latency(registry))
+    registry.register(StoreCollector(lambda: app.state.store, settings.metrics_per_rank))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,6 +96,15 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         """`ok` (200) when the database answers and a controller holds an unexpired lease;
         else `degraded` (503), naming which of the two is wrong."""
         return health(request.app.state.store)
+
+    @app.get("/metrics", tags=["system"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def prometheus_metrics() -> Response:
+        """Prometheus exposition: jobs by state; for active jobs their layout, steps, step
+        time and tokens/s measured and predicted, MFU, loss, collectives by dimension and op,
+        per-rank memory; API latency; the controller's pass duration. Open to anyone, like
+        every route until API tokens exist."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
     app.include_router(pages.router)

@@ -168,6 +168,9 @@ class LeaseRow(Base):
     acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_pass_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """How long the holder's previous controller pass took (written with each renewal), for
+    `GET /metrics`."""
 
 
 def _finite(value: Any) -> Any:
