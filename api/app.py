@@ -10,12 +10,14 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
@@ -23,7 +25,7 @@ from api import pages
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
 from api.prometheus import RequestTimer, StoreCollector, request_latency
-from api.routes import cluster, jobs, logs, plan
+from api.routes import cluster, dashboard, jobs, logs, plan
 from service.settings import Settings
 from service.store import Store
 
@@ -88,6 +90,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
     v1.include_router(logs.router)
+    v1.include_router(dashboard.router)
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
 
@@ -108,6 +111,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     app.include_router(v1)
     app.include_router(pages.router)
+    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     return app
 
 
