@@ -1,0 +1,184 @@
+"""The dashboard's server side: vendored files match their manifest, downsampling keeps every
+bucket's extremes, the jobs list filters, sorts and pages in SQL, chart series and the ranks
+grid follow the store, and the pages render (or refuse bad parameters naming them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from service.dashboard import MAX_POINTS, downsample, job_series, jobs_page, queue, ranks_grid
+from service.jobs import submit
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+from tests.conftest import tiny_spec
+
+VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
+
+
+def test_vendored_files_match_the_manifest() -> None:
+    manifest = json.loads((VENDOR / "manifest.json").read_text())
+    listed = set()
+    for pkg in manifest["packages"]:
+        assert pkg["package"] and pkg["version"] and pkg["license"]
+        for rel, digest in pkg["files"].items():
+            listed.add(rel)
+            assert hashlib.sha256((VENDOR / rel).read_bytes()).hexdigest() == digest, rel
+    on_disk = {str(p.relative_to(VENDOR)) for p in VENDOR.rglob("*")
+               if p.is_file() and p.name != "manifest.json"}
+    assert on_disk == listed  # nothing vendored without a manifest entry
+
+
+def test_downsample_keeps_extremes_first_and_last() -> None:
+    rng = np.random.default_rng(1)
+    n = 100_000
+    a, b = rng.normal(size=n), rng.normal(size=n)
+    a[12_345], b[77_777] = 50.0, -50.0
+    a[500] = np.nan
+    idx = downsample([a, b], MAX_POINTS)
+    assert len(idx) <= MAX_POINTS and list(idx) == sorted(set(idx))
+    assert idx[0] == 0 and idx[-1] == n - 1
+    assert 12_345 in idx and 77_777 in idx and np.nanargmin(a) in idx and np.argmax(b) in idx
+    assert list(downsample([a[:10]], MAX_POINTS)) == list(range(10))
+
+
+def row(step: int, rank: int = 0, **over: Any) -> dict[str, Any]:
+    r = {"step": step, "rank": rank, "loss": 10.0 - step / 10, "step_time_s": 0.5,
+         "tokens_per_s": 100.0, "data": {}}
+    r.update(over)
+    return r
+
+
+def started(store: Store, **spec: Any) -> int:
+    job = submit(store, JobSpec.model_validate(tiny_spec(**spec)))
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=job.id, to=to, message=to.value)
+    store.start_attempt(job_id=job.id)
+    return job.id
+
+
+def test_jobs_page_filters_sorts_and_pages(store: Store) -> None:
+    spec = JobSpec.model_validate(tiny_spec())
+    ids = [submit(store, spec.model_copy(update={"name": f"exp-{i % 3}_x"})).id
+           for i in range(7)]
+    store.transition(job_id=ids[0], to=JobState.CANCELLED, message="x")
+    run = started(store)
+    store.record_metrics(job_id=run, attempt=1, rows=[row(1), row(2), row(2, rank=1)])
+    items, total = jobs_page(store, limit=3)
+    assert total == 8 and [i.job.id for i in items] == [run, ids[6], ids[5]]
+    assert items[0].latest is not None and items[0].latest.step == 2
+    assert items[0].progress == pytest.approx(2 / 6)
+    items, total = jobs_page(store, name="exp-1", sort="id", desc=False)
+    assert total == 2 and [i.job.id for i in items] == [ids[1], ids[4]]
+    assert jobs_page(store, name="%")[1] == 0 and jobs_page(store, name="_x")[1] == 7
+    items, total = jobs_page(store, states=[JobState.QUEUED], limit=2, offset=2)
+    assert total == 6 and [i.job.id for i in items] == [ids[4], ids[3]]
+    assert [i.queue_position for i in items] == [4, 3]
+    assert "3 job(s) before it" in (items[0].queue_reason or "")
+    assert [i.job.id for i in queue(store)] == ids[1:]
+    assert jobs_page(store, owner="nobody")[1] == 0
+
+
+def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store) -> None:
+    job_id = started(store)
+    store.record_metrics(job_id=job_id, attempt=1, rows=[row(s) for s in range(1, 6)])
+    store.start_attempt(job_id=job_id)  # resumed from step 3: steps 4, 5 redone
+    store.record_metrics(job_id=job_id, attempt=2, rows=[
+        row(s, loss=1.0, step_time_s=0.25) for s in range(4, 8)])
+    job = store.get_job(job_id=job_id)
+    out = job_series(store, job)
+    assert out["rows"] == 7 and out["step"] == list(range(1, 8))
+    assert out["loss"] == [9.9, 9.8, 9.7, 1.0, 1.0, 1.0, 1.0]
+    assert out["predicted"]["step_time_s"] == job.plan.time.step_s
+    mfu = job.plan.model_dump()["mfu"]
+    assert out["mfu"][0] == pytest.approx(mfu * 100.0 / job.plan.tokens_per_s)
+    big = started(store)
+    store.record_metrics(job_id=big, attempt=1, rows=[row(s) for s in range(1, 5001)])
+    out = job_series(store, store.get_job(job_id=big), max_points=600)
+    assert out["rows"] == 5000 and len(out["step"]) <= 600
+    assert out["step"][0] == 1 and out["step"][-1] == 5000
+
+
+def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
+    job_id = started(store, parallel={"tp": 1, "pp": 2, "dp": 2, "zero": 1})
+    job = store.get_job(job_id=job_id)
+
+    def rep(rank: int, compute: float, peak: int) -> dict[str, Any]:
+        return row(1, rank, step_time_s=compute + 0.1, data={
+            "memory": {"process_peak_bytes": peak}, "timed": True,
+            "comm": {"dp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
+
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        rep(0, 1.0, 100), rep(1, 1.0, 100), rep(2, 1.0, 200), rep(3, 3.0, 200)])
+    store.set_placement(job_id=job_id, number=1, placement={"ranks": [
+        {"rank": r, "hostname": f"n{r}", "gpu_ids": [str(r)]} for r in range(4)]})
+    store.add_event(job_id=job_id, attempt=1, kind="straggler", message="slow",
+                    data={"rank": 3})
+    grid = ranks_grid(store, job)
+    cells = {c["rank"]: c for c in grid["cells"]}
+    assert len(cells) == job.world_size == 4
+    stage = {r.rank: r.pp for r in job.plan.rank_layout}
+    by_stage = {m["stage"]: m["total"] for m in job.plan.model_dump()["memory_by_stage"]}
+    for r, c in cells.items():
+        assert c["pp"] == stage[r] and c["node"] == f"n{r}" and c["gpu"] == str(r)
+        assert c["memory_ratio"] == pytest.approx(c["memory_peak_bytes"] / by_stage[stage[r]])
+    # Ranks 2 and 3 share a stage: 3 computes 3 s against their median of 2 s.
+    assert stage[2] == stage[3]
+    assert cells[3]["compute_ratio"] == pytest.approx(1.5)
+    assert cells[2]["compute_ratio"] == pytest.approx(0.5)
+    assert cells[3]["straggler"] and not cells[2]["straggler"]
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Any:
+    store = Store(f"sqlite:///{tmp_path / 'd.db'}")
+    store.migrate()
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        yield c, store
+
+
+def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+    store.record_metrics(job_id=job_id, attempt=1, rows=[row(1), row(2)])
+    queued = submit(store, JobSpec.model_validate(tiny_spec(name="waiting"))).id
+    page = c.get("/", params={"state": "RUNNING"})
+    assert page.status_code == 200 and f'data-job="{job_id}"' in page.text
+    assert f'data-job="{queued}"' not in page.text
+    rows = c.get("/ui/jobs/rows", params={"name": "waiting"}).text
+    assert f'data-job="{queued}"' in rows and "first in line" in rows
+    for url in (f"/jobs/{job_id}", "/plan", f"/plan?job={job_id}", "/cluster", "/queue"):
+        r = c.get(url)
+        assert r.status_code == 200 and "<!doctype html>" in r.text, url
+    assert "waiting" in c.get("/queue").text
+    for params, field in [({"sort": "nope"}, "sort"), ({"per_page": 1000}, "per_page"),
+                          ({"page": 0}, "page"), ({"name": "x" * 129}, "name"),
+                          ({"state": "DONE"}, "state")]:
+        r = c.get("/", params=params)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][:2] == ["query", field]
+    assert c.get("/jobs/999").status_code == 404
+    assert c.get("/plan?job=999").status_code == 404
+    assert c.get(f"/api/v1/jobs/{job_id}/series", params={"max_points": 5}).status_code == 422
+    assert c.get(f"/jobs/{job_id}/logs/rank-5.log").status_code == 404
+
+
+def test_hangs_group_identical_stacks(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+    store.add_event(job_id=job_id, attempt=1, kind="hang", message="rank 1 never arrived",
+                    data={"never_arrived": [1], "waiting": []})
+    for rank, text in [(0, "A"), (1, "B"), (2, "A")]:
+        store.add_event(job_id=job_id, attempt=1, kind="stacks", message="stacks",
+                        data={"rank": rank, "stacks": text})
+    items = c.get(f"/api/v1/jobs/{job_id}/hangs").json()["items"]
+    assert len(items) == 1 and items[0]["summary"] == "rank 1 never arrived"
+    assert items[0]["stacks"] == [{"ranks": [0, 2], "text": "A"}, {"ranks": [1], "text": "B"}]
