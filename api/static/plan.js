@@ -4,13 +4,20 @@
 (function () {
   const $ = id => document.getElementById(id);
   const LAYOUT = ["tp", "pp", "dp", "zero"];
-  function spec() {
+  // The spec as edited: the layout fields over the JSON; a cluster only when one is given
+  // (`forSearch`: the layout's world size on one node when none is).
+  function spec(forSearch) {
     const s = JSON.parse($("spec").value);
     s.parallel = {...(typeof s.parallel === "object" ? s.parallel : {})};
     for (const k of LAYOUT) s.parallel[k] = Number($("f-" + k).value);
     s.train = {...(s.train || {}), micro_batch: Number($("f-micro_batch").value)};
-    s.cluster = {...(s.cluster || {}), gpu: $("f-gpu").value, nodes: Number($("f-nodes").value),
-                 gpus_per_node: Number($("f-gpus_per_node").value)};
+    const nodes = $("f-nodes").value, per = $("f-gpus_per_node").value, gpu = $("f-gpu").value;
+    delete s.cluster;
+    if (nodes || per || gpu || forSearch) {
+      s.cluster = {nodes: Number(nodes || 1),
+                   gpus_per_node: Number(per || s.parallel.tp * s.parallel.pp * s.parallel.dp)};
+      if (gpu) s.cluster.gpu = gpu;
+    }
     return s;
   }
   function split(parts, fmt) {
@@ -53,7 +60,7 @@
     }
   }
   async function rank() {
-    const s = spec();
+    const s = spec(true);
     s.parallel = "auto";
     $("ranked").innerHTML = "<p>searching…</p>";
     try {
