@@ -25,7 +25,7 @@ from fastapi.templating import Jinja2Templates
 
 from api.deps import INT32_MAX, JobDep, StoreDep
 from service.compare import compare
-from service.dashboard import count_by_state, jobs_page, queue
+from service.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.hardware import PROFILES
 from service.ranklogs import attempt_log_dir
 from service.states import JobState
@@ -147,7 +147,7 @@ def job_rows(request: Request, store: StoreDep, state: States = None, name: Name
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
     """One job, in tabs: overview, metrics, ranks, communication, logs, hangs."""
-    metrics = store.list_metrics(job_id=job.id, limit=100000) if job.attempts else []
+    metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
         "job": job, "spec_yaml": yaml.safe_dump(job.spec, sort_keys=False),
         "plan": job.plan.model_dump(), "measured": compare(job.plan, metrics),
@@ -190,7 +190,7 @@ def plan_page(request: Request, store: StoreDep,
         except NotFound as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from None
         base = j
-        measured = compare(j.plan, store.list_metrics(job_id=j.id, limit=100000))
+        measured = compare(j.plan, recent_metrics(store, j))
     return templates.TemplateResponse(request, "plan.html", {
         "job": base, "measured": measured, "profiles": sorted(PROFILES),
         "spec": base.spec if base else DEFAULT_SPEC})
@@ -215,5 +215,6 @@ def cluster_page(request: Request, store: StoreDep) -> HTMLResponse:
 @router.get("/queue", response_class=HTMLResponse)
 def queue_page(request: Request, store: StoreDep) -> HTMLResponse:
     """Queued jobs in admission order, with position and why each waits."""
-    return templates.TemplateResponse(request, "queue.html", {"items": queue(store),
+    items, total = queue(store)
+    return templates.TemplateResponse(request, "queue.html", {"items": items, "total": total,
                                                               "poll_ms": POLL_MS})

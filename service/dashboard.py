@@ -2,7 +2,7 @@
 
 The jobs list pages in SQL (filters, sort, offset) and reads each listed job's newest step by
 an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts read four
-columns of its rank-0 rows and downsample them here (min/max per bucket, `downsample`), so a
+columns of its rank-0 rows, bucketed in the database (min/max per bucket) when long, so a
 100,000-step job sends at most `MAX_POINTS` points per series.
 """
 
@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import EventRow, JobRow, MetricRow
+from service.db import AttemptRow, EventRow, JobRow, MetricRow
 from service.states import JobState
 from service.store import Job, Metric, Store
 
@@ -65,30 +64,28 @@ class JobSummary:
                 f" (needs {need})")
 
 
-def _latest(s: Session, job_id: int, rank: int = 0) -> Metric | None:
-    row = s.execute(select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.rank == rank)
-                    .order_by(MetricRow.step.desc(), MetricRow.attempt.desc())
-                    .limit(1)).scalar()
-    return Metric.from_row(row) if row is not None else None
+def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
+    """Rank 0's newest step of each job, in one query (an index seek per job)."""
+    if not job_ids:
+        return {}
+    jobs = select(JobRow.id).where(JobRow.id.in_(job_ids)).subquery()
+    newest = (select(MetricRow.id).where(MetricRow.job_id == jobs.c.id, MetricRow.rank == 0)
+              .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1)
+              .correlate(jobs).scalar_subquery())
+    rows = s.execute(select(MetricRow).where(MetricRow.id.in_(select(newest)))).scalars()
+    return {r.job_id: Metric.from_row(r) for r in rows}
 
 
-def _position(s: Session, row: JobRow) -> int:
-    ahead = s.execute(select(func.count()).select_from(JobRow).where(
-        JobRow.state == JobState.QUEUED.value,
-        or_(JobRow.priority > row.priority,
-            and_(JobRow.priority == row.priority, JobRow.id < row.id)))).scalar_one()
-    return int(ahead) + 1
+def _queue_order(s: Session) -> dict[int, int]:
+    """Every queued job's position (1-based) in admission order: priority, then age."""
+    ids = s.execute(select(JobRow.id).where(JobRow.state == JobState.QUEUED.value)
+                    .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
+    return {job_id: i for i, job_id in enumerate(ids, 1)}
 
 
 def _steps(row: JobRow) -> int | None:
     steps = row.spec.get("train", {}).get("steps") if isinstance(row.spec, dict) else None
     return steps if isinstance(steps, int) else None
-
-
-def summarize(s: Session, row: JobRow) -> JobSummary:
-    queued = row.state == JobState.QUEUED.value
-    return JobSummary(job=Job.from_row(row), latest=_latest(s, row.id), total_steps=_steps(row),
-                      queue_position=_position(s, row) if queued else None)
 
 
 def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
@@ -110,16 +107,22 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
         total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
         rows = s.execute(select(JobRow).where(*conds).order_by(*order)
                          .limit(limit).offset(offset)).scalars().all()
-        return [summarize(s, r) for r in rows], int(total)
+        queued = any(r.state == JobState.QUEUED.value for r in rows)
+        positions = _queue_order(s) if queued else {}
+        latest = _latest(s, [r.id for r in rows])
+        return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
+                           queue_position=positions.get(r.id)) for r in rows], int(total)
 
 
-def queue(store: Store) -> list[JobSummary]:
-    """Queued jobs in admission order (priority, then age), with position and reason."""
+def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
+    """The first `limit` queued jobs in admission order (priority, then age), with position
+    and reason, and how many are queued."""
     with _session(store).begin() as s:
-        rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
-                         .order_by(JobRow.priority.desc(), JobRow.id)).scalars().all()
+        q = select(JobRow).where(JobRow.state == JobState.QUEUED.value)
+        total = s.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+        rows = s.execute(q.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)).scalars()
         return [JobSummary(job=Job.from_row(r), latest=None, total_steps=_steps(r),
-                           queue_position=i) for i, r in enumerate(rows, 1)]
+                           queue_position=i) for i, r in enumerate(rows, 1)], int(total)
 
 
 def count_by_state(store: Store) -> dict[JobState, int]:
@@ -129,60 +132,88 @@ def count_by_state(store: Store) -> dict[JobState, int]:
     return {st: int(got.get(st.value, 0)) for st in JobState}
 
 
+def recent_metrics(store: Store, job: Job, window: int = 1000) -> list[Metric]:
+    """Rank 0's last `window` steps of the newest attempt: what the pages compare with the
+    plan (steady-state medians), bounded however long the job ran."""
+    latest = store.latest_metric(job_id=job.id)
+    if latest is None:
+        return []
+    return store.list_metrics(job_id=job.id, attempt=latest.attempt,
+                              after_step=max(0, latest.step - window), limit=window)
+
+
 # --- charts ------------------------------------------------------------------------------------
 
-def downsample(columns: Sequence[np.ndarray], max_points: int = MAX_POINTS) -> np.ndarray:
-    """Indices (ascending) to keep so that every column keeps its minimum and maximum in each
-    bucket of consecutive points, the first and last point, and at most `max_points` points.
-    NaNs (a missing loss) are ignored."""
-    n = len(columns[0]) if columns else 0
-    if n <= max_points:
-        return np.arange(n)
-    per_bucket = 2 * max(1, len(columns))
-    buckets = max(1, (max_points - 2) // per_bucket)
-    size = -(-n // buckets)
-    keep = [np.array([0, n - 1])]
-    base = np.arange(buckets) * size
-    for col in columns:
-        padded = np.full(buckets * size, np.nan)
-        padded[:n] = col
-        grid = padded.reshape(buckets, size)
-        lo = np.where(np.isnan(grid), np.inf, grid).argmin(axis=1)
-        hi = np.where(np.isnan(grid), -np.inf, grid).argmax(axis=1)
-        keep += [base + lo, base + hi]
-    idx = np.unique(np.concatenate(keep))
-    return idx[idx < n]
+def _kept_steps(s: Session, job_id: int) -> tuple[Any, int, int, int]:
+    """Which rank-0 rows a chart shows: each attempt's steps below the first step of any later
+    attempt (a restarted job redoes the steps after its checkpoint: the newest values count).
+    Returns the condition, the lowest and highest step, and the number of steps kept."""
+    numbers = s.execute(select(AttemptRow.number).where(AttemptRow.job_id == job_id)
+                        .order_by(AttemptRow.number.desc())).scalars().all()
+    conds, bound, lo, hi, n = [], None, None, None, 0
+    for attempt in numbers:
+        # Two seeks of the (job, attempt, step, rank) unique index.
+        q = select(MetricRow.step).where(MetricRow.job_id == job_id,
+                                         MetricRow.attempt == attempt, MetricRow.rank == 0)
+        first = s.execute(q.order_by(MetricRow.step).limit(1)).scalar()
+        last = s.execute(q.order_by(MetricRow.step.desc()).limit(1)).scalar()
+        if first is None or last is None:
+            continue
+        top = last if bound is None else min(last, bound - 1)
+        if top >= first:
+            conds.append(and_(MetricRow.attempt == attempt, MetricRow.step <= top))
+            lo = first if lo is None else min(lo, first)
+            hi = top if hi is None else max(hi, top)
+            n += top - first + 1
+        bound = first if bound is None else min(bound, first)
+    return or_(*conds) if conds else None, lo or 0, hi or 0, n
 
 
 def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str, Any]:
-    """Rank 0's loss, step time, tokens/s and MFU per step (a step a later attempt redid shows
-    that attempt's values), downsampled, with the plan's predictions."""
-    with _session(store).begin() as s:
-        rows = s.execute(select(MetricRow.attempt, MetricRow.step, MetricRow.loss,
-                                MetricRow.step_time_s, MetricRow.tokens_per_s)
-                         .where(MetricRow.job_id == job.id, MetricRow.rank == 0)).all()
+    """Rank 0's loss, step time, tokens/s and MFU per step, with the plan's predictions.
+
+    Up to `max_points` steps come as they are. Longer series are bucketed in the database
+    (`max_points / 2` buckets of consecutive steps): each bucket gives two points, its first
+    step with every series' minimum and its last step with every series' maximum, so spikes
+    and dips survive however long the job ran; a bucket is narrower than a pixel of a chart,
+    so the order of minimum and maximum inside it is not drawn. `rows`: the steps shown."""
     plan = job.plan
-    mfu_per_token = (plan.model_dump().get("mfu") or 0.0) / plan.tokens_per_s \
-        if plan.tokens_per_s else 0.0
-    pred = {"step_time_s": plan.time.step_s, "tokens_per_s": plan.tokens_per_s,
-            "mfu": plan.model_dump().get("mfu")}
-    if not rows:
-        return {"rows": 0, "step": [], "loss": [], "step_time_s": [], "tokens_per_s": [],
-                "mfu": [], "predicted": pred}
-    a = np.array([(r[0], r[1], np.nan if r[2] is None else r[2], r[3], r[4]) for r in rows],
-                 dtype=float)
-    a = a[np.lexsort((a[:, 0], a[:, 1]))]  # by step, then attempt
-    last = np.r_[a[1:, 1] != a[:-1, 1], True]  # the newest attempt of each step
-    a = a[last]
-    idx = downsample([a[:, 2], a[:, 3], a[:, 4]], max_points)
-    pick = a[idx]
-
-    def col(i: int) -> list[float | None]:
-        return [None if np.isnan(v) else float(v) for v in pick[:, i]]
-
-    return {"rows": int(len(a)), "step": [int(v) for v in pick[:, 1]], "loss": col(2),
-            "step_time_s": col(3), "tokens_per_s": col(4),
-            "mfu": [float(v) * mfu_per_token for v in pick[:, 4]], "predicted": pred}
+    mfu_pred = plan.model_dump().get("mfu")
+    mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
+    out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
+                           "tokens_per_s": [], "mfu": [], "predicted": {
+                               "step_time_s": plan.time.step_s,
+                               "tokens_per_s": plan.tokens_per_s, "mfu": mfu_pred}}
+    m = MetricRow
+    with _session(store).begin() as s:
+        kept, lo, hi, n = _kept_steps(s, job.id)
+        if kept is None:
+            return out
+        where = (m.job_id == job.id, m.rank == 0, kept)
+        if n <= max_points:
+            exact = s.execute(select(m.step, m.loss, m.step_time_s, m.tokens_per_s)
+                              .where(*where).order_by(m.step)).all()
+            points = [(r[0], r[1], r[2], r[3]) for r in exact]
+        else:
+            width = -(-(hi - lo + 1) // (max_points // 2))
+            bucket = ((m.step - lo) // width).label("bucket")
+            rows = s.execute(select(bucket, func.min(m.step), func.max(m.step), func.min(m.loss),
+                                    func.max(m.loss), func.min(m.step_time_s),
+                                    func.max(m.step_time_s), func.min(m.tokens_per_s),
+                                    func.max(m.tokens_per_s))
+                             .where(*where).group_by(bucket).order_by(bucket)).all()
+            points = []
+            for _, first, last, lo_l, hi_l, lo_t, hi_t, lo_k, hi_k in rows:
+                points.append((first, lo_l, lo_t, lo_k))
+                if last != first:
+                    points.append((last, hi_l, hi_t, hi_k))
+    out["rows"] = n
+    out["step"] = [int(p[0]) for p in points]
+    out["loss"] = [None if p[1] is None else float(p[1]) for p in points]
+    out["step_time_s"] = [float(p[2]) for p in points]
+    out["tokens_per_s"] = [float(p[3]) for p in points]
+    out["mfu"] = [float(p[3]) * mfu_per_token for p in points]
+    return out
 
 
 # --- ranks grid --------------------------------------------------------------------------------

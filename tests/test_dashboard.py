@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.dashboard import MAX_POINTS, downsample, job_series, jobs_page, queue, ranks_grid
+from service.dashboard import job_series, jobs_page, queue, ranks_grid
 from service.jobs import submit
 from service.settings import Settings
 from service.spec import JobSpec
@@ -36,19 +35,6 @@ def test_vendored_files_match_the_manifest() -> None:
     on_disk = {str(p.relative_to(VENDOR)) for p in VENDOR.rglob("*")
                if p.is_file() and p.name != "manifest.json"}
     assert on_disk == listed  # nothing vendored without a manifest entry
-
-
-def test_downsample_keeps_extremes_first_and_last() -> None:
-    rng = np.random.default_rng(1)
-    n = 100_000
-    a, b = rng.normal(size=n), rng.normal(size=n)
-    a[12_345], b[77_777] = 50.0, -50.0
-    a[500] = np.nan
-    idx = downsample([a, b], MAX_POINTS)
-    assert len(idx) <= MAX_POINTS and list(idx) == sorted(set(idx))
-    assert idx[0] == 0 and idx[-1] == n - 1
-    assert 12_345 in idx and 77_777 in idx and np.nanargmin(a) in idx and np.argmax(b) in idx
-    assert list(downsample([a[:10]], MAX_POINTS)) == list(range(10))
 
 
 def row(step: int, rank: int = 0, **over: Any) -> dict[str, Any]:
@@ -84,7 +70,8 @@ def test_jobs_page_filters_sorts_and_pages(store: Store) -> None:
     assert total == 6 and [i.job.id for i in items] == [ids[4], ids[3]]
     assert [i.queue_position for i in items] == [4, 3]
     assert "3 job(s) before it" in (items[0].queue_reason or "")
-    assert [i.job.id for i in queue(store)] == ids[1:]
+    assert [i.job.id for i in queue(store)[0]] == ids[1:] and queue(store)[1] == 6
+    assert [i.job.id for i in queue(store, limit=2)[0]] == ids[1:3]
     assert jobs_page(store, owner="nobody")[1] == 0
 
 
@@ -101,11 +88,29 @@ def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store
     assert out["predicted"]["step_time_s"] == job.plan.time.step_s
     mfu = job.plan.model_dump()["mfu"]
     assert out["mfu"][0] == pytest.approx(mfu * 100.0 / job.plan.tokens_per_s)
-    big = started(store)
-    store.record_metrics(job_id=big, attempt=1, rows=[row(s) for s in range(1, 5001)])
-    out = job_series(store, store.get_job(job_id=big), max_points=600)
-    assert out["rows"] == 5000 and len(out["step"]) <= 600
-    assert out["step"][0] == 1 and out["step"][-1] == 5000
+
+
+def test_long_series_are_bucketed_keeping_every_spike_and_dip(store: Store) -> None:
+    job_id = started(store)
+    rows = [row(s, step_time_s=0.5 + (s % 7) / 100) for s in range(1, 5001)]
+    rows[1233]["step_time_s"] = 9.0  # step 1234: a spike
+    rows[4320]["tokens_per_s"] = 1.0  # step 4321: a dip
+    rows[2000]["loss"] = None  # not finite on step 2001
+    store.record_metrics(job_id=job_id, attempt=1, rows=rows[:3000])
+    store.start_attempt(job_id=job_id)  # resumed from step 2500: 2501.. redone
+    store.record_metrics(job_id=job_id, attempt=2, rows=[
+        {**r, "loss": -1.0} for r in rows[2500:]])
+    out = job_series(store, store.get_job(job_id=job_id), max_points=600)
+    assert out["rows"] == 5000
+    assert 500 <= len(out["step"]) <= 600
+    assert out["step"][0] == 1 and out["step"][-1] == 5000 and out["step"] == sorted(out["step"])
+    assert max(out["step_time_s"]) == 9.0 and min(out["tokens_per_s"]) == 1.0
+    assert min(out["step_time_s"]) == 0.5
+    # Attempt 2's values replace attempt 1's from step 2501: only its losses appear there.
+    late = [loss for step, loss in zip(out["step"], out["loss"], strict=True) if step > 2501]
+    assert late and set(late) == {-1.0}
+    early = [loss for step, loss in zip(out["step"], out["loss"], strict=True) if step <= 2500]
+    assert min(x for x in early if x is not None) == 10.0 - 2500 / 10  # attempt 1's last
 
 
 def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
