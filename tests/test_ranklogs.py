@@ -174,6 +174,13 @@ def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: P
         assert "[rank 0]" not in r.output and "[rank 1] partial" in r.output
         r = CliRunner().invoke(app, ["events", str(job_id), "--server", url])
         assert "placing" in r.output
+        # Following an ended job prints everything and returns.
+        for to in (JobState.RUNNING, JobState.SUCCEEDED):
+            store.transition(job_id=job_id, to=to, message=to.value)
+        r = CliRunner().invoke(app, ["logs", str(job_id), "-f", "--server", url])
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines() == ["[rank 0] step 1 rank 0", "[rank 1] step 1 rank 1",
+                                         "[rank 1] partial"]
     finally:
         srv.should_exit = True
         t.join(5)
