@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,14 @@ def test_hangs_group_identical_stacks(client: Any) -> None:
     items = c.get(f"/api/v1/jobs/{job_id}/hangs").json()["items"]
     assert len(items) == 1 and items[0]["summary"] == "rank 1 never arrived"
     assert items[0]["stacks"] == [{"ranks": [0, 2], "text": "A"}, {"ranks": [1], "text": "B"}]
+
+
+def test_pages_load_nothing_from_the_network() -> None:
+    """Every script, stylesheet and image the templates name is served by the API itself."""
+    templates = Path(__file__).resolve().parent.parent / "api" / "templates"
+    for path in templates.glob("*.html"):
+        text = path.read_text()
+        for ref in re.findall(r'(?:src|href)="([^"]+)"', text):
+            assert not re.match(r"^(?:https?:)?//", ref), (path.name, ref)
+        for ref in re.findall(r'<script src="([^"]+)"', text):
+            assert (templates.parent / ref.removeprefix("/")).is_file(), (path.name, ref)
