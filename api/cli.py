@@ -18,6 +18,7 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from api.cli_logs import RankLines, follow_rank_logs
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -191,46 +192,17 @@ def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
     """Print the ranks' stdout and stderr (each line prefixed with its rank)."""
     params: dict[str, Any] = {k: v for k, v in {"rank": rank, "attempt": attempt}.items()
                               if v is not None}
-    printer = _RankLines()
-    if not follow:
-        for c in _call(server, "GET", f"/jobs/{job_id}/logs", params=params)["ranks"]:
-            printer.add(c)
-        printer.flush()
+    if follow:
+        try:
+            with _client(server) as client:
+                follow_rank_logs(client, job_id, params, fail)
+        except httpx.HTTPError as exc:
+            fail(f"cannot reach {server}: {exc}")
         return
-    try:
-        with _client(server) as client, client.stream(
-                "GET", f"/jobs/{job_id}/logs", params={**params, "follow": True},
-                timeout=None) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                fail(f"{resp.status_code}: {resp.text}")
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and line != "data: {}":
-                    printer.add(json.loads(line[6:]))
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach {server}: {exc}")
+    printer = RankLines()
+    for c in _call(server, "GET", f"/jobs/{job_id}/logs", params=params)["ranks"]:
+        printer.add(c)
     printer.flush()
-
-
-class _RankLines:
-    """Whole lines of every rank, prefixed `[rank r]`; a partial line waits for its end."""
-
-    def __init__(self) -> None:
-        self.partial: dict[int, str] = {}
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        r = chunk["rank"]
-        if chunk.get("skipped"):
-            typer.echo(f"[rank {r}] ... {chunk['skipped']} bytes dropped by the size cap")
-        *lines, self.partial[r] = (self.partial.get(r, "") + chunk["text"]).split("\n")
-        for line in lines:
-            typer.echo(f"[rank {r}] {line}")
-
-    def flush(self) -> None:
-        for r, rest in sorted(self.partial.items()):
-            if rest:
-                typer.echo(f"[rank {r}] {rest}")
-        self.partial.clear()
 
 
 @app.command()

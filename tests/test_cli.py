@@ -174,7 +174,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         assert "SUCCEEDED" in done.stdout and "step    30" in done.stdout
         assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
         page = httpx.get(server + "/").text
-        assert '<td class="SUCCEEDED">SUCCEEDED</td>' in page
+        assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
     finally:
         up.terminate()
         out, _ = up.communicate(timeout=60)
