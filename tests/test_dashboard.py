@@ -199,3 +199,26 @@ def test_pages_load_nothing_from_the_network() -> None:
             assert not re.match(r"^(?:https?:)?//", ref), (path.name, ref)
         for ref in re.findall(r'<script src="([^"]+)"', text):
             assert (templates.parent / ref.removeprefix("/")).is_file(), (path.name, ref)
+
+
+def test_comm_steps_split_each_step_into_compute_and_dimensions(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+
+    def rep(step: int, rank: int, dp: float, timed: bool = True) -> dict[str, Any]:
+        return row(step, rank, step_time_s=1.0, data={"timed": timed, "comm": {
+            "dp": {"all_reduce": {"time_s": dp, "bytes": 1.0, "calls": 1.0}},
+            "tp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
+
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        rep(1, 0, 0.2), rep(1, 1, 0.4), rep(2, 0, 0.3, timed=False), rep(2, 1, 0.3, False),
+        rep(3, 0, 0.5), rep(3, 1, 0.5)])
+    out = c.get(f"/api/v1/jobs/{job_id}/comm/steps").json()
+    job = store.get_job(job_id=job_id)
+    assert out["predicted"]["step"] == job.plan.time.step_s
+    assert [s["step"] for s in out["steps"]] == [1, 3]  # untimed steps carry no times
+    first = out["steps"][0]
+    assert first["ranks"] == 2 and first["dp"] == pytest.approx(0.3)
+    assert first["tp"] == pytest.approx(0.1) and first["pp"] == 0
+    assert first["compute"] == pytest.approx(1.0 - 0.4)
+    assert c.get(f"/api/v1/jobs/{job_id}/comm/steps", params={"last": 201}).status_code == 422

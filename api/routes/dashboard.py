@@ -31,6 +31,34 @@ def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
     return ranks_grid(store, job)
 
 
+@router.get("/{job_id}/comm/steps")
+def comm_steps(job: JobDep, store: StoreDep,
+               last: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
+    """Per step of the newest attempt's last `last` steps (timed steps only), the mean over
+    ranks of the step time and of its time in TP, PP and DP collectives (the rest is
+    compute, bubble included), next to the plan's split."""
+    t = job.plan.time
+    out: dict[str, Any] = {"predicted": {
+        "compute": t.compute_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.offload_s,
+        "tp": t.tp_comm_s, "pp": t.pp_comm_s, "dp": t.dp_comm_s + t.zero3_gather_s,
+        "bubble": t.bubble_s, "step": t.step_s}, "steps": []}
+    latest = store.latest_metric(job_id=job.id)
+    if latest is None:
+        return out
+    per_step: dict[int, list[Any]] = {}
+    for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                after_step=max(0, latest.step - last), limit=200 * 4096):
+        if m.data.get("comm") is not None and m.data.get("timed", True):
+            per_step.setdefault(m.step, []).append(m)
+    for step, ms in sorted(per_step.items()):
+        dims = {d: sum(sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
+                       for m in ms) / len(ms) for d in ("tp", "pp", "dp")}
+        step_s = sum(m.step_time_s for m in ms) / len(ms)
+        out["steps"].append({"step": step, "ranks": len(ms), "step_s": step_s,
+                             "compute": max(0.0, step_s - sum(dims.values())), **dims})
+    return out
+
+
 @router.get("/{job_id}/hangs")
 def hangs(job: JobDep, store: StoreDep) -> dict[str, Any]:
     """Every hang diagnosis of the job (newest first), each with the ranks' Python stacks

@@ -197,27 +197,24 @@
 
   // --- communication ----------------------------------------------------------------------------
   const PARTS = ["compute", "tp", "pp", "dp", "bubble"];
-  function bar(label, parts, total) {
-    const spans = PARTS.filter(p => parts[p] > 0).map((p, i) =>
-      `<span style="width:${(100 * parts[p] / total).toFixed(2)}%;background:${PALETTE[PARTS.indexOf(p)]}" title="${p}: ${fmtSecs(parts[p])}">${p} ${fmtSecs(parts[p])}</span>`).join("");
-    return `<div class="barlabel">${esc(label)}: ${fmtSecs(total)} per step</div><div class="bar">${spans}</div>`;
+  function bar(label, parts, scale) {
+    const total = PARTS.reduce((a, p) => a + (parts[p] || 0), 0);
+    const spans = PARTS.filter(p => parts[p] > 0).map(p =>
+      `<span style="width:${(100 * parts[p] / scale).toFixed(2)}%;background:${PALETTE[PARTS.indexOf(p)]}" title="${p}: ${fmtSecs(parts[p])}">${p} ${fmtSecs(parts[p])}</span>`).join("");
+    return `<div class="barlabel">${esc(label)}: ${fmtSecs(total)}</div><div class="bar">${spans}</div>`;
   }
   async function loadComm() {
     try {
       const c = await getJSON(`${api}/comm`);
-      const plan = await getJSON(api).then(j => j.plan.time);
-      const measured = {compute: 0, bubble: 0};
-      let comm = 0;
-      for (const d of ["tp", "pp", "dp"]) { measured[d] = c.dims[d] ? c.dims[d].time_s_per_step : 0; comm += measured[d]; }
-      measured.compute = Math.max(0, c.step_time_s - comm);
-      const predicted = {compute: plan.compute_s + plan.recompute_s + plan.optimizer_s + plan.overhead_s + plan.offload_s,
-                         tp: plan.tp_comm_s, pp: plan.pp_comm_s, dp: plan.dp_comm_s + plan.zero3_gather_s, bubble: plan.bubble_s};
-      const max = Math.max(plan.step_s, c.step_time_s || 0);
+      const steps = await getJSON(`${api}/comm/steps`);
+      const predicted = steps.predicted;
+      const max = Math.max(predicted.step, ...steps.steps.map(s => s.step_s));
       document.getElementById("comm-bars").innerHTML =
         `<p class="controls">${PARTS.map((p, i) => `<span class="chip" style="border-left:10px solid ${PALETTE[i]}">${p}</span>`).join("")}` +
-        ` (measured compute includes the bubble: the ranks do not report it apart)</p>` +
+        ` seconds per step; measured compute includes the bubble (the ranks do not report it apart)</p>` +
         bar("predicted", predicted, max) +
-        (c.step_time_s ? bar(`measured (attempt ${c.attempt}, mean over ranks)`, measured, max) : "<p>No step measured yet.</p>");
+        (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
+                            : "<p>No timed step measured yet.</p>");
       document.querySelector("#probe tbody").innerHTML = (c.probe || []).map(r =>
         `<tr><td>${esc(r.dim)}</td><td>${esc(r.op)}</td><td>${esc((r.group || []).join(","))}</td><td>${fmtBytes(r.bytes)}</td>` +
         `<td>${fmtBytes(r.busbw)}/s</td><td>${r.expected_busbw ? fmtBytes(r.expected_busbw) + "/s" : "-"}</td></tr>`).join("") ||
