@@ -141,6 +141,11 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
     page.locator(".tabs a[data-tab=ranks]").click()
     expect(page.locator(".rank-cell[data-rank]")).to_have_count(job["world_size"])
     expect(page.locator(".rank-cell[data-rank='1']")).to_contain_text("×")
+    # Communication: the predicted split and one bar per timed step the ranks reported.
+    steps = httpx.get(f"{live.url}/api/v1/jobs/{job['id']}/comm/steps").json()["steps"]
+    assert steps
+    page.locator(".tabs a[data-tab=comm]").click()
+    expect(page.locator("#comm-bars .bar")).to_have_count(1 + len(steps))
 
 
 def test_jobs_table_lists_the_jobs_and_filters(live: Live, page: Page) -> None:
