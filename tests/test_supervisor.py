@@ -102,7 +102,7 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
 
     fakes = {"ray": SimpleNamespace(init=ray_init),
-             "workers.group": SimpleNamespace(RayLauncher=lambda: "launcher",
+             "workers.group": SimpleNamespace(RayLauncher=lambda **_: "launcher",
                                               NAMESPACE="trident")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
 
