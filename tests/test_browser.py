@@ -38,6 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "var" / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+HTTP_TIMEOUT_S = 60
+"""For the test's own requests: generous, so that a loaded machine is slow, not a failure."""
+
+
+def get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, timeout=HTTP_TIMEOUT_S, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +61,7 @@ class Live:
     jobs: dict[str, int]
 
     def job(self, name: str) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/api/v1/jobs/{self.jobs[name]}").json()
+        return get(f"{self.url}/api/v1/jobs/{self.jobs[name]}").json()
 
     def wait(self, name: str, states: set[str], timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -98,7 +104,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                             entrypoint="tests.entrypoints:chatty")),
                        ("explode", tiny_spec(name="browser-explode",
                                              entrypoint="tests.entrypoints:explode"))]:
-        r = httpx.post(f"{url}/api/v1/jobs", json=spec)
+        r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 201, r.text
         jobs[name] = r.json()["id"]
     try:
@@ -130,7 +136,7 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
                                                                           page: Page) -> None:
     job = live.wait("tiny", TERMINAL, 240)
     assert job["state"] == "SUCCEEDED", job["error"]
-    series = httpx.get(f"{live.url}/api/v1/jobs/{job['id']}/series").json()
+    series = get(f"{live.url}/api/v1/jobs/{job['id']}/series").json()
     assert series["rows"] == 6 and len(series["step"]) == 6
     page.goto(f"{live.url}/jobs/{job['id']}#metrics")
     for key in ("loss", "step_time_s", "tokens_per_s", "mfu"):
@@ -142,7 +148,7 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
     expect(page.locator(".rank-cell[data-rank]")).to_have_count(job["world_size"])
     expect(page.locator(".rank-cell[data-rank='1']")).to_contain_text("×")
     # Communication: the predicted split and one bar per timed step the ranks reported.
-    steps = httpx.get(f"{live.url}/api/v1/jobs/{job['id']}/comm/steps").json()["steps"]
+    steps = get(f"{live.url}/api/v1/jobs/{job['id']}/comm/steps").json()["steps"]
     assert steps
     page.locator(".tabs a[data-tab=comm]").click()
     expect(page.locator("#comm-bars .bar")).to_have_count(1 + len(steps))
@@ -207,7 +213,7 @@ def test_what_if_numbers_change_with_tp(live: Live, page: Page) -> None:
 def test_a_custom_entrypoints_traceback_is_in_its_rank_log(live: Live, page: Page) -> None:
     job = live.wait("explode", TERMINAL, 240)
     assert job["state"] == "FAILED"
-    logs = httpx.get(f"{live.url}/api/v1/jobs/{job['id']}/logs", params={"rank": 1}).json()
+    logs = get(f"{live.url}/api/v1/jobs/{job['id']}/logs", params={"rank": 1}).json()
     text = logs["ranks"][0]["text"]
     assert "Traceback (most recent call last)" in text
     assert "RuntimeError: rank 1 exploded on purpose" in text
