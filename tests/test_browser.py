@@ -42,6 +42,10 @@ HTTP_TIMEOUT_S = 60
 """For the test's own requests: generous, so that a loaded machine is slow, not a failure."""
 
 
+# Waits for the page are generous too: the tests check what the page shows, not how fast.
+expect.set_options(timeout=30_000)
+
+
 def get(url: str, **kw: Any) -> httpx.Response:
     return httpx.get(url, timeout=HTTP_TIMEOUT_S, **kw)
 
