@@ -84,7 +84,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     store.migrate()
     controller = Controller(store, RayLauncher(log_root=settings.log_root,
                                                log_max_bytes=settings.rank_log_max_bytes),
-                            checkpoint_root=settings.checkpoint_root, start_timeout_s=120,
+                            checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
                             cancel_grace_s=5)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
@@ -138,7 +138,7 @@ def page(page: Page, request: pytest.FixtureRequest) -> Iterator[Page]:
 
 def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Live,
                                                                           page: Page) -> None:
-    job = live.wait("tiny", TERMINAL, 240)
+    job = live.wait("tiny", TERMINAL, 600)
     assert job["state"] == "SUCCEEDED", job["error"]
     series = get(f"{live.url}/api/v1/jobs/{job['id']}/series").json()
     assert series["rows"] == 6 and len(series["step"]) == 6
@@ -159,7 +159,7 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
 
 
 def test_jobs_table_lists_the_jobs_and_filters(live: Live, page: Page) -> None:
-    live.wait("tiny", TERMINAL, 240)
+    live.wait("tiny", TERMINAL, 600)
     page.goto(live.url + "/")
     for name, job_id in live.jobs.items():
         expect(page.locator(f"tr[data-job='{job_id}']")).to_contain_text(f"browser-{name}")
@@ -175,7 +175,7 @@ def test_jobs_table_lists_the_jobs_and_filters(live: Live, page: Page) -> None:
 
 
 def test_log_lines_arrive_live(live: Live, page: Page) -> None:
-    live.wait("chatty", {"RUNNING"}, 180)
+    live.wait("chatty", {"RUNNING"}, 600)
     page.goto(f"{live.url}/jobs/{live.jobs['chatty']}#logs")
     view = page.locator("#log-view")
     expect(view).to_contain_text("chatty rank 1 step", timeout=60_000)
@@ -193,7 +193,7 @@ def test_log_lines_arrive_live(live: Live, page: Page) -> None:
 
 
 def test_cancel_from_the_job_page(live: Live, page: Page) -> None:
-    live.wait("chatty", {"RUNNING"}, 180)
+    live.wait("chatty", {"RUNNING"}, 600)
     page.goto(f"{live.url}/jobs/{live.jobs['chatty']}")
     expect(page.locator("#job-state")).to_have_text("RUNNING")
     page.click("#cancel")
@@ -215,8 +215,8 @@ def test_what_if_numbers_change_with_tp(live: Live, page: Page) -> None:
 
 
 def test_a_custom_entrypoints_traceback_is_in_its_rank_log(live: Live, page: Page) -> None:
-    job = live.wait("explode", TERMINAL, 240)
-    assert job["state"] == "FAILED"
+    job = live.wait("explode", TERMINAL, 600)
+    assert job["state"] == "FAILED" and "rank 1 exploded on purpose" in job["error"], job
     logs = get(f"{live.url}/api/v1/jobs/{job['id']}/logs", params={"rank": 1}).json()
     text = logs["ranks"][0]["text"]
     assert "Traceback (most recent call last)" in text
