@@ -26,6 +26,13 @@ install: $(BIN)/python
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get install -y -q docker-compose \
 		|| { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q docker-compose; }; }
+	@# Debian's chromium: the dashboard's browser tests (Playwright) drive it; Playwright's
+	@# own browser download is not used.
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+		|| { $$SUDO apt-get update -q \
+		     && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; }
 
 demo: install
 	@bash examples/demo.sh

@@ -10,19 +10,24 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from api import pages, session
 from api.audit import Audit, AuditWriter
+from api.auth import require
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
-from api.routes import cluster, identity, jobs, plan
+from api.prometheus import RequestTimer, StoreCollector, request_latency
+from api.routes import cluster, dashboard, identity, jobs, logs, plan
 from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
 from service.store import Store
@@ -79,6 +84,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                   " (reads); a route its role may not call is a 403 naming the rule.")
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    registry = CollectorRegistry(auto_describe=False)
+    app.add_middleware(RequestTimer, histogram=request_latency(registry))
+    registry.register(StoreCollector(lambda: app.state.store, settings.metrics_per_rank))
     app.add_middleware(Audit)  # outermost: it records the refusals of the others too
 
     @app.exception_handler(RequestValidationError)
@@ -98,6 +106,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
+    v1.include_router(logs.router)
+    v1.include_router(dashboard.router)
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
     v1.include_router(identity.router)
@@ -108,9 +118,20 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         else `degraded` (503), naming which of the two is wrong."""
         return health(request.app.state.store)
 
+    @app.get("/metrics", tags=["system"], response_class=Response,
+             dependencies=[Depends(require("metrics:read"))],
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def prometheus_metrics() -> Response:
+        """Prometheus exposition: jobs by state; for active jobs their layout, steps, step
+        time and tokens/s measured and predicted, MFU, loss, collectives by dimension and op,
+        per-rank memory; API latency; the controller's pass duration. Needs a token (any
+        role): Prometheus sends it with `authorization: {credentials: TOKEN}`."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     app.include_router(v1)
     app.include_router(pages.router)
     app.include_router(session.router)
+    app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
     return app
 
 

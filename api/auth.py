@@ -64,6 +64,9 @@ RULES: dict[str, Rule] = dict([
     _rule("projects:manage", "admin", text="only admins manage projects and quotas"),
     _rule("audit:read", "admin", text="only admins read the audit log"),
     _rule("pages:read", "admin member viewer", text="any user may see the dashboard"),
+    _rule("metrics:read", "admin member viewer",
+          text="any user's token may scrape /metrics (Prometheus: `authorization` in the"
+          " scrape config)"),
 ])
 
 _bearer = HTTPBearer(auto_error=False, description="An API token: `trident token create`,"

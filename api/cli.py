@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from api.cli_auth import token_for
 from api.cli_identity import announce_bootstrap, register
+from api.cli_logs import RankLines, follow_rank_logs
 from api.cli_offline import register_offline
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
@@ -62,11 +63,12 @@ def load_spec(path: Path) -> JobSpec:
 
 
 def _client(server: str) -> httpx.Client:
-    return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30)
+    token, _ = token_for(server)  # the token `_call` sends, for streams too
+    return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30,
+                        headers={"Authorization": f"Bearer {token}"} if token else {})
 
 
-RETRY_STATUS = {502, 503, 504}
-"""Answers that say the server could not handle the request now (a proxy, or a restart)."""
+RETRY_STATUS = {502, 503, 504}  # the server could not answer now (a proxy, or a restart)
 
 
 def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
@@ -201,10 +203,34 @@ def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
 
 
 @app.command()
-def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
+def events(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
     """Print a job's events (state changes, placement, failures with tracebacks)."""
     for ev in _call(server, "GET", f"/jobs/{job_id}/events", params={"limit": 1000})["items"]:
         typer.echo(f"{ev['time']}  {ev['kind']:<10} {ev['message']}")
+
+
+@app.command()
+def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
+         rank: Annotated[int | None, typer.Option(min=0, help="Only this rank.")] = None,
+         attempt: Annotated[int | None, typer.Option(min=1, help="Default: the newest.")]
+         = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f",
+                                              help="Keep printing until the job ends.")]
+         = False) -> None:
+    """Print the ranks' stdout and stderr (each line prefixed with its rank)."""
+    params: dict[str, Any] = {k: v for k, v in {"rank": rank, "attempt": attempt}.items()
+                              if v is not None}
+    if follow:
+        try:
+            with _client(server) as client:
+                follow_rank_logs(client, job_id, params, fail)
+        except httpx.HTTPError as exc:
+            fail(f"cannot reach {server}: {exc}")
+        return
+    printer = RankLines()
+    for c in _call(server, "GET", f"/jobs/{job_id}/logs", params=params)["ranks"]:
+        printer.add(c)
+    printer.flush()
 
 
 @app.command()

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from types import FrameType
@@ -54,7 +55,8 @@ def connect_ray(settings: Settings) -> object:
                  log_to_driver=True)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
-    return launcher.RayLauncher()
+    return launcher.RayLauncher(  # type: ignore[no-any-return]
+        log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes)
 
 
 class LeaderLoop:
@@ -69,11 +71,13 @@ class LeaderLoop:
         self.make_controller = make_controller
         self.controller: Controller | None = None
         self._standby_logged: str | None = None
+        self.last_pass_s: float | None = None
+        """How long the last controller pass took; written with the next renewal."""
 
     def tick(self, now: datetime | None = None) -> Role:
         """Renew (or try to take) the lease and, as leader, do one controller pass. Raises
         LeaseLost when another controller took the lease: nothing more is done."""
-        role = self.leader.acquire_or_renew(now)
+        role = self.leader.acquire_or_renew(now, last_pass_s=self.last_pass_s)
         lease = self.leader.lease
         if role == Role.LOST:
             holder = lease.holder if lease else "?"
@@ -90,8 +94,10 @@ class LeaderLoop:
             log.info("lease acquired by %s (epoch %s): acting as the controller",
                      self.leader.holder, lease.epoch)
             self.controller = self.make_controller()
+        started = time.monotonic()
         try:
             result = self.controller.step()
+            self.last_pass_s = time.monotonic() - started
         except NotHolder as exc:  # taken over in the middle of this pass
             log.error("%s: stopping at once, without touching any job", exc)
             raise LeaseLost(str(exc)) from exc

@@ -40,12 +40,14 @@ class Lease:
     acquired_at: datetime
     renewed_at: datetime
     expires_at: datetime
+    last_pass_s: float | None = None
+    """The duration of the holder's previous controller pass, as of the last renewal."""
 
     @classmethod
     def from_row(cls, row: LeaseRow) -> Lease:
         return cls(name=row.name, holder=row.holder, epoch=row.epoch,
                    acquired_at=_utc(row.acquired_at), renewed_at=_utc(row.renewed_at),
-                   expires_at=_utc(row.expires_at))
+                   expires_at=_utc(row.expires_at), last_pass_s=row.last_pass_s)
 
     def held(self, now: datetime) -> bool:
         """Whether the lease is unexpired at `now`."""
@@ -65,9 +67,11 @@ class Leases:
         self._sessions = sessionmaker(store.engine, expire_on_commit=False)
 
     def acquire(self, *, name: str, holder: str, duration_s: float,
-                now: datetime | None = None) -> tuple[bool, Lease | None]:
+                now: datetime | None = None,
+                last_pass_s: float | None = None) -> tuple[bool, Lease | None]:
         """Take or renew `name` for `holder` until `now + duration_s`, when `holder` holds it
-        or it has expired. Returns whether `holder` holds it now, and the lease as it is."""
+        or it has expired. Returns whether `holder` holds it now, and the lease as it is.
+        `last_pass_s` (the holder's previous pass) is written with the renewal."""
         now = now or utcnow()
         until = now + timedelta(seconds=duration_s)
         try:
@@ -88,6 +92,7 @@ class Leases:
                     row.acquired_at = now
                 row.renewed_at = now
                 row.expires_at = until
+                row.last_pass_s = last_pass_s
                 return True, Lease.from_row(row)
         except IntegrityError:
             # Another controller created the row first (PostgreSQL: both saw none): it holds it.
@@ -135,9 +140,11 @@ class Leader:
         self.lease: Lease | None = None
         """The lease as last read or written (who holds it, until when)."""
 
-    def acquire_or_renew(self, now: datetime | None = None) -> Role:
+    def acquire_or_renew(self, now: datetime | None = None,
+                         last_pass_s: float | None = None) -> Role:
         held, self.lease = self.leases.acquire(name=self.name, holder=self.holder,
-                                               duration_s=self.duration_s, now=now)
+                                               duration_s=self.duration_s, now=now,
+                                               last_pass_s=last_pass_s)
         was, self.holding = self.holding, held
         if held:
             return Role.LEADER

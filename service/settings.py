@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     """How long the controller's lease lasts unrenewed: a standby controller (or the one
     `trident up` restarts) takes over at most this long after the leader dies. The leader
     renews it every pass (`poll_interval_s`), well inside it."""
+    rank_log_max_bytes: int = Field(default=16 << 20, ge=64 << 10, le=1 << 34)
+    """The most bytes of stdout and stderr kept per rank and attempt (16 MiB): the newest
+    output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`)."""
+    metrics_per_rank: bool = True
+    """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
+    active job); turn off for very large jobs."""
     allow_faults: bool = False
     """Accept jobs with `faults` (fault injection for tests); never in production."""
     checkpoint_roots: str = ""
@@ -99,3 +105,8 @@ class Settings(BaseSettings):
     @property
     def checkpoint_root(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def log_root(self) -> Path:
+        """Where rank logs live (`service.ranklogs`)."""
+        return self.data_dir / "logs"

@@ -8,3 +8,17 @@ from typing import Any
 def explode(ctx: Any) -> None:
     if ctx.rank == 1:
         raise RuntimeError("rank 1 exploded on purpose")
+
+
+def chatty(ctx: Any) -> None:
+    """Print a line and report a step every 0.2 s until asked to stop (or 1,500 steps): a
+    job that is running, with live output, for as long as a test needs one."""
+    import time
+
+    for step in range(1, 1501):
+        if ctx.should_stop():
+            return
+        print(f"chatty rank {ctx.rank} step {step}", flush=True)
+        ctx.report({"rank": ctx.rank, "step": step, "loss": 1.0 / step, "step_time_s": 0.2,
+                    "tokens_per_s": 1000.0})
+        time.sleep(0.2)

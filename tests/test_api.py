@@ -127,8 +127,9 @@ def test_healthz_docs_and_status_page(client: TestClient, store: Store) -> None:
     assert client.post("/api/v1/jobs", json=tiny_spec(name="<b>x</b>")).status_code == 422
     job_id = client.post("/api/v1/jobs", json=tiny_spec(name="shown-here")).json()["id"]
     page = client.get("/").text
-    assert f'<tr data-job="{job_id}"><td>{job_id}</td><td>shown-here</td>' in page
-    assert '<td class="QUEUED">QUEUED</td><td>tp1 pp1 dp2 zero2</td>' in page
+    assert f'<tr data-job="{job_id}" data-state="QUEUED">' in page
+    assert f'<a href="/jobs/{job_id}">shown-here</a>' in page
+    assert '<td class="state QUEUED">QUEUED</td><td>tp1 pp1 dp2 zero2</td>' in page
 
 
 def test_faults_need_the_server_setting(store: Store, tmp_path) -> None:

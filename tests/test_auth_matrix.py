@@ -50,6 +50,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "projects:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "projects:manage": {"admin": ANY, "member": NONE, "viewer": NONE},
     "audit:read": {"admin": ANY, "member": NONE, "viewer": NONE},
+    "metrics:read": {"admin": ANY, "member": ANY, "viewer": ANY},
 }
 """rule -> role -> ANY (allowed on everything), OWN (only on the caller's own), NONE (403)."""
 
@@ -129,6 +130,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("POST", "/api/v1/projects/{name}/members"): lambda w, c, r: (
         f"/api/v1/projects/{w.project(c, r)}/members", {"user": "bob"}),
     ("GET", "/api/v1/audit"): lambda w, c, r: ("/api/v1/audit", None),
+    ("GET", "/metrics"): lambda w, c, r: ("/metrics", None),
+    **{("GET", f"/api/v1/jobs/{{job_id}}/{view}"): (
+        lambda w, c, r, view=view: (f"/api/v1/jobs/{w.job(w.owner(c, r))}/{view}", None))
+       for view in ("logs", "series", "ranks", "comm/steps", "hangs")},
 }
 """One example request per route. Where the relation matters it picks the object: the
 caller's own job or token, another user's, or one of another project (submit: the caller's

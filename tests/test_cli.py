@@ -104,7 +104,7 @@ def test_submit_status_cancel(server: str) -> None:
     assert r.exit_code == 0 and "CANCELLED" in r.output
     r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
     assert r.exit_code == 2 and "409" in r.output
-    r = runner.invoke(app, ["logs", str(job_id), "--server", server])
+    r = runner.invoke(app, ["events", str(job_id), "--server", server])
     assert "cancelled while queued" in r.output
     r = runner.invoke(app, ["status", "999", "--server", server])
     assert r.exit_code == 2 and "404" in r.output
@@ -185,7 +185,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         assert "SUCCEEDED" in done.stdout and "step    30" in done.stdout
         assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
         page = httpx.get(server + "/", headers=admin_headers(tmp_path)).text
-        assert '<td class="SUCCEEDED">SUCCEEDED</td>' in page
+        assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
     finally:
         up.terminate()
         out, _ = up.communicate(timeout=60)

@@ -140,3 +140,19 @@ def test_an_attempt_starts_only_while_its_controllers_lease_is_held(store: Store
     assert store.get_job(job_id=job_id).attempts == 0
     # The holder's fence lets it through.
     assert store.start_attempt(job_id=job_id, fence=Fence(CONTROLLER, "new")).attempts == 1
+
+
+def test_the_leader_writes_its_previous_pass_duration_with_each_renewal(store: Store,
+                                                                        tmp_path) -> None:
+    """`GET /metrics` reads the controller's pass duration from the lease row (the API is
+    another process): the first renewal has none yet, every later one the pass before it."""
+    loop = LeaderLoop(Leader(store, duration_s=5, holder="c0"),
+                      lambda: Controller(store, FakeLauncher([]),  # type: ignore[arg-type]
+                                         checkpoint_root=tmp_path))
+    assert loop.tick(at(0)) == Role.LEADER
+    lease = Leases(store).read(name=CONTROLLER)
+    assert lease is not None and lease.last_pass_s is None
+    assert loop.last_pass_s is not None and loop.last_pass_s > 0
+    loop.tick(at(1))
+    lease = Leases(store).read(name=CONTROLLER)
+    assert lease is not None and lease.last_pass_s is not None and lease.last_pass_s > 0

@@ -25,5 +25,6 @@ def test_package_data_patterns_match_files() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     package_data = config["tool"]["setuptools"]["package-data"]
     empty = [f"{pkg}: {pattern}" for pkg, patterns in package_data.items()
-             for pattern in patterns if not list((ROOT / pkg).glob(pattern))]
+             for pattern in patterns
+             if not list((ROOT / pkg.replace(".", "/")).glob(pattern))]
     assert not empty, f"package data that matches no file: {empty}"

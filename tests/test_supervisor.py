@@ -103,7 +103,7 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
 
     fakes = {"ray": SimpleNamespace(init=ray_init),
              "workers.group": SimpleNamespace(NAMESPACE="trident"),
-             "workers.launcher": SimpleNamespace(RayLauncher=lambda: "launcher")}
+             "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
 
     def ours(_signum: int, _frame: object) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import threading
 import traceback
 from collections import deque
@@ -64,10 +65,15 @@ class RankActor:
         }
 
     def start(self, spec_json: dict[str, Any], master_addr: str, ports: list[int],
-              local_rank: int, checkpoint_dir: str | None, attempt: int) -> None:
-        """Probe (if asked), then train, on a thread; `ports`: [training, probe]."""
+              local_rank: int, checkpoint_dir: str | None, attempt: int,
+              log: tuple[str, int] | None = None) -> None:
+        """Probe (if asked), then train, on a thread; `ports`: [training, probe]; `log`: the
+        directory and size cap of the rank logs (`workers.ranklog`)."""
         from service.spec import JobSpec
+        from workers.ranklog import capture
         from workers.train import RankContext, train_rank
+
+        self._log = capture(log[0], self.rank, log[1]) if log else None
 
         spec = JobSpec.model_validate(spec_json)
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
@@ -96,6 +102,7 @@ class RankActor:
                 work()
             except BaseException:  # reported as data; the controller applies the policy
                 self._error = traceback.format_exc()
+                print(self._error, file=sys.stderr, flush=True)  # into the rank's log
             finally:
                 self._finished = True
                 self.heartbeat.beat(self.heartbeat.read()["step"], "done")

@@ -264,13 +264,15 @@ class RayWorkerGroup:
 
 
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-                checkpoint_dir: str | None) -> RayWorkerGroup:
-    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train."""
+                checkpoint_dir: str | None,
+                log: tuple[str, int] | None = None) -> RayWorkerGroup:
+    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
+    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
     spec_json = spec.model_dump(mode="json")
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
-                                  local_rank, checkpoint_dir, attempt)
+                                  local_rank, checkpoint_dir, attempt, log)
 
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,

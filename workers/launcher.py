@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
+from service.ranklogs import attempt_log_dir
 from service.spec import JobSpec
 from workers.group import (
     JOB_GROUP_PREFIX,
@@ -44,13 +46,20 @@ def _node_inventory() -> dict[str, Any]:
 class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20) -> None:
+        """`log_root`: where rank logs go (`Settings.log_root`; none: not captured)."""
         self._placing: list[RayWorkerGroup] = []
+        self.log_root = log_root
+        self.log_max_bytes = log_max_bytes
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> RayWorkerGroup:
+        rank_log = None
+        if self.log_root is not None:
+            rank_log = (str(attempt_log_dir(self.log_root, job_id, attempt)),
+                        self.log_max_bytes)
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                            checkpoint_dir=checkpoint_dir)
+                            checkpoint_dir=checkpoint_dir, log=rank_log)
         self._placing.append(group)
         return group
 

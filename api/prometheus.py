@@ -1,0 +1,201 @@
+"""`GET /metrics`: Prometheus exposition (`prometheus-client`), read from the store per scrape.
+
+Names follow Prometheus conventions: base units (`_seconds`, `_bytes`), ratios 0-1
+(`_ratio`), `_total` only on counters. Per-job series are for active jobs only (placing,
+running, restarting), so the number of series stays bounded by what runs, not by history;
+per-rank series (`trident_rank_*`, one per rank of every active job) can be turned off with
+`TRIDENT_METRICS_PER_RANK=false`. Rank series carry `node` (the host name) and `gpu` (the
+device index, empty on CPU) so they join with the DCGM exporter's series.
+
+The API's own request latency is a histogram in the app's registry; the controller pass
+duration comes from the controller's lease row (the controller is another process).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.dashboard import count_by_state
+from service.db import utcnow
+from service.lease import CONTROLLER, Leases
+from service.states import JobState
+from service.store import Job, Store
+
+ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING]
+JOB = ["job_id"]
+RANK = ["job_id", "rank", "node", "gpu"]
+
+
+def _g(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class StoreCollector(Collector):
+    """Reads jobs, their newest steps and the controller's lease at every scrape."""
+
+    def __init__(self, store: Callable[[], Store], per_rank: bool) -> None:
+        self.store = store
+        self.per_rank = per_rank
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store()
+        jobs = _g("trident_jobs", "Jobs by state.", ["state"])
+        for state, n in count_by_state(store).items():
+            jobs.add_metric([state.value], n)
+        yield jobs
+        yield from self._controller(store)
+        fams = {
+            "info": _g("trident_job_info", "An active job (value 1) and its layout.",
+                       ["job_id", "name", "owner", "state", "tp", "pp", "dp", "zero"]),
+            "step": _g("trident_job_step", "Newest step rank 0 reported.", JOB),
+            "steps": _g("trident_job_steps", "Steps the job trains for.", JOB),
+            "step_s": _g("trident_job_step_duration_seconds",
+                         "Wall time of the newest step (rank 0).", JOB),
+            "step_pred": _g("trident_job_step_duration_predicted_seconds",
+                            "The plan's predicted step time.", JOB),
+            "err": _g("trident_job_step_duration_prediction_error_ratio",
+                      "(measured - predicted) / predicted step time, newest step.", JOB),
+            "tok": _g("trident_job_tokens_per_second", "Global tokens per second, newest"
+                      " step.", JOB),
+            "tok_pred": _g("trident_job_tokens_per_second_predicted", "The plan's predicted"
+                           " tokens per second.", JOB),
+            "mfu": _g("trident_job_mfu_ratio", "Model FLOPs utilisation, newest step.", JOB),
+            "mfu_pred": _g("trident_job_mfu_predicted_ratio", "The plan's predicted MFU.", JOB),
+            "loss": _g("trident_job_loss", "Training loss, newest step.", JOB),
+            "comm_s": _g("trident_job_comm_seconds", "Seconds in collectives in rank 0's"
+                         " newest timed step, by dimension and op.", [*JOB, "dim", "op"]),
+            "comm_b": _g("trident_job_comm_bytes", "Bytes moved by collectives in rank 0's"
+                         " newest step, by dimension and op.", [*JOB, "dim", "op"]),
+            "bubble": _g("trident_job_pipeline_bubble_predicted_ratio",
+                         "The plan's pipeline bubble as a share of the step.", JOB),
+            "mem": _g("trident_rank_memory_peak_bytes", "Measured peak memory of a rank"
+                      " (newest step).", RANK),
+            "mem_pred": _g("trident_rank_memory_predicted_bytes", "The plan's predicted"
+                           " memory of the rank's pipeline stage.", RANK),
+            "age": _g("trident_rank_last_report_age_seconds", "Seconds since the rank's"
+                      " newest stored step report.", RANK),
+        }
+        for job in store.list_jobs(states=ACTIVE, limit=10000)[0]:
+            self._job(store, job, fams)
+        yield from fams.values()
+
+    def _controller(self, store: Store) -> Iterator[Metric]:
+        lease = Leases(store).read(name=CONTROLLER)
+        g = _g("trident_controller_pass_duration_seconds",
+               "Duration of the lease holder's previous controller pass.", [])
+        if lease is not None and lease.last_pass_s is not None:
+            g.add_metric([], lease.last_pass_s)
+        yield g
+
+    def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
+        jid = [str(job.id)]
+        lay, plan = job.plan.layout, job.plan
+        f["info"].add_metric([str(job.id), job.name, job.owner, job.state.value, str(lay.tp),
+                              str(lay.pp), str(lay.dp), str(lay.zero)], 1)
+        steps = job.spec.get("train", {}).get("steps")
+        if isinstance(steps, int):
+            f["steps"].add_metric(jid, steps)
+        f["step_pred"].add_metric(jid, plan.time.step_s)
+        f["tok_pred"].add_metric(jid, plan.tokens_per_s)
+        mfu_pred = plan.model_dump().get("mfu")
+        if mfu_pred is not None:
+            f["mfu_pred"].add_metric(jid, mfu_pred)
+        if plan.time.step_s:
+            f["bubble"].add_metric(jid, plan.time.bubble_s / plan.time.step_s)
+        latest = store.latest_metric(job_id=job.id)
+        if latest is None:
+            return
+        f["step"].add_metric(jid, latest.step)
+        f["step_s"].add_metric(jid, latest.step_time_s)
+        if plan.time.step_s:
+            f["err"].add_metric(jid, (latest.step_time_s - plan.time.step_s) / plan.time.step_s)
+        f["tok"].add_metric(jid, latest.tokens_per_s)
+        if mfu_pred is not None and plan.tokens_per_s:
+            f["mfu"].add_metric(jid, mfu_pred * latest.tokens_per_s / plan.tokens_per_s)
+        if latest.loss is not None:
+            f["loss"].add_metric(jid, latest.loss)
+        for dim, ops in (latest.data.get("comm") or {}).items():
+            for op, st in ops.items():
+                if latest.data.get("timed", True):
+                    f["comm_s"].add_metric([*jid, dim, op], st["time_s"])
+                f["comm_b"].add_metric([*jid, dim, op], st["bytes"])
+        if self.per_rank:
+            self._ranks(store, job, latest.attempt, latest.step, f)
+
+    def _ranks(self, store: Store, job: Job, attempt: int, step: int,
+               f: dict[str, GaugeMetricFamily]) -> None:
+        attempts = store.list_attempts(job_id=job.id)
+        place = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
+                                        if attempts else [])}
+        by_stage = {int(m["stage"]): float(m["total"])
+                    for m in job.plan.model_dump().get("memory_by_stage") or []}
+        stage_of = {r.rank: r.pp for r in job.plan.rank_layout}
+        newest: dict[int, Any] = {}
+        for m in store.list_metrics(job_id=job.id, rank=None, attempt=attempt,
+                                    after_step=max(0, step - 5), limit=100000):
+            newest[m.rank] = m
+        now = utcnow()
+        for rank in range(job.world_size):
+            p = place.get(rank, {})
+            labels = [str(job.id), str(rank), str(p.get("hostname", "")),
+                      ",".join(p.get("gpu_ids") or [])]
+            f["mem_pred"].add_metric(labels, by_stage.get(stage_of.get(rank, 0),
+                                                          float(job.plan.memory.total)))
+            row = newest.get(rank)
+            if row is None:
+                continue
+            peak = row.data.get("memory", {}).get("process_peak_bytes")
+            if isinstance(peak, int | float):
+                f["mem"].add_metric(labels, peak)
+            f["age"].add_metric(labels, (now - row.time).total_seconds())
+
+
+def request_latency(registry: CollectorRegistry) -> Histogram:
+    return Histogram("trident_api_request_duration_seconds",
+                     "Time from a request's arrival to its response's headers.",
+                     ["method", "route", "status"], registry=registry,
+                     buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+
+
+_ID = re.compile(r"/\d+(?=/|$)")
+
+
+def route_label(scope: Scope) -> str:
+    """The route, bounded: ids become `{id}`, static files one label, no match `unmatched`."""
+    if "route" not in scope:
+        return "unmatched"
+    path: str = scope["path"]
+    if path.startswith("/static/"):
+        return "/static"
+    return _ID.sub("/{id}", path)
+
+
+class RequestTimer:
+    """ASGI middleware: observes every HTTP request's latency by route template (bounded)."""
+
+    def __init__(self, app: ASGIApp, histogram: Histogram) -> None:
+        self.app = app
+        self.histogram = histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.histogram.labels(scope["method"], route_label(scope),
+                                      str(message["status"])).observe(
+                    time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, timed_send)

@@ -1,0 +1,79 @@
+"""Job views the dashboard draws (and any client may read): downsampled chart series, the
+ranks grid, and hang diagnoses with the ranks' stacks grouped."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+
+from api.auth import require
+from api.deps import JobDep, StoreDep
+from service.dashboard import MAX_POINTS, job_series, ranks_grid
+
+router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
+
+
+@router.get("/{job_id}/series")
+def series(job: JobDep, store: StoreDep,
+           max_points: Annotated[int, Query(ge=10, le=MAX_POINTS, description=(
+               "The most points per series: longer series keep each bucket's minimum and"
+               " maximum of every series."))] = MAX_POINTS) -> dict[str, Any]:
+    """Rank 0's loss, step time, tokens/s and MFU per step, downsampled on the server, with
+    the plan's predicted step time, tokens/s and MFU; `rows` is the number of steps stored."""
+    return job_series(store, job, max_points)
+
+
+@router.get("/{job_id}/ranks")
+def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
+    """Every rank of the layout (newest attempt): tp/pp/dp coordinates, node and GPU, peak
+    memory against the prediction for its stage, compute time against its stage peers,
+    stragglers and the ranks a hang waits for."""
+    return ranks_grid(store, job)
+
+
+@router.get("/{job_id}/comm/steps")
+def comm_steps(job: JobDep, store: StoreDep,
+               last: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
+    """Per step of the newest attempt's last `last` steps (timed steps only), the mean over
+    ranks of the step time and of its time in TP, PP and DP collectives (the rest is
+    compute, bubble included), next to the plan's split."""
+    t = job.plan.time
+    out: dict[str, Any] = {"predicted": {
+        "compute": t.compute_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.offload_s,
+        "tp": t.tp_comm_s, "pp": t.pp_comm_s, "dp": t.dp_comm_s + t.zero3_gather_s,
+        "bubble": t.bubble_s, "step": t.step_s}, "steps": []}
+    latest = store.latest_metric(job_id=job.id)
+    if latest is None:
+        return out
+    per_step: dict[int, list[Any]] = {}
+    for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                after_step=max(0, latest.step - last), limit=200 * 4096):
+        if m.data.get("comm") is not None and m.data.get("timed", True):
+            per_step.setdefault(m.step, []).append(m)
+    for step, ms in sorted(per_step.items()):
+        dims = {d: sum(sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
+                       for m in ms) / len(ms) for d in ("tp", "pp", "dp")}
+        step_s = sum(m.step_time_s for m in ms) / len(ms)
+        out["steps"].append({"step": step, "ranks": len(ms), "step_s": step_s,
+                             "compute": max(0.0, step_s - sum(dims.values())), **dims})
+    return out
+
+
+@router.get("/{job_id}/hangs")
+def hangs(job: JobDep, store: StoreDep) -> dict[str, Any]:
+    """Every hang diagnosis of the job (newest first), each with the ranks' Python stacks
+    recorded with it, ranks with identical stacks grouped."""
+    events = store.list_events(job_id=job.id, limit=1000)
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        if ev.kind == "hang":
+            out.append({"id": ev.id, "attempt": ev.attempt, "time": ev.time,
+                        "summary": ev.message, "diagnosis": ev.data, "stacks": {}})
+        elif ev.kind == "stacks" and out:
+            text = str(ev.data.get("stacks", ""))
+            out[-1]["stacks"].setdefault(text, []).append(ev.data.get("rank"))
+    for h in out:
+        h["stacks"] = [{"ranks": sorted(r for r in rs if r is not None), "text": t}
+                       for t, rs in sorted(h["stacks"].items(), key=lambda kv: -len(kv[1]))]
+    return {"items": out[::-1]}

@@ -1,0 +1,303 @@
+// A job's page: tabs, live state and events, charts (uPlot), ranks grid, communication,
+// live rank logs (server-sent events), hangs, and the cancel / resubmit actions.
+"use strict";
+(function () {
+  const root = document.getElementById("job");
+  const jobId = root.dataset.job;
+  const pollMs = Number(root.dataset.pollMs);
+  const api = `/api/v1/jobs/${jobId}`;
+  const stages = window.TRIDENT_STAGES || [];
+  let terminal = root.dataset.terminal === "true";
+  let current = "overview";
+  const loaded = {};
+
+  // --- tabs -------------------------------------------------------------------------------
+  function show(tab) {
+    if (!document.getElementById("tab-" + tab)) tab = "overview";
+    current = tab;
+    document.querySelectorAll("section.tab").forEach(s => { s.hidden = s.id !== "tab-" + tab; });
+    document.querySelectorAll(".tabs a").forEach(a => a.classList.toggle("active", a.dataset.tab === tab));
+    if (!loaded[tab]) { loaded[tab] = true; (OPEN[tab] || (() => {}))(); }
+    if (tab === "metrics") Object.values(charts).forEach(c => c.setSize(chartSize()));
+  }
+  document.querySelectorAll(".tabs a").forEach(a => a.addEventListener("click", e => {
+    e.preventDefault();
+    history.replaceState(null, "", "#" + a.dataset.tab);
+    show(a.dataset.tab);
+  }));
+
+  // --- state, events, actions -----------------------------------------------------------------
+  let lastEvent = 0;
+  const timeline = document.getElementById("events");
+  async function pollJob() {
+    try {
+      const j = await getJSON(api);
+      const st = document.getElementById("job-state");
+      st.textContent = j.state;
+      st.className = "state " + j.state;
+      document.getElementById("job-attempts").textContent = j.attempts;
+      const err = document.getElementById("job-error");
+      err.hidden = !j.error;
+      err.textContent = j.error || "";
+      terminal = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(j.state);
+      document.getElementById("cancel").disabled = terminal;
+      const evs = await getJSON(`${api}/events?after=${lastEvent}&limit=1000`);
+      for (const ev of evs.items) {
+        lastEvent = ev.id;
+        const li = document.createElement("li");
+        li.innerHTML = `<time>${esc(new Date(ev.time).toLocaleTimeString())}</time> ` +
+          `<span class="kind">${esc(ev.kind)}</span>${esc(ev.message.split("\n")[0].slice(0, 300))}`;
+        li.title = ev.message;
+        timeline.appendChild(li);
+      }
+    } catch (e) { /* retried */ }
+  }
+  document.getElementById("cancel").addEventListener("click", async () => {
+    const out = document.getElementById("action-status");
+    try {
+      const j = await getJSON(`${api}/cancel`, {method: "POST"});
+      out.textContent = `cancel requested (${j.state})`;
+    } catch (e) { out.textContent = "cancel refused: " + e.message; }
+    pollJob();
+  });
+  document.getElementById("resubmit").addEventListener("click", async () => {
+    const out = document.getElementById("action-status");
+    try {
+      const j = await getJSON(api);
+      const fresh = await getJSON("/api/v1/jobs", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                   body: JSON.stringify(j.spec)});
+      location.href = `/jobs/${fresh.id}`;
+    } catch (e) { out.textContent = "resubmit refused: " + e.message; }
+  });
+
+  // --- metrics charts ---------------------------------------------------------------------------
+  const charts = {};
+  let series = null;
+  const CHARTS = [
+    {key: "loss", title: "Loss", unit: "loss (nats)", pred: null, scale: 1},
+    {key: "step_time_s", title: "Step time", unit: "seconds per step", pred: "step_time_s", scale: 1},
+    {key: "tokens_per_s", title: "Throughput", unit: "tokens per second", pred: "tokens_per_s", scale: 1},
+    {key: "mfu", title: "MFU", unit: "model FLOPs utilisation (%)", pred: "mfu", scale: 100},
+  ];
+  function chartSize() {
+    const w = Math.max(320, (document.getElementById("charts").clientWidth || 1100) / (innerWidth > 1200 ? 2 : 1) - 24);
+    return {width: w, height: 260};
+  }
+  function smooth(ys, a) {
+    if (!a) return ys;
+    let m = null;
+    return ys.map(y => (y === null ? null : (m = m === null ? y : a * m + (1 - a) * y)));
+  }
+  function chartData(c) {
+    const a = Number(document.getElementById("smooth").value);
+    const ys = smooth(series[c.key].map(v => (v === null ? null : v * c.scale)), a);
+    const data = [series.step, ys];
+    if (c.pred && series.predicted[c.pred] !== null && series.predicted[c.pred] !== undefined) {
+      data.push(series.step.map(() => series.predicted[c.pred] * c.scale));
+    }
+    return data;
+  }
+  function buildCharts() {
+    const box = document.getElementById("charts");
+    box.innerHTML = "";
+    const log = document.getElementById("logscale").checked;
+    for (const c of CHARTS) {
+      const div = document.createElement("div");
+      div.className = "chart";
+      div.id = "chart-" + c.key;
+      div.innerHTML = `<h3>${esc(c.title)}</h3>`;
+      box.appendChild(div);
+      const data = chartData(c);
+      const lines = [{}, {label: "measured", stroke: PALETTE[0], width: 1.5, spanGaps: true}];
+      if (data.length > 2) lines.push({label: "predicted", stroke: PALETTE[1], width: 2, dash: [6, 4]});
+      charts[c.key] = new uPlot({
+        ...chartSize(), series: lines,
+        scales: {x: {time: false}, y: log ? {distr: 3} : {}},
+        axes: [{label: "step"}, {label: c.unit, size: 70}],
+        cursor: {drag: {x: true, y: false}},
+      }, data, div);
+      div.dataset.points = String(data[0].length);
+    }
+  }
+  async function loadSeries(rebuild) {
+    try {
+      series = await getJSON(`${api}/series`);
+      document.getElementById("job-step").textContent = series.step.length ? series.step[series.step.length - 1] : "-";
+      document.getElementById("series-info").textContent =
+        `${series.rows} steps stored, ${series.step.length} points drawn per series`;
+      if (rebuild || !Object.keys(charts).length) buildCharts();
+      else for (const c of CHARTS) {
+        const data = chartData(c);
+        charts[c.key].setData(data);
+        document.getElementById("chart-" + c.key).dataset.points = String(data[0].length);
+      }
+    } catch (e) { /* retried */ }
+  }
+  document.getElementById("logscale").addEventListener("change", () => series && buildCharts());
+  document.getElementById("smooth").addEventListener("input", e => {
+    document.getElementById("smooth-out").textContent = e.target.value;
+    if (series) for (const c of CHARTS) charts[c.key].setData(chartData(c));
+  });
+
+  // --- ranks grid -----------------------------------------------------------------------------
+  // Diverging blue (under) - grey (as predicted / as peers) - orange (over); ratio on a log2 scale.
+  function ratioColour(r) {
+    if (r === null || r === undefined) return "#e0e0e0";
+    const t = Math.max(-1, Math.min(1, Math.log2(r)));
+    const mix = (a, b, f) => Math.round(a + (b - a) * f);
+    const grey = [238, 238, 238], lo = [86, 180, 233], hi = [230, 159, 0];
+    const to = t < 0 ? lo : hi, f = Math.abs(t);
+    return `rgb(${mix(grey[0], to[0], f)},${mix(grey[1], to[1], f)},${mix(grey[2], to[2], f)})`;
+  }
+  let ranks = null;
+  function renderRanks() {
+    if (!ranks) return;
+    const by = document.querySelector("input[name=rank-colour]:checked").value;
+    const grid = document.getElementById("ranks-grid");
+    grid.innerHTML = "";
+    const pp = ranks.layout.pp, dp = ranks.layout.dp;
+    for (let s = 0; s < pp; s++) {
+      const row = document.createElement("div");
+      row.className = "stage-row";
+      row.innerHTML = `<span class="barlabel">stage ${s}</span>`;
+      for (let d = 0; d < dp; d++) {
+        const group = document.createElement("div");
+        group.className = "dp-group";
+        group.title = `pipeline stage ${s}, data-parallel replica ${d}`;
+        for (const c of ranks.cells.filter(c => c.pp === s && c.dp === d).sort((a, b) => a.tp - b.tp)) {
+          const cell = document.createElement("div");
+          const ratio = by === "memory" ? c.memory_ratio : c.compute_ratio;
+          cell.className = "rank-cell" + (c.straggler ? " straggler" : "") + (c.hang_waits_for ? " hang" : "");
+          cell.style.background = ratioColour(ratio);
+          cell.dataset.rank = c.rank;
+          const mark = c.hang_waits_for ? " hang" : c.straggler ? " slow" : "";
+          cell.innerHTML = `<span class="mark">r${c.rank}${mark}</span><span>${ratio === null ? "n/a" : ratio.toFixed(2) + "×"}</span>`;
+          const text = `rank ${c.rank} (tp ${c.tp}, pp ${c.pp}, dp ${c.dp}) on ${c.node || "?"}` +
+            (c.gpu ? ` gpu ${c.gpu}` : "") + `: peak memory ${fmtBytes(c.memory_peak_bytes)} of ` +
+            `${fmtBytes(c.memory_predicted_bytes)} predicted; compute ${fmtSecs(c.compute_s)} against ` +
+            `stage peers' ${fmtSecs(c.stage_compute_s)}` + (c.straggler ? "; straggler" : "") +
+            (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "");
+          cell.title = text;
+          cell.addEventListener("mouseenter", () => { document.getElementById("rank-detail").textContent = text; });
+          group.appendChild(cell);
+        }
+        row.appendChild(group);
+      }
+      grid.appendChild(row);
+    }
+    document.getElementById("rank-legend").innerHTML = [0.5, 0.75, 1, 1.5, 2].map(r =>
+      `<span style="background:${ratioColour(r)}">${r}×</span>`).join("") +
+      `<span style="background:#e0e0e0">n/a</span> <span class="rank-cell straggler" style="display:inline;width:auto">slow: straggler</span>` +
+      ` <span class="rank-cell hang" style="display:inline;width:auto">hang: a hang waits for it</span>`;
+  }
+  async function loadRanks() {
+    try { ranks = await getJSON(`${api}/ranks`); renderRanks(); } catch (e) { /* retried */ }
+  }
+  document.querySelectorAll("input[name=rank-colour]").forEach(i => i.addEventListener("change", renderRanks));
+
+  // --- communication ----------------------------------------------------------------------------
+  const PARTS = ["compute", "tp", "pp", "dp", "bubble"];
+  function bar(label, parts, scale) {
+    const total = PARTS.reduce((a, p) => a + (parts[p] || 0), 0);
+    const spans = PARTS.filter(p => parts[p] > 0).map(p =>
+      `<span style="width:${(100 * parts[p] / scale).toFixed(2)}%;background:${PALETTE[PARTS.indexOf(p)]}" title="${p}: ${fmtSecs(parts[p])}">${p} ${fmtSecs(parts[p])}</span>`).join("");
+    return `<div class="barlabel">${esc(label)}: ${fmtSecs(total)}</div><div class="bar">${spans}</div>`;
+  }
+  async function loadComm() {
+    try {
+      const c = await getJSON(`${api}/comm`);
+      const steps = await getJSON(`${api}/comm/steps`);
+      const predicted = steps.predicted;
+      const max = Math.max(predicted.step, ...steps.steps.map(s => s.step_s));
+      document.getElementById("comm-bars").innerHTML =
+        `<p class="controls">${PARTS.map((p, i) => `<span class="chip" style="border-left:10px solid ${PALETTE[i]}">${p}</span>`).join("")}` +
+        ` seconds per step; measured compute includes the bubble (the ranks do not report it apart)</p>` +
+        bar("predicted", predicted, max) +
+        (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
+                            : "<p>No timed step measured yet.</p>");
+      document.querySelector("#probe tbody").innerHTML = (c.probe || []).map(r =>
+        `<tr><td>${esc(r.dim)}</td><td>${esc(r.op)}</td><td>${esc((r.group || []).join(","))}</td><td>${fmtBytes(r.bytes)}</td>` +
+        `<td>${fmtBytes(r.busbw)}/s</td><td>${r.expected_busbw ? fmtBytes(r.expected_busbw) + "/s" : "-"}</td></tr>`).join("") ||
+        `<tr><td colspan="6">No bandwidth probe (monitor.probe off, or one rank).</td></tr>`;
+    } catch (e) { /* retried */ }
+  }
+
+  // --- logs -----------------------------------------------------------------------------------
+  const logLines = [];  // {rank, text}
+  const partial = {};
+  let source = null;
+  function addChunk(c) {
+    if (c.skipped) logLines.push({rank: c.rank, text: `... ${c.skipped} bytes dropped by the size cap`});
+    const parts = ((partial[c.rank] || "") + c.text).split("\n");
+    partial[c.rank] = parts.pop();
+    for (const t of parts) logLines.push({rank: c.rank, text: t});
+    if (logLines.length > 50000) logLines.splice(0, logLines.length - 50000);
+  }
+  function renderLogs() {
+    const rank = document.getElementById("log-rank").value;
+    const stage = document.getElementById("log-stage").value;
+    const q = document.getElementById("log-search").value;
+    const ctx = Math.max(0, Math.min(50, Number(document.getElementById("log-context").value) || 0));
+    const pool = logLines.filter(l => (rank === "" || String(l.rank) === rank) &&
+                                      (stage === "" || String(stages[l.rank]) === stage));
+    let keep = pool.map(() => !q);
+    if (q) pool.forEach((l, i) => { if (l.text.includes(q)) for (let k = Math.max(0, i - ctx); k <= Math.min(pool.length - 1, i + ctx); k++) keep[k] = true; });
+    const out = [];
+    let gap = false;
+    pool.forEach((l, i) => {
+      if (!keep[i]) { gap = true; return; }
+      if (gap && out.length) out.push(`<span class="sep">--</span>`);
+      gap = false;
+      let text = esc(l.text);
+      if (q) text = text.split(esc(q)).join(`<mark>${esc(q)}</mark>`);
+      out.push(`<span class="line" data-rank="${l.rank}">[rank ${l.rank}] ${text}</span>`);
+    });
+    const view = document.getElementById("log-view");
+    const atEnd = view.scrollTop + view.clientHeight >= view.scrollHeight - 20;
+    view.innerHTML = out.join("\n");
+    if (atEnd) view.scrollTop = view.scrollHeight;
+  }
+  function followLogs() {
+    const status = document.getElementById("log-status");
+    source = new EventSource(`${api}/logs?follow=true`);
+    status.textContent = "following";
+    source.addEventListener("log", e => { addChunk(JSON.parse(e.data)); renderLogs(); });
+    source.addEventListener("end", () => { status.textContent = "the job has ended: all output shown"; source.close(); });
+    source.onerror = () => {
+      if (source.readyState === EventSource.CLOSED) status.textContent = "not following (job not started?)";
+    };
+  }
+  ["log-rank", "log-stage", "log-search", "log-context"].forEach(id =>
+    document.getElementById(id).addEventListener("input", renderLogs));
+
+  // --- hangs ----------------------------------------------------------------------------------
+  async function loadHangs() {
+    try {
+      const h = await getJSON(`${api}/hangs`);
+      if (!h.items.length) return;
+      document.getElementById("hangs").innerHTML = h.items.map(x =>
+        `<h3>Attempt ${x.attempt}: ${esc(x.summary)}</h3>` +
+        `<table class="grid"><thead><tr><th>group</th><th>collective</th><th>step</th><th>waiting</th><th>never arrived</th></tr></thead><tbody>` +
+        (x.diagnosis.waiting || []).map(w => `<tr><td>${esc(w.dim || "")} [${esc(w.group.join(","))}]</td><td>${esc(w.collective)}</td>` +
+          `<td>${w.step}</td><td>${esc(w.waiting.join(","))}</td><td>${esc(w.missing.join(","))}</td></tr>`).join("") +
+        `</tbody></table><p>Root cause ranks: <strong>${esc((x.diagnosis.never_arrived || []).join(", ") || "none")}</strong></p>` +
+        x.stacks.map(s => `<details><summary>ranks ${esc(s.ranks.join(", "))} (identical stacks)</summary><pre class="scroll">${esc(s.text)}</pre></details>`).join("")
+      ).join("");
+    } catch (e) { /* retried */ }
+  }
+
+  // --- what each tab does when first opened, and while open -----------------------------------
+  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: followLogs, hangs: loadHangs};
+  const LIVE = {metrics: () => loadSeries(false), ranks: loadRanks, comm: loadComm, hangs: loadHangs};
+  setInterval(() => {
+    if (terminal && loaded["final-" + current]) return;
+    if (terminal) loaded["final-" + current] = true;  // one more refresh after the end
+    pollJob();
+    (LIVE[current] || (() => {}))();
+  }, pollMs);
+  addEventListener("resize", () => Object.values(charts).forEach(c => c.setSize(chartSize())));
+  addEventListener("hashchange", () => show((location.hash || "#overview").slice(1)));
+  pollJob();
+  loadSeries(false);
+  show((location.hash || "#overview").slice(1));
+})();

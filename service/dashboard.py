@@ -1,0 +1,284 @@
+"""What the dashboard and `GET /metrics` read from the store, in as few queries as possible.
+
+The jobs list pages in SQL (filters, sort, offset) and reads each listed job's newest step by
+an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts read four
+columns of its rank-0 rows, bucketed in the database (min/max per bucket) when long, so a
+100,000-step job sends at most `MAX_POINTS` points per series.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import AttemptRow, EventRow, JobRow, MetricRow
+from service.states import JobState
+from service.store import Job, Metric, Store
+
+MAX_POINTS = 2000
+"""The most points of one chart series the server sends."""
+
+SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,
+         "created": JobRow.created_at, "priority": JobRow.priority}
+"""Columns the jobs list sorts by."""
+
+
+def _session(store: Store) -> sessionmaker[Session]:
+    return sessionmaker(store.engine, expire_on_commit=False)
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One line of the jobs list: the job, its newest step, and why it waits if queued."""
+
+    job: Job
+    latest: Metric | None
+    total_steps: int | None
+    queue_position: int | None
+
+    @property
+    def progress(self) -> float | None:
+        if self.latest is None or not self.total_steps:
+            return None
+        return min(1.0, self.latest.step / self.total_steps)
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.job.attempts - 1)
+
+    @property
+    def queue_reason(self) -> str | None:
+        if self.queue_position is None:
+            return None
+        need = f"{self.job.world_size} rank(s), {self.job.cpus:g} CPU"
+        if self.job.gpus:
+            need += f" and {self.job.gpus:g} GPU"
+        if self.queue_position == 1:
+            return f"first in line; waits until the cluster has {need} free"
+        return (f"position {self.queue_position}: {self.queue_position - 1} job(s) before it"
+                f" (needs {need})")
+
+
+def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
+    """Rank 0's newest step of each job, in one query (an index seek per job)."""
+    if not job_ids:
+        return {}
+    jobs = select(JobRow.id).where(JobRow.id.in_(job_ids)).subquery()
+    newest = (select(MetricRow.id).where(MetricRow.job_id == jobs.c.id, MetricRow.rank == 0)
+              .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1)
+              .correlate(jobs).scalar_subquery())
+    rows = s.execute(select(MetricRow).where(MetricRow.id.in_(select(newest)))).scalars()
+    return {r.job_id: Metric.from_row(r) for r in rows}
+
+
+def _queue_order(s: Session) -> dict[int, int]:
+    """Every queued job's position (1-based) in admission order: priority, then age."""
+    ids = s.execute(select(JobRow.id).where(JobRow.state == JobState.QUEUED.value)
+                    .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
+    return {job_id: i for i, job_id in enumerate(ids, 1)}
+
+
+def _steps(row: JobRow) -> int | None:
+    steps = row.spec.get("train", {}).get("steps") if isinstance(row.spec, dict) else None
+    return steps if isinstance(steps, int) else None
+
+
+def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
+              owner: str = "", sort: str = "id", desc: bool = True, limit: int = 50,
+              offset: int = 0) -> tuple[list[JobSummary], int]:
+    """One page of the jobs list and the number of jobs the filters select."""
+    conds: list[Any] = []
+    if states:
+        conds.append(JobRow.state.in_([st.value for st in states]))
+    if name:
+        conds.append(JobRow.name.contains(name, autoescape=True))
+    if owner:
+        conds.append(JobRow.owner == owner)
+    col = SORTS[sort]
+    order: list[Any] = [col.desc() if desc else col.asc()]
+    if sort != "id":
+        order.append(JobRow.id.desc())
+    with _session(store).begin() as s:
+        total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
+        rows = s.execute(select(JobRow).where(*conds).order_by(*order)
+                         .limit(limit).offset(offset)).scalars().all()
+        queued = any(r.state == JobState.QUEUED.value for r in rows)
+        positions = _queue_order(s) if queued else {}
+        latest = _latest(s, [r.id for r in rows])
+        return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
+                           queue_position=positions.get(r.id)) for r in rows], int(total)
+
+
+def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
+    """The first `limit` queued jobs in admission order (priority, then age), with position
+    and reason, and how many are queued."""
+    with _session(store).begin() as s:
+        q = select(JobRow).where(JobRow.state == JobState.QUEUED.value)
+        total = s.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+        rows = s.execute(q.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)).scalars()
+        return [JobSummary(job=Job.from_row(r), latest=None, total_steps=_steps(r),
+                           queue_position=i) for i, r in enumerate(rows, 1)], int(total)
+
+
+def count_by_state(store: Store) -> dict[JobState, int]:
+    """Jobs per state, every state present (zero when none)."""
+    with _session(store).begin() as s:
+        got = dict(s.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all())
+    return {st: int(got.get(st.value, 0)) for st in JobState}
+
+
+def recent_metrics(store: Store, job: Job, window: int = 1000) -> list[Metric]:
+    """Rank 0's last `window` steps of the newest attempt: what the pages compare with the
+    plan (steady-state medians), bounded however long the job ran."""
+    latest = store.latest_metric(job_id=job.id)
+    if latest is None:
+        return []
+    return store.list_metrics(job_id=job.id, attempt=latest.attempt,
+                              after_step=max(0, latest.step - window), limit=window)
+
+
+# --- charts ------------------------------------------------------------------------------------
+
+def _kept_steps(s: Session, job_id: int) -> tuple[Any, int, int, int]:
+    """Which rank-0 rows a chart shows: each attempt's steps below the first step of any later
+    attempt (a restarted job redoes the steps after its checkpoint: the newest values count).
+    Returns the condition, the lowest and highest step, and the number of steps kept."""
+    numbers = s.execute(select(AttemptRow.number).where(AttemptRow.job_id == job_id)
+                        .order_by(AttemptRow.number.desc())).scalars().all()
+    conds, bound, lo, hi, n = [], None, None, None, 0
+    for attempt in numbers:
+        # Two seeks of the (job, attempt, step, rank) unique index.
+        q = select(MetricRow.step).where(MetricRow.job_id == job_id,
+                                         MetricRow.attempt == attempt, MetricRow.rank == 0)
+        first = s.execute(q.order_by(MetricRow.step).limit(1)).scalar()
+        last = s.execute(q.order_by(MetricRow.step.desc()).limit(1)).scalar()
+        if first is None or last is None:
+            continue
+        top = last if bound is None else min(last, bound - 1)
+        if top >= first:
+            conds.append(and_(MetricRow.attempt == attempt, MetricRow.step <= top))
+            lo = first if lo is None else min(lo, first)
+            hi = top if hi is None else max(hi, top)
+            n += top - first + 1
+        bound = first if bound is None else min(bound, first)
+    return or_(*conds) if conds else None, lo or 0, hi or 0, n
+
+
+def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str, Any]:
+    """Rank 0's loss, step time, tokens/s and MFU per step, with the plan's predictions.
+
+    Up to `max_points` steps come as they are. Longer series are bucketed in the database
+    (`max_points / 2` buckets of consecutive steps): each bucket gives two points, its first
+    step with every series' minimum and its last step with every series' maximum, so spikes
+    and dips survive however long the job ran; a bucket is narrower than a pixel of a chart,
+    so the order of minimum and maximum inside it is not drawn. `rows`: the steps shown."""
+    plan = job.plan
+    mfu_pred = plan.model_dump().get("mfu")
+    mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
+    out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
+                           "tokens_per_s": [], "mfu": [], "predicted": {
+                               "step_time_s": plan.time.step_s,
+                               "tokens_per_s": plan.tokens_per_s, "mfu": mfu_pred}}
+    m = MetricRow
+    with _session(store).begin() as s:
+        kept, lo, hi, n = _kept_steps(s, job.id)
+        if kept is None:
+            return out
+        where = (m.job_id == job.id, m.rank == 0, kept)
+        if n <= max_points:
+            exact = s.execute(select(m.step, m.loss, m.step_time_s, m.tokens_per_s)
+                              .where(*where).order_by(m.step)).all()
+            points = [(r[0], r[1], r[2], r[3]) for r in exact]
+        else:
+            width = -(-(hi - lo + 1) // (max_points // 2))
+            bucket = ((m.step - lo) // width).label("bucket")
+            rows = s.execute(select(bucket, func.min(m.step), func.max(m.step), func.min(m.loss),
+                                    func.max(m.loss), func.min(m.step_time_s),
+                                    func.max(m.step_time_s), func.min(m.tokens_per_s),
+                                    func.max(m.tokens_per_s))
+                             .where(*where).group_by(bucket).order_by(bucket)).all()
+            points = []
+            for _, first, last, lo_l, hi_l, lo_t, hi_t, lo_k, hi_k in rows:
+                points.append((first, lo_l, lo_t, lo_k))
+                if last != first:
+                    points.append((last, hi_l, hi_t, hi_k))
+    out["rows"] = n
+    out["step"] = [int(p[0]) for p in points]
+    out["loss"] = [None if p[1] is None else float(p[1]) for p in points]
+    out["step_time_s"] = [float(p[2]) for p in points]
+    out["tokens_per_s"] = [float(p[3]) for p in points]
+    out["mfu"] = [float(p[3]) * mfu_per_token for p in points]
+    return out
+
+
+# --- ranks grid --------------------------------------------------------------------------------
+
+def _compute_s(m: Metric) -> float | None:
+    comm = m.data.get("comm")
+    if comm is None or not m.data.get("timed", True):
+        return None
+    return max(0.0, m.step_time_s - sum(o["time_s"] for ops in comm.values()
+                                        for o in ops.values()))
+
+
+def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
+    """Every rank of the layout: coordinates, node, GPU, measured peak memory against the plan's
+    prediction for its stage, compute time against its stage peers' median, and whether it is
+    a straggler or the rank a hang waits for (the newest attempt's events)."""
+    plan = job.plan
+    by_stage = {int(m["stage"]): float(m["total"])
+                for m in plan.model_dump().get("memory_by_stage") or []}
+    attempts = store.list_attempts(job_id=job.id)
+    placement = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
+                                        if attempts else [])}
+    latest = store.latest_metric(job_id=job.id)
+    recent: dict[int, list[Metric]] = {}
+    if latest is not None:
+        for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                    after_step=max(0, latest.step - window), limit=100000):
+            recent.setdefault(m.rank, []).append(m)
+    compute: dict[int, float] = {}
+    for r, ms in recent.items():
+        times = [x for m in ms if (x := _compute_s(m)) is not None]
+        if times:
+            compute[r] = statistics.median(times)
+    stage_of = {row.rank: row.pp for row in plan.rank_layout}
+    peers: dict[int, list[float]] = {}
+    for r, t in compute.items():
+        peers.setdefault(stage_of.get(r, 0), []).append(t)
+    number = attempts[-1].number if attempts else None
+    stragglers, waited_for = set(), set()
+    with _session(store).begin() as s:
+        for ev in s.execute(select(EventRow).where(
+                EventRow.job_id == job.id, EventRow.attempt == number,
+                EventRow.kind.in_(["straggler", "hang"]))).scalars():
+            if ev.kind == "straggler":
+                stragglers.add(int((ev.data or {}).get("rank", -1)))
+            else:
+                waited_for |= set((ev.data or {}).get("never_arrived", []))
+    cells = []
+    for row in plan.rank_layout:
+        ms = recent.get(row.rank, [])
+        peaks = [p for m in ms if isinstance(p := m.data.get("memory", {})
+                                             .get("process_peak_bytes"), int | float)]
+        pred = by_stage.get(row.pp, float(plan.memory.total))
+        c = compute.get(row.rank)
+        peer = statistics.median(peers[row.pp]) if peers.get(row.pp) else None
+        place = placement.get(row.rank, {})
+        cells.append({
+            "rank": row.rank, "tp": row.tp, "pp": row.pp, "dp": row.dp,
+            "node": place.get("hostname"), "gpu": ",".join(place.get("gpu_ids") or []) or None,
+            "memory_peak_bytes": max(peaks) if peaks else None,
+            "memory_predicted_bytes": pred,
+            "memory_ratio": max(peaks) / pred if peaks and pred else None,
+            "compute_s": c, "stage_compute_s": peer,
+            "compute_ratio": c / peer if c is not None and peer else None,
+            "step": ms[-1].step if ms else None,
+            "straggler": row.rank in stragglers, "hang_waits_for": row.rank in waited_for})
+    return {"layout": plan.layout.model_dump(), "world_size": plan.world_size,
+            "attempt": number, "cells": cells}

@@ -1,0 +1,240 @@
+"""The dashboard in a real browser (Playwright driving Debian's chromium) against a running
+stack: the API on a port, the controller stepping in a thread, a local Ray, real jobs (the
+built-in trainer, a chatty custom entrypoint, one that raises). One stack for every test of
+the module. Each test saves a screenshot of its page under var/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("playwright")
+
+import uvicorn  # noqa: E402
+from playwright.sync_api import Page, expect  # noqa: E402
+
+from api.app import create_app  # noqa: E402
+from service.controller import Controller  # noqa: E402
+from service.settings import Settings  # noqa: E402
+from service.store import Store  # noqa: E402
+from tests.conftest import tiny_spec, user_token  # noqa: E402
+from tests.test_cli import free_port, wait_healthy  # noqa: E402
+from workers.group import RayLauncher  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "var" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+HTTP_TIMEOUT_S = 60
+"""For the test's own requests: generous, so that a loaded machine is slow, not a failure."""
+
+
+# Waits for the page are generous too: the tests check what the page shows, not how fast.
+expect.set_options(timeout=30_000)
+
+
+AUTH: dict[str, str] = {}
+"""The admin's Authorization header, once the stack is up (the REST calls of the tests)."""
+
+
+def get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, timeout=HTTP_TIMEOUT_S, headers=AUTH, **kw)
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args: dict[str, Any]) -> dict[str, Any]:
+    """Debian's chromium (`make install` installs it): Playwright cannot download one here."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed: `make install` installs it (apt-get)")
+    return {**browser_type_launch_args, "executable_path": CHROMIUM}
+
+
+@dataclass
+class Live:
+    url: str
+    store: Store
+    jobs: dict[str, int]
+    token: str
+
+    def job(self, name: str) -> dict[str, Any]:
+        return get(f"{self.url}/api/v1/jobs/{self.jobs[name]}").json()
+
+    def wait(self, name: str, states: set[str], timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (job := self.job(name))["state"] not in states:
+            assert time.monotonic() < deadline, f"{name}: {job['state']} after {timeout} s"
+            time.sleep(0.3)
+        return job
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    # address="local": a Ray of our own, never a cluster someone else started on this host.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    settings = Settings(data_dir=tmp_path_factory.mktemp("browser"))
+    store = Store(settings.db_url)
+    store.migrate()
+    token = user_token(store)
+    AUTH["Authorization"] = f"Bearer {token}"
+    controller = Controller(store, RayLauncher(log_root=settings.log_root,
+                                               log_max_bytes=settings.rank_log_max_bytes),
+                            checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
+                            cancel_grace_s=5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    threads = [threading.Thread(target=server.run, daemon=True)]
+    stop = threading.Event()
+
+    def drive() -> None:
+        while not stop.is_set():
+            controller.step()
+            stop.wait(0.2)
+
+    threads.append(threading.Thread(target=drive, daemon=True))
+    for t in threads:
+        t.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, controller=False)
+    jobs = {}
+    for name, spec in [("tiny", tiny_spec(name="browser-tiny")),
+                       ("chatty", tiny_spec(name="browser-chatty",
+                                            entrypoint="tests.entrypoints:chatty")),
+                       ("explode", tiny_spec(name="browser-explode",
+                                             entrypoint="tests.entrypoints:explode"))]:
+        r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S, headers=AUTH)
+        assert r.status_code == 201, r.text
+        jobs[name] = r.json()["id"]
+    try:
+        yield Live(url, store, jobs, token)
+    finally:
+        stop.set()
+        threads[1].join(10)
+        controller.shutdown(stop_jobs=True)
+        server.should_exit = True
+        threads[0].join(10)
+        store.close()
+        ray.shutdown()
+
+
+@pytest.fixture
+def page(page: Page, live: Live, request: pytest.FixtureRequest) -> Iterator[Page]:
+    """The browser page, logged in through the log-in form (the session cookie, and the CSRF
+    token the pages send with what they change), failing the test on any console error; a
+    screenshot at the end."""
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.goto(f"{live.url}/jobs/{live.jobs['tiny']}")
+    assert page.url.startswith(f"{live.url}/login"), page.url  # no session: the log-in page
+    page.fill("input[name=token]", live.token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{live.url}/")
+    yield page
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{request.node.name}.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Live,
+                                                                          page: Page) -> None:
+    job = live.wait("tiny", TERMINAL, 600)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    series = get(f"{live.url}/api/v1/jobs/{job['id']}/series").json()
+    assert series["rows"] == 6 and len(series["step"]) == 6
+    page.goto(f"{live.url}/jobs/{job['id']}#metrics")
+    for key in ("loss", "step_time_s", "tokens_per_s", "mfu"):
+        expect(page.locator(f"#chart-{key}")).to_have_attribute("data-points", "6")
+        expect(page.locator(f"#chart-{key} canvas")).to_have_count(1)
+    # uPlot itself holds the six steps: its legend shows the values under the cursor.
+    expect(page.locator("#series-info")).to_have_text("6 steps stored, 6 points drawn per series")
+    page.locator(".tabs a[data-tab=ranks]").click()
+    expect(page.locator(".rank-cell[data-rank]")).to_have_count(job["world_size"])
+    expect(page.locator(".rank-cell[data-rank='1']")).to_contain_text("×")
+    # Communication: the predicted split and one bar per timed step the ranks reported.
+    steps = get(f"{live.url}/api/v1/jobs/{job['id']}/comm/steps").json()["steps"]
+    assert steps
+    page.locator(".tabs a[data-tab=comm]").click()
+    expect(page.locator("#comm-bars .bar")).to_have_count(1 + len(steps))
+
+
+def test_jobs_table_lists_the_jobs_and_filters(live: Live, page: Page) -> None:
+    live.wait("tiny", TERMINAL, 600)
+    page.goto(live.url + "/")
+    for name, job_id in live.jobs.items():
+        expect(page.locator(f"tr[data-job='{job_id}']")).to_contain_text(f"browser-{name}")
+    page.fill("input[name=name]", "chatty")
+    page.click("#filters button[type=submit]")
+    expect(page.locator("tr[data-job]")).to_have_count(1)
+    expect(page.locator(f"tr[data-job='{live.jobs['chatty']}']")).to_be_visible()
+    page.goto(live.url + "/")
+    page.select_option("select[name=state]", ["SUCCEEDED"])
+    page.click("#filters button[type=submit]")
+    expect(page.locator("tr[data-job]")).to_have_count(1)
+    expect(page.locator(f"tr[data-job='{live.jobs['tiny']}'] td.state")).to_have_text("SUCCEEDED")
+
+
+def test_log_lines_arrive_live(live: Live, page: Page) -> None:
+    live.wait("chatty", {"RUNNING"}, 600)
+    page.goto(f"{live.url}/jobs/{live.jobs['chatty']}#logs")
+    view = page.locator("#log-view")
+    expect(view).to_contain_text("chatty rank 1 step", timeout=60_000)
+
+    def newest() -> int:
+        return max(int(n) for n in re.findall(r"chatty rank 0 step (\d+)", view.inner_text()))
+
+    first = newest()
+    expect(view).to_contain_text(f"chatty rank 0 step {first + 5}", timeout=20_000)
+    page.select_option("#log-rank", "1")
+    expect(page.locator("#log-view .line[data-rank='0']")).to_have_count(0)
+    assert page.locator("#log-view .line[data-rank='1']").count() > 0
+    page.fill("#log-search", f"step {first}")
+    expect(page.locator("#log-view mark").first).to_be_visible()
+
+
+def test_cancel_from_the_job_page(live: Live, page: Page) -> None:
+    live.wait("chatty", {"RUNNING"}, 600)
+    page.goto(f"{live.url}/jobs/{live.jobs['chatty']}")
+    expect(page.locator("#job-state")).to_have_text("RUNNING")
+    page.click("#cancel")
+    expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=30_000)
+    expect(page.locator("#cancel")).to_be_disabled()
+    assert live.job("chatty")["state"] == "CANCELLED"
+
+
+def test_what_if_numbers_change_with_tp(live: Live, page: Page) -> None:
+    page.goto(f"{live.url}/plan?job={live.jobs['tiny']}")
+    step, memory = page.locator("#n-step"), page.locator("#n-memory")
+    expect(step).not_to_have_text("-")
+    before = (step.inner_text(), memory.inner_text())
+    expect(page.locator("#headline")).to_contain_text("1×1×2")
+    page.fill("#f-tp", "2")
+    expect(page.locator("#headline")).to_contain_text("2×1×2")
+    assert (step.inner_text(), memory.inner_text()) != before
+    expect(page.locator("#n-world")).to_have_text("4")
+
+
+def test_a_custom_entrypoints_traceback_is_in_its_rank_log(live: Live, page: Page) -> None:
+    job = live.wait("explode", TERMINAL, 600)
+    assert job["state"] == "FAILED" and "rank 1 exploded on purpose" in job["error"], job
+    logs = get(f"{live.url}/api/v1/jobs/{job['id']}/logs", params={"rank": 1}).json()
+    text = logs["ranks"][0]["text"]
+    assert "Traceback (most recent call last)" in text
+    assert "RuntimeError: rank 1 exploded on purpose" in text
+    page.goto(f"{live.url}/jobs/{job['id']}#logs")
+    expect(page.locator("#log-view")).to_contain_text("rank 1 exploded on purpose")
+    expect(page.locator("#log-status")).to_contain_text("ended")

@@ -1,0 +1,223 @@
+"""The dashboard's server side: vendored files match their manifest, downsampling keeps every
+bucket's extremes, the jobs list filters, sorts and pages in SQL, chart series and the ranks
+grid follow the store, and the pages render (or refuse bad parameters naming them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.app import create_app
+from service.dashboard import job_series, jobs_page, queue, ranks_grid
+from service.jobs import submit
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+from tests.conftest import authed_client, tiny_spec
+
+VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
+
+
+def test_vendored_files_match_the_manifest() -> None:
+    manifest = json.loads((VENDOR / "manifest.json").read_text())
+    listed = set()
+    for pkg in manifest["packages"]:
+        assert pkg["package"] and pkg["version"] and pkg["license"]
+        for rel, digest in pkg["files"].items():
+            listed.add(rel)
+            assert hashlib.sha256((VENDOR / rel).read_bytes()).hexdigest() == digest, rel
+    on_disk = {str(p.relative_to(VENDOR)) for p in VENDOR.rglob("*")
+               if p.is_file() and p.name != "manifest.json"}
+    assert on_disk == listed  # nothing vendored without a manifest entry
+
+
+def row(step: int, rank: int = 0, **over: Any) -> dict[str, Any]:
+    r = {"step": step, "rank": rank, "loss": 10.0 - step / 10, "step_time_s": 0.5,
+         "tokens_per_s": 100.0, "data": {}}
+    r.update(over)
+    return r
+
+
+def started(store: Store, **spec: Any) -> int:
+    job = submit(store, JobSpec.model_validate(tiny_spec(**spec)))
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=job.id, to=to, message=to.value)
+    store.start_attempt(job_id=job.id)
+    return job.id
+
+
+def test_jobs_page_filters_sorts_and_pages(store: Store) -> None:
+    spec = JobSpec.model_validate(tiny_spec())
+    ids = [submit(store, spec.model_copy(update={"name": f"exp-{i % 3}_x"})).id
+           for i in range(7)]
+    store.transition(job_id=ids[0], to=JobState.CANCELLED, message="x")
+    run = started(store)
+    store.record_metrics(job_id=run, attempt=1, rows=[row(1), row(2), row(2, rank=1)])
+    items, total = jobs_page(store, limit=3)
+    assert total == 8 and [i.job.id for i in items] == [run, ids[6], ids[5]]
+    assert items[0].latest is not None and items[0].latest.step == 2
+    assert items[0].progress == pytest.approx(2 / 6)
+    items, total = jobs_page(store, name="exp-1", sort="id", desc=False)
+    assert total == 2 and [i.job.id for i in items] == [ids[1], ids[4]]
+    assert jobs_page(store, name="%")[1] == 0 and jobs_page(store, name="_x")[1] == 7
+    items, total = jobs_page(store, states=[JobState.QUEUED], limit=2, offset=2)
+    assert total == 6 and [i.job.id for i in items] == [ids[4], ids[3]]
+    assert [i.queue_position for i in items] == [4, 3]
+    assert "3 job(s) before it" in (items[0].queue_reason or "")
+    assert [i.job.id for i in queue(store)[0]] == ids[1:] and queue(store)[1] == 6
+    assert [i.job.id for i in queue(store, limit=2)[0]] == ids[1:3]
+    assert jobs_page(store, owner="nobody")[1] == 0
+
+
+def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store) -> None:
+    job_id = started(store)
+    store.record_metrics(job_id=job_id, attempt=1, rows=[row(s) for s in range(1, 6)])
+    store.start_attempt(job_id=job_id)  # resumed from step 3: steps 4, 5 redone
+    store.record_metrics(job_id=job_id, attempt=2, rows=[
+        row(s, loss=1.0, step_time_s=0.25) for s in range(4, 8)])
+    job = store.get_job(job_id=job_id)
+    out = job_series(store, job)
+    assert out["rows"] == 7 and out["step"] == list(range(1, 8))
+    assert out["loss"] == [9.9, 9.8, 9.7, 1.0, 1.0, 1.0, 1.0]
+    assert out["predicted"]["step_time_s"] == job.plan.time.step_s
+    mfu = job.plan.model_dump()["mfu"]
+    assert out["mfu"][0] == pytest.approx(mfu * 100.0 / job.plan.tokens_per_s)
+
+
+def test_long_series_are_bucketed_keeping_every_spike_and_dip(store: Store) -> None:
+    job_id = started(store)
+    rows = [row(s, step_time_s=0.5 + (s % 7) / 100) for s in range(1, 5001)]
+    rows[1233]["step_time_s"] = 9.0  # step 1234: a spike
+    rows[4320]["tokens_per_s"] = 1.0  # step 4321: a dip
+    rows[2000]["loss"] = None  # not finite on step 2001
+    store.record_metrics(job_id=job_id, attempt=1, rows=rows[:3000])
+    store.start_attempt(job_id=job_id)  # resumed from step 2500: 2501.. redone
+    store.record_metrics(job_id=job_id, attempt=2, rows=[
+        {**r, "loss": -1.0} for r in rows[2500:]])
+    out = job_series(store, store.get_job(job_id=job_id), max_points=600)
+    assert out["rows"] == 5000
+    assert 500 <= len(out["step"]) <= 600
+    assert out["step"][0] == 1 and out["step"][-1] == 5000 and out["step"] == sorted(out["step"])
+    assert max(out["step_time_s"]) == 9.0 and min(out["tokens_per_s"]) == 1.0
+    assert min(out["step_time_s"]) == 0.5
+    # Attempt 2's values replace attempt 1's from step 2501: only its losses appear there.
+    late = [loss for step, loss in zip(out["step"], out["loss"], strict=True) if step > 2501]
+    assert late and set(late) == {-1.0}
+    early = [loss for step, loss in zip(out["step"], out["loss"], strict=True) if step <= 2500]
+    assert min(x for x in early if x is not None) == 10.0 - 2500 / 10  # attempt 1's last
+
+
+def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
+    job_id = started(store, parallel={"tp": 1, "pp": 2, "dp": 2, "zero": 1})
+    job = store.get_job(job_id=job_id)
+
+    def rep(rank: int, compute: float, peak: int) -> dict[str, Any]:
+        return row(1, rank, step_time_s=compute + 0.1, data={
+            "memory": {"process_peak_bytes": peak}, "timed": True,
+            "comm": {"dp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
+
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        rep(0, 1.0, 100), rep(1, 1.0, 100), rep(2, 1.0, 200), rep(3, 3.0, 200)])
+    store.set_placement(job_id=job_id, number=1, placement={"ranks": [
+        {"rank": r, "hostname": f"n{r}", "gpu_ids": [str(r)]} for r in range(4)]})
+    store.add_event(job_id=job_id, attempt=1, kind="straggler", message="slow",
+                    data={"rank": 3})
+    grid = ranks_grid(store, job)
+    cells = {c["rank"]: c for c in grid["cells"]}
+    assert len(cells) == job.world_size == 4
+    stage = {r.rank: r.pp for r in job.plan.rank_layout}
+    by_stage = {m["stage"]: m["total"] for m in job.plan.model_dump()["memory_by_stage"]}
+    for r, c in cells.items():
+        assert c["pp"] == stage[r] and c["node"] == f"n{r}" and c["gpu"] == str(r)
+        assert c["memory_ratio"] == pytest.approx(c["memory_peak_bytes"] / by_stage[stage[r]])
+    # Ranks 2 and 3 share a stage: 3 computes 3 s against their median of 2 s.
+    assert stage[2] == stage[3]
+    assert cells[3]["compute_ratio"] == pytest.approx(1.5)
+    assert cells[2]["compute_ratio"] == pytest.approx(0.5)
+    assert cells[3]["straggler"] and not cells[2]["straggler"]
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Any:
+    store = Store(f"sqlite:///{tmp_path / 'd.db'}")
+    store.migrate()
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
+        yield c, store
+
+
+def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+    store.record_metrics(job_id=job_id, attempt=1, rows=[row(1), row(2)])
+    queued = submit(store, JobSpec.model_validate(tiny_spec(name="waiting"))).id
+    page = c.get("/", params={"state": "RUNNING"})
+    assert page.status_code == 200 and f'data-job="{job_id}"' in page.text
+    assert f'data-job="{queued}"' not in page.text
+    rows = c.get("/ui/jobs/rows", params={"name": "waiting"}).text
+    assert f'data-job="{queued}"' in rows and "first in line" in rows
+    for url in (f"/jobs/{job_id}", "/plan", f"/plan?job={job_id}", "/cluster", "/queue"):
+        r = c.get(url)
+        assert r.status_code == 200 and "<!doctype html>" in r.text, url
+    assert "waiting" in c.get("/queue").text
+    for params, field in [({"sort": "nope"}, "sort"), ({"per_page": 1000}, "per_page"),
+                          ({"page": 0}, "page"), ({"name": "x" * 129}, "name"),
+                          ({"state": "DONE"}, "state")]:
+        r = c.get("/", params=params)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][:2] == ["query", field]
+    assert c.get("/jobs/999").status_code == 404
+    assert c.get("/plan?job=999").status_code == 404
+    assert c.get(f"/api/v1/jobs/{job_id}/series", params={"max_points": 5}).status_code == 422
+    assert c.get(f"/jobs/{job_id}/logs/rank-5.log").status_code == 404
+
+
+def test_hangs_group_identical_stacks(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+    store.add_event(job_id=job_id, attempt=1, kind="hang", message="rank 1 never arrived",
+                    data={"never_arrived": [1], "waiting": []})
+    for rank, text in [(0, "A"), (1, "B"), (2, "A")]:
+        store.add_event(job_id=job_id, attempt=1, kind="stacks", message="stacks",
+                        data={"rank": rank, "stacks": text})
+    items = c.get(f"/api/v1/jobs/{job_id}/hangs").json()["items"]
+    assert len(items) == 1 and items[0]["summary"] == "rank 1 never arrived"
+    assert items[0]["stacks"] == [{"ranks": [0, 2], "text": "A"}, {"ranks": [1], "text": "B"}]
+
+
+def test_pages_load_nothing_from_the_network() -> None:
+    """Every script, stylesheet and image the templates name is served by the API itself."""
+    templates = Path(__file__).resolve().parent.parent / "api" / "templates"
+    for path in templates.glob("*.html"):
+        text = path.read_text()
+        for ref in re.findall(r'(?:src|href)="([^"]+)"', text):
+            assert not re.match(r"^(?:https?:)?//", ref), (path.name, ref)
+        for ref in re.findall(r'<script src="([^"]+)"', text):
+            assert (templates.parent / ref.removeprefix("/")).is_file(), (path.name, ref)
+
+
+def test_comm_steps_split_each_step_into_compute_and_dimensions(client: Any) -> None:
+    c, store = client
+    job_id = started(store)
+
+    def rep(step: int, rank: int, dp: float, timed: bool = True) -> dict[str, Any]:
+        return row(step, rank, step_time_s=1.0, data={"timed": timed, "comm": {
+            "dp": {"all_reduce": {"time_s": dp, "bytes": 1.0, "calls": 1.0}},
+            "tp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
+
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        rep(1, 0, 0.2), rep(1, 1, 0.4), rep(2, 0, 0.3, timed=False), rep(2, 1, 0.3, False),
+        rep(3, 0, 0.5), rep(3, 1, 0.5)])
+    out = c.get(f"/api/v1/jobs/{job_id}/comm/steps").json()
+    job = store.get_job(job_id=job_id)
+    assert out["predicted"]["step"] == job.plan.time.step_s
+    assert [s["step"] for s in out["steps"]] == [1, 3]  # untimed steps carry no times
+    first = out["steps"][0]
+    assert first["ranks"] == 2 and first["dp"] == pytest.approx(0.3)
+    assert first["tp"] == pytest.approx(0.1) and first["pp"] == 0
+    assert first["compute"] == pytest.approx(1.0 - 0.4)
+    assert c.get(f"/api/v1/jobs/{job_id}/comm/steps", params={"last": 201}).status_code == 422

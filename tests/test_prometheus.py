@@ -1,0 +1,114 @@
+"""`GET /metrics`, parsed by Prometheus's own text parser and checked against the store (on
+SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from service.jobs import submit
+from service.lease import CONTROLLER, Leases
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+from tests.conftest import authed_client, tiny_spec
+
+
+def report(step: int, rank: int, *, peak: int, comm_s: float = 0.01) -> dict[str, Any]:
+    return {"step": step, "rank": rank, "loss": 5.0 - step / 10, "step_time_s": 0.2 + rank / 100,
+            "tokens_per_s": 1000.0 * step, "data": {
+                "memory": {"process_peak_bytes": peak},
+                "comm": {"dp": {"all_reduce": {"time_s": comm_s, "bytes": 4096.0,
+                                               "calls": 2.0}}}, "timed": True}}
+
+
+def scrape(client: TestClient) -> dict[str, Any]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def value(fam: Any, name: str | None = None, **labels: str) -> float:
+    hits = [s.value for s in fam.samples if (name is None or s.name == name)
+            and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (fam.name, labels, fam.samples)
+    return float(hits[0])
+
+
+@pytest.mark.parametrize("per_rank", [True, False])
+def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None:
+    spec = JobSpec.model_validate(tiny_spec())
+    running = submit(store, spec)
+    queued = [submit(store, spec) for _ in range(2)]
+    done = submit(store, spec)
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=running.id, to=to, message=to.value)
+    store.start_attempt(job_id=running.id)
+    store.set_placement(job_id=running.id, number=1, placement={"ranks": [
+        {"rank": 0, "hostname": "node-a", "gpu_ids": []},
+        {"rank": 1, "hostname": "node-b", "gpu_ids": []}]})
+    store.record_metrics(job_id=running.id, attempt=1, rows=[
+        report(s, r, peak=100 * s + r) for s in (1, 2, 3) for r in (0, 1)])
+    store.transition(job_id=done.id, to=JobState.CANCELLED, message="x")
+    Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30)
+    Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30, last_pass_s=0.042)
+
+    settings = Settings(data_dir=tmp_path, metrics_per_rank=per_rank)
+    with authed_client(create_app(settings, store=store), store) as client:
+        client.get(f"/api/v1/jobs/{running.id}")
+        client.get("/api/v1/jobs/999999")
+        fams = scrape(client)
+
+    assert fams["trident_jobs"].type == "gauge"
+    assert value(fams["trident_jobs"], state="QUEUED") == len(queued)
+    assert value(fams["trident_jobs"], state="RUNNING") == 1
+    assert value(fams["trident_jobs"], state="CANCELLED") == 1
+    assert value(fams["trident_jobs"], state="FAILED") == 0
+    job = str(running.id)
+    info = fams["trident_job_info"]
+    assert [s.labels["job_id"] for s in info.samples] == [job]  # active jobs only
+    assert info.samples[0].labels == {"job_id": job, "name": "tiny", "owner": "local",
+                                      "state": "RUNNING", "tp": "1", "pp": "1", "dp": "2",
+                                      "zero": "2"}
+    latest = store.latest_metric(job_id=running.id)
+    assert latest is not None and latest.step == 3
+    assert value(fams["trident_job_step"], job_id=job) == 3
+    assert value(fams["trident_job_steps"], job_id=job) == 6
+    assert value(fams["trident_job_step_duration_seconds"], job_id=job) == latest.step_time_s
+    pred = running.plan.time.step_s
+    assert value(fams["trident_job_step_duration_predicted_seconds"], job_id=job) == \
+        pytest.approx(pred)
+    assert value(fams["trident_job_step_duration_prediction_error_ratio"], job_id=job) == \
+        pytest.approx((latest.step_time_s - pred) / pred)
+    assert value(fams["trident_job_tokens_per_second"], job_id=job) == 3000.0
+    assert value(fams["trident_job_loss"], job_id=job) == pytest.approx(4.7)
+    mfu_pred = running.plan.model_dump()["mfu"]
+    assert value(fams["trident_job_mfu_ratio"], job_id=job) == pytest.approx(
+        mfu_pred * 3000.0 / running.plan.tokens_per_s)
+    assert 0 <= value(fams["trident_job_pipeline_bubble_predicted_ratio"], job_id=job) < 1
+    assert value(fams["trident_job_comm_seconds"], job_id=job, dim="dp", op="all_reduce") == 0.01
+    assert value(fams["trident_job_comm_bytes"], job_id=job, dim="dp", op="all_reduce") == 4096
+    assert value(fams["trident_controller_pass_duration_seconds"]) == 0.042
+    if per_rank:
+        assert value(fams["trident_rank_memory_peak_bytes"], job_id=job, rank="1",
+                     node="node-b", gpu="") == 301
+        assert value(fams["trident_rank_memory_predicted_bytes"], job_id=job, rank="0",
+                     node="node-a") == running.plan.memory.total
+        assert value(fams["trident_rank_last_report_age_seconds"], job_id=job, rank="0") >= 0
+    else:
+        assert not fams["trident_rank_memory_peak_bytes"].samples
+    hist = fams["trident_api_request_duration_seconds"]
+    assert hist.type == "histogram"
+    assert value(hist, "trident_api_request_duration_seconds_count", method="GET",
+                 route="/api/v1/jobs/{id}", status="200") == 1
+    assert value(hist, "trident_api_request_duration_seconds_count", method="GET",
+                 route="/api/v1/jobs/{id}", status="404") == 1
+    for name, fam in fams.items():  # conventions: counters end in _total, no unitless time
+        assert name.startswith("trident_")
+        assert fam.type in ("gauge", "histogram"), name

@@ -1,0 +1,188 @@
+"""Rank logs: a real process's fds 1 and 2 captured to a file under the cap, read back by
+offset across rotations, served by `GET /jobs/{id}/logs` (plain and followed) and printed by
+`trident logs`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from service.jobs import submit
+from service.ranklogs import attempt_log_dir, read_chunk
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+from tests.conftest import authed_client, tiny_spec, user_token
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20) -> subprocess.CompletedProcess:
+    """A child process that captures its output as rank 1, then runs `body`."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from workers.ranklog import capture
+        log = capture({str(log_dir)!r}, 1, {max_bytes})
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})
+
+
+def test_prints_os_writes_and_tracebacks_reach_the_file(tmp_path: Path) -> None:
+    out = run_rank(tmp_path, """
+        print("hello from print")
+        os.write(1, b"raw fd 1\\n")
+        os.write(2, b"raw fd 2\\n")
+        os.system("echo from a child process")
+        raise RuntimeError("boom on purpose")
+    """)
+    assert out.returncode == 1
+    assert out.stdout == "" and out.stderr == ""  # all of it went to the file
+    text = (tmp_path / "rank-1.log").read_text()
+    for line in ("hello from print", "raw fd 1", "raw fd 2", "from a child process",
+                 "Traceback (most recent call last)", "RuntimeError: boom on purpose"):
+        assert line in text
+    c = read_chunk(tmp_path, 1, 0, 1 << 20)
+    assert c.text == text and c.next == c.size == len(text.encode()) and c.skipped == 0
+
+
+def test_the_cap_keeps_the_newest_output_and_offsets_survive_rotations(tmp_path: Path) -> None:
+    # Cap 2000 bytes: rotation past 1000. Three blocks of 30 lines of 40 bytes (1200 each).
+    out = run_rank(tmp_path, """
+        for block in range(3):
+            for i in range(30):
+                print(f"block {block} line {i:02d} ".ljust(39, "."))
+            assert log.rotate_if_full()
+        print("the end")
+    """, max_bytes=2000)
+    assert out.returncode == 0, out.stderr
+    total = 3 * 1200 + len("the end\n")
+    # Kept: the last full block (.log.1) and the current file; the first two blocks rotated.
+    c = read_chunk(tmp_path, 1, 0, 1 << 20)
+    assert c.size == total and c.skipped == 2400 and c.next == total
+    assert c.text.startswith("block 2 line 00") and c.text.endswith("the end\n")
+    assert (tmp_path / "rank-1.log").stat().st_size + (
+        tmp_path / "rank-1.log.1").stat().st_size <= 2000
+    # A follower that had read up to the middle of block 2 continues exactly there.
+    mid = 2400 + 15 * 40
+    c2 = read_chunk(tmp_path, 1, mid, 1 << 20)
+    assert c2.skipped == 0 and c2.text.startswith("block 2 line 15")
+    # A small read stops after a whole line; the next one continues with the next line.
+    c3 = read_chunk(tmp_path, 1, mid, 100)
+    assert c3.text == "block 2 line 15 ".ljust(39, ".") + "\n" + (
+        "block 2 line 16 ".ljust(39, ".") + "\n")
+    assert read_chunk(tmp_path, 1, c3.next, 40).text.startswith("block 2 line 17")
+
+
+@pytest.fixture
+def app_store(tmp_path: Path) -> tuple[TestClient, Store, Settings]:
+    store = Store(f"sqlite:///{tmp_path / 'logs.db'}")
+    store.migrate()
+    settings = Settings(data_dir=tmp_path)
+    return authed_client(create_app(settings, store=store), store), store, settings
+
+
+def started_job(store: Store, settings: Settings) -> tuple[int, Path]:
+    """A two-rank job in its first attempt with a log line from each rank."""
+    job = submit(store, JobSpec.model_validate(tiny_spec()))
+    store.transition(job_id=job.id, to=JobState.PLACING, message="placing")
+    store.start_attempt(job_id=job.id)
+    d = attempt_log_dir(settings.log_root, job.id, 1)
+    d.mkdir(parents=True)
+    (d / "rank-0.log").write_text("step 1 rank 0\n")
+    (d / "rank-1.log").write_text("step 1 rank 1\npartial")
+    return job.id, d
+
+
+def test_logs_route_reads_every_rank_and_from_an_offset(app_store) -> None:
+    client, store, settings = app_store
+    with client:
+        job_id, d = started_job(store, settings)
+        r = client.get(f"/api/v1/jobs/{job_id}/logs")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["attempt"] == 1 and body["max_bytes_per_rank"] == 16 << 20
+        assert [(c["rank"], c["text"]) for c in body["ranks"]] == [
+            (0, "step 1 rank 0\n"), (1, "step 1 rank 1\npartial")]
+        nxt = body["ranks"][1]["next"]
+        with (d / "rank-1.log").open("a") as f:
+            f.write(" line\nstep 2 rank 1\n")
+        r = client.get(f"/api/v1/jobs/{job_id}/logs", params={"rank": 1, "since": nxt})
+        assert r.json()["ranks"][0]["text"] == " line\nstep 2 rank 1\n"
+        for params, field in [({"rank": 2}, "rank"), ({"rank": -1}, "rank"),
+                              ({"attempt": 2}, "attempt"), ({"since": -1}, "since"),
+                              ({"max_bytes": 0}, "max_bytes"),
+                              ({"max_bytes": (1 << 20) + 1}, "max_bytes")]:
+            r = client.get(f"/api/v1/jobs/{job_id}/logs", params=params)
+            assert r.status_code == 422, (params, r.text)
+            assert r.json()["detail"][0]["loc"] == ["query", field]
+        assert client.get("/api/v1/jobs/999/logs").status_code == 404
+
+
+def test_follow_streams_new_lines_until_the_job_ends(app_store) -> None:
+    client, store, settings = app_store
+    with client:
+        job_id, d = started_job(store, settings)
+        store.transition(job_id=job_id, to=JobState.RUNNING, message="running")
+        with client.stream("GET", f"/api/v1/jobs/{job_id}/logs",
+                           params={"follow": True, "rank": 0}) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            lines = resp.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            assert json.loads(first[6:])["text"] == "step 1 rank 0\n"
+            with (d / "rank-0.log").open("a") as f:
+                f.write("step 2 rank 0\n")
+            second = next(ln for ln in lines if ln.startswith("data: "))
+            assert json.loads(second[6:])["text"] == "step 2 rank 0\n"
+            store.transition(job_id=job_id, to=JobState.SUCCEEDED, message="done")
+            rest = list(lines)
+            assert "event: end" in rest
+
+
+def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    import threading
+
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from api.cli import app
+    from tests.test_cli import free_port, wait_healthy
+
+    _, store, settings = app_store
+    job_id, _ = started_job(store, settings)
+    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, controller=False)
+        r = CliRunner().invoke(app, ["logs", str(job_id), "--server", url])
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines() == ["[rank 0] step 1 rank 0", "[rank 1] step 1 rank 1",
+                                         "[rank 1] partial"]
+        r = CliRunner().invoke(app, ["logs", str(job_id), "--rank", "1", "--server", url])
+        assert "[rank 0]" not in r.output and "[rank 1] partial" in r.output
+        r = CliRunner().invoke(app, ["events", str(job_id), "--server", url])
+        assert "placing" in r.output
+        # Following an ended job prints everything and returns.
+        for to in (JobState.RUNNING, JobState.SUCCEEDED):
+            store.transition(job_id=job_id, to=to, message=to.value)
+        r = CliRunner().invoke(app, ["logs", str(job_id), "-f", "--server", url])
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines() == ["[rank 0] step 1 rank 0", "[rank 1] step 1 rank 1",
+                                         "[rank 1] partial"]
+    finally:
+        srv.should_exit = True
+        t.join(5)
