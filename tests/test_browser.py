@@ -30,7 +30,7 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
 from tests.test_cli import free_port, wait_healthy  # noqa: E402
-from workers.group import RayLauncher  # noqa: E402
+from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
