@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
@@ -76,6 +77,8 @@ class Controller:
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None) -> None:
         self.store = store
+        self.ingest = MetricsIngest(store)
+        """Step reports go through it: a job-level row per step, per-rank rows sampled."""
         self.fence = fence
         """The lease this controller acts under (the daemon's); attempts start only while it
         is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise)."""
@@ -282,7 +285,8 @@ class Controller:
                                  kind=str(ev.get("kind", "info"))[:32],
                                  message=str(ev.get("message", ""))[:10000],
                                  data=ev.get("data") or {})
-        self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
+        self.ingest.record(job_id=job.id, attempt=run.attempt, world_size=job.world_size,
+                           rows=rows)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
         return len(rows)

@@ -27,11 +27,15 @@ from api.schemas import (
 from service.compare import compare
 from service.jobs import KeyReused, submit_once
 from service.jobs import submit as submit_job
+from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+RECENT_STEPS = 1000
+"""A job's page compares the plan with rank 0's newest this-many steps (newest attempt)."""
 
 
 @router.post("", status_code=201, response_model=JobOut,
@@ -81,8 +85,10 @@ def list_jobs(store: StoreDep,
 @router.get("/{job_id}", response_model=JobOut)
 def get_job(job: JobDep, store: StoreDep) -> JobOut:
     """A job with its plan, and the plan's predictions next to what was measured."""
-    return JobOut.of(job, predicted_vs_measured=compare(job.plan,
-                                                        store.list_metrics(job_id=job.id)))
+    # The newest steps only: a job's page costs the same after a day of training as after a
+    # minute (`service.metrics_ingest.MetricsIngest.recent_metrics`).
+    recent = MetricsIngest(store).recent_metrics(job_id=job.id, limit=RECENT_STEPS)
+    return JobOut.of(job, predicted_vs_measured=compare(job.plan, recent))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202)
