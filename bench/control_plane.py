@@ -163,7 +163,7 @@ def clients(n: int, per_client: int, submit: Callable[[Any], None],
     return lat, time.perf_counter() - t0
 
 
-def run(sec: Section, quick: bool) -> None:
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")) -> None:
     import httpx
 
     per = {1: 5, 8: 2} if quick else {1: 30, 8: 6}
@@ -191,7 +191,7 @@ def run(sec: Section, quick: bool) -> None:
 
             main = ray_client()
             results: dict[str, dict[int, list[tuple[list[float], float]]]] = {}
-            for db in ("sqlite", "postgres"):
+            for db in dbs:
                 with trident_server(db) as api:
                     def t_client(api: str = api) -> Any:
                         return httpx.Client(base_url=api, timeout=30)
@@ -232,11 +232,11 @@ def run(sec: Section, quick: bool) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    _report(sec, results, to_running)
+    _report(sec, results, to_running, dbs)
 
 
 def _report(sec: Section, results: dict[str, dict[int, list[tuple[list[float], float]]]],
-            to_running: list[float]) -> None:
+            to_running: list[float], dbs: tuple[str, ...]) -> None:
     fig: dict[str, Any] = {}
     for key, by_n in results.items():
         for n, runs in by_n.items():
@@ -247,7 +247,7 @@ def _report(sec: Section, results: dict[str, dict[int, list[tuple[list[float], f
     sec.figures.update(fig)
     for n in (1, 8):
         ray = fig["ray"][n]
-        for db in ("sqlite", "postgres"):
+        for db in dbs:
             t = fig[f"trident_{db}"][n]
             ratio = t["per_s"] / ray["per_s"]
             sec.row(f"{n} client(s), Trident ({db}) / Ray Jobs", f"{ratio:.1f}x submits/s",

@@ -16,7 +16,7 @@ SEARCH_GOAL_S = 10.0
 MONITOR_GOAL = 1.02
 
 
-def run(sec: Section, quick: bool) -> None:
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
     from service.planner import search
     from service.spec import JobSpec
 

@@ -25,7 +25,7 @@ from bench.harness import Section, write
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _sections() -> dict[str, tuple[str, Callable[[Section, bool], None]]]:
+def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]], None]]]:
     from bench import control_plane, orchestration, planner_monitor, scale
     return {
         "orchestration": ("Orchestration cost: Trident against torchrun", orchestration.run),
@@ -40,12 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--only", default="", help="comma-separated comparisons to run")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench"))
+    ap.add_argument("--db", default="sqlite,postgres",
+                    help="databases for Trident's store (scale, control_plane)")
     args = ap.parse_args(argv)
     sections = _sections()
     names = [n for n in args.only.split(",") if n] or list(sections)
     unknown = [n for n in names if n not in sections]
     if unknown:
         ap.error(f"--only: unknown comparison(s) {unknown}; known: {sorted(sections)}")
+    dbs = tuple(d for d in args.db.split(",") if d)
+    if not dbs or set(dbs) - {"sqlite", "postgres"}:
+        ap.error("--db: a comma-separated subset of sqlite,postgres")
     started = time.time()
     done: list[Section] = []
     for name in names:
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            fn(sec, args.quick)
+            fn(sec, args.quick, dbs)
         except Exception as exc:  # the others still run; the report says what failed
             sec.error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()

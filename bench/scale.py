@@ -376,8 +376,8 @@ def _rows_and_goals(kind: str, fig: dict[str, Any], sec: Section) -> None:
              i["detail_during"]["p99"] < LIST_GOAL_S)
 
 
-def run(sec: Section, quick: bool, backends: tuple[str, ...] = ("sqlite", "postgres")) -> None:
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")) -> None:
     size = QUICK if quick else FULL
     sec.figures["size"] = size.__dict__
-    for kind in backends:
+    for kind in dbs:
         run_backend(kind, size, sec)
