@@ -11,7 +11,7 @@ tail of its output, and the check goes on with the next step):
 - `stack`: `trident up` on a scratch data directory (SQLite, its own local Ray head).
 - `probe`: `trident probe` on the GPUs: matmul TFLOP/s (bf16) and the calibrated profile.
 - `train_bf16`, `train_fp16`: the built-in trainer (`workers.train.train_rank`) on one GPU
-  for a ~1.3B-parameter GPT, 20 steps (fp16 with DeepSpeed's dynamic loss scaling): step time,
+  for a ~1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss scaling): step time,
   tokens/s, MFU, `torch.cuda.max_memory_allocated` / `max_memory_reserved`, next to the
   plan's prediction for the same spec.
 - with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` and
@@ -49,7 +49,12 @@ RESULT = "GPU_CHECK_RESULT "
 """Prefix of the line in which a child step prints its result."""
 
 TRAIN_STEPS = 20
-MODEL_1B = {"preset": "gpt3-1.3b"}
+MODEL_1B = {"layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "ffn_hidden": 5632,
+            "vocab": 32000, "seq_len": 2048, "activation": "swiglu"}
+"""A 1.1B Llama-style GPT (TinyLlama's shape), which the built-in trainer builds as planned."""
+MODEL_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "ffn_hidden": 2048, "vocab": 32000,
+               "seq_len": 512, "activation": "swiglu"}
+"""The two-GPU jobs' model (~110M parameters)."""
 
 
 # --- children: run with `--step NAME`, print one RESULT line ---
@@ -322,7 +327,7 @@ class Check:
         import httpx
 
         spec = {"name": "gpu-check-" + "-".join(f"{k}{v}" for k, v in parallel.items()),
-                "model": {"preset": "gpt3-125m", "seq_len": 512},
+                "model": MODEL_SMALL,
                 "train": {"steps": TRAIN_STEPS, "global_batch": 8, "micro_batch": 2,
                           "precision": "bf16"},
                 "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, **parallel},
