@@ -11,9 +11,9 @@ tail of its output, and the check goes on with the next step):
 - `stack`: `trident up` on a scratch data directory (SQLite, its own local Ray head).
 - `probe`: `trident probe` on the GPUs: matmul TFLOP/s (bf16) and the calibrated profile.
 - `train_bf16`, `train_fp16`: the built-in trainer (`workers.train.train_rank`) on one GPU
-  for a ~1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss scaling): step time,
-  tokens/s, MFU, `torch.cuda.max_memory_allocated` / `max_memory_reserved`, next to the
-  plan's prediction for the same spec.
+  for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
+  scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
+  `max_memory_reserved`, next to the plan's prediction for the same spec.
 - with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` and
   `job_dp2_zero2` through the whole stack (API, controller, Ray) with their `/comm` report,
   whose times come from CUDA events.
