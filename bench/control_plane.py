@@ -108,7 +108,7 @@ def trident_server(db: str) -> Iterator[str]:
 def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     """A Ray head with its dashboard on ports and a temp dir of its own, token auth on;
     stopped (its process group only) on exit. Yields the dashboard URL and the client env."""
-    tmp = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))
+    tmp = Path(tempfile.mkdtemp(prefix="rb-"))  # short: Ray puts sockets under it
     token = tmp / "token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
