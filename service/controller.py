@@ -36,6 +36,9 @@ from service.teardown import Teardown, Teardowns
 
 log = logging.getLogger(__name__)
 
+ADMIT_PAGE = 64
+"""Queued jobs read per page by admission (see `Controller._admit`)."""
+
 
 @dataclass
 class Change:
@@ -150,19 +153,29 @@ class Controller:
     # --- admission and placement ----------------------------------------------------------------
 
     def _admit(self, result: StepResult) -> None:
-        queued = self.store.queued_jobs()
-        if not queued:
-            return
-        adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity())
-        for job, why in adm.impossible:
-            if job.attempts:  # it ran here: the cluster shrank, and may grow back
-                continue
-            self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
-                       result, error=why)
-        for job in adm.admitted:
-            placing = self._move(job, JobState.PLACING, "admitted; claiming resources", result)
-            if placing is not None:
-                self._place(placing, result)
+        """Admit from the head of the queue, read a page (`ADMIT_PAGE`) at a time: admission
+        stops at the first job that does not fit, so a long queue costs a pass no more than
+        its head. The next page is read only while every job of a page was impossible (the
+        free capacity is then as it was); one that admitted continues in the next pass."""
+        offset = 0
+        while True:
+            queued = self.store.queued_jobs(limit=ADMIT_PAGE, offset=offset)
+            if not queued:
+                return
+            adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity())
+            for job, why in adm.impossible:
+                if job.attempts:  # it ran here: the cluster shrank, and may grow back
+                    offset += 1  # stays queued, ahead of the next page
+                    continue
+                self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
+                           result, error=why)
+            for job in adm.admitted:
+                placing = self._move(job, JobState.PLACING, "admitted; claiming resources",
+                                     result)
+                if placing is not None:
+                    self._place(placing, result)
+            if adm.admitted or len(adm.impossible) < len(queued) or len(queued) < ADMIT_PAGE:
+                return
 
     def _restart(self, job: Job, result: StepResult) -> None:
         """The next attempt, from the checkpoint; or, when the cluster no longer has room for

@@ -162,11 +162,12 @@ class Store:
             rows = s.execute(q.order_by(JobRow.id.desc()).limit(limit).offset(offset)).scalars()
             return [Job.from_row(r) for r in rows], int(s.execute(count).scalar_one())
 
-    def queued_jobs(self) -> list[Job]:
-        """Queued jobs in admission order: priority first, then age."""
+    def queued_jobs(self, *, limit: int | None = None, offset: int = 0) -> list[Job]:
+        """Queued jobs in admission order: priority first, then age (a page of them)."""
         with self._tx() as s:
             rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
-                             .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
+                             .order_by(JobRow.priority.desc(), JobRow.id)
+                             .limit(limit).offset(offset)).scalars()
             return [Job.from_row(r) for r in rows]
 
     def active_jobs(self) -> list[Job]:
