@@ -113,12 +113,16 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    dash = _port()
-    ports = {"port": _port(), "dashboard-port": dash, "ray-client-server-port": _port(),
-             "dashboard-agent-listen-port": _port(), "dashboard-agent-grpc-port": _port(),
-             "metrics-export-port": _port(), "node-manager-port": _port(),
-             "object-manager-port": _port(), "runtime-env-agent-port": _port()}
-    low = _port()
+    low = _port()  # worker ports low..low+200; every other port outside that range
+    names = ["port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "metrics-export-port", "node-manager-port",
+             "object-manager-port", "runtime-env-agent-port"]
+    ports: dict[str, int] = {}
+    while len(ports) < len(names):
+        p = _port()
+        if not low <= p <= low + 200 and p not in ports.values():
+            ports[names[len(ports)]] = p
+    dash = ports["dashboard-port"]
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1",
             "--node-ip-address=127.0.0.1", f"--temp-dir={tmp}", "--num-cpus=2",
