@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import shutil
 import tempfile
 import time
 import uuid
@@ -336,6 +337,7 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
         _rows_and_goals(kind, fig, sec)
     finally:
         store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
         if admin is not None:
             with admin.connect() as c:
                 c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
