@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -137,33 +138,43 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
         yield url, auth
     finally:
         _stop(proc, 60)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def clients(n: int, per_client: int, submit: Callable[[Any], None],
             make: Callable[[], Any]) -> tuple[list[float], float]:
     """n threads, each with its own client, submitting per_client times: latencies, seconds."""
     lat: list[float] = []
+    errors: list[BaseException] = []
     lock = threading.Lock()
     barrier = threading.Barrier(n + 1)
+    made = [make() for _ in range(n)]  # connected before the clock starts
 
-    def worker() -> None:
-        c = make()
+    def worker(c: Any) -> None:
         mine = []
-        barrier.wait()
-        for _ in range(per_client):
-            t0 = time.perf_counter()
-            submit(c)
-            mine.append(time.perf_counter() - t0)
+        try:
+            barrier.wait()
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                submit(c)
+                mine.append(time.perf_counter() - t0)
+        except BaseException as exc:  # the round fails, not hangs: the others are released
+            errors.append(exc)
+            barrier.abort()
         with lock:
             lat.extend(mine)
 
-    threads = [threading.Thread(target=worker) for _ in range(n)]
+    threads = [threading.Thread(target=worker, args=(c,)) for c in made]
     for t in threads:
         t.start()
-    barrier.wait()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real:
+        raise RuntimeError(f"{len(real)} client(s) failed: {real[0]!r}") from real[0]
     return lat, time.perf_counter() - t0
 
 
@@ -180,7 +191,13 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")
             from ray.job_submission import JobStatus, JobSubmissionClient
 
             def ray_client() -> Any:
-                return JobSubmissionClient(ray_url)
+                for attempt in range(5):  # a loaded head's dashboard may be slow to answer
+                    try:
+                        return JobSubmissionClient(ray_url)
+                    except ConnectionError:
+                        if attempt == 4:
+                            raise
+                        time.sleep(3)
 
             ids: list[str] = []
 

@@ -83,3 +83,21 @@ def test_quick_scale_run_writes_the_report(tmp_path: Path) -> None:
     assert "sqlite controller pass median (s)" in goals
     md = (tmp_path / "report.md").read_text()
     assert "## Store and controller at scale" in md and "| goal | measured |" in md
+
+
+def test_a_failing_client_fails_the_round_instead_of_hanging_it() -> None:
+    import pytest
+
+    from bench.control_plane import clients
+
+    calls = {"n": 0}
+
+    def submit(c: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ConnectionError("server went away")
+
+    with pytest.raises(RuntimeError, match="server went away"):
+        clients(4, 5, submit, object)
+    lat, seconds = clients(2, 3, lambda c: None, object)
+    assert len(lat) == 6 and seconds >= 0
