@@ -6,7 +6,7 @@ PORT ?= 8000
 SERVER := http://127.0.0.1:$(PORT)
 export TRIDENT_SERVER := $(SERVER)
 
-.PHONY: install demo test test-fast lint up stop clean
+.PHONY: install demo test test-fast lint up stop clean gpu-check bench bench-quick
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,22 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check service workers api tests bench migrations
 	$(BIN)/mypy service api workers
+
+# The benchmarks (bench/run.py): Trident against torchrun and Ray Jobs, the store at scale, the
+# planner and the monitor; one report, var/bench/report.json and report.md. Needs the local
+# PostgreSQL (started as for the tests). Not part of `make test` (tens of minutes).
+bench: install
+	bash .ci/start-postgres.sh
+	$(BIN)/python -m bench.run
+
+bench-quick: install
+	bash .ci/start-postgres.sh
+	$(BIN)/python -m bench.run --quick
+
+# The GPU check (bench/gpu_check.py): one JSON report in var/bench/gpu_check.json; on a machine
+# without CUDA it runs and skips the GPU steps, saying why.
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py
 
 up: install
 	$(BIN)/trident up --port $(PORT)

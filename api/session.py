@@ -28,7 +28,8 @@ router = APIRouter(include_in_schema=False)
 SESSION_TOKEN_NAME = "dashboard session"
 
 _LOGIN = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Trident: log in</title></head><body>
+<html lang="en"><head><meta charset="utf-8"><title>Trident: log in</title>
+<link rel="icon" href="data:,"></head><body>
 <h1>Trident</h1>
 <form method="post" action="/login">
 <label>API token <input type="password" name="token" autocomplete="off" required></label>

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.identity import Identity
+from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
 from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
@@ -36,6 +37,9 @@ from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
 
 log = logging.getLogger(__name__)
+
+ADMIT_PAGE = 64
+"""Queued jobs read per page by admission (see `Controller._admit`)."""
 
 
 @dataclass
@@ -78,6 +82,8 @@ class Controller:
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None) -> None:
         self.store = store
+        self.ingest = MetricsIngest(store)
+        """Step reports go through it: a job-level row per step, per-rank rows sampled."""
         self.fence = fence
         """The lease this controller acts under (the daemon's); attempts start only while it
         is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise)."""
@@ -151,26 +157,40 @@ class Controller:
     # --- admission and placement ----------------------------------------------------------------
 
     def _admit(self, result: StepResult) -> None:
-        queued = self.store.queued_jobs()
-        if not queued:
-            return
+        """Admit from the head of the queue, read a page (`ADMIT_PAGE`) at a time: admission
+        stops at the first job that does not fit, so a long queue costs a pass no more than
+        its head. Jobs over their project's quota wait without blocking the others. The next
+        page is read only while every job of a page was impossible or waiting for its quota
+        (the free capacity is then as it was); one that admitted continues in the next pass."""
         quotas = {p: Quota(gpus, cpus) for p, (gpus, cpus) in self.identity.quotas().items()}
-        adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
-                    quotas=quotas, holding=held(self.store.active_jobs()) if quotas else None)
-        for job, why in adm.impossible:
-            if job.attempts:  # it ran here: the cluster shrank, and may grow back
-                continue
-            self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
-                       result, error=why)
-        for job, why in adm.waiting:
-            if job.waiting != why:
-                self.quota_notes.note(job.id, why)
-        for job in adm.admitted:
-            if job.waiting is not None:
-                self.quota_notes.note(job.id, None)
-            placing = self._move(job, JobState.PLACING, "admitted; claiming resources", result)
-            if placing is not None:
-                self._place(placing, result)
+        holding = held(self.store.active_jobs()) if quotas else None
+        offset = 0
+        while True:
+            queued = self.store.queued_jobs(limit=ADMIT_PAGE, offset=offset)
+            if not queued:
+                return
+            adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
+                        quotas=quotas, holding=holding)
+            for job, why in adm.impossible:
+                if job.attempts:  # it ran here: the cluster shrank, and may grow back
+                    offset += 1  # stays queued, ahead of the next page
+                    continue
+                self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
+                           result, error=why)
+            for job, why in adm.waiting:
+                offset += 1
+                if job.waiting != why:
+                    self.quota_notes.note(job.id, why)
+            for job in adm.admitted:
+                if job.waiting is not None:
+                    self.quota_notes.note(job.id, None)
+                placing = self._move(job, JobState.PLACING, "admitted; claiming resources",
+                                     result)
+                if placing is not None:
+                    self._place(placing, result)
+            skipped = len(adm.impossible) + len(adm.waiting)
+            if adm.admitted or skipped < len(queued) or len(queued) < ADMIT_PAGE:
+                return
 
     def _restart(self, job: Job, result: StepResult) -> None:
         """The next attempt, from the checkpoint; or, when the cluster no longer has room for
@@ -293,7 +313,8 @@ class Controller:
                                  kind=str(ev.get("kind", "info"))[:32],
                                  message=str(ev.get("message", ""))[:10000],
                                  data=ev.get("data") or {})
-        self.store.record_metrics(job_id=job.id, attempt=run.attempt, rows=rows)
+        self.ingest.record(job_id=job.id, attempt=run.attempt, world_size=job.world_size,
+                           rows=rows)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
         return len(rows)

@@ -164,11 +164,12 @@ class Store:
             return ([Job.from_row(r) for r in s.execute(q).scalars()],
                     int(s.execute(count).scalar_one()))
 
-    def queued_jobs(self) -> list[Job]:
-        """Queued jobs in admission order: priority first, then age."""
+    def queued_jobs(self, *, limit: int | None = None, offset: int = 0) -> list[Job]:
+        """Queued jobs in admission order: priority first, then age (a page of them)."""
         with self._tx() as s:
             rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
-                             .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
+                             .order_by(JobRow.priority.desc(), JobRow.id)
+                             .limit(limit).offset(offset)).scalars()
             return [Job.from_row(r) for r in rows]
 
     def active_jobs(self) -> list[Job]:
@@ -280,9 +281,8 @@ class Store:
     # --- metrics ----------------------------------------------------------------------------
 
     def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
-        """Store per-step, per-rank reports (already validated by the caller). A report stored
-        before (a rank sends again what a controller that died never acknowledged) is kept
-        once: (job, attempt, step, rank) is unique and a repeat is skipped."""
+        """Store per-step, per-rank reports (validated by the caller); a report sent again (never
+        acknowledged to its rank) is kept once: (job, attempt, step, rank) is unique."""
         if not rows:
             return
         values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],

@@ -104,16 +104,16 @@ def test_reports_are_acknowledged_only_once_stored(sqlite_store: Store, tmp_path
     job_id = submit(sqlite_store)
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
-    real = sqlite_store.record_metrics
+    real = c.ingest.record  # the controller's metrics writer (service.metrics_ingest)
 
     def away(**kw: object) -> None:
         raise ConnectionError("database away")
 
-    monkeypatch.setattr(sqlite_store, "record_metrics", away)
+    monkeypatch.setattr(c.ingest, "record", away)
     with pytest.raises(ConnectionError):
         c.step()
     assert launcher.groups[0].acked == {}
-    monkeypatch.setattr(sqlite_store, "record_metrics", real)
+    monkeypatch.setattr(c.ingest, "record", real)
     c.step()
     assert launcher.groups[0].acked == {0: 3}
     assert [m.step for m in sqlite_store.list_metrics(job_id=job_id)] == [1, 2, 3]

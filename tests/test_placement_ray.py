@@ -70,6 +70,7 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
         assert len({node_of[r] for r in group}) == 1, (group, node_of)
     assert len(set(node_of.values())) == 2  # 8 GPUs needed, 4 per node: both nodes used
     assert all(len(r["gpu_ids"]) == 1 for r in ranks)
+    assert all(r["nice"] == 0 for r in ranks)  # not Ray's background niceness (15)
 
     metrics = store.list_metrics(job_id=job_id, rank=None)
     assert {m.rank for m in metrics} == set(range(8))

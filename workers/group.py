@@ -34,7 +34,7 @@ from service.planner.stored import StoredPlan
 from service.protocols import GroupState, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
-from workers.actor import RankActor
+from workers.actor import RANK_RUNTIME_ENV, RankActor
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class RayWorkerGroup:
         self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime)
         self.actors = [
             RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus, num_gpus=gpus,
+                num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=r // self.tp),
                 **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
@@ -150,8 +150,8 @@ class RayWorkerGroup:
                              for r, a in enumerate(self.actors)]
         self.phase = "launching"
         master = self.infos[0]
-        self._placement = {"ranks": [{k: i[k] for k in ("rank", "node_id", "hostname", "ip",
-                                                        "pid", "gpu_ids")} for i in self.infos],
+        keys = ("rank", "node_id", "hostname", "ip", "pid", "nice", "gpu_ids")
+        self._placement = {"ranks": [{k: i[k] for k in keys} for i in self.infos],
                            "master": f"{master['ip']}:{master['free_ports'][0]}"}
         return self._poll_launching(timeout_s)
 

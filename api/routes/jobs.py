@@ -31,6 +31,7 @@ from service.db import NAME_MAX
 from service.identity import Principal
 from service.jobs import KeyReused, Submitter, submit_once
 from service.jobs import submit as submit_job
+from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
@@ -71,6 +72,10 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
         checkpoint_roots=settings.checkpoint_root_dirs,
         entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
         admin=who.role == "admin"))
+
+
+RECENT_STEPS = 1000
+"""A job's page compares the plan with rank 0's newest this-many steps (newest attempt)."""
 
 
 @router.post("", status_code=201, response_model=JobOut,
@@ -140,8 +145,10 @@ def list_jobs(store: StoreDep,
 @router.get("/{job_id}", response_model=JobOut, dependencies=_READ)
 def get_job(job: JobDep, store: StoreDep) -> JobOut:
     """A job with its plan, and the plan's predictions next to what was measured."""
-    return JobOut.of(job, predicted_vs_measured=compare(job.plan,
-                                                        store.list_metrics(job_id=job.id)))
+    # The newest steps only: a job's page costs the same after a day of training as after a
+    # minute (`service.metrics_ingest.MetricsIngest.recent_metrics`).
+    recent = MetricsIngest(store).recent_metrics(job_id=job.id, limit=RECENT_STEPS)
+    return JobOut.of(job, predicted_vs_measured=compare(job.plan, recent))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,

@@ -1,0 +1,469 @@
+"""The GPU check: one run that proves the GPU paths on a machine with CUDA GPUs, one JSON report.
+
+`make gpu-check` or `python bench/gpu_check.py [--out var/bench/gpu_check.json] [--budget-s 290]`
+
+Steps, each guarded by a timeout (a hang is reported as `timeout` with the step's name and the
+tail of its output, and the check goes on with the next step):
+
+- `build`: the torch build `make install` left (CUDA or CPU), CUDA version, devices, NCCL
+  version (`torch.cuda.nccl.version()`).
+- `topology`: `nvidia-smi topo -m`, parsed into {device: {device: link}}.
+- `stack`: `trident up` on a scratch data directory (SQLite, its own local Ray head).
+- `probe`: `trident probe` on the GPUs: matmul TFLOP/s (bf16) and the calibrated profile.
+- `train_bf16`, `train_fp16`: the built-in trainer (`workers.train.train_rank`) on one GPU
+  for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
+  scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
+  `max_memory_reserved`, next to the plan's prediction for the same spec.
+- with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` and
+  `job_dp2_zero2` through the whole stack (API, controller, Ray) with their `/comm` report,
+  whose times come from CUDA events.
+
+On a machine without CUDA every GPU step is `skipped` with the reason, so the script runs (and
+is tested) anywhere. Steps that run code on the GPU run in a child process of their own, so a
+hung CUDA call cannot hang the check: the child is killed at its timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULT = "GPU_CHECK_RESULT "
+"""Prefix of the line in which a child step prints its result."""
+
+TRAIN_STEPS = 20
+MODEL_1B = {"layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "ffn_hidden": 5632,
+            "vocab": 32000, "seq_len": 2048, "activation": "swiglu"}
+"""A 1.1B Llama-style GPT (TinyLlama's shape), which the built-in trainer builds as planned."""
+MODEL_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "ffn_hidden": 2048, "vocab": 32000,
+               "seq_len": 512, "activation": "swiglu"}
+"""The two-GPU jobs' model (~110M parameters)."""
+
+
+# --- children: run with `--step NAME`, print one RESULT line ---
+
+def step_build() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
+                           "build": "cuda" if torch.version.cuda else "cpu",
+                           "cuda_available": torch.cuda.is_available(),
+                           "device_count": torch.cuda.device_count()}
+    if torch.cuda.is_available():
+        out["devices"] = [{"name": torch.cuda.get_device_name(i),
+                           "capability": list(torch.cuda.get_device_capability(i)),
+                           "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                          for i in range(torch.cuda.device_count())]
+        version = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        out["cudnn"] = torch.backends.cudnn.version()
+        out["bf16_supported"] = torch.cuda.is_bf16_supported()
+    return out
+
+
+def gpu_profile_name(device_name: str) -> str:
+    """The hardware profile (`service.hardware`) of a CUDA device, by its marketing name."""
+    n = device_name.upper()
+    if "H200" in n:
+        return "h200"
+    if "H100" in n:
+        return "h100-80gb"
+    if "A100" in n:
+        return "a100-40gb" if "40GB" in n else "a100-80gb"
+    if "V100" in n:
+        return "v100-32gb"
+    return "a100-80gb"
+
+
+def train_spec(precision: str, profile: str) -> dict[str, Any]:
+    return {"name": f"gpu-check-{precision}", "model": MODEL_1B,
+            "train": {"steps": TRAIN_STEPS, "global_batch": 8, "micro_batch": 2,
+                      "precision": precision, "lr": 1e-4},
+            "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0},
+            "resources": {"gpus_per_worker": 1, "cpus_per_worker": 1},
+            "cluster": {"gpu": profile, "nodes": 1, "gpus_per_node": 1}}
+
+
+def step_train(precision: str) -> dict[str, Any]:
+    """The built-in trainer on GPU 0, 20 steps; measured against the plan for the same spec."""
+    import torch
+
+    from service.jobs import prepare
+    from service.protocols import StepReport
+    from service.spec import JobSpec
+    from workers.train import RankContext, train_rank
+
+    profile = gpu_profile_name(torch.cuda.get_device_name(0))
+    spec = JobSpec.model_validate(train_spec(precision, profile))
+    plan = prepare(spec).plan
+    reports: list[StepReport] = []
+    torch.cuda.reset_peak_memory_stats()
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=_free_port(), checkpoint_dir=None)
+    t0 = time.perf_counter()
+    train_rank(spec, ctx, reports.append, threading.Event())
+    wall = time.perf_counter() - t0
+    steady = [r.step_time_s for r in reports[len(reports) // 4:]]  # past warm-up
+    step_s = statistics.median(steady)
+    predicted_step = float(plan.time.step_s)
+    hardware_flops = float(plan.time.hardware_flops)
+    from service.hardware import get_profile
+    peak = get_profile(profile).peak_flops_bf16
+    return {
+        "profile": profile, "precision": precision, "params": spec.model.model_dump(),
+        "steps": len(reports), "wall_s": wall, "step_time_s": step_s,
+        "step_time_p10_s": _pct(steady, 10), "step_time_p90_s": _pct(steady, 90),
+        "tokens_per_s": statistics.median(r.tokens_per_s for r in reports[len(reports) // 4:]),
+        "mfu": hardware_flops / step_s / peak if hardware_flops else None,
+        "losses": [r.loss for r in reports],
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "predicted": {"step_time_s": predicted_step, "tokens_per_s": float(plan.tokens_per_s),
+                      "memory_total": float(plan.memory.total),
+                      "model_states": float(plan.memory.model_states),
+                      "mfu": hardware_flops / predicted_step / peak if hardware_flops else None},
+        "measured_over_predicted": {
+            "step_time": step_s / predicted_step,
+            "memory_allocated": torch.cuda.max_memory_allocated() / float(plan.memory.total),
+            "memory_reserved": torch.cuda.max_memory_reserved() / float(plan.memory.total)},
+    }
+
+
+def _nccl_rank(rank: int, world: int, port: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from service.parallel import ParallelDims
+    from workers.comm_probe import probe_layout
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    rows = probe_layout(ParallelDims(dp=world), rank, iters=10)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        q.put(rows)
+
+
+def step_nccl_probe() -> dict[str, Any]:
+    import torch
+    import torch.multiprocessing as mp
+
+    world = torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=240)
+    for p in procs:
+        p.join(30)
+    best = max((r for r in rows if r["op"] == "all_reduce"), key=lambda r: r["bytes"])
+    return {"world": world, "rows": rows, "all_reduce_busbw_largest": best["busbw"],
+            "largest_bytes": best["bytes"]}
+
+
+CHILD_STEPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "build": step_build,
+    "train_bf16": lambda: step_train("bf16"),
+    "train_fp16": lambda: step_train("fp16"),
+    "nccl_probe": step_nccl_probe,
+}
+
+
+# --- the parent: runs every step under its timeout ---
+
+class Check:
+    def __init__(self, budget_s: float, work: Path, step_timeout_s: float | None = None) -> None:
+        self.step_timeout_s = step_timeout_s
+        self.deadline = time.monotonic() + budget_s
+        self.work = work
+        self.steps: list[dict[str, Any]] = []
+        self.stack: subprocess.Popen[bytes] | None = None
+        self.server = ""
+
+    def left(self, want: float) -> float:
+        want = min(want, self.step_timeout_s or want)
+        return max(1.0, min(want, self.deadline - time.monotonic()))
+
+    def record(self, name: str, status: str, t0: float, **fields: Any) -> dict[str, Any]:
+        row = {"name": name, "status": status, "seconds": round(time.monotonic() - t0, 3),
+               **fields}
+        self.steps.append(row)
+        msg = fields.get("reason") or fields.get("error") or ""
+        print(f"[gpu-check] {name}: {status} ({row['seconds']:.1f} s) {msg}".rstrip(),
+              file=sys.stderr, flush=True)
+        return row
+
+    def skip(self, name: str, reason: str) -> None:
+        self.record(name, "skipped", time.monotonic(), reason=reason)
+
+    def child(self, name: str, timeout_s: float) -> dict[str, Any] | None:
+        """Run CHILD_STEPS[name] in a process of its own, killed at its timeout."""
+        t0 = time.monotonic()
+        timeout_s = self.left(timeout_s)
+        proc = subprocess.Popen([sys.executable, __file__, "--step", name], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=_env())
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            self.record(name, "timeout", t0, error=f"hung: {name} did not finish within"
+                        f" {timeout_s:.0f} s; killed", output_tail=_tail(out))
+            return None
+        text = out.decode(errors="replace")
+        for line in reversed(text.splitlines()):
+            if line.startswith(RESULT):
+                result: dict[str, Any] = json.loads(line[len(RESULT):])
+                self.record(name, "ok", t0, result=result)
+                return result
+        self.record(name, "failed", t0, error=f"exit status {proc.returncode}",
+                    output_tail=_tail(out))
+        return None
+
+    def guarded(self, name: str, timeout_s: float, fn: Callable[[float], dict[str, Any]]) -> None:
+        """Run fn(timeout) on a thread of this process, abandoned at its timeout (fn's own
+        calls are bounded too: HTTP timeouts, subprocess timeouts, polling deadlines)."""
+        t0 = time.monotonic()
+        timeout_s = self.left(timeout_s)
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn(timeout_s)
+            except Exception as exc:  # reported, and the check goes on
+                box["error"] = f"{type(exc).__name__}: {exc}"
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        t.start()
+        t.join(timeout_s + 5)
+        if t.is_alive():
+            self.record(name, "timeout", t0, error=f"hung: {name} did not finish within"
+                        f" {timeout_s:.0f} s")
+        elif "error" in box:
+            self.record(name, "failed", t0, error=box["error"])
+        else:
+            self.record(name, "ok", t0, result=box["result"])
+
+    # --- steps on the parent ---------------------------------------------------------------------
+
+    def topology(self, timeout_s: float) -> dict[str, Any]:
+        from workers.inventory import parse_topo_matrix
+
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                             timeout=timeout_s, check=True).stdout
+        matrix = parse_topo_matrix(out)
+        gpus = [d for d in matrix if d.startswith("GPU")]
+        links = {f"{a}-{b}": matrix[a].get(b) for a in gpus for b in gpus if a < b}
+        return {"matrix": matrix, "gpu_links": links,
+                "nvlink_pairs": sum(1 for v in links.values() if v and v.startswith("NV"))}
+
+    def start_stack(self, timeout_s: float) -> dict[str, Any]:
+        import httpx
+
+        port = _free_port()
+        data = self.work / "stack"
+        log = open(self.work / "stack.log", "wb")  # noqa: SIM115 (kept open for the child)
+        self.stack = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "up", "--port", str(port), "--data-dir", str(data),
+             "--stop-jobs"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=_env(TRIDENT_ALLOW_FAULTS="0"))
+        self.server = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.stack.poll() is not None:
+                raise RuntimeError(f"trident up exited ({self.stack.returncode}): "
+                                   f"{_tail((self.work / 'stack.log').read_bytes())}")
+            try:
+                r = httpx.get(f"{self.server}/api/v1/healthz", timeout=5)
+                if r.status_code == 200:
+                    return {"server": self.server, "health": r.json()}
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"the stack did not become healthy within {timeout_s:.0f} s")
+
+    def probe(self, timeout_s: float, gpus: int, profile: str) -> dict[str, Any]:
+        import httpx
+
+        cmd = [sys.executable, "-m", "api.cli", "probe", "--server", self.server,
+               "--ranks-per-node", str(gpus), "--profile", profile, "--timeout",
+               str(int(timeout_s) - 5)]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                             env=_env())
+        if out.returncode != 0:
+            raise RuntimeError(f"trident probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+        cluster = httpx.get(f"{self.server}/api/v1/cluster", timeout=10).json()
+        probes = httpx.get(f"{self.server}/api/v1/probes", timeout=10).json()["items"]
+        summary = probes[0].get("summary", {}) if probes else {}
+        flops = summary.get("matmul_flops", {})
+        return {"output": out.stdout[-4000:],
+                "matmul_tflops": {k: v / 1e12 for k, v in flops.items()},
+                "calibrated_profile": cluster.get("profiles")}
+
+    def job(self, timeout_s: float, parallel: dict[str, Any], profile: str) -> dict[str, Any]:
+        """A small GPT through the whole stack on two GPUs; its /comm report (CUDA events)."""
+        import httpx
+
+        spec = {"name": "gpu-check-" + "-".join(f"{k}{v}" for k, v in parallel.items()),
+                "model": MODEL_SMALL,
+                "train": {"steps": TRAIN_STEPS, "global_batch": 8, "micro_batch": 2,
+                          "precision": "bf16"},
+                "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, **parallel},
+                "resources": {"gpus_per_worker": 1, "cpus_per_worker": 1},
+                "cluster": {"gpu": profile, "nodes": 1, "gpus_per_node": 2}}
+        api = f"{self.server}/api/v1"
+        r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        end = time.monotonic() + timeout_s - 10
+        state = "queued"
+        while time.monotonic() < end:
+            state = httpx.get(f"{api}/jobs/{job_id}", timeout=10).json()["state"]
+            if state in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(1)
+        comm = httpx.get(f"{api}/jobs/{job_id}/comm", timeout=10).json()
+        events = httpx.get(f"{api}/jobs/{job_id}/events", timeout=10).json()
+        if state != "succeeded":
+            httpx.post(f"{api}/jobs/{job_id}/cancel", timeout=10)
+            tail = [e.get("message", "")[-500:] for e in events[-5:]] if isinstance(
+                events, list) else events
+            raise RuntimeError(f"job {job_id} ended {state}; last events: {tail}")
+        return {"job": job_id, "state": state, "comm": comm}
+
+    def stop_stack(self) -> None:
+        if self.stack is not None and self.stack.poll() is None:
+            os.killpg(self.stack.pid, signal.SIGTERM)
+            try:
+                self.stack.wait(60)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.stack)
+        self.stack = None
+
+
+def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="trident-gpu-check-"))
+    check = Check(budget_s, work, step_timeout_s)
+    started = time.time()
+    try:
+        build = check.child("build", 90) or {}
+        gpus = int(build.get("device_count") or 0)
+        no_gpu = (f"no CUDA GPU: torch {build.get('torch')} ({build.get('build')} build),"
+                  f" torch.cuda.is_available() is {build.get('cuda_available')}")
+        profile = gpu_profile_name(build["devices"][0]["name"]) if gpus else "cpu"
+        if gpus == 0:
+            for name in ("topology", "stack", "probe", "train_bf16", "train_fp16"):
+                check.skip(name, no_gpu)
+        else:
+            if shutil.which("nvidia-smi"):
+                check.guarded("topology", 30, check.topology)
+            else:
+                check.skip("topology", "nvidia-smi is not on PATH")
+            check.guarded("stack", 90, check.start_stack)
+            if check.steps[-1]["status"] == "ok":
+                check.guarded("probe", 120, lambda t: check.probe(t, gpus, profile))
+            else:
+                check.skip("probe", "the stack did not start")
+            check.child("train_bf16", 150)
+            check.child("train_fp16", 150)
+        multi = ("needs two or more CUDA GPUs; this machine has"
+                 f" {gpus}" + ("" if gpus else f" ({no_gpu})"))
+        if gpus >= 2:
+            check.child("nccl_probe", 90)
+            stack_up = check.stack is not None and check.stack.poll() is None
+            for name, par in (("job_tp2", {"tp": 2}), ("job_dp2_zero2", {"dp": 2, "zero": 2})):
+                if stack_up:
+                    check.guarded(name, 150, lambda t, p=par: check.job(t, p, profile))
+                else:
+                    check.skip(name, "the stack did not start")
+        else:
+            for name in ("nccl_probe", "job_tp2", "job_dp2_zero2"):
+                check.skip(name, multi)
+    finally:
+        check.stop_stack()
+        shutil.rmtree(work, ignore_errors=True)
+    statuses = [s["status"] for s in check.steps]
+    return {"check": "trident gpu-check", "started": time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "seconds": round(time.time() - started, 1), "host": socket.gethostname(),
+            "gpus": gpus, "ok": all(s in ("ok", "skipped") for s in statuses),
+            "summary": {k: statuses.count(k) for k in ("ok", "skipped", "failed", "timeout")},
+            "steps": check.steps}
+
+
+# --- helpers ---
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tail(out: bytes | None, n: int = 3000) -> str:
+    return (out or b"").decode(errors="replace")[-n:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_check.json"))
+    ap.add_argument("--budget-s", type=float, default=290.0,
+                    help="the whole check's time limit (each step's timeout is cut to fit)")
+    ap.add_argument("--step-timeout-s", type=float, default=None,
+                    help="cut every step's timeout to this")
+    ap.add_argument("--step", choices=sorted(CHILD_STEPS), help=argparse.SUPPRESS)
+    ap.add_argument("--hang", choices=sorted(CHILD_STEPS), help="make this step hang (to see"
+                    " the timeout work: the tests use it)")
+    args = ap.parse_args()
+    if args.hang:
+        os.environ["TRIDENT_GPU_CHECK_HANG"] = args.hang
+    if args.step:
+        if os.environ.get("TRIDENT_GPU_CHECK_HANG") == args.step:
+            time.sleep(3600)
+        print(RESULT + json.dumps(CHILD_STEPS[args.step](), default=str), flush=True)
+        return
+    report = run_check(args.budget_s, args.step_timeout_s)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

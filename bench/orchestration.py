@@ -1,0 +1,209 @@
+"""What orchestration costs: the same trainer and spec under `torchrun -m workers.train` and
+under Trident (API, controller, Ray actors, monitor on), alternated (A B B A ...).
+
+Two specs, two CPU ranks each: `tiny` (the demo's model) and `medium` (a step takes about
+0.5 s on this kind of machine). Per run: the steady-state step time (median of rank 0's steps
+past the warm-up, as the trainer measures them under both), and the time to the first step,
+from launching torchrun (until rank 0 prints its first step) against from submitting to a
+running, idle stack (until the first step's row; the stack itself is started once, before, as
+it runs all the time). Trident's time to first step is split into named stages by its job's
+events: admission (queued -> PLACING), placement group (-> `placement`), actor start and
+rendezvous (-> `rendezvous`: actors up, libraries imported, ranks launched), the bandwidth
+probe (-> `probe`), and DeepSpeed init, the first step and its report reaching the store
+(-> the first metric row, whose lag includes a controller poll).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.control_plane import _port, _stop, _wait_http
+from bench.harness import Section, alternate, dist, fmt_dist, fmt_s
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 3
+SPEED_GOAL = 0.98
+FIRST_STEP_GOAL_S = 5.0
+
+
+def specs(quick: bool) -> dict[str, dict[str, Any]]:
+    base = {"parallel": {"tp": 1, "pp": 1, "dp": 2, "zero": 2},
+            "resources": {"gpus_per_worker": 0, "cpus_per_worker": 1}}
+    tiny = {"name": "tiny", "model": {"preset": "gpt-tiny"},
+            "train": {"steps": 12 if quick else 60, "global_batch": 8, "micro_batch": 2,
+                      "precision": "fp32", "lr": 0.003}, **base}
+    medium = {"name": "medium", "model": {"preset": "gpt-tiny", "layers": 4, "hidden": 256,
+                                          "heads": 4, "seq_len": 128, "vocab": 1024},
+              "train": {"steps": 20, "global_batch": 16, "micro_batch": 4,
+                        "precision": "fp32"}, **base}
+    return {"tiny": tiny} if quick else {"tiny": tiny, "medium": medium}
+
+
+def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    path = work / f"{spec['name']}.json"
+    path.write_text(json.dumps(spec))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(_port()), "-m", "workers.train", "--spec", str(path)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                            start_new_session=True)
+    first = None
+    steps: list[float] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{") and '"step"' in line:
+            if first is None:
+                first = time.perf_counter() - t0
+            steps.append(json.loads(line)["step_time_s"])
+    rc = proc.wait(600)
+    if rc != 0 or first is None:
+        raise RuntimeError(f"torchrun exited {rc} after {len(steps)} steps")
+    return {"first_step_s": first, "step_s": _steady(steps), "steps": len(steps),
+            "wall_s": time.perf_counter() - t0}
+
+
+def _steady(xs: list[float]) -> float:
+    import statistics
+    return statistics.median(xs[WARMUP:] or xs)
+
+
+class Stack:
+    """`trident up` on a scratch data dir (SQLite, its own local Ray head), stopped with
+    --stop-jobs (its head with it)."""
+
+    def __init__(self, work: Path) -> None:
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}/api/v1"
+        self.log = work / "stack.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "up", "--port", str(self.port), "--data-dir",
+             str(work / "data"), "--stop-jobs"], cwd=ROOT, stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def wait(self) -> None:
+        import httpx
+        _wait_http(f"{self.url}/jobs?limit=1", 120, self.proc, self.log)
+        end = time.monotonic() + 120
+        while httpx.get(f"{self.url}/healthz", timeout=5).status_code != 200:
+            if time.monotonic() > end:
+                raise TimeoutError(f"no controller: {self.log.read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        c = httpx.Client(base_url=self.url, timeout=30)
+        submitted = time.time()
+        r = c.post("/jobs", json=spec)
+        assert r.status_code == 201, r.text[:500]
+        job = r.json()["id"]
+        end = time.monotonic() + 600
+        while (state := c.get(f"/jobs/{job}").json()["state"]) not in (
+                "SUCCEEDED", "FAILED", "CANCELLED"):
+            if time.monotonic() > end:
+                raise TimeoutError(f"job {job} still {state}")
+            time.sleep(0.25)
+        events = c.get(f"/jobs/{job}/events", params={"limit": 1000}).json()["items"]
+        metrics = c.get(f"/jobs/{job}/metrics").json()["items"]
+        if state != "SUCCEEDED":
+            raise RuntimeError(f"job {job} {state}: {[e['message'][-300:] for e in events]}")
+        return stages(submitted, events, metrics)
+
+    def stop(self) -> None:
+        _stop(self.proc, 90)
+
+
+def _t(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def stages(submitted: float, events: list[dict[str, Any]],
+           metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Trident's time to first step, split by the job's events."""
+    def at(pred: Any) -> float | None:
+        return next((_t(e["time"]) for e in events if pred(e)), None)
+
+    marks = [("admission", at(lambda e: e["kind"] == "state"
+                              and e["data"].get("to") == "PLACING")),
+             ("placement group", at(lambda e: e["kind"] == "placement")),
+             ("actor start and rendezvous", at(lambda e: e["kind"] == "rendezvous")),
+             ("probe", at(lambda e: e["kind"] == "probe")),
+             ("DeepSpeed init, first step and its report",
+              _t(metrics[0]["time"]) if metrics else None)]
+    out: dict[str, float] = {}
+    prev = submitted
+    for name, t in marks:
+        if t is None:
+            continue
+        out[name] = t - prev
+        prev = t
+    running = at(lambda e: e["kind"] == "state" and e["data"].get("to") == "RUNNING")
+    steps = [m["step_time_s"] for m in metrics]
+    return {"first_step_s": prev - submitted, "stages": out,
+            "submit_to_running_s": None if running is None else running - submitted,
+            "step_s": _steady(steps), "steps": len(steps)}
+
+
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
+    work = Path(tempfile.mkdtemp(prefix="trident-bench-orch-"))
+    stack = Stack(work)
+    try:
+        stack.wait()
+        reps = 1 if quick else 3
+        for name, spec in specs(quick).items():
+            tr: list[dict[str, Any]] = []
+            td: list[dict[str, Any]] = []
+
+            def a(spec: dict[str, Any] = spec, tr: list[dict[str, Any]] = tr) -> float:
+                tr.append(torchrun(spec, work))
+                return float(tr[-1]["step_s"])
+
+            def b(spec: dict[str, Any] = spec, td: list[dict[str, Any]] = td) -> float:
+                td.append(stack.run(spec))
+                return float(td[-1]["step_s"])
+
+            alternate(a, b, reps)
+            _report(sec, name, tr, td)
+    finally:
+        stack.stop()
+
+
+def _report(sec: Section, name: str, tr: list[dict[str, Any]],
+            td: list[dict[str, Any]]) -> None:
+    import statistics
+
+    speed = [x["step_s"] / y["step_s"] for x, y in zip(tr, td, strict=True)]
+    tr_first = dist([x["first_step_s"] for x in tr])
+    td_first = dist([y["first_step_s"] for y in td])
+    extra = td_first["median"] - tr_first["median"]
+    stage_names = list(td[0]["stages"])
+    stage_med = {s: statistics.median(y["stages"].get(s, 0.0) for y in td) for s in stage_names}
+    to_running = [y["submit_to_running_s"] for y in td if y["submit_to_running_s"] is not None]
+    sec.figures[name] = {"torchrun": tr, "trident": td, "speed_ratio": dist(speed),
+                         "first_step": {"torchrun": tr_first, "trident": td_first,
+                                        "extra_s": extra, "stages": stage_med},
+                         "submit_to_running": dist(to_running)}
+    sec.row(f"{name}: steady-state speed, Trident / torchrun",
+            f"{statistics.median(speed):.3f}",
+            f"step torchrun {fmt_dist(dist([x['step_s'] for x in tr]))}; Trident "
+            f"{fmt_dist(dist([y['step_s'] for y in td]))}; pairs {len(speed)}")
+    sec.row(f"{name}: time to first step", f"Trident +{extra:.1f} s",
+            f"torchrun {fmt_dist(tr_first)}; Trident {fmt_dist(td_first)}; stages: "
+            + ", ".join(f"{s} {fmt_s(v)}" for s, v in stage_med.items()))
+    if to_running:
+        sec.row(f"{name}: Trident submit to RUNNING, idle cluster", fmt_dist(dist(to_running)),
+                "queued -> all ranks running (events)")
+    sec.goal(f"{name}: speed vs torchrun", statistics.median(speed), f">= {SPEED_GOAL}",
+             statistics.median(speed) >= SPEED_GOAL)
+    sec.goal(f"{name}: extra time to first step (s)", extra, f"<= {FIRST_STEP_GOAL_S:g}",
+             extra <= FIRST_STEP_GOAL_S)
