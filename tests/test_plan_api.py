@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.cli import app as cli
+from api.routes import jobs as jobs_route
+from api.routes import plan as plan_route
+from service.planner.search import cpu_bound
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
@@ -128,7 +131,9 @@ def test_trident_capacity_answers_with_the_arithmetic(tmp_path: Path) -> None:
 
 
 def test_plan_of_a_model_that_fits_nowhere_on_its_cluster_says_what_it_would_take(
-        client: TestClient) -> None:
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Five searches, one per GPU type: more than a request's CPU bound on this machine.
+    monkeypatch.setattr(plan_route, "cpu_bound", lambda: cpu_bound(60))
     r = client.post("/api/v1/plan", json=BIG | {"parallel": "auto"})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -143,3 +148,28 @@ def test_plan_of_a_model_that_fits_nowhere_on_its_cluster_says_what_it_would_tak
     # A spec that fits has ranges and no what_it_takes.
     small = client.post("/api/v1/plan", json=tiny_spec()).json()
     assert "what_it_takes" not in small and small["ranges"]["note"]
+
+
+def test_a_request_spends_a_bounded_cpu_time_in_the_layout_search(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search that would take longer than the request's CPU bound is a 422 that says so
+    (the plan and the submission alike); what it would take is left to `trident capacity`."""
+    for route in (plan_route, jobs_route):
+        monkeypatch.setattr(route, "cpu_bound", lambda: cpu_bound(0.0))
+    huge = BIG | {"parallel": "auto", "train": {"global_batch": 1536, "micro_batch": 1},
+                  "cluster": {"gpu": "a100-80gb", "nodes": 128, "gpus_per_node": 8}}
+    for path in ("/api/v1/plan", "/api/v1/jobs"):
+        r = client.post(path, json=huge)
+        assert r.status_code == 422, r.text
+        detail = r.json()["detail"][0]
+        assert detail["loc"] == ["body", "parallel"] and "s of CPU" in detail["msg"], detail
+        assert "trident plan" in detail["msg"]
+    assert client.get("/api/v1/jobs").json()["total"] == 0  # nothing was queued
+    body = client.post("/api/v1/plan", json=BIG).json()  # an explicit layout is evaluated
+    assert body["fits"] is False and body["what_it_takes"] is None
+    assert "trident capacity" in body["what_it_takes_error"]
+    # The bound is on CPU time: the 175B search over 1,024 GPUs costs more than it here.
+    monkeypatch.setattr(plan_route, "cpu_bound", cpu_bound)
+    r = client.post("/api/v1/plan", json=tiny_spec(parallel="auto", cluster={
+        "gpu": "cpu", "nodes": 1, "gpus_per_node": 2}))
+    assert r.status_code == 200, r.text

@@ -33,6 +33,7 @@ from service.jobs import KeyReused, Submitter, submit_once
 from service.jobs import submit as submit_job
 from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
+from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
@@ -107,9 +108,10 @@ def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
     try:
-        if idempotency_key is None:
-            return submit_job(store, spec, by=by), True
-        return submit_once(store, spec, idempotency_key, by)
+        with cpu_bound():  # `parallel: auto` searches: at most API_SEARCH_CPU_S of CPU
+            if idempotency_key is None:
+                return submit_job(store, spec, by=by), True
+            return submit_once(store, spec, idempotency_key, by)
     except KeyReused as exc:
         raise HTTPException(status_code=409, detail=[
             {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],

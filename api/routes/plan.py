@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from api.auth import require
 from api.deps import StoreDep
 from service.planner import plan_command
+from service.planner.search import cpu_bound
 from service.profiles import profile_for
 from service.spec import JobSpec
 
@@ -25,10 +26,14 @@ def plan(spec: JobSpec, store: StoreDep,
     layers, the most loaded and the slowest). When the model fits no layout of its cluster,
     `what_it_takes` lists the smallest cluster of each GPU type that trains it (nodes x GPUs
     per node, best layout, step time, GPU-hours per billion tokens). Uses the profile
-    calibrated by `trident probe` when there is one."""
+    calibrated by `trident probe` when there is one. A request spends at most
+    `API_SEARCH_CPU_S` (0.5 s) of CPU in the layout search: a larger search is a 422 saying
+    so, and `what_it_takes` that did not fit in it is null with `what_it_takes_error` (`trident
+    plan` and `trident capacity` answer locally, unbounded)."""
     profile = profile_for(store, spec.target.gpu)
     try:
-        out = plan_command(spec, top=top, as_json=True, profile=profile)
+        with cpu_bound():
+            out = plan_command(spec, top=top, as_json=True, profile=profile)
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None

@@ -22,7 +22,13 @@ from service.planner.explain import layout_name
 from service.planner.memory import stage_memory
 from service.planner.plan import Plan
 from service.planner.scenario import Scenario, ZeroConfig
-from service.planner.search import ZERO_OFFLOAD, SearchTooLarge, divisors, search
+from service.planner.search import (
+    ZERO_OFFLOAD,
+    SearchOutOfTime,
+    SearchTooLarge,
+    divisors,
+    search,
+)
 from service.planner.shape import ModelShape
 from service.planner.uncertainty import ranges
 from service.spec import JobSpec, ParallelSpec
@@ -121,6 +127,8 @@ def smallest_cluster(spec: JobSpec, prof: HardwareProfile, gpus_per_node: int = 
         try:
             best = search(spec, profile=prof, world_size=nodes * gpus_per_node,
                           gpus_per_node=gpus_per_node).best
+        except SearchOutOfTime:
+            raise  # the caller's CPU bound, not this size: no answer rather than a wrong one
         except SearchTooLarge:
             continue
         if best is not None:

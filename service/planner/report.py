@@ -89,6 +89,24 @@ def render_capacity(rows: list[CapacityRow], *, family: str, cluster: str) -> st
     return capacity_text(rows, family=family, cluster=cluster)
 
 
+def _what_it_takes(spec: JobSpec, profile: HardwareProfile | None
+                   ) -> tuple[list[Any] | None, str | None]:
+    """The smallest clusters that train the model, or why they were not searched (the API's
+    CPU bound ran out: `trident capacity SPEC` has none)."""
+    from service.planner.clusters import what_it_takes
+
+    try:
+        return what_it_takes(spec, profile), None
+    except SearchTooLarge as exc:
+        return None, f"{exc}; `trident capacity SPEC` answers it locally"
+
+
+def _takes_json(takes: list[Any] | None, cut: str | None) -> dict[str, Any]:
+    if cut is not None:
+        return {"what_it_takes": None, "what_it_takes_error": cut}
+    return {"what_it_takes": [a.to_json() for a in takes]} if takes else {}
+
+
 def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
                  profile: HardwareProfile | None = None) -> str | dict[str, Any]:
     """What `trident plan SPEC [--top N] [--json]` prints.
@@ -97,23 +115,21 @@ def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
     the nearest layouts that fit); `parallel: auto` searches and shows the top N and the best
     plan in full.
     """
-    from service.planner.clusters import what_it_takes, what_it_takes_text
+    from service.planner.clusters import what_it_takes_text
 
     if isinstance(spec.parallel, str):
         res = search(spec, profile=profile)
-        takes = what_it_takes(spec, profile) if res.best is None else None
+        takes, cut = _what_it_takes(spec, profile) if res.best is None else (None, None)
         if as_json:
-            return res.to_json(top) | ({"what_it_takes": [a.to_json() for a in takes]}
-                                       if takes else {})
+            return res.to_json(top) | _takes_json(takes, cut)
         text = render_search(res, top)
         if takes:
             text += "\n\n" + what_it_takes_text(takes)
         return text + ("\n\n" + render_plan(res.ranked[0]) if res.ranked else "")
     plan = evaluate(spec, profile=profile)
-    takes = what_it_takes(spec, profile) if not plan.fits else None
+    takes, cut = _what_it_takes(spec, profile) if not plan.fits else (None, None)
     if as_json:
-        return plan.to_json() | ({"what_it_takes": [a.to_json() for a in takes]}
-                                 if takes else {})
+        return plan.to_json() | _takes_json(takes, cut)
     text = render_plan(plan)
     if takes:  # nothing of this world size fits: no nearest layout to search for
         return (text + "\n\nNearest layouts that fit:\n  none of this world size\n\n"

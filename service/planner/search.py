@@ -17,6 +17,10 @@ instead of taking seconds of a request.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +48,33 @@ def divisors(n: int) -> list[int]:
 
 
 class SearchTooLarge(ValueError):
-    """The search would look at more candidates than `SEARCH_BUDGET`."""
+    """The search would look at more candidates than `SEARCH_BUDGET`, or take more CPU time
+    than the `cpu_bound` it runs under."""
+
+
+class SearchOutOfTime(SearchTooLarge):
+    """The search ran out of the CPU time of its `cpu_bound` (not a property of the model:
+    callers that try other sizes must stop too)."""
+
+
+API_SEARCH_CPU_S = 0.5
+"""CPU seconds of layout search one API request may spend (`cpu_bound`); `trident plan` and
+`trident capacity` run locally without it."""
+
+_BOUND: ContextVar[tuple[float, float] | None] = ContextVar("search_cpu_bound", default=None)
+"""(this thread's CPU-time deadline, the bound in seconds) inside `cpu_bound`."""
+
+
+@contextmanager
+def cpu_bound(seconds: float = API_SEARCH_CPU_S) -> Iterator[None]:
+    """Searches run inside stop with SearchTooLarge once this thread has spent `seconds` of
+    CPU time in them: the API's bound on a request (CPU time, not wall time, so that a busy
+    machine does not change which requests are refused)."""
+    token = _BOUND.set((time.thread_time() + seconds, seconds))
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
 
 
 @dataclass(frozen=True)
@@ -73,8 +103,14 @@ class SearchResult:
     budget: int = SEARCH_BUDGET
 
     def charge(self, spec: JobSpec) -> None:
-        """Count one candidate; SearchTooLarge once the budget is spent."""
+        """Count one candidate; SearchTooLarge once the budget (or the CPU bound) is spent."""
         self.work += 1
+        bound = _BOUND.get() if self.work % 64 == 0 else None
+        if bound is not None and time.thread_time() > bound[0]:
+            raise SearchOutOfTime(
+                f"the layout search of {self.world_size} ranks used the {bound[1]:g} s of CPU"
+                f" a request may spend, after {self.work} candidates; give an explicit"
+                " parallel layout, or run `trident plan SPEC` locally (no such bound)")
         if self.work > self.budget:
             t, m = spec.train, spec.model
             raise SearchTooLarge(
