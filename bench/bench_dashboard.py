@@ -14,16 +14,21 @@ its HTML plus `series` (at most 2,000 points a series) and `ranks`.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sqlalchemy import insert
 
-from api.app import create_app
+from api.app import create_app  # noqa: E402
+from bench.auth import admin_headers  # noqa: E402
 from service.db import JobRow, MetricRow, utcnow
 from service.jobs import prepare
 from service.settings import Settings
@@ -111,7 +116,7 @@ def main() -> None:
              ("queue page", "/queue"),
              ("GET /metrics", "/metrics")]
     print(f"{'request':<40} {'median ms':>10} {'max ms':>8} {'cpu ms':>7} {'median/200ms':>13}")
-    with TestClient(create_app(settings, store=store)) as client:
+    with TestClient(create_app(settings, store=store), headers=admin_headers(store)) as client:
         for label, url in pages:
             wall, cpu = time_get(client, url, args.repeat)
             med = statistics.median(wall)

@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
+from bench.auth import token_file_headers
 from bench.harness import Section, dist, fmt_dist, fmt_s
 from bench.scale import PG_ADMIN
 
@@ -74,6 +75,10 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
             proc.wait(10)
 
 
+TOKENS: dict[str, dict[str, str]] = {}
+"""The admin's Authorization header of each server `trident_server` started, by address."""
+
+
 @contextlib.contextmanager
 def trident_server(db: str) -> Iterator[str]:
     """The API alone (no controller: submissions only queue) on `db` (sqlite or postgres)."""
@@ -96,7 +101,9 @@ def trident_server(db: str) -> Iterator[str]:
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_http(f"http://127.0.0.1:{port}/api/v1/jobs?limit=1", 60, proc, log)
-        yield f"http://127.0.0.1:{port}"
+        api = f"http://127.0.0.1:{port}"
+        TOKENS[api] = token_file_headers(tmp)  # the app bootstraps its admin on first start
+        yield api
     finally:
         _stop(proc)
         if admin is not None:
@@ -215,7 +222,7 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")
             for db in dbs:
                 with trident_server(db) as api:
                     def t_client(api: str = api) -> Any:
-                        return httpx.Client(base_url=api, timeout=30)
+                        return httpx.Client(base_url=api, timeout=30, headers=TOKENS[api])
 
                     def t_submit(c: Any) -> None:
                         r = c.post("/api/v1/jobs", json=TINY)

@@ -200,6 +200,7 @@ class Check:
         self.steps: list[dict[str, Any]] = []
         self.stack: subprocess.Popen[bytes] | None = None
         self.server = ""
+        self.data_dir = self.work
 
     def left(self, want: float) -> float:
         want = min(want, self.step_timeout_s or want)
@@ -279,6 +280,12 @@ class Check:
         return {"matrix": matrix, "gpu_links": links,
                 "nvlink_pairs": sum(1 for v in links.values() if v and v.startswith("NV"))}
 
+    def auth(self) -> dict[str, str]:
+        """The stack's bootstrap admin (`trident up` wrote its token to the data dir)."""
+        from bench.auth import token_file_headers
+
+        return token_file_headers(self.data_dir)
+
     def start_stack(self, timeout_s: float) -> dict[str, Any]:
         import httpx
 
@@ -290,6 +297,7 @@ class Check:
              "--stop-jobs"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=_env(TRIDENT_ALLOW_FAULTS="0"))
         self.server = f"http://127.0.0.1:{port}"
+        self.data_dir = data
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.stack.poll() is not None:
@@ -310,12 +318,15 @@ class Check:
         cmd = [sys.executable, "-m", "api.cli", "probe", "--server", self.server,
                "--ranks-per-node", str(gpus), "--profile", profile, "--timeout",
                str(int(timeout_s) - 5)]
+        token = self.auth()["Authorization"].removeprefix("Bearer ")
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                             env=_env())
+                             env=_env(TRIDENT_TOKEN=token))
         if out.returncode != 0:
             raise RuntimeError(f"trident probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-        cluster = httpx.get(f"{self.server}/api/v1/cluster", timeout=10).json()
-        probes = httpx.get(f"{self.server}/api/v1/probes", timeout=10).json()["items"]
+        auth = self.auth()
+        cluster = httpx.get(f"{self.server}/api/v1/cluster", headers=auth, timeout=10).json()
+        probes = httpx.get(f"{self.server}/api/v1/probes", headers=auth, timeout=10).json()[
+            "items"]
         summary = probes[0].get("summary", {}) if probes else {}
         flops = summary.get("matmul_flops", {})
         return {"output": out.stdout[-4000:],
@@ -334,20 +345,21 @@ class Check:
                 "resources": {"gpus_per_worker": 1, "cpus_per_worker": 1},
                 "cluster": {"gpu": profile, "nodes": 1, "gpus_per_node": 2}}
         api = f"{self.server}/api/v1"
-        r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        r = httpx.post(f"{api}/jobs", json=spec, headers=self.auth(), timeout=30)
         r.raise_for_status()
         job_id = r.json()["id"]
         end = time.monotonic() + timeout_s - 10
         state = "queued"
         while time.monotonic() < end:
-            state = httpx.get(f"{api}/jobs/{job_id}", timeout=10).json()["state"]
+            state = httpx.get(f"{api}/jobs/{job_id}", headers=self.auth(),
+                              timeout=10).json()["state"]
             if state in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(1)
-        comm = httpx.get(f"{api}/jobs/{job_id}/comm", timeout=10).json()
-        events = httpx.get(f"{api}/jobs/{job_id}/events", timeout=10).json()
+        comm = httpx.get(f"{api}/jobs/{job_id}/comm", headers=self.auth(), timeout=10).json()
+        events = httpx.get(f"{api}/jobs/{job_id}/events", headers=self.auth(), timeout=10).json()
         if state != "succeeded":
-            httpx.post(f"{api}/jobs/{job_id}/cancel", timeout=10)
+            httpx.post(f"{api}/jobs/{job_id}/cancel", headers=self.auth(), timeout=10)
             tail = [e.get("message", "")[-500:] for e in events[-5:]] if isinstance(
                 events, list) else events
             raise RuntimeError(f"job {job_id} ended {state}; last events: {tail}")

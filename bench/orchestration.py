@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.auth import token_file_headers
 from bench.control_plane import _port, _stop, _wait_http
 from bench.harness import Section, alternate, dist, fmt_dist, fmt_s
 
@@ -84,6 +85,7 @@ class Stack:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}/api/v1"
         self.log = work / "stack.log"
+        self.data_dir = work / "data"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "api.cli", "up", "--port", str(self.port), "--data-dir",
              str(work / "data"), "--stop-jobs"], cwd=ROOT, stdout=self.log.open("wb"),
@@ -102,7 +104,8 @@ class Stack:
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         import httpx
 
-        c = httpx.Client(base_url=self.url, timeout=30)
+        c = httpx.Client(base_url=self.url, timeout=30,
+                         headers=token_file_headers(self.data_dir))
         submitted = time.time()
         r = c.post("/jobs", json=spec)
         assert r.status_code == 201, r.text[:500]

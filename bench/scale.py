@@ -261,6 +261,7 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
+    from bench.auth import admin_headers
     from service.settings import Settings
     from service.store import Store
 
@@ -280,7 +281,7 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
         took = load(url, size)
         fig: dict[str, Any] = {"load": took, "jobs": size.jobs, "metric_rows": size.metric_rows}
         app = create_app(Settings(data_dir=tmp), store=store)
-        with TestClient(app) as client:
+        with TestClient(app, headers=admin_headers(store)) as client:
             def get(path: str) -> Any:
                 r = client.get(path)
                 assert r.status_code == 200, (path, r.status_code, r.text[:300])
