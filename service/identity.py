@@ -13,8 +13,7 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -22,9 +21,17 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from service.db import AuditRow, MembershipRow, ProjectRow, TokenRow, UserRow, utcnow
+from service.db import (
+    AuditRow,
+    EngineTx,
+    MembershipRow,
+    ProjectRow,
+    TokenRow,
+    UserRow,
+    utcnow,
+)
 from service.store import NotFound, Store
 from service.views import aware
 
@@ -114,16 +121,11 @@ def _token(row: TokenRow, user: str) -> Token:
                  revoked_at=aware(row.revoked_at))
 
 
-class Identity:
+class Identity(EngineTx):
     """Users, tokens, projects and audit on the store's database (its engine)."""
 
     def __init__(self, store: Store) -> None:
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
-
-    @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
+        super().__init__(store.engine)
 
     # --- tokens -----------------------------------------------------------------------------
 

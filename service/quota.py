@@ -10,14 +10,12 @@ waiting through many passes does not flood its events.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import EventRow, JobRow, utcnow
+from service.db import EngineTx, EventRow, JobRow, utcnow
 from service.states import JobState
 from service.store import Job, Store
 
@@ -84,16 +82,11 @@ def take(holding: Held, job: Job) -> None:
         per[kind] = per.get(kind, 0.0) + amount
 
 
-class QuotaNotes:
+class QuotaNotes(EngineTx):
     """Keeps a queued job's waiting reason, and its event, in step with the scheduler."""
 
     def __init__(self, store: Store) -> None:
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
-
-    @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
+        super().__init__(store.engine)
 
     def note(self, job_id: int, reason: str | None) -> bool:
         """Set (or with None clear) the job's waiting reason; a new reason is also an event
