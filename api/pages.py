@@ -28,10 +28,9 @@ from api.session import page_principal, session_csrf
 from service.compare import compare
 from service.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.hardware import PROFILES
-from service.ranklogs import attempt_log_dir
+from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
 from service.store import NotFound
-from workers.ranklog import rank_log_path
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.
 router = APIRouter(include_in_schema=False, dependencies=[Depends(page_principal)])

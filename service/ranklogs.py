@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.ranklog import rank_log_path
+
+def rank_log_path(log_dir: str | Path, rank: int) -> Path:
+    """A rank's log file in its attempt's log directory (written by `workers.ranklog`)."""
+    return Path(log_dir) / f"rank-{rank}.log"
 
 
 def attempt_log_dir(root: Path, job_id: int, attempt: int) -> Path:

@@ -21,12 +21,10 @@ import sys
 import threading
 from pathlib import Path
 
+from service.ranklogs import rank_log_path
+
 CHECK_S = 0.5
 """How often the watcher compares the file's size with the cap."""
-
-
-def rank_log_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"rank-{rank}.log"
 
 
 def write_base(path: Path, base: int) -> None:
