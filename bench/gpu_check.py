@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,147 +47,13 @@ sys.path.insert(0, str(ROOT))
 RESULT = "GPU_CHECK_RESULT "
 """Prefix of the line in which a child step prints its result."""
 
-TRAIN_STEPS = 20
-MODEL_1B = {"layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "ffn_hidden": 5632,
-            "vocab": 32000, "seq_len": 2048, "activation": "swiglu"}
-"""A 1.1B Llama-style GPT (TinyLlama's shape), which the built-in trainer builds as planned."""
-MODEL_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "ffn_hidden": 2048, "vocab": 32000,
-               "seq_len": 512, "activation": "swiglu"}
-"""The two-GPU jobs' model (~110M parameters)."""
-
-
-# --- children: run with `--step NAME`, print one RESULT line ---
-
-def step_build() -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
-                           "build": "cuda" if torch.version.cuda else "cpu",
-                           "cuda_available": torch.cuda.is_available(),
-                           "device_count": torch.cuda.device_count()}
-    if torch.cuda.is_available():
-        out["devices"] = [{"name": torch.cuda.get_device_name(i),
-                           "capability": list(torch.cuda.get_device_capability(i)),
-                           "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
-                          for i in range(torch.cuda.device_count())]
-        version = torch.cuda.nccl.version()
-        out["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        out["cudnn"] = torch.backends.cudnn.version()
-        out["bf16_supported"] = torch.cuda.is_bf16_supported()
-    return out
-
-
-def gpu_profile_name(device_name: str) -> str:
-    """The hardware profile (`service.hardware`) of a CUDA device, by its marketing name."""
-    n = device_name.upper()
-    if "H200" in n:
-        return "h200"
-    if "H100" in n:
-        return "h100-80gb"
-    if "A100" in n:
-        return "a100-40gb" if "40GB" in n else "a100-80gb"
-    if "V100" in n:
-        return "v100-32gb"
-    return "a100-80gb"
-
-
-def train_spec(precision: str, profile: str) -> dict[str, Any]:
-    return {"name": f"gpu-check-{precision}", "model": MODEL_1B,
-            "train": {"steps": TRAIN_STEPS, "global_batch": 8, "micro_batch": 2,
-                      "precision": precision, "lr": 1e-4},
-            "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0},
-            "resources": {"gpus_per_worker": 1, "cpus_per_worker": 1},
-            "cluster": {"gpu": profile, "nodes": 1, "gpus_per_node": 1}}
-
-
-def step_train(precision: str) -> dict[str, Any]:
-    """The built-in trainer on GPU 0, 20 steps; measured against the plan for the same spec."""
-    import torch
-
-    from service.jobs import prepare
-    from service.protocols import StepReport
-    from service.spec import JobSpec
-    from workers.train import RankContext, train_rank
-
-    profile = gpu_profile_name(torch.cuda.get_device_name(0))
-    spec = JobSpec.model_validate(train_spec(precision, profile))
-    plan = prepare(spec).plan
-    reports: list[StepReport] = []
-    torch.cuda.reset_peak_memory_stats()
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                      master_port=_free_port(), checkpoint_dir=None)
-    t0 = time.perf_counter()
-    train_rank(spec, ctx, reports.append, threading.Event())
-    wall = time.perf_counter() - t0
-    steady = [r.step_time_s for r in reports[len(reports) // 4:]]  # past warm-up
-    step_s = statistics.median(steady)
-    predicted_step = float(plan.time.step_s)
-    hardware_flops = float(plan.time.hardware_flops)
-    from service.hardware import get_profile
-    peak = get_profile(profile).peak_flops_bf16
-    return {
-        "profile": profile, "precision": precision, "params": spec.model.model_dump(),
-        "steps": len(reports), "wall_s": wall, "step_time_s": step_s,
-        "step_time_p10_s": _pct(steady, 10), "step_time_p90_s": _pct(steady, 90),
-        "tokens_per_s": statistics.median(r.tokens_per_s for r in reports[len(reports) // 4:]),
-        "mfu": hardware_flops / step_s / peak if hardware_flops else None,
-        "losses": [r.loss for r in reports],
-        "max_memory_allocated": torch.cuda.max_memory_allocated(),
-        "max_memory_reserved": torch.cuda.max_memory_reserved(),
-        "predicted": {"step_time_s": predicted_step, "tokens_per_s": float(plan.tokens_per_s),
-                      "memory_total": float(plan.memory.total),
-                      "model_states": float(plan.memory.model_states),
-                      "mfu": hardware_flops / predicted_step / peak if hardware_flops else None},
-        "measured_over_predicted": {
-            "step_time": step_s / predicted_step,
-            "memory_allocated": torch.cuda.max_memory_allocated() / float(plan.memory.total),
-            "memory_reserved": torch.cuda.max_memory_reserved() / float(plan.memory.total)},
-    }
-
-
-def _nccl_rank(rank: int, world: int, port: int, q: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from service.parallel import ParallelDims
-    from workers.comm_probe import probe_layout
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    rows = probe_layout(ParallelDims(dp=world), rank, iters=10)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        q.put(rows)
-
-
-def step_nccl_probe() -> dict[str, Any]:
-    import torch
-    import torch.multiprocessing as mp
-
-    world = torch.cuda.device_count()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_nccl_rank, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=240)
-    for p in procs:
-        p.join(30)
-    best = max((r for r in rows if r["op"] == "all_reduce"), key=lambda r: r["bytes"])
-    return {"world": world, "rows": rows, "all_reduce_busbw_largest": best["busbw"],
-            "largest_bytes": best["bytes"]}
-
-
-CHILD_STEPS: dict[str, Callable[[], dict[str, Any]]] = {
-    "build": step_build,
-    "train_bf16": lambda: step_train("bf16"),
-    "train_fp16": lambda: step_train("fp16"),
-    "nccl_probe": step_nccl_probe,
-}
-
+from bench.gpu_steps import (  # noqa: E402
+    CHILD_STEPS,
+    MODEL_SMALL,
+    TRAIN_STEPS,
+    _free_port,
+    gpu_profile_name,
+)
 
 # --- the parent: runs every step under its timeout ---
 
@@ -426,17 +291,6 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
 
 
 # --- helpers ---
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
