@@ -50,7 +50,7 @@ def live_head(data_dir: Path) -> str | None:
 
 
 class RayHead:
-    def __init__(self, data_dir: Path, *, num_cpus: int | None = None) -> None:
+    def __init__(self, data_dir: Path) -> None:
         self.dir = data_dir / "ray"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.dir / "head.json"
@@ -61,8 +61,6 @@ class RayHead:
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
                 "--disable-usage-stats"]
-        if num_cpus is not None:
-            argv.append(f"--num-cpus={num_cpus}")
         self.supervisor = Supervisor(argv, env={**os.environ, **self.env()}, name="ray head",
                                      log_path=data_dir / "ray-head.log",
                                      running_elsewhere=self._adopted,
