@@ -216,7 +216,7 @@ def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
     assert profile["probe_id"] == probe["id"]
 
 
-def test_cancel_stops_the_workers_within_seconds(stack) -> None:
+def test_cancel_is_done_in_one_pass_and_stops_the_workers(stack) -> None:
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
         "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"})).json()["id"]
@@ -226,16 +226,18 @@ def test_cancel_stops_the_workers_within_seconds(stack) -> None:
 
     assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
     # CANCELLED in the pass that sees the request; the workers stop at their next step, or
-    # are killed after the 5 s grace, beside the controller's loop.
-    assert drive(controller, store, job_id, {JobState.CANCELLED}, 45) == JobState.CANCELLED
-    assert cancel_delay_s(store, job_id) < 5
+    # are killed after the 5 s grace, beside the controller's loop. Counted in passes, not
+    # seconds: a pass's length is the machine's load.
+    controller.step()
+    assert store.get_job(job_id=job_id).state == JobState.CANCELLED
+    print("cancel request -> CANCELLED (s):", cancel_delay_s(store, job_id))
     assert not controller.running
     assert no_placement_groups_left(controller)
 
 
-def test_four_started_jobs_cancelled_at_once_are_cancelled_within_seconds(stack) -> None:
+def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) -> None:
     """Four training jobs (8 ranks of 0.25 CPU on the 2-CPU cluster), cancelled together:
-    each is CANCELLED within 5 s of its own request, and their groups are all released."""
+    all are CANCELLED by the next pass, and their groups are all released."""
     client, store, controller = stack
     spec = tiny_spec(train={"steps": 100000, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32"}, monitor={"probe": False},
@@ -246,12 +248,15 @@ def test_four_started_jobs_cancelled_at_once_are_cancelled_within_seconds(stack)
 
     for j in jobs:
         assert client.post(f"/api/v1/jobs/{j}/cancel").status_code == 202
-    drive_until(controller, lambda: all(
-        store.get_job(job_id=j).state == JobState.CANCELLED for j in jobs), 60,
-        "all four CANCELLED")
-    delays = {j: cancel_delay_s(store, j) for j in jobs}
-    print("cancel request -> CANCELLED (s):", delays)
-    assert all(d < 5 for d in delays.values()), delays
+    # All four in the one pass that sees the requests: no teardown (5 s grace each) runs
+    # inside the loop. Counted in passes, not seconds: a pass's length is the machine's load.
+    controller.step()
+    assert {j: store.get_job(job_id=j).state for j in jobs} == \
+        {j: JobState.CANCELLED for j in jobs}
+    print("cancel request -> CANCELLED (s):", {j: cancel_delay_s(store, j) for j in jobs})
+    # The groups are stopped beside the loop: a later pass reaps them.
+    assert not [e for j in jobs for e in store.list_events(job_id=j, limit=1000)
+                if e.kind == "teardown"]
     assert no_placement_groups_left(controller)
     for j in jobs:
         freed = [e for e in store.list_events(job_id=j, limit=1000) if e.kind == "teardown"]
