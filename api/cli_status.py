@@ -6,7 +6,7 @@ step, loss, measured step time, restarts and the reason it waits or failed."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -47,7 +47,7 @@ def _call(server: str, method: str, path: str, **kw: Any) -> Any:
     return call(server, method, path, **kw)
 
 
-def fail(message: str) -> Any:
+def fail(message: str) -> NoReturn:
     from api.cli import fail as cli_fail
 
     cli_fail(message)

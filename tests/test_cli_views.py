@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +157,10 @@ def test_status_columns_filters_sorts_and_formats(stack: tuple[str, dict[str, in
     assert [int(ln.split()[0]) for ln in out.splitlines()] == [ids["cancelled"]]
     out = cli(url, "status", "--name", "train", "--no-headers")
     assert [int(ln.split()[0]) for ln in out.splitlines()] == [ids["running"]]
+    assert cli(url, "status", "--project", "nope", "--no-headers").strip() == ""
+    r = runner.invoke(app, ["status", "--limit", "2", "--no-headers", "--server", url])
+    assert r.exit_code == 0 and len(r.stdout.splitlines()) == 2
+    assert "(2 of 4 jobs; --limit shows more)" in r.stderr
     # Sort: by the server (name) and by the page (step: the job without one last).
     out = cli(url, "status", "--sort-by", "name", "--no-headers")
     assert [ln.split()[1] for ln in out.splitlines()] == ["hang-job", "old-run", "train-big",
@@ -212,8 +217,10 @@ def test_status_watch_prints_each_refresh(stack: tuple[str, dict[str, int]]) -> 
     assert len(docs) == 2 and all(d["total"] == 4 for d in docs)
 
 
-def tty_run(url: str, *args: str, timeout: float = 60) -> str:
-    """`trident ARGS` on a pseudo-terminal (what a person sees): its raw output."""
+def tty_run(url: str, *args: str, interrupt_at: str | None = None,
+            timeout: float = 60) -> str:
+    """`trident ARGS` on a pseudo-terminal (what a person sees): its raw output. With
+    `interrupt_at`, Ctrl-C (SIGINT) once the output shows that text; it must exit 0."""
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args, "--server", url],
@@ -231,6 +238,9 @@ def tty_run(url: str, *args: str, timeout: float = 60) -> str:
             if not data:
                 break
             chunks.append(data)
+            if interrupt_at is not None and interrupt_at.encode() in b"".join(chunks):
+                proc.send_signal(signal.SIGINT)
+                interrupt_at = None
         assert proc.wait(timeout=10) == 0, b"".join(chunks)
     finally:
         os.close(master)
@@ -247,6 +257,9 @@ def test_watch_and_top_redraw_in_place_on_a_terminal(stack: tuple[str, dict[str,
     assert out.count("train-big") >= 2 and "\x1b[1A" in out and "\x1b[2K" in out
     out = tty_run(url, "top", str(ids["running"]), "-n", "2", "--interval", "0.1")
     assert out.count("RANK  TP") >= 2 and "\x1b[1A" in out
+    # Unbounded, until Ctrl-C: it ends quietly, exit status 0, no traceback.
+    out = tty_run(url, "top", "--interval", "0.2", interrupt_at="train-big")
+    assert "train-big" in out and "Traceback" not in out and "KeyboardInterrupt" not in out
 
 
 def test_describe_shows_everything_about_a_job(stack: tuple[str, dict[str, int]]) -> None:
