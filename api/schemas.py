@@ -43,11 +43,11 @@ class JobOut(Job):
            summary: JobSummary | None = None) -> JobOut:
         extra: dict[str, Any] = {}
         if summary is not None:
-            m = summary.latest
-            extra = {"step": m and m.step, "loss": m and m.loss,
-                     "step_time_s": m and m.step_time_s, "reported_at": m and m.time,
-                     "total_steps": summary.total_steps, "restarts": summary.restarts,
+            extra = {"total_steps": summary.total_steps, "restarts": summary.restarts,
                      "queue_position": summary.queue_position, "reason": summary.reason}
+            if (m := summary.latest) is not None:
+                extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
+                             reported_at=m.time)
         return cls(**dict(job), predicted_vs_measured=predicted_vs_measured, **extra)
 
 

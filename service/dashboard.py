@@ -1,4 +1,5 @@
-"""What the dashboard and `GET /metrics` read from the store, in as few queries as possible.
+"""What the dashboard, `GET /metrics` and `GET /api/v1/jobs` (`trident status`) read from the
+store, in as few queries as possible.
 
 The jobs list pages in SQL (filters, sort, offset) and reads each listed job's newest step by
 an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts read four
