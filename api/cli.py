@@ -23,7 +23,9 @@ from pydantic import ValidationError
 from api.cli_auth import token_for
 from api.cli_identity import announce_bootstrap, register
 from api.cli_logs import RankLines, follow_rank_logs
+from api.cli_node import register as register_node
 from api.cli_offline import register_offline
+from api.cli_stacks import register as register_stacks
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.specfile import load_yaml
@@ -374,22 +376,10 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
     typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
 
 
-@app.command()
-def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """The live cluster's nodes, as the controller last saw them."""
-    c = _call(server, "GET", "/cluster")
-    for n in c["nodes"]:
-        info = n["info"]
-        what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
-                if info.get("accelerator") == "gpu" else f"CPU, {info.get('cpus')} cores")
-        typer.echo(f"{n['node_id'][:12]}  {n['hostname']:<20} {'alive' if n['alive'] else 'dead'}"
-                   f"  {what}")
-    for name, p in c["profiles"].items():
-        typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
-
-
 register(app)
 register_offline(app)
+register_node(app)
+register_stacks(app)
 
 
 def main() -> None:
