@@ -147,7 +147,7 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
         return
     per_node = c.get("jobs") or {}
     typer.echo(f"{'NODE':<12}  {'HOST':<20} {'STATE':<5}  {'CPU':>5} {'GPU':>4}"
-               f"  {'HARDWARE':<28} {'LINK':<6}  JOBS")
+               f"  {'HARDWARE':<38} {'LINK':<6}  JOBS")
     for n in c["nodes"]:
         info, res = n["info"], n["info"].get("resources") or {}
         what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
@@ -156,7 +156,7 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
             what += f" ({info['profile']})"
         typer.echo(f"{n['node_id'][:12]:<12}  {n['hostname'][:20]:<20}"
                    f" {'alive' if n['alive'] else 'dead':<5}  {res.get('CPU', 0):>5g}"
-                   f" {res.get('GPU', 0):>4g}  {what[:28]:<28} {info.get('gpu_link') or '-':<6}"
+                   f" {res.get('GPU', 0):>4g}  {what[:38]:<38} {info.get('gpu_link') or '-':<6}"
                    f"  {_jobs_cell(per_node.get(n['node_id']) or [])}")
     for name, p in c["profiles"].items():
         typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")

@@ -4,9 +4,9 @@ The API never calls Ray: `POST /jobs/{id}/stacks` stores a request here (pending
 controller's pass (`service.stack_collect`) asks every rank of the job's live group for its
 threads' stacks beside its loop, and stores the answer grouped (ranks with identical stacks
 together); `GET /jobs/{id}/stacks/{request_id}` reads it back. Everything is bounded: at most
-`MAX_OPEN` requests of a job wait at once, the newest `KEEP_PER_JOB` finished ones of a job
-are kept, and the answer's size is bounded by `service.stack_collect`. This module owns the
-`stack_requests` table (migration 0009), beside `service.store`'s on its database.
+`MAX_OPEN` requests of a job wait at once, a job keeps its newest `KEEP_PER_JOB` requests,
+and `service.stack_collect` bounds the answer's size. This module owns the `stack_requests`
+table (migration 0009), beside `service.store`'s on its database.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from service.views import aware
 MAX_OPEN = 4
 """Requests of one job that may wait (pending or being collected) at once; one more is refused."""
 KEEP_PER_JOB = 20
-"""Finished requests kept per job; older ones are deleted when a new one is made."""
+"""Requests kept per job: making one deletes the oldest answered ones beyond this."""
 
 
 class StackStatus(StrEnum):
