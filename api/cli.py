@@ -2,7 +2,8 @@
 local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
 `plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
-are in `api.cli_identity`.
+are in `api.cli_identity`, `node` (starts this host's Ray node, no server) and `cluster` in
+`api.cli_node`, `stacks` in `api.cli_stacks`.
 """
 
 from __future__ import annotations
