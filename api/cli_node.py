@@ -66,7 +66,7 @@ def node_start(
     from api.cli import fail
     from service.hardware import PROFILES
     from service.rayhead import auth_env
-    from service.raynode import ray_start_argv, start_node
+    from service.raynode import host_ip, ray_start_argv, start_node
     from workers.inventory import node_inventory
     from workers.node_labels import node_labels
 
@@ -78,7 +78,7 @@ def node_start(
     root = _data_dir(data_dir)
     inv = node_inventory()
     labels = node_labels(inv, gpu_profile)
-    where = address or f"{node_ip_address or '127.0.0.1'}:{port}"
+    where = address or f"{node_ip_address or host_ip()}:{port}"
     argv = ray_start_argv(head=head, address=where, labels=labels, node_ip=node_ip_address,
                           num_cpus=(os.cpu_count() or 1) if num_cpus is None else num_cpus,
                           num_gpus=len(inv["gpus"]) if num_gpus is None else num_gpus,

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,17 @@ class NodeState:
     log: str
     temp_dir: str | None
     argv: list[str]
+
+
+def host_ip() -> str:
+    """This host's address as other hosts reach it, as Ray finds it (the source address of
+    the route to a public address; no packet is sent), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 80))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
 
 
 def state_path(data_dir: Path) -> Path:
