@@ -2,8 +2,9 @@
 local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
 `plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
-are in `api.cli_identity`, and `status`, `describe` and `top` in `api.cli_status`,
-`api.cli_describe` and `api.cli_top`.
+are in `api.cli_identity`, `status`, `describe` and `top` in `api.cli_status`,
+`api.cli_describe` and `api.cli_top`, `node` (starts this host's Ray node, no server) and
+`cluster` in `api.cli_node`, `stacks` in `api.cli_stacks`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from api import cli_describe, cli_status, cli_top
 from api.cli_auth import token_for
 from api.cli_identity import announce_bootstrap, register
 from api.cli_logs import RankLines, follow_rank_logs
+from api.cli_node import register as register_node
 from api.cli_offline import register_offline
+from api.cli_stacks import register as register_stacks
 from service.spec import JobSpec
 from service.specfile import load_yaml
 
@@ -332,25 +335,13 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
     typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
 
 
-@app.command()
-def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """The live cluster's nodes, as the controller last saw them."""
-    c = _call(server, "GET", "/cluster")
-    for n in c["nodes"]:
-        info = n["info"]
-        what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
-                if info.get("accelerator") == "gpu" else f"CPU, {info.get('cpus')} cores")
-        typer.echo(f"{n['node_id'][:12]}  {n['hostname']:<20} {'alive' if n['alive'] else 'dead'}"
-                   f"  {what}")
-    for name, p in c["profiles"].items():
-        typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
-
-
 register(app)
 register_offline(app)
 cli_status.register(app)
 cli_describe.register(app)
 cli_top.register(app)
+register_node(app)
+register_stacks(app)
 
 
 def main() -> None:
