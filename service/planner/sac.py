@@ -4,7 +4,8 @@ torchtitan (`selective_ac_option = "op"`, torchtitan/parallelisms/parallelize_ll
 versions of 2024-04 and 2024-12 behind the published runs) wraps every transformer block in
 a non-reentrant checkpoint whose policy saves the outputs of the ops in its `_save_list`
 (`aten.mm`, the flash and memory-efficient scaled-dot-product attention kernels, the
-functional reduce-scatter, and `abs` / `max` for float8 scaling) and recomputes every other
+functional reduce-scatter, and since late 2024 `abs` / `max` for float8 scaling, which a
+bf16 Llama block does not call; `no_recompute_list` in April 2024) and recomputes every other
 op in backward; of the `aten.mm` calls it keeps only the odd ones in forward order ("saves
 output of all compute ops, except every second mm"). The checkpoint also holds the block's
 input, from which the recomputation starts.
