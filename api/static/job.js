@@ -176,7 +176,8 @@
             (c.gpu ? ` gpu ${c.gpu}` : "") + `: peak memory ${fmtBytes(c.memory_peak_bytes)} of ` +
             `${fmtBytes(c.memory_predicted_bytes)} predicted; compute ${fmtSecs(c.compute_s)} against ` +
             `stage peers' ${fmtSecs(c.stage_compute_s)}` + (c.straggler ? "; straggler" : "") +
-            (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "");
+            (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "") +
+            `; last heartbeat ${c.heartbeat_age_s === null || c.heartbeat_age_s === undefined ? "not seen" : fmtSecs(c.heartbeat_age_s) + " ago"}`;
           cell.title = text;
           cell.addEventListener("mouseenter", () => { document.getElementById("rank-detail").textContent = text; });
           group.appendChild(cell);
@@ -211,7 +212,7 @@
       const max = Math.max(predicted.step, ...steps.steps.map(s => s.step_s));
       document.getElementById("comm-bars").innerHTML =
         `<p class="controls">${PARTS.map((p, i) => `<span class="chip" style="border-left:10px solid ${PALETTE[i]}">${p}</span>`).join("")}` +
-        ` seconds per step; measured compute includes the bubble (the ranks do not report it apart)</p>` +
+        ` seconds per step; the measured bubble is the ranks' wait for neighbouring pipeline stages, taken out of pp</p>` +
         bar("predicted", predicted, max) +
         (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
                             : "<p>No timed step measured yet.</p>");
