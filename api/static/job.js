@@ -36,6 +36,7 @@
       st.textContent = j.state;
       st.className = "state " + j.state;
       document.getElementById("job-attempts").textContent = j.attempts;
+      if (loaded.logs) followLogs(j.attempts);
       const err = document.getElementById("job-error");
       err.hidden = !j.error;
       err.textContent = j.error || "";
@@ -224,9 +225,10 @@
   }
 
   // --- logs -----------------------------------------------------------------------------------
-  const logLines = [];  // {rank, text}
-  const partial = {};
+  const logLines = [];  // {rank, text}; a line with rank null separates attempts
+  let partial = {};
   let source = null;
+  let logAttempt = 0;  // the attempt followed (0: none yet)
   function addChunk(c) {
     if (c.skipped) logLines.push({rank: c.rank, text: `... ${c.skipped} bytes dropped by the size cap`});
     const parts = ((partial[c.rank] || "") + c.text).split("\n");
@@ -239,8 +241,8 @@
     const stage = document.getElementById("log-stage").value;
     const q = document.getElementById("log-search").value;
     const ctx = Math.max(0, Math.min(50, Number(document.getElementById("log-context").value) || 0));
-    const pool = logLines.filter(l => (rank === "" || String(l.rank) === rank) &&
-                                      (stage === "" || String(stages[l.rank]) === stage));
+    const pool = logLines.filter(l => l.rank === null || ((rank === "" || String(l.rank) === rank) &&
+                                      (stage === "" || String(stages[l.rank]) === stage)));
     let keep = pool.map(() => !q);
     if (q) pool.forEach((l, i) => { if (l.text.includes(q)) for (let k = Math.max(0, i - ctx); k <= Math.min(pool.length - 1, i + ctx); k++) keep[k] = true; });
     const out = [];
@@ -249,6 +251,7 @@
       if (!keep[i]) { gap = true; return; }
       if (gap && out.length) out.push(`<span class="sep">--</span>`);
       gap = false;
+      if (l.rank === null) { out.push(`<span class="attempt">${esc(l.text)}</span>`); return; }
       let text = esc(l.text);
       if (q) text = text.split(esc(q)).join(`<mark>${esc(q)}</mark>`);
       out.push(`<span class="line" data-rank="${l.rank}">[rank ${l.rank}] ${text}</span>`);
@@ -258,15 +261,26 @@
     view.innerHTML = out.join("\n");
     if (atEnd) view.scrollTop = view.scrollHeight;
   }
-  function followLogs() {
+  // Follows the newest attempt; `pollJob` calls it again when a newer attempt starts, and the
+  // view goes on below a separator with that attempt's output.
+  function followLogs(attempts) {
     const status = document.getElementById("log-status");
-    source = new EventSource(`${api}/logs?follow=true`);
-    status.textContent = "following";
-    source.addEventListener("log", e => { addChunk(JSON.parse(e.data)); renderLogs(); });
-    source.addEventListener("end", () => { status.textContent = "the job has ended: all output shown"; source.close(); });
-    source.onerror = () => {
-      if (source.readyState === EventSource.CLOSED) status.textContent = "not following (job not started?)";
+    const n = attempts === undefined ? Number(document.getElementById("job-attempts").textContent) || 0 : attempts;
+    if (!n) { status.textContent = "waiting for the job to start"; return; }
+    if (n <= logAttempt) return;
+    if (source) source.close();
+    for (const [r, t] of Object.entries(partial)) if (t) logLines.push({rank: Number(r), text: t});
+    if (logAttempt) logLines.push({rank: null, text: `--- attempt ${n} ---`});
+    logAttempt = n;
+    partial = {};
+    const es = source = new EventSource(`${api}/logs?follow=true&attempt=${n}`);
+    status.textContent = `following attempt ${n}`;
+    es.addEventListener("log", e => { addChunk(JSON.parse(e.data)); renderLogs(); });
+    es.addEventListener("end", () => { status.textContent = "the job has ended: all output shown"; es.close(); });
+    es.onerror = () => {
+      if (es.readyState === EventSource.CLOSED) status.textContent = `not following attempt ${n}`;
     };
+    renderLogs();
   }
   ["log-rank", "log-stage", "log-search", "log-context"].forEach(id =>
     document.getElementById(id).addEventListener("input", renderLogs));
@@ -288,7 +302,7 @@
   }
 
   // --- what each tab does when first opened, and while open -----------------------------------
-  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: followLogs, hangs: loadHangs};
+  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: () => followLogs(), hangs: loadHangs};
   const LIVE = {metrics: () => loadSeries(false), ranks: loadRanks, comm: loadComm, hangs: loadHangs};
   setInterval(() => {
     if (terminal && loaded["final-" + current]) return;
