@@ -1,7 +1,7 @@
 """`trident top [ID]`: a live view, refreshed every second. With a job: one line per rank
 (step, step time, compute against TP/PP/DP collective time, peak memory against the plan,
-age of its newest report, straggler and hang marks), from `GET /jobs/{id}/ranks`. Without:
-the active jobs, from `GET /jobs`."""
+age of its last heartbeat and of its newest report, straggler and hang marks), from
+`GET /jobs/{id}/ranks`. Without: the active jobs, from `GET /jobs`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ ACTIVE = ["PLACING", "RUNNING", "RESTARTING"]
 JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "S/STEP",
                "RESTARTS", "REPORTED"]
 RANK_HEADERS = ["RANK", "TP", "PP", "DP", "NODE", "STEP", "STEP_S", "COMPUTE_S", "TP_S",
-                "PP_S", "DP_S", "MEM PEAK/PLAN", "REPORTED", "MARK"]
+                "PP_S", "DP_S", "MEM PEAK/PLAN", "HEARTBEAT", "REPORTED", "MARK"]
 
 
 def _call(server: str, method: str, path: str, **kw: Any) -> Any:
@@ -51,6 +51,11 @@ def _memory(c: dict[str, Any]) -> str:
     peak, pred = c["memory_peak_bytes"], c["memory_predicted_bytes"]
     ratio = f" {c['memory_ratio']:.0%}" if c.get("memory_ratio") is not None else ""
     return f"{size(peak)}/{size(pred)}{ratio}"
+
+
+def _age(seconds: float | None) -> str:
+    """A heartbeat's age as the controller last saw it, e.g. `0.4s ago`."""
+    return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
 def job_frame(server: str, job_id: int) -> dict[str, Any]:
@@ -78,7 +83,8 @@ def job_text(f: dict[str, Any]) -> str:
     rows = [[str(c["rank"]), str(c["tp"]), str(c["pp"]), str(c["dp"]), c["node"] or "-",
              "-" if c["step"] is None else str(c["step"]), secs(c["step_time_s"]),
              secs(c["compute_s"]), secs(c["tp_s"]), secs(c["pp_s"]), secs(c["dp_s"]),
-             _memory(c), ago(c["reported_at"]), mark(c)] for c in f["ranks"]]
+             _memory(c), _age(c["heartbeat_age_s"]), ago(c["reported_at"]), mark(c)]
+            for c in f["ranks"]]
     return head + "\n" + columns(RANK_HEADERS, rows)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from api.app import create_app
 from api.cli import app
 from api.cli_describe import ranges
 from api.cli_format import columns, span
+from service.heartbeats import HeartbeatLog
 from service.jobs import Submitter, submit
 from service.settings import Settings
 from service.spec import JobSpec
@@ -81,6 +83,8 @@ def seed(store: Store) -> dict[str, int]:
         for s in (1, 2, 3) for r in (0, 1)])
     store.add_event(job_id=run, attempt=2, kind="straggler", message="rank 1 is slow",
                     data={"rank": 1})
+    # Rank 0 was last heard from an hour ago (a hang would look so); rank 1 never.
+    HeartbeatLog(store.engine).record(job_id=run, attempt=2, seen={0: time.time() - 3600})
     bad = ids["failed"]
     for to in (JobState.PLACING, JobState.RUNNING):
         store.transition(job_id=bad, to=to, message=to.value)
@@ -307,6 +311,10 @@ def test_top_per_rank_and_active_jobs(stack: tuple[str, dict[str, int]]) -> None
     assert rank["0"].split()[4:11] == ["h1", "3", "0.5", "0.4", "0", "0", "0.1"]
     assert rank["1"].split()[4:11] == ["h2", "3", "0.9", "0.85", "0", "0", "0.05"]
     assert "1.0Mi/" in rank["0"] and "ago" in rank["0"]
+    assert "HEARTBEAT" in lines[1]
+    beat = re.search(r" (\d+\.\d)s ago ", rank["0"])
+    assert beat and float(beat.group(1)) == pytest.approx(3600, abs=120)
+    assert not re.search(r"\d\.\ds ago", rank["1"])
     assert rank["1"].endswith("straggler x1.36") and rank["0"].endswith("-")
     out = cli(url, "top", "-n", "1")
     assert out.splitlines()[0].startswith("ID  NAME")
