@@ -123,7 +123,7 @@ def test_logs_route_reads_every_rank_and_from_an_offset(app_store) -> None:
                               ({"max_bytes": (1 << 20) + 1}, "max_bytes")]:
             r = client.get(f"/api/v1/jobs/{job_id}/logs", params=params)
             assert r.status_code == 422, (params, r.text)
-            assert r.json()["detail"][0]["loc"] == ["query", field]
+            assert r.json()["detail"][0]["loc"][:2] == ["query", field]
         assert client.get("/api/v1/jobs/999/logs").status_code == 404
 
 
