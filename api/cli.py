@@ -164,7 +164,10 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
 def controller() -> None:
     """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
     its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
-    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly."""
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly.
+
+    Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
+    """
     from service.settings import Settings
     from service.supervisor import run_controller
 
@@ -185,7 +188,10 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
           profile: Annotated[str, typer.Option(help="Profile to calibrate.")] = "cpu",
           timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 600) -> None:
     """Measure matmul FLOP/s and collective bandwidth on the live cluster; the result
-    calibrates the profile the planner uses for jobs on it."""
+    calibrates the profile the planner uses for jobs on it.
+
+    Example: trident probe --ranks-per-node 8 --profile h100-80gb
+    """
     p = _call(server, "POST", "/probes", json={"ranks_per_node": ranks_per_node,
                                                "max_bytes": max_bytes, "profile": profile})
     typer.echo(f"probe {p['id']} requested; waiting for the controller")
