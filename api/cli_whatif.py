@@ -56,29 +56,32 @@ def compare_rows(job: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
 def render(rows: dict[str, Any]) -> str:
     j, w, e = rows["job"], rows["what_if"], rows["expected"]
     head = f"job {j['id']} ({j['layout']})"
-    lines = [f"what-if against job {j['id']} {j['name']}: {j['state']},"
-             f" {j['steps_measured']} steady steps measured",
-             f"{'':<24}{head:<26}what-if ({w['layout']})",
-             f"{'step time predicted':<24}{_num(j['step_s'].get('predicted'), 1e3, 'ms'):<26}"
-             f"{_num(w['step_s'], 1e3, 'ms')}"]
+    width = max(26, len(head) + 2)
     ratio = e["ratio"]
-    lines.append(f"{'step time measured':<24}{_num(j['step_s'].get('measured'), 1e3, 'ms'):<26}"
-                 + (f"expected {_num(e['step_s'], 1e3, 'ms')} (predicted x {ratio:.2f},"
-                    " the job's measured/predicted)" if ratio else
-                    "expected - (the job has no measured steps yet)"))
-    lines.append(f"{'tokens/s predicted':<24}"
-                 f"{_num(j['tokens_per_s'].get('predicted'), 1, '', 0):<26}"
-                 f"{_num(w['tokens_per_s'], 1, '', 0)}")
-    lines.append(f"{'tokens/s measured':<24}"
-                 f"{_num(j['tokens_per_s'].get('measured'), 1, '', 0):<26}"
-                 + (f"expected {_num(e['tokens_per_s'], 1, '', 0)}" if ratio else "expected -"))
-    lines.append(f"{'memory/GPU predicted':<24}"
-                 f"{_num(j['memory_bytes'].get('predicted'), 1e-9, 'GB', 2):<26}"
-                 f"{_num(w['memory_bytes'], 1e-9, 'GB', 2)}"
-                 f"{'' if w['fits'] else '  (does not fit: ' + '; '.join(w['reasons']) + ')'}")
-    lines.append(f"{'memory/GPU peak':<24}"
-                 f"{_num(j['memory_bytes'].get('measured_peak'), 1e-9, 'GB', 2)}")
-    return "\n".join(line.rstrip() for line in lines)
+
+    def row(label: str, left: str, right: str) -> str:
+        return f"{label:<24}{left:<{width}}{right}".rstrip()
+
+    misfit = "" if w["fits"] else f"  (does not fit: {'; '.join(w['reasons'])})"
+    return "\n".join([
+        f"what-if against job {j['id']} {j['name']}: {j['state']},"
+        f" {j['steps_measured']} steady steps measured",
+        row("", head, f"what-if ({w['layout']})"),
+        row("step time predicted", _num(j["step_s"].get("predicted"), 1e3, "ms"),
+            _num(w["step_s"], 1e3, "ms")),
+        row("step time measured", _num(j["step_s"].get("measured"), 1e3, "ms"),
+            f"expected {_num(e['step_s'], 1e3, 'ms')} (predicted x {ratio:.2f}, the job's"
+            " measured/predicted)" if ratio else "expected - (the job has no measured steps"
+            " yet)"),
+        row("tokens/s predicted", _num(j["tokens_per_s"].get("predicted"), 1, "", 0),
+            _num(w["tokens_per_s"], 1, "", 0)),
+        row("tokens/s measured", _num(j["tokens_per_s"].get("measured"), 1, "", 0),
+            f"expected {_num(e['tokens_per_s'], 1, '', 0)}" if ratio else "expected -"),
+        row("memory/GPU predicted", _num(j["memory_bytes"].get("predicted"), 1e-9, "GB", 2),
+            _num(w["memory_bytes"], 1e-9, "GB", 2) + misfit),
+        row("memory/GPU peak", _num(j["memory_bytes"].get("measured_peak"), 1e-9, "GB", 2),
+            ""),
+    ])
 
 
 def what_if(server: str, job_id: int, spec: Path | None, sets: list[str],
