@@ -13,6 +13,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
+
 from service.ranklogs import attempt_log_dir
 from service.states import JobState
 from tests.cli_stack import Live, wait_for
@@ -70,6 +72,13 @@ def test_logs_select_ranks_stages_lines_and_times(live: Live) -> None:
     since = datetime.fromtimestamp(T0 + 150, UTC).isoformat()
     assert lines("--rank", "0", "--since", since) == ["[rank 0] r0 line 3",
                                                       "[rank 0] r0 line 4"]
+    # Over REST, a time without a zone is UTC, and unix seconds work too.
+    naive = datetime.fromtimestamp(T0 + 150, UTC).replace(tzinfo=None).isoformat()
+    for when in (naive, str(T0 + 150)):
+        body = httpx.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params={
+            "rank": 0, "since_time": when}, headers={
+            "Authorization": f"Bearer {user_token(live.store)}"}).json()
+        assert body["ranks"][0]["text"] == "r0 line 3\nr0 line 4\n", (when, body)
     stamped = lines("--rank", "2", "--timestamps", "--tail", "3")
     assert stamped == [f"{datetime.fromtimestamp(T0 + 60 * i, UTC).isoformat(timespec='milliseconds').replace('+00:00', 'Z')} [rank 2] r2 line {i}"  # noqa: E501
                        for i in (2, 3, 4)]

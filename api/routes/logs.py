@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -64,8 +64,8 @@ MaxBytes = Annotated[int, Query(ge=1, le=MAX_CHUNK,
 Tail = Annotated[int | None, Query(ge=1, le=MAX_TAIL, description=(
     "Start each rank at its last this-many lines (looking back at most `max_bytes`)."))]
 SinceTime = Annotated[datetime | None, Query(description=(
-    "Start each rank at the output written at or after this time (ISO 8601, or unix"
-    " seconds), to within the writer's half-second sampling."))]
+    "Start each rank at the output written at or after this time (ISO 8601, UTC unless it"
+    " says otherwise, or unix seconds), to within the writer's half-second sampling."))]
 Timestamps = Annotated[bool, Query(description=(
     "Give each chunk `times`: per line, the unix time by which it was written."))]
 
@@ -85,7 +85,9 @@ class Reader:
     def start(self, rank: int) -> int:
         start = self.since
         if self.since_time is not None:
-            start = max(start, offset_at(self.directory, rank, self.since_time.timestamp()))
+            when = self.since_time  # a time without a zone is UTC
+            when = when if when.tzinfo else when.replace(tzinfo=UTC)
+            start = max(start, offset_at(self.directory, rank, when.timestamp()))
         if self.tail is not None:
             start = max(start, tail_offset(self.directory, rank, self.tail, self.max_bytes))
         return start
