@@ -20,6 +20,8 @@ import typer
 from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, _client, fail, refusal, unreachable
 
 INTERRUPTED = 130
+RECONNECTS = 5
+"""How many times in a row `logs -f` reconnects after the connection broke."""
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -97,18 +99,53 @@ def _stage_ranks(server: str, job_id: int, stage: int) -> list[int]:
     return [row["rank"] for row in rows if row["pp"] == stage]
 
 
+def unseen(chunk: dict[str, Any], printed: dict[int, int]) -> dict[str, Any]:
+    """`chunk` without the bytes of its rank printed already (a reconnected stream starts
+    at the lowest offset of all its ranks); records what it leaves to print."""
+    r, raw = chunk["rank"], chunk["text"].encode("utf-8", errors="replace")
+    start = chunk["next"] - len(raw)
+    seen = printed.get(r, start)
+    printed[r] = max(seen, chunk["next"])
+    if seen <= start:
+        return chunk
+    cut = raw[:seen - start]
+    times = chunk.get("times")
+    return {**chunk, "text": raw[seen - start:].decode("utf-8", errors="replace"),
+            "skipped": 0, "times": times[cut.count(b"\n"):] if times else times}
+
+
 def follow_rank_logs(client: httpx.Client, job_id: int, params: dict[str, Any],
                      printer: RankLines) -> None:
-    """Print the stream of `GET /jobs/{id}/logs?follow=true` until the server ends it."""
-    with client.stream("GET", f"/jobs/{job_id}/logs", params={**params, "follow": True},
-                       timeout=httpx.Timeout(30, read=None)) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            fail(refusal(str(client.base_url), resp))
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: {}":
-                printer.add(json.loads(line[6:]))
-    printer.flush()
+    """Print the stream of `GET /jobs/{id}/logs?follow=true` until the job has ended. The
+    server ends a stream after an hour, and a restart ends it too: then it reconnects
+    (from the lowest offset its ranks reached, printing nothing twice)."""
+    printed: dict[int, int] = {}
+    query, failures = {**params, "follow": True}, 0
+    while True:
+        try:
+            with client.stream("GET", f"/jobs/{job_id}/logs", params=query,
+                               timeout=httpx.Timeout(30, read=None)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    fail(refusal(str(client.base_url).removesuffix("/api/v1/"), resp))
+                for line in resp.iter_lines():
+                    if line.startswith("event: end"):
+                        printer.flush()
+                        return
+                    if line.startswith("data: "):
+                        printer.add(unseen(json.loads(line[6:]), printed))
+                        failures = 0
+        except httpx.TransportError:
+            failures += 1
+            if failures > RECONNECTS:
+                raise
+            time.sleep(min(2.0**failures, 10.0))
+        time.sleep(0.2)
+        # Again from where every rank got to (a rank not heard from: from the start; the
+        # `--since` time still holds, `--tail` was met).
+        every = set(params.get("rank", ())) <= set(printed) and "rank" in params
+        query = {**{k: v for k, v in params.items() if k != "tail"}, "follow": True,
+                 "since": min(printed.values()) if every else params.get("since", 0)}
 
 
 def _read_all(server: str, job_id: int, params: dict[str, Any], printer: RankLines) -> None:

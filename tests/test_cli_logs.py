@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import pytest
 
 from service.ranklogs import attempt_log_dir
 from service.states import JobState
@@ -137,6 +138,37 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(live: Live) -> None:
     assert abs(when - time.time()) < 60
 
 
+def test_logs_follow_reconnects_when_the_server_ends_the_stream(
+        live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server ends a follow stream after FOLLOW_MAX_S (an hour; here 1 s): the CLI
+    reconnects and prints every line once."""
+    import api.routes.logs as route
+
+    streams: list[int] = []
+    real = route._follow
+
+    def counted(*args: object, **kw: object) -> object:
+        streams.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(route, "FOLLOW_MAX_S", 1)
+    monkeypatch.setattr(route, "_follow", counted)
+    job_id, d = started(live)
+    proc, out = spawn(live, "logs", str(job_id), "-f", "--rank", "0,3")
+    try:
+        wait_for("two reconnects", lambda: len(streams) >= 3)
+        with (d / "rank-3.log").open("a") as f:
+            f.write("r3 after reconnecting\n")
+        wait_for("the new line", lambda: any("after reconnecting" in line for line in out))
+        live.store.transition(job_id=job_id, to=JobState.SUCCEEDED, message="done")
+        assert finish(proc, out) == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(out) == sorted([f"[rank {r}] r{r} line {i}" for r in (0, 3) for i in range(5)]
+                                 + ["[rank 3] r3 after reconnecting"])
+
+
 def test_events_print_filter_and_follow(live: Live) -> None:
     job_id, _ = started(live)
     live.store.add_event(job_id=job_id, kind="placement", message="rank 0 -> node-a",
@@ -169,3 +201,15 @@ def test_a_log_without_a_time_index(live: Live) -> None:
     assert r.exit_code == 0, r.output
     stamp = datetime.fromtimestamp(T0 + 240, UTC).isoformat(timespec="milliseconds")
     assert r.stdout.splitlines() == [f"{stamp.replace('+00:00', 'Z')} [rank 0] r0 line 4"]
+
+
+def test_a_reconnected_stream_prints_only_what_was_not_printed() -> None:
+    from api.cli_logs import unseen
+
+    printed = {1: 13}
+    chunk = {"rank": 1, "text": "ab\ncd\nef", "next": 18, "skipped": 0, "times": [1.0, 2.0, 3.0]}
+    assert unseen(chunk, printed) == {**chunk, "text": "cd\nef", "times": [2.0, 3.0]}
+    assert printed == {1: 18}
+    assert unseen(chunk, printed)["text"] == ""  # all of it seen
+    other = {**chunk, "rank": 2}
+    assert unseen(other, printed) is other and printed[2] == 18
