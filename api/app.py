@@ -27,7 +27,7 @@ from api.auth import require
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
 from api.prometheus import RequestTimer, StoreCollector, request_latency
-from api.routes import cluster, dashboard, identity, jobs, logs, plan
+from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
 from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
 from service.store import Store
@@ -111,6 +111,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(cluster.router)
     v1.include_router(plan.router)
     v1.include_router(identity.router)
+    v1.include_router(stacks.router)
 
     @v1.get("/healthz", tags=["system"], responses={503: {"description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:

@@ -2,7 +2,10 @@
 local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
 `plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
-are in `api.cli_identity`.
+are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
+`events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
+`api.cli_describe` and `api.cli_top`, `node` (starts this host's Ray node, no server) and
+`cluster` in `api.cli_node`, `stacks` in `api.cli_stacks`.
 """
 
 from __future__ import annotations
@@ -17,57 +20,15 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from api import cli_jobs, cli_logs
+from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
 from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, fail
 from api.cli_identity import announce_bootstrap, register
+from api.cli_node import register as register_node
 from api.cli_offline import register_offline
-from service.planner.stored import StoredPlan
+from api.cli_stacks import register as register_stacks
 
 app = typer.Typer(no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
-
-
-def _layout(plan: dict[str, Any]) -> str:
-    """A job's layout from the REST JSON of its plan, e.g. `tp1 pp1 dp2 zero2`."""
-    return StoredPlan.from_json(plan).layout.label
-
-
-@app.command()
-def status(job_id: Annotated[int | None, typer.Argument()] = None,
-           server: ServerOpt = DEFAULT_SERVER,
-           owner: Annotated[str | None, typer.Option(help="Only this user's jobs.")] = None
-           ) -> None:
-    """List jobs (with their owner and project), or show one job in detail."""
-    if job_id is None:
-        params: dict[str, Any] = {"limit": 50, **({"owner": owner} if owner else {})}
-        jobs = _call(server, "GET", "/jobs", params=params)
-        typer.echo(f"{'ID':>5}  {'STATE':<10}  {'RANKS':>5}  {'LAYOUT':<18}  {'OWNER':<12}"
-                   f"  {'PROJECT':<12}  NAME")
-        for j in jobs["items"]:
-            typer.echo(f"{j['id']:>5}  {j['state']:<10}  {j['world_size']:>5}"
-                       f"  {_layout(j['plan']):<18}  {j['owner']:<12}  {j['project'] or '-':<12}"
-                       f"  {j['name']}")
-        return
-    j = _call(server, "GET", f"/jobs/{job_id}")
-    metrics = _call(server, "GET", f"/jobs/{job_id}/metrics")["items"]
-    typer.echo(f"job {j['id']} {j['name']}: {j['state']}  ({j['world_size']} ranks,"
-               f" {_layout(j['plan'])}, attempts {j['attempts']})")
-    if metrics:
-        m = metrics[-1]
-        typer.echo(f"last step {m['step']}: loss {m['loss']}, {m['step_time_s']:.3f} s/step,"
-                   f" {m['tokens_per_s']:.0f} tokens/s")
-    pvm = j.get("predicted_vs_measured") or {}
-    for key, unit in (("step_s", "s/step"), ("tokens_per_s", "tokens/s"),
-                      ("model_state_bytes", "bytes of model states")):
-        row = pvm.get(key) or {}
-        if row.get("predicted") is not None:
-            meas = "-" if row.get("measured") is None else f"{row['measured']:.4g}"
-            ratio = "" if row.get("ratio") is None else f"  (measured/predicted {row['ratio']:.2f})"
-            typer.echo(f"{unit:>22}: predicted {row['predicted']:.4g}, measured {meas}{ratio}")
-    if j.get("waiting"):
-        typer.echo(j["waiting"])
-    if j["error"]:
-        typer.echo(f"error: {j['error']}")
 
 
 @app.command()
@@ -217,22 +178,13 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
     typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
 
 
-@app.command()
-def cluster(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """The live cluster's nodes, as the controller last saw them."""
-    c = _call(server, "GET", "/cluster")
-    for n in c["nodes"]:
-        info = n["info"]
-        what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
-                if info.get("accelerator") == "gpu" else f"CPU, {info.get('cpus')} cores")
-        typer.echo(f"{n['node_id'][:12]}  {n['hostname']:<20} {'alive' if n['alive'] else 'dead'}"
-                   f"  {what}")
-    for name, p in c["profiles"].items():
-        typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
-
-
 register(app)
 register_offline(app)
+cli_status.register(app)
+cli_describe.register(app)
+cli_top.register(app)
+register_node(app)
+register_stacks(app)
 cli_jobs.register(app)
 cli_logs.register(app)
 

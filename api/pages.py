@@ -14,7 +14,6 @@ import json
 import pathlib
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -26,7 +25,7 @@ from fastapi.templating import Jinja2Templates
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.session import page_principal, session_csrf
 from service.compare import compare
-from service.dashboard import count_by_state, jobs_page, queue, recent_metrics
+from service.dashboard import Sort, count_by_state, jobs_page, queue, recent_metrics
 from service.hardware import PROFILES
 from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
@@ -97,15 +96,6 @@ DEFAULT_SPEC: dict[str, Any] = {
     "resources": {"gpus_per_worker": 0, "cpus_per_worker": 1},
     "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}}
 """What the what-if page starts from without a job: the demo job."""
-
-
-class Sort(StrEnum):
-    id = "id"
-    name = "name"
-    owner = "owner"
-    state = "state"
-    created = "created"
-    priority = "priority"
 
 
 States = Annotated[list[JobState] | None, Query(description="Only jobs in these states.")]

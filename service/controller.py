@@ -4,7 +4,8 @@
 a fake `Launcher`. Policies decide, the controller carries out; every state change goes through
 `Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop. Each attempt's
 health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `trident probe`
-runs by `ClusterProbes` (both in `service.monitor`). Nothing in a pass waits for workers to
+runs by `ClusterProbes` (both in `service.monitor`), `trident stacks` requests by
+`StackCollector` (`service.stack_collect`). Nothing in a pass waits for workers to
 die: groups are stopped beside the loop by `Teardowns` (`service.teardown`), so a cancelled
 job is CANCELLED in the pass that sees the request, however many are cancelled at once.
 
@@ -32,6 +33,8 @@ from service.protocols import Launcher, PollResult, ProbeReport, StepReport, Wor
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
+from service.stack_collect import StackCollector
+from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
@@ -102,6 +105,8 @@ class Controller:
         self._inventory_at = -inventory_every_s
         self.identity = Identity(store)
         self.quota_notes = QuotaNotes(store)
+        self.stacks = StackCollector(StackRequests(store))
+        """`trident stacks`: answered from the live groups, beside the loop."""
         self._swept = False
 
     # --- one pass -----------------------------------------------------------------------------
@@ -128,6 +133,7 @@ class Controller:
             self._sweep()
         self._admit(result)
         self.cluster_probes.step()
+        self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
         if time.monotonic() - self._inventory_at >= self.inventory_every_s:
             self._inventory_at = time.monotonic()
             self.store.upsert_nodes(nodes=self.launcher.inventory())

@@ -1,4 +1,5 @@
-"""What the dashboard and `GET /metrics` read from the store, in as few queries as possible.
+"""What the dashboard, `GET /metrics` and `GET /api/v1/jobs` (`trident status`) read from the
+store, in as few queries as possible.
 
 The jobs list pages in SQL (filters, sort, offset) and reads each listed job's newest step by
 an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts read four
@@ -11,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
@@ -26,6 +28,17 @@ MAX_POINTS = 2000
 SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,
          "created": JobRow.created_at, "priority": JobRow.priority}
 """Columns the jobs list sorts by."""
+
+
+class Sort(StrEnum):
+    """The jobs list's sort keys (a query parameter of the page and of `GET /jobs`)."""
+
+    id = "id"
+    name = "name"
+    owner = "owner"
+    state = "state"
+    created = "created"
+    priority = "priority"
 
 
 def _session(store: Store) -> sessionmaker[Session]:
@@ -63,6 +76,29 @@ class JobSummary:
         return (f"position {self.queue_position}: {self.queue_position - 1} job(s) before it"
                 f" (needs {need})")
 
+    @property
+    def reason(self) -> str | None:
+        """Why it waits, restarts or failed, in one line (the jobs list's REASON column)."""
+        j = self.job
+        if j.state == JobState.QUEUED:
+            return j.waiting or self.queue_reason
+        if j.state == JobState.RESTARTING:
+            return f"attempt {j.attempts} failed; restarting from the last checkpoint"
+        if j.state == JobState.FAILED and j.error:
+            return one_line(j.error)
+        if j.state == JobState.CANCELLED:
+            return "cancelled"
+        return None
+
+
+def one_line(text: str, width: int = 200) -> str:
+    """A message in one line: a traceback's exception line, else its first line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    line = lines[-1] if any(ln.startswith("Traceback") for ln in lines) else lines[0]
+    return line if len(line) <= width else line[:width - 3] + "..."
+
 
 def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
     """Rank 0's newest step of each job, in one query (an index seek per job)."""
@@ -89,8 +125,8 @@ def _steps(row: JobRow) -> int | None:
 
 
 def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
-              owner: str = "", sort: str = "id", desc: bool = True, limit: int = 50,
-              offset: int = 0) -> tuple[list[JobSummary], int]:
+              owner: str = "", project: str = "", sort: str = "id", desc: bool = True,
+              limit: int = 50, offset: int = 0) -> tuple[list[JobSummary], int]:
     """One page of the jobs list and the number of jobs the filters select."""
     conds: list[Any] = []
     if states:
@@ -99,6 +135,8 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
         conds.append(JobRow.name.contains(name, autoescape=True))
     if owner:
         conds.append(JobRow.owner == owner)
+    if project:
+        conds.append(JobRow.project == project)
     col = SORTS[sort]
     order: list[Any] = [col.desc() if desc else col.asc()]
     if sort != "id":
@@ -107,11 +145,24 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
         total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
         rows = s.execute(select(JobRow).where(*conds).order_by(*order)
                          .limit(limit).offset(offset)).scalars().all()
-        queued = any(r.state == JobState.QUEUED.value for r in rows)
-        positions = _queue_order(s) if queued else {}
-        latest = _latest(s, [r.id for r in rows])
-        return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
-                           queue_position=positions.get(r.id)) for r in rows], int(total)
+        return _summaries(s, rows), int(total)
+
+
+def _summaries(s: Session, rows: Sequence[JobRow]) -> list[JobSummary]:
+    """The summaries of `rows`: their newest steps in one query, and queue positions (one
+    more query, only when one of them is queued)."""
+    queued = any(r.state == JobState.QUEUED.value for r in rows)
+    positions = _queue_order(s) if queued else {}
+    latest = _latest(s, [r.id for r in rows])
+    return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
+                       queue_position=positions.get(r.id)) for r in rows]
+
+
+def job_summary(store: Store, job_id: int) -> JobSummary:
+    """One job's line of the jobs list (`GET /jobs/{id}` carries it too)."""
+    with _session(store).begin() as s:
+        return _summaries(s, s.execute(select(JobRow).where(JobRow.id == job_id))
+                          .scalars().all())[0]
 
 
 def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
@@ -226,10 +277,19 @@ def _compute_s(m: Metric) -> float | None:
                                         for o in ops.values()))
 
 
+def _comm_s(m: Metric | None) -> dict[str, float | None]:
+    """Seconds of one step report in TP, PP and DP collectives (None: not timed)."""
+    if m is None or m.data.get("comm") is None or not m.data.get("timed", True):
+        return {"tp_s": None, "pp_s": None, "dp_s": None}
+    return {f"{d}_s": sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
+            for d in ("tp", "pp", "dp")}
+
+
 def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
     """Every rank of the layout: coordinates, node, GPU, measured peak memory against the plan's
-    prediction for its stage, compute time against its stage peers' median, and whether it is
-    a straggler or the rank a hang waits for (the newest attempt's events)."""
+    prediction for its stage, compute time against its stage peers' median, its newest step
+    (step time, seconds in TP/PP/DP collectives, when it was reported), and whether it is a
+    straggler or the rank a hang waits for (the newest attempt's events)."""
     plan = job.plan
     by_stage = {int(m["stage"]): float(m["total"])
                 for m in plan.model_dump().get("memory_by_stage") or []}
@@ -279,6 +339,9 @@ def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
             "compute_s": c, "stage_compute_s": peer,
             "compute_ratio": c / peer if c is not None and peer else None,
             "step": ms[-1].step if ms else None,
+            "step_time_s": ms[-1].step_time_s if ms else None,
+            **_comm_s(ms[-1] if ms else None),
+            "reported_at": ms[-1].time if ms else None,
             "straggler": row.rank in stragglers, "hang_waits_for": row.rank in waited_for})
     return {"layout": plan.layout.model_dump(), "world_size": plan.world_size,
             "attempt": number, "cells": cells}

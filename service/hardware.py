@@ -168,3 +168,19 @@ def get_profile(name: str) -> HardwareProfile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown hardware profile {name!r}; known: {sorted(PROFILES)}") from None
+
+
+def profile_for_gpu(model: str, memory_bytes: float) -> str | None:
+    """The profile of a GPU as NVML or `nvidia-smi` names it (`NVIDIA H100 80GB HBM3`), with
+    its memory; None for a GPU no profile describes. `trident node start` labels nodes with
+    it, and the controller's inventory records it (`workers.node_labels`)."""
+    name, gib = model.lower(), memory_bytes / 2**30
+    if "h200" in name:
+        return "h200"
+    if "h100" in name:
+        return "h100-80gb"
+    if "a100" in name:
+        return "a100-80gb" if gib > 60 else "a100-40gb"
+    if "v100" in name and gib > 20:
+        return "v100-32gb"
+    return None

@@ -179,6 +179,12 @@ class WorkerGroup(Protocol):
         """Every rank's Python stacks, for hang reports."""
         ...
 
+    def thread_stacks(self, timeout_s: float, max_bytes: int) -> dict[int, Any]:
+        """`trident stacks`: per rank a list of `{"thread", "stack"}` (each stack at most
+        `max_bytes`), or a string saying why that rank has none (it did not answer within
+        `timeout_s`, or its actor is gone). May block up to `timeout_s`."""
+        ...
+
     def acknowledge(self, acks: dict[int, int]) -> None:
         """The reports of `PollResult.acks` are stored; until then ranks send them again."""
 

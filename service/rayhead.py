@@ -49,6 +49,18 @@ def live_head(data_dir: Path) -> str | None:
     return address if answers(address) else None
 
 
+def auth_env(token: Path) -> dict[str, str]:
+    """The environment of a Ray process (head, node, driver) under Ray's token authentication
+    with the token in file `token`, which is made (random, owner-only) if it does not exist.
+    `trident node start --head` shares it with `trident up`'s embedded head."""
+    if not token.exists():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
 class RayHead:
     def __init__(self, data_dir: Path) -> None:
         self.dir = data_dir / "ray"
@@ -69,12 +81,7 @@ class RayHead:
     def env(self) -> dict[str, str]:
         """What the head and every driver of it (the controller) need: Ray's token
         authentication, with a token of this data directory's, readable by its owner only."""
-        token = self.dir / "auth_token"
-        if not token.exists():
-            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        return auth_env(self.dir / "auth_token")
 
     def _record(self, pid: int) -> None:
         self.state_path.write_text(json.dumps({"address": self.address, "pid": pid}))

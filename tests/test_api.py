@@ -34,11 +34,14 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
     assert [r["rank"] for r in body["plan"]["rank_layout"]] == [0, 1]
     assert client.get(f"/api/v1/jobs/{body['id']}").json()["spec"] == body["spec"]
     # The REST job is the stored Job without its per-rank claim, plus (detail only) the
-    # prediction next to the measurement.
+    # prediction next to the measurement, and its line of the jobs list.
     assert list(body) == ["id", "name", "owner", "project", "state", "priority", "spec", "plan",
                           "world_size", "cancel_requested", "attempts", "error", "created_at",
                           "updated_at", "started_at", "finished_at", "waiting",
-                          "predicted_vs_measured"]
+                          "predicted_vs_measured", "step", "total_steps", "loss", "step_time_s",
+                          "reported_at", "restarts", "queue_position", "reason"]
+    assert (body["total_steps"], body["queue_position"], body["restarts"]) == (6, 1, 0)
+    assert body["reason"].startswith("first in line")
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ from service.jobs import Submitter
 from service.jobs import submit as submit_job
 from service.settings import Settings
 from service.spec import JobSpec
+from service.stack_requests import StackRequests
+from service.states import JobState
 from service.store import Store
 from tests.conftest import tiny_spec
 
@@ -41,6 +43,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "jobs:submit": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:cancel": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:resubmit": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:stacks": {"admin": ANY, "member": OWN, "viewer": NONE},
     "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
     "plan": {"admin": ANY, "member": ANY, "viewer": ANY},
@@ -76,6 +79,19 @@ class World:
         spec = JobSpec.model_validate(tiny_spec())
         return submit_job(self.store, spec, by=Submitter(owner=owner, project=project)).id
 
+    def running_job(self, owner: str) -> int:
+        """A RUNNING job of `owner` (only those have ranks to ask for their stacks)."""
+        job_id = self.job(owner)
+        for to in (JobState.PLACING, JobState.RUNNING):
+            self.store.transition(job_id=job_id, to=to, message="matrix")
+        return job_id
+
+    def stack_request(self, owner: str) -> str:
+        """`/jobs/{id}/stacks/{request_id}` of a request for a job of `owner`."""
+        job_id = self.running_job(owner)
+        req = StackRequests(self.store).create(job_id=job_id, requested_by=owner)
+        return f"/api/v1/jobs/{job_id}/stacks/{req.id}"
+
     def token_id(self, user: str) -> int:
         return self.identity.create_token(user=user, name="t")[1].id
 
@@ -97,6 +113,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/cancel", None),
     ("POST", "/api/v1/jobs/{job_id}/resubmit"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/resubmit", None),
+    ("POST", "/api/v1/jobs/{job_id}/stacks"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.running_job(w.owner(c, r))}/stacks", None),
+    ("GET", "/api/v1/jobs/{job_id}/stacks/{request_id}"): lambda w, c, r: (
+        w.stack_request(w.owner(c, r)), None),
     ("GET", "/api/v1/jobs/{job_id}/events"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/events", None),
     ("GET", "/api/v1/jobs/{job_id}/metrics"): lambda w, c, r: (

@@ -221,3 +221,50 @@ def test_comm_steps_split_each_step_into_compute_and_dimensions(client: Any) -> 
     assert first["tp"] == pytest.approx(0.1) and first["pp"] == 0
     assert first["compute"] == pytest.approx(1.0 - 0.4)
     assert c.get(f"/api/v1/jobs/{job_id}/comm/steps", params={"last": 201}).status_code == 422
+
+
+def test_jobs_api_lists_steps_restarts_and_reasons_in_a_fixed_number_of_queries(
+        client: Any) -> None:
+    """`GET /api/v1/jobs` carries each job's newest step, loss, measured step time, restarts
+    and reason; it filters by name, sorts, and costs the same queries for 2 jobs as for 12."""
+    from sqlalchemy import event
+
+    c, store = client
+    run = started(store, name="big-run")
+    store.record_metrics(job_id=run, attempt=1, rows=[row(1), row(2, step_time_s=0.25)])
+    failed = submit(store, JobSpec.model_validate(tiny_spec(name="broken"))).id
+    store.transition(job_id=failed, to=JobState.FAILED, message="x",
+                     error="Traceback (most recent call last):\n  x\nValueError: bad lr")
+    queued = submit(store, JobSpec.model_validate(tiny_spec(name="later"))).id
+    items = {j["id"]: j for j in c.get("/api/v1/jobs").json()["items"]}
+    assert (items[run]["step"], items[run]["total_steps"], items[run]["loss"],
+            items[run]["step_time_s"], items[run]["restarts"], items[run]["reason"]) == (
+        2, 6, pytest.approx(9.8), 0.25, 0, None)
+    assert items[failed]["reason"] == "ValueError: bad lr" and items[failed]["step"] is None
+    assert items[queued]["queue_position"] == 1
+    assert items[queued]["reason"].startswith("first in line")
+    assert [j["id"] for j in c.get("/api/v1/jobs", params={"name": "big"}).json()["items"]] \
+        == [run]
+    by_name = c.get("/api/v1/jobs", params={"sort": "name", "desc": False}).json()["items"]
+    assert [j["name"] for j in by_name] == ["big-run", "broken", "later"]
+    assert c.get("/api/v1/jobs", params={"sort": "colour"}).status_code == 422
+    detail = c.get(f"/api/v1/jobs/{run}").json()
+    assert detail["step"] == 2 and detail["predicted_vs_measured"]["step_s"]["measured"]
+
+    def queries(page: dict[str, Any]) -> int:
+        seen: list[str] = []
+
+        def listen(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            seen.append(statement)
+
+        event.listen(store.engine, "before_cursor_execute", listen)
+        try:
+            assert c.get("/api/v1/jobs", params=page).status_code == 200
+        finally:
+            event.remove(store.engine, "before_cursor_execute", listen)
+        return len([q for q in seen if "jobs" in q or "metrics" in q])
+
+    few = queries({"limit": 2})
+    for i in range(10):
+        store.record_metrics(job_id=started(store), attempt=1, rows=[row(1), row(i + 2)])
+    assert queries({"limit": 12}) == few

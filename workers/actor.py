@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from workers.heartbeat import Heartbeat, dump_stacks
+from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
 
 RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 """Ray starts its worker processes at niceness 15 (`worker_niceness`), as background work;
@@ -205,6 +205,11 @@ class RankActor:
 
     def stacks(self) -> str:
         return dump_stacks()
+
+    def thread_stacks(self, max_bytes: int) -> list[dict[str, str]]:
+        """`trident stacks`: every thread's stack, the rank's work thread named `train`."""
+        work = {self._thread.ident: "train"} if self._thread and self._thread.ident else {}
+        return thread_stacks(work, max_bytes)
 
     def cancel(self) -> None:
         self._stop.set()

@@ -226,9 +226,17 @@ class RayWorkerGroup:
 
     def stacks(self, timeout_s: float = 10.0) -> dict[int, str]:
         """Every rank's Python stacks (all threads); ranks that do not answer say so."""
-        refs = [a.stacks.remote() for a in self.actors]
+        return self._ask_all([a.stacks.remote() for a in self.actors], timeout_s)
+
+    def thread_stacks(self, timeout_s: float, max_bytes: int) -> dict[int, Any]:
+        """`trident stacks`: per rank its threads' stacks (`RankActor.thread_stacks`), or a
+        string saying why there are none (no answer within `timeout_s`, actor gone)."""
+        return self._ask_all([a.thread_stacks.remote(max_bytes) for a in self.actors],
+                             timeout_s)
+
+    def _ask_all(self, refs: list[Any], timeout_s: float) -> dict[int, Any]:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        out = {}
+        out: dict[int, Any] = {}
         for r, ref in enumerate(refs):
             try:
                 out[r] = ray.get(ref, timeout=0) if ref in ready else "(no answer)"

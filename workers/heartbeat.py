@@ -78,6 +78,25 @@ class Heartbeat:
             }
 
 
+def thread_stacks(names: dict[int, str] | None = None,
+                  max_bytes: int = 32 << 10) -> list[dict[str, str]]:
+    """Python stacks of every thread of this process as `[{"thread", "stack"}]`, innermost
+    frame last. `names` renames threads by ident (the rank actor calls its work thread
+    `train` in every rank, so identical stacks of different ranks compare equal); a stack
+    over `max_bytes` keeps its innermost frames, after a line that says how much was cut.
+    `trident stacks` groups ranks by these."""
+    known = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        text = "".join(traceback.format_stack(frame))
+        if len(text) > max_bytes:
+            cut = len(text) - max_bytes
+            text = f"  ... ({cut} bytes of outer frames cut)\n" + text[cut:]
+        out.append({"thread": (names or {}).get(ident) or known.get(ident, "?"),
+                    "stack": text})
+    return out
+
+
 def dump_stacks() -> str:
     """Python stacks of every thread of this process, for the hang events."""
     names = {t.ident: t.name for t in threading.enumerate()}

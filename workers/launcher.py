@@ -32,6 +32,7 @@ from workers.group import (
     job_group_name,
     train_group,
 )
+from workers.node_labels import node_facts
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class RayLauncher:
                                    max_bytes=max_bytes)
 
     def inventory(self) -> list[dict[str, Any]]:
-        """Every live node's inventory, gathered by a zero-CPU task pinned to that node."""
+        """Every live node's inventory, gathered by a zero-CPU task pinned to that node, with
+        what its Ray labels declare (`workers.node_labels.node_facts`: `trident node start`
+        sets them)."""
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         refs = [_node_inventory.options(  # type: ignore[attr-defined]
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
@@ -139,7 +142,8 @@ class RayLauncher:
                 inv = ray.get(ref, timeout=60)
             except RayError as exc:
                 inv = {"hostname": n.get("NodeManagerHostname", ""), "error": repr(exc)}
-            out.append({**inv, "node_id": n["NodeID"], "address": n.get("NodeManagerAddress"),
+            out.append({**inv, **node_facts(inv, n.get("Labels")), "node_id": n["NodeID"],
+                        "address": n.get("NodeManagerAddress"),
                         "resources": {k: v for k, v in n.get("Resources", {}).items()
                                       if k in ("CPU", "GPU", "memory")}})
         return out

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import require
 from api.deps import ProbeId, StoreDep
 from service.hardware import PROFILES
-from service.store import NotFound, Probe
+from service.store import NotFound, Probe, Store
 
 router = APIRouter(tags=["cluster"])
 _READ = [Depends(require("cluster:read"))]
@@ -18,12 +18,30 @@ _READ = [Depends(require("cluster:read"))]
 
 @router.get("/cluster", dependencies=_READ)
 def cluster(store: StoreDep) -> dict[str, Any]:
-    """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise), the newest
-    cluster probe, and the profiles that probes calibrated."""
+    """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise; the labels and
+    profile `trident node start` declared), the active jobs on each node (`jobs`: node id ->
+    job id, name, owner, state, attempt and its ranks there), the newest cluster probe, and
+    the profiles that probes calibrated."""
     probes = store.list_probes(scope="cluster", limit=1)
     calibrated = {name: p.to_json() for name in PROFILES if (p := store.get_profile(name=name))}
-    return {"nodes": store.list_nodes(), "probe": probes[0] if probes else None,
-            "profiles": calibrated}
+    return {"nodes": store.list_nodes(), "jobs": jobs_per_node(store),
+            "probe": probes[0] if probes else None, "profiles": calibrated}
+
+
+def jobs_per_node(store: Store) -> dict[str, list[dict[str, Any]]]:
+    """Node id -> the active jobs whose newest attempt placed ranks there, with those ranks."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for job in store.active_jobs():
+        attempts = store.list_attempts(job_id=job.id)
+        ranks: dict[str, list[int]] = {}
+        for r in (attempts[-1].placement.get("ranks", []) if attempts else []):
+            ranks.setdefault(str(r.get("node_id", "")), []).append(int(r["rank"]))
+        for node_id, on_node in ranks.items():
+            out.setdefault(node_id, []).append({
+                "job_id": job.id, "name": job.name, "owner": job.owner,
+                "state": job.state.value, "attempt": attempts[-1].number,
+                "ranks": sorted(on_node)})
+    return out
 
 
 class ProbeRequest(BaseModel):

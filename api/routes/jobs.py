@@ -27,6 +27,7 @@ from api.schemas import (
 )
 from service.compare import compare
 from service.confine import Confinement
+from service.dashboard import Sort, job_summary, jobs_page
 from service.db import NAME_MAX
 from service.identity import Principal
 from service.jobs import KeyReused, Submitter, submit_once
@@ -96,7 +97,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
                           idempotency_key)
     if not created:
         response.status_code = 200
-    return JobOut.of(job)
+    return JobOut.of(job, summary=job_summary(store, job.id))
 
 
 def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
@@ -136,21 +137,32 @@ def list_jobs(store: StoreDep,
               project: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
                                                    description="Only this project's jobs.")]
               = None,
+              name: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                                description="Jobs whose name contains this.")]
+              = None,
+              sort: Annotated[Sort, Query(description="The column to sort by.")] = Sort.id,
+              desc: Annotated[bool, Query(description="Descending (default).")] = True,
               limit: Annotated[int, Query(ge=1, le=500)] = 50,
               offset: Offset = 0) -> JobList:
-    """Jobs, newest first; `state` may repeat to select several states."""
-    items, total = store.list_jobs(states=state, owner=owner, project=project, limit=limit,
-                                   offset=offset)
-    return JobList(items=[JobOut.of(j) for j in items], total=total, limit=limit, offset=offset)
+    """Jobs, newest first unless `sort`/`desc` say otherwise; `state` may repeat to select
+    several states. Each carries its newest step, loss, measured step time, restarts and
+    the reason it waits or failed (one query for the page's steps, none per job)."""
+    items, total = jobs_page(store, states=state or (), owner=owner or "",
+                             project=project or "", name=name or "", sort=sort.value,
+                             desc=desc, limit=limit, offset=offset)
+    return JobList(items=[JobOut.of(it.job, summary=it) for it in items], total=total,
+                   limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobOut, dependencies=_READ)
 def get_job(job: JobDep, store: StoreDep) -> JobOut:
-    """A job with its plan, and the plan's predictions next to what was measured."""
+    """A job with its plan, the plan's predictions next to what was measured, and its line
+    of the jobs list (newest step, reason)."""
     # The newest steps only: a job's page costs the same after a day of training as after a
     # minute (`service.metrics_ingest.MetricsIngest.recent_metrics`).
     recent = MetricsIngest(store).recent_metrics(job_id=job.id, limit=RECENT_STEPS)
-    return JobOut.of(job, predicted_vs_measured=compare(job.plan, recent))
+    return JobOut.of(job, predicted_vs_measured=compare(job.plan, recent),
+                     summary=job_summary(store, job.id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,
@@ -160,9 +172,10 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
     only their own jobs."""
     check_owner(who, "jobs:cancel", job.owner)
     try:
-        return JobOut.of(store.request_cancel(job_id=job.id))
+        moved = store.request_cancel(job_id=job.id)
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
+    return JobOut.of(moved, summary=job_summary(store, moved.id))
 
 
 @router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
@@ -174,7 +187,7 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     check_owner(who, "jobs:resubmit", job.owner)
     spec = JobSpec.model_validate(job.spec)
     new, _ = _queue(store, spec, request, submitter(request, who, job.project))
-    return JobOut.of(new)
+    return JobOut.of(new, summary=job_summary(store, new.id))
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)

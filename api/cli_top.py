@@ -1,0 +1,126 @@
+"""`trident top [ID]`: a live view, refreshed every second. With a job: one line per rank
+(step, step time, compute against TP/PP/DP collective time, peak memory against the plan,
+age of its newest report, straggler and hang marks), from `GET /jobs/{id}/ranks`. Without:
+the active jobs, from `GET /jobs`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from api.cli_format import (
+    DEFAULT_SERVER,
+    Output,
+    ServerOpt,
+    ago,
+    columns,
+    dump,
+    job_row,
+    refresh,
+    secs,
+    size,
+)
+
+ACTIVE = ["PLACING", "RUNNING", "RESTARTING"]
+JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "S/STEP",
+               "RESTARTS", "REPORTED"]
+RANK_HEADERS = ["RANK", "TP", "PP", "DP", "NODE", "STEP", "STEP_S", "COMPUTE_S", "TP_S",
+                "PP_S", "DP_S", "MEM PEAK/PLAN", "REPORTED", "MARK"]
+
+
+def _call(server: str, method: str, path: str, **kw: Any) -> Any:
+    from api.cli import _call as call  # late: api.cli registers these commands
+
+    return call(server, method, path, **kw)
+
+
+def mark(c: dict[str, Any]) -> str:
+    """A rank's marks: a straggler (its compute against its stage's median), or a rank that
+    a hang waits for."""
+    marks = []
+    if c["straggler"]:
+        ratio = c.get("compute_ratio")
+        marks.append("straggler" + ("" if ratio is None else f" x{ratio:.2f}"))
+    if c["hang_waits_for"]:
+        marks.append("hang waits for it")
+    return ", ".join(marks) or "-"
+
+
+def _memory(c: dict[str, Any]) -> str:
+    peak, pred = c["memory_peak_bytes"], c["memory_predicted_bytes"]
+    ratio = f" {c['memory_ratio']:.0%}" if c.get("memory_ratio") is not None else ""
+    return f"{size(peak)}/{size(pred)}{ratio}"
+
+
+def job_frame(server: str, job_id: int) -> dict[str, Any]:
+    """One refresh of `top ID`, as `-o json|yaml` prints it (docs/cli.md)."""
+    job = job_row(_call(server, "GET", f"/jobs/{job_id}", retries=2))
+    grid = _call(server, "GET", f"/jobs/{job_id}/ranks", retries=2)
+    return {"job": job, "attempt": grid["attempt"], "ranks": grid["cells"]}
+
+
+def jobs_frame(server: str) -> dict[str, Any]:
+    """One refresh of `top` without an id: the active jobs."""
+    page = _call(server, "GET", "/jobs", params={"state": ACTIVE, "limit": 500}, retries=2)
+    return {"items": [job_row(j) for j in page["items"]], "total": page["total"]}
+
+
+def job_text(f: dict[str, Any]) -> str:
+    j = f["job"]
+    loss = "-" if j["loss"] is None else f"{j['loss']:.4g}"
+    head = (f"job {j['id']} {j['name']}  {j['state']}  {j['layout']}  attempt"
+            f" {f['attempt'] or '-'}  step {'-' if j['step'] is None else j['step']}/"
+            f"{j['total_steps'] or '-'}  loss {loss}  s/step {secs(j['step_s_measured'])}"
+            f" (plan {secs(j['step_s_predicted'])})")
+    if j["reason"]:
+        head += f"\n{j['reason']}"
+    rows = [[str(c["rank"]), str(c["tp"]), str(c["pp"]), str(c["dp"]), c["node"] or "-",
+             "-" if c["step"] is None else str(c["step"]), secs(c["step_time_s"]),
+             secs(c["compute_s"]), secs(c["tp_s"]), secs(c["pp_s"]), secs(c["dp_s"]),
+             _memory(c), ago(c["reported_at"]), mark(c)] for c in f["ranks"]]
+    return head + "\n" + columns(RANK_HEADERS, rows)
+
+
+def jobs_text(f: dict[str, Any]) -> str:
+    if not f["items"]:
+        return "no active jobs"
+    rows = [[str(r["id"]), r["name"], r["owner"], r["state"], r["layout"], str(r["ranks"]),
+             f"{'-' if r['step'] is None else r['step']}/{r['total_steps'] or '-'}",
+             "-" if r["loss"] is None else f"{r['loss']:.4g}",
+             f"{secs(r['step_s_predicted'])}/{secs(r['step_s_measured'])}",
+             str(r["restarts"]), ago(r["reported_at"])] for r in f["items"]]
+    return columns(JOB_HEADERS, rows)
+
+
+def top(job_id: Annotated[int | None, typer.Argument(
+            min=1, help="One job's ranks (default: the active jobs).")] = None,
+        server: ServerOpt = DEFAULT_SERVER,
+        interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")]
+        = 1.0,
+        count: Annotated[int, typer.Option("--count", "-n", min=0, help=(
+            "Stop after this many refreshes (0: at Ctrl-C), as `top -n`."))] = 0,
+        output: Annotated[Output, typer.Option(
+            "--output", "-o", case_sensitive=False,
+            help="table (wide: the same), or json/yaml: one document per refresh, JSON on"
+            " one line (docs/cli.md).")]
+        = Output.table) -> None:
+    """A live view, redrawn every second: with ID, one line per rank (step, step time,
+    compute against TP/PP/DP time, peak memory against the plan, age of its last report,
+    straggler and hang marks); without, the active jobs. Ctrl-C quits.
+
+    Example: trident top 7 --interval 2
+    """
+    machine = output in (Output.json, Output.yaml)
+
+    def frame() -> str:
+        f = jobs_frame(server) if job_id is None else job_frame(server, job_id)
+        if machine:
+            return dump(f, output, stream=True)
+        return jobs_text(f) if job_id is None else job_text(f)
+
+    refresh(frame, count=count, interval=interval, in_place=not machine)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(top)
