@@ -162,6 +162,16 @@ def follow(server: str, job_id: int, interval: float = 1.0, err: bool = False) -
     return last_state
 
 
+def parse_states(given: list[str] | None) -> list[str]:
+    """`--state RUNNING,queued --state PLACING` as state names; an unknown one is an error."""
+    out = []
+    for part in (p.strip().upper() for g in given or [] for p in g.split(",")):
+        if part not in JobState.__members__:
+            fail(f"--state: unknown state {part!r}; one of {', '.join(JobState)}")
+        out.append(part)
+    return out
+
+
 def _targets(server: str, states: list[str], owner: str | None) -> list[dict[str, Any]]:
     """The jobs `cancel --all` selects: not ended, in `states`, of `owner`."""
     found: list[dict[str, Any]] = []
@@ -182,8 +192,9 @@ def cancel(ids: Annotated[list[int] | None, typer.Argument(
            all_: Annotated[bool, typer.Option(
                "--all", help="Every job that has not ended (narrowed by --state, --owner).")]
            = False,
-           state: Annotated[list[JobState] | None, typer.Option(
-               help="With --all: only jobs in this state (repeat).")] = None,
+           state: Annotated[list[str] | None, typer.Option(
+               help="With --all: only jobs in this state (repeat, or comma-separate:"
+                    " RUNNING,QUEUED).", autocompletion=lambda: ACTIVE)] = None,
            owner: Annotated[str | None, typer.Option(
                help="With --all: only this user's jobs.")] = None,
            yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask to confirm.")]
@@ -200,7 +211,7 @@ def cancel(ids: Annotated[list[int] | None, typer.Argument(
     if (state or owner) and not all_:
         fail("--state and --owner select jobs for --all")
     if all_:
-        jobs = _targets(server, [s.value for s in state or []], owner)
+        jobs = _targets(server, parse_states(state), owner)
         if not jobs:
             typer.echo("no job that has not ended matches; nothing to cancel")
             return
