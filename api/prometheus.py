@@ -23,11 +23,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.dashboard import count_by_state
+from service.dashboard import count_by_state, measured_bubble_ratio
 from service.db import utcnow
+from service.heartbeats import HeartbeatLog, ages
 from service.lease import CONTROLLER, Leases
 from service.states import JobState
 from service.store import Job, Store
+from service.store import Metric as StepRow
 
 ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING]
 JOB = ["job_id"]
@@ -74,14 +76,18 @@ class StoreCollector(Collector):
                          " newest timed step, by dimension and op.", [*JOB, "dim", "op"]),
             "comm_b": _g("trident_job_comm_bytes", "Bytes moved by collectives in rank 0's"
                          " newest step, by dimension and op.", [*JOB, "dim", "op"]),
-            "bubble": _g("trident_job_pipeline_bubble_predicted_ratio",
-                         "The plan's pipeline bubble as a share of the step.", JOB),
+            "bubble": _g("trident_pipeline_bubble_ratio", "Pipeline bubble as a share of the"
+                         " step: the plan's (kind=predicted), and measured by the ranks, the"
+                         " mean over the newest step's reporting ranks (kind=measured).",
+                         [*JOB, "kind"]),
             "mem": _g("trident_rank_memory_peak_bytes", "Measured peak memory of a rank"
                       " (newest step).", RANK),
             "mem_pred": _g("trident_rank_memory_predicted_bytes", "The plan's predicted"
                            " memory of the rank's pipeline stage.", RANK),
             "age": _g("trident_rank_last_report_age_seconds", "Seconds since the rank's"
                       " newest stored step report.", RANK),
+            "hb_age": _g("trident_rank_heartbeat_age_seconds", "Seconds since the rank's last"
+                         " heartbeat as the controller saw it (newest attempt).", RANK),
         }
         for job in store.list_jobs(states=ACTIVE, limit=10000)[0]:
             self._job(store, job, fams)
@@ -109,8 +115,10 @@ class StoreCollector(Collector):
         if mfu_pred is not None:
             f["mfu_pred"].add_metric(jid, mfu_pred)
         if plan.time.step_s:
-            f["bubble"].add_metric(jid, plan.time.bubble_s / plan.time.step_s)
+            f["bubble"].add_metric([*jid, "predicted"], plan.time.bubble_s / plan.time.step_s)
         latest = store.latest_metric(job_id=job.id)
+        if self.per_rank:
+            self._ranks(store, job, latest, f)
         if latest is None:
             return
         f["step"].add_metric(jid, latest.step)
@@ -127,10 +135,11 @@ class StoreCollector(Collector):
                 if latest.data.get("timed", True):
                     f["comm_s"].add_metric([*jid, dim, op], st["time_s"])
                 f["comm_b"].add_metric([*jid, dim, op], st["bytes"])
-        if self.per_rank:
-            self._ranks(store, job, latest.attempt, latest.step, f)
+        measured = measured_bubble_ratio(store, job.id, latest.attempt, latest.step)
+        if measured is not None:
+            f["bubble"].add_metric([*jid, "measured"], measured)
 
-    def _ranks(self, store: Store, job: Job, attempt: int, step: int,
+    def _ranks(self, store: Store, job: Job, latest: StepRow | None,
                f: dict[str, GaugeMetricFamily]) -> None:
         attempts = store.list_attempts(job_id=job.id)
         place = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
@@ -139,16 +148,21 @@ class StoreCollector(Collector):
                     for m in job.plan.model_dump().get("memory_by_stage") or []}
         stage_of = {r.rank: r.pp for r in job.plan.rank_layout}
         newest: dict[int, Any] = {}
-        for m in store.list_metrics(job_id=job.id, rank=None, attempt=attempt,
-                                    after_step=max(0, step - 5), limit=100000):
-            newest[m.rank] = m
+        if latest is not None:
+            for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                        after_step=max(0, latest.step - 5), limit=100000):
+                newest[m.rank] = m
         now = utcnow()
+        beats = ages(HeartbeatLog(store.engine).last_seen(
+            job_id=job.id, attempt=attempts[-1].number), now) if attempts else {}
         for rank in range(job.world_size):
             p = place.get(rank, {})
             labels = [str(job.id), str(rank), str(p.get("hostname", "")),
                       ",".join(p.get("gpu_ids") or [])]
             f["mem_pred"].add_metric(labels, by_stage.get(stage_of.get(rank, 0),
                                                           float(job.plan.memory.total)))
+            if rank in beats:
+                f["hb_age"].add_metric(labels, beats[rank])
             row = newest.get(rank)
             if row is None:
                 continue

@@ -18,7 +18,8 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import AttemptRow, EventRow, JobRow, MetricRow
+from service.db import AttemptRow, EventRow, JobRow, MetricRow, utcnow
+from service.heartbeats import HeartbeatLog, ages
 from service.states import JobState
 from service.store import Job, Metric, Store
 
@@ -193,6 +194,23 @@ def recent_metrics(store: Store, job: Job, window: int = 1000) -> list[Metric]:
                               after_step=max(0, latest.step - window), limit=window)
 
 
+def measured_bubble_ratio(store: Store, job_id: int, attempt: int, step: int,
+                          window: int = 20) -> float | None:
+    """The pipeline bubble the ranks measured (`StepReport.bubble_s`) as a share of their step
+    time: the mean over the ranks of the newest step within `window` steps of `step` that
+    carries it (GPU ranks time it on sampled steps only); None when no step does."""
+    by_step: dict[int, list[float]] = {}
+    for m in store.list_metrics(job_id=job_id, rank=None, attempt=attempt,
+                                after_step=max(0, step - window), limit=100000):
+        bubble = m.data.get("bubble_s")
+        if isinstance(bubble, int | float) and m.step_time_s > 0:
+            by_step.setdefault(m.step, []).append(min(1.0, bubble / m.step_time_s))
+    if not by_step:
+        return None
+    shares = by_step[max(by_step)]
+    return sum(shares) / len(shares)
+
+
 # --- charts ------------------------------------------------------------------------------------
 
 def _kept_steps(s: Session, job_id: int) -> tuple[Any, int, int, int]:
@@ -288,8 +306,9 @@ def _comm_s(m: Metric | None) -> dict[str, float | None]:
 def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
     """Every rank of the layout: coordinates, node, GPU, measured peak memory against the plan's
     prediction for its stage, compute time against its stage peers' median, its newest step
-    (step time, seconds in TP/PP/DP collectives, when it was reported), and whether it is a
-    straggler or the rank a hang waits for (the newest attempt's events)."""
+    (step time, seconds in TP/PP/DP collectives, when it was reported), the age of its last
+    heartbeat, and whether it is a straggler or the rank a hang waits for (the newest
+    attempt's events and heartbeats)."""
     plan = job.plan
     by_stage = {int(m["stage"]): float(m["total"])
                 for m in plan.model_dump().get("memory_by_stage") or []}
@@ -312,6 +331,8 @@ def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
     for r, t in compute.items():
         peers.setdefault(stage_of.get(r, 0), []).append(t)
     number = attempts[-1].number if attempts else None
+    beats = ages(HeartbeatLog(store.engine).last_seen(job_id=job.id, attempt=number),
+                 utcnow()) if number is not None else {}
     stragglers, waited_for = set(), set()
     with _session(store).begin() as s:
         for ev in s.execute(select(EventRow).where(
@@ -342,6 +363,7 @@ def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
             "step_time_s": ms[-1].step_time_s if ms else None,
             **_comm_s(ms[-1] if ms else None),
             "reported_at": ms[-1].time if ms else None,
+            "heartbeat_age_s": beats.get(row.rank),
             "straggler": row.rank in stragglers, "hang_waits_for": row.rank in waited_for})
     return {"layout": plan.layout.model_dump(), "world_size": plan.world_size,
             "attempt": number, "cells": cells}

@@ -8,7 +8,9 @@ that overrides these for jobs on that cluster.
 Sources (one line per constant family; each profile names its own in `source`):
 
 - Peak dense FLOP/s, memory and HBM bandwidth: NVIDIA datasheets (V100 SXM2, A100 SXM4,
-  H100 SXM5, H200 SXM).
+  H100 SXM5, H200 SXM). Device memory is what nvidia-smi shows (an A100 "80GB" holds
+  81920 MiB, an H100 81559 MiB, an H200 143771 MiB), not the datasheet's decimal GB;
+  bandwidths are decimal GB/s.
 - Intra-node bandwidth: achieved 8-GPU all-reduce bus bandwidth from nccl-tests on DGX
   machines (about 130 GB/s V100 NVLink2, 230 GB/s A100 NVLink3, 370 GB/s H100 NVLink4 ring).
 - Inter-node bandwidth: one InfiniBand port per GPU (EDR 12.5, HDR 25, NDR 50 GB/s line
@@ -35,6 +37,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 GB = 1e9
+GiB = 2.0**30
+MiB = 2.0**20
 
 
 @dataclass(frozen=True)
@@ -111,35 +115,35 @@ PROFILES: dict[str, HardwareProfile] = {
     for p in [
         HardwareProfile(
             name="v100-32gb", peak_flops_bf16=125e12, peak_flops_fp32=15.7e12,
-            memory_bytes=32 * GB, hbm_bw=900 * GB, intra_node_bw=130 * GB,
+            memory_bytes=32 * GiB, hbm_bw=900 * GB, intra_node_bw=130 * GB,
             inter_node_bw=10.75 * GB, intra_node_latency_s=6e-6, inter_node_latency_s=12e-6,
             host_memory_bytes=768 * GB, host_link_bw=12 * GB, cpu_adam_params_per_s=1.5e9,
             layer_overhead_s=60e-6, reserved_bytes=0.5 * GB,
             source=_DATASHEET.format("V100 SXM2", "-1", "EDR", "gen3")),
         HardwareProfile(
             name="a100-40gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
-            memory_bytes=40 * GB, hbm_bw=1555 * GB, intra_node_bw=230 * GB,
+            memory_bytes=40 * GiB, hbm_bw=1555 * GB, intra_node_bw=230 * GB,
             inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
             host_memory_bytes=1024 * GB, host_link_bw=24 * GB,
             layer_overhead_s=40e-6,
             source=_DATASHEET.format("A100 SXM4 40GB", "A100", "HDR", "gen4")),
         HardwareProfile(
             name="a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=156e12,
-            memory_bytes=80 * GB, hbm_bw=2039 * GB, intra_node_bw=230 * GB,
+            memory_bytes=80 * GiB, hbm_bw=2039 * GB, intra_node_bw=230 * GB,
             inter_node_bw=21.5 * GB, intra_node_latency_s=5e-6, inter_node_latency_s=10e-6,
             host_memory_bytes=2048 * GB, host_link_bw=24 * GB,
             layer_overhead_s=40e-6,
             source=_DATASHEET.format("A100 SXM4 80GB", "A100", "HDR", "gen4")),
         HardwareProfile(
             name="h100-80gb", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
-            memory_bytes=80 * GB, hbm_bw=3350 * GB, intra_node_bw=370 * GB,
+            memory_bytes=81559 * MiB, hbm_bw=3350 * GB, intra_node_bw=370 * GB,
             inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
             host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
             layer_overhead_s=30e-6, reserved_bytes=0.7 * GB,
             source=_DATASHEET.format("H100 SXM5", "H100", "NDR", "gen5")),
         HardwareProfile(
             name="h200", peak_flops_bf16=989e12, peak_flops_fp32=494e12,
-            memory_bytes=141 * GB, hbm_bw=4800 * GB, intra_node_bw=370 * GB,
+            memory_bytes=143771 * MiB, hbm_bw=4800 * GB, intra_node_bw=370 * GB,
             inter_node_bw=43 * GB, intra_node_latency_s=4e-6, inter_node_latency_s=8e-6,
             host_memory_bytes=2048 * GB, host_link_bw=50 * GB, cpu_adam_params_per_s=3e9,
             layer_overhead_s=30e-6, reserved_bytes=0.7 * GB,

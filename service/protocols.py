@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict  # pydantic takes typing's only from Python 3.12
 
 from service.planner.stored import StoredPlan
@@ -93,6 +93,11 @@ class StepReport(BaseModel):
     timed: bool = True
     """Whether `comm` carries times: False on GPU steps between CUDA-event samples, which
     count bytes and calls only."""
+    bubble_s: float | None = Field(default=None, ge=0, le=86400)
+    """Seconds of the step this rank's pipeline stage waited for its neighbouring stages
+    (`workers.bubble`): the part of its PP time beyond the transfers themselves. 0 without
+    pipeline parallelism; None when not measured (a custom entrypoint, a GPU step between
+    samples)."""
     custom: dict[Annotated[str, Field(max_length=64)], CustomValue] | None = Field(
         default=None, max_length=64)
     """Whatever else a custom entrypoint wants kept with the step (stored as is)."""
@@ -104,6 +109,13 @@ class StepReport(BaseModel):
         if v is not None and not math.isfinite(v):
             return None
         return v
+
+    @model_validator(mode="after")
+    def _bubble_within_step(self) -> StepReport:
+        if self.bubble_s is not None and self.bubble_s > self.step_time_s:
+            raise ValueError(f"bubble_s ({self.bubble_s}) exceeds step_time_s"
+                             f" ({self.step_time_s}): the bubble is part of the step")
+        return self
 
     def row(self) -> dict[str, Any]:
         """A metrics row for `Store.record_metrics`; unset (None) fields are left out of `data`."""

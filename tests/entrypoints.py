@@ -22,3 +22,18 @@ def chatty(ctx: Any) -> None:
         ctx.report({"rank": ctx.rank, "step": step, "loss": 1.0 / step, "step_time_s": 0.2,
                     "tokens_per_s": 1000.0})
         time.sleep(0.2)
+
+
+def flaky(ctx: Any) -> None:
+    """Attempt 1 prints, waits for the file named by TRIDENT_TEST_GO (the test's signal, at
+    most an hour) and fails; attempt 2 prints and ends: a job whose rank logs move on to a newer
+    attempt while a page follows them."""
+    import os
+    import time
+
+    print(f"flaky rank {ctx.rank} attempt {ctx.attempt}", flush=True)
+    if ctx.attempt == 1:
+        deadline = time.monotonic() + 3600
+        while not os.path.exists(os.environ["TRIDENT_TEST_GO"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        raise RuntimeError("flaky: attempt 1 fails on purpose")

@@ -68,6 +68,8 @@ class Live:
     store: Store
     jobs: dict[str, int]
     token: str
+    go: Path
+    """The flaky job's first attempt fails once this file exists."""
 
     def job(self, name: str) -> dict[str, Any]:
         return get(f"{self.url}/api/v1/jobs/{self.jobs[name]}").json()
@@ -110,16 +112,22 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, controller=False)
     jobs = {}
+    go = settings.data_dir / "flaky-go"
     for name, spec in [("tiny", tiny_spec(name="browser-tiny")),
                        ("chatty", tiny_spec(name="browser-chatty",
                                             entrypoint="tests.entrypoints:chatty")),
                        ("explode", tiny_spec(name="browser-explode",
-                                             entrypoint="tests.entrypoints:explode"))]:
+                                             entrypoint="tests.entrypoints:explode")),
+                       ("flaky", tiny_spec(name="browser-flaky", max_retries=1,
+                                           entrypoint="tests.entrypoints:flaky",
+                                           env={"TRIDENT_TEST_GO": str(go)},
+                                           # it waits for its test without a heartbeat
+                                           monitor={"hang_timeout_s": 3600}))]:
         r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S, headers=AUTH)
         assert r.status_code == 201, r.text
         jobs[name] = r.json()["id"]
     try:
-        yield Live(url, store, jobs, token)
+        yield Live(url, store, jobs, token, go)
     finally:
         stop.set()
         threads[1].join(10)
@@ -238,3 +246,18 @@ def test_a_custom_entrypoints_traceback_is_in_its_rank_log(live: Live, page: Pag
     page.goto(f"{live.url}/jobs/{job['id']}#logs")
     expect(page.locator("#log-view")).to_contain_text("rank 1 exploded on purpose")
     expect(page.locator("#log-status")).to_contain_text("ended")
+
+
+def test_the_logs_tab_moves_on_to_a_newer_attempt(live: Live, page: Page) -> None:
+    live.wait("flaky", {"RUNNING"}, 600)
+    page.goto(f"{live.url}/jobs/{live.jobs['flaky']}#logs")
+    view = page.locator("#log-view")
+    expect(view).to_contain_text("flaky rank 1 attempt 1", timeout=60_000)
+    expect(page.locator("#log-status")).to_have_text("following attempt 1")
+    live.go.touch()  # attempt 1 fails; the job restarts
+    expect(view).to_contain_text("--- attempt 2 ---", timeout=120_000)
+    expect(view).to_contain_text("flaky rank 0 attempt 2")
+    text = view.inner_text()
+    assert text.index("flaky rank 0 attempt 1") < text.index("--- attempt 2 ---")
+    job = live.wait("flaky", TERMINAL, 600)
+    assert job["state"] == "SUCCEEDED" and job["attempts"] == 2, job

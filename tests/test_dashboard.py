@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from api.app import create_app
 from service.dashboard import job_series, jobs_page, queue, ranks_grid
+from service.heartbeats import HeartbeatLog
 from service.jobs import submit
 from service.settings import Settings
 from service.spec import JobSpec
@@ -141,6 +143,13 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
     assert cells[3]["compute_ratio"] == pytest.approx(1.5)
     assert cells[2]["compute_ratio"] == pytest.approx(0.5)
     assert cells[3]["straggler"] and not cells[2]["straggler"]
+    assert all(c["heartbeat_age_s"] is None for c in cells.values())  # none seen yet
+    seen = time.time() - 30.0
+    HeartbeatLog(store.engine).record(job_id=job_id, attempt=1, seen={1: seen})
+    before = time.time()
+    cells = {c["rank"]: c for c in ranks_grid(store, job)["cells"]}
+    assert before - seen <= cells[1]["heartbeat_age_s"] <= time.time() - seen
+    assert cells[0]["heartbeat_age_s"] is None
 
 
 @pytest.fixture
@@ -220,6 +229,7 @@ def test_comm_steps_split_each_step_into_compute_and_dimensions(client: Any) -> 
     assert first["ranks"] == 2 and first["dp"] == pytest.approx(0.3)
     assert first["tp"] == pytest.approx(0.1) and first["pp"] == 0
     assert first["compute"] == pytest.approx(1.0 - 0.4)
+    assert first["bubble"] is None  # the ranks did not measure it
     assert c.get(f"/api/v1/jobs/{job_id}/comm/steps", params={"last": 201}).status_code == 422
 
 
@@ -268,3 +278,26 @@ def test_jobs_api_lists_steps_restarts_and_reasons_in_a_fixed_number_of_queries(
     for i in range(10):
         store.record_metrics(job_id=started(store), attempt=1, rows=[row(1), row(i + 2)])
     assert queries({"limit": 12}) == few
+
+
+def test_comm_steps_take_the_measured_bubble_out_of_pp(client: Any) -> None:
+    c, store = client
+    job_id = started(store, parallel={"tp": 1, "pp": 2, "dp": 1, "zero": 0})
+
+    def rep(step: int, rank: int, pp: float, bubble: float) -> dict[str, Any]:
+        return row(step, rank, step_time_s=1.0, data={
+            "timed": True, "bubble_s": bubble,
+            "comm": {"pp": {"send": {"time_s": pp, "bytes": 1.0, "calls": 1.0}}}})
+
+    # Step 2: rank 1's timer saw none of its waits as PP time; what the bubble exceeds of PP
+    # comes out of compute, so the bars still add up to the step.
+    store.record_metrics(job_id=job_id, attempt=1, rows=[
+        rep(1, 0, 0.5, 0.3), rep(1, 1, 0.5, 0.3), rep(2, 0, 0.5, 0.3), rep(2, 1, 0.0, 0.3)])
+    first, second = c.get(f"/api/v1/jobs/{job_id}/comm/steps").json()["steps"]
+    assert first["bubble"] == pytest.approx(0.3) and first["pp"] == pytest.approx(0.2)
+    assert first["compute"] == pytest.approx(0.5)
+    assert second["bubble"] == pytest.approx(0.3) and second["pp"] == 0
+    assert second["compute"] == pytest.approx(0.7)
+    for step in (first, second):
+        assert sum(step[k] for k in ("compute", "tp", "pp", "dp", "bubble")) == \
+            pytest.approx(1.0)

@@ -57,6 +57,15 @@ def test_custom_entrypoints_report_a_dict_with_their_own_values_under_custom():
         StepReport.model_validate({**rank_report().model_dump(), "step_s": 0.1})
 
 
+def test_the_bubble_is_stored_with_the_step_and_bounded_by_it():
+    sent = rank_report().model_copy(update={"bubble_s": 0.04}).model_dump()
+    assert StepReport.model_validate(sent).row()["data"]["bubble_s"] == 0.04
+    with pytest.raises(ValidationError, match="bubble_s"):
+        StepReport.model_validate({**sent, "bubble_s": 0.2})  # more than the 0.1 s step
+    with pytest.raises(ValidationError, match="bubble_s"):
+        StepReport.model_validate({**sent, "bubble_s": -0.01})
+
+
 @pytest.fixture
 def job_store(tmp_path: Path):
     s = Store(f"sqlite:///{tmp_path / 'r.db'}")

@@ -145,7 +145,7 @@ def test_evaluate_explicit_layout_even_when_it_does_not_fit() -> None:
     plan = evaluate(spec)
     assert not plan.fits
     assert plan.to_json()["fits"] is False
-    assert "capacity 80.00 GB" in plan.reasons[0]
+    assert "capacity 85.90 GB" in plan.reasons[0]  # 80 GiB
     with pytest.raises(ValueError, match=r"tp\(5\) does not divide heads\(96\)"):
         evaluate(spec, ParallelSpec(tp=5))
 
@@ -155,7 +155,7 @@ def test_plan_job_explicit_infeasible_names_bytes_and_nearest() -> None:
     with pytest.raises(PlanInfeasible) as err:
         plan_job(spec)
     msg = str(err.value)
-    assert "> capacity 80.00 GB" in msg and "nearest layouts that fit" in msg
+    assert "> capacity 85.90 GB" in msg and "nearest layouts that fit" in msg
     assert err.value.nearest and all(p.fits for p in err.value.nearest)
     assert all(p.world_size == 8 for p in err.value.nearest)
 

@@ -3,6 +3,8 @@ SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
+from service.heartbeats import HeartbeatLog
 from service.jobs import submit
 from service.lease import CONTROLLER, Leases
 from service.settings import Settings
@@ -22,9 +25,13 @@ from tests.conftest import authed_client, tiny_spec
 def report(step: int, rank: int, *, peak: int, comm_s: float = 0.01) -> dict[str, Any]:
     return {"step": step, "rank": rank, "loss": 5.0 - step / 10, "step_time_s": 0.2 + rank / 100,
             "tokens_per_s": 1000.0 * step, "data": {
-                "memory": {"process_peak_bytes": peak},
+                "memory": {"process_peak_bytes": peak}, "bubble_s": bubble(step, rank),
                 "comm": {"dp": {"all_reduce": {"time_s": comm_s, "bytes": 4096.0,
                                                "calls": 2.0}}}, "timed": True}}
+
+
+def bubble(step: int, rank: int) -> float:
+    return 0.01 * step + 0.02 * rank
 
 
 def scrape(client: TestClient) -> dict[str, Any]:
@@ -58,12 +65,17 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     store.transition(job_id=done.id, to=JobState.CANCELLED, message="x")
     Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30)
     Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30, last_pass_s=0.042)
+    HeartbeatLog(store.engine).record(job_id=running.id, attempt=1,
+                                      seen={0: time.time() - 12.5, 1: time.time() - 0.5})
+    seen = HeartbeatLog(store.engine).last_seen(job_id=running.id, attempt=1)
 
     settings = Settings(data_dir=tmp_path, metrics_per_rank=per_rank)
     with authed_client(create_app(settings, store=store), store) as client:
         client.get(f"/api/v1/jobs/{running.id}")
         client.get("/api/v1/jobs/999999")
+        before = datetime.now(UTC)
         fams = scrape(client)
+        after = datetime.now(UTC)
 
     assert fams["trident_jobs"].type == "gauge"
     assert value(fams["trident_jobs"], state="QUEUED") == len(queued)
@@ -91,7 +103,13 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     mfu_pred = running.plan.model_dump()["mfu"]
     assert value(fams["trident_job_mfu_ratio"], job_id=job) == pytest.approx(
         mfu_pred * 3000.0 / running.plan.tokens_per_s)
-    assert 0 <= value(fams["trident_job_pipeline_bubble_predicted_ratio"], job_id=job) < 1
+    bubbles = fams["trident_pipeline_bubble_ratio"]
+    assert value(bubbles, job_id=job, kind="predicted") == pytest.approx(
+        running.plan.time.bubble_s / pred)
+    newest = store.list_metrics(job_id=running.id, rank=None, after_step=2)
+    assert {m.rank for m in newest} == {0, 1}  # the newest step, every rank
+    assert value(bubbles, job_id=job, kind="measured") == pytest.approx(
+        sum(m.data["bubble_s"] / m.step_time_s for m in newest) / 2)
     assert value(fams["trident_job_comm_seconds"], job_id=job, dim="dp", op="all_reduce") == 0.01
     assert value(fams["trident_job_comm_bytes"], job_id=job, dim="dp", op="all_reduce") == 4096
     assert value(fams["trident_controller_pass_duration_seconds"]) == 0.042
@@ -101,8 +119,16 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         assert value(fams["trident_rank_memory_predicted_bytes"], job_id=job, rank="0",
                      node="node-a") == running.plan.memory.total
         assert value(fams["trident_rank_last_report_age_seconds"], job_id=job, rank="0") >= 0
+        beats = fams["trident_rank_heartbeat_age_seconds"]
+        assert beats.type == "gauge"
+        for rank, node in ((0, "node-a"), (1, "node-b")):
+            age = value(beats, job_id=job, rank=str(rank), node=node, gpu="")
+            assert (before - seen[rank]).total_seconds() <= age <= \
+                (after - seen[rank]).total_seconds()
+        assert (before - seen[0]).total_seconds() >= 12.5
     else:
         assert not fams["trident_rank_memory_peak_bytes"].samples
+        assert not fams["trident_rank_heartbeat_age_seconds"].samples
     hist = fams["trident_api_request_duration_seconds"]
     assert hist.type == "histogram"
     assert value(hist, "trident_api_request_duration_seconds_count", method="GET",

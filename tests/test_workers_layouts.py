@@ -78,6 +78,11 @@ def test_interleaved_pp2_virtual2_dp2_zero1_with_full_recompute(reference):
     # torch.distributed.pipelining's interleaved 1F1B, ZeroRedundancyOptimizer over dp
     rows = run_ranks(spec(pp=2, virtual_stages=2, dp=2, zero=1, recompute="full"))[0]
     assert_same_losses(rows, reference, 4)
+    # Its waits on neighbouring stages are measured too (workers.bubble), and the single
+    # stage of the reference waits for none.
+    assert all(0 <= r["bubble_s"] <= r["step_time_s"] for r in rows)
+    assert all(sum(r["bubble_s"] for r in rows if r["rank"] == k) > 0 for k in range(4))
+    assert all(r["bubble_s"] == 0 for r in reference)
 
 
 @pytest.mark.slow

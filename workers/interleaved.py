@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedul
 from service.parallel import Dim
 from service.planner.shape import ModelShape
 from service.spec import JobSpec
+from workers.bubble import BubbleMeter
 from workers.model import build_layers, loss_fn, torch_checkpoint
 from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
 
@@ -51,8 +53,12 @@ class InterleavedEngine:
     """This rank's model chunks, their pipeline stages, the schedule and the optimizer."""
 
     def __init__(self, spec: JobSpec, shape: ModelShape, groups: RankGroups,
-                 device: torch.device) -> None:
+                 device: torch.device, bubble: BubbleMeter | None = None) -> None:
         check_supported(spec)
+        self.bubble = bubble
+        """Times the schedule's waits on its neighbours and the loss exchange."""
+        if bubble is not None:
+            bubble.attach_pipelining()
         p, t = spec.layout, spec.train
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
@@ -98,7 +104,8 @@ class InterleavedEngine:
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
             loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp
-        return pp_broadcast(loss, self._last_stage_rank, self.groups.pp)
+        with self.bubble.exchange("loss") if self.bubble else nullcontext():
+            return pp_broadcast(loss, self._last_stage_rank, self.groups.pp)
 
     def _average_gradients_over_dp(self) -> None:
         dp = self.groups.dims.dp
@@ -140,3 +147,5 @@ class InterleavedEngine:
 
     def destroy(self) -> None:
         self.stages.clear()
+        if self.bubble is not None:
+            self.bubble.detach()

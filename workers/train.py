@@ -34,6 +34,7 @@ from service.planner.shape import ModelShape
 from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec, ParallelSpec
 from workers import checkpoint, data, memory
+from workers.bubble import BubbleMeter
 from workers.model import GPT, Block, loss_fn
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 
@@ -193,16 +194,21 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
 
     # Build and parallelize: tensor parallel and activation checkpointing live inside the
     # layers (workers.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
+    # The pipeline's waits for neighbouring stages (none without a pipeline: a bubble of 0).
+    bubble = BubbleMeter(cuda=device.type == "cuda",
+                         sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
     if layout.pp > 1 and layout.virtual_stages > 1:
         # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
         from workers.interleaved import InterleavedEngine
-        engine = InterleavedEngine(spec, shape, groups, device)
+        engine = InterleavedEngine(spec, shape, groups, device, bubble)
     elif layout.pp > 1:
         from workers.pipeline import build_pipeline
         model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
                                layout.sequence_parallel, layout.partition)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
+        assert bubble is not None
+        bubble.attach_deepspeed(engine)
     else:
         model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -227,6 +233,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         # step later than others: a rank that left alone would leave its peers in a collective.
         if world_any(stop.is_set(), device):
             break
+        if bubble is not None:
+            bubble.begin_step(step + 1)
         t0 = time.perf_counter()
         batches = data.micro_batches(seed=t.seed, step=step, dp_rank=groups.dp_rank,
                                      dp=layout.dp, global_batch=t.global_batch,
@@ -238,6 +246,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             else:
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp)
         dt = time.perf_counter() - t0
+        waited = bubble.end_step() if bubble is not None else 0.0
         saved = None
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
@@ -245,6 +254,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         report(StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
             step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
             attempt=ctx.attempt, resumed_from=start, checkpoint=saved,
             memory=MemoryReport(

@@ -27,8 +27,9 @@ def series(job: JobDep, store: StoreDep,
 @router.get("/{job_id}/ranks")
 def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
     """Every rank of the layout (newest attempt): tp/pp/dp coordinates, node and GPU, peak
-    memory against the prediction for its stage, compute time against its stage peers,
-    stragglers and the ranks a hang waits for."""
+    memory against the prediction for its stage, compute time against its stage peers, the
+    seconds since its last heartbeat as the controller saw it (`heartbeat_age_s`, None before
+    the first), stragglers and the ranks a hang waits for."""
     return ranks_grid(store, job)
 
 
@@ -36,8 +37,10 @@ def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
 def comm_steps(job: JobDep, store: StoreDep,
                last: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
     """Per step of the newest attempt's last `last` steps (timed steps only), the mean over
-    ranks of the step time and of its time in TP, PP and DP collectives (the rest is
-    compute, bubble included), next to the plan's split."""
+    ranks of the step time, of its time in TP, PP and DP collectives and of the pipeline
+    bubble the ranks measured (`bubble`: the part of their PP time spent waiting for
+    neighbouring stages, taken out of `pp`; None when no rank measured it), the rest being
+    compute; next to the plan's split."""
     t = job.plan.time
     out: dict[str, Any] = {"predicted": {
         "compute": t.compute_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.offload_s,
@@ -55,8 +58,16 @@ def comm_steps(job: JobDep, store: StoreDep,
         dims = {d: sum(sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
                        for m in ms) / len(ms) for d in ("tp", "pp", "dp")}
         step_s = sum(m.step_time_s for m in ms) / len(ms)
+        measured = [float(b) for m in ms if isinstance(b := m.data.get("bubble_s"), int | float)]
+        bubble = sum(measured) / len(ms) if measured else None
+        # The wait is in the PP collectives' time; a bubble the timer did not see as PP time
+        # (a rank without it) comes out of compute instead.
+        waits = max(dims["pp"], bubble or 0.0)
+        if bubble is not None:
+            dims["pp"] = max(0.0, dims["pp"] - bubble)
         out["steps"].append({"step": step, "ranks": len(ms), "step_s": step_s,
-                             "compute": max(0.0, step_s - sum(dims.values())), **dims})
+                             "compute": max(0.0, step_s - dims["tp"] - dims["dp"] - waits),
+                             **dims, "bubble": bubble})
     return out
 
 

@@ -36,6 +36,7 @@
       st.textContent = j.state;
       st.className = "state " + j.state;
       document.getElementById("job-attempts").textContent = j.attempts;
+      if (loaded.logs) followLogs(j.attempts);
       const err = document.getElementById("job-error");
       err.hidden = !j.error;
       err.textContent = j.error || "";
@@ -176,7 +177,8 @@
             (c.gpu ? ` gpu ${c.gpu}` : "") + `: peak memory ${fmtBytes(c.memory_peak_bytes)} of ` +
             `${fmtBytes(c.memory_predicted_bytes)} predicted; compute ${fmtSecs(c.compute_s)} against ` +
             `stage peers' ${fmtSecs(c.stage_compute_s)}` + (c.straggler ? "; straggler" : "") +
-            (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "");
+            (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "") +
+            `; last heartbeat ${c.heartbeat_age_s === null || c.heartbeat_age_s === undefined ? "not seen" : fmtSecs(c.heartbeat_age_s) + " ago"}`;
           cell.title = text;
           cell.addEventListener("mouseenter", () => { document.getElementById("rank-detail").textContent = text; });
           group.appendChild(cell);
@@ -211,7 +213,7 @@
       const max = Math.max(predicted.step, ...steps.steps.map(s => s.step_s));
       document.getElementById("comm-bars").innerHTML =
         `<p class="controls">${PARTS.map((p, i) => `<span class="chip" style="border-left:10px solid ${PALETTE[i]}">${p}</span>`).join("")}` +
-        ` seconds per step; measured compute includes the bubble (the ranks do not report it apart)</p>` +
+        ` seconds per step; the measured bubble is the ranks' wait for neighbouring pipeline stages, taken out of pp</p>` +
         bar("predicted", predicted, max) +
         (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
                             : "<p>No timed step measured yet.</p>");
@@ -223,9 +225,10 @@
   }
 
   // --- logs -----------------------------------------------------------------------------------
-  const logLines = [];  // {rank, text}
-  const partial = {};
+  const logLines = [];  // {rank, text}; a line with rank null separates attempts
+  let partial = {};
   let source = null;
+  let logAttempt = 0;  // the attempt followed (0: none yet)
   function addChunk(c) {
     if (c.skipped) logLines.push({rank: c.rank, text: `... ${c.skipped} bytes dropped by the size cap`});
     const parts = ((partial[c.rank] || "") + c.text).split("\n");
@@ -238,8 +241,8 @@
     const stage = document.getElementById("log-stage").value;
     const q = document.getElementById("log-search").value;
     const ctx = Math.max(0, Math.min(50, Number(document.getElementById("log-context").value) || 0));
-    const pool = logLines.filter(l => (rank === "" || String(l.rank) === rank) &&
-                                      (stage === "" || String(stages[l.rank]) === stage));
+    const pool = logLines.filter(l => l.rank === null || ((rank === "" || String(l.rank) === rank) &&
+                                      (stage === "" || String(stages[l.rank]) === stage)));
     let keep = pool.map(() => !q);
     if (q) pool.forEach((l, i) => { if (l.text.includes(q)) for (let k = Math.max(0, i - ctx); k <= Math.min(pool.length - 1, i + ctx); k++) keep[k] = true; });
     const out = [];
@@ -248,6 +251,7 @@
       if (!keep[i]) { gap = true; return; }
       if (gap && out.length) out.push(`<span class="sep">--</span>`);
       gap = false;
+      if (l.rank === null) { out.push(`<span class="attempt">${esc(l.text)}</span>`); return; }
       let text = esc(l.text);
       if (q) text = text.split(esc(q)).join(`<mark>${esc(q)}</mark>`);
       out.push(`<span class="line" data-rank="${l.rank}">[rank ${l.rank}] ${text}</span>`);
@@ -257,15 +261,26 @@
     view.innerHTML = out.join("\n");
     if (atEnd) view.scrollTop = view.scrollHeight;
   }
-  function followLogs() {
+  // Follows the newest attempt; `pollJob` calls it again when a newer attempt starts, and the
+  // view goes on below a separator with that attempt's output.
+  function followLogs(attempts) {
     const status = document.getElementById("log-status");
-    source = new EventSource(`${api}/logs?follow=true`);
-    status.textContent = "following";
-    source.addEventListener("log", e => { addChunk(JSON.parse(e.data)); renderLogs(); });
-    source.addEventListener("end", () => { status.textContent = "the job has ended: all output shown"; source.close(); });
-    source.onerror = () => {
-      if (source.readyState === EventSource.CLOSED) status.textContent = "not following (job not started?)";
+    const n = attempts === undefined ? Number(document.getElementById("job-attempts").textContent) || 0 : attempts;
+    if (!n) { status.textContent = "waiting for the job to start"; return; }
+    if (n <= logAttempt) return;
+    if (source) source.close();
+    for (const [r, t] of Object.entries(partial)) if (t) logLines.push({rank: Number(r), text: t});
+    if (logAttempt) logLines.push({rank: null, text: `--- attempt ${n} ---`});
+    logAttempt = n;
+    partial = {};
+    const es = source = new EventSource(`${api}/logs?follow=true&attempt=${n}`);
+    status.textContent = `following attempt ${n}`;
+    es.addEventListener("log", e => { addChunk(JSON.parse(e.data)); renderLogs(); });
+    es.addEventListener("end", () => { status.textContent = "the job has ended: all output shown"; es.close(); });
+    es.onerror = () => {
+      if (es.readyState === EventSource.CLOSED) status.textContent = `not following attempt ${n}`;
     };
+    renderLogs();
   }
   ["log-rank", "log-stage", "log-search", "log-context"].forEach(id =>
     document.getElementById(id).addEventListener("input", renderLogs));
@@ -287,7 +302,7 @@
   }
 
   // --- what each tab does when first opened, and while open -----------------------------------
-  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: followLogs, hangs: loadHangs};
+  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: () => followLogs(), hangs: loadHangs};
   const LIVE = {metrics: () => loadSeries(false), ranks: loadRanks, comm: loadComm, hangs: loadHangs};
   setInterval(() => {
     if (terminal && loaded["final-" + current]) return;

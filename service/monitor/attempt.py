@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from service.heartbeats import HeartbeatLog, HeartbeatThrottle
 from service.monitor.hang import Diagnosis, diagnose_hang
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import annotate_expected, flag_slow_groups
@@ -44,6 +45,8 @@ class AttemptHealth:
         self.probe_rows: list[dict[str, Any]] = []
         self.probe_ranks: set[int] = set()
         self.node_of_rank: dict[int, str] = {}
+        self.beats = HeartbeatThrottle(HeartbeatLog(store.engine), job.id, attempt)
+        """The heartbeat times the API reads (`GET /metrics`, the ranks grid)."""
 
     def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.store.add_event(job_id=self.job_id, attempt=self.attempt, kind=kind,
@@ -94,11 +97,13 @@ class AttemptHealth:
 
     def polled(self, heartbeats: Mapping[int, Mapping[str, Any]],
                received: float | None = None) -> None:
-        """After each poll: take the ranks' heartbeats and name new stragglers (once each)."""
+        """After each poll: take the ranks' heartbeats (stored for the API at most once a
+        second) and name new stragglers (once each)."""
         received = time.time() if received is None else received
         for rank, hb in heartbeats.items():
             # Judge by this clock: the rank's own clock may differ from ours.
             self.heartbeats[rank] = {**hb, "time": received - float(hb.get("age_s", 0.0))}
+        self.beats.offer({r: hb["time"] for r, hb in self.heartbeats.items()})
         monitor = self.spec.monitor
         found = find_stragglers(
             {r: list(t) for r, t in self.compute.items() if r in self.stage_of_rank},

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from service.planner import sac
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
 from service.planner.stacks import MIB as MIB_
-from service.planner.stacks import nccl_buffer_bytes
+from service.planner.stacks import loss_bytes_per_logit, nccl_buffer_bytes
 
 # Bytes per parameter at the peak of model states: (weights, gradients, optimizer), each
 # either whole on every DP rank or sharded over N. Entry: (param_full, param_shard,
@@ -49,6 +50,10 @@ _FP32 = {
 # optimizer: 6 + 12/d bytes, megatron/training/theoretical_memory_usage.py). It has no
 # ZeRO-2/3; those fall back to DeepSpeed's bytes.
 _MEGATRON = {0: (2, 0, 4, 0, 12), 1: (2, 0, 4, 0, 12), 2: _MIXED[2], 3: _MIXED[3]}
+# Megatron-DeepSpeed in bf16 runs DeepSpeed's BF16_Optimizer: full fp32 gradients (4) as
+# Megatron's, and the pipeline engine's update_hp_grads(clear_lp_grads=False) leaves the 16-bit
+# gradients allocated next to them (2): deepspeed/runtime/pipe/engine.py, bf16_optimizer.py.
+_BF16_OPTIMIZER = {0: (2, 0, 6, 0, 12), 1: (2, 0, 6, 0, 12), 2: _MIXED[2], 3: _MIXED[3]}
 # PyTorch FSDP with bf16 mixed precision keeps fp32 sharded parameters, gradients and Adam
 # states (16/N): FULL_SHARD (3); SHARD_GRAD_OP (2) also keeps the bf16 parameters whole;
 # 0 and 1 are DDP (fp32 weights and gradients, Adam m and v), 1 sharding Adam over dp.
@@ -132,20 +137,27 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
     none s*b*h*(34 + 5as/h); TP s*b*h*(10 + 24/t + 5as/(ht)); TP+SP s*b*h*(34 + 5as/h)/t;
     selective drops the 5as/h attention-score term; full keeps only the layer input 2sbh
     (divided by t with SP). Dropout masks are 1 byte; other elements `act_bytes` (the
-    paper's 2), scaled for fp32. Flash attention never stores the scores (as selective).
+    paper's 2), scaled for fp32; a model without dropout (Llama) keeps no masks and no
+    dropout outputs. Flash attention never stores the scores (as selective).
+    `op` is torchtitan's op-level selective checkpointing (sac.py).
     """
     s, h, a = shape.seq_len, shape.hidden, shape.heads
     sbh = s * micro_batch * h
     scale = act_bytes / 2.0
+    if recompute == "op":
+        return s * micro_batch * sac.saved_bytes_per_token(
+            shape, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes)
     if recompute == "full":
         return 2.0 * sbh * scale / (tp if sequence_parallel else 1)
     r = shape.kv_heads / shape.heads
     f = shape.ffn_hidden / h
     # Not split by TP: two LayerNorm inputs (4), QKV and MLP inputs (4), two dropout masks (2).
-    replicated = 10.0
+    replicated = 10.0 if shape.dropout else 8.0
     # Split by TP: Q (2), K and V (4r), attention-output projection input (2), MLP inside.
     split = 2 + 4 * r + 2 + (8 * f if shape.swiglu else 4 * f)
-    scores = 0.0 if recompute == "selective" or flash else 5.0 * a * s / h
+    # Scores: softmax output (2), and with dropout its mask (1) and output (2).
+    scores = 0.0 if recompute == "selective" or flash else \
+        (5.0 if shape.dropout else 2.0) * a * s / h
     per = (replicated / tp if sequence_parallel else replicated) + (split + scores) / tp
     return per * sbh * scale
 
@@ -201,6 +213,8 @@ def model_state_bytes(sc: Scenario) -> tuple[float, float, float, float, float]:
         return _FP32[sc.layout.zero]
     if layout == "megatron":
         return _MEGATRON[sc.layout.zero]
+    if layout == "bf16_optimizer":
+        return _BF16_OPTIMIZER[sc.layout.zero]
     if layout == "fsdp":
         return _FSDP[sc.layout.zero]
     # DeepSpeed 0.19's stage 1 does not keep the ZeRO paper's full 16-bit gradients: with
@@ -238,23 +252,26 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     layers = sc.stage_blocks[stage]
     per_layer = layer_activation_bytes(
         shape, micro_batch=sc.micro_batch, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-        recompute=lay.recompute, act_bytes=w, flash=sc.flash)
+        recompute=sc.recompute, act_bytes=w, flash=sc.flash)
     in_flight = in_flight_micro_batches(sc, stage)
     activations = per_layer * layers * in_flight
     sbh = shape.seq_len * sc.micro_batch * shape.hidden
-    if lay.recompute == "full":
-        # Backward re-runs one layer at a time: its whole activation set is live once.
+    if sc.recompute in ("full", "op"):
+        # Backward re-runs one layer at a time: its whole activation set is live once (under
+        # the op-level policy, besides the outputs it kept).
         activations += layer_activation_bytes(
             shape, micro_batch=sc.micro_batch, tp=lay.tp,
             sequence_parallel=lay.sequence_parallel, recompute="none", act_bytes=w,
-            flash=sc.flash)
+            flash=sc.flash) - (per_layer if sc.recompute == "op" else 0.0)
     if stage == 0:
         # Embedding output and its dropout mask, per in-flight micro-batch.
-        activations += in_flight * sbh * (w + 1) / (lay.tp if lay.sequence_parallel else 1)
+        activations += in_flight * sbh * (w + (1 if shape.dropout else 0)) / (
+            lay.tp if lay.sequence_parallel else 1)
     logits = 0.0
     if stage == lay.pp - 1:
-        # Vocab-parallel logits in the training precision plus the fp32 copy for the loss.
-        logits = shape.seq_len * sc.micro_batch * shape.vocab / lay.tp * (w + 4)
+        # Vocab-parallel logits and the loss's fp32 buffers, as the stack's loss holds them.
+        logits = shape.seq_len * sc.micro_batch * shape.vocab / lay.tp * loss_bytes_per_logit(
+            sc.loss_kind, w)
 
     # DeepSpeed buffers.
     zc = sc.zero_cfg
@@ -266,7 +283,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     stack = sc.stack_constants
     if stack.optimizer_layout == "fsdp":
         buffers += _fsdp_buffers(shape, sc, pr)
-    elif stack.optimizer_layout == "megatron" and lay.zero <= 1:
+    elif stack.optimizer_layout in ("megatron", "bf16_optimizer") and lay.zero <= 1:
         pass  # the gradient buffer is the fp32 main gradients, counted as grads
     elif lay.zero in (1, 2) and zc.contiguous_gradients:
         dtype_bytes = 4 if lay.zero == 1 else w

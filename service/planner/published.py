@@ -90,7 +90,8 @@ class Run:
             seq_len=base["seq_len"], ffn_hidden=base.get("ffn_hidden", 4 * base["hidden"]),
             swiglu=swiglu, biases=bool(r.get("biases", base.get("biases", not swiglu))),
             layer_norm=base.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
-            positions=positions, tied=bool(base.get("tied", not swiglu)))
+            positions=positions, tied=bool(base.get("tied", not swiglu)),
+            dropout=bool(r.get("dropout", base.get("dropout", not swiglu))))
 
     def layout(self) -> ParallelSpec:
         r = self.row
@@ -105,14 +106,17 @@ class Run:
                  gpu_efficiency: float | None = None) -> Scenario:
         r = self.row
         gpn = r.get("gpus_per_node", 8)
+        profile = get_profile(self.gpu)
+        if "device_memory_gb" in r:  # the run's part has more memory than the profile's
+            profile = replace(profile, memory_bytes=float(r["device_memory_gb"]) * 1e9)
         return Scenario(
             shape=self.shape, layout=self.layout(), micro_batch=r["micro_batch"],
             global_batch=r["global_batch"], precision=r.get("precision", "bf16"),
-            profile=get_profile(self.gpu), gpus_per_node=min(gpn, r["gpus"]),
+            profile=profile, gpus_per_node=min(gpn, r["gpus"]),
             nodes=max(1, r["gpus"] // gpn), zero_cfg=ZeroConfig(), stack=self.stack,
             constants=constants or get_stack(self.stack, fitted=False),
             gpu_efficiency=gpu_efficiency if gpu_efficiency is not None else 1.0,
-            flash_attention=r.get("flash_attention"))
+            flash_attention=r.get("flash_attention"), loss=r.get("loss"))
 
     def predict(self, constants: Stack | None = None,
                 gpu_efficiency: float | None = None) -> Plan:

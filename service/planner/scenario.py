@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from service.hardware import HardwareProfile
 from service.parallel import ParallelDims
 from service.planner.shape import ModelShape
-from service.planner.stacks import Stack, get_stack, profile_efficiency
+from service.planner.stacks import Loss, Stack, get_stack, profile_efficiency
 from service.spec import ParallelSpec
 
 
@@ -59,6 +59,9 @@ class Scenario:
     """Fitted factor on the profile's GEMM rate; None = the fitted file's (1 when absent)."""
     flash_attention: bool | None = None
     """Override of the stack's flash attention (a published run made without it)."""
+    loss: Loss | None = None
+    """Override of the stack's loss kernel (stacks.loss_bytes_per_logit), for a published run
+    whose framework computes its loss otherwise."""
 
     @property
     def stack_constants(self) -> Stack:
@@ -69,6 +72,17 @@ class Scenario:
         if self.flash_attention is not None:
             return self.flash_attention
         return self.stack_constants.flash_attention
+
+    @property
+    def loss_kind(self) -> Loss:
+        return self.loss or self.stack_constants.loss
+
+    @property
+    def recompute(self) -> str:
+        """The layout's recompute as this stack runs it: `none`, `selective` (attention
+        core), `op` (torchtitan's op-level policy, the `fsdp` stack's selective), `full`."""
+        r = self.layout.recompute
+        return "op" if r == "selective" and self.stack_constants.selective == "op" else r
 
     @property
     def efficiency(self) -> float:

@@ -39,6 +39,9 @@ class ModelShape:
     """Position encoding; only `learned` (a seq_len x hidden table) holds parameters."""
     tied: bool
     """The LM head reuses the input embedding (one copy when pp == 1)."""
+    dropout: bool = True
+    """Dropout after the embedding, on the attention probabilities and on both residual
+    branches (GPT, BLOOM: its masks are activations); Llama has none (its presets)."""
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> ModelShape:
@@ -51,7 +54,8 @@ class ModelShape:
             vocab=m.vocab, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, swiglu=swiglu,
             biases=bool(traits.get("biases", not swiglu)),
             layer_norm=traits.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
-            positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)))
+            positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)),
+            dropout=bool(traits.get("dropout", not swiglu)))
 
     def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.model`) would build a model other than the one

@@ -30,7 +30,9 @@ one protocol per channel per peer."""
 NCCL_PEERS = 2
 """Ring collectives talk to the previous and the next rank on every channel."""
 
-GradLayout = Literal["deepspeed", "megatron", "fsdp"]
+GradLayout = Literal["deepspeed", "megatron", "bf16_optimizer", "fsdp"]
+Selective = Literal["attention", "op"]
+Loss = Literal["megatron", "pytorch", "fused"]
 
 
 @dataclass(frozen=True)
@@ -51,40 +53,52 @@ class Stack:
     source: str
     dp_overlap: float | None = None
     """Share of data-parallel traffic hidden behind compute; None = the profile's (0.5)."""
+    selective: Selective = "attention"
+    """What `recompute: selective` means on this stack: Korthikanti et al.'s recompute of
+    the attention core (`attention`), or torchtitan's op-level policy (`op`, sac.py)."""
+    loss: Loss = "megatron"
+    """How the loss holds the logits (LOSS_BYTES)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "flash_attention": self.flash_attention,
                 "optimizer_layout": self.optimizer_layout, "efficiency": self.efficiency,
                 "allocator_slack": self.allocator_slack,
                 "framework_bytes": self.framework_bytes, "dp_overlap": self.dp_overlap,
-                "source": self.source}
+                "selective": self.selective, "loss": self.loss, "source": self.source}
 
 
 PRIORS: dict[str, Stack] = {s.name: s for s in [
     Stack("trident", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
           "Trident's trainer (workers/model.py): torch scaled_dot_product_attention (a flash"
           " kernel on GPUs), unfused layers, DeepSpeed 0.19 engine for ZeRO and pipelines;"
-          " efficiency shared with `deepspeed` (no published runs of its own)"),
+          " efficiency shared with `deepspeed` (no published runs of its own); loss"
+          " F.cross_entropy on fp32 logits", loss="pytorch"),
     Stack("megatron-lm", True, "megatron", 1.0, 0.03, 0.5 * (1 << 30),
           "Megatron-LM (megatron/core): fused kernels, TransformerEngine flash attention,"
           " fp32 main gradients in a contiguous buffer, distributed optimizer"
           " (megatron/training/theoretical_memory_usage.py: 18 bytes/param, 6 + 12/d with"
           " the distributed optimizer); the profile's GEMM curve is fitted on its runs"),
-    Stack("megatron-deepspeed", False, "megatron", 1.0, 0.05, 0.5 * (1 << 30),
+    Stack("megatron-deepspeed", False, "bf16_optimizer", 1.0, 0.05, 0.5 * (1 << 30),
           "Megatron-DeepSpeed (BLOOM, MT-NLG): Megatron's fused kernels without flash"
           " attention by default, DeepSpeed's pipeline engine; bf16 with ZeRO-1 runs"
           " DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py), which keeps"
-          " full fp32 gradient accumulation buffers: 2 + 4 + 12/N bytes per parameter"),
+          " full fp32 gradient accumulation buffers, and DeepSpeed's pipeline engine copies"
+          " the 16-bit gradients into them with update_hp_grads(clear_lp_grads=False), so the"
+          " 16-bit gradients stay allocated (zeroed, not freed): 2 + 2 + 4 + 12/N bytes per"
+          " parameter"),
     Stack("deepspeed", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
           "DeepSpeed ZeRO on a PyTorch model (Hugging Face style), SDPA flash attention;"
           " bytes per parameter measured on DeepSpeed 0.19 engines"
-          " (tests/test_planner_deepspeed.py)"),
+          " (tests/test_planner_deepspeed.py); PyTorch's cross entropy on fp32 logits",
+          loss="pytorch"),
     Stack("fsdp", True, "fsdp", 1.0, 0.05, 0.25 * (1 << 30),
           "PyTorch FSDP (Zhao et al. 2023, VLDB): full sharding of fp32 parameters,"
           " gradients and Adam states (16/N bytes per parameter with bf16 mixed precision),"
           " unsharded bf16 parameters of the running and the prefetched block; SDPA flash"
           " attention; all-gathers prefetched ahead of the block that needs them (forward and"
-          " backward prefetch), so dp_overlap 0.9 (an assumption, not fitted)", 0.9),
+          " backward prefetch), so dp_overlap 0.9 (an assumption, not fitted); selective"
+          " recompute is torchtitan's op-level policy (sac.py), PyTorch's cross entropy on"
+          " fp32 logits (torchtitan's loss)", 0.9, "op", "pytorch"),
 ]}
 STACK_NAMES = tuple(PRIORS)
 
@@ -132,3 +146,22 @@ def nccl_buffer_bytes(group_sizes: list[int], channels: int) -> float:
         if n > 1:
             total += channels * min(NCCL_PEERS, n - 1) * NCCL_BUFFSIZE
     return total
+
+
+def loss_bytes_per_logit(loss: Loss, act_bytes: int) -> float:
+    """Bytes per logit at the loss's peak (the start of backward).
+
+    Megatron's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py)
+    computes the fp32 softmax in place and writes the gradient over it: one fp32 buffer next
+    to the logits in the training precision. PyTorch's `F.cross_entropy(logits.float(), ...)`
+    (torchtitan, Trident's workers/model.py, Hugging Face models) saves log_softmax's fp32
+    output; backward makes nll_loss's dense fp32 gradient and log_softmax's fp32 input
+    gradient while it is alive: three fp32 tensors (torchtitan deletes the 16-bit logits
+    before backward, and the fp32 copy is not saved). flash-attn's fused Triton cross
+    entropy (`flash_attn.losses.cross_entropy`, LLM Foundry's default `loss_fn:
+    fused_crossentropy`) keeps the logits in the training precision (and one fp32 log-sum-exp
+    per row) and writes their gradient in the same precision: two tensors.
+    """
+    if loss == "megatron":
+        return act_bytes + 4.0
+    return 2.0 * act_bytes if loss == "fused" else 12.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from service.planner import sac
 from service.planner.scenario import Scenario
 
 
@@ -108,7 +109,8 @@ def step_time(sc: Scenario) -> TimeBreakdown:
     # Per micro-batch compute on one rank of the slowest stage (the pipeline runs at its pace).
     layer_fwd = shape.layer_forward_flops(tokens) / t
     extra = {"none": 0.0, "selective": shape.attention_core_flops(tokens) / t,
-             "full": layer_fwd}[lay.recompute]
+             "op": tokens * sac.recompute_flops_per_token(shape, tp=t),
+             "full": layer_fwd}[sc.recompute]
     head_fwd = shape.head_forward_flops(tokens) / t
     per_layer_overhead = sc.profile.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
     stage_s = stage_micro_batch_seconds(sc, layer_fwd, extra, head_fwd, rate, per_layer_overhead)
