@@ -2,7 +2,8 @@
 local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
 `plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
-are in `api.cli_identity`, `status`, `describe` and `top` in `api.cli_status`,
+are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
+`events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
 `api.cli_describe` and `api.cli_top`, `node` (starts this host's Ray node, no server) and
 `cluster` in `api.cli_node`, `stacks` in `api.cli_stacks`.
 """
@@ -13,185 +14,21 @@ import os
 import signal
 import sys
 import time
-import uuid
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
-import httpx
 import typer
-import yaml
 from pydantic import ValidationError
 
-from api import cli_describe, cli_status, cli_top
-from api.cli_auth import token_for
+from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
+from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, fail
 from api.cli_identity import announce_bootstrap, register
-from api.cli_logs import RankLines, follow_rank_logs
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
-from service.spec import JobSpec
-from service.specfile import load_yaml
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
-
-ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
-                                        help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def load_spec(path: Path) -> JobSpec:
-    """Read a YAML (or JSON) spec and validate it, naming the field of any error."""
-    try:
-        raw = load_yaml(path.read_text())
-    except OSError as exc:
-        fail(f"cannot read {path}: {exc.strerror}")
-    except yaml.YAMLError as exc:
-        fail(f"{path} is not valid YAML: {exc}")
-    if not isinstance(raw, dict):
-        fail(f"{path}: a spec is a mapping of fields, got {type(raw).__name__}")
-    try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        lines = [f"{path}: invalid spec"]
-        for e in exc.errors():
-            loc = ".".join(str(p) for p in e["loc"]) or "spec"
-            lines.append(f"  {loc}: {e['msg']}")
-        fail("\n".join(lines))
-
-
-def _client(server: str) -> httpx.Client:
-    token, _ = token_for(server)  # the token `_call` sends, for streams too
-    return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30,
-                        headers={"Authorization": f"Bearer {token}"} if token else {})
-
-
-RETRY_STATUS = {502, 503, 504}  # the server could not answer now (a proxy, or a restart)
-
-
-def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
-    """One request, with the API token; `retries` more after a transport error or a
-    502/503/504, with backoff (only for requests that are safe to repeat)."""
-    token, source = token_for(server)
-    headers = {**({"Authorization": f"Bearer {token}"} if token else {}),
-               **kw.pop("headers", {})}
-    for attempt in range(retries + 1):
-        try:
-            with _client(server) as c:
-                r = c.request(method, path, headers=headers, **kw)
-        except httpx.HTTPError as exc:
-            if attempt == retries:
-                fail(f"cannot reach the Trident API at {server}: {exc}")
-            time.sleep(min(0.5 * 2**attempt, 5.0))
-            continue
-        if r.status_code not in RETRY_STATUS or attempt == retries:
-            break
-        time.sleep(min(0.5 * 2**attempt, 5.0))
-    if r.status_code >= 400:
-        try:
-            detail = r.json().get("detail")
-        except ValueError:
-            detail = r.text
-        if isinstance(detail, list):
-            detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
-                               for d in detail)
-        if r.status_code == 401:
-            detail = (f"{detail} (token from {source}; set TRIDENT_TOKEN or run `trident"
-                      " login`)")
-        fail(f"{r.status_code}: {detail}")
-    return r.json()
-
-
-@app.command()
-def submit(spec: Path, server: ServerOpt = DEFAULT_SERVER,
-           wait: Annotated[bool, typer.Option(help="Follow the job; fail unless it succeeds.")]
-           = False,
-           project: Annotated[str | None, typer.Option(
-               help="Project to submit under (default: your first).")] = None) -> None:
-    """Submit a job spec (YAML); prints the job id. Retried on connection errors under one
-    Idempotency-Key, so that a retry never queues the job twice."""
-    job = _call(server, "POST", "/jobs", json=load_spec(spec).model_dump(mode="json"),
-                params={"project": project} if project else None,
-                headers={"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}, retries=4)
-    typer.echo(job["id"])
-    if wait:
-        raise typer.Exit(follow(server, job["id"]))
-
-
-def follow(server: str, job_id: int, interval: float = 1.0) -> int:
-    """Print state changes and new steps until the job ends; 0 if it succeeded."""
-    last_state, last_step, last_event = "", 0, 0
-    while True:
-        job = _call(server, "GET", f"/jobs/{job_id}")
-        for ev in _call(server, "GET", f"/jobs/{job_id}/events",
-                        params={"after": last_event})["items"]:
-            last_event = ev["id"]
-            if ev["kind"] not in ("state",):
-                typer.echo(f"  [{ev['kind']}] {ev['message'].splitlines()[0][:200]}")
-        for m in _call(server, "GET", f"/jobs/{job_id}/metrics",
-                       params={"after_step": last_step})["items"]:
-            last_step = max(last_step, m["step"])
-            loss = "-" if m["loss"] is None else f"{m['loss']:.4f}"
-            typer.echo(f"  step {m['step']:>5}  loss {loss}  {m['step_time_s']*1000:8.1f} ms"
-                       f"  {m['tokens_per_s']:10.0f} tok/s")
-        if job["state"] != last_state:
-            last_state = job["state"]
-            typer.echo(f"job {job_id} {last_state}")
-        if last_state in TERMINAL:
-            if job.get("error"):
-                typer.echo(job["error"], err=True)
-            return 0 if last_state == "SUCCEEDED" else 1
-        time.sleep(interval)
-
-
-@app.command()
-def cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Cancel a job; the controller stops its workers within seconds."""
-    j = _call(server, "POST", f"/jobs/{job_id}/cancel")
-    typer.echo(f"job {job_id}: {j['state']} (cancel requested)")
-
-
-@app.command()
-def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Queue a new job with a job's spec (members: their own jobs); prints the new id."""
-    typer.echo(_call(server, "POST", f"/jobs/{job_id}/resubmit")["id"])
-
-
-@app.command()
-def events(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Print a job's events (state changes, placement, failures with tracebacks)."""
-    for ev in _call(server, "GET", f"/jobs/{job_id}/events", params={"limit": 1000})["items"]:
-        typer.echo(f"{ev['time']}  {ev['kind']:<10} {ev['message']}")
-
-
-@app.command()
-def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
-         rank: Annotated[int | None, typer.Option(min=0, help="Only this rank.")] = None,
-         attempt: Annotated[int | None, typer.Option(min=1, help="Default: the newest.")]
-         = None,
-         follow: Annotated[bool, typer.Option("--follow", "-f",
-                                              help="Keep printing until the job ends.")]
-         = False) -> None:
-    """Print the ranks' stdout and stderr (each line prefixed with its rank)."""
-    params: dict[str, Any] = {k: v for k, v in {"rank": rank, "attempt": attempt}.items()
-                              if v is not None}
-    if follow:
-        try:
-            with _client(server) as client:
-                follow_rank_logs(client, job_id, params, fail)
-        except httpx.HTTPError as exc:
-            fail(f"cannot reach {server}: {exc}")
-        return
-    printer = RankLines()
-    for c in _call(server, "GET", f"/jobs/{job_id}/logs", params=params)["ranks"]:
-        printer.add(c)
-    printer.flush()
 
 
 @app.command()
@@ -288,7 +125,10 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
 def controller() -> None:
     """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
     its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
-    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly."""
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly.
+
+    Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
+    """
     from service.settings import Settings
     from service.supervisor import run_controller
 
@@ -309,7 +149,10 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
           profile: Annotated[str, typer.Option(help="Profile to calibrate.")] = "cpu",
           timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 600) -> None:
     """Measure matmul FLOP/s and collective bandwidth on the live cluster; the result
-    calibrates the profile the planner uses for jobs on it."""
+    calibrates the profile the planner uses for jobs on it.
+
+    Example: trident probe --ranks-per-node 8 --profile h100-80gb
+    """
     p = _call(server, "POST", "/probes", json={"ranks_per_node": ranks_per_node,
                                                "max_bytes": max_bytes, "profile": profile})
     typer.echo(f"probe {p['id']} requested; waiting for the controller")
@@ -342,6 +185,8 @@ cli_describe.register(app)
 cli_top.register(app)
 register_node(app)
 register_stacks(app)
+cli_jobs.register(app)
+cli_logs.register(app)
 
 
 def main() -> None:

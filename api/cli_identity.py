@@ -38,7 +38,10 @@ def _quota(q: float | None) -> str:
 def login(server: ServerOpt = DEFAULT_SERVER,
           token: Annotated[str | None, typer.Option(
               help="The API token (default: asked for, not echoed).")] = None) -> None:
-    """Check a token against the server and remember it for that server (owner-only file)."""
+    """Check a token against the server and remember it for that server (owner-only file).
+
+    Example: trident login --server https://trident.example.com
+    """
     secret = (token or typer.prompt("API token", hide_input=True)).strip()
     me = _call(server, "GET", "/whoami", headers={"Authorization": f"Bearer {secret}"})
     path = save_profile(server, secret, me["user"])
@@ -46,7 +49,10 @@ def login(server: ServerOpt = DEFAULT_SERVER,
 
 
 def whoami(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Your user, role, projects (the default first) and the token in use."""
+    """Your user, role, projects (the default first) and the token in use.
+
+    Example: trident whoami
+    """
     me = _call(server, "GET", "/whoami")
     typer.echo(f"{me['user']} ({me['role']}); projects: {', '.join(me['projects']) or '-'};"
                f" token {me['token']['name']!r} (id {me['token']['id']})")
@@ -58,7 +64,10 @@ def user_add(name: str, server: ServerOpt = DEFAULT_SERVER,
              project: Annotated[list[str] | None, typer.Option(
                  help="A project it belongs to (repeat; the first is its default).")] = None
              ) -> None:
-    """Create a user; give it a token with `trident token create NAME --user USER`."""
+    """Create a user; give it a token with `trident token create NAME --user USER`.
+
+    Example: trident user add alice --role member --project vision
+    """
     u = _call(server, "POST", "/users", json={"name": name, "role": role,
                                               "projects": project or []})
     typer.echo(f"user {u['name']} ({u['role']}); projects: {', '.join(u['projects']) or '-'}")
@@ -66,7 +75,10 @@ def user_add(name: str, server: ServerOpt = DEFAULT_SERVER,
 
 @user_app.command("list")
 def user_list(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Every user, with role, projects and whether it is disabled."""
+    """Every user, with role, projects and whether it is disabled.
+
+    Example: trident user list
+    """
     typer.echo(f"{'NAME':<16}  {'ROLE':<7}  {'STATE':<8}  PROJECTS")
     for u in _call(server, "GET", "/users")["items"]:
         typer.echo(f"{u['name']:<16}  {u['role']:<7}  "
@@ -75,7 +87,10 @@ def user_list(server: ServerOpt = DEFAULT_SERVER) -> None:
 
 @user_app.command("disable")
 def user_disable(name: str, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Disable a user: every token of theirs is refused from the next request on."""
+    """Disable a user: every token of theirs is refused from the next request on.
+
+    Example: trident user disable alice
+    """
     _call(server, "POST", f"/users/{name}/disable")
     typer.echo(f"user {name} disabled")
 
@@ -87,7 +102,10 @@ def token_create(name: str, server: ServerOpt = DEFAULT_SERVER,
                  expires_days: Annotated[float | None, typer.Option(
                      min=0.001, max=3650, help="Days until it expires (default: never).")]
                  = None) -> None:
-    """Create a token; its secret is printed once (only its hash is stored)."""
+    """Create a token; its secret is printed once (only its hash is stored).
+
+    Example: trident token create laptop --expires-days 30
+    """
     body: dict[str, Any] = {"name": name}
     if user:
         body["user"] = user
@@ -104,7 +122,10 @@ def token_create(name: str, server: ServerOpt = DEFAULT_SERVER,
 def token_list(server: ServerOpt = DEFAULT_SERVER,
                user: Annotated[str | None, typer.Option(help="Only this user's.")] = None
                ) -> None:
-    """Tokens (never their secrets): yours, or, for an admin, everyone's."""
+    """Tokens (never their secrets): yours, or, for an admin, everyone's.
+
+    Example: trident token list --user alice
+    """
     typer.echo(f"{'ID':>5}  {'USER':<16}  {'NAME':<20}  {'EXPIRES':<20}  STATE")
     for t in _call(server, "GET", "/tokens", params={"user": user} if user else None)["items"]:
         state = "revoked" if t["revoked_at"] else "active"
@@ -114,7 +135,10 @@ def token_list(server: ServerOpt = DEFAULT_SERVER,
 
 @token_app.command("revoke")
 def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Revoke a token: the next request with it is refused."""
+    """Revoke a token: the next request with it is refused.
+
+    Example: trident token revoke 7
+    """
     t = _call(server, "DELETE", f"/tokens/{token_id}")
     typer.echo(f"token {t['id']} {t['name']!r} of {t['user']} revoked")
 
@@ -127,7 +151,10 @@ def project_add(name: str, server: ServerOpt = DEFAULT_SERVER,
                     min=0, help="CPUs its running CPU-only jobs may hold together.")] = None,
                 member: Annotated[list[str] | None, typer.Option(
                     help="A user to add to it (repeat).")] = None) -> None:
-    """Create a project (admins), with a quota and members."""
+    """Create a project (admins), with a quota and members.
+
+    Example: trident project add vision --gpus 24 --member alice
+    """
     p = _call(server, "POST", "/projects", json={"name": name, "gpus": gpus, "cpus": cpus,
                                                  "members": member or []})
     typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
@@ -140,7 +167,10 @@ def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
                       min=0, help="GPUs (none: no limit).")] = None,
                   cpus: Annotated[float | None, typer.Option(
                       min=0, help="CPUs of CPU-only jobs (none: no limit).")] = None) -> None:
-    """Set a project's quota (admins); the scheduler applies it from its next pass."""
+    """Set a project's quota (admins); the scheduler applies it from its next pass.
+
+    Example: trident project quota vision --gpus 32
+    """
     p = _call(server, "PUT", f"/projects/{name}/quota", json={"gpus": gpus, "cpus": cpus})
     typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
                f" {_quota(p['cpu_quota'])} CPUs")
@@ -148,7 +178,10 @@ def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
 
 @project_app.command("list")
 def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Projects, their quotas and members."""
+    """Projects, their quotas and members.
+
+    Example: trident project list
+    """
     for p in _call(server, "GET", "/projects")["items"]:
         typer.echo(f"{p['name']:<16}  GPUs {_quota(p['gpu_quota']):>6}  CPUs"
                    f" {_quota(p['cpu_quota']):>6}  {', '.join(p['members'])}")
@@ -175,7 +208,10 @@ def announce_bootstrap(settings: Any) -> None:
 def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
         envvar="TRIDENT_DATA_DIR", help="Where the token file goes.")] = None) -> None:
     """Create the first admin user and its token file (`trident up` does it by itself,
-    except with TRIDENT_ENV=prod). Talks to the database, not the API."""
+    except with TRIDENT_ENV=prod). Talks to the database, not the API.
+
+    Example: TRIDENT_ENV=prod trident bootstrap --data-dir /var/lib/trident
+    """
     from migrations import upgrade
     from service.identity import Identity, bootstrap
     from service.settings import Settings

@@ -1,48 +1,255 @@
-"""`trident logs`: printing rank logs, whole lines prefixed with their rank, and following
-them (the API's server-sent events) until the job ends."""
+"""`trident logs` and `trident events`: a job's rank output and its events, printed or
+followed live.
+
+Rank logs come whole lines at a time, each prefixed with its rank (and, with `--timestamps`,
+the time by which it was written, from the writer's time index); `--rank`, `--stage`,
+`--tail` and `--since` select on the server, `--grep` here.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+import re
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
 
 import httpx
 import typer
 
+from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, _client, fail, refusal, unreachable
+
+INTERRUPTED = 130
+RECONNECTS = 5
+"""How many times in a row `logs -f` reconnects after the connection broke."""
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """`10m`, `30s`, `2h`, `1d` ago, or an ISO 8601 time (UTC unless it says otherwise)."""
+    if m := DURATION.match(text.strip()):
+        return (now or datetime.now(UTC)) - timedelta(seconds=float(m[1]) * UNIT_S[m[2]])
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        fail(f"--since {text!r}: expected a duration (10m, 30s, 2h, 1d) or an ISO 8601 time")
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def parse_ranks(values: list[str] | None) -> list[int]:
+    """`--rank 0,3 --rank 5` as [0, 3, 5]."""
+    out: list[int] = []
+    for v in values or []:
+        for part in v.split(","):
+            if not part.strip().isdigit():
+                fail(f"--rank {v!r}: expected rank numbers, e.g. --rank 0,3")
+            out.append(int(part))
+    return sorted(set(out))
+
 
 class RankLines:
-    """Whole lines of every rank, prefixed `[rank r]`; a partial line waits for its end."""
+    """Whole lines of every rank, prefixed `[rank r]` (and their time); a partial line waits
+    for its end. Lines that `grep` does not match are left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, prefix: bool = True, timestamps: bool = False,
+                 grep: re.Pattern[str] | None = None) -> None:
         self.partial: dict[int, str] = {}
+        self.partial_time: dict[int, float | None] = {}
+        self.prefix, self.timestamps, self.grep = prefix, timestamps, grep
+
+    def _echo(self, rank: int, line: str, when: float | None) -> None:
+        if self.grep is not None and not self.grep.search(line):
+            return
+        head = ""
+        if self.timestamps:
+            head = (datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds")
+                    .replace("+00:00", "Z") + " ") if when else "-" + " "
+        if self.prefix:
+            head += f"[rank {rank}] "
+        typer.echo(head + line)
 
     def add(self, chunk: dict[str, Any]) -> None:
         r = chunk["rank"]
         if chunk.get("skipped"):
             typer.echo(f"[rank {r}] ... {chunk['skipped']} bytes dropped by the size cap")
         *lines, self.partial[r] = (self.partial.get(r, "") + chunk["text"]).split("\n")
-        for line in lines:
-            typer.echo(f"[rank {r}] {line}")
+        times = chunk.get("times") or []  # one per line, the partial last one too
+        for i, line in enumerate(lines):
+            self._echo(r, line, times[i] if i < len(times) else None)
+        if len(times) > len(lines):
+            self.partial_time[r] = times[len(lines)]
 
     def flush(self) -> None:
         for r, rest in sorted(self.partial.items()):
             if rest:
-                typer.echo(f"[rank {r}] {rest}")
+                self._echo(r, rest, self.partial_time.get(r))
         self.partial.clear()
 
 
+def _stage_ranks(server: str, job_id: int, stage: int) -> list[int]:
+    """The ranks of pipeline stage `stage`, from the job's plan."""
+    plan = _call(server, "GET", f"/jobs/{job_id}")["plan"]
+    rows = plan.get("rank_layout") or []
+    stages = sorted({row["pp"] for row in rows})
+    if stage not in stages:
+        fail(f"--stage {stage}: job {job_id} has pipeline stages"
+             f" {', '.join(map(str, stages)) or 'none'}")
+    return [row["rank"] for row in rows if row["pp"] == stage]
+
+
+def unseen(chunk: dict[str, Any], printed: dict[int, int]) -> dict[str, Any]:
+    """`chunk` without the bytes of its rank printed already (a reconnected stream starts
+    at the lowest offset of all its ranks); records what it leaves to print."""
+    r, raw = chunk["rank"], chunk["text"].encode("utf-8", errors="replace")
+    start = chunk["next"] - len(raw)
+    seen = printed.get(r, start)
+    printed[r] = max(seen, chunk["next"])
+    if seen <= start:
+        return chunk
+    cut = raw[:seen - start]
+    times = chunk.get("times")
+    return {**chunk, "text": raw[seen - start:].decode("utf-8", errors="replace"),
+            "skipped": 0, "times": times[cut.count(b"\n"):] if times else times}
+
+
 def follow_rank_logs(client: httpx.Client, job_id: int, params: dict[str, Any],
-                     fail: Callable[[str], Any]) -> None:
-    """Print the stream of `GET /jobs/{id}/logs?follow=true` until the server ends it."""
-    printer = RankLines()
-    with client.stream("GET", f"/jobs/{job_id}/logs", params={**params, "follow": True},
-                       timeout=None) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            fail(f"{resp.status_code}: {resp.text}")
-            return
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: {}":
-                printer.add(json.loads(line[6:]))
-    printer.flush()
+                     printer: RankLines) -> None:
+    """Print the stream of `GET /jobs/{id}/logs?follow=true` until the job has ended. The
+    server ends a stream after an hour, and a restart ends it too: then it reconnects
+    (from the lowest offset its ranks reached, printing nothing twice)."""
+    printed: dict[int, int] = {}
+    query, failures = {**params, "follow": True}, 0
+    while True:
+        try:
+            with client.stream("GET", f"/jobs/{job_id}/logs", params=query,
+                               timeout=httpx.Timeout(30, read=None)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    fail(refusal(str(client.base_url).removesuffix("/api/v1/"), resp))
+                for line in resp.iter_lines():
+                    if line.startswith("event: end"):
+                        printer.flush()
+                        return
+                    if line.startswith("data: "):
+                        printer.add(unseen(json.loads(line[6:]), printed))
+                        failures = 0
+        except httpx.TransportError:
+            failures += 1
+            if failures > RECONNECTS:
+                raise
+            time.sleep(min(2.0**failures, 10.0))
+        time.sleep(0.2)
+        # Again from where every rank got to (a rank not heard from: from the start; the
+        # `--since` time still holds, `--tail` was met).
+        every = set(params.get("rank", ())) <= set(printed) and "rank" in params
+        query = {**{k: v for k, v in params.items() if k != "tail"}, "follow": True,
+                 "since": min(printed.values()) if every else params.get("since", 0)}
+
+
+def _read_all(server: str, job_id: int, params: dict[str, Any], printer: RankLines) -> None:
+    """Every selected rank's output, page by page (each answer holds at most `max_bytes`
+    per rank)."""
+    first = _call(server, "GET", f"/jobs/{job_id}/logs", params=params)
+    for c in first["ranks"]:
+        printer.add(c)
+        while c["next"] < c["size"]:
+            more = {k: v for k, v in params.items() if k not in ("tail", "since_time")}
+            c = _call(server, "GET", f"/jobs/{job_id}/logs",
+                      params={**more, "rank": c["rank"], "since": c["next"]})["ranks"][0]
+            printer.add(c)
+        printer.flush()
+
+
+def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
+         rank: Annotated[list[str] | None, typer.Option(
+             help="Only these ranks: 0,3 (or repeat).", show_default=False)] = None,
+         stage: Annotated[int | None, typer.Option(
+             min=0, help="Only the ranks of this pipeline stage.")] = None,
+         attempt: Annotated[int | None, typer.Option(min=1, help="Default: the newest.")]
+         = None,
+         follow: Annotated[bool, typer.Option(
+             "--follow", "-f", help="Keep printing until the job ends.")] = False,
+         tail: Annotated[int | None, typer.Option(
+             min=1, max=100_000, help="Start at each rank's last N lines.")] = None,
+         since: Annotated[str | None, typer.Option(
+             help="Start at output written since: 10m, 30s, 2h, 1d, or an ISO time.")]
+         = None,
+         grep: Annotated[str | None, typer.Option(
+             help="Only lines matching this regular expression ((?i) ignores case).")]
+         = None,
+         timestamps: Annotated[bool, typer.Option(
+             "--timestamps", help="Prefix each line with the time it was written (UTC).")]
+         = False,
+         prefix: Annotated[bool, typer.Option(
+             help="Prefix each line with its rank.")] = True) -> None:
+    """Print the ranks' stdout and stderr, each line prefixed with its rank.
+
+    Example: trident logs 12 -f --rank 0,3 --tail 20 --grep 'loss|error' --timestamps
+    """
+    try:
+        pattern = re.compile(grep) if grep is not None else None
+    except re.error as exc:
+        fail(f"--grep {grep!r}: not a regular expression: {exc}")
+    ranks = parse_ranks(rank)
+    if stage is not None:
+        in_stage = _stage_ranks(server, job_id, stage)
+        ranks = [r for r in ranks if r in in_stage] if ranks else in_stage
+        if not ranks:
+            fail(f"--rank {','.join(rank or [])}: none of them is in stage {stage}")
+    params: dict[str, Any] = {"rank": ranks, "attempt": attempt, "tail": tail,
+                              "timestamps": timestamps or None,
+                              "since_time": parse_since(since).isoformat() if since else None}
+    params = {k: v for k, v in params.items() if v not in (None, [])}
+    printer = RankLines(prefix=prefix, timestamps=timestamps, grep=pattern)
+    if not follow:
+        _read_all(server, job_id, params, printer)
+        return
+    try:
+        with _client(server) as client:
+            follow_rank_logs(client, job_id, params, printer)
+    except httpx.HTTPError as exc:
+        fail(unreachable(server, exc))
+    except KeyboardInterrupt:
+        printer.flush()
+        raise typer.Exit(INTERRUPTED) from None
+
+
+def events(job_id: int, server: ServerOpt = DEFAULT_SERVER,
+           follow: Annotated[bool, typer.Option(
+               "--follow", "-f", help="Keep printing new events until the job ends.")]
+           = False,
+           kind: Annotated[list[str] | None, typer.Option(
+               help="Only events of this kind (repeat): state, placement, failure, ...")]
+           = None) -> None:
+    """Print a job's events, oldest first: state changes, placement (the node of every
+    rank), failures with tracebacks, hangs, cancels and teardowns.
+
+    Example: trident events 12 -f --kind state --kind failure
+    """
+    after, ended = 0, False
+    try:
+        while True:
+            items = _call(server, "GET", f"/jobs/{job_id}/events",
+                          params={"after": after, "limit": 1000}, retries=2)["items"]
+            for ev in items:
+                after = ev["id"]
+                if not kind or ev["kind"] in kind:
+                    typer.echo(f"{ev['time']}  {ev['kind']:<10} {ev['message']}")
+            if len(items) == 1000:
+                continue
+            if not follow or ended:
+                return
+            # Once the job has ended, one more read gets the events written with its end.
+            ended = _call(server, "GET", f"/jobs/{job_id}", retries=2)["state"] in TERMINAL
+            if not ended:
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        raise typer.Exit(INTERRUPTED) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the `trident` app."""
+    app.command()(logs)
+    app.command()(events)

@@ -1,40 +1,47 @@
-"""The `trident` commands that need no server: `plan`, `capacity`, `validate`."""
+"""The `trident` commands that need no server: `plan`, `capacity`, `validate` (and `plan
+--compare JOB`, which asks the server for that job's measurement)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from service.spec import JobSpec
+from api.cli_common import DEFAULT_SERVER, ServerOpt, fail
+from api.cli_spec import SetOpt, load_spec
+from api.cli_whatif import what_if
 
 
-def _load_spec(path: Path) -> JobSpec:
-    from api.cli import load_spec  # late: api.cli registers these commands
-
-    return load_spec(path)
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    from api.cli import fail
-
-    fail(message, code)
-
-
-def plan(spec: Path,
+def plan(spec: Annotated[Path | None, typer.Argument(
+             help="The job spec (with --compare: default the job's own).")] = None,
+         sets: SetOpt = None,
+         compare: Annotated[int | None, typer.Option(
+             help="A running or finished job: set the plan against its measured step time,"
+                  " tokens/s and memory (asks --server).")] = None,
+         server: ServerOpt = DEFAULT_SERVER,
          top: Annotated[int, typer.Option(min=1, max=100, help="Layouts to list (auto).")] = 5,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
          ) -> None:
     """Predict memory and step time, with no server: an explicit layout exactly as given
-    (even when it does not fit), or for `parallel: auto` the best layouts."""
+    (even when it does not fit), or for `parallel: auto` the best layouts. With --compare
+    JOB, a what-if: the plan next to that job's plan and measurement, and the step time the
+    job's measured/predicted ratio makes of it.
+
+    Example: trident plan examples/tiny.yaml --set parallel.tp=2 --set parallel.dp=1 --compare 12
+    """
     from service.planner import plan_command
 
+    if compare is not None:
+        what_if(server, compare, spec, sets or [], as_json)
+        return
+    if spec is None:
+        fail("give a SPEC (or --compare JOB to start from that job's spec)")
     try:
-        out = plan_command(_load_spec(spec), top=top, as_json=as_json)
+        out = plan_command(load_spec(spec, sets), top=top, as_json=as_json)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(json.dumps(out, indent=2) if as_json else out)
 
 
@@ -47,7 +54,10 @@ def capacity(spec: Annotated[Path | None, typer.Argument(
              gpus_per_node: Annotated[int, typer.Option(min=1, max=64)] = 8,
              as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Can this cluster train this model, and with which strategy? Or: the largest model
-    of a family each strategy (TP, PP, ZeRO 1-3, with and without offload) can train."""
+    of a family each strategy (TP, PP, ZeRO 1-3, with and without offload) can train.
+
+    Example: trident capacity --family llama2 --gpu a100-80gb --nodes 4
+    """
     from service.planner.capacity import can_train
     from service.planner.capacity import capacity as family_capacity
     from service.planner.report import render_can_train, render_capacity
@@ -63,16 +73,19 @@ def capacity(spec: Annotated[Path | None, typer.Argument(
                 typer.echo(render_capacity(rows, family=family, cluster=cluster_name))
             return
         if spec is None:
-            _fail("give a SPEC or --family")
-        ans = can_train(_load_spec(spec))
+            fail("give a SPEC or --family")
+        ans = can_train(load_spec(spec))
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(json.dumps(ans.to_json(), indent=2) if as_json else render_can_train(ans))
 
 
-def validate(spec: Path) -> None:
-    """Check a spec file without a server; prints it with every default filled in."""
-    typer.echo(json.dumps(_load_spec(spec).model_dump(mode="json"), indent=2))
+def validate(spec: Path, sets: SetOpt = None) -> None:
+    """Check a spec file without a server; prints it with every default filled in.
+
+    Example: trident validate examples/tiny.yaml --set train.steps=100
+    """
+    typer.echo(json.dumps(load_spec(spec, sets).model_dump(mode="json"), indent=2))
 
 
 def register_offline(app: typer.Typer) -> None:

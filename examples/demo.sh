@@ -17,7 +17,7 @@ if ! curl -fsS "$SERVER/api/v1/healthz" >/dev/null 2>&1; then
   done
   curl -fsS "$SERVER/api/v1/healthz" >/dev/null || { echo "the API did not start"; cat var/trident.log; exit 1; }
 fi
-"$BIN/trident" submit examples/tiny.yaml --wait --server "$SERVER"
+"$BIN/trident" submit examples/tiny.yaml --server "$SERVER"
 echo
 echo "dashboard: $SERVER/   (REST: $SERVER/api/v1/jobs, OpenAPI: $SERVER/docs)"
 echo "log in with the admin's token in var/admin.token (trident token create makes others)"

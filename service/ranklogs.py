@@ -5,11 +5,16 @@ A rank's log is one byte stream, kept as `rank-<r>.log` (from the offset in
 Readers ask for the bytes from a stream offset (`since`) and get the next offset back, so that
 a follower sees every byte once, across rotations; bytes rotated out before being read are
 counted as `skipped`.
+
+The writer's time index (`rank-<r>.log.times`, `.times.1`: `<unix time> <offset>` lines, see
+`workers.ranklog`) gives each line the time by which it was written (`times`), and a time the
+offset from which to read (`offset_at`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -33,6 +38,9 @@ class Chunk:
     """Bytes between `since` and the first byte returned that the cap rotated away."""
     size: int
     """The stream's length so far (bytes written by the rank, including rotated ones)."""
+    times: list[float] | None = None
+    """With `with_times`: per line of `text` (the last one even if partial), the unix time by
+    which it was written."""
 
 
 def _size(path: Path) -> int:
@@ -60,9 +68,10 @@ def _read_at(path: Path, offset: int, n: int) -> bytes:
         return b""
 
 
-def read_chunk(log_dir: Path, rank: int, since: int, max_bytes: int) -> Chunk:
-    """At most `max_bytes` of `rank`'s stream from offset `since`, cut after the last whole
-    line when there is more to read (so that a multi-byte character is never split)."""
+def _read(log_dir: Path, rank: int, since: int, max_bytes: int
+          ) -> tuple[bytes, int, int, int, int]:
+    """At most `max_bytes` raw bytes from offset `since`: the bytes, where they start, the
+    bytes skipped before them, the lowest offset still kept, and the stream's end."""
     path = rank_log_path(log_dir, rank)
     old = path.with_name(path.name + ".1")
     for _ in range(3):  # a rotation between reading the offset and the files: read again
@@ -78,8 +87,81 @@ def read_chunk(log_dir: Path, rank: int, since: int, max_bytes: int) -> Chunk:
             data += _read_at(path, start + len(data) - base, max_bytes - len(data))
         if _base(path) == base:
             break
+    return data, start, skipped, lo, end
+
+
+def read_chunk(log_dir: Path, rank: int, since: int, max_bytes: int) -> Chunk:
+    """At most `max_bytes` of `rank`'s stream from offset `since`, cut after the last whole
+    line when there is more to read (so that a multi-byte character is never split)."""
+    data, start, skipped, _, end = _read(log_dir, rank, since, max_bytes)
     more = start + len(data) < end
     if more and b"\n" in data:
         data = data[:data.rindex(b"\n") + 1]
     return Chunk(rank=rank, text=data.decode("utf-8", errors="replace"),
                  next=start + len(data), skipped=skipped, size=end)
+
+
+def tail_offset(log_dir: Path, rank: int, lines: int, max_bytes: int) -> int:
+    """Where the last `lines` lines of `rank`'s stream start, looking back at most
+    `max_bytes` (then from the first whole line in them)."""
+    _, _, _, _, end = _read(log_dir, rank, 2**62, 0)
+    data, start, _, lo, _ = _read(log_dir, rank, max(0, end - max_bytes), max_bytes)
+    pos = len(data) - 1 if data.endswith(b"\n") else len(data)
+    for _ in range(lines):
+        nl = data.rfind(b"\n", 0, pos)
+        if nl < 0:  # fewer lines than asked in the window
+            if start == lo or b"\n" not in data:
+                return start
+            return start + data.index(b"\n") + 1  # the window's first line may be cut
+        pos = nl
+    return start + pos + 1
+
+
+def time_index(log_dir: Path, rank: int) -> list[tuple[float, int]]:
+    """The writer's `(time, offset)` samples, oldest first: bytes before `offset` were
+    written by `time`."""
+    path = rank_log_path(log_dir, rank)
+    out: list[tuple[float, int]] = []
+    for p in (path.with_name(path.name + ".times.1"), path.with_name(path.name + ".times")):
+        try:
+            text = p.read_text()
+        except (FileNotFoundError, UnicodeDecodeError):
+            continue
+        for line in text.splitlines():
+            t, _, off = line.partition(" ")
+            try:
+                out.append((float(t), int(off)))
+            except ValueError:  # a line being written
+                continue
+    return out
+
+
+def offset_at(log_dir: Path, rank: int, when: float) -> int:
+    """Where the output written at or after unix time `when` starts (to within the writer's
+    sampling interval): the offset of the last sample taken before `when`; the stream's
+    end when nothing was written since."""
+    path = rank_log_path(log_dir, rank)
+    if path.exists() and path.stat().st_mtime < when:
+        return _read(log_dir, rank, 2**62, 0)[4]
+    index = time_index(log_dir, rank)
+    i = bisect.bisect_left([t for t, _ in index], when)
+    return index[i - 1][1] if i else 0
+
+
+def with_times(log_dir: Path, chunk: Chunk) -> Chunk:
+    """`chunk` with the time of each of its lines: the first sample at or past the line's
+    end; for output newer than every sample, the log file's last modification."""
+    index = time_index(log_dir, chunk.rank)
+    offsets = [o for _, o in index]
+    try:
+        newest = rank_log_path(log_dir, chunk.rank).stat().st_mtime
+    except FileNotFoundError:
+        newest = index[-1][0] if index else 0.0
+    times: list[float] = []
+    raw = chunk.text.encode("utf-8", errors="replace")
+    pos = chunk.next - len(raw)
+    for line in raw.split(b"\n")[:-1] if raw.endswith(b"\n") else raw.split(b"\n"):
+        pos += len(line) + 1
+        i = bisect.bisect_left(offsets, min(pos, chunk.next))
+        times.append(index[i][0] if i < len(index) else newest)
+    return replace(chunk, times=times if raw else [])

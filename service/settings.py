@@ -49,7 +49,8 @@ class Settings(BaseSettings):
     renews it every pass (`poll_interval_s`), well inside it."""
     rank_log_max_bytes: int = Field(default=16 << 20, ge=64 << 10, le=1 << 34)
     """The most bytes of stdout and stderr kept per rank and attempt (16 MiB): the newest
-    output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`)."""
+    output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`),
+    with their time index (`.log.times`, `.log.times.1`) counted in."""
     metrics_per_rank: bool = True
     """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
     active job); turn off for very large jobs."""

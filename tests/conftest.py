@@ -111,3 +111,11 @@ def authed_client(app: FastAPI, store: Store, **kw: object) -> TestClient:
     """A TestClient of `app` that sends an admin's token with every request."""
     return TestClient(app, headers={"Authorization": f"Bearer {user_token(store)}"},
                       **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A live API server and the CLI pointed at it (`tests.cli_stack.Live`)."""
+    from tests.cli_stack import live_stack
+
+    yield from live_stack(tmp_path, monkeypatch)

@@ -93,17 +93,18 @@ def test_bad_spec_file_names_the_field(tmp_path: Path) -> None:
 
 
 def test_submit_status_cancel(server: str) -> None:
-    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
+                            server])
     assert r.exit_code == 0, r.output
     job_id = int(r.output.strip())
     r = runner.invoke(app, ["status", "--server", server])
     assert r.exit_code == 0 and re.search(rf"^{job_id} +tiny-zero2 .* QUEUED ", r.output, re.M)
     r = runner.invoke(app, ["status", str(job_id), "--server", server])
     assert "QUEUED" in r.output and "tp1 pp1 dp2 zero2" in r.output
-    r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
+    r = runner.invoke(app, ["cancel", str(job_id), "--yes", "--server", server])
     assert r.exit_code == 0 and "CANCELLED" in r.output
-    r = runner.invoke(app, ["cancel", str(job_id), "--server", server])
-    assert r.exit_code == 2 and "409" in r.output
+    r = runner.invoke(app, ["cancel", str(job_id), "--yes", "--server", server])
+    assert r.exit_code == 1 and "409" in r.output
     r = runner.invoke(app, ["events", str(job_id), "--server", server])
     assert "cancelled while queued" in r.output
     r = runner.invoke(app, ["status", "999", "--server", server])
@@ -132,7 +133,7 @@ def test_yaml_numbers_are_numbers(tmp_path: Path) -> None:
 def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The first answer is lost after the server queued the job; the retry gets that job."""
-    import api.cli
+    import api.cli_common
 
     keys: list[str] = []
     real = httpx.HTTPTransport()
@@ -147,15 +148,17 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                     raise httpx.ReadError("connection reset", request=request)
             return response
 
-    monkeypatch.setattr(api.cli, "_client", lambda s: httpx.Client(
+    monkeypatch.setattr(api.cli_common, "_client", lambda s: httpx.Client(
         base_url=s.rstrip("/") + "/api/v1", transport=LosesFirstAnswer()))
-    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
+                            server])
     assert r.exit_code == 0, r.output
     jobs = httpx.get(server + "/api/v1/jobs", headers=admin_headers(tmp_path)).json()
     assert jobs["total"] == 1 and int(r.output.strip()) == jobs["items"][0]["id"]
     assert len(keys) == 2 and keys[0] == keys[1]
     # Another invocation is another job, under another key.
-    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "--server", server])
+    r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
+                            server])
     assert r.exit_code == 0 and len(set(keys)) == 2
     assert httpx.get(server + "/api/v1/jobs",
                      headers=admin_headers(tmp_path)).json()["total"] == 2
@@ -168,7 +171,8 @@ def test_unreachable_server_is_a_clear_error() -> None:
 
 @pytest.mark.slow
 def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
-    """The README's demo path: `trident up`, then `trident submit examples/tiny.yaml --wait`."""
+    """The README's demo path: `trident up`, then `trident submit examples/tiny.yaml` (which
+    follows the job and exits 0 when it succeeds)."""
     port = free_port()
     server = f"http://127.0.0.1:{port}"
     trident = str(Path(sys.executable).parent / "trident")
@@ -177,12 +181,12 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(server, timeout_s=180)
-        done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"), "--wait",
+        done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"),
                                "--server", server], capture_output=True, text=True, timeout=400,
                               cwd=ROOT, env=env)
         log = (tmp_path / "controller.log").read_text()
         assert done.returncode == 0, done.stdout + done.stderr + log
-        assert "SUCCEEDED" in done.stdout and "step    30" in done.stdout
+        assert "SUCCEEDED" in done.stdout and "step    30/30" in done.stdout
         assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
         page = httpx.get(server + "/", headers=admin_headers(tmp_path)).text
         assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
@@ -238,7 +242,7 @@ def test_identity_commands_over_the_api(server: str, tmp_path: Path,
     profile = tmp_path / "config" / "profiles.json"
     assert oct(profile.stat().st_mode & 0o777) == "0o600"
     assert run("whoami").startswith("alice (member); projects: vision;")  # the profile
-    job_id = int(run("submit", str(ROOT / "examples/tiny.yaml")).strip())
+    job_id = int(run("submit", str(ROOT / "examples/tiny.yaml"), "--detach").strip())
     listing = run("status", "--owner", "alice", "-o", "wide")
     assert re.search(rf"^{job_id} +tiny-zero2 +alice +vision .* QUEUED ", listing, re.M), listing
     r = runner.invoke(app, ["user", "list", "--server", server])

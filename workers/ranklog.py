@@ -12,6 +12,13 @@ Size cap: a rank keeps at most `max_bytes` (`TRIDENT_RANK_LOG_MAX_BYTES`) per at
 traceback at the end) is always kept. `rank-<r>.log.base` holds the stream offset at which the
 current file starts, so that readers (`service.ranklogs`) can follow across a rotation. A rank
 writing faster than half the cap every `CHECK_S` overshoots by what it writes in that time.
+
+Time index: the process writes straight to the file, so no line carries its time. Instead the
+watcher appends `<unix time> <stream offset>` to `rank-<r>.log.times` whenever the stream grew
+since its last look: every byte before that offset was written by that time (to within
+`CHECK_S`). Readers turn it into a time per line (`trident logs --timestamps`) and a time into
+an offset (`--since 10m`). The index rotates with the log (to `.times.1`) and its size counts
+toward the cap.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from service.ranklogs import rank_log_path
@@ -41,10 +49,14 @@ class RankLog:
         self.path = path
         self.half = max(1, max_bytes // 2)
         self.base = 0
+        self.indexed = 0
+        """The stream offset the time index last recorded."""
+        self.times = path.with_name(path.name + ".times")
         self._stop = threading.Event()
         path.parent.mkdir(parents=True, exist_ok=True)
         write_base(path, 0)
         self._fd = self._open_onto_stdio()
+        self._index_fd = os.open(self.times, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._thread = threading.Thread(target=self._watch, name="ranklog", daemon=True)
         self._thread.start()
 
@@ -56,20 +68,32 @@ class RankLog:
         os.dup2(fd, 2)
         return fd
 
+    def record_time(self) -> None:
+        """Append `<now> <stream end>` to the time index if the stream grew."""
+        end = self.base + os.fstat(self._fd).st_size
+        if end > self.indexed:
+            os.write(self._index_fd, f"{time.time():.3f} {end}\n".encode())
+            self.indexed = end
+
     def rotate_if_full(self) -> bool:
-        if os.fstat(self._fd).st_size < self.half:
+        if os.fstat(self._fd).st_size + os.fstat(self._index_fd).st_size < self.half:
             return False
+        self.record_time()  # the bytes of the file rotated out keep their times
         os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-        old = self._fd
+        os.replace(self.times, self.times.with_name(self.times.name + ".1"))
+        old, old_index = self._fd, self._index_fd
         self._fd = self._open_onto_stdio()
+        self._index_fd = os.open(self.times, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.base += os.fstat(old).st_size
         os.close(old)
+        os.close(old_index)
         write_base(self.path, self.base)
         return True
 
     def _watch(self) -> None:
         while not self._stop.wait(CHECK_S):
             try:
+                self.record_time()
                 self.rotate_if_full()
             except OSError:  # the directory was removed under us: keep the rank running
                 return

@@ -1,0 +1,91 @@
+"""The CLI against the whole stack on a real local Ray: the API, the controller (stepping in
+a thread, as the daemon does) and rank actors. `trident submit` exits 0 when the job
+succeeds, 1 when a rank raises (`tests.entrypoints:explode`) and 3 when it is cancelled;
+`trident logs -f` prints a running job's rank output until the cancel ends it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from service.controller import Controller  # noqa: E402
+from tests.cli_stack import Live, live_stack, wait_for  # noqa: E402
+from tests.test_cli_jobs import TINY  # noqa: E402
+from tests.test_cli_logs import finish, spawn  # noqa: E402
+from workers.launcher import RayLauncher  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    # "local": a new Ray of its own, never one that `ray start` left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def stack(local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
+    stacked = live_stack(tmp_path, monkeypatch)
+    live = next(stacked)
+    controller = Controller(live.store, RayLauncher(log_root=live.settings.log_root),
+                            checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
+                            cancel_grace_s=5)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            controller.step()
+            time.sleep(0.1)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield live
+    stop.set()
+    t.join(60)
+    controller.shutdown(stop_jobs=True)
+    next(stacked, None)
+
+
+def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> None:
+    r = stack.cli("submit", TINY, "--set", "train.steps=4")
+    assert r.exit_code == 0, r.output
+    assert "step     4/4" in r.stdout and r.stdout.splitlines()[-1].endswith("SUCCEEDED")
+    assert "[placement]" in r.stdout
+
+    r = stack.cli("submit", TINY, "--set", "entrypoint=tests.entrypoints:explode")
+    assert r.exit_code == 1, r.output
+    assert r.stdout.splitlines()[-1].endswith("FAILED")
+    assert "RuntimeError: rank 1 exploded on purpose" in r.stderr
+
+    submit, submitted = spawn(stack, "submit", TINY, "--set",
+                              "entrypoint=tests.entrypoints:chatty")
+    logs = None
+    try:
+        wait_for("the chatty job running", lambda: any(
+            line.endswith(" RUNNING") for line in submitted), timeout=180)
+        job_id = int(submitted[0].split()[1])
+        logs = spawn(stack, "logs", str(job_id), "-f", "--rank", "1", "--tail", "2")
+        wait_for("rank 1's output followed", lambda: sum(
+            "chatty rank 1 step" in line for line in logs[1]) >= 4, timeout=60)
+        r = stack.cli("cancel", str(job_id), "--yes")
+        assert r.exit_code == 0, r.output
+        assert finish(submit, submitted) == 3, submitted
+        assert finish(*logs) == 0, logs[1]
+    finally:
+        for proc in (submit, *(logs[:1] if logs else ())):
+            if proc.poll() is None:
+                proc.kill()
+    assert submitted[-1] == f"job {job_id} CANCELLED", submitted
+    followed = logs[1]
+    assert followed and all(line.startswith("[rank 1] ") for line in followed), followed
+    steps = [int(line.rsplit(" ", 1)[1]) for line in followed if "chatty rank 1 step" in line]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # every line, once, in order
+
