@@ -3,14 +3,12 @@ token set: what the CLI tests run their commands against (the `live` fixture).""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
@@ -18,7 +16,7 @@ from api.cli import app
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import user_token
-from tests.test_cli import free_port, wait_healthy
+from tests.test_cli import serving
 
 runner = CliRunner()
 
@@ -39,16 +37,8 @@ def live_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live
     settings = Settings(data_dir=tmp_path)
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
-                                        port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, controller=False)
-    yield Live(url, store, settings)
-    srv.should_exit = True
-    t.join(5)
+    with serving(create_app(settings, store=store)) as url:
+        yield Live(url, store, settings)
     store.close()
 
 

@@ -21,7 +21,6 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("playwright")
 
-import uvicorn  # noqa: E402
 from playwright.sync_api import Page, expect  # noqa: E402
 
 from api.app import create_app  # noqa: E402
@@ -29,7 +28,7 @@ from service.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.test_cli import free_port, wait_healthy  # noqa: E402
+from tests.test_cli import serving  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -95,10 +94,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                                log_max_bytes=settings.rank_log_max_bytes),
                             checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
                             cancel_grace_s=5)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    threads = [threading.Thread(target=server.run, daemon=True)]
     stop = threading.Event()
 
     def drive() -> None:
@@ -106,34 +101,31 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             controller.step()
             stop.wait(0.2)
 
-    threads.append(threading.Thread(target=drive, daemon=True))
-    for t in threads:
-        t.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, controller=False)
-    jobs = {}
-    go = settings.data_dir / "flaky-go"
-    for name, spec in [("tiny", tiny_spec(name="browser-tiny")),
-                       ("chatty", tiny_spec(name="browser-chatty",
-                                            entrypoint="tests.entrypoints:chatty")),
-                       ("explode", tiny_spec(name="browser-explode",
-                                             entrypoint="tests.entrypoints:explode")),
-                       ("flaky", tiny_spec(name="browser-flaky", max_retries=1,
-                                           entrypoint="tests.entrypoints:flaky",
-                                           env={"TRIDENT_TEST_GO": str(go)},
-                                           # it waits for its test without a heartbeat
-                                           monitor={"hang_timeout_s": 3600}))]:
-        r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S, headers=AUTH)
-        assert r.status_code == 201, r.text
-        jobs[name] = r.json()["id"]
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
     try:
-        yield Live(url, store, jobs, token, go)
+        with serving(create_app(settings, store=store)) as url:
+            jobs = {}
+            go = settings.data_dir / "flaky-go"
+            for name, spec in [("tiny", tiny_spec(name="browser-tiny")),
+                               ("chatty", tiny_spec(name="browser-chatty",
+                                                    entrypoint="tests.entrypoints:chatty")),
+                               ("explode", tiny_spec(name="browser-explode",
+                                                     entrypoint="tests.entrypoints:explode")),
+                               ("flaky", tiny_spec(name="browser-flaky", max_retries=1,
+                                                   entrypoint="tests.entrypoints:flaky",
+                                                   env={"TRIDENT_TEST_GO": str(go)},
+                                                   # it waits for its test without a heartbeat
+                                                   monitor={"hang_timeout_s": 3600}))]:
+                r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
+                               headers=AUTH)
+                assert r.status_code == 201, r.text
+                jobs[name] = r.json()["id"]
+            yield Live(url, store, jobs, token, go)
     finally:
         stop.set()
-        threads[1].join(10)
+        driver.join(10)
         controller.shutdown(stop_jobs=True)
-        server.should_exit = True
-        threads[0].join(10)
         store.close()
         ray.shutdown()
 

@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -48,6 +50,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextmanager
+def serving(asgi: Any) -> Iterator[str]:
+    """An API app served by uvicorn on a free local port in a thread; yields its URL once
+    its database answers, and stops it on exit."""
+    srv = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=free_port(),
+                                        log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.config.port}"
+        wait_healthy(url, controller=False)
+        yield url
+    finally:
+        srv.should_exit = True
+        t.join(5)
+
+
 def admin_headers(data_dir: Path) -> dict[str, str]:
     """The bootstrap admin's token, from the file the server's first start wrote."""
     return {"Authorization": f"Bearer {(data_dir / 'admin.token').read_text().strip()}"}
@@ -60,17 +79,8 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
-    port = free_port()
-    cfg = uvicorn.Config(create_app(Settings(data_dir=tmp_path)), host="127.0.0.1", port=port,
-                         log_level="warning")
-    srv = uvicorn.Server(cfg)
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, controller=False)
-    yield url
-    srv.should_exit = True
-    t.join(5)
+    with serving(create_app(Settings(data_dir=tmp_path))) as url:
+        yield url
 
 
 def test_validate_fills_defaults() -> None:

@@ -12,14 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 import yaml
 from typer.testing import CliRunner
 
@@ -35,7 +33,7 @@ from service.states import JobState
 from service.store import Store
 from service.views import AttemptStatus
 from tests.conftest import tiny_spec
-from tests.test_cli import free_port, wait_healthy
+from tests.test_cli import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -109,20 +107,13 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
     settings = Settings(data_dir=tmp_path)
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1",
-                                       port=free_port(), log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{srv.config.port}"
-    wait_healthy(url, controller=False)
-    store = Store(settings.db_url)
-    try:
-        ids = seed(store)
-    finally:
-        store.close()
-    yield url, ids
-    srv.should_exit = True
-    t.join(5)
+    with serving(create_app(settings)) as url:
+        store = Store(settings.db_url)
+        try:
+            ids = seed(store)
+        finally:
+            store.close()
+        yield url, ids
 
 
 def cli(url: str, *args: str, code: int = 0) -> str:

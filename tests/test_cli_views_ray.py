@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import uvicorn  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from api.app import create_app  # noqa: E402
@@ -25,7 +23,7 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.test_cli import free_port, wait_healthy  # noqa: E402
+from tests.test_cli import serving  # noqa: E402
 from tests.test_e2e_ray import drive, drive_until  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
@@ -45,17 +43,10 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
                             start_timeout_s=120, cancel_grace_s=5)
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
-                                        port=free_port(), log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{srv.config.port}"
     try:
-        wait_healthy(url, controller=False)
-        yield url, store, controller
+        with serving(create_app(settings, store=store)) as url:
+            yield url, store, controller
     finally:
-        srv.should_exit = True
-        t.join(5)
         controller.shutdown(stop_jobs=True)
         store.close()
         ray.shutdown()

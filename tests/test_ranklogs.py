@@ -149,25 +149,16 @@ def test_follow_streams_new_lines_until_the_job_ends(app_store) -> None:
 
 def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: Path,
                                                           monkeypatch) -> None:
-    import threading
 
-    import uvicorn
     from typer.testing import CliRunner
 
     from api.cli import app
-    from tests.test_cli import free_port, wait_healthy
+    from tests.test_cli import serving
 
     _, store, settings = app_store
     job_id, _ = started_job(store, settings)
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings, store=store), host="127.0.0.1",
-                                        port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, controller=False)
+    with serving(create_app(settings, store=store)) as url:
         r = CliRunner().invoke(app, ["logs", str(job_id), "--server", url])
         assert r.exit_code == 0, r.output
         assert r.output.splitlines() == ["[rank 0] step 1 rank 0", "[rank 1] step 1 rank 1",
@@ -183,9 +174,6 @@ def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: P
         assert r.exit_code == 0, r.output
         assert r.output.splitlines() == ["[rank 0] step 1 rank 0", "[rank 1] step 1 rank 1",
                                          "[rank 1] partial"]
-    finally:
-        srv.should_exit = True
-        t.join(5)
 
 
 def test_the_time_index_dates_each_line_and_rotates_with_the_log(tmp_path: Path) -> None:

@@ -6,19 +6,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from api.app import create_app
 from service.settings import Settings
 from service.store import Store
 from service.supervisor import Supervisor
-from tests.test_cli import free_port, wait_healthy
+from tests.test_cli import serving, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,39 +33,30 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None
 def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'trident.db'}"
     Store(url).migrate()
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(Settings(data_dir=tmp_path,
-                                                            database_url=url)),
-                                        host="127.0.0.1", port=port, log_level="warning"))
-    api = threading.Thread(target=srv.run, daemon=True)
-    api.start()
-    server = f"http://127.0.0.1:{port}"
-    wait_healthy(server, controller=False)
-    assert httpx.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
+    with serving(create_app(Settings(data_dir=tmp_path, database_url=url))) as server:
+        assert httpx.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
 
-    log = tmp_path / "controller.log"
-    started: list[int] = []
-    sup = Supervisor([sys.executable, str(ROOT / "tests/_lease_holder.py"), url, "1.5"],
-                     env={**os.environ, "PYTHONPATH": str(ROOT)}, log_path=log,
-                     backoff_min_s=0.2, backoff_max_s=1, on_start=started.append)
-    sup.start()
-    try:
-        wait_healthy(server)
-        first = httpx.get(server + "/api/v1/healthz").json()["controller"]["holder"]
-        assert first.split(":")[1] == str(started[0])
-        os.kill(started[0], signal.SIGKILL)
-        wait_for("restarted", lambda: len(started) == 2)
-        assert started[1] != started[0] and sup.exits == [-signal.SIGKILL]
+        log = tmp_path / "controller.log"
+        started: list[int] = []
+        sup = Supervisor([sys.executable, str(ROOT / "tests/_lease_holder.py"), url, "1.5"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, log_path=log,
+                         backoff_min_s=0.2, backoff_max_s=1, on_start=started.append)
+        sup.start()
+        try:
+            wait_healthy(server)
+            first = httpx.get(server + "/api/v1/healthz").json()["controller"]["holder"]
+            assert first.split(":")[1] == str(started[0])
+            os.kill(started[0], signal.SIGKILL)
+            wait_for("restarted", lambda: len(started) == 2)
+            assert started[1] != started[0] and sup.exits == [-signal.SIGKILL]
 
-        def new_holder() -> bool:
-            r = httpx.get(server + "/api/v1/healthz")
-            return r.status_code == 200 and r.json()["controller"]["holder"] != first
+            def new_holder() -> bool:
+                r = httpx.get(server + "/api/v1/healthz")
+                return r.status_code == 200 and r.json()["controller"]["holder"] != first
 
-        wait_for("healthy under the new controller", new_holder)
-    finally:
-        sup.stop(10)
-        srv.should_exit = True
-        api.join(10)
+            wait_for("healthy under the new controller", new_holder)
+        finally:
+            sup.stop(10)
     text = log.read_text()
     assert f"controller pid {started[0]} exited with status -9" in text
     assert "restarting in 0.2 s" in text and f"controller pid {started[1]} started" in text
