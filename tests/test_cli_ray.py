@@ -18,21 +18,15 @@ from service.controller import Controller  # noqa: E402
 from tests.cli_stack import Live, live_stack, wait_for  # noqa: E402
 from tests.test_cli_jobs import TINY  # noqa: E402
 from tests.test_cli_logs import finish, spawn  # noqa: E402
+from tests.test_e2e_ray import local_ray  # noqa: E402, F401  (fixture)
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    # "local": a new Ray of its own, never one that `ray start` left on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
-def stack(local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
+def stack(local_ray: None, tmp_path: Path,  # noqa: F811
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
     stacked = live_stack(tmp_path, monkeypatch)
     live = next(stacked)
     controller = Controller(live.store, RayLauncher(log_root=live.settings.log_root),
