@@ -18,6 +18,7 @@ ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
                                         help="Base URL of the Trident API.")]
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 RETRY_STATUS = {502, 503, 504}  # the server could not answer now (a proxy, or a restart)
+BACKOFF_S = 0.5  # the first retry's wait; each next one waits twice as long, up to 5 s
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -71,11 +72,11 @@ def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -
         except httpx.HTTPError as exc:
             if attempt == retries:
                 fail(unreachable(server, exc))
-            time.sleep(min(0.5 * 2**attempt, 5.0))
+            time.sleep(min(BACKOFF_S * 2**attempt, 5.0))
             continue
         if r.status_code not in RETRY_STATUS or attempt == retries:
             break
-        time.sleep(min(0.5 * 2**attempt, 5.0))
+        time.sleep(min(BACKOFF_S * 2**attempt, 5.0))
     if r.status_code >= 400:
         fail(refusal(server, r))
     try:

@@ -22,6 +22,8 @@ from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, _client, fail, refu
 INTERRUPTED = 130
 RECONNECTS = 5
 """How many times in a row `logs -f` reconnects after the connection broke."""
+RECONNECT_BACKOFF_S = 1.0
+"""The first reconnect waits twice this, each next one twice as long, up to 10 s."""
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -139,7 +141,7 @@ def follow_rank_logs(client: httpx.Client, job_id: int, params: dict[str, Any],
             failures += 1
             if failures > RECONNECTS:
                 raise
-            time.sleep(min(2.0**failures, 10.0))
+            time.sleep(min(RECONNECT_BACKOFF_S * 2**failures, 10.0))
         time.sleep(0.2)
         # Again from where every rank got to (a rank not heard from: from the start; the
         # `--since` time still holds, `--tail` was met).
