@@ -113,11 +113,24 @@ def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
     return {r.job_id: Metric.from_row(r) for r in rows}
 
 
-def _queue_order(s: Session) -> dict[int, int]:
-    """Every queued job's position (1-based) in admission order: priority, then age."""
-    ids = s.execute(select(JobRow.id).where(JobRow.state == JobState.QUEUED.value)
-                    .order_by(JobRow.priority.desc(), JobRow.id)).scalars()
-    return {job_id: i for i, job_id in enumerate(ids, 1)}
+def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
+    """The queued jobs' positions (1-based) in admission order, priority then age, in one
+    query that returns only theirs: one job's is a count of the queued jobs ahead of it
+    (a submission's answer, a job's detail); a page's come from one numbering of the queue
+    in the database."""
+    if not job_ids:
+        return {}
+    queued = JobRow.state == JobState.QUEUED.value
+    if len(job_ids) == 1:
+        me = select(JobRow.priority, JobRow.id).where(JobRow.id == job_ids[0]).subquery()
+        ahead = s.execute(select(func.count()).select_from(JobRow).join(me, or_(
+            JobRow.priority > me.c.priority,
+            and_(JobRow.priority == me.c.priority, JobRow.id < me.c.id))).where(queued))
+        return {job_ids[0]: int(ahead.scalar_one()) + 1}
+    order = func.row_number().over(order_by=(JobRow.priority.desc(), JobRow.id))
+    line = select(JobRow.id, order.label("position")).where(queued).subquery()
+    rows = s.execute(select(line.c.id, line.c.position).where(line.c.id.in_(job_ids)))
+    return {job_id: int(n) for job_id, n in rows}
 
 
 def _steps(row: JobRow) -> int | None:
@@ -149,21 +162,23 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
         return _summaries(s, rows), int(total)
 
 
-def _summaries(s: Session, rows: Sequence[JobRow]) -> list[JobSummary]:
-    """The summaries of `rows`: their newest steps in one query, and queue positions (one
-    more query, only when one of them is queued)."""
-    queued = any(r.state == JobState.QUEUED.value for r in rows)
-    positions = _queue_order(s) if queued else {}
-    latest = _latest(s, [r.id for r in rows])
+def _summaries(s: Session, rows: Sequence[JobRow], *, steps: bool = True
+               ) -> list[JobSummary]:
+    """The summaries of `rows`: their newest steps in one query (unless `steps` is False: a
+    job just queued has none), and queue positions (one more query, only when one of them
+    is queued)."""
+    positions = _queue_positions(s, [r.id for r in rows if r.state == JobState.QUEUED.value])
+    latest = _latest(s, [r.id for r in rows]) if steps else {}
     return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
                        queue_position=positions.get(r.id)) for r in rows]
 
 
-def job_summary(store: Store, job_id: int) -> JobSummary:
-    """One job's line of the jobs list (`GET /jobs/{id}` carries it too)."""
+def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
+    """One job's line of the jobs list (`GET /jobs/{id}` carries it too); `new`: a job just
+    queued (a submission's answer), which has no steps to look up."""
     with _session(store).begin() as s:
         return _summaries(s, s.execute(select(JobRow).where(JobRow.id == job_id))
-                          .scalars().all())[0]
+                          .scalars().all(), steps=not new)[0]
 
 
 def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:

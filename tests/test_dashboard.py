@@ -301,3 +301,19 @@ def test_comm_steps_take_the_measured_bubble_out_of_pp(client: Any) -> None:
     for step in (first, second):
         assert sum(step[k] for k in ("compute", "tp", "pp", "dp", "bubble")) == \
             pytest.approx(1.0)
+
+
+def test_queue_positions_follow_priority_then_age_for_one_job_and_for_a_page(
+        client: Any) -> None:
+    """Admission order is priority, then age: a page's positions (one numbering of the
+    queue) and one job's (a count of the jobs ahead) agree, and a running job has none."""
+    c, store = client
+    ids = [submit(store, JobSpec.model_validate(tiny_spec(name=n, priority=p))).id
+           for n, p in [("a", 0), ("b", 5), ("c", 0), ("d", 5)]]
+    running = started(store, name="runs")
+    want = dict(zip(ids, [3, 1, 4, 2], strict=True))
+    page = {j["id"]: j["queue_position"] for j in c.get("/api/v1/jobs").json()["items"]}
+    assert page == {**want, running: None}
+    assert {j: c.get(f"/api/v1/jobs/{j}").json()["queue_position"] for j in ids} == want
+    r = c.post("/api/v1/jobs", json=tiny_spec(name="e", priority=1))
+    assert r.status_code == 201 and r.json()["queue_position"] == 3  # after b and d

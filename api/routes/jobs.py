@@ -97,7 +97,7 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
                           idempotency_key)
     if not created:
         response.status_code = 200
-    return JobOut.of(job, summary=job_summary(store, job.id))
+    return JobOut.of(job, summary=job_summary(store, job.id, new=created))
 
 
 def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
@@ -187,7 +187,7 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     check_owner(who, "jobs:resubmit", job.owner)
     spec = JobSpec.model_validate(job.spec)
     new, _ = _queue(store, spec, request, submitter(request, who, job.project))
-    return JobOut.of(new, summary=job_summary(store, new.id))
+    return JobOut.of(new, summary=job_summary(store, new.id, new=True))
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)
