@@ -102,14 +102,17 @@ def one_line(text: str, width: int = 200) -> str:
 
 
 def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
-    """Rank 0's newest step of each job, in one query (an index seek per job)."""
+    """Rank 0's newest step of each job, in two queries (an index seek per job)."""
     if not job_ids:
         return {}
-    jobs = select(JobRow.id).where(JobRow.id.in_(job_ids)).subquery()
-    newest = (select(MetricRow.id).where(MetricRow.job_id == jobs.c.id, MetricRow.rank == 0)
+    # First each job's newest row id (an index seek per job), then those rows: PostgreSQL
+    # plans the two steps as one `IN` over a correlated subquery poorly (a scan).
+    newest = (select(MetricRow.id).where(MetricRow.job_id == JobRow.id, MetricRow.rank == 0)
               .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1)
-              .correlate(jobs).scalar_subquery())
-    rows = s.execute(select(MetricRow).where(MetricRow.id.in_(select(newest)))).scalars()
+              .correlate(JobRow).scalar_subquery())
+    ids = [i for i in s.execute(select(newest).where(JobRow.id.in_(job_ids))).scalars()
+           if i is not None]
+    rows = s.execute(select(MetricRow).where(MetricRow.id.in_(ids))).scalars()
     return {r.job_id: Metric.from_row(r) for r in rows}
 
 
