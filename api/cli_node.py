@@ -3,7 +3,7 @@ cluster` (the nodes with the jobs on them, from the REST API).
 
 `node` is one of the few commands that does not talk to the API: it starts `ray start` on
 this host (`service.raynode`) with the node's GPU model, memory, profile and link matrix as Ray
-labels (`workers.node_labels`), which the controller's inventory reads back.
+labels (`service.node_labels`), which the controller's inventory reads back.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def node_start(
     """
     from api.cli import fail
     from service.hardware import PROFILES
+    from service.inventory import node_inventory
+    from service.node_labels import node_labels
     from service.rayhead import auth_env
     from service.raynode import host_ip, ray_start_argv, start_node
-    from workers.inventory import node_inventory
-    from workers.node_labels import node_labels
 
     if head == bool(address):
         fail("give either --head or --address HEAD:PORT")

@@ -135,7 +135,7 @@ class Check:
     # --- steps on the parent ---------------------------------------------------------------------
 
     def topology(self, timeout_s: float) -> dict[str, Any]:
-        from workers.inventory import parse_topo_matrix
+        from service.inventory import parse_topo_matrix
 
         out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
                              timeout=timeout_s, check=True).stdout

@@ -177,7 +177,7 @@ def get_profile(name: str) -> HardwareProfile:
 def profile_for_gpu(model: str, memory_bytes: float) -> str | None:
     """The profile of a GPU as NVML or `nvidia-smi` names it (`NVIDIA H100 80GB HBM3`), with
     its memory; None for a GPU no profile describes. `trident node start` labels nodes with
-    it, and the controller's inventory records it (`workers.node_labels`)."""
+    it, and the controller's inventory records it (`service.node_labels`)."""
     name, gib = model.lower(), memory_bytes / 2**30
     if "h200" in name:
         return "h200"

@@ -226,7 +226,7 @@ class Launcher(Protocol):
         ...
 
     def inventory(self) -> list[dict[str, Any]]:
-        """Every live node's inventory (`workers.inventory.node_inventory` plus node_id)."""
+        """Every live node's inventory (`service.inventory.node_inventory` plus node_id)."""
         ...
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec,

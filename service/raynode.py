@@ -1,7 +1,7 @@
 """`trident node start|stop`: a Ray node of this host, started the way Trident needs it.
 
 `start` runs `ray start --block` (head, or a worker joining `--address`) as a process of its
-own session, so that it outlives the command, with the node's labels (`workers.node_labels`),
+own session, so that it outlives the command, with the node's labels (`service.node_labels`),
 its CPUs and GPUs, and Ray's token authentication (`service.rayhead.auth_env`); it waits until
 Ray says the node runs and records what it started in `<data_dir>/node/state.json`: the pid
 (also its process group), the address, the temp dir and the log. `stop` stops that node and

@@ -174,7 +174,7 @@ class Node:
     alive: bool
     updated_at: datetime
     info: dict[str, Any]
-    """`workers.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
+    """`service.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
 
     @classmethod
     def from_row(cls, r: NodeRow) -> Node:

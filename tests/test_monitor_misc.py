@@ -3,8 +3,8 @@
 import threading
 import time
 
+from service.inventory import node_inventory, parse_topo_matrix
 from workers.heartbeat import Heartbeat, dump_stacks
-from workers.inventory import node_inventory, parse_topo_matrix
 from workers.nccl_env import pg_timeout, rank_env
 
 TOPO = (

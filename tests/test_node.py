@@ -16,14 +16,14 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from service.hardware import profile_for_gpu
+from service.inventory import parse_topo_matrix
+from service.node_labels import PREFIX, gpu_link, node_facts, node_labels
 from service.raynode import NodeState, read_state, state_path, stop_node
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store
 from tests.test_cli import server  # noqa: F401  (fixture)
 from tests.test_controller import submit
-from workers.inventory import parse_topo_matrix
-from workers.node_labels import PREFIX, gpu_link, node_facts, node_labels
 
 runner = CliRunner()
 
@@ -81,7 +81,7 @@ def test_links_profiles_and_cpu_nodes() -> None:
 
 def test_node_start_dry_run_prints_the_labels_and_ray_start(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("workers.inventory.node_inventory", lambda: dgx(2))
+    monkeypatch.setattr("service.inventory.node_inventory", lambda: dgx(2))
     r = runner.invoke(app, ["node", "start", "--head", "--port", "7001", "--num-cpus", "3",
                             "--data-dir", str(tmp_path), "--dry-run"])
     assert r.exit_code == 0, r.output

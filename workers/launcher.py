@@ -19,6 +19,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from service.node_labels import node_facts
 from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
 from service.ranklogs import attempt_log_dir
@@ -32,14 +33,13 @@ from workers.group import (
     job_group_name,
     train_group,
 )
-from workers.node_labels import node_facts
 
 log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
 def _node_inventory() -> dict[str, Any]:
-    from workers.inventory import node_inventory
+    from service.inventory import node_inventory
 
     return node_inventory()
 
@@ -130,7 +130,7 @@ class RayLauncher:
 
     def inventory(self) -> list[dict[str, Any]]:
         """Every live node's inventory, gathered by a zero-CPU task pinned to that node, with
-        what its Ray labels declare (`workers.node_labels.node_facts`: `trident node start`
+        what its Ray labels declare (`service.node_labels.node_facts`: `trident node start`
         sets them)."""
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         refs = [_node_inventory.options(  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """What a node tells the cluster about itself: Ray node labels from its inventory, and back.
 
-`trident node start` detects the node (`workers.inventory.node_inventory`) and starts Ray with
+`trident node start` detects the node (`service.inventory.node_inventory`) and starts Ray with
 these labels (keys under `trident.io/`): `accelerator` (gpu or cpu), `gpus`, `gpu-model`,
 `gpu-memory-gib`, `gpu-profile` (the `service.hardware` profile the GPU matches, or the
 operator's `--gpu-profile`), `gpu-link` (nvlink: every GPU pair over NVLink; pcie: none;
