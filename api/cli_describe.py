@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from api.cli_common import _call
 from api.cli_format import (
     DEFAULT_SERVER,
     Output,
@@ -32,12 +33,6 @@ EVENT_PAGE = 1000
 STACK_LINES = 8
 """A hang's stacks show their innermost this-many lines (`-o json` has them whole)."""
 ERROR_LINES = 30
-
-
-def _call(server: str, method: str, path: str, **kw: Any) -> Any:
-    from api.cli import _call as call  # late: api.cli registers these commands
-
-    return call(server, method, path, **kw)
 
 
 def ranges(ranks: Iterable[int]) -> str:

@@ -4,11 +4,12 @@ talks to the REST API (`api.cli._call`), as the caller's token allows."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
 from api.cli_auth import save_profile
+from api.cli_common import _call, fail
 
 ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
                                         help="Base URL of the Trident API.")]
@@ -17,18 +18,6 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")
 project_app = typer.Typer(no_args_is_help=True, help="Projects and their quotas.")
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    from api.cli import fail as cli_fail
-
-    cli_fail(message, code)
-
-
-def _call(server: str, method: str, path: str, **kw: Any) -> Any:
-    from api.cli import _call as call  # late: api.cli registers these commands
-
-    return call(server, method, path, **kw)
 
 
 def _quota(q: float | None) -> str:

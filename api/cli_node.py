@@ -63,7 +63,7 @@ def node_start(
     Example: trident node start --head --port 6379; on the other hosts:
     trident node start --address HEAD:6379 --auth-token-file TOKEN
     """
-    from api.cli import fail
+    from api.cli_common import fail
     from service.hardware import PROFILES
     from service.inventory import node_inventory
     from service.node_labels import node_labels
@@ -115,7 +115,7 @@ def node_stop(data_dir: DataDirOpt = None,
 
     Example: trident node stop --data-dir /srv/trident
     """
-    from api.cli import fail
+    from api.cli_common import fail
     from service.raynode import stop_node
 
     root = _data_dir(data_dir)
@@ -139,7 +139,7 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident cluster -o json
     """
-    from api.cli import _call
+    from api.cli_common import _call
 
     c = _call(server, "GET", "/cluster")
     if output == "json":

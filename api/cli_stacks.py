@@ -81,7 +81,7 @@ def stacks(job_id: Annotated[int, typer.Argument(min=1, help="A RUNNING job's id
 
     Example: trident stacks 12 --all-threads
     """
-    from api.cli import _call, fail
+    from api.cli_common import _call, fail
 
     req = _call(server, "POST", f"/jobs/{job_id}/stacks")
     deadline = time.monotonic() + timeout

@@ -6,10 +6,11 @@ step, loss, measured step time, restarts and the reason it waits or failed."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
+from api.cli_common import _call, fail
 from api.cli_format import (
     DEFAULT_SERVER,
     Output,
@@ -39,18 +40,6 @@ WIDE = ["ID", "NAME", "OWNER", "PROJECT", "LAYOUT", "RANKS", "SUBMITTED", "DURAT
         "LOSS", "S/STEP", "RESTARTS", "PRIORITY", "REPORTED", "STATE", "REASON"]
 REASON_WIDTH = 60
 """`-o table` cuts the reason to this many characters (`-o wide` does not)."""
-
-
-def _call(server: str, method: str, path: str, **kw: Any) -> Any:
-    from api.cli import _call as call  # late: api.cli registers these commands
-
-    return call(server, method, path, **kw)
-
-
-def fail(message: str) -> NoReturn:
-    from api.cli import fail as cli_fail
-
-    cli_fail(message)
 
 
 def cells(r: dict[str, Any], wide: bool) -> list[str]:

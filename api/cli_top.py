@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from api.cli_common import _call
 from api.cli_format import (
     DEFAULT_SERVER,
     Output,
@@ -27,12 +28,6 @@ JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS"
                "RESTARTS", "REPORTED"]
 RANK_HEADERS = ["RANK", "TP", "PP", "DP", "NODE", "STEP", "STEP_S", "COMPUTE_S", "TP_S",
                 "PP_S", "DP_S", "MEM PEAK/PLAN", "HEARTBEAT", "REPORTED", "MARK"]
-
-
-def _call(server: str, method: str, path: str, **kw: Any) -> Any:
-    from api.cli import _call as call  # late: api.cli registers these commands
-
-    return call(server, method, path, **kw)
 
 
 def mark(c: dict[str, Any]) -> str:
