@@ -41,12 +41,13 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, why: Callabl
 class Up:
     """`trident up` as a user runs it, in its own process (and session)."""
 
-    def __init__(self, data_dir: Path, port: int, env: dict[str, str]) -> None:
+    def __init__(self, data_dir: Path, port: int, env: dict[str, str],
+                 *args: str) -> None:
         self.data_dir = data_dir
         self.server = f"http://127.0.0.1:{port}"
         self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port)],
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port), *args],
             env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
             stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -87,8 +88,8 @@ def env() -> dict[str, str]:
             "TRIDENT_ALLOW_FAULTS": "1"}
 
 
-def submit_long_job(up: Up) -> int:
-    spec = tiny_spec(train={"steps": STEPS, "global_batch": 8, "micro_batch": 2,
+def submit_long_job(up: Up, steps: int = STEPS) -> int:
+    spec = tiny_spec(train={"steps": steps, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32", "lr": 0.003},
                      monitor={"probe": False}, max_retries=2,
                      checkpoint={"every_steps": 20},
@@ -154,6 +155,58 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
     assert "adopted" in out, out
     # No job is active: stopping trident up stopped the Ray head too.
     assert head and not answers(head) and live_head(tmp_path) is None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_to_trident_up_leaves_jobs_training_and_stop_jobs_stops_them(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    """SIGTERM stops the API and the controller through their shutdown path (exit status 0,
+    the daemon's lease released) and leaves the job's ranks and the Ray head running; the
+    next `trident up` re-attaches them, and `trident up --stop-jobs` stops them with it."""
+    port = free_port()
+    up = Up(tmp_path, port, env)
+    try:
+        wait_healthy(up.server, timeout_s=180)
+        job_id = submit_long_job(up, steps=100_000)  # it trains until stopped
+        wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+        [attempt] = up.get(f"/jobs/{job_id}/attempts")["items"]
+        pids = [r["pid"] for r in attempt["placement"]["ranks"]]
+        assert all(alive(p) for p in pids)
+
+        out = up.stop()
+        assert up.proc.returncode == 0, out
+        log = (tmp_path / "controller.log").read_text()
+        assert "signal SIGTERM: stopping" in log, log[-3000:]
+        assert "leaving 1 worker group(s) running" in log, log[-3000:]
+        assert re.search(r"controller \S+ stopped", log), log[-3000:]
+        assert "1 job(s) still active keep the Ray head" in out, out
+        assert live_head(tmp_path) and all(alive(p) for p in pids)
+
+        up = Up(tmp_path, port, env, "--stop-jobs")
+        wait_healthy(up.server, timeout_s=180)
+        wait_for("re-attached", lambda: any(
+            e["kind"] == "reattach" for e in up.get(f"/jobs/{job_id}/events")["items"]),
+            120, up.log)
+        before = last_step(up, job_id)
+        wait_for("training on", lambda: last_step(up, job_id) > before, 120, up.log)
+        job = up.get(f"/jobs/{job_id}")
+        assert job["state"] == "RUNNING" and job["attempts"] == 1, job
+        assert all(alive(p) for p in pids)  # the same ranks, re-attached
+
+        out = up.stop()
+        assert up.proc.returncode == 0, out
+        wait_for("ranks stopped", lambda: not any(alive(p) for p in pids), 60, up.log)
+        assert live_head(tmp_path) is None, out  # --stop-jobs: the head goes too
+    finally:
+        up.stop()
+        stop_recorded_head(tmp_path)
 
 
 @pytest.mark.postgres
