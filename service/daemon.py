@@ -94,6 +94,12 @@ class LeaderLoop:
             log.info("lease acquired by %s (epoch %s): acting as the controller",
                      self.leader.holder, lease.epoch)
             self.controller = self.make_controller()
+            # Connecting to Ray takes seconds of the lease: renew it before the first pass,
+            # so that a standby cannot take it over while that pass still acts.
+            if self.leader.acquire_or_renew(now) != Role.LEADER:
+                holder = self.leader.lease.holder if self.leader.lease else "?"
+                log.error("lease lost to %s while connecting: stopping at once", holder)
+                raise LeaseLost(holder)
         started = time.monotonic()
         try:
             result = self.controller.step()
