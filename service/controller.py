@@ -226,10 +226,9 @@ class Controller:
         job = self.store.start_attempt(job_id=job.id, fence=self.fence)
         attempt = job.attempts
         spec = JobSpec.model_validate(job.spec)
-        ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
-                                        checkpoint_dir=ckpt)
+                                        checkpoint_dir=self._checkpoint_dir(job.id, spec))
         except Exception as exc:  # a failed start is data for the failure policy
             log.exception("job %s: start failed", job.id)
             self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
@@ -238,19 +237,23 @@ class Controller:
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
                                                                         spec))
 
+    def _checkpoint_dir(self, job_id: int, spec: JobSpec) -> str:
+        return spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job_id}")
+
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
         if job.attempts and job.state in (JobState.PLACING, JobState.RUNNING):
             spec = JobSpec.model_validate(job.spec)
             group = self.launcher.attach(job_id=job.id, attempt=job.attempts, spec=spec,
-                                         plan=job.plan)
+                                         plan=job.plan,
+                                         checkpoint_dir=self._checkpoint_dir(job.id, spec))
             if group is not None:
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
                     health=AttemptHealth(self.store, job, job.attempts, spec))
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
-                                     message=f"re-attached to the running worker group of"
+                                     message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
                                      " stored yet are sent again")
                 return

@@ -70,8 +70,8 @@ class FakeLauncher:
         """Groups that outlive a controller, by (job, attempt): what `attach` finds."""
         self.swept: list[tuple[int, int]] = []
 
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
-               plan: StoredPlan) -> FakeGroup | None:
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
+               checkpoint_dir: str | None) -> FakeGroup | None:
         g = self.live.get((job_id, attempt))
         return g if g is not None and not g.shut else None
 

@@ -286,3 +286,27 @@ def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:
     job = client.get(f"/api/v1/jobs/{job_id}").json()
     assert "RuntimeError: rank 1 exploded on purpose" in job["error"]
     assert "Traceback" in job["error"]
+
+
+def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) -> None:
+    """The controller that placed a group died before it launched the ranks (the job still
+    PLACING): the next controller re-attaches to the group where it was, launches its ranks
+    and the job succeeds as attempt 1, though it allows no retry."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 4, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False})).json()["id"]
+    controller.step()  # admitted: its placement group and actors are created
+    assert store.get_job(job_id=job_id).state == JobState.PLACING
+    controller.running.clear()  # this controller is gone; its group is detached
+
+    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+                           start_timeout_s=120, cancel_grace_s=5)
+    try:
+        drive(successor, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 240)
+        job = store.get_job(job_id=job_id)
+        assert job.state == JobState.SUCCEEDED and job.attempts == 1, job.error
+        assert any(e.kind == "reattach" for e in store.list_events(job_id=job_id))
+        assert [m.step for m in store.list_metrics(job_id=job_id)] == [1, 2, 3, 4]
+    finally:
+        successor.shutdown(stop_jobs=True)
