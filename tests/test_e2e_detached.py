@@ -22,6 +22,7 @@ from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
 from tests.test_cli import free_port, wait_healthy
+from workers.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -218,10 +219,21 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         wait_healthy(up.server, timeout_s=180)
         job_id = submit_long_job(up)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+        seen = last_step(up, job_id)
         pg.stop()
+        stopped = time.time()
         r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
+        # They trained while the database was away: checkpoints past the last stored step
+        # were completed meanwhile.
+        done = {int(m.parent.name.removeprefix("step")): m.stat().st_mtime for m in
+                (tmp_path / "checkpoints" / f"job-{job_id}").glob(f"step*/{MARKER}")}
+        during = sorted(step for step, mtime in done.items() if step > seen and mtime > stopped)
+        print(f"database away 30 s from step {seen}: checkpoints completed meanwhile {during}")
+        assert during, (seen, done)
+        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         pg.start()
         wait_for("SUCCEEDED", lambda: httpx.get(
             f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30
