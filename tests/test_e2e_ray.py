@@ -310,3 +310,41 @@ def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) ->
         assert [m.step for m in store.list_metrics(job_id=job_id)] == [1, 2, 3, 4]
     finally:
         successor.shutdown(stop_jobs=True)
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_group_whose_job_ended_while_no_controller_watched_is_stopped(stack,
+                                                                        ending: str) -> None:
+    """The job of a detached group was cancelled, or ended in the store, while no controller
+    ran: the next controller's first pass stops the group on Ray (ranks and placement)."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False})).json()["id"]
+    drive(controller, store, job_id, {JobState.RUNNING}, 180)
+    controller.running.clear()  # this controller is gone; its group trains on, detached
+    group = f"trident-job{job_id}-a1"
+
+    def on_ray() -> tuple[list[str], list[str]]:
+        actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith(group + "-r"))
+        pgs = [pg["name"] for pg in ray.util.placement_group_table().values()
+               if pg.get("name") == group and pg["state"] != "REMOVED"]
+        return actors, pgs
+
+    assert on_ray() == ([f"{group}-r0", f"{group}-r1"], [group])
+    if ending == "cancelled":
+        assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
+    else:
+        store.transition(job_id=job_id, to=JobState.FAILED, message="ended by an operator",
+                         error="ended by an operator")
+    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+                           start_timeout_s=120, cancel_grace_s=5)
+    try:
+        successor.step()
+        assert on_ray() == ([], [])
+        assert not successor.running
+        assert store.get_job(job_id=job_id).state == (
+            JobState.CANCELLED if ending == "cancelled" else JobState.FAILED)
+    finally:
+        successor.shutdown(stop_jobs=True)
