@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.controller import Controller
-from service.daemon import LeaderLoop, LeaseLost
+from service.daemon import LeaderLoop, LeaseLost, retry_wait_s
 from service.lease import CONTROLLER, Leader, Leases, Role
 from service.protocols import PollResult
 from service.states import JobState
@@ -178,3 +178,8 @@ def test_a_leader_renews_after_connecting_and_stops_if_it_lost_the_lease_meanwhi
                          lambda: Controller(store, launcher, checkpoint_root=tmp_path))
     assert renewed.tick(at(20)) == Role.LEADER
     assert [g.starts["attempt"] for g in launcher.groups] == [1]
+
+
+def test_failed_passes_are_retried_with_backoff_bounded_by_a_third_of_the_lease() -> None:
+    assert [retry_wait_s(n, 0.5, 15) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+    assert [retry_wait_s(n, 0.2, 3) for n in range(1, 4)] == [0.4, 0.8, 1.0]
