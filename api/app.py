@@ -28,6 +28,7 @@ from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
 from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
+from service.heap import freeze_startup_objects
 from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
 from service.store import Store
@@ -137,5 +138,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
 
 def app() -> FastAPI:
-    """Factory for `uvicorn --factory api.app:app`."""
-    return create_app()
+    """Factory for `uvicorn --factory api.app:app`: the app, with start-up's objects frozen
+    out of garbage collection (`service.heap`)."""
+    made = create_app()
+    freeze_startup_objects()
+    return made

@@ -54,6 +54,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     import uvicorn
 
     from api.app import create_app
+    from service.heap import freeze_startup_objects
     from service.settings import Settings
 
     env = dict(os.environ)
@@ -97,7 +98,9 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     controller.start()
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+        served = create_app(settings)
+        freeze_startup_objects()  # full collections skip start-up's objects (service.heap)
+        uvicorn.run(served, host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
         if head is not None:

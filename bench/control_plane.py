@@ -77,6 +77,26 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
 
 TOKENS: dict[str, dict[str, str]] = {}
 """The admin's Authorization header of each server `trident_server` started, by address."""
+PIDS: dict[str, int] = {}
+"""The server process of each address `trident_server` started."""
+
+
+def server_cpu_s(api: str) -> float:
+    """User and system CPU seconds the server at `api` has used so far."""
+    import psutil
+
+    t = psutil.Process(PIDS[api]).cpu_times()
+    return float(t.user + t.system)
+
+
+def cpu_per_request(api: str, call: Callable[[], Any], n: int) -> float:
+    """The server's CPU seconds per call of `call`, over n calls one after another."""
+    for _ in range(5):
+        call()
+    c0 = server_cpu_s(api)
+    for _ in range(n):
+        call()
+    return (server_cpu_s(api) - c0) / n
 
 
 @contextlib.contextmanager
@@ -102,6 +122,7 @@ def trident_server(db: str) -> Iterator[str]:
     try:
         _wait_http(f"http://127.0.0.1:{port}/api/v1/jobs?limit=1", 60, proc, log)
         api = f"http://127.0.0.1:{port}"
+        PIDS[api] = proc.pid  # uvicorn itself: one process, no reloader or workers
         TOKENS[api] = token_file_headers(tmp)  # the app bootstraps its admin on first start
         yield api
     finally:
@@ -219,6 +240,7 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")
 
             main = ray_client()
             results: dict[str, dict[int, list[tuple[list[float], float]]]] = {}
+            cpu: dict[str, dict[str, float]] = {}
             for db in dbs:
                 with trident_server(db) as api:
                     def t_client(api: str = api) -> Any:
@@ -240,9 +262,21 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")
                                     got = clients(n, per[n], ray_submit, ray_client)
                                     drain(main)
                                 else:
+                                    c0 = server_cpu_s(api)
                                     got = clients(n, trident_per[n], t_submit, t_client)
+                                    used = cpu.setdefault(db, {})
+                                    used["submit_s"] = used.get("submit_s", 0) + (
+                                        server_cpu_s(api) - c0)
+                                    used["submits"] = used.get("submits", 0) + len(got[0])
                                 key = "ray" if who == "ray" else f"trident_{db}"
                                 results.setdefault(key, {}).setdefault(n, []).append(got)
+                    # What one request costs the server whatever it does, and an
+                    # authenticated one: the floor under a submission's CPU.
+                    c = t_client()
+                    cpu[db]["healthz_s"] = cpu_per_request(
+                        api, lambda c=c: c.get("/api/v1/healthz"), 100 if quick else 300)
+                    cpu[db]["whoami_s"] = cpu_per_request(
+                        api, lambda c=c: c.get("/api/v1/whoami"), 100 if quick else 300)
             # Ray: submit to RUNNING on the idle cluster.
             to_running = []
             for _ in range(2 if quick else 5):
@@ -260,11 +294,12 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    _report(sec, results, to_running, dbs)
+    _report(sec, results, to_running, dbs, cpu)
 
 
 def _report(sec: Section, results: dict[str, dict[int, list[tuple[list[float], float]]]],
-            to_running: list[float], dbs: tuple[str, ...]) -> None:
+            to_running: list[float], dbs: tuple[str, ...],
+            cpu: dict[str, dict[str, float]]) -> None:
     fig: dict[str, Any] = {}
     for key, by_n in results.items():
         for n, runs in by_n.items():
@@ -286,5 +321,18 @@ def _report(sec: Section, results: dict[str, dict[int, list[tuple[list[float], f
                      f">= {THROUGHPUT_GOAL:g}x", ratio >= THROUGHPUT_GOAL)
             sec.goal(f"{n} client(s) {db}: submit p99 (s)", t["latency"]["p99"], "< 0.05",
                      t["latency"]["p99"] < P99_GOAL_S)
+    for db in dbs:
+        # The limit: the one server process's CPU per submission; 1 / that is its ceiling
+        # in submissions a second with a whole core to itself.
+        used = cpu[db]
+        per = used["submit_s"] / used["submits"]
+        fig.setdefault("server_cpu", {})[db] = {
+            "per_submit_s": per, "healthz_s": used["healthz_s"], "whoami_s": used["whoami_s"],
+            "ceiling_per_s": 1 / per}
+        sec.row(f"Trident ({db}): server CPU per submission", fmt_s(per),
+                f"one process, so at most {1 / per:.0f} submits/s on a core of its own "
+                f"({1 / per / fig['ray'][1]['per_s']:.1f}x Ray's 1-client rate); any request "
+                f"costs {fmt_s(used['healthz_s'])} (healthz), an authenticated one "
+                f"{fmt_s(used['whoami_s'])} (whoami)")
     sec.row("Ray Jobs: submit to RUNNING, idle cluster", fmt_dist(fig["ray_submit_to_running"]),
             "entrypoint `sleep 3`; Trident's is in the orchestration comparison")

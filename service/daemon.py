@@ -24,6 +24,7 @@ from datetime import datetime
 from types import FrameType
 
 from service.controller import Controller
+from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
@@ -138,6 +139,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
     parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
     status = 0
     failures = 0
+    frozen = False
     try:
         while not stop.is_set():
             if parent and os.getppid() != parent:  # `trident up` is gone: so are we
@@ -145,6 +147,10 @@ def run(settings: Settings, stop: threading.Event) -> int:
                 break
             try:
                 loop.tick()
+                if not frozen and loop.controller is not None:
+                    # After the first pass that acted, Ray and the controller are loaded:
+                    # full collections skip them from now on (service.heap).
+                    frozen = bool(freeze_startup_objects())
             except LeaseLost:
                 status = LEASE_LOST
                 break

@@ -46,3 +46,40 @@ def test_probe_layout_rows(tmp_path):
     assert ar["busbw"] == pytest.approx(ar["algbw"])  # n=2: 2(n-1)/n = 1
     ag = next(r for r in rows if r["op"] == "all_gather")
     assert ag["busbw"] == pytest.approx(ag["algbw"] / 2)  # n=2: (n-1)/n = 1/2
+
+
+def test_budgeted_counts():
+    from workers.comm_probe import _budgeted, _iters_for
+
+    # No budget: the full counts, whatever the first call took.
+    assert _budgeted(5.0, 64 << 20, 20, 3, None) == (2, _iters_for(64 << 20, 20))
+    # A slow point: no further warm-up, one timed call.
+    assert _budgeted(0.2, 64 << 20, 20, 3, 0.05) == (0, 1)
+    # A fast point: warm-up and the full count fit.
+    assert _budgeted(1e-5, 4 << 10, 20, 3, 0.05) == (2, 20)
+    # In between: what fits.
+    assert _budgeted(0.01, 1 << 20, 20, 3, 0.05) == (2, 5)
+
+
+BIG = 64 << 20
+
+
+def _budget_rank(rank, world):
+    slow = probe_layout(ParallelDims(tp=2, pp=2), rank, sizes=[4 << 10, BIG], point_s=1e-4)
+    fast = probe_layout(ParallelDims(tp=2, pp=2), rank, sizes=[4 << 10], point_s=10.0)
+    return {"slow": slow, "fast": fast}
+
+
+@pytest.mark.slow
+def test_a_budgeted_probe_times_fewer_calls_on_every_rank_alike(tmp_path):
+    """Every rank of a group and both ends of a pair run the same calls (a mismatch would
+    hang the spawn); the big points are timed once, the small ones keep their count."""
+    got = run_ranks(_budget_rank, 4, tmp_path)
+    slow = [r for g in got for r in g["slow"]]
+    fast = [r for g in got for r in g["fast"]]
+    assert {(r["op"], r["bytes"]) for r in slow} == {
+        (op, b) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        for b in (4 << 10, BIG)}
+    assert all(r["iters"] == 1 for r in slow if r["bytes"] == BIG)
+    assert all(r["iters"] == 20 for r in fast)
+    assert all(r["time_s"] > 0 for r in slow + fast)

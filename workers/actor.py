@@ -123,7 +123,7 @@ class RankActor:
         import torch
         import torch.distributed as dist
 
-        from workers.comm_probe import DEFAULT_SIZES, probe_layout
+        from workers.comm_probe import DEFAULT_SIZES, JOB_PROBE_POINT_S, probe_layout
         from workers.nccl_env import pg_timeout
 
         on_gpu = torch.cuda.is_available()
@@ -137,7 +137,7 @@ class RankActor:
         try:
             sizes = [s for s in DEFAULT_SIZES if s <= spec.monitor.probe_max_bytes]
             rows = probe_layout(spec.layout.dims, self.rank, sizes=sizes,
-                                heartbeat=self.heartbeat)
+                                point_s=JOB_PROBE_POINT_S, heartbeat=self.heartbeat)
             dist.barrier()
         finally:
             dist.destroy_process_group()

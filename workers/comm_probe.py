@@ -56,6 +56,25 @@ def _iters_for(nbytes: int, iters: int) -> int:
     return max(3, min(iters, -(-BYTES_PER_POINT // nbytes)))
 
 
+JOB_PROBE_POINT_S = 0.05
+"""A job's probe before training spends about this long on each (op, size) point beyond its
+first call: on gloo a 64 MiB collective takes a tenth of a second or more, and twenty of
+them at each of nine sizes and three ops held the first step back by 10 s. `trident probe`
+keeps the full iteration counts."""
+
+
+def _budgeted(first_s: float, nbytes: int, iters: int, warmup: int,
+              point_s: float | None) -> tuple[int, int]:
+    """(further warm-up calls, timed calls) for a point whose first call took `first_s` (the
+    slowest rank's, so that every rank agrees): within `point_s` when one is given, at least
+    one timed call."""
+    k = _iters_for(nbytes, iters)
+    if point_s is None:
+        return warmup - 1, k
+    calls = int(point_s / max(first_s, 1e-9))
+    return min(warmup - 1, max(0, calls - 1)), max(1, min(k, calls))
+
+
 def _op_fn(op: str, nbytes: int, n: int, group: Any, device: torch.device,
            use_list: bool) -> Callable[[], Any]:
     """A closure that runs `op` once on preallocated float32 buffers of nccl-tests size."""
@@ -86,9 +105,10 @@ def _row(dim: str, ranks: Sequence[int], op: str, nbytes: int, time_s: float,
 
 def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
                 sizes: Iterable[int] = DEFAULT_SIZES, ops: Iterable[str] = DEFAULT_OPS,
-                iters: int = 20, warmup: int = 3,
+                iters: int = 20, warmup: int = 3, point_s: float | None = None,
                 heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
-    """Time `ops` at each size over `group` (global `ranks`); called by every member."""
+    """Time `ops` at each size over `group` (global `ranks`); called by every member. With
+    `point_s`, the calls after the first at each point fit about that many seconds."""
     n = len(ranks)
     device = _device(group)
     me = dist.get_rank()
@@ -96,10 +116,10 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
     for op in ops:
         use_list = False
         for nbytes in sizes:
-            k = _iters_for(nbytes, iters)
             fn = _op_fn(op, nbytes, n, group, device, use_list)
             if heartbeat is not None:
                 heartbeat.entering(op, dim or None, ranks)
+            t0 = time.perf_counter()
             try:
                 fn()
             except (RuntimeError, NotImplementedError):
@@ -107,8 +127,12 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
                     raise
                 use_list = True  # this backend lacks the single-tensor form
                 fn = _op_fn(op, nbytes, n, group, device, use_list)
+                t0 = time.perf_counter()
                 fn()
-            for _ in range(warmup - 1):
+            _sync(device)
+            first = _slowest(time.perf_counter() - t0, group, device, point_s)
+            more, k = _budgeted(first, nbytes, iters, warmup, point_s)
+            for _ in range(more):
                 fn()
             dist.barrier(group=group)
             _sync(device)
@@ -129,18 +153,28 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
     return rows
 
 
+def _slowest(seconds: float, group: Any, device: torch.device, point_s: float | None) -> float:
+    """The group's largest `seconds` (one small all-reduce), when a budget needs it."""
+    if point_s is None:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def probe_pair(src: int, dst: int, *, sizes: Iterable[int] = DEFAULT_SIZES, iters: int = 20,
                warmup: int = 3, dim: str = "pp", device: torch.device | None = None,
+               point_s: float | None = None,
                heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
     """send/recv between global ranks `src` and `dst` (called by both): ping-pong, one-way
-    time = round trip / 2 measured on `src`, which returns the rows."""
+    time = round trip / 2 measured on `src`, which returns the rows. With `point_s`, `src`
+    times the first round trip and sends `dst` the counts that fit about that long."""
     me = dist.get_rank()
     assert me in (src, dst)
     peer = dst if me == src else src
     device = device or _device(None)
     rows = []
     for nbytes in sizes:
-        k = _iters_for(nbytes, iters)
         buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
 
         def once(buf: torch.Tensor = buf) -> None:
@@ -153,7 +187,18 @@ def probe_pair(src: int, dst: int, *, sizes: Iterable[int] = DEFAULT_SIZES, iter
 
         if heartbeat is not None:
             heartbeat.entering("send" if me == src else "recv", dim, [src, dst])
-        for _ in range(warmup):
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        counts = torch.tensor(_budgeted(time.perf_counter() - t0, nbytes, iters, warmup,
+                                        point_s), dtype=torch.int64)
+        if point_s is not None:  # the sender's counts, so both sides run the same calls
+            if me == src:
+                dist.send(counts, dst=peer)
+            else:
+                dist.recv(counts, src=peer)
+        more, k = (int(x) for x in counts.tolist())
+        for _ in range(more):
             once()
         _sync(device)
         t0 = time.perf_counter()
@@ -187,12 +232,14 @@ def pp_pairs(dims: ParallelDims) -> list[tuple[int, int]]:
 def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAULT_SIZES,
                  ops: Iterable[str] = DEFAULT_OPS, iters: int = 20, warmup: int = 3,
                  groups: dict[str, dict[tuple[int, ...], Any]] | None = None,
+                 point_s: float | None = None,
                  heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
     """Probe this rank's TP group, DP group and PP neighbour pairs; every rank calls it.
 
     `groups` reuses the trainer's process groups ({dim: {ranks: group}}); by default they are
     built here. All groups of one dimension run concurrently, as they do in training. Returns
-    the rows this rank reports (first rank of a group, sender of a pair).
+    the rows this rank reports (first rank of a group, sender of a pair). `point_s` bounds
+    each point's time after its first call (see `JOB_PROBE_POINT_S`).
     """
     sizes, ops = list(sizes), list(ops)
     if dims.world_size != dist.get_world_size():
@@ -206,9 +253,10 @@ def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAUL
         mine = tuple(dims.group_of(rank, dim))
         if len(mine) > 1:
             rows += probe_group(groups[dim.value][mine], mine, dim=dim.value, sizes=sizes,
-                                ops=ops, iters=iters, warmup=warmup, heartbeat=heartbeat)
+                                ops=ops, iters=iters, warmup=warmup, point_s=point_s,
+                                heartbeat=heartbeat)
     for src, dst in pp_pairs(dims):
         if rank in (src, dst):
             rows += probe_pair(src, dst, sizes=sizes, iters=iters, warmup=warmup,
-                               heartbeat=heartbeat)
+                               point_s=point_s, heartbeat=heartbeat)
     return rows
