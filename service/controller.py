@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from service.identity import Identity
 from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
-from service.protocols import Launcher, PollResult, ProbeReport, StepReport, WorkerGroup
+from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
@@ -38,6 +36,7 @@ from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
+from service.worker_reports import store_poll
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +97,8 @@ class Controller:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.running: dict[int, _Running] = {}
         self.teardowns = Teardowns(cancel_grace_s)
+        self.drain_s = min(cancel_grace_s, 2.0)
+        """How long a cancelled group's last poll waits for its ranks (beside the loop)."""
         self.cluster_probes = ClusterProbes(store, launcher, start_timeout_s=start_timeout_s,
                                             poll_timeout_s=poll_timeout_s,
                                             teardowns=self.teardowns)
@@ -152,6 +153,11 @@ class Controller:
                      len(self.running))
             self.running.clear()
         self.teardowns.wait(self.shutdown_timeout_s)
+        try:  # what the finished ones drained is stored; the rest stop without us
+            for td in self.teardowns.reap():
+                self._stopped(td)
+        except Exception:
+            log.exception("storing what the stopped worker groups reported failed")
 
     def _sweep(self) -> None:
         keep = {(job_id, run.attempt) for job_id, run in self.running.items()}
@@ -220,10 +226,9 @@ class Controller:
         job = self.store.start_attempt(job_id=job.id, fence=self.fence)
         attempt = job.attempts
         spec = JobSpec.model_validate(job.spec)
-        ckpt = spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job.id}")
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
-                                        checkpoint_dir=ckpt)
+                                        checkpoint_dir=self._checkpoint_dir(job.id, spec))
         except Exception as exc:  # a failed start is data for the failure policy
             log.exception("job %s: start failed", job.id)
             self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
@@ -232,19 +237,23 @@ class Controller:
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
                                                                         spec))
 
+    def _checkpoint_dir(self, job_id: int, spec: JobSpec) -> str:
+        return spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job_id}")
+
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
         if job.attempts and job.state in (JobState.PLACING, JobState.RUNNING):
             spec = JobSpec.model_validate(job.spec)
             group = self.launcher.attach(job_id=job.id, attempt=job.attempts, spec=spec,
-                                         plan=job.plan)
+                                         plan=job.plan,
+                                         checkpoint_dir=self._checkpoint_dir(job.id, spec))
             if group is not None:
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
                     health=AttemptHealth(self.store, job, job.attempts, spec))
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
-                                     message=f"re-attached to the running worker group of"
+                                     message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
                                      " stored yet are sent again")
                 return
@@ -259,14 +268,14 @@ class Controller:
     # --- watching a running group ---------------------------------------------------------------
 
     def _cancel(self, job: Job, run: _Running, result: StepResult) -> None:
-        """CANCELLED now; the ranks are asked to stop and get the grace beside the loop. A
-        group that is not running yet is not polled again, so it never starts training."""
-        if job.state == JobState.RUNNING:  # what the ranks reported so far is kept
-            result.metrics += self._record(job, run, run.group.poll(self.poll_timeout_s))
+        """CANCELLED now; the ranks are asked to stop and get the grace beside the loop, where
+        a running group is drained first: what its ranks reported and is not stored yet is
+        stored when the loop reaps the teardown. A group that is not running yet is not
+        polled again, so it never starts training."""
         run.group.cancel()
         self._finish(job, run, AttemptStatus.CANCELLED, JobState.CANCELLED,
                      f"cancelled by request; the workers get {self.cancel_grace_s:g} s to stop"
-                     " before they are killed", result)
+                     " before they are killed", result, drain=job.state == JobState.RUNNING)
 
     def _watch(self, job: Job, run: _Running, result: StepResult) -> None:
         poll = run.group.poll(self.poll_timeout_s)
@@ -301,29 +310,11 @@ class Controller:
                                result)
 
     def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
-        rows: list[dict[str, Any]] = []
-        for raw in poll.reports:
-            try:
-                if raw.get("kind") == "probe":
-                    run.health.probe_report(ProbeReport.model_validate(raw))
-                    continue
-                report = StepReport.model_validate(raw)
-                rows.append(report.row())
-                run.health.step_report(report)
-            except (ValidationError, KeyError, TypeError) as exc:
-                self.store.add_event(job_id=job.id, attempt=run.attempt, kind="warning",
-                                     message=f"dropped an invalid worker report: {exc}",
-                                     data={"report": {k: str(v)[:200] for k, v in raw.items()}})
-        for ev in poll.events:
-            self.store.add_event(job_id=job.id, attempt=run.attempt,
-                                 kind=str(ev.get("kind", "info"))[:32],
-                                 message=str(ev.get("message", ""))[:10000],
-                                 data=ev.get("data") or {})
-        self.ingest.record(job_id=job.id, attempt=run.attempt, world_size=job.world_size,
-                           rows=rows)
+        n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,
+                       world_size=job.world_size, poll=poll, health=run.health)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
-        return len(rows)
+        return n
 
     def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
         """Stop a group in which no rank made progress in time (diagnosed by its health)."""
@@ -337,8 +328,8 @@ class Controller:
     # --- endings ------------------------------------------------------------------------------
 
     def _finish(self, job: Job, run: _Running, status: AttemptStatus, to: JobState, message: str,
-                result: StepResult) -> None:
-        self._teardown(job.id, run)
+                result: StepResult, *, drain: bool = False) -> None:
+        self._teardown(job.id, run, drain=drain)
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
         self._move(job, to, message, result, attempt=run.attempt)
 
@@ -354,9 +345,11 @@ class Controller:
             self._move(job, JobState.FAILED, f"attempt {attempt} failed: {error}", result,
                        error=error, attempt=attempt)
 
-    def _teardown(self, job_id: int, run: _Running) -> None:
-        """Stop the group beside the loop; this controller no longer polls it."""
-        self.teardowns.start(("job", job_id), run.group, attempt=run.attempt)
+    def _teardown(self, job_id: int, run: _Running, *, drain: bool = False) -> None:
+        """Stop the group beside the loop; this controller no longer polls it (with `drain`,
+        the teardown polls it once more: `_stopped` stores what that brought)."""
+        self.teardowns.start(("job", job_id), run.group, attempt=run.attempt,
+                             drain_s=self.drain_s if drain else 0.0)
         self.running.pop(job_id, None)
 
     def _stopped(self, td: Teardown) -> None:
@@ -365,6 +358,10 @@ class Controller:
             log.warning("%s %s: stopping its worker group failed: %s", kind, key_id, td.error)
         if kind != "job":
             return
+        if td.final is not None and td.attempt is not None:
+            job = self.store.get_job(job_id=key_id)
+            store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,
+                       world_size=job.world_size, poll=td.final, health=None)
         self.store.add_event(
             job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
             message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"

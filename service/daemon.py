@@ -60,6 +60,13 @@ def connect_ray(settings: Settings) -> object:
         log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes)
 
 
+def retry_wait_s(failures: int, poll_interval_s: float, lease_s: float) -> float:
+    """The wait before the next pass after `failures` failed passes in a row (the database is
+    away): doubling from twice the poll interval, and never over a third of the lease, so
+    that the lease is still renewed when the database is back within it."""
+    return min(poll_interval_s * 2 ** failures, lease_s / 3)
+
+
 class LeaderLoop:
     """One daemon pass: renew the lease, then step the controller only while leading.
 
@@ -95,6 +102,12 @@ class LeaderLoop:
             log.info("lease acquired by %s (epoch %s): acting as the controller",
                      self.leader.holder, lease.epoch)
             self.controller = self.make_controller()
+            # Connecting to Ray takes seconds of the lease: renew it before the first pass,
+            # so that a standby cannot take it over while that pass still acts.
+            if self.leader.acquire_or_renew(now) != Role.LEADER:
+                holder = self.leader.lease.holder if self.leader.lease else "?"
+                log.error("lease lost to %s while connecting: stopping at once", holder)
+                raise LeaseLost(holder)
         started = time.monotonic()
         try:
             result = self.controller.step()
@@ -125,6 +138,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
              settings.db_url, settings.lease_s)
     parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
     status = 0
+    failures = 0
     frozen = False
     try:
         while not stop.is_set():
@@ -141,15 +155,19 @@ def run(settings: Settings, stop: threading.Event) -> int:
                 status = LEASE_LOST
                 break
             except Exception:  # one bad pass must not end the daemon
-                log.exception("controller pass failed")
+                failures += 1
+                wait = retry_wait_s(failures, settings.poll_interval_s, settings.lease_s)
+                log.exception("controller pass failed (%d in a row); retrying in %g s",
+                              failures, wait)
                 if leader.holding and leader.expired():
                     # Not renewed in time (the database is away): another controller may act
                     # now, so this one must not.
                     log.error("lease not renewed before it expired: stopping")
                     status = LEASE_LOST
                     break
-                stop.wait(settings.poll_interval_s * 4)
+                stop.wait(wait)
                 continue
+            failures = 0
             stop.wait(settings.poll_interval_s)
     finally:
         if status != LEASE_LOST:

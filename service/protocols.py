@@ -229,10 +229,11 @@ class Launcher(Protocol):
         """Every live node's inventory (`service.inventory.node_inventory` plus node_id)."""
         ...
 
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
-               plan: StoredPlan) -> WorkerGroup | None:
-        """The attempt's group, still running from before this controller started, or None
-        (and whatever is left of it stopped)."""
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
+               checkpoint_dir: str | None) -> WorkerGroup | None:
+        """The attempt's group, still there from before this controller started (training,
+        or not launched yet: it goes on from its placement, to train from `checkpoint_dir`),
+        or None (and whatever is left of it stopped)."""
         ...
 
     def sweep(self, keep: set[tuple[int, int]]) -> list[str]:

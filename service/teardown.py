@@ -1,7 +1,10 @@
 """Worker groups being stopped beside the controller's loop.
 
 Stopping a group (`WorkerGroup.shutdown`) gives its ranks up to the grace to end, then kills
-them and frees their placement group: seconds, far longer than a controller pass. `Teardowns`
+them and frees their placement group: seconds, far longer than a controller pass. A cancelled
+group is drained first, on the same thread: its last poll (`Teardown.final`) carries what the
+ranks reported and the controller has not stored yet, which the controller stores when it
+reaps the teardown. `Teardowns`
 runs each one on a thread of its own, so the controller moves the job on at once and one slow
 group never delays another or the next pass. It keeps what is still in flight by key, so the
 controller starts no new attempt of a job whose last group still holds its resources and
@@ -15,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from service.protocols import WorkerGroup
+from service.protocols import PollResult, WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ class Teardown:
     done: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.0
     error: str | None = None
+    final: PollResult | None = None
+    """The group's last poll, before it was stopped (only when asked for: `drain_s`)."""
 
 
 class Teardowns:
@@ -42,12 +47,19 @@ class Teardowns:
         self.grace_s = grace_s
         self._inflight: list[Teardown] = []
 
-    def start(self, key: Key, group: WorkerGroup, attempt: int | None = None) -> Teardown:
-        """Stop `group` on a thread of its own; returns at once."""
+    def start(self, key: Key, group: WorkerGroup, attempt: int | None = None,
+              drain_s: float = 0.0) -> Teardown:
+        """Stop `group` on a thread of its own; returns at once. With `drain_s`, poll it once
+        first (waiting up to `drain_s` for its ranks to answer): `Teardown.final`."""
         td = Teardown(key=key, attempt=attempt, started=time.monotonic())
 
         def run() -> None:
             try:
+                if drain_s > 0:
+                    try:
+                        td.final = group.poll(drain_s)
+                    except Exception:  # its reports are lost; the group must still stop
+                        log.exception("%s %s: the last poll before stopping failed", *key)
                 group.shutdown(self.grace_s)
             except Exception as exc:  # reported by `reap`; the next pass must not die of it
                 td.error = f"{type(exc).__name__}: {exc}"

@@ -1,7 +1,7 @@
 """Every route of the API driven by its own OpenAPI schema (schemathesis), authenticated as an
 admin: requests that fit the schema and requests that break it, in every parameter, header
-and body field (the job spec included). No answer is a 5xx, and every 4xx says what is wrong
-in `detail`.
+and body field (the job spec included). No answer is a 5xx, every 4xx says what is wrong
+in `detail`, and every 422 names the field (its location) it refuses.
 
 Bounded and deterministic: few examples per route, derandomized, no example database (about
 a minute for the whole API).
@@ -59,10 +59,12 @@ def _data() -> Iterator[None]:
 
 
 def _names_what_is_wrong(status: int, body: Any) -> bool:
-    """`detail` is a sentence, or a list of errors each with a location and a message."""
+    """`detail` is a list of errors each with a location (the field: where in the path,
+    query, header or body) and a message; or, for a refusal that is not about one field (401,
+    403, 404, 409, 413, 429), a sentence. A 422 always names the field."""
     detail = body.get("detail") if isinstance(body, dict) else None
     if isinstance(detail, str):
-        return bool(detail.strip())
+        return status != 422 and bool(detail.strip())
     if not isinstance(detail, list) or not detail:
         return False
     return all(isinstance(d, dict) and d.get("loc") and isinstance(d.get("msg"), str)

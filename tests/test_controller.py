@@ -31,13 +31,17 @@ class FakeGroup:
     on_poll: Callable[[], None] | None = None
     polls: int = 0
     acked: dict[int, int] = field(default_factory=dict)
+    after_cancel: PollResult | None = None
+    """What a poll after `cancel` returns (default: stopped, nothing reported)."""
+    poll_threads: list[str] = field(default_factory=list)
 
     def poll(self, timeout_s: float) -> PollResult:
         self.polls += 1
+        self.poll_threads.append(threading.current_thread().name)
         if self.on_poll is not None:
             self.on_poll()
         if self.cancelled:
-            return PollResult(state="stopped")
+            return self.after_cancel or PollResult(state="stopped")
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
 
     def cancel(self) -> None:
@@ -66,8 +70,8 @@ class FakeLauncher:
         """Groups that outlive a controller, by (job, attempt): what `attach` finds."""
         self.swept: list[tuple[int, int]] = []
 
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
-               plan: StoredPlan) -> FakeGroup | None:
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
+               checkpoint_dir: str | None) -> FakeGroup | None:
         g = self.live.get((job_id, attempt))
         return g if g is not None and not g.shut else None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Store
-from tests.test_controller import FakeLauncher, make, stopped, submit
+from tests.test_controller import FakeLauncher, make, step_report, stopped, submit
 
 RUNNING = PollResult(state="running")
 
@@ -134,3 +134,49 @@ def test_controller_shutdown_is_bounded(sqlite_store: Store, tmp_path: Path) -> 
     assert c.teardowns.pending == 1 and not launcher.groups[0].shut
     launcher.release.set()
     assert stopped(c, launcher.groups[0])
+
+
+def test_a_cancelled_groups_last_reports_are_stored_from_beside_the_pass(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    """The pass that sees the cancel does not poll the group: CANCELLED at once. The group's
+    last poll runs on its teardown thread, and what it brought (the ranks' reports not stored
+    yet) is stored when a later pass reaps the teardown, before the teardown's event."""
+    first = PollResult(state="running", reports=[step_report(r, 1, 5.0) for r in (0, 1)],
+                       acks={0: 1, 1: 1})
+    launcher = FakeLauncher([[first]])
+    launcher.release = threading.Event()
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    group = launcher.groups[0]
+    group.after_cancel = PollResult(state="stopped", reports=[
+        step_report(r, s, 4.0) for s in (2, 3) for r in (0, 1)], acks={0: 3, 1: 3})
+    polls = group.polls
+    sqlite_store.request_cancel(job_id=job_id)
+    assert [ch.to for ch in c.step().changes] == [JobState.CANCELLED]
+    assert group.cancelled and not group.shut
+    launcher.release.set()
+    assert stopped(c, group)
+    assert group.polls == polls + 1 and group.poll_threads[-1] == f"teardown-job{job_id}"
+    assert [m.step for m in sqlite_store.list_metrics(job_id=job_id)] == [1]
+    c.step()  # reaps the teardown: the drained reports are stored
+    assert [(m.step, m.rank) for m in sqlite_store.list_metrics(job_id=job_id, rank=None)] == [
+        (s, r) for s in (1, 2, 3) for r in (0, 1)]
+    kinds = [e.kind for e in sqlite_store.list_events(job_id=job_id)]
+    assert kinds[-1] == "teardown"
+    assert sqlite_store.get_job(job_id=job_id).state == JobState.CANCELLED
+
+
+def test_a_controller_that_stops_stores_what_its_cancelled_groups_drained(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = FakeLauncher([[RUNNING]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    launcher.groups[0].after_cancel = PollResult(state="stopped",
+                                                 reports=[step_report(0, 7, 1.0)])
+    sqlite_store.request_cancel(job_id=job_id)
+    c.step()
+    c.shutdown()  # no further pass: shutdown reaps the teardown it waited for
+    assert [m.step for m in sqlite_store.list_metrics(job_id=job_id)] == [7]
+    assert [e.kind for e in sqlite_store.list_events(job_id=job_id)][-1] == "teardown"

@@ -22,6 +22,7 @@ from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
 from tests.test_cli import free_port, wait_healthy
+from workers.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,13 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, why: Callabl
 class Up:
     """`trident up` as a user runs it, in its own process (and session)."""
 
-    def __init__(self, data_dir: Path, port: int, env: dict[str, str]) -> None:
+    def __init__(self, data_dir: Path, port: int, env: dict[str, str],
+                 *args: str) -> None:
         self.data_dir = data_dir
         self.server = f"http://127.0.0.1:{port}"
         self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port)],
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port), *args],
             env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
             stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -87,8 +89,8 @@ def env() -> dict[str, str]:
             "TRIDENT_ALLOW_FAULTS": "1"}
 
 
-def submit_long_job(up: Up) -> int:
-    spec = tiny_spec(train={"steps": STEPS, "global_batch": 8, "micro_batch": 2,
+def submit_long_job(up: Up, steps: int = STEPS) -> int:
+    spec = tiny_spec(train={"steps": steps, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32", "lr": 0.003},
                      monitor={"probe": False}, max_retries=2,
                      checkpoint={"every_steps": 20},
@@ -156,6 +158,58 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
     assert head and not answers(head) and live_head(tmp_path) is None
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_to_trident_up_leaves_jobs_training_and_stop_jobs_stops_them(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    """SIGTERM stops the API and the controller through their shutdown path (exit status 0,
+    the daemon's lease released) and leaves the job's ranks and the Ray head running; the
+    next `trident up` re-attaches them, and `trident up --stop-jobs` stops them with it."""
+    port = free_port()
+    up = Up(tmp_path, port, env)
+    try:
+        wait_healthy(up.server, timeout_s=180)
+        job_id = submit_long_job(up, steps=100_000)  # it trains until stopped
+        wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+        [attempt] = up.get(f"/jobs/{job_id}/attempts")["items"]
+        pids = [r["pid"] for r in attempt["placement"]["ranks"]]
+        assert all(alive(p) for p in pids)
+
+        out = up.stop()
+        assert up.proc.returncode == 0, out
+        log = (tmp_path / "controller.log").read_text()
+        assert "signal SIGTERM: stopping" in log, log[-3000:]
+        assert "leaving 1 worker group(s) running" in log, log[-3000:]
+        assert re.search(r"controller \S+ stopped", log), log[-3000:]
+        assert "1 job(s) still active keep the Ray head" in out, out
+        assert live_head(tmp_path) and all(alive(p) for p in pids)
+
+        up = Up(tmp_path, port, env, "--stop-jobs")
+        wait_healthy(up.server, timeout_s=180)
+        wait_for("re-attached", lambda: any(
+            e["kind"] == "reattach" for e in up.get(f"/jobs/{job_id}/events")["items"]),
+            120, up.log)
+        before = last_step(up, job_id)
+        wait_for("training on", lambda: last_step(up, job_id) > before, 120, up.log)
+        job = up.get(f"/jobs/{job_id}")
+        assert job["state"] == "RUNNING" and job["attempts"] == 1, job
+        assert all(alive(p) for p in pids)  # the same ranks, re-attached
+
+        out = up.stop()
+        assert up.proc.returncode == 0, out
+        wait_for("ranks stopped", lambda: not any(alive(p) for p in pids), 60, up.log)
+        assert live_head(tmp_path) is None, out  # --stop-jobs: the head goes too
+    finally:
+        up.stop()
+        stop_recorded_head(tmp_path)
+
+
 @pytest.mark.postgres
 def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, str]) -> None:
     pg = PrivatePostgres()
@@ -165,10 +219,21 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         wait_healthy(up.server, timeout_s=180)
         job_id = submit_long_job(up)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
+        seen = last_step(up, job_id)
         pg.stop()
+        stopped = time.time()
         r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
+        # They trained while the database was away: checkpoints past the last stored step
+        # were completed meanwhile.
+        done = {int(m.parent.name.removeprefix("step")): m.stat().st_mtime for m in
+                (tmp_path / "checkpoints" / f"job-{job_id}").glob(f"step*/{MARKER}")}
+        during = sorted(step for step, mtime in done.items() if step > seen and mtime > stopped)
+        print(f"database away 30 s from step {seen}: checkpoints completed meanwhile {during}")
+        assert during, (seen, done)
+        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         pg.start()
         wait_for("SUCCEEDED", lambda: httpx.get(
             f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30
@@ -177,6 +242,9 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         log = (tmp_path / "controller.log").read_text()
         # The controller lost its lease while the database was away and was started again.
         assert re.search(r"lease not renewed before it expired", log), up.log()
+        # It retried with backoff (TRIDENT_POLL_INTERVAL_S 0.2: 0.4 s, then 0.8 s).
+        assert "pass failed (1 in a row); retrying in 0.4 s" in log, up.log()
+        assert "pass failed (2 in a row); retrying in 0.8 s" in log, up.log()
         assert re.search(r"controller pid \d+ started \(start 2\)", log), up.log()
         check_outcome(up, job_id, reattached=1)
     finally:

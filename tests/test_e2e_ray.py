@@ -55,6 +55,11 @@ def drive_until(controller: Controller, done: Callable[[], bool], timeout: float
         time.sleep(0.1)
 
 
+CANCEL_WITHIN_S = 5.0
+"""A cancel request is answered with CANCELLED within this, by the store's own timestamps:
+the request's event (written by the API) and the state's (written by the pass that sees it)."""
+
+
 def cancel_delay_s(store: Store, job_id: int) -> float:
     """Seconds from the job's cancel request to its CANCELLED state, by the store's events."""
     events = store.list_events(job_id=job_id, limit=1000)
@@ -230,9 +235,16 @@ def test_cancel_is_done_in_one_pass_and_stops_the_workers(stack) -> None:
     # seconds: a pass's length is the machine's load.
     controller.step()
     assert store.get_job(job_id=job_id).state == JobState.CANCELLED
-    print("cancel request -> CANCELLED (s):", cancel_delay_s(store, job_id))
+    delay = cancel_delay_s(store, job_id)
+    print("cancel request -> CANCELLED (s):", delay)
+    assert delay < CANCEL_WITHIN_S  # the pass reads and writes the store; it polls no group
     assert not controller.running
     assert no_placement_groups_left(controller)
+    # What the ranks reported before they stopped is stored (the last of it from the
+    # teardown's final poll), each step once.
+    for rank in (0, 1):
+        steps = [m.step for m in store.list_metrics(job_id=job_id, rank=rank)]
+        assert steps == list(range(1, len(steps) + 1)), (rank, steps)
 
 
 def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) -> None:
@@ -253,7 +265,9 @@ def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) ->
     controller.step()
     assert {j: store.get_job(job_id=j).state for j in jobs} == \
         {j: JobState.CANCELLED for j in jobs}
-    print("cancel request -> CANCELLED (s):", {j: cancel_delay_s(store, j) for j in jobs})
+    delays = {j: cancel_delay_s(store, j) for j in jobs}
+    print("cancel request -> CANCELLED (s):", delays)
+    assert all(d < CANCEL_WITHIN_S for d in delays.values()), delays
     # The groups are stopped beside the loop: a later pass reaps them.
     assert not [e for j in jobs for e in store.list_events(job_id=j, limit=1000)
                 if e.kind == "teardown"]
@@ -272,3 +286,65 @@ def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:
     job = client.get(f"/api/v1/jobs/{job_id}").json()
     assert "RuntimeError: rank 1 exploded on purpose" in job["error"]
     assert "Traceback" in job["error"]
+
+
+def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) -> None:
+    """The controller that placed a group died before it launched the ranks (the job still
+    PLACING): the next controller re-attaches to the group where it was, launches its ranks
+    and the job succeeds as attempt 1, though it allows no retry."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 4, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False})).json()["id"]
+    controller.step()  # admitted: its placement group and actors are created
+    assert store.get_job(job_id=job_id).state == JobState.PLACING
+    controller.running.clear()  # this controller is gone; its group is detached
+
+    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+                           start_timeout_s=120, cancel_grace_s=5)
+    try:
+        drive(successor, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 240)
+        job = store.get_job(job_id=job_id)
+        assert job.state == JobState.SUCCEEDED and job.attempts == 1, job.error
+        assert any(e.kind == "reattach" for e in store.list_events(job_id=job_id))
+        assert [m.step for m in store.list_metrics(job_id=job_id)] == [1, 2, 3, 4]
+    finally:
+        successor.shutdown(stop_jobs=True)
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_group_whose_job_ended_while_no_controller_watched_is_stopped(stack,
+                                                                        ending: str) -> None:
+    """The job of a detached group was cancelled, or ended in the store, while no controller
+    ran: the next controller's first pass stops the group on Ray (ranks and placement)."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+        "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False})).json()["id"]
+    drive(controller, store, job_id, {JobState.RUNNING}, 180)
+    controller.running.clear()  # this controller is gone; its group trains on, detached
+    group = f"trident-job{job_id}-a1"
+
+    def on_ray() -> tuple[list[str], list[str]]:
+        actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith(group + "-r"))
+        pgs = [pg["name"] for pg in ray.util.placement_group_table().values()
+               if pg.get("name") == group and pg["state"] != "REMOVED"]
+        return actors, pgs
+
+    assert on_ray() == ([f"{group}-r0", f"{group}-r1"], [group])
+    if ending == "cancelled":
+        assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 202
+    else:
+        store.transition(job_id=job_id, to=JobState.FAILED, message="ended by an operator",
+                         error="ended by an operator")
+    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+                           start_timeout_s=120, cancel_grace_s=5)
+    try:
+        successor.step()
+        assert on_ray() == ([], [])
+        assert not successor.running
+        assert store.get_job(job_id=job_id).state == (
+            JobState.CANCELLED if ending == "cancelled" else JobState.FAILED)
+    finally:
+        successor.shutdown(stop_jobs=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.controller import Controller
-from service.daemon import LeaderLoop, LeaseLost
+from service.daemon import LeaderLoop, LeaseLost, retry_wait_s
 from service.lease import CONTROLLER, Leader, Leases, Role
 from service.protocols import PollResult
 from service.states import JobState
@@ -156,3 +156,30 @@ def test_the_leader_writes_its_previous_pass_duration_with_each_renewal(store: S
     loop.tick(at(1))
     lease = Leases(store).read(name=CONTROLLER)
     assert lease is not None and lease.last_pass_s is not None and lease.last_pass_s > 0
+
+
+def test_a_leader_renews_after_connecting_and_stops_if_it_lost_the_lease_meanwhile(
+        store: Store, tmp_path: Path) -> None:
+    """Making the controller (connecting to Ray) takes seconds: the lease is renewed before the
+    first pass; if it expired meanwhile and a standby took it, the first pass never runs."""
+    job_id = submit(store)
+    launcher = FakeLauncher([[PollResult(state="running")]])
+
+    def slow_connect() -> Controller:  # the lease expires while connecting: b takes it
+        assert Leader(store, duration_s=5, holder="b").acquire_or_renew(at(6)) == Role.LEADER
+        return Controller(store, launcher, checkpoint_root=tmp_path)
+
+    loop = LeaderLoop(Leader(store, duration_s=5, holder="a"), slow_connect)
+    with pytest.raises(LeaseLost):
+        loop.tick(at(0))
+    assert launcher.groups == [] and store.get_job(job_id=job_id).attempts == 0
+    # Connected in time: renewed (the lease runs from the renewal), then the first pass acts.
+    renewed = LeaderLoop(Leader(store, duration_s=5, holder="c"),
+                         lambda: Controller(store, launcher, checkpoint_root=tmp_path))
+    assert renewed.tick(at(20)) == Role.LEADER
+    assert [g.starts["attempt"] for g in launcher.groups] == [1]
+
+
+def test_failed_passes_are_retried_with_backoff_bounded_by_a_third_of_the_lease() -> None:
+    assert [retry_wait_s(n, 0.5, 15) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+    assert [retry_wait_s(n, 0.2, 3) for n in range(1, 4)] == [0.4, 0.8, 1.0]

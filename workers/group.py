@@ -271,21 +271,30 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
-def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-                checkpoint_dir: str | None,
-                log: tuple[str, int] | None = None) -> RayWorkerGroup:
-    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
-    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
+def train_launch(*, attempt: int, spec: JobSpec, checkpoint_dir: str | None,
+                 log: tuple[str, int] | None) -> Callable[[Any, int, list[dict[str, Any]], int],
+                                                          Any]:
+    """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`)."""
     spec_json = spec.model_dump(mode="json")
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
                                   local_rank, checkpoint_dir, attempt, log)
 
+    return launch
+
+
+def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
+                checkpoint_dir: str | None,
+                log: tuple[str, int] | None = None) -> RayWorkerGroup:
+    """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
+    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
-                          env=rank_env(spec.env, cpus, gpus), launch=launch, detached=True)
+                          env=rank_env(spec.env, cpus, gpus), detached=True,
+                          launch=train_launch(attempt=attempt, spec=spec,
+                                              checkpoint_dir=checkpoint_dir, log=log))
 
 
 def job_group_name(job_id: int, attempt: int) -> str:

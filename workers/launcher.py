@@ -32,6 +32,7 @@ from workers.group import (
     cluster_probe_group,
     job_group_name,
     train_group,
+    train_launch,
 )
 
 log = logging.getLogger(__name__)
@@ -55,36 +56,48 @@ class RayLauncher:
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> RayWorkerGroup:
-        rank_log = None
-        if self.log_root is not None:
-            rank_log = (str(attempt_log_dir(self.log_root, job_id, attempt)),
-                        self.log_max_bytes)
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                            checkpoint_dir=checkpoint_dir, log=rank_log)
+                            checkpoint_dir=checkpoint_dir, log=self._rank_log(job_id, attempt))
         self._placing.append(group)
         return group
 
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec,
-               plan: StoredPlan) -> RayWorkerGroup | None:
-        """The attempt's detached group if all its ranks live and were started (a controller
-        that restarted re-attaches to it), else None, with whatever is left of it stopped."""
+    def _rank_log(self, job_id: int, attempt: int) -> tuple[str, int] | None:
+        if self.log_root is None:
+            return None
+        return str(attempt_log_dir(self.log_root, job_id, attempt)), self.log_max_bytes
+
+    def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
+               checkpoint_dir: str | None) -> RayWorkerGroup | None:
+        """The attempt's detached group, re-attached where the controller that started it
+        left it: training (every rank started), or not launched yet (still waiting for its
+        placement group, or placed): its polls then go on from its placement. None when it is
+        gone or only some of its ranks were started, with whatever is left of it stopped."""
         name = job_group_name(job_id, attempt)
         try:
             group = RayWorkerGroup(name=name, world_size=plan.world_size,
                                    ranks_per_bundle=plan.layout.tp,
                                    cpus=spec.resources.cpus_per_worker,
-                                   gpus=spec.resources.gpus_per_worker, env={}, launch=None,
-                                   attach=True)
-            started = ray.get([a.started.remote() for a in group.actors], timeout=30)
+                                   gpus=spec.resources.gpus_per_worker, env={}, attach=True,
+                                   launch=train_launch(attempt=attempt, spec=spec,
+                                                       checkpoint_dir=checkpoint_dir,
+                                                       log=self._rank_log(job_id, attempt)))
+            # Until it is placed its actors cannot answer: nothing was started on them.
+            placed = bool(ray.wait([group.pg.ready()], timeout=0.5)[0])
+            started = ray.get([a.started.remote() for a in group.actors],
+                              timeout=30) if placed else []
         except (LookupError, ValueError, RayError) as exc:
             log.info("%s: no live group to re-attach (%s)", name, exc)
             self._stop_named({name})
             return None
-        if not all(started):  # the last controller died before it started every rank
-            log.info("%s: not every rank was started; stopping what is left", name)
-            self._stop_named({name})
-            return None
-        return group
+        if placed and all(started):
+            return group
+        if not any(started):  # the last controller died before it launched the ranks
+            group.phase = "placing"
+            self._placing.append(group)
+            return group
+        log.info("%s: some ranks were started, not all; stopping what is left", name)
+        self._stop_named({name})
+        return None
 
     def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
         """Stop the detached job groups on the cluster but those of `keep`'s (job, attempt)

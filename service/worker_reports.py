@@ -1,0 +1,45 @@
+"""What a worker group's poll brought, stored: its step reports (validated, through
+`MetricsIngest`), its probe reports (to the attempt's health) and its events.
+
+The controller calls `store_poll` for every poll of a group it watches, and once more for the
+last poll of a cancelled group, taken beside its loop while the group is stopped
+(`service.teardown`), when that attempt's health no longer listens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.metrics_ingest import MetricsIngest
+from service.monitor.attempt import AttemptHealth
+from service.protocols import PollResult, ProbeReport, StepReport
+from service.store import Store
+
+
+def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int,
+               world_size: int, poll: PollResult, health: AttemptHealth | None) -> int:
+    """Store `poll`'s reports and events; the number of step reports stored. An invalid
+    report is dropped with a warning event; `health` (None: nobody watches the attempt any
+    more) sees every valid one."""
+    rows: list[dict[str, Any]] = []
+    for raw in poll.reports:
+        try:
+            if raw.get("kind") == "probe":
+                if health is not None:
+                    health.probe_report(ProbeReport.model_validate(raw))
+                continue
+            report = StepReport.model_validate(raw)
+            rows.append(report.row())
+            if health is not None:
+                health.step_report(report)
+        except (ValidationError, KeyError, TypeError) as exc:
+            store.add_event(job_id=job_id, attempt=attempt, kind="warning",
+                            message=f"dropped an invalid worker report: {exc}",
+                            data={"report": {k: str(v)[:200] for k, v in raw.items()}})
+    for ev in poll.events:
+        store.add_event(job_id=job_id, attempt=attempt, kind=str(ev.get("kind", "info"))[:32],
+                        message=str(ev.get("message", ""))[:10000], data=ev.get("data") or {})
+    ingest.record(job_id=job_id, attempt=attempt, world_size=world_size, rows=rows)
+    return len(rows)
