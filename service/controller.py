@@ -27,6 +27,7 @@ from service.identity import Identity
 from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth
 from service.monitor.cluster_probe import ClusterProbes
+from service.node_survey import NodeSurvey
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
@@ -102,8 +103,7 @@ class Controller:
         self.cluster_probes = ClusterProbes(store, launcher, start_timeout_s=start_timeout_s,
                                             poll_timeout_s=poll_timeout_s,
                                             teardowns=self.teardowns)
-        self.inventory_every_s = inventory_every_s
-        self._inventory_at = -inventory_every_s
+        self.nodes = NodeSurvey(store, launcher, inventory_every_s)
         self.identity = Identity(store)
         self.quota_notes = QuotaNotes(store)
         self.stacks = StackCollector(StackRequests(store))
@@ -135,9 +135,7 @@ class Controller:
         self._admit(result)
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
-        if time.monotonic() - self._inventory_at >= self.inventory_every_s:
-            self._inventory_at = time.monotonic()
-            self.store.upsert_nodes(nodes=self.launcher.inventory())
+        self.nodes.step()
         return result
 
     def shutdown(self, *, stop_jobs: bool = False) -> None:
@@ -145,6 +143,7 @@ class Controller:
         next controller re-attaches them, unless `stop_jobs`, which stops every group this
         controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
         (all at once, inside the 30 s `trident up` gives the daemon to exit)."""
+        self.nodes.close()
         if stop_jobs:
             for job_id, run in list(self.running.items()):
                 self._teardown(job_id, run)

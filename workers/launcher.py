@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from workers.group import (
 )
 
 log = logging.getLogger(__name__)
+INVENTORY_TIMEOUT_S = 60.0
+"""How long an inventory waits for all nodes' answers together (they are asked at once)."""
 
 
 @ray.remote(num_cpus=0)
@@ -150,9 +153,10 @@ class RayLauncher:
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
         ).remote() for n in nodes]
         out = []
+        deadline = time.monotonic() + INVENTORY_TIMEOUT_S  # for all nodes: they run at once
         for n, ref in zip(nodes, refs, strict=True):
             try:
-                inv = ray.get(ref, timeout=60)
+                inv = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except RayError as exc:
                 inv = {"hostname": n.get("NodeManagerHostname", ""), "error": repr(exc)}
             out.append({**inv, **node_facts(inv, n.get("Labels")), "node_id": n["NodeID"],
