@@ -283,3 +283,31 @@ def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:
     assert (tmp_path / "admin.token").stat().st_mode & 0o077 == 0
     r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
     assert r.exit_code == 1 and "users exist already" in r.output
+
+
+def test_the_cli_finds_its_token_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIDENT_TOKEN, else the `trident login` profile of that server, else (a server on this
+    machine only) the bootstrap file in TRIDENT_DATA_DIR, by default ./var: where `make demo`
+    (examples/demo.sh: `trident up --data-dir var` from the repository) has its server write
+    it, so the demo needs no step of its own."""
+    from api.cli_auth import save_profile, token_for
+
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
+    monkeypatch.delenv("TRIDENT_DATA_DIR", raising=False)
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    local, remote = "http://127.0.0.1:8000", "https://trident.example:8000"
+    assert token_for(local) == (None, "nowhere")
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "admin.token").write_text("trd_demo\n")
+    assert token_for(local) == ("trd_demo", f"the bootstrap token file {tmp_path}/var/admin.token")
+    assert token_for("http://localhost:8000")[0] == "trd_demo"
+    assert token_for(remote) == (None, "nowhere")  # never sent to another machine
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path / "elsewhere"))
+    assert token_for(local) == (None, "nowhere")
+    save_profile(local + "/", "trd_profile", "alice")
+    assert token_for(local)[0] == "trd_profile"
+    assert token_for(remote) == (None, "nowhere")
+    monkeypatch.setenv("TRIDENT_TOKEN", "trd_env")
+    assert token_for(local) == ("trd_env", "TRIDENT_TOKEN")
+    assert token_for(remote) == ("trd_env", "TRIDENT_TOKEN")
