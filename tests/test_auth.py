@@ -217,6 +217,11 @@ def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: P
     with TestClient(create_app(prod, store=store)) as c:
         assert c.get("/api/v1/whoami", headers=bearer(token_file(tmp_path).read_text().strip())
                      ).json()["user"] == "admin"
+    os.chmod(token_file(tmp_path), 0o644)  # world-readable: refused too
+    with (pytest.raises(RuntimeError, match="refusing to start in prod: the bootstrap token"
+                        r" file .* is readable by others \(mode -rw-r--r--\): chmod 600 it"),
+          TestClient(create_app(prod, store=store))):
+        pass
 
 
 def test_resubmit_copies_the_spec_for_its_owner_and_the_last_admin_stays(
