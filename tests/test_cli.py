@@ -72,15 +72,27 @@ def admin_headers(data_dir: Path) -> dict[str, str]:
     return {"Authorization": f"Bearer {(data_dir / 'admin.token').read_text().strip()}"}
 
 
+def _first_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 database_url: str = "") -> Iterator[str]:
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
+    with serving(create_app(Settings(data_dir=tmp_path, database_url=database_url))) as url:
+        yield url
+
+
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An API server whose first start created the admin; the CLI finds its token file as
     it would for `trident up` (TRIDENT_DATA_DIR), and no `trident login` profile."""
-    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
-    with serving(create_app(Settings(data_dir=tmp_path))) as url:
-        yield url
+    yield from _first_start(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def server_on_each_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      db_url: str) -> Iterator[str]:
+    """`server`, on SQLite and on PostgreSQL."""
+    yield from _first_start(tmp_path, monkeypatch, db_url)
 
 
 def test_validate_fills_defaults() -> None:
@@ -229,10 +241,11 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
 
 
-def test_identity_commands_over_the_api(server: str, tmp_path: Path,
+def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """login, whoami, user add/list/disable, token create/list/revoke, project add/quota/list;
     the token comes from TRIDENT_TOKEN, else the login profile, else the bootstrap file."""
+    server = server_on_each_db
     def run(*args: str) -> str:
         r = runner.invoke(app, [*args, "--server", server])
         assert r.exit_code == 0, (args, r.output)
