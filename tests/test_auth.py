@@ -145,16 +145,17 @@ def test_every_mutating_request_is_audited(client: TestClient, store: Store) -> 
     assert client.get("/api/v1/audit", headers=bearer(viewer)).status_code == 403
 
 
-def test_first_start_creates_the_admin_and_an_owner_only_token_file(tmp_path: Path) -> None:
+def test_first_start_creates_the_admin_and_an_owner_only_token_file(tmp_path: Path,
+                                                                   db_url: str) -> None:
     data = tmp_path / "data"
-    with TestClient(create_app(Settings(data_dir=data))) as c:
+    with TestClient(create_app(Settings(data_dir=data, database_url=db_url))) as c:
         path = token_file(data)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         token = path.read_text().strip()
         me = c.get("/api/v1/whoami", headers=bearer(token)).json()
         assert me["user"] == "admin" and me["role"] == "admin" and me["projects"] == ["default"]
     # A second start keeps the admin and its file.
-    with TestClient(create_app(Settings(data_dir=data))) as c:
+    with TestClient(create_app(Settings(data_dir=data, database_url=db_url))) as c:
         assert token_file(data).read_text().strip() == token
         assert c.get("/api/v1/whoami", headers=bearer(token)).status_code == 200
 
