@@ -143,6 +143,23 @@ def test_every_mutating_request_is_audited(client: TestClient, store: Store) -> 
     assert client.get("/api/v1/audit?actor=vic",
                       headers=bearer(admin)).json()["items"][0]["status"] == 403
     assert client.get("/api/v1/audit", headers=bearer(viewer)).status_code == 403
+    # Token, user and project changes, a resubmission and a dashboard log-in are recorded too.
+    made = client.post("/api/v1/tokens", json={"name": "ci", "user": "zed"},
+                       headers=bearer(admin)).json()["info"]
+    client.delete(f"/api/v1/tokens/{made['id']}", headers=bearer(admin))
+    client.post("/api/v1/users/zed/disable", headers=bearer(admin))
+    client.put("/api/v1/projects/default/quota", json={"gpus": 8}, headers=bearer(admin))
+    client.post(f"/api/v1/jobs/{job['id']}/resubmit", headers=bearer(admin))
+    client.post("/login", data={"token": viewer}, follow_redirects=False)
+    items = client.get("/api/v1/audit", headers=bearer(admin)).json()["items"]
+    got = [(e["actor"], e["method"], e["path"], e["action"], e["status"]) for e in items[4:]]
+    assert got == [("admin", "POST", "/api/v1/tokens", "tokens:manage", 201),
+                   ("admin", "DELETE", f"/api/v1/tokens/{made['id']}", "tokens:manage", 200),
+                   ("admin", "POST", "/api/v1/users/zed/disable", "users:manage", 200),
+                   ("admin", "PUT", "/api/v1/projects/default/quota", "projects:manage", 200),
+                   ("admin", "POST", f"/api/v1/jobs/{job['id']}/resubmit", "jobs:resubmit",
+                    201),
+                   ("vic", "POST", "/login", None, 303)]
 
 
 def test_first_start_creates_the_admin_and_an_owner_only_token_file(tmp_path: Path,
