@@ -1,8 +1,9 @@
 """Every route of the API driven by its own OpenAPI schema (schemathesis), authenticated as an
 admin, on SQLite and on PostgreSQL: requests that fit the schema and requests that break it,
 in every parameter, header and body field (the job spec included). No answer is a 5xx, every
-answer's body, content type and headers fit the schema of its status code, and every 4xx
-says what is wrong in `detail`.
+answer's status is one the schema documents for its route, its body, content type and
+headers fit what the schema says of that status, and every 4xx says what is wrong in
+`detail`.
 
 Bounded and deterministic: few examples per route, derandomized, no example database (under
 a minute per database for the whole API).
@@ -34,10 +35,11 @@ from tests.conftest import PG_ADMIN_URL, tiny_spec, user_token
 
 FUZZER = "fuzzer"
 """The admin the requests are sent as: the fuzzing may revoke or disable anyone but it."""
-CHECKS = [checks.not_a_server_error, checks.response_schema_conformance,
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
+          checks.response_schema_conformance,
           checks.content_type_conformance, checks.response_headers_conformance]
-"""What every answer is checked for: no 5xx, and a body, content type and headers that fit
-what the schema says of its status code."""
+"""What every answer is checked for: no 5xx, a status the schema documents for the route, and
+a body, content type and headers that fit what the schema says of that status."""
 
 # Schemathesis makes one test per operation from a schema it has when the module is collected;
 # each database's app is made here (nothing connects yet), its database made and filled by
@@ -138,3 +140,26 @@ def test_no_route_answers_5xx_or_off_schema_on_sqlite(case: Any,
 def test_no_route_answers_5xx_or_off_schema_on_postgres(case: Any,
                                                         postgres_served: dict[str, Any]) -> None:
     _check(case, postgres_served)
+
+
+def test_every_operation_documents_the_refusals_it_may_answer() -> None:
+    """401 and 403 where a rule applies, 404 with a path parameter, 400 and 413 with a body,
+    503 everywhere: each a `Refusal` with its `detail`."""
+    doc = create_app(Settings(data_dir=_DATA / "doc")).openapi()
+    assert doc["components"]["schemas"]["Refusal"]["required"] == ["detail"]
+    ref = {"$ref": "#/components/schemas/Refusal"}
+    operations = [(path, op) for path, item in doc["paths"].items() for op in item.values()]
+    assert len(operations) > 20
+    for path, op in operations:
+        want = {"503"}
+        if path != "/api/v1/healthz":
+            assert op.get("security"), path
+            want |= {"401", "403"}
+        if "{" in path:
+            want.add("404")
+        if "requestBody" in op:
+            want |= {"400", "413"}
+        assert want <= set(op["responses"]), (path, sorted(op["responses"]))
+        for status in want:
+            if (path, status) != ("/api/v1/healthz", "503"):  # healthz's own: `degraded`
+                assert op["responses"][status]["content"]["application/json"]["schema"] == ref
