@@ -78,10 +78,15 @@ def _seed(url: str) -> dict[str, Any]:
     return {"headers": {"Authorization": f"Bearer {secret}"}, "token_id": token_id}
 
 
-@pytest.fixture(scope="module")
-def sqlite_served() -> Iterator[dict[str, Any]]:
-    yield _seed(URLS["sqlite"])
+@pytest.fixture(scope="module", autouse=True)
+def _scratch() -> Iterator[None]:
+    yield
     shutil.rmtree(_DATA, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sqlite_served() -> dict[str, Any]:
+    return _seed(URLS["sqlite"])
 
 
 @pytest.fixture(scope="module")
