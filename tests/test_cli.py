@@ -290,6 +290,24 @@ def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
     assert "user alice disabled" in run("user", "disable", "alice")
 
 
+def test_trident_ups_first_start_says_where_the_admin_token_is(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `trident up` prints before it starts anything (the slow demo test runs it all)."""
+    from api.cli_identity import announce_bootstrap
+    from migrations import upgrade
+
+    settings = Settings(data_dir=tmp_path)
+    upgrade(settings.db_url)
+    announce_bootstrap(settings)
+    path = tmp_path / "admin.token"
+    assert capsys.readouterr().out == (
+        f"first start: created the admin user; its API token is in {path} (readable by you"
+        " only; the CLI uses it for this local server)\n")
+    assert path.stat().st_mode & 0o777 == 0o600
+    announce_bootstrap(settings)  # a later start: the same file, nothing created
+    assert capsys.readouterr().out == f"admin token: {path}\n"
+
+
 def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:
     r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
     assert r.exit_code == 0 and f"its API token is in {tmp_path / 'admin.token'}" in r.output
