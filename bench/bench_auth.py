@@ -1,8 +1,8 @@
 """Cost of identity on a submit: `POST /api/v1/jobs` p50 with authentication against without,
 in one process, on one database (acceptance: within 2 ms).
 
-`python bench/bench_auth.py [--n 200] [--db-url URL]` (default: a SQLite file in a scratch
-folder; e.g. `postgresql+psycopg://postgres@127.0.0.1:5432/test` for PostgreSQL). Five
+`python bench/bench_auth.py [--n 200] [--pg | --db-url URL]` (default: a SQLite file in a
+scratch folder; `--pg`: a scratch database on the local PostgreSQL, dropped after). Five
 ways in, taken in turn request by request so that drift in the load of a shared machine falls
 on all alike:
 
@@ -25,14 +25,17 @@ within 2 ms), `auth - today` the whole change since the route had no identity.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from sqlalchemy import create_engine, text
 
 from api.app import create_app
 from api.audit import Audit
@@ -46,6 +49,9 @@ from service.jobs import Submitter, submit
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+"""The local PostgreSQL server (its `test` database only to create and drop the scratch one)."""
 
 SPEC = {"name": "bench", "model": {"preset": "gpt-tiny"},
         "train": {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
@@ -85,9 +91,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200, help="submits per way in")
     parser.add_argument("--db-url", default="", help="database (default: SQLite, scratch)")
+    parser.add_argument("--pg", action="store_true",
+                        help="a scratch database on the local PostgreSQL server")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="trident-bench-auth-"))
-    store = Store(args.db_url or f"sqlite:///{data / 'bench.db'}")
+    scratch = f"trident_bench_auth_{uuid.uuid4().hex[:10]}" if args.pg else ""
+    if scratch:
+        with create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT").connect() as c:
+            c.execute(text(f'CREATE DATABASE "{scratch}"'))
+        args.db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{scratch}"
+    try:
+        run(args.n, Store(args.db_url or f"sqlite:///{data / 'bench.db'}"), data)
+    finally:
+        if scratch:
+            with create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT").connect() as c:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)'))
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def run(n: int, store: Store, data: Path) -> None:
+    """Time `n` submits per way in on `store`."""
     store.migrate()
     identity = Identity(store)
     identity.create_project(name="bench")
@@ -111,7 +134,7 @@ def main() -> None:
                "auth": TestClient(full, headers=bearer)}
     times: dict[str, list[float]] = {k: [] for k in clients}
     with clients["no-token"], clients["no-audit"], clients["auth"]:
-        for i in range(args.n + 10):
+        for i in range(n + 10):
             order = list(clients) if i % 2 == 0 else list(reversed(clients))
             for name in order:
                 t0 = time.perf_counter()
@@ -120,7 +143,7 @@ def main() -> None:
                 assert r.status_code == 201, (name, r.status_code, r.text)
                 if i >= 10:  # warm-up
                     times[name].append(dt)
-    print(f"database: {store.url.split(':')[0]}; {args.n} submits per way in")
+    print(f"database: {store.url.split(':')[0]}; {n} submits per way in")
     p50 = {}
     for name, ts in times.items():
         p50[name] = statistics.median(ts) * 1e3
