@@ -26,6 +26,7 @@ from api.audit import Audit, AuditWriter
 from api.auth import require
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.health import health
+from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
 from service.heap import freeze_startup_objects
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(pages.router)
     app.include_router(session.router)
     app.mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static")
+    document_refusals(app)
     return app
 
 

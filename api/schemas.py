@@ -11,6 +11,12 @@ from service.dashboard import JobSummary
 from service.store import Attempt, Event, Job, Metric
 
 
+class Refusal(BaseModel):
+    """Why a request was refused: one sentence (`api.openapi_refusals`)."""
+
+    detail: str
+
+
 class JobOut(Job):
     """A job as the API shows it: the stored `Job` without its per-rank claim, with its line
     of the jobs list (newest step, loss, measured step time, restarts, why it waits)."""

@@ -293,11 +293,24 @@ def make_engine(url: str) -> Engine:
         def _begin(conn: Any) -> None:
             # IMMEDIATE takes the write lock up front, so a read-check-write transaction (a
             # state transition) cannot interleave with another writer: SQLite's stand-in
-            # for PostgreSQL's SELECT ... FOR UPDATE.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # for PostgreSQL's SELECT ... FOR UPDATE. A read (`reads`) needs no lock.
+            read = conn.get_execution_options().get(_READ)
+            conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, json_serializer=dumps_json)
+
+
+_READ = "trident_read"
+
+
+def reads(engine: Engine) -> Engine:
+    """`engine` for single reads that every request makes (the token check): on PostgreSQL
+    outside a transaction (no BEGIN and COMMIT round trips), on SQLite without the write
+    lock."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(**{_READ: True})
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
 
 
 class EngineTx:

@@ -143,18 +143,36 @@ def test_every_mutating_request_is_audited(client: TestClient, store: Store) -> 
     assert client.get("/api/v1/audit?actor=vic",
                       headers=bearer(admin)).json()["items"][0]["status"] == 403
     assert client.get("/api/v1/audit", headers=bearer(viewer)).status_code == 403
+    # Token, user and project changes, a resubmission and a dashboard log-in are recorded too.
+    made = client.post("/api/v1/tokens", json={"name": "ci", "user": "zed"},
+                       headers=bearer(admin)).json()["info"]
+    client.delete(f"/api/v1/tokens/{made['id']}", headers=bearer(admin))
+    client.post("/api/v1/users/zed/disable", headers=bearer(admin))
+    client.put("/api/v1/projects/default/quota", json={"gpus": 8}, headers=bearer(admin))
+    client.post(f"/api/v1/jobs/{job['id']}/resubmit", headers=bearer(admin))
+    client.post("/login", data={"token": viewer}, follow_redirects=False)
+    items = client.get("/api/v1/audit", headers=bearer(admin)).json()["items"]
+    got = [(e["actor"], e["method"], e["path"], e["action"], e["status"]) for e in items[4:]]
+    assert got == [("admin", "POST", "/api/v1/tokens", "tokens:manage", 201),
+                   ("admin", "DELETE", f"/api/v1/tokens/{made['id']}", "tokens:manage", 200),
+                   ("admin", "POST", "/api/v1/users/zed/disable", "users:manage", 200),
+                   ("admin", "PUT", "/api/v1/projects/default/quota", "projects:manage", 200),
+                   ("admin", "POST", f"/api/v1/jobs/{job['id']}/resubmit", "jobs:resubmit",
+                    201),
+                   ("vic", "POST", "/login", None, 303)]
 
 
-def test_first_start_creates_the_admin_and_an_owner_only_token_file(tmp_path: Path) -> None:
+def test_first_start_creates_the_admin_and_an_owner_only_token_file(tmp_path: Path,
+                                                                   db_url: str) -> None:
     data = tmp_path / "data"
-    with TestClient(create_app(Settings(data_dir=data))) as c:
+    with TestClient(create_app(Settings(data_dir=data, database_url=db_url))) as c:
         path = token_file(data)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         token = path.read_text().strip()
         me = c.get("/api/v1/whoami", headers=bearer(token)).json()
         assert me["user"] == "admin" and me["role"] == "admin" and me["projects"] == ["default"]
     # A second start keeps the admin and its file.
-    with TestClient(create_app(Settings(data_dir=data))) as c:
+    with TestClient(create_app(Settings(data_dir=data, database_url=db_url))) as c:
         assert token_file(data).read_text().strip() == token
         assert c.get("/api/v1/whoami", headers=bearer(token)).status_code == 200
 
@@ -217,6 +235,11 @@ def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: P
     with TestClient(create_app(prod, store=store)) as c:
         assert c.get("/api/v1/whoami", headers=bearer(token_file(tmp_path).read_text().strip())
                      ).json()["user"] == "admin"
+    os.chmod(token_file(tmp_path), 0o644)  # world-readable: refused too
+    with (pytest.raises(RuntimeError, match="refusing to start in prod: the bootstrap token"
+                        r" file .* is readable by others \(mode -rw-r--r--\): chmod 600 it"),
+          TestClient(create_app(prod, store=store))):
+        pass
 
 
 def test_resubmit_copies_the_spec_for_its_owner_and_the_last_admin_stays(

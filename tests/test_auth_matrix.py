@@ -4,7 +4,7 @@ on SQLite and PostgreSQL.
 The routes come from the app itself (`api.auth.api_routes`), so a new route fails this test
 until it declares a rule (`Depends(require(...))`) and has an example request here. What each
 role may do is written out below, apart from `api.auth.RULES`, so that a rule loosened by
-mistake fails too.
+mistake fails too. The dashboard's pages, also read from the app, need a session or a token.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
 from api.app import create_app
@@ -218,3 +219,37 @@ def test_authorization_matrix(world: tuple[TestClient, World]) -> None:
                     assert r.json()["detail"].startswith(rule.name + ":"), where
                 cells += 1
     assert cells == 3 * 3 * (len(EXAMPLES))
+
+
+SESSION_ROUTES = {"/login", "/logout"}
+"""The dashboard's log-in and log-out (`tests.test_auth`): open to anyone, CSRF-checked."""
+PAGES = {"/": "/", "/ui/jobs/rows": "/ui/jobs/rows", "/jobs/{job_id}": "/jobs/{job}",
+         "/jobs/{job_id}/logs/rank-{rank}.log": "/jobs/{job}/logs/rank-0.log",
+         "/plan": "/plan", "/cluster": "/cluster", "/queue": "/queue"}
+"""One example URL per dashboard page (rule `pages:read`)."""
+
+
+def test_every_dashboard_page_needs_a_session_or_a_token(
+        world: tuple[TestClient, World]) -> None:
+    """The dashboard's pages, from the app too: without credentials a redirect to the log-in
+    form, with a bad token a 401, and open to every role."""
+    client, w = world
+    routes = client.app.routes  # type: ignore[attr-defined]
+    pages = [(method, ctx.path) for ctx in iter_route_contexts(routes)
+             if isinstance(ctx.original_route, APIRoute)
+             and not ctx.original_route.include_in_schema and ctx.path not in SESSION_ROUTES
+             for method in sorted(ctx.methods or ())]
+    assert len(pages) >= len(PAGES)
+    job = w.job("bob")
+    for method, path in pages:
+        assert path in PAGES, f"{method} {path}: add an example URL to PAGES"
+        url = PAGES[path].format(job=job)
+        r = client.request(method, url, follow_redirects=False)
+        assert (r.status_code, r.headers.get("location")) == (303, "/login"), (url, r.text)
+        r = client.request(method, url, headers={"Authorization": "Bearer trd_nope"})
+        assert r.status_code == 401 and "unknown token" in r.json()["detail"], url
+        for role in ROLES:
+            r = client.request(method, url, follow_redirects=False,
+                               headers={"Authorization": f"Bearer {w.tokens[CALLER[role]]}"})
+            # The log of a job that never ran is a 404: found no log, not refused.
+            assert r.status_code == (404 if path.endswith(".log") else 200), (role, url, r.text)

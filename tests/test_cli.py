@@ -72,15 +72,27 @@ def admin_headers(data_dir: Path) -> dict[str, str]:
     return {"Authorization": f"Bearer {(data_dir / 'admin.token').read_text().strip()}"}
 
 
+def _first_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 database_url: str = "") -> Iterator[str]:
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
+    with serving(create_app(Settings(data_dir=tmp_path, database_url=database_url))) as url:
+        yield url
+
+
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An API server whose first start created the admin; the CLI finds its token file as
     it would for `trident up` (TRIDENT_DATA_DIR), and no `trident login` profile."""
-    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
-    with serving(create_app(Settings(data_dir=tmp_path))) as url:
-        yield url
+    yield from _first_start(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def server_on_each_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      db_url: str) -> Iterator[str]:
+    """`server`, on SQLite and on PostgreSQL."""
+    yield from _first_start(tmp_path, monkeypatch, db_url)
 
 
 def test_validate_fills_defaults() -> None:
@@ -229,10 +241,11 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
 
 
-def test_identity_commands_over_the_api(server: str, tmp_path: Path,
+def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """login, whoami, user add/list/disable, token create/list/revoke, project add/quota/list;
     the token comes from TRIDENT_TOKEN, else the login profile, else the bootstrap file."""
+    server = server_on_each_db
     def run(*args: str) -> str:
         r = runner.invoke(app, [*args, "--server", server])
         assert r.exit_code == 0, (args, r.output)
@@ -277,9 +290,55 @@ def test_identity_commands_over_the_api(server: str, tmp_path: Path,
     assert "user alice disabled" in run("user", "disable", "alice")
 
 
+def test_trident_ups_first_start_says_where_the_admin_token_is(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `trident up` prints before it starts anything (the slow demo test runs it all)."""
+    from api.cli_identity import announce_bootstrap
+    from migrations import upgrade
+
+    settings = Settings(data_dir=tmp_path)
+    upgrade(settings.db_url)
+    announce_bootstrap(settings)
+    path = tmp_path / "admin.token"
+    assert capsys.readouterr().out == (
+        f"first start: created the admin user; its API token is in {path} (readable by you"
+        " only; the CLI uses it for this local server)\n")
+    assert path.stat().st_mode & 0o777 == 0o600
+    announce_bootstrap(settings)  # a later start: the same file, nothing created
+    assert capsys.readouterr().out == f"admin token: {path}\n"
+
+
 def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:
     r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
     assert r.exit_code == 0 and f"its API token is in {tmp_path / 'admin.token'}" in r.output
     assert (tmp_path / "admin.token").stat().st_mode & 0o077 == 0
     r = runner.invoke(app, ["bootstrap", "--data-dir", str(tmp_path)])
     assert r.exit_code == 1 and "users exist already" in r.output
+
+
+def test_the_cli_finds_its_token_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIDENT_TOKEN, else the `trident login` profile of that server, else (a server on this
+    machine only) the bootstrap file in TRIDENT_DATA_DIR, by default ./var: where `make demo`
+    (examples/demo.sh: `trident up --data-dir var` from the repository) has its server write
+    it, so the demo needs no step of its own."""
+    from api.cli_auth import save_profile, token_for
+
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
+    monkeypatch.delenv("TRIDENT_DATA_DIR", raising=False)
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    local, remote = "http://127.0.0.1:8000", "https://trident.example:8000"
+    assert token_for(local) == (None, "nowhere")
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "admin.token").write_text("trd_demo\n")
+    assert token_for(local) == ("trd_demo", f"the bootstrap token file {tmp_path}/var/admin.token")
+    assert token_for("http://localhost:8000")[0] == "trd_demo"
+    assert token_for(remote) == (None, "nowhere")  # never sent to another machine
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path / "elsewhere"))
+    assert token_for(local) == (None, "nowhere")
+    save_profile(local + "/", "trd_profile", "alice")
+    assert token_for(local)[0] == "trd_profile"
+    assert token_for(remote) == (None, "nowhere")
+    monkeypatch.setenv("TRIDENT_TOKEN", "trd_env")
+    assert token_for(local) == ("trd_env", "TRIDENT_TOKEN")
+    assert token_for(remote) == ("trd_env", "TRIDENT_TOKEN")

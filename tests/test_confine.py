@@ -140,3 +140,18 @@ def test_oversize_bodies_are_413_and_limits_are_in_the_schema(client: TestClient
     assert schema["UserIn"]["properties"]["name"]["maxLength"] == 64
     r = client.post("/api/v1/jobs", json=tiny_spec(env={f"V{i}": "1" for i in range(257)}))
     assert r.status_code == 422 and "at most 256 variables" in r.text
+
+
+def test_an_oversize_body_without_a_length_is_413_too(client: TestClient) -> None:
+    """A chunked body declares no length: it is counted as it arrives."""
+    def chunks() -> Iterator[bytes]:
+        yield b'{"name": "big", "env": {"PAD": "'
+        for _ in range(300):
+            yield b"x" * 4096
+        yield b'"}}'
+
+    r = client.post("/api/v1/jobs", content=chunks(),
+                    headers={"Content-Type": "application/json"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert r.status_code == 413 and "larger than 1048576 bytes" in r.json()["detail"]
+    assert client.get("/api/v1/jobs").json()["total"] == 0

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastapi.testclient import TestClient
+
+from api.app import create_app
 from service.controller import Controller
 from service.identity import Identity
 from service.jobs import Submitter
@@ -13,10 +16,11 @@ from service.jobs import submit as submit_job
 from service.protocols import NodeCapacity, PollResult
 from service.quota import Quota, held
 from service.scheduler import admit
+from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
-from tests.conftest import tiny_spec
+from tests.conftest import tiny_spec, user_token
 from tests.test_controller import FakeLauncher
 from tests.test_scheduler import job as make_job
 
@@ -100,7 +104,7 @@ def test_a_queued_job_shows_why_it_waits(store: Store, tmp_path: Path) -> None:
     spec = JobSpec.model_validate(tiny_spec())
     first = submit_job(store, spec, by=Submitter(owner="u", project="vision")).id
     second = submit_job(store, spec, by=Submitter(owner="u", project="vision")).id
-    launcher = FakeLauncher([[PollResult(state="running")] for _ in range(2)], cpus=16)
+    launcher = FakeLauncher([[PollResult(state="running")] * 20 for _ in range(2)], cpus=16)
     c = Controller(store, launcher, checkpoint_root=tmp_path)
     for _ in range(3):
         c.step()
@@ -110,3 +114,25 @@ def test_a_queued_job_shows_why_it_waits(store: Store, tmp_path: Path) -> None:
     assert job.waiting == "waiting for quota: project vision holds 1/1 CPUs, this job needs 1"
     assert [e.message for e in store.list_events(job_id=second) if e.kind == "quota"] == [
         job.waiting]
+    # The API shows it: in the job's detail (its own field and its reason), its line of the
+    # jobs list, and its events.
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store),
+                    headers={"Authorization": f"Bearer {user_token(store, 'vic', 'viewer')}"},
+                    ) as api:
+        detail = api.get(f"/api/v1/jobs/{second}").json()
+        assert detail["state"] == "QUEUED"
+        assert detail["waiting"] == detail["reason"] == job.waiting
+        [line] = [j for j in api.get("/api/v1/jobs?project=vision").json()["items"]
+                  if j["id"] == second]
+        assert line["reason"] == job.waiting
+        events = api.get(f"/api/v1/jobs/{second}/events").json()["items"]
+        assert [e["message"] for e in events if e["kind"] == "quota"] == [job.waiting]
+        # The quota frees: the job starts, and its detail no longer says it waits.
+        store.request_cancel(job_id=first)
+        for _ in range(5):
+            c.step()
+            if store.get_job(job_id=second).state == JobState.RUNNING:
+                break
+        detail = api.get(f"/api/v1/jobs/{second}").json()
+        assert detail["state"] == "RUNNING" and detail["waiting"] is None
+        assert detail["reason"] is None or "quota" not in detail["reason"]

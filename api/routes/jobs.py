@@ -24,6 +24,7 @@ from api.schemas import (
     JobOut,
     MetricList,
     MetricOut,
+    Refusal,
 )
 from service.compare import compare
 from service.confine import Confinement
@@ -166,7 +167,9 @@ def get_job(job: JobDep, store: StoreDep) -> JobOut:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,
-             dependencies=[Depends(require("jobs:cancel"))])
+             dependencies=[Depends(require("jobs:cancel"))],
+             responses={409: {"model": Refusal,
+                              "description": "The job has ended: nothing to cancel"}})
 def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
     """Ask for cancellation; the controller stops the workers within seconds. Members cancel
     only their own jobs."""

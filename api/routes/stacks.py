@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request
 
 from api.auth import Who, check_owner, require
 from api.deps import INT32_MAX, JobDep, StoreDep
+from api.schemas import Refusal
 from service.stack_requests import StackRequest, StackRequests, TooManyOpen
 from service.states import JobState
 from service.store import NotFound
@@ -34,7 +35,10 @@ Requests = Annotated[StackRequests, Depends(_requests)]
 
 
 @router.post("/{job_id}/stacks", status_code=202,
-             dependencies=[Depends(require("jobs:stacks"))])
+             dependencies=[Depends(require("jobs:stacks"))],
+             responses={409: {"model": Refusal, "description": "The job is not running"},
+                        429: {"model": Refusal,
+                              "description": "The job has 4 stack requests waiting"}})
 def request_stacks(job: JobDep, requests: Requests, who: Who) -> StackRequest:
     """Ask every rank of a RUNNING job for its Python stacks (all threads); poll
     `GET /jobs/{id}/stacks/{request_id}` until `status` is `done` (or `failed`). 409 when the
