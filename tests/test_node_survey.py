@@ -1,0 +1,72 @@
+"""Node inventories beside the controller's loop: a slow node holds no pass."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from service.node_survey import NodeSurvey
+from service.store import Store
+
+
+class SlowInventory:
+    """Answers at once the first time; later answers wait until `release` is set."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def inventory(self) -> list[dict[str, Any]]:
+        self.calls += 1
+        if self.calls > 1:
+            self.started.set()
+            assert self.release.wait(30), "never released"
+        return [{"node_id": f"n{i}", "hostname": f"h{i}"} for i in range(self.calls)]
+
+
+def test_the_first_inventory_is_taken_in_the_pass_and_later_ones_beside_it(
+        sqlite_store: Store) -> None:
+    launcher = SlowInventory()
+    survey = NodeSurvey(sqlite_store, launcher, every_s=0.0)  # type: ignore[arg-type]
+    survey.step()  # the first: in the pass, so admission sees the nodes at once
+    assert [n.node_id for n in sqlite_store.list_nodes()] == ["n0"]
+    survey.step()  # the second starts on its own thread and blocks there, not here
+    assert launcher.started.wait(10)
+    for _ in range(3):
+        survey.step()  # passes go on while it waits; nothing new is stored
+    assert launcher.calls == 2
+    assert [n.node_id for n in sqlite_store.list_nodes()] == ["n0"]
+    launcher.release.set()
+    for _ in range(200):
+        survey.step()
+        if len(sqlite_store.list_nodes()) == 2:
+            break
+        launcher.started.wait(0.05)
+    assert [(n.node_id, n.alive) for n in sqlite_store.list_nodes()] == [("n0", True),
+                                                                         ("n1", True)]
+    survey.close()
+
+
+def test_a_failed_inventory_keeps_the_recorded_nodes(sqlite_store: Store) -> None:
+    class Failing:
+        calls = 0
+
+        def inventory(self) -> list[dict[str, Any]]:
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("node n0 did not answer")
+            return [{"node_id": "n0", "hostname": "h0"}]
+
+    launcher = Failing()
+    survey = NodeSurvey(sqlite_store, launcher, every_s=0.0)  # type: ignore[arg-type]
+    survey.step()
+    survey.step()
+    for _ in range(200):
+        survey.step()  # stores nothing from the failure, and starts the next one
+        if launcher.calls >= 3:
+            break
+        threading.Event().wait(0.01)
+    assert launcher.calls >= 3
+    assert [(n.node_id, n.alive) for n in sqlite_store.list_nodes()] == [("n0", True)]
+    survey.close()
