@@ -114,6 +114,7 @@ async def login(request: Request) -> RedirectResponse:
                                 status_code=303)
     request.state.principal = who
     hours = request.app.state.settings.session_hours
+    identity.prune_tokens(user=who.name, name=SESSION_TOKEN_NAME)  # ended sessions go
     secret, _ = identity.create_token(user=who.name, name=SESSION_TOKEN_NAME,
                                       expires_in=timedelta(hours=hours))
     response = RedirectResponse("/", status_code=303)

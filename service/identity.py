@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -167,6 +167,17 @@ class Identity(EngineTx):
             s.add(row)
             s.flush()
             return secret, _token(row, u.name)
+
+    def prune_tokens(self, *, user: str, name: str) -> int:
+        """Delete `user`'s tokens called `name` that expired or were revoked (the dashboard's
+        sessions, one per log-in, would pile up otherwise); how many went."""
+        now = utcnow()
+        with self._tx() as s:
+            u = self._user_row(s, user)
+            gone = s.execute(delete(TokenRow).where(
+                TokenRow.user_id == u.id, TokenRow.name == name,
+                or_(TokenRow.revoked_at.is_not(None), TokenRow.expires_at <= now)))
+            return int(gone.rowcount or 0)  # type: ignore[attr-defined]
 
     def list_tokens(self, *, user: str | None = None) -> list[Token]:
         with self._tx() as s:

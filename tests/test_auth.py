@@ -224,6 +224,31 @@ def test_dashboard_login_sets_a_strict_httponly_session_with_csrf(client: TestCl
     assert r.status_code == 401 and "revoked" in r.json()["detail"]
 
 
+
+def test_ended_dashboard_sessions_are_deleted_at_the_next_log_in(client: TestClient,
+                                                                store: Store) -> None:
+    token = user_token(store, "alice", "member")
+    identity = Identity(store)
+    kept = identity.create_token(user="alice", name="laptop", expires_in=timedelta(seconds=1))
+    sessions = []
+    for _ in range(3):
+        r = client.post("/login", data={"token": token}, follow_redirects=False)
+        assert r.status_code == 303
+        sessions.append(client.cookies[SESSION_COOKIE])
+        client.post("/logout", data={"csrf": csrf_token(sessions[-1])})
+    live = client.post("/login", data={"token": token}, follow_redirects=False)
+    assert live.status_code == 303
+    # One more log-in from elsewhere: the live session stays, the three ended ones went.
+    client.cookies.clear()
+    assert client.post("/login", data={"token": token}, follow_redirects=False).status_code \
+        == 303
+    names = [t.name for t in identity.list_tokens(user="alice")]
+    assert names.count("dashboard session") == 2
+    assert "laptop" in names and kept[1].id in [t.id for t in identity.list_tokens()]
+    for secret in sessions:
+        r = client.get("/api/v1/whoami", headers=bearer(secret))
+        assert r.status_code == 401
+
 def test_a_prod_server_does_not_start_without_an_admin(store: Store, tmp_path: Path) -> None:
     prod = Settings.model_construct(**{**Settings(data_dir=tmp_path).model_dump(),
                                        "env": "prod"})
