@@ -25,7 +25,7 @@ from typing import Any
 
 from service.identity import Identity
 from service.metrics_ingest import MetricsIngest
-from service.monitor.attempt import AttemptHealth
+from service.monitor.attempt import AttemptHealth, record_stacks
 from service.monitor.cluster_probe import ClusterProbes
 from service.node_survey import NodeSurvey
 from service.protocols import Launcher, PollResult, WorkerGroup
@@ -40,6 +40,8 @@ from service.teardown import Teardown, Teardowns
 from service.worker_reports import store_poll
 
 log = logging.getLogger(__name__)
+HANG_STACKS_S = 10.0
+"""How long a hung group's ranks get to send their stacks (on its teardown thread)."""
 
 ADMIT_PAGE = 64
 """Queued jobs read per page by admission (see `Controller._admit`)."""
@@ -317,10 +319,10 @@ class Controller:
 
     def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
         """Stop a group in which no rank made progress in time (diagnosed by its health)."""
-        diagnosis = run.health.hung(lambda: run.group.stacks(10.0))
+        diagnosis = run.health.hung()
         if diagnosis is None:
             return False
-        self._teardown(job.id, run)
+        self._teardown(job.id, run, stacks=True)  # stacks taken beside the loop
         self._fail_attempt(job, run.attempt, f"hung: {diagnosis.summary}", result)
         return True
 
@@ -344,11 +346,14 @@ class Controller:
             self._move(job, JobState.FAILED, f"attempt {attempt} failed: {error}", result,
                        error=error, attempt=attempt)
 
-    def _teardown(self, job_id: int, run: _Running, *, drain: bool = False) -> None:
+    def _teardown(self, job_id: int, run: _Running, *, drain: bool = False,
+                  stacks: bool = False) -> None:
         """Stop the group beside the loop; this controller no longer polls it (with `drain`,
-        the teardown polls it once more: `_stopped` stores what that brought)."""
+        the teardown polls it once more; with `stacks`, it takes the ranks' stacks first:
+        `_stopped` stores what that brought)."""
         self.teardowns.start(("job", job_id), run.group, attempt=run.attempt,
-                             drain_s=self.drain_s if drain else 0.0)
+                             drain_s=self.drain_s if drain else 0.0,
+                             stacks_s=HANG_STACKS_S if stacks else 0.0)
         self.running.pop(job_id, None)
 
     def _stopped(self, td: Teardown) -> None:
@@ -357,6 +362,8 @@ class Controller:
             log.warning("%s %s: stopping its worker group failed: %s", kind, key_id, td.error)
         if kind != "job":
             return
+        if td.stacks:
+            record_stacks(self.store, key_id, td.attempt, td.stacks)
         if td.final is not None and td.attempt is not None:
             job = self.store.get_job(job_id=key_id)
             store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,

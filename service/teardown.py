@@ -38,6 +38,8 @@ class Teardown:
     error: str | None = None
     final: PollResult | None = None
     """The group's last poll, before it was stopped (only when asked for: `drain_s`)."""
+    stacks: dict[int, str] | None = None
+    """Every rank's Python stacks, taken before it was stopped (asked for: `stacks_s`)."""
 
 
 class Teardowns:
@@ -48,9 +50,10 @@ class Teardowns:
         self._inflight: list[Teardown] = []
 
     def start(self, key: Key, group: WorkerGroup, attempt: int | None = None,
-              drain_s: float = 0.0) -> Teardown:
+              drain_s: float = 0.0, stacks_s: float = 0.0) -> Teardown:
         """Stop `group` on a thread of its own; returns at once. With `drain_s`, poll it once
-        first (waiting up to `drain_s` for its ranks to answer): `Teardown.final`."""
+        first (waiting up to `drain_s` for its ranks to answer): `Teardown.final`. With
+        `stacks_s`, take its ranks' stacks first (a hung group): `Teardown.stacks`."""
         td = Teardown(key=key, attempt=attempt, started=time.monotonic())
 
         def run() -> None:
@@ -60,6 +63,11 @@ class Teardowns:
                         td.final = group.poll(drain_s)
                     except Exception:  # its reports are lost; the group must still stop
                         log.exception("%s %s: the last poll before stopping failed", *key)
+                if stacks_s > 0:
+                    try:
+                        td.stacks = group.stacks(stacks_s)
+                    except Exception:  # the diagnosis stands without them
+                        log.exception("%s %s: taking the ranks' stacks failed", *key)
                 group.shutdown(self.grace_s)
             except Exception as exc:  # reported by `reap`; the next pass must not die of it
                 td.error = f"{type(exc).__name__}: {exc}"

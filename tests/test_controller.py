@@ -34,6 +34,7 @@ class FakeGroup:
     after_cancel: PollResult | None = None
     """What a poll after `cancel` returns (default: stopped, nothing reported)."""
     poll_threads: list[str] = field(default_factory=list)
+    stack_threads: list[str] = field(default_factory=list)
 
     def poll(self, timeout_s: float) -> PollResult:
         self.polls += 1
@@ -53,6 +54,7 @@ class FakeGroup:
         self.shut = True
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
+        self.stack_threads.append(threading.current_thread().name)
         return {0: "Thread rank0:\n  File train.py, in all_reduce", 1: "Thread rank1:\n  sleep"}
 
     def acknowledge(self, acks: dict[int, int]) -> None:
@@ -274,8 +276,13 @@ def test_hang_is_diagnosed_with_stacks_and_fails_the_attempt(sqlite_store: Store
     hang = next(e for e in events if e.kind == "hang")
     assert hang.data["never_arrived"] == [1]
     assert "ranks [0] wait in all_reduce of dp group [0, 1]" in hang.message
-    assert sorted(e.data["rank"] for e in events if e.kind == "stacks") == [0, 1]
     assert stopped(c, launcher.groups[0])
+    # The stacks (up to 10 s of waiting for the ranks) were taken on the teardown's thread,
+    # not in a pass; the pass that reaps the teardown stores them.
+    assert [t.startswith("teardown-") for t in launcher.groups[0].stack_threads] == [True]
+    c.step()
+    events = sqlite_store.list_events(job_id=job_id)
+    assert sorted(e.data["rank"] for e in events if e.kind == "stacks") == [0, 1]
 
 
 def test_recent_heartbeats_are_not_a_hang(sqlite_store: Store, tmp_path: Path) -> None:

@@ -154,6 +154,10 @@ def test_hung_rank_is_named_within_the_timeout(stack) -> None:
 
     drive_until(controller, trained_step_2, 120, "step 2 of rank 1")
     assert drive(controller, store, job_id, {JobState.FAILED}, 120) == JobState.FAILED
+    # The ranks' stacks are taken where the group is stopped, beside the loop, and stored
+    # by the pass that reaps that teardown.
+    drive_until(controller, lambda: any(e.kind == "stacks" for e in store.list_events(
+        job_id=job_id)), 60, "the hung ranks' stacks")
     events = client.get(f"/api/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["items"]
     hang = next(e for e in events if e["kind"] == "hang")
     # Named once no rank moved for the timeout, soon after it: `stalled_s` is measured by the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from service.heartbeats import HeartbeatLog, HeartbeatThrottle
@@ -115,18 +115,23 @@ class AttemptHealth:
                 ev = s.to_event()
                 self._event("straggler", ev.pop("message"), ev)
 
-    def hung(self, stacks: Callable[[], dict[int, str]],
-             now: float | None = None) -> Diagnosis | None:
-        """The diagnosis when no rank made progress within `monitor.hang_timeout_s`, recorded
-        with every rank's Python stacks (`stacks()`, asked only then); else None."""
+    def hung(self, now: float | None = None) -> Diagnosis | None:
+        """The diagnosis (recorded as a `hang` event) when no rank made progress within
+        `monitor.hang_timeout_s`; else None. The ranks' stacks are taken where the group is
+        stopped, beside the controller's loop (`record_stacks`)."""
         if not self.heartbeats:
             return None
         diagnosis = diagnose_hang(self.heartbeats, time.time() if now is None else now,
                                   self.spec.monitor.hang_timeout_s, self.spec.layout.dims)
-        if diagnosis is None:
-            return None
-        self._event("hang", diagnosis.summary, diagnosis.to_dict())
-        for rank, text in stacks().items():
-            self._event("stacks", f"rank {rank} Python stacks at the hang",
-                        {"rank": rank, "stacks": text[:100_000]})
+        if diagnosis is not None:
+            self._event("hang", diagnosis.summary, diagnosis.to_dict())
         return diagnosis
+
+
+def record_stacks(store: Store, job_id: int, attempt: int | None,
+                  stacks: Mapping[int, str]) -> None:
+    """A hung group's ranks' Python stacks, one `stacks` event per rank."""
+    for rank, text in stacks.items():
+        store.add_event(job_id=job_id, attempt=attempt, kind="stacks",
+                        message=f"rank {rank} Python stacks at the hang",
+                        data={"rank": rank, "stacks": text[:100_000]})
