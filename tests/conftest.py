@@ -20,20 +20,28 @@ PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session, dropped afterwards."""
-    name = f"trident_test_{uuid.uuid4().hex[:10]}"
+@contextlib.contextmanager
+def scratch_pg_database(name: str) -> Iterator[str]:
+    """A PostgreSQL database called `name` on the local server, dropped on exit: its URL."""
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as c:
             c.execute(text(f'CREATE DATABASE "{name}"'))
     except Exception as exc:  # the server is part of the test environment: say so loudly
         pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is not usable: {exc}")
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped afterwards."""
+    with scratch_pg_database(f"trident_test_{uuid.uuid4().hex[:10]}") as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

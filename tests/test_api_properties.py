@@ -22,7 +22,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
-from sqlalchemy import create_engine, text
 
 from api.app import create_app
 from service.identity import Identity
@@ -31,7 +30,7 @@ from service.lease import Leader
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import PG_ADMIN_URL, tiny_spec, user_token
+from tests.conftest import PG_ADMIN_URL, scratch_pg_database, tiny_spec, user_token
 
 FUZZER = "fuzzer"
 """The admin the requests are sent as: the fuzzing may revoke or disable anyone but it."""
@@ -91,16 +90,9 @@ def sqlite_served() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def postgres_served() -> Iterator[dict[str, Any]]:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{_PG_NAME}"'))
-    except Exception as exc:  # the server is part of the test environment: say so loudly
-        pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is not usable: {exc}")
-    yield _seed(URLS["postgres"])
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{_PG_NAME}" WITH (FORCE)'))
-    admin.dispose()
+    with scratch_pg_database(_PG_NAME) as url:
+        assert url == URLS["postgres"]
+        yield _seed(url)
 
 
 def _names_what_is_wrong(status: int, body: Any) -> bool:

@@ -27,6 +27,7 @@ from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
 from tests.conftest import tiny_spec
+from tests.test_e2e_detached import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +44,6 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     head.start()
     yield head
     head.stop()
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float,
-             why: Callable[[], str] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s\n{why()}")
-        time.sleep(0.1)
 
 
 class Daemon:
