@@ -4,7 +4,7 @@ Stopping a group (`WorkerGroup.shutdown`) gives its ranks up to the grace to end
 them and frees their placement group: seconds, far longer than a controller pass. A cancelled
 group is drained first, on the same thread: its last poll (`Teardown.final`) carries what the
 ranks reported and the controller has not stored yet, which the controller stores when it
-reaps the teardown. `Teardowns`
+reaps the teardown; a hung group's stacks (`Teardown.stacks`) are taken there too. `Teardowns`
 runs each one on a thread of its own, so the controller moves the job on at once and one slow
 group never delays another or the next pass. It keeps what is still in flight by key, so the
 controller starts no new attempt of a job whose last group still holds its resources and

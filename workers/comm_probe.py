@@ -130,7 +130,9 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
                 t0 = time.perf_counter()
                 fn()
             _sync(device)
-            first = _slowest(time.perf_counter() - t0, group, device, point_s)
+            first = time.perf_counter() - t0
+            if point_s is not None:  # every rank must run the same calls
+                first = _slowest(first, group, device)
             more, k = _budgeted(first, nbytes, iters, warmup, point_s)
             for _ in range(more):
                 fn()
@@ -140,23 +142,19 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
             for _ in range(k):
                 fn()
             _sync(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / k], dtype=torch.float64,
-                                   device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            elapsed = _slowest((time.perf_counter() - t0) / k, group, device)
             if heartbeat is not None:
                 heartbeat.left()
             if me == ranks[0]:
-                row = _row(dim, ranks, op, nbytes, float(elapsed.item()), k)
+                row = _row(dim, ranks, op, nbytes, elapsed, k)
                 if use_list:
                     row["impl"] = "list"
                 rows.append(row)
     return rows
 
 
-def _slowest(seconds: float, group: Any, device: torch.device, point_s: float | None) -> float:
-    """The group's largest `seconds` (one small all-reduce), when a budget needs it."""
-    if point_s is None:
-        return seconds
+def _slowest(seconds: float, group: Any, device: torch.device) -> float:
+    """The group's largest `seconds` (one small all-reduce; every member calls it)."""
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
