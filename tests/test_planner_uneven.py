@@ -8,6 +8,7 @@ from service.planner import evaluate, search
 from service.planner.memory import stage_memory
 from service.planner.plan import scenario_for
 from service.planner.shape import ModelShape
+from service.planner.stored import plan_json
 from service.spec import JobSpec, ModelSpec, ParallelSpec
 
 
@@ -21,7 +22,7 @@ def spec(layers: int, pp: int, partition: str = "uniform", gpu: str = "a100-80gb
 
 def test_five_layers_on_two_stages_split_three_and_two_and_the_plan_shows_it():
     plan = evaluate(spec(5, 2))
-    out = plan.to_json()
+    out = plan_json(plan)
     assert out["stages"]["blocks"] == [3, 2]
     assert [s["layers"] for s in out["memory_by_stage"]] == [[[0, 3]], [[3, 5]]]
     assert [r["layers"] for r in out["rank_layout"]] == [[[0, 3]], [[3, 5]]]
@@ -59,10 +60,10 @@ def test_parameters_partition_counts_embedding_and_head():
     # the last stage's copy of the tied head weigh about two blocks each, so balancing by
     # parameters moves blocks from the end stages to the middle one.
     plan = evaluate(spec(24, 3, "parameters"))
-    blocks = plan.to_json()["stages"]["blocks"]
+    blocks = plan_json(plan)["stages"]["blocks"]
     assert sum(blocks) == 24 and blocks[1] > blocks[0] and blocks[1] > blocks[2]
     uniform = evaluate(spec(24, 3, "uniform"))
-    assert uniform.to_json()["stages"]["blocks"] == [8, 8, 8]
+    assert plan_json(uniform)["stages"]["blocks"] == [8, 8, 8]
     # ... which lowers the heaviest stage's parameters (and so its memory).
     heaviest = [max(stage_memory(p.scenario, s).params_per_rank for s in range(3))
                 for p in (plan, uniform)]

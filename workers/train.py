@@ -298,15 +298,9 @@ def _check_layout(layout: ParallelSpec, shape: ModelShape, groups: RankGroups,
     if layout.sequence_parallel and shape.seq_len % layout.tp:
         raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
                          f" seq_len({shape.seq_len})")
-    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages,
-                      _weights(layout, shape))[rank]
+    row = rank_layout(layout.dims, shape.stages(layout.pp, layout.virtual_stages,
+                                                layout.partition))[rank]
     assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
-
-
-def _weights(layout: ParallelSpec, shape: ModelShape) -> list[int] | None:
-    """The `parameters` partition's weights, as the planner's rank layout uses them."""
-    return shape.pipeline_weights() if layout.partition == "parameters" and layout.pp > 1 \
-        else None
 
 
 def _check_stage(module: torch.nn.Module, layout: ParallelSpec, shape: ModelShape,
@@ -331,10 +325,8 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=lambda r: report(StepReport.model_validate(r)),
                       resume_step=resume, stop=stop, attempt=ctx.attempt,
-                      layout=rank_layout(spec.layout.dims, spec.model.layers,
-                                         spec.layout.virtual_stages,
-                                         _weights(spec.layout,
-                                                  ModelShape.from_spec(spec.model)))))
+                      layout=rank_layout(spec.layout.dims, ModelShape.from_spec(spec.model).stages(
+                          spec.layout.pp, spec.layout.virtual_stages, spec.layout.partition))))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------

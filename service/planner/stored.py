@@ -1,10 +1,10 @@
-"""`StoredPlan`: the typed view of the plan JSON stored with a job (`Plan.to_json()` plus
-`plan_job`'s `chosen_by` / `search`, documented in docs/planner.md).
+"""The plan as a job stores it: `plan_json` writes it from a `Plan`, `StoredPlan` reads it back.
 
-The store hands it out as `Job.plan`; the scheduler, the controller, the workers' launcher,
-the API and the CLI read a stored plan through it instead of by string keys. Unknown keys
-are kept (`extra="allow"`), so a stored plan dumps back to the JSON it was read from. Imports
-only the spec's vocabulary, never the planner's model or search.
+`plan_json(plan)` is the plan JSON documented in docs/planner.md (`plan_job` adds `chosen_by`
+and `search`). The store hands a stored plan out as `Job.plan`, a `StoredPlan`: the scheduler,
+the controller, the workers' launcher, the API and the CLI read it through that view instead
+of by string keys. Unknown keys are kept (`extra="allow"`), so a stored plan dumps back to
+the JSON it was read from.
 """
 
 from __future__ import annotations
@@ -21,11 +21,61 @@ from pydantic import (
     model_validator,
 )
 
+from service.parallel import rank_layout
+from service.planner.explain import explain, tuning_notes
+from service.planner.memory import stage_memory
+from service.planner.plan import Plan
+from service.planner.uncertainty import ranges
 from service.spec import ParallelSpec
 
 # JSON numbers are kept as they were stored: an int stays an int (a plain `float` field would
 # turn 0 into 0.0 and change the JSON).
 Number = int | float
+
+
+def plan_json(plan: Plan, *, with_ranks: bool = True) -> dict[str, Any]:
+    """The plan JSON a job stores (docs/planner.md); `with_ranks=False` leaves out
+    `rank_layout` (one row per rank)."""
+    sc = plan.scenario
+    out: dict[str, Any] = {
+        "job": plan.job,
+        "profile": sc.profile.name,
+        "world_size": plan.world_size,
+        "nodes": sc.nodes,
+        "gpus_per_node": sc.gpus_per_node,
+        "precision": sc.precision,
+        "global_batch": sc.global_batch,
+        "micro_batches": sc.micro_batches,
+        "layout": plan.layout_json(),
+        "fits": plan.fits,
+        "reasons": plan.reasons,
+        "capacity_bytes": plan.capacity_bytes,
+        "memory": plan.memory.to_json(),
+        "memory_by_stage": [
+            {k: v for k, v in stage_memory(sc, s).to_json().items()
+             if k in ("stage", "params", "grads", "optimizer", "activations",
+                      "other", "total")} | {"layers": [list(r) for r in sc.stage_ranges[s]],
+                                                 "blocks": sc.stage_blocks[s],
+                                                 "micro_batch_s": plan.time.stage_micro_batch_s[s]}
+            for s in range(sc.layout.pp)],
+        "stages": plan.stages_json(),
+        "ranges": ranges(plan),
+        "host_memory": {"per_rank": plan.memory.host_per_rank,
+                        "per_node": plan.memory.host_per_node,
+                        "capacity_per_node": plan.host_capacity_bytes},
+        "time": plan.time.to_json(),
+        "tokens_per_s": plan.tokens_per_s,
+        "mfu": plan.mfu,
+        "tflops_per_gpu": plan.tflops_per_gpu,
+        "hardware_tflops_per_gpu": plan.hardware_tflops_per_gpu,
+        "shares": plan.shares,
+        "params_total": sc.shape.total_params,
+        "explanation": explain(plan),
+        "notes": tuning_notes(plan),
+    }
+    if with_ranks:
+        out["rank_layout"] = rank_layout(sc.dims, sc.stage_ranges)
+    return out
 
 
 class _View(BaseModel):
