@@ -142,7 +142,7 @@ def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
     metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
         "job": job, "spec_yaml": yaml.safe_dump(job.spec, sort_keys=False),
-        "plan": job.plan.model_dump(), "measured": compare(job.plan, metrics),
+        "plan": job.plan, "measured": compare(job.plan, metrics),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
         "terminal": job.state.terminal})
 

@@ -111,7 +111,7 @@ class StoreCollector(Collector):
             f["steps"].add_metric(jid, steps)
         f["step_pred"].add_metric(jid, plan.time.step_s)
         f["tok_pred"].add_metric(jid, plan.tokens_per_s)
-        mfu_pred = plan.model_dump().get("mfu")
+        mfu_pred = plan.mfu
         if mfu_pred is not None:
             f["mfu_pred"].add_metric(jid, mfu_pred)
         if plan.time.step_s:
@@ -144,9 +144,8 @@ class StoreCollector(Collector):
         attempts = store.list_attempts(job_id=job.id)
         place = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
                                         if attempts else [])}
-        by_stage = {int(m["stage"]): float(m["total"])
-                    for m in job.plan.model_dump().get("memory_by_stage") or []}
-        stage_of = {r.rank: r.pp for r in job.plan.rank_layout}
+        by_stage = job.plan.stage_bytes()
+        stage_of = job.plan.stage_of()
         newest: dict[int, Any] = {}
         if latest is not None:
             for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,

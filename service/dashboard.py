@@ -265,7 +265,7 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     and dips survive however long the job ran; a bucket is narrower than a pixel of a chart,
     so the order of minimum and maximum inside it is not drawn. `rows`: the steps shown."""
     plan = job.plan
-    mfu_pred = plan.model_dump().get("mfu")
+    mfu_pred = plan.mfu
     mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
     out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
                            "tokens_per_s": [], "mfu": [], "predicted": {
@@ -328,8 +328,7 @@ def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
     heartbeat, and whether it is a straggler or the rank a hang waits for (the newest
     attempt's events and heartbeats)."""
     plan = job.plan
-    by_stage = {int(m["stage"]): float(m["total"])
-                for m in plan.model_dump().get("memory_by_stage") or []}
+    by_stage = plan.stage_bytes()
     attempts = store.list_attempts(job_id=job.id)
     placement = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
                                         if attempts else [])}
@@ -344,7 +343,7 @@ def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
         times = [x for m in ms if (x := _compute_s(m)) is not None]
         if times:
             compute[r] = statistics.median(times)
-    stage_of = {row.rank: row.pp for row in plan.rank_layout}
+    stage_of = plan.stage_of()
     peers: dict[int, list[float]] = {}
     for r, t in compute.items():
         peers.setdefault(stage_of.get(r, 0), []).append(t)

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import select, update
+
 from service.controller import Controller
+from service.db import JobRow
 from service.hardware import get_profile
 from service.jobs import submit as submit_job
 from service.planner import StoredPlan
@@ -397,3 +402,27 @@ def test_cluster_probe_runs_are_started_and_calibrate_a_profile(sqlite_store: St
     assert sqlite_store.get_profile(name="cpu").profile.intra_node_bw == 2e8
     failed = sqlite_store.get_probe(probe_id=bad.id)
     assert failed.status == "failed" and failed.error == "rank 1 died"
+
+
+def test_a_pass_leaves_the_rank_rows_of_running_jobs_unread(sqlite_store: Store,
+                                                             tmp_path: Path) -> None:
+    """Every pass reads the plan of every active job, whose rank rows (one per rank) only a
+    start and the ranks grid need: a pass over running jobs never validates them, so rows
+    that cannot validate stop none of it."""
+    launcher = FakeLauncher([[PollResult(state="running")] for _ in range(3)])
+    ids = [submit(sqlite_store) for _ in range(3)]
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    assert {sqlite_store.get_job(job_id=i).state for i in ids} == {JobState.RUNNING}
+    with sqlite_store.engine.begin() as conn:
+        for i in ids:
+            plan = conn.execute(select(JobRow.plan).where(JobRow.id == i)).scalar_one()
+            rows = [{"rank": "not a row"}] * len(plan["rank_layout"])
+            conn.execute(update(JobRow).where(JobRow.id == i)
+                         .values(plan={**plan, "rank_layout": rows}))
+    for _ in range(3):
+        c.step()
+    assert {sqlite_store.get_job(job_id=i).state for i in ids} == {JobState.RUNNING}
+    assert all(g.polls >= 4 for g in launcher.groups)
+    with pytest.raises(ValidationError):  # they would not have validated
+        sqlite_store.get_job(job_id=ids[0]).plan.rank_layout[0]

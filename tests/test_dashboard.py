@@ -88,7 +88,8 @@ def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store
     assert out["rows"] == 7 and out["step"] == list(range(1, 8))
     assert out["loss"] == [9.9, 9.8, 9.7, 1.0, 1.0, 1.0, 1.0]
     assert out["predicted"]["step_time_s"] == job.plan.time.step_s
-    mfu = job.plan.model_dump()["mfu"]
+    mfu = job.plan.mfu
+    assert mfu is not None
     assert out["mfu"][0] == pytest.approx(mfu * 100.0 / job.plan.tokens_per_s)
 
 
@@ -133,8 +134,8 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
     grid = ranks_grid(store, job)
     cells = {c["rank"]: c for c in grid["cells"]}
     assert len(cells) == job.world_size == 4
-    stage = {r.rank: r.pp for r in job.plan.rank_layout}
-    by_stage = {m["stage"]: m["total"] for m in job.plan.model_dump()["memory_by_stage"]}
+    stage = job.plan.stage_of()
+    by_stage = {m.stage: m.total for m in job.plan.memory_by_stage}
     for r, c in cells.items():
         assert c["pp"] == stage[r] and c["node"] == f"n{r}" and c["gpu"] == str(r)
         assert c["memory_ratio"] == pytest.approx(c["memory_peak_bytes"] / by_stage[stage[r]])

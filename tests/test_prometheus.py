@@ -100,7 +100,7 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         pytest.approx((latest.step_time_s - pred) / pred)
     assert value(fams["trident_job_tokens_per_second"], job_id=job) == 3000.0
     assert value(fams["trident_job_loss"], job_id=job) == pytest.approx(4.7)
-    mfu_pred = running.plan.model_dump()["mfu"]
+    mfu_pred = running.plan.mfu
     assert value(fams["trident_job_mfu_ratio"], job_id=job) == pytest.approx(
         mfu_pred * 3000.0 / running.plan.tokens_per_s)
     bubbles = fams["trident_pipeline_bubble_ratio"]

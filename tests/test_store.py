@@ -6,14 +6,19 @@ import json
 import threading
 
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import inspect, text
 
 from migrations import downgrade, upgrade
 from service.hardware import get_profile
-from service.spec import ParallelSpec
+from service.planner import StoredPlan, evaluate
+from service.planner.memory import MemoryBreakdown, stage_memory
+from service.planner.stored import plan_json
+from service.planner.timing import TimeBreakdown
+from service.spec import JobSpec, ParallelSpec
 from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
-from tests.conftest import stored_plan
+from tests.conftest import stored_plan, tiny_spec
 
 
 def _job(store: Store, **kw: object) -> int:
@@ -57,6 +62,57 @@ def test_plan_comes_back_typed_and_as_stored(store: Store) -> None:
     # Every key, typed or not, in the order it was stored.
     assert json.dumps(job.plan.to_json()) == json.dumps(plan.to_json())
     assert "explanation" in job.plan.to_json() and job.plan.chosen_by == "spec"
+
+
+def test_a_stored_plan_holds_the_planners_own_breakdowns(store: Store) -> None:
+    """The planner's TimeBreakdown and MemoryBreakdown are what is stored and read back; the
+    per-stage memory and the MFU are typed too."""
+    spec = JobSpec.model_validate(tiny_spec(
+        model={"layers": 5, "hidden": 64, "heads": 8, "vocab": 256, "seq_len": 32},
+        train={"global_batch": 4, "micro_batch": 1, "precision": "fp32"},
+        parallel={"tp": 1, "pp": 2, "dp": 1}))
+    planned = evaluate(spec)
+    job = store.get_job(job_id=_job(store, plan=StoredPlan.from_json(plan_json(planned)),
+                                    world_size=2))
+    assert isinstance(job.plan.time, TimeBreakdown) and job.plan.time == planned.time
+    assert isinstance(job.plan.memory, MemoryBreakdown) and job.plan.memory == planned.memory
+    assert job.plan.mfu == pytest.approx(planned.mfu)
+    by_stage = {s: stage_memory(planned.scenario, s) for s in range(2)}
+    assert job.plan.stage_bytes() == {s: m.total for s, m in by_stage.items()}
+    assert [m.layers for m in job.plan.memory_by_stage] == [[(0, 3)], [(3, 5)]]
+    assert job.plan.stage_of() == {0: 0, 1: 1}
+    # The stored JSON carries the breakdowns' derived keys, as the planner writes them.
+    assert job.plan.to_json()["memory"] == planned.memory.to_json()
+
+
+def test_a_plan_stored_before_later_keys_reads_with_their_defaults() -> None:
+    """Plans stored before `memory_by_stage`, `mfu`, the reserved bytes' split and the
+    slowest stage existed still read, and dump back without them."""
+    data = stored_plan(pp=2).to_json()
+    del data["memory_by_stage"], data["mfu"]
+    for key in ("cuda_context", "nccl_buffers", "framework", "allocator_slack"):
+        del data["memory"][key]
+    del data["time"]["slowest_stage"], data["time"]["stage_micro_batch_s"]
+    plan = StoredPlan.from_json(data)
+    assert plan.mfu is None and plan.memory_by_stage == [] and plan.stage_bytes() == {}
+    assert plan.memory.cuda_context == 0.0 and plan.time.slowest_stage == 0
+    assert plan.memory.total == pytest.approx(data["memory"]["total"])
+    out = plan.to_json()
+    assert "memory_by_stage" not in out and "mfu" not in out
+
+
+def test_rank_rows_are_validated_on_first_use_only() -> None:
+    """Reading a plan leaves its rank rows as stored (a pass over every active job reads
+    every plan); a row is validated when it is first read, and the plan dumps back as is."""
+    data = stored_plan(dp=2).to_json()
+    data["rank_layout"] = [{"rank": 0, "layers": "not a row"}, {"rank": 1}]
+    plan = StoredPlan.from_json(data)
+    assert len(plan.rank_layout) == 2 and plan.layout.dp == 2
+    assert plan.to_json()["rank_layout"] == data["rank_layout"]
+    with pytest.raises(ValidationError, match="layers"):
+        plan.rank_layout[0]
+    good = stored_plan(tp=2, pp=2).rank_layout
+    assert [r.rank for r in good] == [0, 1, 2, 3] and good[2].first_stage is False
 
 
 def test_expect_guards_against_races(store: Store) -> None:
