@@ -106,9 +106,7 @@ class StoreCollector(Collector):
         lay, plan = job.plan.layout, job.plan
         f["info"].add_metric([str(job.id), job.name, job.owner, job.state.value, str(lay.tp),
                               str(lay.pp), str(lay.dp), str(lay.zero)], 1)
-        steps = job.spec.get("train", {}).get("steps")
-        if isinstance(steps, int):
-            f["steps"].add_metric(jid, steps)
+        f["steps"].add_metric(jid, job.spec.train.steps)
         f["step_pred"].add_metric(jid, plan.time.step_s)
         f["tok_pred"].add_metric(jid, plan.tokens_per_s)
         mfu_pred = plan.mfu

@@ -78,7 +78,7 @@ def decide_on_failure(job: Job) -> JobState:
 
 def retries(job: Job) -> int:
     """Restarts the job's spec allows (`max_retries`)."""
-    return int(job.spec.get("max_retries", 0))
+    return job.spec.max_retries
 
 
 class Controller:
@@ -225,8 +225,7 @@ class Controller:
                 return
             job = placing
         job = self.store.start_attempt(job_id=job.id, fence=self.fence)
-        attempt = job.attempts
-        spec = JobSpec.model_validate(job.spec)
+        attempt, spec = job.attempts, job.spec
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
                                         checkpoint_dir=self._checkpoint_dir(job.id, spec))
@@ -245,7 +244,7 @@ class Controller:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
         if job.attempts and job.state in (JobState.PLACING, JobState.RUNNING):
-            spec = JobSpec.model_validate(job.spec)
+            spec = job.spec
             group = self.launcher.attach(job_id=job.id, attempt=job.attempts, spec=spec,
                                          plan=job.plan,
                                          checkpoint_dir=self._checkpoint_dir(job.id, spec))

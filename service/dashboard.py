@@ -136,11 +136,6 @@ def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
     return {job_id: int(n) for job_id, n in rows}
 
 
-def _steps(row: JobRow) -> int | None:
-    steps = row.spec.get("train", {}).get("steps") if isinstance(row.spec, dict) else None
-    return steps if isinstance(steps, int) else None
-
-
 def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
               owner: str = "", project: str = "", sort: str = "id", desc: bool = True,
               limit: int = 50, offset: int = 0) -> tuple[list[JobSummary], int]:
@@ -172,8 +167,9 @@ def _summaries(s: Session, rows: Sequence[JobRow], *, steps: bool = True
     is queued)."""
     positions = _queue_positions(s, [r.id for r in rows if r.state == JobState.QUEUED.value])
     latest = _latest(s, [r.id for r in rows]) if steps else {}
-    return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
-                       queue_position=positions.get(r.id)) for r in rows]
+    jobs = [Job.from_row(r) for r in rows]
+    return [JobSummary(job=j, latest=latest.get(j.id), total_steps=j.spec.train.steps,
+                       queue_position=positions.get(j.id)) for j in jobs]
 
 
 def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
@@ -191,8 +187,9 @@ def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
         q = select(JobRow).where(JobRow.state == JobState.QUEUED.value)
         total = s.execute(select(func.count()).select_from(q.subquery())).scalar_one()
         rows = s.execute(q.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)).scalars()
-        return [JobSummary(job=Job.from_row(r), latest=None, total_steps=_steps(r),
-                           queue_position=i) for i, r in enumerate(rows, 1)], int(total)
+        jobs = [Job.from_row(r) for r in rows]
+        return [JobSummary(job=j, latest=None, total_steps=j.spec.train.steps,
+                           queue_position=i) for i, j in enumerate(jobs, 1)], int(total)
 
 
 def count_by_state(store: Store) -> dict[JobState, int]:

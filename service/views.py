@@ -2,7 +2,9 @@
 
 `service.store` builds them; the API, the controller, the scheduler and the CLI read them.
 `Job` is a pydantic model so that the API's `JobOut` can extend it instead of repeating its
-fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects).
+fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects). A job's
+spec and plan are validated once, here, when its row is read: `Job.spec` is the `JobSpec`
+that runs, `Job.plan` the typed `StoredPlan`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from service.db import AttemptRow, EventRow, JobRow, MetricRow, NodeRow, ProbeRow, ProfileRow
 from service.hardware import HardwareProfile
 from service.planner.stored import StoredPlan
+from service.spec import JobSpec
 from service.states import JobState
 
 
@@ -45,7 +48,8 @@ class Job(BaseModel):
     """The project it was submitted under (None: submitted before projects existed)."""
     state: JobState
     priority: int
-    spec: dict[str, Any]
+    spec: JobSpec
+    """The spec as stored at submission, with the layout it runs (`parallel` resolved)."""
     plan: StoredPlan
     world_size: int
     cpus: float
@@ -65,7 +69,8 @@ class Job(BaseModel):
         return cls(
             id=row.id, name=row.name, owner=row.owner, project=row.project,
             state=JobState(row.state), waiting=row.waiting,
-            priority=row.priority, spec=row.spec, plan=StoredPlan.from_json(row.plan),
+            priority=row.priority, spec=JobSpec.model_validate(row.spec),
+            plan=StoredPlan.from_json(row.plan),
             world_size=row.world_size, cpus=row.cpus, gpus=row.gpus,
             cancel_requested=row.cancel_requested, attempts=row.attempts, error=row.error,
             created_at=_utc(row.created_at), updated_at=_utc(row.updated_at),

@@ -161,10 +161,10 @@ def test_auto_job_runs_its_stored_spec_as_it_is(sqlite_store: Store, tmp_path: P
     job_id = submit(sqlite_store, parallel="auto",
                     cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 2})
     job = sqlite_store.get_job(job_id=job_id)
-    assert job.plan.chosen_by == "search" and job.spec["parallel"] != "auto"
+    assert job.plan.chosen_by == "search" and job.spec.parallel != "auto"
     make(sqlite_store, launcher, tmp_path).step()
     started = launcher.started[0]
-    assert started["spec"] == JobSpec.model_validate(job.spec)
+    assert started["spec"] == job.spec
     assert started["spec"].layout == job.plan.layout.parallel
     assert started["spec"].train.micro_batch == job.plan.layout.micro_batch
     assert started["plan"] == job.plan
@@ -351,7 +351,7 @@ def test_probe_is_judged_against_the_profile_trident_probe_calibrated(sqlite_sto
     sqlite_store.save_profile(name="cpu", profile=slow_link.to_json())
     launcher = FakeLauncher([[PollResult(state="running", reports=probe_reports(1e6))]])
     job_id = submit(sqlite_store)
-    assert JobSpec.model_validate(sqlite_store.get_job(job_id=job_id).spec).target.gpu == "cpu"
+    assert sqlite_store.get_job(job_id=job_id).spec.target.gpu == "cpu"
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
     (probe,) = sqlite_store.list_probes(job_id=job_id)

@@ -7,9 +7,10 @@ import threading
 
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
 
 from migrations import downgrade, upgrade
+from service.db import JobRow
 from service.hardware import get_profile
 from service.planner import StoredPlan, evaluate
 from service.planner.memory import MemoryBreakdown, stage_memory
@@ -22,7 +23,8 @@ from tests.conftest import stored_plan, tiny_spec
 
 
 def _job(store: Store, **kw: object) -> int:
-    args: dict = {"name": "j", "spec": {"max_retries": 0}, "plan": stored_plan(dp=2),
+    args: dict = {"name": "j", "spec": JobSpec.model_validate(tiny_spec()),
+                  "plan": stored_plan(dp=2),
                   "world_size": 2, "cpus": 1.0, "gpus": 0.0}
     args.update(kw)
     return store.create_job(**args).id
@@ -265,7 +267,9 @@ def test_calibrated_profiles_replace_older_ones(store: Store) -> None:
 def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
     upgrade(db_url, "0002")
     plan = stored_plan(dp=2).to_json()
-    spec = {"name": "j", "parallel": "auto", "train": {"micro_batch": 7, "steps": 3}}
+    spec = {"name": "j", "model": {"preset": "gpt-tiny"}, "parallel": "auto",
+            "train": {"micro_batch": 7, "steps": 3},
+            "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}}
     s = Store(db_url)
     with s.engine.begin() as c:
         c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
@@ -274,10 +278,39 @@ def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
                        " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
                   {"spec": json.dumps(spec), "plan": json.dumps(plan)})
     upgrade(db_url)
-    (job,), _ = s.list_jobs()
+    with s.engine.begin() as c:
+        stored = c.execute(select(JobRow.spec)).scalar_one()
     layout = dict(plan["layout"])
-    assert job.spec["train"] == {"micro_batch": layout.pop("micro_batch"), "steps": 3}
-    assert job.spec["parallel"] == layout
+    micro_batch = layout.pop("micro_batch")
+    assert stored["train"] == {"micro_batch": micro_batch, "steps": 3}
+    assert stored["parallel"] == layout
+    (job,), _ = s.list_jobs()  # and it reads as the spec that runs
+    assert job.spec.train.micro_batch == micro_batch and job.spec.train.steps == 3
+    assert job.spec.layout == ParallelSpec.model_validate(layout)
+    s.close()
+
+
+def test_migration_makes_env_values_stored_before_printable(db_url: str) -> None:
+    """A spec stored before env values had to be printable text reads as a JobSpec after the
+    upgrade: its control characters are written as escapes, and the job says so."""
+    upgrade(db_url, "0010")
+    spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
+    spec["env"] = {"BANNER": "one\ntwo\tthree\x00", "PLAIN": "as it was"}
+    with pytest.raises(ValidationError, match="control character"):
+        JobSpec.model_validate(spec)  # what the row could not be read as
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
+                       " VALUES ('old', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
+                       " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                  {"spec": json.dumps(spec), "plan": json.dumps(stored_plan(dp=2).to_json())})
+    upgrade(db_url)
+    (job,), _ = s.list_jobs()
+    assert job.spec.env == {"BANNER": "one\\ntwo\\tthree\\x00", "PLAIN": "as it was"}
+    assert job.spec.model_dump(mode="json") == {**spec, "env": job.spec.env}
+    (event,) = [e for e in s.list_events(job_id=job.id) if e.kind == "spec"]
+    assert event.data == {"escaped": ["BANNER"]} and "BANNER" in event.message
     s.close()
 
 
@@ -302,9 +335,11 @@ def test_idempotency_key_revision_keeps_jobs_both_ways(db_url: str) -> None:
     with s.engine.begin() as c:
         c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
                        " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
-                       " VALUES ('old', 'local', 'QUEUED', 0, '{}', :plan, 2, 1, 0, false, 0,"
+                       " VALUES ('old', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
                        " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
-                  {"plan": json.dumps(stored_plan(dp=2).to_json())})
+                  {"plan": json.dumps(stored_plan(dp=2).to_json()),
+                   "spec": json.dumps(JobSpec.model_validate(tiny_spec()).model_dump(
+                       mode="json"))})
         old_id = c.execute(text("SELECT id FROM jobs")).scalar_one()
         c.execute(text("INSERT INTO events (job_id, kind, message, data, time) VALUES"
                        " (:j, 'state', 'job queued', '{}', CURRENT_TIMESTAMP)"), {"j": old_id})

@@ -188,8 +188,7 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     default), owned by the caller; checked as a new submission. Members resubmit only their
     own jobs."""
     check_owner(who, "jobs:resubmit", job.owner)
-    spec = JobSpec.model_validate(job.spec)
-    new, _ = _queue(store, spec, request, submitter(request, who, job.project))
+    new, _ = _queue(store, job.spec, request, submitter(request, who, job.project))
     return JobOut.of(new, summary=job_summary(store, new.id, new=True))
 
 
