@@ -18,7 +18,7 @@ from service.db import JobRow
 from service.hardware import get_profile
 from service.jobs import submit as submit_job
 from service.planner import StoredPlan
-from service.protocols import NodeCapacity, PollResult
+from service.protocols import HeartbeatReport, NodeCapacity, PollResult
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import AttemptStatus, ProbeStatus, Store
@@ -262,9 +262,9 @@ def test_orphaned_running_job_does_not_stay_running(sqlite_store: Store, tmp_pat
 
 
 def hb(rank: int, step: int, age: float, collective: str | None = None,
-       group: list[int] | None = None) -> dict[str, Any]:
-    return {"rank": rank, "step": step, "phase": "forward", "collective": collective,
-            "dim": "dp" if collective else None, "group": group, "time": 0.0, "age_s": age}
+       group: list[int] | None = None) -> HeartbeatReport:
+    return HeartbeatReport(rank=rank, step=step, phase="forward", collective=collective,
+                           dim="dp" if collective else None, group=group, time=0.0, age_s=age)
 
 
 def test_hang_is_diagnosed_with_stacks_and_fails_the_attempt(sqlite_store: Store,

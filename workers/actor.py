@@ -112,7 +112,7 @@ class RankActor:
                 print(self._error, file=sys.stderr, flush=True)  # into the rank's log
             finally:
                 self._finished = True
-                self.heartbeat.beat(self.heartbeat.read()["step"], "done")
+                self.heartbeat.beat(self.heartbeat.read().step, "done")
 
         self._thread = threading.Thread(target=run, name=f"rank{self.rank}", daemon=True)
         self._thread.start()
@@ -196,8 +196,9 @@ class RankActor:
             state = "failed"
         else:
             state = "stopped" if self._stop.is_set() else "succeeded"
+        # Plain dicts across Ray; the group validates the heartbeat back into its model.
         return {"rank": self.rank, "state": state, "reports": reports, "error": self._error,
-                "heartbeat": self.heartbeat.read(), "dropped": dropped}
+                "heartbeat": self.heartbeat.read().model_dump(), "dropped": dropped}
 
     def started(self) -> bool:
         """Whether this rank's work was started (a controller that re-attaches needs it)."""

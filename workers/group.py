@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import (
     get_placement_group,
@@ -31,7 +32,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from service.planner.stored import StoredPlan
-from service.protocols import GroupState, PollResult
+from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
 from workers.actor import RANK_RUNTIME_ENV, RankActor
@@ -87,6 +88,7 @@ class RayWorkerGroup:
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
         self._acked: dict[int, int] = {}
+        self._bad_beats: set[int] = set()
         self.actors: list[Any]
         if attach:  # the ranks exist and train: look them up by name
             found = get_placement_group(name)
@@ -179,7 +181,7 @@ class RayWorkerGroup:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done_set = set(done)
         reports: list[dict[str, Any]] = []
-        heartbeats: dict[int, dict[str, Any]] = {}
+        heartbeats: dict[int, HeartbeatReport] = {}
         acks: dict[int, int] = {}
         events: list[dict[str, Any]] = []
         for r, ref in list(self._poll_refs.items()):
@@ -198,7 +200,13 @@ class RayWorkerGroup:
             if out.get("dropped"):
                 events.append({"kind": "warning", "message": f"rank {r} dropped"
                                f" {out['dropped']} unacknowledged report(s): its buffer is full"})
-            heartbeats[r] = out["heartbeat"]
+            try:
+                heartbeats[r] = HeartbeatReport.model_validate(out["heartbeat"])
+            except ValidationError as exc:  # dropped, said once: the rank is judged without it
+                if r not in self._bad_beats:
+                    self._bad_beats.add(r)
+                    events.append({"kind": "warning", "message": f"rank {r} sent a heartbeat"
+                                   f" that does not validate, dropped: {exc}"})
             self._states[r] = out["state"]
             if out["error"]:
                 self._errors[r] = f"rank {r}:\n{out['error']}"
