@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.dashboard import job_series, jobs_page, queue, ranks_grid
+from service.dashboard import job_series, jobs_page, queue
 from service.heartbeats import HeartbeatLog
 from service.jobs import submit
+from service.rank_status import rank_status
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
@@ -131,7 +132,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
         {"rank": r, "hostname": f"n{r}", "gpu_ids": [str(r)]} for r in range(4)]})
     store.add_event(job_id=job_id, attempt=1, kind="straggler", message="slow",
                     data={"rank": 3})
-    grid = ranks_grid(store, job)
+    grid = rank_status(store, job).to_json()
     cells = {c["rank"]: c for c in grid["cells"]}
     assert len(cells) == job.world_size == 4
     stage = job.plan.stage_of()
@@ -148,7 +149,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
     seen = time.time() - 30.0
     HeartbeatLog(store.engine).record(job_id=job_id, attempt=1, seen={1: seen})
     before = time.time()
-    cells = {c["rank"]: c for c in ranks_grid(store, job)["cells"]}
+    cells = {c["rank"]: c for c in rank_status(store, job).to_json()["cells"]}
     assert before - seen <= cells[1]["heartbeat_age_s"] <= time.time() - seen
     assert cells[0]["heartbeat_age_s"] is None
 

@@ -76,6 +76,7 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         before = datetime.now(UTC)
         fams = scrape(client)
         after = datetime.now(UTC)
+        cells = client.get(f"/api/v1/jobs/{running.id}/ranks").json()["cells"]
 
     assert fams["trident_jobs"].type == "gauge"
     assert value(fams["trident_jobs"], state="QUEUED") == len(queued)
@@ -126,6 +127,15 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
             assert (before - seen[rank]).total_seconds() <= age <= \
                 (after - seen[rank]).total_seconds()
         assert (before - seen[0]).total_seconds() >= 12.5
+        # One status per rank: the ranks grid's (`trident top`'s) cells, gauge for gauge.
+        assert [c["rank"] for c in cells] == [0, 1]
+        for c in cells:
+            labels = {"job_id": job, "rank": str(c["rank"]), "node": c["node"],
+                      "gpu": c["gpu"] or ""}
+            assert value(fams["trident_rank_memory_peak_bytes"], **labels) == \
+                c["memory_peak_bytes"]
+            assert value(fams["trident_rank_memory_predicted_bytes"], **labels) == \
+                pytest.approx(c["memory_predicted_bytes"])
     else:
         assert not fams["trident_rank_memory_peak_bytes"].samples
         assert not fams["trident_rank_heartbeat_age_seconds"].samples
