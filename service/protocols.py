@@ -249,7 +249,9 @@ class Launcher(Protocol):
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None) -> WorkerGroup:
-        """Claim resources and start the ranks; must not block on training."""
+        """Claim resources and start the ranks; must not block on training. Each rank is
+        sent the stored `spec` and its row of the stored `plan` (`StoredPlan.rank_plan`: its
+        stage, layers and groups), which it builds from."""
         ...
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.planner import evaluate, search
+from service.parallel import Dim, ParallelDims
+from service.planner import StoredPlan, evaluate, search
 from service.planner.memory import stage_memory
 from service.planner.plan import scenario_for
 from service.planner.shape import ModelShape
@@ -86,3 +87,34 @@ def test_search_offers_uneven_pipelines():
     assert not any("not divisible by pp" in r.reason for r in res.rejected)
     sc = scenario_for(sp, ParallelSpec(pp=4))
     assert sc.stage_blocks == (7, 6, 6, 6)
+
+
+def test_each_rank_plan_is_its_stored_row_with_every_stage_and_its_groups():
+    """`StoredPlan.rank_plan`, the row the launcher sends a rank: the stored row's stage and
+    layers (here the `parameters` balance of an uneven split), every stage's layers, and the
+    ranks of its TP, PP and DP groups."""
+    job = JobSpec(name="u", model={"preset": "gpt3-1.3b", "layers": 7},
+                  train={"global_batch": 16, "micro_batch": 1},
+                  parallel=ParallelSpec(tp=2, pp=3, dp=2, partition="parameters"),
+                  cluster={"gpu": "a100-80gb", "nodes": 2, "gpus_per_node": 6})
+    plan = StoredPlan.from_json(plan_json(evaluate(job)))
+    dims = plan.layout.dims
+    stages = ModelShape.from_spec(job.model).stages(3, 1, "parameters")
+    assert stages != ModelShape.from_spec(job.model).stages(3)  # not the uniform split
+    for rank, row in enumerate(plan.rank_layout):
+        mine = plan.rank_plan(rank)
+        assert (mine.rank, mine.pp, mine.dp, mine.tp) == (row.rank, row.pp, row.dp, row.tp)
+        assert mine.layers == row.layers == stages[row.pp]
+        assert mine.stages == stages
+        assert mine.blocks == [i for a, b in stages[row.pp] for i in range(a, b)]
+        assert mine.first_stage == row.first_stage and mine.last_stage == row.last_stage
+        for dim in Dim:
+            assert mine.groups[dim] in dims.groups(dim) and rank in mine.groups[dim]
+    assert plan.rank_plan(5).groups == {Dim.TP: [4, 5], Dim.DP: [5, 7], Dim.PP: [1, 5, 9]}
+
+
+def test_a_ranks_group_along_a_dim_is_its_entry_of_the_groups():
+    for dims in (ParallelDims(tp=2, pp=3, dp=2), ParallelDims(dp=5), ParallelDims(tp=4, pp=2)):
+        for dim in Dim:
+            for group in dims.groups(dim):
+                assert all(dims.group_of(r, dim) == group for r in group)

@@ -23,6 +23,8 @@ from typing import Any
 
 import ray
 
+from service.planner.stored import RankPlan
+from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
 
 RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
@@ -71,21 +73,20 @@ class RankActor:
             "free_ports": [_free_port(), _free_port()],
         }
 
-    def start(self, spec_json: dict[str, Any], master_addr: str, ports: list[int],
+    def start(self, spec: JobSpec, plan: RankPlan, master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int,
               log: tuple[str, int] | None = None) -> None:
-        """Probe (if asked), then train, on a thread; `ports`: [training, probe]; `log`: the
-        directory and size cap of the rank logs (`workers.ranklog`)."""
-        from service.spec import JobSpec
+        """Probe (if asked), then train, on a thread: the job's stored spec and this rank's
+        row of its stored plan, as the controller's launcher sends them; `ports`: [training,
+        probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`)."""
         from workers.ranklog import capture
         from workers.train import RankContext, train_rank
 
         self._log = capture(log[0], self.rank, log[1]) if log else None
 
-        spec = JobSpec.model_validate(spec_json)
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
                           master_addr=master_addr, master_port=ports[0],
-                          checkpoint_dir=checkpoint_dir, attempt=attempt)
+                          checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:

@@ -279,15 +279,17 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
-def train_launch(*, attempt: int, spec: JobSpec, checkpoint_dir: str | None,
+def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_dir: str | None,
                  log: tuple[str, int] | None) -> Callable[[Any, int, list[dict[str, Any]], int],
                                                           Any]:
-    """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`)."""
-    spec_json = spec.model_dump(mode="json")
+    """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`):
+    with the job's stored spec and the rank's row of its stored plan (`StoredPlan.rank_plan`:
+    its stage, layers and groups)."""
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
-        return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
-                                  local_rank, checkpoint_dir, attempt, log)
+        return actor.start.remote(spec, plan.rank_plan(rank), infos[0]["ip"],
+                                  infos[0]["free_ports"], local_rank, checkpoint_dir, attempt,
+                                  log)
 
     return launch
 
@@ -301,7 +303,7 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
                           env=rank_env(spec.env, cpus, gpus), detached=True,
-                          launch=train_launch(attempt=attempt, spec=spec,
+                          launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                               checkpoint_dir=checkpoint_dir, log=log))
 
 
