@@ -83,8 +83,11 @@ def test_a_stored_plan_holds_the_planners_own_breakdowns(store: Store) -> None:
     assert job.plan.stage_bytes() == {s: m.total for s, m in by_stage.items()}
     assert [m.layers for m in job.plan.memory_by_stage] == [[(0, 3)], [(3, 5)]]
     assert job.plan.stage_of() == {0: 0, 1: 1}
-    # The stored JSON carries the breakdowns' derived keys, as the planner writes them.
+    # The stored JSON carries the breakdowns' derived keys, as the planner writes them, and
+    # reads back as the very JSON the planner wrote, key for key and number for number.
     assert job.plan.to_json()["memory"] == planned.memory.to_json()
+    assert json.dumps(job.plan.to_json()) == json.dumps(json.loads(json.dumps(
+        plan_json(planned))))
 
 
 def test_a_plan_stored_before_later_keys_reads_with_their_defaults() -> None:

@@ -220,13 +220,13 @@ class StageMemory(_View):
 
     MEMORY_KEYS: ClassVar[tuple[str, ...]] = ("stage", "params", "grads", "optimizer",
                                               "activations", "other", "total")
-    """The keys of `MemoryBreakdown.to_json` a stage's entry carries."""
+    """The keys of `MemoryBreakdown.to_json` a stage's entry carries (in its order)."""
 
-    stage: int
     params: Number
     grads: Number
     optimizer: Number
     activations: Number
+    stage: int
     other: Number
     total: Number
     layers: list[tuple[int, int]] | None = None
@@ -261,7 +261,7 @@ class StoredPlan(_View):
         return plan
 
     @field_serializer("memory")
-    def _memory_as_planned(self, memory: MemoryBreakdown) -> dict[str, float]:
+    def _memory_as_planned(self, memory: MemoryBreakdown) -> dict[str, Any]:
         # With `other`, `total` and the allocator's views, as the planner writes it.
         return memory.to_json()
 
