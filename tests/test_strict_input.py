@@ -1,6 +1,6 @@
 """Input checked at the door: bounded integers in paths and queries, strict numbers in bodies,
 printable environments, resources some node can offer, a body size cap, and idempotent
-submission; on SQLite and PostgreSQL."""
+submission under keys of the caller's own; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.body_limit import MAX_BODY_BYTES
-from service.jobs import KeyReused, submit_once
+from service.jobs import KeyReused, Submitter, submit_once
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, tiny_spec, user_token
 
 TOO_BIG = [2**31, 2**63, 2**64]
 
@@ -230,31 +230,64 @@ def test_idempotency_keys_are_short_printable_text(client: TestClient, key: str)
     assert client.get("/api/v1/jobs").json()["total"] == 0
 
 
-def test_concurrent_retries_create_one_job(store: Store) -> None:
+def test_an_idempotency_key_is_the_callers_own(store: Store, tmp_path: Path) -> None:
+    """Another user's key with the same spec makes a job of the caller's own; each user's
+    retry still finds their first job, and a conflict names only the caller's job."""
+    alice = {"Authorization": f"Bearer {user_token(store, 'alice', 'member')}",
+             "Idempotency-Key": "shared-7f3a"}
+    bob = {"Authorization": f"Bearer {user_token(store, 'bob', 'member')}",
+           "Idempotency-Key": "shared-7f3a"}
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        hers = c.post("/api/v1/jobs", json=tiny_spec(), headers=alice)
+        assert hers.status_code == 201 and hers.json()["owner"] == "alice", hers.text
+        his = c.post("/api/v1/jobs", json=tiny_spec(), headers=bob)
+        assert his.status_code == 201, his.text
+        assert his.json()["owner"] == "bob" and his.json()["id"] != hers.json()["id"]
+        for who, first in ((alice, hers), (bob, his)):
+            again = c.post("/api/v1/jobs", json=tiny_spec(), headers=who)
+            assert again.status_code == 200, again.text
+            assert (again.json()["id"], again.json()["owner"]) == (first.json()["id"],
+                                                                   first.json()["owner"])
+        r = c.post("/api/v1/jobs", json=tiny_spec(name="renamed"), headers=bob)
+        assert r.status_code == 409
+        [d] = r.json()["detail"]
+        assert f"job {his.json()['id']} " in d["msg"]
+        assert f"job {hers.json()['id']} " not in d["msg"]
+        listed = c.get("/api/v1/jobs", headers={"Authorization": alice["Authorization"]})
+        assert sorted((j["id"], j["owner"]) for j in listed.json()["items"]) == [
+            (hers.json()["id"], "alice"), (his.json()["id"], "bob")]
+
+
+def test_concurrent_retries_create_one_job_per_owner(store: Store) -> None:
+    """Three retries each of two users, all at once, under one key: one job per user."""
     spec = JobSpec.model_validate(tiny_spec())
-    results: list[tuple[int, bool]] = []
+    results: list[tuple[str, int, bool]] = []
     errors: list[BaseException] = []
     start = threading.Barrier(6)
 
-    def retry() -> None:
+    def retry(owner: str) -> None:
         start.wait()
         try:
-            job, created = submit_once(store, spec, "same-key")
-            results.append((job.id, created))
+            job, created = submit_once(store, spec, "same-key", Submitter(owner=owner))
+            results.append((job.owner, job.id, created))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=retry) for _ in range(6)]
+    threads = [threading.Thread(target=retry, args=(owner,)) for owner in ["alice", "bob"] * 3]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
-    assert len({job_id for job_id, _ in results}) == 1
-    assert sorted(created for _, created in results) == [False] * 5 + [True]
-    assert store.list_jobs()[1] == 1
+    for owner in ("alice", "bob"):
+        mine = [(job_id, created) for who, job_id, created in results if who == owner]
+        assert len({job_id for job_id, _ in mine}) == 1, results
+        assert sorted(created for _, created in mine) == [False, False, True], results
+    assert len({job_id for _, job_id, _ in results}) == 2
+    assert store.list_jobs()[1] == 2
     with pytest.raises(KeyReused):
-        submit_once(store, JobSpec.model_validate(tiny_spec(name="other")), "same-key")
+        submit_once(store, JobSpec.model_validate(tiny_spec(name="other")), "same-key",
+                    Submitter(owner="alice"))
 
 
 def test_every_integer_in_a_path_or_query_is_bounded(client: TestClient) -> None:
