@@ -27,7 +27,8 @@ from api.cli_identity import announce_bootstrap, register
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
-from api.schemas import ProbeRow, ProbeSummary
+from api.schemas import ProbeSummary
+from service.protocols import ProbeRowModel
 from service.store import ProbeStatus
 
 app = typer.Typer(cls=Trident, no_args_is_help=True,
@@ -179,7 +180,7 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
         if bw:
             typer.echo(f"  {link}: {bw / 1e9:.2f} GB/s (all-reduce busbw)")
     typer.echo(f"  {'op':<14} {'group':<10} {'bytes':>10} {'busbw GB/s':>11}")
-    for row in (ProbeRow.model_validate(r) for r in p.results):
+    for row in (ProbeRowModel.model_validate(r) for r in p.results):
         typer.echo(f"  {row.op:<14} {str(row.group):<10} {row.bytes:>10}"
                    f" {row.busbw / 1e9:>11.3f}")
     typer.echo(f"profile {s.profile.name!r} calibrated; new plans on this cluster use it")

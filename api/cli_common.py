@@ -38,8 +38,13 @@ error."""
 
 def fail(message: str, code: int = REFUSED) -> NoReturn:
     """Print `error: message` on stderr (one line) and exit with `code`."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    typer.echo(_line(message), err=True)
     raise typer.Exit(code)
+
+
+def _line(message: str) -> str:
+    """`error: message`, its line breaks and runs of spaces made single spaces."""
+    return f"error: {' '.join(message.split())}"
 
 
 def connect(server: str) -> TridentClient:
@@ -97,7 +102,7 @@ class Trident(TyperGroup):
 
 
 def _error(message: str, code: int) -> NoReturn:
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    typer.echo(_line(message), err=True)
     sys.exit(code)
 
 

@@ -420,19 +420,9 @@ class ProbeList(BaseModel):
     items: list[Probe]
 
 
-class ProbeRow(BaseModel):
-    """One measurement of a probe (`Probe.results`): an op on a group at a message size."""
-
-    model_config = ConfigDict(extra="allow")
-
-    op: str
-    group: Any
-    bytes: int
-    busbw: float
-
-
 class ProbeSummary(BaseModel):
-    """A done cluster probe's `summary`: what it measured and the profile it calibrated."""
+    """A done cluster probe's `summary`: what it measured and the profile it calibrated (its
+    `results` are `service.protocols.ProbeRowModel` rows, with their expectation)."""
 
     model_config = ConfigDict(extra="allow")
 

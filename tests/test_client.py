@@ -38,13 +38,13 @@ from api.schemas import (
     NodeInfo,
     Placement,
     PlanOut,
-    ProbeRow,
     ProbeSummary,
     StackAnswer,
 )
 from service.hardware import PROFILES
 from service.heartbeats import HeartbeatLog
 from service.lease import Leader
+from service.protocols import ProbeRowModel
 from service.ranklogs import attempt_log_dir
 from service.spec import JobSpec
 from service.stack_collect import group_stacks
@@ -238,7 +238,8 @@ def test_stacks_probes_the_cluster_and_the_planner(live: Live, client: TridentCl
     assert probe.status == ProbeStatus.PENDING and probe.request["max_bytes"] == 4096
     cpu = PROFILES["cpu"].to_json()
     live.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=[
-        {"op": "all_reduce", "group": [0, 1], "bytes": 4096, "busbw": 2e9}], summary={
+        {"dim": "world", "op": "all_reduce", "group": [0, 1], "bytes": 4096, "time_s": 4e-6,
+         "algbw": 1e9, "busbw": 2e9, "expected_busbw": 4e9, "ratio": 0.5}], summary={
         "profile": cpu, "matmul_flops": {"fp32": 1e12}, "links": {"intra_node_bw": 2e9},
         "ranks": 2, "nodes": 1})
     live.store.save_profile(name="cpu", profile=cpu, probe_id=probe.id)
@@ -246,7 +247,7 @@ def test_stacks_probes_the_cluster_and_the_planner(live: Live, client: TridentCl
                                     "cpu", "cpus": 8, "resources": {"CPU": 8.0}}])
     got = client.get_probe(probe.id)
     assert got.status == ProbeStatus.DONE and ProbeSummary.of(got).profile.name == "cpu"
-    assert ProbeRow.model_validate(got.results[0]).busbw == 2e9
+    assert ProbeRowModel.model_validate(got.results[0]).busbw == 2e9
     assert [p.id for p in client.list_probes().items] == [probe.id]
     cluster = client.get_cluster()
     assert [n.node_id for n in cluster.nodes] == ["node-h0"]

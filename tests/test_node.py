@@ -168,8 +168,9 @@ def test_probe_prints_what_it_measured_and_the_profile_it_calibrated(
             time.sleep(0.05)
         store.finish_probe(
             probe_id=claimed[0].id, status=status,
-            results=[{"op": "all_reduce", "group": [0, 1], "bytes": 1 << 20,
-                      "busbw": 2.5e9}],
+            results=[{"dim": "world", "op": "all_reduce", "group": [0, 1], "bytes": 1 << 20,
+                      "time_s": 4e-4, "algbw": 2.5e9, "busbw": 2.5e9,
+                      "expected_busbw": 5e9, "ratio": 0.5}],
             summary={"profile": PROFILES["cpu"].to_json(), "matmul_flops": {"fp32": 1.5e12},
                      "links": {"intra_node_bw": 2.5e9, "inter_node_bw": None},
                      "ranks": 2, "nodes": 1} if status == ProbeStatus.DONE else {},
