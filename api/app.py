@@ -29,6 +29,7 @@ from api.health import health
 from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
+from api.schemas import Health
 from service.heap import freeze_startup_objects
 from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
@@ -115,7 +116,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(identity.router)
     v1.include_router(stacks.router)
 
-    @v1.get("/healthz", tags=["system"], responses={503: {"description": "degraded"}})
+    @v1.get("/healthz", tags=["system"], response_model=Health,
+            responses={503: {"model": Health, "description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:
         """`ok` (200) when the database answers and a controller holds an unexpired lease;
         else `degraded` (503), naming which of the two is wrong."""

@@ -1,6 +1,7 @@
-"""`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
-`plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
+"""`trident`: the command line. Every command talks to the REST API through
+`api.client.TridentClient`, except `up` (starts the local stack), `controller` (runs the
+controller alone), `bootstrap` (the first admin) and `plan` (needs no server); every error
+is one line (`api.cli_common.Trident`). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
 are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
 `events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
@@ -21,13 +22,16 @@ import typer
 from pydantic import ValidationError
 
 from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
-from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, fail
+from api.cli_common import DEFAULT_SERVER, ServerOpt, Trident, connect, fail, short_helps
 from api.cli_identity import announce_bootstrap, register
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
+from api.schemas import ProbeSummary
+from service.protocols import ProbeRowModel
+from service.store import ProbeStatus
 
-app = typer.Typer(no_args_is_help=True,
+app = typer.Typer(cls=Trident, no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
 
 
@@ -156,29 +160,30 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident probe --ranks-per-node 8 --profile h100-80gb
     """
-    p = _call(server, "POST", "/probes", json={"ranks_per_node": ranks_per_node,
-                                               "max_bytes": max_bytes, "profile": profile})
-    typer.echo(f"probe {p['id']} requested; waiting for the controller")
-    deadline = time.monotonic() + timeout
-    while p["status"] in ("pending", "running"):
-        if time.monotonic() > deadline:
-            fail(f"probe {p['id']} still {p['status']} after {timeout:g} s", 1)
-        time.sleep(1)
-        p = _call(server, "GET", f"/probes/{p['id']}")
-    if p["status"] != "done":
-        fail(f"probe {p['id']} failed: {p['error']}", 1)
-    s = p["summary"]
-    typer.echo(f"{s['ranks']} ranks on {s['nodes']} node(s)")
-    for kind, flops in sorted(s["matmul_flops"].items()):
+    with connect(server) as client:
+        p = client.request_probe(ranks_per_node=ranks_per_node, max_bytes=max_bytes,
+                                 profile=profile)
+        typer.echo(f"probe {p.id} requested; waiting for the controller")
+        deadline = time.monotonic() + timeout
+        while p.status in (ProbeStatus.PENDING, ProbeStatus.RUNNING):
+            if time.monotonic() > deadline:
+                fail(f"probe {p.id} still {p.status.value} after {timeout:g} s", 1)
+            time.sleep(1)
+            p = client.get_probe(p.id)
+    if p.status != ProbeStatus.DONE:
+        fail(f"probe {p.id} failed: {p.error}", 1)
+    s = ProbeSummary.of(p)
+    typer.echo(f"{s.ranks} ranks on {s.nodes} node(s)")
+    for kind, flops in sorted(s.matmul_flops.items()):
         typer.echo(f"  matmul {kind}: {flops / 1e12:.3f} TFLOP/s per rank")
-    for link, bw in sorted(s["links"].items()):
+    for link, bw in sorted(s.links.items()):
         if bw:
             typer.echo(f"  {link}: {bw / 1e9:.2f} GB/s (all-reduce busbw)")
     typer.echo(f"  {'op':<14} {'group':<10} {'bytes':>10} {'busbw GB/s':>11}")
-    for row in p["results"]:
-        typer.echo(f"  {row['op']:<14} {str(row['group']):<10} {row['bytes']:>10}"
-                   f" {row['busbw'] / 1e9:>11.3f}")
-    typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
+    for row in (ProbeRowModel.model_validate(r) for r in p.results):
+        typer.echo(f"  {row.op:<14} {str(row.group):<10} {row.bytes:>10}"
+                   f" {row.busbw / 1e9:>11.3f}")
+    typer.echo(f"profile {s.profile.name!r} calibrated; new plans on this cluster use it")
 
 
 register(app)
@@ -190,6 +195,7 @@ register_node(app)
 register_stacks(app)
 cli_jobs.register(app)
 cli_logs.register(app)
+short_helps(app)
 
 
 def main() -> None:

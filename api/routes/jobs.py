@@ -19,6 +19,7 @@ from api.deps import (
 )
 from api.schemas import (
     AttemptList,
+    CommView,
     EventList,
     JobList,
     JobOut,
@@ -219,7 +220,7 @@ def attempts(job: JobDep, store: StoreDep) -> AttemptList:
     return AttemptList(items=store.list_attempts(job_id=job.id))
 
 
-@router.get("/{job_id}/comm", dependencies=_READ)
+@router.get("/{job_id}/comm", response_model=CommView, dependencies=_READ)
 def comm(job: JobDep, store: StoreDep,
          last: Annotated[int, Query(ge=1, le=10000)] = 100) -> dict[str, Any]:
     """Communication per dimension over the last `last` steps of the newest attempt: time per
