@@ -1,5 +1,7 @@
 """On a real local Ray, through the API with members' tokens and the controller: a job never
-starts on a checkpoint folder another owner's job wrote, nor do its ranks when started there."""
+starts on a checkpoint folder another owner's job wrote, nor do its ranks when started
+there; and a start that fails after its placement group was made releases the group and its
+ranks in the same controller pass."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
 from tests.test_e2e_ray import drive  # noqa: E402
 from tests.test_workers_checkpoint_owner import snapshot  # noqa: E402
+from workers.group import NAMESPACE, RayWorkerGroup  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -120,3 +123,46 @@ def test_a_job_never_starts_on_another_owners_checkpoint_folder(stack) -> None:
     finally:
         group.shutdown(5)
     assert snapshot(theirs) == before
+
+
+def test_a_start_that_fails_after_its_placement_group_releases_it_at_once(stack) -> None:
+    client, store, controller = stack
+    # A quantity Ray rounds to no CPU at all: the placement group is made, the first rank is
+    # refused (`resources.cpus_per_worker` refuses it at submission now).
+    name = "trident-job90-a1"
+    with pytest.raises(ValueError, match="0.0001"):
+        RayWorkerGroup(name=name, world_size=2, ranks_per_bundle=1, cpus=1e-9, gpus=0,
+                       env={}, launch=None, detached=True)
+    assert live_groups(name) == ([], [])
+
+    # Through the controller: the second rank's name is taken (a rank another controller
+    # left), after the placement group and the first rank were made.
+    admin = {"Authorization": f"Bearer {user_token(store)}"}
+    controller.step()  # the first pass sweeps what no attempt owns: nothing left to sweep
+    job_id = client.post("/api/v1/jobs", headers=admin, json=tiny_spec(
+        monitor={"probe": False})).json()["id"]
+    group = f"trident-job{job_id}-a1"
+
+    @ray.remote(num_cpus=0)
+    class Squatter:
+        def ping(self) -> bool:
+            return True
+
+    squatter = Squatter.options(name=f"{group}-r1", namespace=NAMESPACE,  # type: ignore[attr-defined]
+                                lifetime="detached").remote()
+    assert ray.get(squatter.ping.remote())
+    try:
+        changes = controller.step().changes
+        assert [c.to for c in changes] == [JobState.PLACING, JobState.FAILED], changes
+        error = store.get_job(job_id=job_id).error
+        assert error is not None and "worker group failed to start" in error, error
+        # In the same pass: the placement group is removed and the first rank killed (its
+        # process ends asynchronously: it leaves the named actors within moments).
+        assert live_groups(group)[1] == []
+        deadline = time.monotonic() + 60
+        while live_groups(group)[0] != [f"{group}-r1"]:
+            assert time.monotonic() < deadline, live_groups(group)
+            time.sleep(0.2)
+        assert ray.get(squatter.ping.remote())  # not the group's: left alone
+    finally:
+        ray.kill(squatter)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,21 @@ def test_a_folder_rank_0_refused_fails_the_job_without_a_retry(sqlite_store: Sto
     assert job.state == JobState.FAILED and job.attempts == 2, job
     assert job.error is not None and "not retried:" in job.error and "job 99 (owner alice)" in \
         job.error
+
+
+def test_a_stored_spec_that_fails_a_newer_check_fails_without_a_start(sqlite_store: Store,
+                                                                       tmp_path: Path) -> None:
+    """Stored before a check it fails was added (a resource quantity Ray cannot claim): the
+    job fails with the reason, without a retry, and the pass goes on."""
+    job = submit_job(sqlite_store, JobSpec.model_validate(tiny_spec(max_retries=2)))
+    good = queue(sqlite_store, "bob")
+    spec = {**job.spec, "resources": {**job.spec["resources"], "cpus_per_worker": 1e-9}}
+    with sqlite3.connect(tmp_path / "c.db") as db:  # as an older server stored it
+        db.execute("UPDATE jobs SET spec = ? WHERE id = ?", (json.dumps(spec), job.id))
+    launcher = FakeLauncher([[PollResult(state="starting")]])
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step()
+    bad = sqlite_store.get_job(job_id=job.id)
+    assert bad.state == JobState.FAILED and bad.error is not None
+    assert "not started" in bad.error and "resources.cpus_per_worker" in bad.error, bad.error
+    assert sqlite_store.get_job(job_id=good).state == JobState.PLACING

@@ -100,16 +100,24 @@ class RayWorkerGroup:
             return
         lifetime = {"lifetime": "detached"} if detached else {}
         self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime)
-        self.actors = [
-            RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r // self.tp),
-                **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
-                   if detached else {}),
-            ).remote(r, world_size, env)
-            for r in range(world_size)
-        ]
+        self.actors = []
+        try:
+            for r in range(world_size):
+                self.actors.append(RankActor.options(  # type: ignore[attr-defined]
+                    num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=r // self.tp),
+                    **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
+                       if detached else {}),
+                ).remote(r, world_size, env))
+        except BaseException:
+            # A partial start releases what it claimed now, not at the next controller's
+            # sweep: the ranks made so far and the placement group.
+            try:
+                self._release()
+            except RayError:
+                log.exception("%s: releasing what a failed start claimed failed", name)
+            raise
 
     # --- polling ----------------------------------------------------------------------------
 
@@ -266,6 +274,10 @@ class RayWorkerGroup:
                 if "running" not in states:
                     break
                 time.sleep(0.1)
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the ranks and remove the placement group."""
         for a in self.actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.pg)
