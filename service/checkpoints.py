@@ -200,9 +200,11 @@ class CheckpointPlaces:
         if _within(real, default):
             first = Path(os.path.relpath(real, default)).parts[0]
             if DEFAULT_FOLDER.match(first):
-                return (f"{raw!r} resolves to {real}, in {os.path.join(default, first)}, the"
-                        f" default checkpoint folder of job {first[4:]}: {RULE} (leave"
-                        " checkpoint.dir unset for the job's own default folder)")
+                folder = os.path.join(default, first)
+                where = "is" if real == folder else f"resolves to {real}, in {folder},"
+                return (f"{raw!r} {where} the default checkpoint folder of job {first[4:]}:"
+                        f" {RULE} (leave checkpoint.dir unset for the job's own default"
+                        " folder)")
         return None
 
     def taken(self, raw: str) -> str | None:
