@@ -1,6 +1,6 @@
 """Input checked at the door: bounded integers in paths and queries, strict numbers in bodies,
-printable environments, what Ray and the OS would refuse at start, resources some node can
-offer, a body size cap, and idempotent submission; on SQLite and PostgreSQL."""
+printable environments, resources some node can offer, a body size cap, and idempotent
+submission; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
