@@ -23,6 +23,7 @@ from collections.abc import Callable
 from datetime import datetime
 from types import FrameType
 
+from service.checkpoints import CheckpointPlaces
 from service.controller import Controller
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
@@ -129,6 +130,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
     def make_controller() -> Controller:
         return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
                           checkpoint_root=settings.checkpoint_root,
+                          places=CheckpointPlaces(settings.checkpoint_root_dirs,
+                                                  settings.data_dir),
                           start_timeout_s=settings.start_timeout_s,
                           cancel_grace_s=settings.cancel_grace_s,
                           fence=Fence(CONTROLLER, leader.holder))

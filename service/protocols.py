@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict  # pydantic takes typing's only from Python 3.12
 
+from service.checkpoints import CheckpointWriter
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 
@@ -216,8 +217,10 @@ class Launcher(Protocol):
     def total_capacity(self) -> list[NodeCapacity]: ...
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> WorkerGroup:
-        """Claim resources and start the ranks; must not block on training."""
+              checkpoint_dir: str | None, writer: CheckpointWriter | None) -> WorkerGroup:
+        """Claim resources and start the ranks; must not block on training. `writer`: the
+        job `checkpoint_dir` must belong to (rank 0 checks it before any rank resumes).
+        What a start that raises claimed is released before it raises."""
         ...
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
@@ -230,7 +233,8 @@ class Launcher(Protocol):
         ...
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None) -> WorkerGroup | None:
+               checkpoint_dir: str | None,
+               writer: CheckpointWriter | None) -> WorkerGroup | None:
         """The attempt's group, still there from before this controller started (training,
         or not launched yet: it goes on from its placement, to train from `checkpoint_dir`),
         or None (and whatever is left of it stopped)."""

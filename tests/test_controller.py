@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from service.checkpoints import CheckpointWriter
 from service.controller import Controller
 from service.hardware import get_profile
 from service.jobs import submit as submit_job
@@ -73,7 +74,7 @@ class FakeLauncher:
         self.swept: list[tuple[int, int]] = []
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None) -> FakeGroup | None:
+               checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup | None:
         g = self.live.get((job_id, attempt))
         return g if g is not None and not g.shut else None
 
@@ -100,10 +101,10 @@ class FakeLauncher:
         return g
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> FakeGroup:
+              checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup:
         g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir},
                       release=self.release)
-        self.started.append({"spec": spec, "plan": plan})
+        self.started.append({"spec": spec, "plan": plan, "writer": writer})
         self.groups.append(g)
         self.live[(job_id, attempt)] = g
         return g

@@ -4,6 +4,7 @@ submission under keys of the caller's own; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,43 @@ def test_control_characters_in_env_values_are_refused(client: TestClient, value:
     assert r.status_code == 422 and _loc(r) == [["body", "env"]]
     ok = client.post("/api/v1/jobs", json=tiny_spec(env={"NCCL_DEBUG": "INFO x=1 ü"}))
     assert ok.status_code == 201, ok.text
+
+
+def test_what_ray_or_the_os_would_refuse_is_a_422_naming_its_field(client: TestClient,
+                                                                    tmp_path: Path) -> None:
+    """Refused at submission, against the field, not at start: resource quantities Ray
+    cannot claim (it counts in units of 0.0001, and refuses less than one when it creates the
+    ranks, after the placement group), and paths or environment values the OS refuses."""
+    ckpt = f"{tmp_path}/checkpoints"
+    cpus, path = ["body", "resources", "cpus_per_worker"], ["body", "checkpoint", "dir"]
+    cases = [
+        ({"resources": {"cpus_per_worker": 1e-9}}, cpus, "1e-09 is not a whole number of"
+         " Ray's resource units (0.0001)"),
+        ({"resources": {"cpus_per_worker": 0.00015}}, cpus, "use a multiple of 0.0001"),
+        ({"checkpoint": {"dir": f"{ckpt}/a\x00b"}}, path, "holds a NUL byte"),
+        ({"checkpoint": {"dir": f"{ckpt}/a\nb"}}, path, "holds a control character"),
+        ({"checkpoint": {"dir": f"{ckpt}/{'x' * 256}/a"}}, path,
+         "is 256 bytes long in UTF-8; the OS takes at most 255 per component"),
+        ({"checkpoint": {"dir": f"{ckpt}/" + "é/" * 1400}}, path,
+         f"is {len(ckpt) + 1 + 3 * 1400} bytes long in UTF-8; the OS takes at most 4095"),
+        ({"checkpoint": {"dir": "/" + "a" * 4095}}, path, "at most 4095 characters"),
+        ({"checkpoint": {"dir": f"{ckpt}/\ud800"}}, path, "unable to parse raw data as a unicode"),
+        ({"env": {"NCCL_DEBUG": "\ud800"}}, ["body", "env", "NCCL_DEBUG"],
+         "unable to parse raw data as a unicode"),
+    ]
+    for over, loc, msg in cases:
+        # A lone surrogate, escaped in the JSON as any client library sends it.
+        r = client.post("/api/v1/jobs", content=json.dumps(tiny_spec(**over)),
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, (over, r.text)
+        [d] = r.json()["detail"]
+        assert d["loc"] == loc and msg in d["msg"], (over, d)
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+    for fine in (0.0001, 0.3, 1.25):
+        r = client.post("/api/v1/jobs", json=tiny_spec(resources={"cpus_per_worker": fine}))
+        assert r.status_code == 201, r.text
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["ResourcesSpec"]["properties"]["cpus_per_worker"]["multipleOf"] == 0.0001
 
 
 def test_more_ranks_than_one_node_need_a_cluster(client: TestClient) -> None:

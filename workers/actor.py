@@ -73,9 +73,12 @@ class RankActor:
 
     def start(self, spec_json: dict[str, Any], master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int,
-              log: tuple[str, int] | None = None) -> None:
+              log: tuple[str, int] | None = None,
+              writer: dict[str, Any] | None = None) -> None:
         """Probe (if asked), then train, on a thread; `ports`: [training, probe]; `log`: the
-        directory and size cap of the rank logs (`workers.ranklog`)."""
+        directory and size cap of the rank logs (`workers.ranklog`); `writer`: the job the
+        checkpoint folder must belong to (`service.checkpoints.CheckpointWriter`)."""
+        from service.checkpoints import CheckpointWriter
         from service.spec import JobSpec
         from workers.ranklog import capture
         from workers.train import RankContext, train_rank
@@ -85,7 +88,8 @@ class RankActor:
         spec = JobSpec.model_validate(spec_json)
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
                           master_addr=master_addr, master_port=ports[0],
-                          checkpoint_dir=checkpoint_dir, attempt=attempt)
+                          checkpoint_dir=checkpoint_dir, attempt=attempt,
+                          writer=CheckpointWriter.from_json(writer) if writer else None)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:

@@ -1,5 +1,6 @@
 """DeepSpeed checkpoints of a job: save every `checkpoint.every_steps`, resume from the newest
-complete one.
+complete one; before any rank resumes, rank 0 makes the folder the job's own (`claim_folder`,
+`service.checkpoints`): a folder another job wrote is neither resumed from nor written into.
 
 Layout: `<dir>/step<N>/` is one DeepSpeed tag (model and ZeRO shards of every rank, written by
 the engine) plus a `COMPLETE` marker that rank 0 writes after a barrier, once every rank has
@@ -18,6 +19,8 @@ import re
 
 import torch
 import torch.distributed as dist
+
+from service.checkpoints import CheckpointRefused, CheckpointWriter, claim
 
 MARKER = "COMPLETE"
 _TAG = re.compile(r"^step(\d+)$")
@@ -41,6 +44,25 @@ def agreed_resume_step(directory: str | None) -> int:
     step = [newest_complete_step(directory) if dist.get_rank() == 0 else 0]
     dist.broadcast_object_list(step, src=0)
     return int(step[0])
+
+
+def claim_folder(directory: str | None, writer: CheckpointWriter | None) -> None:
+    """Collective: rank 0 makes `directory` `writer`'s job's (`service.checkpoints.claim`);
+    every rank raises CheckpointRefused when it is another job's, so that none resumes from
+    it or writes into it. Nothing is checked without a directory or a writer."""
+    if directory is None or writer is None:
+        return
+    verdict: list[tuple[str, str] | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            claim(directory, writer)
+        except (CheckpointRefused, OSError) as exc:
+            verdict = [(type(exc).__name__, str(exc))]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        kind, why = verdict[0]
+        raise CheckpointRefused(why) if kind == "CheckpointRefused" else \
+            OSError(f"rank 0 could not claim checkpoint folder {directory}: {why}")
 
 
 def _rng_state() -> dict:

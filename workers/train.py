@@ -29,6 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from service.checkpoints import CheckpointWriter
 from service.parallel import rank_layout
 from service.planner.shape import ModelShape
 from service.protocols import MemoryReport, StepReport
@@ -58,6 +59,9 @@ class RankContext:
     checkpoint_dir: str | None
     """The job's checkpoint directory (None: no checkpoints)."""
     attempt: int = 0
+    writer: CheckpointWriter | None = None
+    """The job `checkpoint_dir` must belong to, checked before any rank resumes (None: not
+    checked, as under torchrun)."""
 
 
 @dataclass
@@ -91,6 +95,7 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     down. Exceptions propagate; `stop` ends the run cleanly between steps."""
     device = _setup(spec, ctx)
     try:
+        checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
         layout = spec.layout
         groups = build_groups(layout.dims, ctx.rank)
         ds_config = deepspeed_config(spec, device)

@@ -73,7 +73,7 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
                 f" belongs to {', '.join(mine) or 'none'}, not {project}"))
     settings = request.app.state.settings
     return Submitter(owner=who.name, project=project, confinement=Confinement(
-        checkpoint_roots=settings.checkpoint_root_dirs,
+        checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
         admin=who.role == "admin"))
 
@@ -92,9 +92,11 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     """Validate and plan a job, then queue it, owned by the caller, under `project`. For
     `parallel: auto` the stored spec carries the layout the search chose (the plan says
     `chosen_by: search`). With an `Idempotency-Key` a retry is safe: it returns the first
-    submission's job. `checkpoint.dir` must lie inside the server's checkpoint roots,
-    `entrypoint` under its allowed modules, and `env` may not set loader variables
-    (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin submits."""
+    submission's job. `checkpoint.dir` must be a folder of the job's own inside the server's
+    checkpoint roots (not a root itself, not in the data directory but under its
+    `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules, and
+    `env` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin
+    submits."""
     job, created = _queue(store, spec, request, submitter(request, who, project),
                           idempotency_key)
     if not created:

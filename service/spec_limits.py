@@ -1,0 +1,68 @@
+"""What Ray and the operating system refuse, checked where a spec is read (`service.spec`), so
+that a job that passes the check does not fail at start, and each refusal names its field.
+
+- A resource quantity is a whole number of Ray's units (0.0001): Ray refuses a fraction below
+  one unit when it creates an actor (after the placement group is made) and rounds others
+  down, so the job would claim another quantity than the one planned.
+- A path is text the OS takes: no NUL (or other control character), at most `PATH_MAX - 1`
+  bytes in UTF-8 and `NAME_MAX` bytes per component (Linux's limits); so is an environment
+  value. (Lone surrogates, which JSON can carry and no OS takes, pydantic refuses itself.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
+
+RAY_UNIT = 0.0001
+"""Ray counts resources in fixed point with 4 decimals (`ray._raylet.RESOURCE_UNIT_SCALING`)."""
+PATH_MAX = 4096
+"""Bytes of a path with its terminating NUL (Linux)."""
+NAME_MAX = 255
+"""Bytes of one path component (Linux)."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def ray_quantity(value: float) -> float:
+    """`value` when Ray can claim exactly that much of a resource; ValueError otherwise."""
+    units = value / RAY_UNIT
+    if round(units) < 1 or abs(units - round(units)) > 1e-6:
+        raise ValueError(f"{value!r} is not a whole number of Ray's resource units"
+                         f" ({RAY_UNIT:g}): use a multiple of {RAY_UNIT:g}, at least"
+                         f" {RAY_UNIT:g}")
+    return value
+
+
+def env_value(key: str, value: str) -> None:
+    """ValueError when `value`, the value of environment variable `key`, is not printable
+    text (the OS takes no NUL in it)."""
+    if _CONTROL.search(value):
+        raise ValueError(f"the value of {key} holds a control character (NUL, newline, ...);"
+                         " environment values are printable text")
+
+
+def os_path(value: str) -> str:
+    """`value` when the OS would take it as a path; ValueError naming what it would refuse."""
+    if "\x00" in value:
+        raise ValueError(f"{value!r} holds a NUL byte, which no path can hold")
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} holds a control character (newline, tab, ...); a path"
+                         " here is printable text")
+    size = len(value.encode())  # valid Unicode: pydantic refuses lone surrogates
+    if size > PATH_MAX - 1:
+        raise ValueError(f"the path is {size} bytes long in UTF-8; the OS takes at most"
+                         f" {PATH_MAX - 1}")
+    for part in value.split("/"):
+        if (n := len(part.encode())) > NAME_MAX:
+            raise ValueError(f"its component {part[:32]!r}... is {n} bytes long in UTF-8; the"
+                             f" OS takes at most {NAME_MAX} per component")
+    return value
+
+
+RayQuantity = Annotated[float, Field(json_schema_extra={"multipleOf": RAY_UNIT}),
+                        AfterValidator(ray_quantity)]
+"""A resource quantity Ray can claim exactly (the limit is stated in the JSON schema too)."""
+OsPath = Annotated[str, Field(max_length=PATH_MAX - 1), AfterValidator(os_path)]
+"""A path the OS takes (its byte limits are checked by `os_path`)."""
