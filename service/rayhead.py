@@ -5,10 +5,11 @@ controller (whose restart would take every job with it) nor end with `trident up
 `ray start --head --block` in a session of its own, restarted by a `Supervisor` when it exits.
 Its address is kept in `<data_dir>/ray/head.json`, and Ray's token authentication is on, with a
 token of the data directory's (`<data_dir>/ray/auth_token`, owner-only) given to the head and
-the controller; a `trident up` that starts while a head
-from an earlier one still answers there (that one was killed) watches it instead of starting
-a second. `trident up` stops the head when it stops, unless jobs are still active in the store
-(without `--stop-jobs`), which keep training on it and are re-attached by the next controller.
+the controller. It listens on loopback only (`LOOPBACK_ENV`): nothing of it can be reached
+from another host. A `trident up` that starts while a head from an earlier one still answers
+there (that one was killed) watches it instead of starting a second. `trident up` stops the
+head when it stops, unless jobs are still active in the store (without `--stop-jobs`), which
+keep training on it and are re-attached by the next controller.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ import time
 from pathlib import Path
 
 from service.supervisor import Supervisor
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's environment for a node that listens on loopback only (127.0.0.1), and its drivers.
+
+Ray's servers bind to the node's address when it is a loopback one, else to every interface
+(the GCS and the raylet's gRPC servers: `0.0.0.0` unless the node is on `127.0.0.1`; the
+dashboard agent, the runtime-env agent, the metrics exporter and the Ray client server: the
+node's address). But `ray start` replaces a loopback `--node-ip-address` by the host's
+address, so that other hosts can join (`ray._private.services.resolve_ip_for_localhost`),
+unless Ray's multi-node mode is off, which this variable does (its default on macOS and
+Windows). A node started so cannot be joined by another (a worker's `ray start` goes to the
+host's address, where it does not listen; with the variable set, Ray refuses to start a worker
+node): a cluster of several hosts is `trident node start` (`service.raynode`)."""
 
 
 def _free_port() -> int:
@@ -80,8 +94,9 @@ class RayHead:
 
     def env(self) -> dict[str, str]:
         """What the head and every driver of it (the controller) need: Ray's token
-        authentication, with a token of this data directory's, readable by its owner only."""
-        return auth_env(self.dir / "auth_token")
+        authentication, with a token of this data directory's, readable by its owner only,
+        and every Ray process on loopback (`LOOPBACK_ENV`)."""
+        return {**auth_env(self.dir / "auth_token"), **LOOPBACK_ENV}
 
     def _record(self, pid: int) -> None:
         self.state_path.write_text(json.dumps({"address": self.address, "pid": pid}))
