@@ -6,6 +6,7 @@ a file damaged under it, SIGTERM) is in tests/test_e2e_damaged_db.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import subprocess
@@ -67,7 +68,7 @@ def test_the_quick_check_stops_at_its_budget_and_says_so(tmp_path: Path) -> None
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE t (x BLOB)")
     conn.execute("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i <"
-                 " 40000) INSERT INTO t SELECT randomblob(1000) FROM n")
+                 " 100000) INSERT INTO t SELECT randomblob(1000) FROM n")  # 100 MB
     conn.commit()
     conn.close()
     note = check(f"sqlite:///{db}", budget_s=0.001)
@@ -185,3 +186,40 @@ def test_readable_turns_a_driver_error_into_the_line(tmp_path: Path) -> None:
     finally:
         store.close()
     assert str(err.value) == describe(store.url, err.value.__cause__)  # type: ignore[arg-type]
+
+
+def test_the_daemon_logs_a_damaged_database_in_one_line_per_failed_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+    import time
+
+    import service.daemon as daemon
+    from tests.test_controller import FakeLauncher
+
+    fill_jobs(tmp_path / "trident.db", 200)
+    damage_pages(tmp_path / "trident.db", table_pages(tmp_path / "trident.db", "jobs"))
+    monkeypatch.setattr(daemon, "connect_ray", lambda _settings: FakeLauncher([]))
+    caplog.set_level("INFO", logger="trident.controller")
+
+    def failed() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "controller pass failed" in r.getMessage()]
+
+    stop = threading.Event()
+    status: list[int] = []
+    t = threading.Thread(target=lambda: status.append(daemon.run(
+        Settings(data_dir=tmp_path, poll_interval_s=0.05, lease_s=600), stop)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(failed()) < 2 and t.is_alive():
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(30)
+    assert status == [0], caplog.text  # stopped cleanly, lease released
+    for record in failed():
+        assert record.exc_info is None, record  # no traceback
+        assert f"the database {tmp_path / 'trident.db'} is damaged (DatabaseError: database" \
+            " disk image is malformed)" in record.getMessage()
