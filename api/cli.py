@@ -47,7 +47,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs.
+    controller; running jobs train on unless --stop-jobs. A database it cannot read is one
+    line (which, what is wrong, how to restore it) and exit status 1, before anything starts.
 
     Example: trident up --port 8000
     """
@@ -158,7 +159,8 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
 def controller() -> None:
     """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
     its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
-    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly.
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly. A
+    database it cannot read is one line and exit status 1.
 
     Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
     """
