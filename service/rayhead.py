@@ -84,10 +84,17 @@ class RayHead:
         self._adopting = recorded is not None
         self.address = recorded or f"127.0.0.1:{_free_port()}"
         port = self.address.rpartition(":")[2]
+        # Free ports for the servers Ray gives a fixed one (the client server 10001, the
+        # dashboard agent's HTTP 52365, the dashboard's and the autoscaler's metrics 44227 and
+        # 44217), so that another Ray on this host (another stack's) does not take them.
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-                "--disable-usage-stats"]
-        self.supervisor = Supervisor(argv, env={**os.environ, **self.env()}, name="ray head",
+                "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-agent-listen-port={_free_port()}"]
+        ports = {"DASHBOARD_METRIC_PORT": str(_free_port()),
+                 "AUTOSCALER_METRIC_PORT": str(_free_port())}
+        self.supervisor = Supervisor(argv, env={**os.environ, **self.env(), **ports},
+                                     name="ray head",
                                      log_path=data_dir / "ray-head.log",
                                      running_elsewhere=self._adopted,
                                      on_start=self._record)
