@@ -29,7 +29,7 @@ from service.controller import Controller
 from service.dbcheck import Unreadable, check, damaged, describe, readable
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
-from service.rayhead import LOOPBACK_ENV
+from service.rayhead import LOOPBACK_ENV, metric_ports
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
 
@@ -49,9 +49,10 @@ class LeaseLost(Exception):
 def connect_ray(settings: Settings) -> object:
     """Connect to the configured Ray cluster, or start a local one; returns the launcher."""
     if not settings.ray_address:
-        # A Ray of this process only: on loopback, like `trident up`'s head (read by Ray
-        # when it is imported, and by the processes it starts).
-        os.environ.update(LOOPBACK_ENV)
+        # A Ray of this process only: on loopback, like `trident up`'s head, with free ports
+        # for its metrics servers (read by Ray when it is imported, and by the processes it
+        # starts).
+        os.environ.update({**LOOPBACK_ENV, **metric_ports()})
     ray = importlib.import_module("ray")
     # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
     # (which logs, stops the loop and releases the lease) would never run: keep ours.

@@ -45,6 +45,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def metric_ports() -> dict[str, str]:
+    """Free ports, in Ray's environment, for the dashboard's and the autoscaler's metrics
+    servers, which Ray would put on 44227 and 44217 whatever other Ray runs on the host."""
+    return {"DASHBOARD_METRIC_PORT": str(_free_port()),
+            "AUTOSCALER_METRIC_PORT": str(_free_port())}
+
+
 def answers(address: str, timeout_s: float = 1.0) -> bool:
     host, _, port = address.rpartition(":")
     try:
@@ -85,15 +92,13 @@ class RayHead:
         self.address = recorded or f"127.0.0.1:{_free_port()}"
         port = self.address.rpartition(":")[2]
         # Free ports for the servers Ray gives a fixed one (the client server 10001, the
-        # dashboard agent's HTTP 52365, the dashboard's and the autoscaler's metrics 44227 and
-        # 44217), so that another Ray on this host (another stack's) does not take them.
+        # dashboard agent's HTTP 52365, the metrics servers: `metric_ports`): with Ray's, a
+        # second Ray on this host (another stack's) would find them taken.
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
                 "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
                 f"--dashboard-agent-listen-port={_free_port()}"]
-        ports = {"DASHBOARD_METRIC_PORT": str(_free_port()),
-                 "AUTOSCALER_METRIC_PORT": str(_free_port())}
-        self.supervisor = Supervisor(argv, env={**os.environ, **self.env(), **ports},
+        self.supervisor = Supervisor(argv, env={**os.environ, **self.env(), **metric_ports()},
                                      name="ray head",
                                      log_path=data_dir / "ray-head.log",
                                      running_elsewhere=self._adopted,

@@ -95,7 +95,9 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
              "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
     # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV); undone after the test.
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "DASHBOARD_METRIC_PORT",
+                 "AUTOSCALER_METRIC_PORT"):
+        monkeypatch.setenv(name, "1")
 
     def ours(_signum: int, _frame: object) -> None:
         pass
