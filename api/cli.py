@@ -51,7 +51,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs.
+    controller; running jobs train on unless --stop-jobs. A database it cannot read is one
+    line (which, what is wrong, how to restore it) and exit status 1, before anything starts.
 
     Example: trident up --port 8000
     """
@@ -72,11 +73,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    from migrations import upgrade
-
-    upgrade(settings.db_url)
-    if settings.env != "prod":
-        announce_bootstrap(settings)
+    _open_database(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
@@ -111,14 +108,48 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
             _stop_head(head, settings, stop_jobs)
 
 
+def _open_database(settings: Any) -> None:
+    """Check the database (`service.dbcheck`), bring its schema up to date and (but in prod)
+    make the first admin; one line and exit status 1 when it cannot be read."""
+    from migrations import upgrade
+    from service.dbcheck import Unreadable, check, readable
+
+    try:
+        with readable(settings.db_url):
+            if note := check(settings.db_url):
+                typer.echo(note)
+            upgrade(settings.db_url)
+            if settings.env != "prod":
+                announce_bootstrap(settings)
+    except Unreadable as exc:
+        fail(str(exc), 1)
+
+
 def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
     """Stop the local Ray head, unless jobs are still active on it (they train on, and the
-    next `trident up` adopts the head and re-attaches them)."""
+    next `trident up` adopts the head and re-attaches them).
+
+    When the store cannot say which jobs are active, the head is stopped all the same if the
+    database is damaged or is a SQLite file that cannot be opened: no controller can re-attach
+    a job without its records, so jobs left on the head would only hold its resources,
+    unseen. A server database that is only away (PostgreSQL restarting) keeps the head: the
+    records are intact, and the next `trident up` adopts the head and re-attaches the jobs."""
+    from service.dbcheck import away, describe, sqlite_path
     from service.store import Store
 
     store = Store(settings.db_url)
     try:
         active = [] if stop_jobs else store.active_jobs()
+    except Exception as exc:  # any failure to read is the database's
+        if away(exc) and sqlite_path(settings.db_url) is None:
+            typer.echo(f"{describe(settings.db_url, exc)}; the Ray head at {head.address}"
+                       " keeps running, for the jobs that may be active on it: the next"
+                       " `trident up` re-attaches them")
+            return
+        typer.echo(f"{describe(settings.db_url, exc)}; stopping the Ray head at"
+                   f" {head.address} all the same: no controller can re-attach its jobs"
+                   " without their records")
+        active = []
     finally:
         store.close()
     if active:
@@ -132,18 +163,25 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
 def controller() -> None:
     """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
     its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
-    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly.
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly. A
+    database it cannot read is one line and exit status 1.
 
     Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
     """
+    from service.dbcheck import Unreadable, check
     from service.settings import Settings
     from service.supervisor import run_controller
 
     try:
-        Settings()  # a bad setting is an error now, not a daemon restarted forever
+        settings = Settings()  # a bad setting is an error now, not a daemon restarted forever
     except ValidationError as exc:
         fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
                        + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    try:  # so is a database it cannot read
+        if note := check(settings.db_url):
+            typer.echo(note, err=True)
+    except Unreadable as exc:
+        fail(str(exc), 1)
     raise typer.Exit(run_controller(dict(os.environ)))
 
 

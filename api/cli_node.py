@@ -59,7 +59,8 @@ def node_start(
             "--dry-run", help="Print the labels and the `ray start` command; start nothing.")]
         = False) -> None:
     """Start this host's Ray node with its GPU model, memory, profile and NVLink/PCIe matrix
-    as labels, and its CPUs and GPUs; returns once it runs (it keeps running).
+    as labels, and its CPUs and GPUs; returns once it runs (it keeps running). It listens on
+    every interface, for the other hosts (unlike `trident up`'s own head, on loopback only).
 
     Example: trident node start --head --port 6379; on the other hosts:
     trident node start --address HEAD:6379 --auth-token-file TOKEN
@@ -98,6 +99,9 @@ def node_start(
         fail(str(exc), 1)
     typer.echo(f"ray {state.role} node running (pid {state.pid}, log {state.log}),"
                f" cluster at {state.address}")
+    typer.echo("listening on every interface of this host (Ray's ports: the head's, and those"
+               " of its servers and workers), for the other hosts: keep them behind a firewall"
+               " that lets only the cluster's hosts in")
     typer.echo("labels: " + ", ".join(f"{k}={v}" for k, v in labels.items()))
     if head and token is not None:
         typer.echo(f"join: trident node start --address {where} --auth-token-file {token}")

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from service.db import utcnow
+from service.dbcheck import damaged
 from service.lease import CONTROLLER, Leases
 from service.store import Store
 
@@ -25,7 +26,8 @@ def health(store: Store) -> JSONResponse:
     except Exception as exc:  # any failure to read is the database's
         log.warning("healthz: the database does not answer: %s", exc)
         return JSONResponse(status_code=503, content={
-            "status": "degraded", "database": f"unavailable: {type(exc).__name__}",
+            "status": "degraded",
+            "database": f"{'damaged' if damaged(exc) else 'unavailable'}: {type(exc).__name__}",
             "controller": None})
     now = utcnow()
     controller: dict[str, Any] = {"holder": None, "lease_age_s": None, "expires_in_s": None}

@@ -10,7 +10,8 @@ what the app answers for all of them alike is added here, once, to the schema Fa
 - 404 on every route with a path parameter (the job, token, user, ... does not exist);
 - 400 and 413 on every route with a request body (not UTF-8 text; over 1 MiB:
   `api.body_limit`);
-- 503 on every route (the database is away: `api.app`, retried by the client).
+- 503 on every route (the database is away, retried by the client, or damaged:
+  `api.db_errors`).
 
 Each is a `Refusal`: `{"detail": "..."}` saying what is wrong. So a client, and the schema
 fuzzing of the tests, knows every status the API answers.
@@ -27,7 +28,8 @@ from api.schemas import Refusal
 
 _REF = {"$ref": "#/components/schemas/Refusal"}
 
-ALWAYS = {503: "The database is unavailable: retry in a few seconds (`Retry-After`)."}
+ALWAYS = {503: "The database is unavailable (retry in a few seconds: `Retry-After`), or it is"
+                " damaged (an operator must restore it): the detail says which."}
 WITH_RULE = {401: "The token is missing, malformed, unknown, expired or revoked, or its user is"
                   " disabled.",
              403: "The caller's role, or its ownership of the object, does not allow this:"

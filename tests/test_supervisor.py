@@ -94,6 +94,10 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
              "workers.group": SimpleNamespace(NAMESPACE="trident"),
              "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
+    # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV); undone after the test.
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "DASHBOARD_METRIC_PORT",
+                 "AUTOSCALER_METRIC_PORT"):
+        monkeypatch.setenv(name, "1")
 
     def ours(_signum: int, _frame: object) -> None:
         pass
@@ -102,5 +106,6 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
     try:
         assert daemon.connect_ray(Settings()) == "launcher"
         assert signal.getsignal(signal.SIGTERM) is ours
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     finally:
         signal.signal(signal.SIGTERM, before)
