@@ -24,6 +24,7 @@ from datetime import datetime
 from types import FrameType
 
 from service.controller import Controller
+from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
 from service.settings import Settings
@@ -185,6 +186,11 @@ def run(settings: Settings, stop: threading.Event) -> int:
 
 
 def main() -> None:
+    # Under `trident up` both streams are controller.log, in the data directory: when its
+    # disk is full, a log line (or Ray's forwarding of a worker's output) is lost, counted
+    # and said later, instead of raising in whichever thread wrote it.
+    sys.stdout = tolerate_full_disk(sys.stdout)
+    sys.stderr = tolerate_full_disk(sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr, force=True)
     stop = threading.Event()
