@@ -68,6 +68,12 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    from service.datadir import InUse, hold
+
+    try:  # before any use: the data dir is this process's until it ends (kill -9 included)
+        hold(settings.data_dir)
+    except InUse as exc:
+        fail(str(exc))
     from migrations import upgrade
 
     upgrade(settings.db_url)
