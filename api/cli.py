@@ -47,7 +47,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs.
+    controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
+    at a time: a second one on it exits, naming the pid that holds it.
 
     Example: trident up --port 8000
     """
