@@ -136,9 +136,10 @@ class Supervisor:
         while not self._stop.is_set():
             try:
                 ran = self._run_once(backoff)
-            except Exception:  # a start that failed (no memory, no pids): try again later
-                log.exception("supervising %s failed; trying again in %g s", self.name,
-                              backoff)
+            except Exception as exc:  # a start that failed (no memory, no pids): again later
+                log.debug("supervising %s failed", self.name, exc_info=True)
+                self._note(f"starting {self.name} failed ({type(exc).__name__}: {exc});"
+                           f" trying again in {backoff:g} s")
                 ran = 0.0
             if ran is None:
                 return

@@ -155,3 +155,16 @@ def test_a_log_that_cannot_be_opened_costs_the_output_not_the_start(tmp_path: Pa
         sup.stop(5)
     assert set(sup.exits) == {5}  # it ran (and exited by itself) every time
     assert sup.refused.count >= 2  # the supervisor's own lines had nowhere to go either
+
+
+def test_a_start_that_fails_is_tried_again_with_the_backoff(tmp_path: Path) -> None:
+    log = tmp_path / "controller.log"
+    sup = Supervisor([str(tmp_path / "no-such-program")], env=dict(os.environ), log_path=log,
+                     backoff_min_s=0.05, backoff_max_s=0.1)
+    sup.start()
+    try:
+        wait_for("tried three times", lambda: log.exists() and log.read_text().count(
+            "starting controller failed (FileNotFoundError") >= 3)
+    finally:
+        sup.stop(5)
+    assert sup.starts == 0 and "trying again in 0.05 s" in log.read_text()
