@@ -75,6 +75,8 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         hold(settings.data_dir)
     except InUse as exc:
         fail(str(exc))
+    except OSError as exc:  # a read-only or foreign directory
+        fail(f"cannot lock data dir {settings.data_dir}: {exc.strerror or exc}")
     from migrations import upgrade
 
     upgrade(settings.db_url)
