@@ -133,13 +133,16 @@ def _writes_held(engine: Any) -> Iterator[_Held]:
     held = _Held()
     files = engine.checkpoint_engine
     engine.checkpoint_engine = _HeldEngine(files, held)
-    copy = engine._copy_recovery_script
-    engine._copy_recovery_script = lambda save_path: _Held().run(save_path, copy, save_path)
+    copy = getattr(engine, "_copy_recovery_script", None)  # DeepSpeed's, not public
+    if copy is not None:
+        engine._copy_recovery_script = lambda save_path: _Held().run(save_path, copy,
+                                                                     save_path)
     try:
         yield held
     finally:
         engine.checkpoint_engine = files
-        del engine._copy_recovery_script  # the class's method again
+        if copy is not None:
+            del engine._copy_recovery_script  # the class's method again
 
 
 def save(engine, directory: str, step: int) -> Saved:
