@@ -113,8 +113,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             responses={503: {"model": Health, "description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:
         """`ok` (200) when the database answers and a controller holds an unexpired lease;
-        else `degraded` (503), naming which of the two is wrong."""
-        return health(request.app.state.store)
+        else `degraded` (503), naming which of the two is wrong. `data_dir` says how full the
+        data directory's filesystem is: `nearly full` under `TRIDENT_DATA_DIR_MIN_FREE`."""
+        return health(request.app.state.store, request.app.state.settings)
 
     @app.get("/metrics", tags=["system"], response_class=Response,
              dependencies=[Depends(require("metrics:read"))],

@@ -51,8 +51,10 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs. A database it cannot read is one
-    line (which, what is wrong, how to restore it) and exit status 1, before anything starts.
+    controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
+    at a time: a second one on it exits, naming the pid that holds it. A database it cannot
+    read is one line (which, what is wrong, how to restore it) and exit status 1, before
+    anything starts.
 
     Example: trident up --port 8000
     """
@@ -73,6 +75,14 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    from service.datadir import InUse, hold
+
+    try:  # before any use: the data dir is this process's until it ends (kill -9 included)
+        hold(settings.data_dir)
+    except InUse as exc:
+        fail(str(exc))
+    except OSError as exc:  # a read-only or foreign directory
+        fail(f"cannot lock data dir {settings.data_dir}: {exc.strerror or exc}")
     _open_database(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor

@@ -489,12 +489,26 @@ class ControllerLease(BaseModel):
     """Why the controller is not healthy (absent when it is)."""
 
 
+class DataDirUsage(BaseModel):
+    """The filesystem of the server's data directory (`service.datadir.usage`)."""
+
+    status: str
+    """`ok`, `nearly full` (less than `min_free_fraction` of it free) or `unavailable: ...`."""
+    min_free_fraction: float
+    """`TRIDENT_DATA_DIR_MIN_FREE`."""
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    free_fraction: float | None = None
+
+
 class Health(BaseModel):
     """`GET /healthz`: 200 `ok`, or 503 `degraded` naming what is wrong."""
 
     status: Literal["ok", "degraded"]
     database: str
     controller: ControllerLease | None
+    data_dir: DataDirUsage | None = None
+    """Named when nearly full, without making the answer `degraded` by itself."""
 
 
 # --- stacks --------------------------------------------------------------------------------------

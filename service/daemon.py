@@ -28,6 +28,7 @@ from types import FrameType
 from service.checkpoints import CheckpointPlaces
 from service.controller import Controller
 from service.dbcheck import Unreadable, check, damaged, describe, readable
+from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
 from service.rayhead import LOOPBACK_ENV, metric_ports
@@ -205,6 +206,11 @@ def run(settings: Settings, stop: threading.Event) -> int:
 
 
 def main() -> None:
+    # Under `trident up` both streams are controller.log, in the data directory: when its
+    # disk is full, a log line (or Ray's forwarding of a worker's output) is lost, counted
+    # and said later, instead of raising in whichever thread wrote it.
+    sys.stdout = tolerate_full_disk(sys.stdout)
+    sys.stderr = tolerate_full_disk(sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr, force=True)
     stop = threading.Event()

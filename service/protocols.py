@@ -88,6 +88,10 @@ class StepReport(BaseModel):
     """Step of the checkpoint this attempt resumed from (0: started fresh)."""
     checkpoint: str | None = None
     """Directory of the checkpoint saved after this step, if any."""
+    checkpoint_error: str | None = Field(default=None, max_length=4000)
+    """Why the checkpoint due after this step was not saved (the disk is full, ...): its
+    partial tag is removed, the newest complete one stays the one to resume from, and
+    training goes on; the controller stores it as a `checkpoint` event of the job."""
     comm: dict[str, dict[str, CommOpStats]] | None = None
     """Collectives of this step: dim (tp, pp, dp, or another group's name) -> op -> stats.
     Added by the rank actor's `CommTimer`; None when the step's collectives were not counted."""

@@ -111,7 +111,11 @@ class RayHead:
         return {**auth_env(self.dir / "auth_token"), **LOOPBACK_ENV}
 
     def _record(self, pid: int) -> None:
-        self.state_path.write_text(json.dumps({"address": self.address, "pid": pid}))
+        # Whole or not at all: a full disk must not leave an empty head.json, which would
+        # hide a live head from the next `trident up` (the address is the same every start).
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps({"address": self.address, "pid": pid}))
+        os.replace(tmp, self.state_path)
 
     def _adopted(self) -> bool:
         """Whether the head to watch is one this `trident up` did not start (and lives)."""
