@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,25 +20,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from api import pages, session
 from api.audit import Audit, AuditWriter
 from api.auth import require
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
+from api.db_errors import database_error
 from api.health import health
 from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
+from api.schemas import Health
+from service.dbcheck import Unreadable, check
 from service.heap import freeze_startup_objects
 from service.identity import Identity, bootstrap, prod_refusal
 from service.settings import Settings
 from service.store import Store
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER_S = 5
-"""`Retry-After` of a 503 while the database is away."""
 
 _FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
 
@@ -96,15 +97,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         detail = [_name_the_field(dict(e)) for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(detail)})
 
-    @app.exception_handler(OperationalError)
-    @app.exception_handler(InterfaceError)
-    async def _database_away(_: Request, exc: DBAPIError) -> JSONResponse:
-        # The database is away (stopped, restarting, unreachable): the client should retry,
-        # not take it for a bug. Nothing was written: every store function is one transaction.
-        log.warning("database unavailable: %s", exc.orig)
-        return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
-                            content={"detail": "the database is unavailable"
-                                     f" ({type(exc.orig).__name__}); retry in a few seconds"})
+    # The database away or damaged: a 503 naming it (JSON, text or a page), never a 500.
+    app.add_exception_handler(DBAPIError, database_error)
 
     v1 = APIRouter(prefix="/api/v1")
     v1.include_router(jobs.router)
@@ -115,11 +109,13 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(identity.router)
     v1.include_router(stacks.router)
 
-    @v1.get("/healthz", tags=["system"], responses={503: {"description": "degraded"}})
+    @v1.get("/healthz", tags=["system"], response_model=Health,
+            responses={503: {"model": Health, "description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:
         """`ok` (200) when the database answers and a controller holds an unexpired lease;
-        else `degraded` (503), naming which of the two is wrong."""
-        return health(request.app.state.store)
+        else `degraded` (503), naming which of the two is wrong. `data_dir` says how full the
+        data directory's filesystem is: `nearly full` under `TRIDENT_DATA_DIR_MIN_FREE`."""
+        return health(request.app.state.store, request.app.state.settings)
 
     @app.get("/metrics", tags=["system"], response_class=Response,
              dependencies=[Depends(require("metrics:read"))],
@@ -141,7 +137,14 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
 def app() -> FastAPI:
     """Factory for `uvicorn --factory api.app:app`: the app, with start-up's objects frozen
-    out of garbage collection (`service.heap`)."""
-    made = create_app()
+    out of garbage collection (`service.heap`). A database it cannot read is one line on
+    stderr and exit status 1 (`service.dbcheck`): uvicorn would print a traceback."""
+    settings = Settings()
+    try:
+        if note := check(settings.db_url):
+            log.warning("%s", note)
+    except Unreadable as exc:
+        sys.exit(f"error: {exc}")
+    made = create_app(settings)
     freeze_startup_objects()
     return made

@@ -5,7 +5,8 @@ Every route under /api/v1 but `GET /healthz` declares its rule as `Depends(requi
 authorization matrix test reads each route's rule back from its dependencies, so that a route
 without one fails the test. A request is authenticated by `Authorization: Bearer <token>`, or
 by the dashboard's session cookie (`api.session`); a cookie-authenticated request that changes
-something must also carry the session's CSRF token.
+something, on any route, must also carry the session's CSRF token and is refused when a browser
+says it comes from another site (`check_csrf`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hmac
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.routing import APIRoute, iter_route_contexts
@@ -85,6 +87,34 @@ def csrf_token(session: str) -> str:
     return hmac.new(session.encode(), b"trident-csrf", hashlib.sha256).hexdigest()
 
 
+def cross_site(request: Request) -> str | None:
+    """The other site a browser says the request comes from (its `Origin`, or its `Referer`
+    when it sends no `Origin`), or None when that is this server (the `Host` the request was
+    sent to) or the request names none (it is no browser's form or script)."""
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if origin is None:
+        return None
+    host = request.headers.get("host", request.url.netloc).lower()
+    return None if urlsplit(origin).netloc.lower() == host else origin[:200]
+
+
+def check_csrf(request: Request, session: str, sent: str,
+               how: str = f"the {CSRF_HEADER} header") -> None:
+    """A request authenticated by the session cookie `session` that changes something: a 403
+    naming the rule (`csrf`) when it comes from another site, even with the right token, or
+    when `sent` is not the session's CSRF token (`how` says where it is looked for)."""
+    if request.method in SAFE_METHODS:
+        return
+    if (other := cross_site(request)) is not None:
+        raise HTTPException(status_code=403, detail=f"csrf: a request authenticated by the"
+                            f" session cookie is refused from another site ({other!r} is not"
+                            " this server)")
+    # Bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+    if not hmac.compare_digest(sent.encode(), csrf_token(session).encode()):
+        raise HTTPException(status_code=403, detail=f"csrf: a request authenticated by the"
+                            f" session cookie must carry the session's CSRF token ({how})")
+
+
 def _unauthorized(message: str) -> HTTPException:
     return HTTPException(status_code=401, detail=message,
                          headers={"WWW-Authenticate": "Bearer"})
@@ -102,10 +132,7 @@ def authenticate(request: Request, creds: Annotated[HTTPAuthorizationCredentials
                             " <token>`")
     elif (cookie := request.cookies.get(SESSION_COOKIE)) is not None:
         token = cookie
-        if request.method not in SAFE_METHODS and not hmac.compare_digest(
-                request.headers.get(CSRF_HEADER, ""), csrf_token(cookie)):
-            raise HTTPException(status_code=403, detail=f"csrf: a request authenticated by the"
-                                f" session cookie must carry the session's {CSRF_HEADER}")
+        check_csrf(request, cookie, request.headers.get(CSRF_HEADER, ""))
     else:
         raise _unauthorized("missing token: send `Authorization: Bearer <token>`")
     try:

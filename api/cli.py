@@ -1,6 +1,7 @@
-"""`trident`: the command line. Every command talks to the REST API, except `up` (starts the
-local stack), `controller` (runs the controller alone), `bootstrap` (the first admin) and
-`plan` (needs no server). The API token comes from `TRIDENT_TOKEN`, a `trident login`
+"""`trident`: the command line. Every command talks to the REST API through
+`api.client.TridentClient`, except `up` (starts the local stack), `controller` (runs the
+controller alone), `bootstrap` (the first admin) and `plan` (needs no server); every error
+is one line (`api.cli_common.Trident`). The API token comes from `TRIDENT_TOKEN`, a `trident login`
 profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
 are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
 `events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
@@ -21,13 +22,16 @@ import typer
 from pydantic import ValidationError
 
 from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
-from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, fail
+from api.cli_common import DEFAULT_SERVER, ServerOpt, Trident, connect, fail, short_helps
 from api.cli_identity import announce_bootstrap, register
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
+from api.schemas import ProbeSummary
+from service.protocols import ProbeRowModel
+from service.store import ProbeStatus
 
-app = typer.Typer(no_args_is_help=True,
+app = typer.Typer(cls=Trident, no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")
 
 
@@ -47,7 +51,10 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs.
+    controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
+    at a time: a second one on it exits, naming the pid that holds it. A database it cannot
+    read is one line (which, what is wrong, how to restore it) and exit status 1, before
+    anything starts.
 
     Example: trident up --port 8000
     """
@@ -68,11 +75,15 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    from migrations import upgrade
+    from service.datadir import InUse, hold
 
-    upgrade(settings.db_url)
-    if settings.env != "prod":
-        announce_bootstrap(settings)
+    try:  # before any use: the data dir is this process's until it ends (kill -9 included)
+        hold(settings.data_dir)
+    except InUse as exc:
+        fail(str(exc))
+    except OSError as exc:  # a read-only or foreign directory
+        fail(f"cannot lock data dir {settings.data_dir}: {exc.strerror or exc}")
+    _open_database(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
@@ -107,14 +118,48 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
             _stop_head(head, settings, stop_jobs)
 
 
+def _open_database(settings: Any) -> None:
+    """Check the database (`service.dbcheck`), bring its schema up to date and (but in prod)
+    make the first admin; one line and exit status 1 when it cannot be read."""
+    from migrations import upgrade
+    from service.dbcheck import Unreadable, check, readable
+
+    try:
+        with readable(settings.db_url):
+            if note := check(settings.db_url):
+                typer.echo(note)
+            upgrade(settings.db_url)
+            if settings.env != "prod":
+                announce_bootstrap(settings)
+    except Unreadable as exc:
+        fail(str(exc), 1)
+
+
 def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
     """Stop the local Ray head, unless jobs are still active on it (they train on, and the
-    next `trident up` adopts the head and re-attaches them)."""
+    next `trident up` adopts the head and re-attaches them).
+
+    When the store cannot say which jobs are active, the head is stopped all the same if the
+    database is damaged or is a SQLite file that cannot be opened: no controller can re-attach
+    a job without its records, so jobs left on the head would only hold its resources,
+    unseen. A server database that is only away (PostgreSQL restarting) keeps the head: the
+    records are intact, and the next `trident up` adopts the head and re-attaches the jobs."""
+    from service.dbcheck import away, describe, sqlite_path
     from service.store import Store
 
     store = Store(settings.db_url)
     try:
         active = [] if stop_jobs else store.active_jobs()
+    except Exception as exc:  # any failure to read is the database's
+        if away(exc) and sqlite_path(settings.db_url) is None:
+            typer.echo(f"{describe(settings.db_url, exc)}; the Ray head at {head.address}"
+                       " keeps running, for the jobs that may be active on it: the next"
+                       " `trident up` re-attaches them")
+            return
+        typer.echo(f"{describe(settings.db_url, exc)}; stopping the Ray head at"
+                   f" {head.address} all the same: no controller can re-attach its jobs"
+                   " without their records")
+        active = []
     finally:
         store.close()
     if active:
@@ -128,18 +173,25 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
 def controller() -> None:
     """Run only the controller (no API), supervised: restarted with backoff whenever it exits,
     its log on stderr; settings from TRIDENT_* variables. One per container or host: the one
-    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly.
+    that holds the lease acts, the others wait as standby. SIGTERM stops it cleanly. A
+    database it cannot read is one line and exit status 1.
 
     Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
     """
+    from service.dbcheck import Unreadable, check
     from service.settings import Settings
     from service.supervisor import run_controller
 
     try:
-        Settings()  # a bad setting is an error now, not a daemon restarted forever
+        settings = Settings()  # a bad setting is an error now, not a daemon restarted forever
     except ValidationError as exc:
         fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
                        + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    try:  # so is a database it cannot read
+        if note := check(settings.db_url):
+            typer.echo(note, err=True)
+    except Unreadable as exc:
+        fail(str(exc), 1)
     raise typer.Exit(run_controller(dict(os.environ)))
 
 
@@ -156,29 +208,30 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident probe --ranks-per-node 8 --profile h100-80gb
     """
-    p = _call(server, "POST", "/probes", json={"ranks_per_node": ranks_per_node,
-                                               "max_bytes": max_bytes, "profile": profile})
-    typer.echo(f"probe {p['id']} requested; waiting for the controller")
-    deadline = time.monotonic() + timeout
-    while p["status"] in ("pending", "running"):
-        if time.monotonic() > deadline:
-            fail(f"probe {p['id']} still {p['status']} after {timeout:g} s", 1)
-        time.sleep(1)
-        p = _call(server, "GET", f"/probes/{p['id']}")
-    if p["status"] != "done":
-        fail(f"probe {p['id']} failed: {p['error']}", 1)
-    s = p["summary"]
-    typer.echo(f"{s['ranks']} ranks on {s['nodes']} node(s)")
-    for kind, flops in sorted(s["matmul_flops"].items()):
+    with connect(server) as client:
+        p = client.request_probe(ranks_per_node=ranks_per_node, max_bytes=max_bytes,
+                                 profile=profile)
+        typer.echo(f"probe {p.id} requested; waiting for the controller")
+        deadline = time.monotonic() + timeout
+        while p.status in (ProbeStatus.PENDING, ProbeStatus.RUNNING):
+            if time.monotonic() > deadline:
+                fail(f"probe {p.id} still {p.status.value} after {timeout:g} s", 1)
+            time.sleep(1)
+            p = client.get_probe(p.id)
+    if p.status != ProbeStatus.DONE:
+        fail(f"probe {p.id} failed: {p.error}", 1)
+    s = ProbeSummary.of(p)
+    typer.echo(f"{s.ranks} ranks on {s.nodes} node(s)")
+    for kind, flops in sorted(s.matmul_flops.items()):
         typer.echo(f"  matmul {kind}: {flops / 1e12:.3f} TFLOP/s per rank")
-    for link, bw in sorted(s["links"].items()):
+    for link, bw in sorted(s.links.items()):
         if bw:
             typer.echo(f"  {link}: {bw / 1e9:.2f} GB/s (all-reduce busbw)")
     typer.echo(f"  {'op':<14} {'group':<10} {'bytes':>10} {'busbw GB/s':>11}")
-    for row in p["results"]:
-        typer.echo(f"  {row['op']:<14} {str(row['group']):<10} {row['bytes']:>10}"
-                   f" {row['busbw'] / 1e9:>11.3f}")
-    typer.echo(f"profile {s['profile']['name']!r} calibrated; new plans on this cluster use it")
+    for row in (ProbeRowModel.model_validate(r) for r in p.results):
+        typer.echo(f"  {row.op:<14} {str(row.group):<10} {row.bytes:>10}"
+                   f" {row.busbw / 1e9:>11.3f}")
+    typer.echo(f"profile {s.profile.name!r} calibrated; new plans on this cluster use it")
 
 
 register(app)
@@ -190,6 +243,7 @@ register_node(app)
 register_stacks(app)
 cli_jobs.register(app)
 cli_logs.register(app)
+short_helps(app)
 
 
 def main() -> None:

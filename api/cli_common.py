@@ -1,86 +1,125 @@
-"""What every `trident` command that talks to the REST API shares: the `--server` option, the
-one-line error with a non-zero exit (`fail`), and the request with the caller's token that
-turns every refusal into such a line (`_call`): which address was unreachable, what to do
-about a 401 or a 403, and for a 422 the field with the arithmetic. Never a traceback.
+"""What every `trident` command shares: the `--server` option, the client a command talks to
+the REST API through (`connect`: an `api.client.TridentClient`), the one-line error with a
+non-zero exit (`fail`), and the `trident` command group (`Trident`) that turns every error
+into such a line: a refusal of the API (what to do about a 401 or a 403; for a 422 the
+field with the arithmetic), an unreachable server (its address), a usage error (with the
+`--help` to read). Never a traceback, never a box.
 """
 
 from __future__ import annotations
 
-import time
+import inspect
+import re
+import sys
+from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
 
-import httpx
 import typer
+from typer.core import TyperGroup
 
-from api.cli_auth import token_for
+from api.client import (
+    DEFAULT_SERVER,
+    BadServerURL,
+    ConnectionFailed,
+    Forbidden,
+    TridentClient,
+    TridentError,
+    Unauthorized,
+)
+
+__all__ = ["DEFAULT_SERVER", "ServerOpt", "Trident", "connect", "error_line", "fail"]
 
 ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
                                         help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-RETRY_STATUS = {502, 503, 504}  # the server could not answer now (a proxy, or a restart)
-BACKOFF_S = 0.5  # the first retry's wait; each next one waits twice as long, up to 5 s
+REFUSED = 2
+"""The exit status of a request that was refused or could not be made, and of a usage
+error."""
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print `error: message` on stderr and exit with `code` (2: the request was refused or
-    could not be made)."""
-    typer.echo(f"error: {message}", err=True)
+def fail(message: str, code: int = REFUSED) -> NoReturn:
+    """Print `error: message` on stderr (one line) and exit with `code`."""
+    typer.echo(_line(message), err=True)
     raise typer.Exit(code)
 
 
-def _client(server: str) -> httpx.Client:
-    token, _ = token_for(server)  # the token `_call` sends, for streams too
-    return httpx.Client(base_url=server.rstrip("/") + "/api/v1", timeout=30,
-                        headers={"Authorization": f"Bearer {token}"} if token else {})
+def _line(message: str) -> str:
+    """`error: message`, its line breaks and runs of spaces made single spaces."""
+    return f"error: {' '.join(message.split())}"
 
 
-def unreachable(server: str, exc: Exception) -> str:
-    """The line for a server that did not answer: its address, and how to pick another."""
-    reason = str(exc) or type(exc).__name__
-    return (f"cannot reach the Trident API at {server}: {reason} (is `trident up` running"
-            " there? --server or TRIDENT_SERVER selects another)")
-
-
-def refusal(server: str, r: httpx.Response) -> str:
-    """One line for a 4xx/5xx answer: the status, the server's reason, and what to do."""
+def connect(server: str) -> TridentClient:
+    """The client of the API at `server`, with the token the CLI finds for it."""
     try:
-        detail = r.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = r.text.strip()[:300] or r.reason_phrase
-    if isinstance(detail, list):  # 422: the field, then the arithmetic
-        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'request'}:"
-                           f" {d.get('msg')}" for d in detail if isinstance(d, dict))
-    if r.status_code == 401:
-        _, source = token_for(server)
-        detail = (f"{detail} (token from {source}; set TRIDENT_TOKEN or run `trident login`"
-                  f" for {server})")
-    elif r.status_code == 403:
-        detail = f"{detail} (`trident whoami` shows your role; an admin can change it)"
-    return f"{r.status_code}: {detail}"
+        return TridentClient(server)
+    except BadServerURL as exc:
+        fail(f"--server: {exc}")
 
 
-def _call(server: str, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
-    """One request, with the API token; `retries` more after a transport error or a
-    502/503/504, with backoff (only for requests that are safe to repeat)."""
-    token, _ = token_for(server)
-    headers = {**({"Authorization": f"Bearer {token}"} if token else {}),
-               **kw.pop("headers", {})}
-    for attempt in range(retries + 1):
+def error_line(exc: TridentError) -> str:
+    """The line for an error of the client, with what to do about it."""
+    if isinstance(exc, ConnectionFailed):
+        return (f"{exc} (is `trident up` running there? --server or TRIDENT_SERVER selects"
+                " another)")
+    if isinstance(exc, Unauthorized):
+        return (f"{exc} (token from {exc.token_source}; set TRIDENT_TOKEN or run `trident"
+                f" login` for {exc.server})")
+    if isinstance(exc, Forbidden):
+        return f"{exc} (`trident whoami` shows your role; an admin can change it)"
+    if isinstance(exc, BadServerURL):
+        return f"--server: {exc}"
+    return str(exc)
+
+
+class Trident(TyperGroup):
+    """The `trident` command group: whatever goes wrong in a command is one line on stderr,
+    `error: ...`, and a non-zero exit (Typer draws a box of several lines for a usage error,
+    and an error of the client would be a traceback)."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
+        kw = {"args": args, "prog_name": prog_name, "complete_var": complete_var,
+              "windows_expand_args": windows_expand_args, **extra}
+        if not standalone_mode:
+            return super().main(standalone_mode=False, **kw)
         try:
-            with _client(server) as c:
-                r = c.request(method, path, headers=headers, **kw)
-        except httpx.HTTPError as exc:
-            if attempt == retries:
-                fail(unreachable(server, exc))
-            time.sleep(min(BACKOFF_S * 2**attempt, 5.0))
-            continue
-        if r.status_code not in RETRY_STATUS or attempt == retries:
-            break
-        time.sleep(min(BACKOFF_S * 2**attempt, 5.0))
-    if r.status_code >= 400:
-        fail(refusal(server, r))
-    try:
-        return r.json()
-    except ValueError:
-        fail(f"{server} answered {method} {path} with something that is not JSON (is it a"
-             " Trident API?)")
+            rv = super().main(standalone_mode=False, **kw)
+        except TridentError as exc:
+            _error(error_line(exc), REFUSED)
+        except typer.TyperException as exc:  # Typer's click: a usage error and the like
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                # `trident` (or `trident user`) alone: the help, which Typer has printed
+                # already when it draws it with rich (the message is then empty).
+                if exc.format_message().strip():
+                    typer.echo(exc.format_message(), err=True)
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (`{ctx.command_path} --help` shows the usage)" if ctx is not None else ""
+            _error(exc.format_message().rstrip(".") + hint, exc.exit_code)
+        except typer.Abort:
+            _error("aborted", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _error(message: str, code: int) -> NoReturn:
+    typer.echo(_line(message), err=True)
+    sys.exit(code)
+
+
+def first_sentence(doc: str | None) -> str:
+    """A command's line in `trident --help`: the first sentence of its docstring, whole."""
+    paragraph = " ".join(inspect.cleandoc(doc or "").split("\n\n")[0].split())
+    m = re.match(r"(.+?[.?!])(?:\s+(?=[A-Z`(])|$)", paragraph)
+    return m.group(1) if m else paragraph
+
+
+def short_helps(app: typer.Typer) -> None:
+    """Give every command of `app` (and of its groups) the first sentence of its docstring as
+    its line in the group's `--help` (Typer would print the whole first paragraph with its
+    docstring's line breaks, cutting sentences apart)."""
+    for info in app.registered_commands:
+        if info.short_help is None and info.callback is not None:
+            info.short_help = first_sentence(info.help or info.callback.__doc__)
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            short_helps(group.typer_instance)

@@ -1,35 +1,40 @@
 """`trident describe ID`: everything about one job on one screen, as `kubectl describe` shows
 a pod: its line of the jobs list, the plan against the measurement, the spec, every attempt
 with the nodes of its ranks, the newest hang diagnosis, the failure, why it waits, and its
-newest events. Read from the REST API only (`/jobs/{id}`, `/attempts`, `/events`, `/hangs`,
-`/comm/steps`)."""
+newest events. Read through `TridentClient` (`get_job`, `list_attempts`, `iter_events`,
+`list_hangs`, `get_comm_steps`), and printed from the typed `Description`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Annotated, Any
 
 import typer
 import yaml
+from pydantic import BaseModel
 
-from api.cli_common import _call
+from api.cli_common import connect
 from api.cli_format import (
     DEFAULT_SERVER,
+    JobRow,
     Output,
     ServerOpt,
     ago,
+    clock,
     columns,
     dump,
-    job_row,
     seconds_between,
     secs,
     size,
     span,
 )
+from api.client import TridentClient
+from api.schemas import Hang, Number, Placement, PredictedVsMeasured, TimeSplit
 from service.dashboard import one_line
+from service.spec import JobSpec
+from service.store import Attempt, Event
 
-EVENT_PAGE = 1000
-"""Events per request (the API's most)."""
 STACK_LINES = 8
 """A hang's stacks show their innermost this-many lines (`-o json` has them whole)."""
 ERROR_LINES = 30
@@ -46,146 +51,219 @@ def ranges(ranks: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def nodes_of(placement: dict[str, Any]) -> list[dict[str, Any]]:
+# --- what `describe -o json|yaml` prints (docs/cli.md), its fields in this order ---------------
+
+class NodeRanks(BaseModel):
+    """The ranks (and GPUs) an attempt placed on one node."""
+
+    hostname: str | None
+    node_id: str | None
+    ranks: list[int]
+    gpu_ids: list[str]
+
+
+class AttemptLine(BaseModel):
+    number: int
+    status: str
+    started: datetime
+    ended: datetime | None
+    error: str | None
+    nodes: list[NodeRanks]
+
+    @classmethod
+    def of(cls, a: Attempt) -> AttemptLine:
+        return cls(number=a.number, status=a.status.value, started=a.started_at,
+                   ended=a.ended_at, error=a.error, nodes=nodes_of(Placement.of(a)))
+
+
+class PlanLine(BaseModel):
+    layout: str
+    world_size: int
+    step_s: Number
+    tokens_per_s: Number
+    memory_bytes: Number
+
+
+class MeasuredSplit(BaseModel):
+    """The mean over the recent steps of their split (`TimeSplit` without the bubble)."""
+
+    compute: float
+    tp: float
+    pp: float
+    dp: float
+    step: float
+
+
+class TimeSplits(BaseModel):
+    predicted: TimeSplit
+    measured: MeasuredSplit | None
+    steps: int
+    """How many steps `measured` is the mean of."""
+
+
+class EventLine(BaseModel):
+    id: int
+    time: datetime
+    attempt: int | None
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: Event) -> EventLine:
+        return cls(id=e.id, time=e.time, attempt=e.attempt, kind=e.kind, message=e.message)
+
+
+class Description(BaseModel):
+    """Everything `describe` shows."""
+
+    job: JobRow
+    spec: JobSpec
+    """The spec as stored (`Job.spec`)."""
+    plan: PlanLine
+    predicted_vs_measured: PredictedVsMeasured | None
+    time_split: TimeSplits
+    attempts: list[AttemptLine]
+    hang: Hang | None
+    """The newest hang diagnosis."""
+    error: str | None
+    reason: str | None
+    events: list[EventLine]
+    """The newest `--events`, oldest first."""
+    events_total: int
+
+
+def nodes_of(placement: Placement) -> list[NodeRanks]:
     """An attempt's placement grouped by node: hostname, node id, its ranks and GPUs."""
-    by_node: dict[str, dict[str, Any]] = {}
-    for r in placement.get("ranks") or []:
-        n = by_node.setdefault(r.get("node_id") or r.get("hostname") or "?", {
-            "hostname": r.get("hostname"), "node_id": r.get("node_id"), "ranks": [],
-            "gpu_ids": []})
-        n["ranks"].append(r["rank"])
-        n["gpu_ids"] += [str(g) for g in r.get("gpu_ids") or []]
+    by_node: dict[str, NodeRanks] = {}
+    for r in placement.ranks:
+        n = by_node.setdefault(r.node_id or r.hostname or "?", NodeRanks(
+            hostname=r.hostname, node_id=r.node_id, ranks=[], gpu_ids=[]))
+        n.ranks.append(r.rank)
+        n.gpu_ids += [str(g) for g in r.gpu_ids]
     return list(by_node.values())
 
 
-def _events(server: str, job_id: int, keep: int) -> tuple[list[dict[str, Any]], int]:
+def _events(client: TridentClient, job_id: int, keep: int) -> tuple[list[Event], int]:
     """The newest `keep` events (oldest first) and how many there are."""
-    kept: list[dict[str, Any]] = []
-    after, total = 0, 0
-    while True:
-        page = _call(server, "GET", f"/jobs/{job_id}/events",
-                     params={"after": after, "limit": EVENT_PAGE}, retries=2)["items"]
-        total += len(page)
-        kept = (kept + page)[-keep:] if keep else []
-        if len(page) < EVENT_PAGE:
-            return kept, total
-        after = page[-1]["id"]
+    kept: list[Event] = []
+    total = 0
+    for ev in client.iter_events(job_id):
+        total += 1
+        if keep:
+            kept = (kept + [ev])[-keep:]
+    return kept, total
 
 
-def gather(server: str, job_id: int, events: int) -> dict[str, Any]:
+def gather(client: TridentClient, job_id: int, events: int) -> Description:
     """Everything `describe` shows, as `-o json|yaml` prints it (docs/cli.md)."""
-    j = _call(server, "GET", f"/jobs/{job_id}", retries=2)
-    attempts = _call(server, "GET", f"/jobs/{job_id}/attempts", retries=2)["items"]
-    hangs = _call(server, "GET", f"/jobs/{job_id}/hangs", retries=2)["items"]
-    split = _call(server, "GET", f"/jobs/{job_id}/comm/steps", retries=2)
-    evs, total = _events(server, job_id, events)
-    steps = split["steps"]
+    j = client.get_job(job_id)
+    attempts = client.list_attempts(job_id).items
+    hangs = client.list_hangs(job_id).items
+    split = client.get_comm_steps(job_id)
+    evs, total = _events(client, job_id, events)
+    steps = split.steps
     measured = None
     if steps:
-        measured = {k: sum(s[k] for s in steps) / len(steps)
-                    for k in ("compute", "tp", "pp", "dp", "step_s")}
-        measured["step"] = measured.pop("step_s")
-    plan = j["plan"]
-    return {
-        "job": job_row(j), "spec": j["spec"],
-        "plan": {"layout": job_row(j)["layout"], "world_size": plan["world_size"],
-                 "step_s": plan["time"]["step_s"], "tokens_per_s": plan["tokens_per_s"],
-                 "memory_bytes": plan["memory"]["total"]},
-        "predicted_vs_measured": j["predicted_vs_measured"],
-        "time_split": {"predicted": split["predicted"], "measured": measured,
-                       "steps": len(steps)},
-        "attempts": [{"number": a["number"], "status": a["status"],
-                      "started": a["started_at"], "ended": a["ended_at"], "error": a["error"],
-                      "nodes": nodes_of(a["placement"])} for a in attempts],
-        "hang": hangs[0] if hangs else None,
-        "error": j["error"], "reason": j.get("reason"),
-        "events": [{"id": e["id"], "time": e["time"], "attempt": e["attempt"],
-                    "kind": e["kind"], "message": e["message"]} for e in evs],
-        "events_total": total}
+        measured = MeasuredSplit(**{k: sum(getattr(s, k) for s in steps) / len(steps)
+                                    for k in ("compute", "tp", "pp", "dp")},
+                                 step=sum(s.step_s for s in steps) / len(steps))
+    row = JobRow.of(j)
+    return Description(
+        job=row, spec=j.spec,
+        plan=PlanLine(layout=row.layout, world_size=j.plan.world_size,
+                      step_s=j.plan.time.step_s, tokens_per_s=j.plan.tokens_per_s,
+                      memory_bytes=j.plan.memory.total),
+        predicted_vs_measured=j.predicted_vs_measured,
+        time_split=TimeSplits(predicted=split.predicted, measured=measured, steps=len(steps)),
+        attempts=[AttemptLine.of(a) for a in attempts], hang=hangs[0] if hangs else None,
+        error=j.error, reason=j.reason, events=[EventLine.of(e) for e in evs],
+        events_total=total)
 
 
-def _when(iso: str | None) -> str:
-    return "-" if iso is None else f"{iso[:19].replace('T', ' ')} ({ago(iso)})"
+def _when(t: datetime | None) -> str:
+    return "-" if t is None else f"{clock(t)} ({ago(t)})"
 
 
-def _ratio(row: dict[str, Any] | None) -> str:
-    return "-" if not row or row.get("ratio") is None else f"{row['ratio']:.2f}"
+def _ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
-def text(d: dict[str, Any]) -> str:
+def text(d: Description) -> str:
     """The human form: sections of `Field: value` lines, as `kubectl describe` prints."""
-    r, out = d["job"], []
+    r, out = d.job, []
 
     def field(k: str, v: Any) -> None:
         out.append(f"{k + ':':<13} {v}")
 
-    field("Name", r["name"])
-    field("ID", r["id"])
-    field("Owner", f"{r['owner']} (project {r['project'] or '-'})")
-    field("State", r["state"])
-    field("Reason", d["reason"] or "-")
-    field("Layout", f"{r['layout']}, {r['ranks']} ranks")
-    field("Priority", r["priority"])
-    field("Submitted", _when(r["submitted"]))
-    field("Started", _when(r["started"]))
-    field("Finished", _when(r["finished"]))
-    field("Duration", span(r["duration_s"]))
-    field("Attempts", f"{r['attempts']} ({r['restarts']} restart(s))")
-    loss = "-" if r["loss"] is None else f"{r['loss']:.4g}"
-    field("Progress", f"step {'-' if r['step'] is None else r['step']}/"
-          f"{r['total_steps'] or '-'}, loss {loss}, last report {ago(r['reported_at'])}")
-    pvm, plan = d["predicted_vs_measured"] or {}, d["plan"]
-    out += ["", f"Plan against measurement (medians of {pvm.get('steps_measured', 0)} steady"
-            " steps, newest attempt):"]
-    mem = pvm.get("memory_bytes") or {}
-    states = pvm.get("model_state_bytes") or {}
-    tok = pvm.get("tokens_per_s") or {}
-    step = pvm.get("step_s") or {}
-    rows = [["s/step", secs(plan["step_s"]), secs(step.get("measured")), _ratio(step)],
-            ["tokens/s", f"{plan['tokens_per_s']:.0f}",
-             "-" if tok.get("measured") is None else f"{tok['measured']:.0f}", _ratio(tok)],
-            ["model states", size(states.get("predicted")), size(states.get("measured")),
-             _ratio(states)],
-            ["peak memory", size(plan["memory_bytes"]), size(mem.get("measured_peak")), "-"]]
-    split = d["time_split"]
-    meas = split["measured"] or {}
+    field("Name", r.name)
+    field("ID", r.id)
+    field("Owner", f"{r.owner} (project {r.project or '-'})")
+    field("State", r.state)
+    field("Reason", d.reason or "-")
+    field("Layout", f"{r.layout}, {r.ranks} ranks")
+    field("Priority", r.priority)
+    field("Submitted", _when(r.submitted))
+    field("Started", _when(r.started))
+    field("Finished", _when(r.finished))
+    field("Duration", span(r.duration_s))
+    field("Attempts", f"{r.attempts} ({r.restarts} restart(s))")
+    loss = "-" if r.loss is None else f"{r.loss:.4g}"
+    field("Progress", f"step {'-' if r.step is None else r.step}/"
+          f"{r.total_steps or '-'}, loss {loss}, last report {ago(r.reported_at)}")
+    pvm, plan = d.predicted_vs_measured, d.plan
+    out += ["", f"Plan against measurement (medians of {pvm.steps_measured if pvm else 0}"
+            " steady steps, newest attempt):"]
+    step, tok, states = (pvm.step_s, pvm.tokens_per_s, pvm.model_state_bytes) if pvm else (
+        None, None, None)
+    peak = pvm.memory_bytes.measured_peak if pvm else None
+    rows = [["s/step", secs(plan.step_s), secs(step.measured if step else None),
+             _ratio(step.ratio if step else None)],
+            ["tokens/s", f"{plan.tokens_per_s:.0f}",
+             "-" if tok is None or tok.measured is None else f"{tok.measured:.0f}",
+             _ratio(tok.ratio if tok else None)],
+            ["model states", size(states.predicted if states else None),
+             size(states.measured if states else None),
+             _ratio(states.ratio if states else None)],
+            ["peak memory", size(plan.memory_bytes), size(peak), "-"]]
+    split = d.time_split
     for k in ("compute", "tp", "pp", "dp", "bubble", "step"):
-        rows.append([f"{k} s (mean of {split['steps']})" if k == "step" else f"{k} s",
-                     secs(split["predicted"].get(k)), secs(meas.get(k)), "-"])
+        rows.append([f"{k} s (mean of {split.steps})" if k == "step" else f"{k} s",
+                     secs(getattr(split.predicted, k)), secs(getattr(split.measured, k, None)),
+                     "-"])
     out += ["  " + line for line in columns(["WHAT", "PREDICTED", "MEASURED", "RATIO"],
                                              rows).splitlines()]
     out += ["", "Spec:"] + ["  " + line for line in yaml.safe_dump(
-        d["spec"], sort_keys=False).rstrip().splitlines()]
-    out += ["", "Attempts:"] + (_attempts(d["attempts"]) or ["  none yet"])
-    if d["hang"]:
-        h = d["hang"]
-        out += ["", f"Hang (attempt {h['attempt']}, {_when(h['time'])}):", f"  {h['summary']}"]
-        for group in h["stacks"]:
-            out.append(f"  ranks {ranges(group['ranks'])}:")
-            out += ["    " + ln for ln in group["text"].rstrip().splitlines()[-STACK_LINES:]]
-    if d["error"]:
-        lines = d["error"].rstrip().splitlines()
+        d.spec.model_dump(mode="json"), sort_keys=False).rstrip().splitlines()]
+    out += ["", "Attempts:"] + (_attempts(d.attempts) or ["  none yet"])
+    if d.hang:
+        h = d.hang
+        out += ["", f"Hang (attempt {h.attempt}, {_when(h.time)}):", f"  {h.summary}"]
+        for group in h.stacks:
+            out.append(f"  ranks {ranges(group.ranks)}:")
+            out += ["    " + ln for ln in group.text.rstrip().splitlines()[-STACK_LINES:]]
+    if d.error:
+        lines = d.error.rstrip().splitlines()
         out += ["", "Failure:"] + ["  " + ln for ln in lines[-ERROR_LINES:]]
-    out += ["", f"Events (newest {len(d['events'])} of {d['events_total']}):"]
+    out += ["", f"Events (newest {len(d.events)} of {d.events_total}):"]
     out += ["  " + ln for ln in columns(
         ["TIME", "ATTEMPT", "KIND", "MESSAGE"],
-        [[e["time"][:19].replace("T", " "), str(e["attempt"] or "-"), e["kind"],
-          (e["message"].splitlines() or [""])[0][:200]] for e in d["events"]]).splitlines()]
+        [[clock(e.time), str(e.attempt or "-"), e.kind,
+          (e.message.splitlines() or [""])[0][:200]] for e in d.events]).splitlines()]
     return "\n".join(out)
 
 
-def _attempts(attempts: list[dict[str, Any]]) -> list[str]:
+def _attempts(attempts: list[AttemptLine]) -> list[str]:
     out = []
     for a in attempts:
-        took = span(seconds_between(a["started"], a["ended"]))
-        out.append(f"  #{a['number']}  {a['status']:<9}  started {_when(a['started'])},"
-                   f" {'ran' if a['ended'] else 'running for'} {took}")
-        for n in a["nodes"]:
-            gpus = f", GPUs {','.join(n['gpu_ids'])}" if n["gpu_ids"] else ""
-            out.append(f"      node {n['hostname']} ({(n['node_id'] or '?')[:12]}):"
-                       f" ranks {ranges(n['ranks'])}{gpus}")
-        if a["error"]:
-            out.append(f"      error: {one_line(a['error'])}")
+        took = span(seconds_between(a.started, a.ended))
+        out.append(f"  #{a.number}  {a.status:<9}  started {_when(a.started)},"
+                   f" {'ran' if a.ended else 'running for'} {took}")
+        for n in a.nodes:
+            gpus = f", GPUs {','.join(n.gpu_ids)}" if n.gpu_ids else ""
+            out.append(f"      node {n.hostname} ({(n.node_id or '?')[:12]}):"
+                       f" ranks {ranges(n.ranks)}{gpus}")
+        if a.error:
+            out.append(f"      error: {one_line(a.error)}")
     return out
 
 
@@ -202,7 +280,8 @@ def describe(job_id: Annotated[int, typer.Argument(min=1, help="The job.")],
 
     Example: trident describe 7 --events 50
     """
-    d = gather(server, job_id, events)
+    with connect(server) as client:
+        d = gather(client, job_id, events)
     typer.echo(dump(d, output) if output in (Output.json, Output.yaml) else text(d))
 
 

@@ -1,7 +1,7 @@
 """What `trident status`, `describe` and `top` share: output formats, the stable job row of
-their JSON and YAML (docs/cli.md), aligned columns, human times and sizes, and the refresh
-loop of `--watch` and `top` (redrawn in place on a terminal, one frame after another when
-piped)."""
+their JSON and YAML (`JobRow`, docs/cli.md), aligned columns, human times and sizes, and the
+refresh loop of `--watch` and `top` (redrawn in place on a terminal, one frame after another
+when piped). Rows are read from the client's typed records (`api.schemas.JobOut`)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from pydantic import BaseModel
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
-                                        help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
+from api.cli_common import DEFAULT_SERVER, ServerOpt
+from api.client import model_json
+from api.schemas import JobOut, Number
+
+__all__ = ["DEFAULT_SERVER", "ServerOpt"]
 
 
 class Output(StrEnum):
@@ -37,8 +40,11 @@ OutputOpt = Annotated[Output, typer.Option("--output", "-o", case_sensitive=Fals
 
 
 def dump(obj: Any, fmt: Output, *, stream: bool = False) -> str:
-    """`obj` as JSON or YAML, keys in the order built. `stream` (one document per refresh):
-    JSON on one line (JSON Lines), YAML starting with `---`."""
+    """`obj` (a model, or JSON-ready data) as JSON or YAML, keys in the order of its fields.
+    `stream` (one document per refresh): JSON on one line (JSON Lines), YAML starting with
+    `---`."""
+    if isinstance(obj, BaseModel):
+        obj = model_json(obj)
     if fmt == Output.json:
         return json.dumps(obj) if stream else json.dumps(obj, indent=2)
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False,
@@ -57,16 +63,11 @@ def columns(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
                                + [line[-1]]).rstrip() for line in lines)
 
 
-def when(iso: str | None) -> datetime | None:
-    return None if iso is None else datetime.fromisoformat(iso).astimezone(UTC)
-
-
-def seconds_between(start: str | None, end: str | None = None) -> float | None:
+def seconds_between(start: datetime | None, end: datetime | None = None) -> float | None:
     """Seconds from `start` to `end` (default: now); None without a start."""
-    t0 = when(start)
-    if t0 is None:
+    if start is None:
         return None
-    return max(0.0, ((when(end) or datetime.now(UTC)) - t0).total_seconds())
+    return max(0.0, ((end or datetime.now(UTC)) - start).total_seconds())
 
 
 def span(s: float | None) -> str:
@@ -83,8 +84,13 @@ def span(s: float | None) -> str:
     return f"{n // 86400}d{n % 86400 // 3600:02d}h"
 
 
-def ago(iso: str | None) -> str:
-    return "-" if iso is None else f"{span(seconds_between(iso))} ago"
+def ago(t: datetime | None) -> str:
+    return "-" if t is None else f"{span(seconds_between(t))} ago"
+
+
+def clock(t: datetime) -> str:
+    """A time as the API gave it, to the second: `2025-01-02 03:04:05` (UTC)."""
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def secs(s: float | None) -> str:
@@ -103,28 +109,46 @@ def size(b: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def layout(plan: dict[str, Any]) -> str:
-    """A job's layout from the REST JSON of its plan, e.g. `tp1 pp1 dp2 zero2`."""
-    from service.planner.stored import StoredPlan
+class JobRow(BaseModel):
+    """One job as `status -o json|yaml` prints it: the documented, stable shape (docs/cli.md),
+    its fields in this order."""
 
-    return StoredPlan.from_json(plan).layout.label
+    id: int
+    name: str
+    owner: str
+    project: str | None
+    state: str
+    layout: str
+    """`tp1 pp1 dp2 zero2`."""
+    ranks: int
+    priority: int
+    submitted: datetime
+    started: datetime | None
+    finished: datetime | None
+    duration_s: float | None
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    step_s_predicted: Number
+    step_s_measured: float | None
+    reported_at: datetime | None
+    attempts: int
+    restarts: int
+    queue_position: int | None
+    reason: str | None
+    error: str | None
 
-
-def job_row(j: dict[str, Any]) -> dict[str, Any]:
-    """One job as `status -o json|yaml` prints it (the documented, stable shape), from the
-    REST JSON of `GET /jobs` or `GET /jobs/{id}`."""
-    end = j["finished_at"]
-    return {
-        "id": j["id"], "name": j["name"], "owner": j["owner"], "project": j["project"],
-        "state": j["state"], "layout": layout(j["plan"]), "ranks": j["world_size"],
-        "priority": j["priority"], "submitted": j["created_at"], "started": j["started_at"],
-        "finished": end, "duration_s": seconds_between(j["started_at"], end),
-        "step": j.get("step"), "total_steps": j.get("total_steps"), "loss": j.get("loss"),
-        "step_s_predicted": j["plan"]["time"]["step_s"],
-        "step_s_measured": j.get("step_time_s"), "reported_at": j.get("reported_at"),
-        "attempts": j["attempts"], "restarts": j.get("restarts", 0),
-        "queue_position": j.get("queue_position"), "reason": j.get("reason"),
-        "error": j["error"]}
+    @classmethod
+    def of(cls, j: JobOut) -> JobRow:
+        return cls(
+            id=j.id, name=j.name, owner=j.owner, project=j.project, state=j.state.value,
+            layout=j.plan.layout.label, ranks=j.world_size, priority=j.priority,
+            submitted=j.created_at, started=j.started_at, finished=j.finished_at,
+            duration_s=seconds_between(j.started_at, j.finished_at), step=j.step,
+            total_steps=j.total_steps, loss=j.loss, step_s_predicted=j.plan.time.step_s,
+            step_s_measured=j.step_time_s, reported_at=j.reported_at, attempts=j.attempts,
+            restarts=j.restarts, queue_position=j.queue_position, reason=j.reason,
+            error=j.error)
 
 
 def refresh(render: Callable[[], str], *, count: int, interval: float,

@@ -1,5 +1,5 @@
 """The identity commands of `trident`: log in, who am I, users, tokens, projects. Every one
-talks to the REST API (`api.cli._call`), as the caller's token allows."""
+talks to the REST API through `api.client.TridentClient`, as the caller's token allows."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from api.cli_auth import save_profile
-from api.cli_common import _call, fail
-
-ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
-                                        help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
+from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
+from api.client import BadServerURL, TridentClient, model_json
 
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")
@@ -32,9 +29,14 @@ def login(server: ServerOpt = DEFAULT_SERVER,
     Example: trident login --server https://trident.example.com
     """
     secret = (token or typer.prompt("API token", hide_input=True)).strip()
-    me = _call(server, "GET", "/whoami", headers={"Authorization": f"Bearer {secret}"})
-    path = save_profile(server, secret, me["user"])
-    typer.echo(f"logged in to {server} as {me['user']} ({me['role']}); saved in {path}")
+    try:
+        client = TridentClient(server, token=secret)
+    except BadServerURL as exc:
+        fail(f"--server: {exc}")
+    with client:
+        me = client.whoami()
+    path = save_profile(server, secret, me.user)
+    typer.echo(f"logged in to {server} as {me.user} ({me.role}); saved in {path}")
 
 
 def whoami(server: ServerOpt = DEFAULT_SERVER) -> None:
@@ -42,9 +44,10 @@ def whoami(server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident whoami
     """
-    me = _call(server, "GET", "/whoami")
-    typer.echo(f"{me['user']} ({me['role']}); projects: {', '.join(me['projects']) or '-'};"
-               f" token {me['token']['name']!r} (id {me['token']['id']})")
+    with connect(server) as client:
+        me = client.whoami()
+    typer.echo(f"{me.user} ({me.role}); projects: {', '.join(me.projects) or '-'};"
+               f" token {me.token.name!r} (id {me.token.id})")
 
 
 @user_app.command("add")
@@ -57,9 +60,9 @@ def user_add(name: str, server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident user add alice --role member --project vision
     """
-    u = _call(server, "POST", "/users", json={"name": name, "role": role,
-                                              "projects": project or []})
-    typer.echo(f"user {u['name']} ({u['role']}); projects: {', '.join(u['projects']) or '-'}")
+    with connect(server) as client:
+        u = client.create_user(name, role=role, projects=project)
+    typer.echo(f"user {u.name} ({u.role}); projects: {', '.join(u.projects) or '-'}")
 
 
 @user_app.command("list")
@@ -68,10 +71,12 @@ def user_list(server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident user list
     """
+    with connect(server) as client:
+        users = client.list_users().items
     typer.echo(f"{'NAME':<16}  {'ROLE':<7}  {'STATE':<8}  PROJECTS")
-    for u in _call(server, "GET", "/users")["items"]:
-        typer.echo(f"{u['name']:<16}  {u['role']:<7}  "
-                   f"{'disabled' if u['disabled'] else 'active':<8}  {', '.join(u['projects'])}")
+    for u in users:
+        typer.echo(f"{u.name:<16}  {u.role:<7}  "
+                   f"{'disabled' if u.disabled else 'active':<8}  {', '.join(u.projects)}")
 
 
 @user_app.command("disable")
@@ -80,7 +85,8 @@ def user_disable(name: str, server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident user disable alice
     """
-    _call(server, "POST", f"/users/{name}/disable")
+    with connect(server) as client:
+        client.disable_user(name)
     typer.echo(f"user {name} disabled")
 
 
@@ -95,16 +101,13 @@ def token_create(name: str, server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident token create laptop --expires-days 30
     """
-    body: dict[str, Any] = {"name": name}
-    if user:
-        body["user"] = user
-    if expires_days:
-        body["expires_in_days"] = expires_days
-    t = _call(server, "POST", "/tokens", json=body)
-    info = t["info"]
-    typer.echo(t["token"])
-    typer.echo(f"token {info['id']} {info['name']!r} of {info['user']}, expires"
-               f" {info['expires_at'] or 'never'}; shown once: keep it now", err=True)
+    with connect(server) as client:
+        t = client.create_token(name, user=user, expires_in_days=expires_days)
+    info = t.info
+    typer.echo(t.token)
+    expires = "never" if info.expires_at is None else model_json(info.expires_at)
+    typer.echo(f"token {info.id} {info.name!r} of {info.user}, expires {expires}; shown"
+               " once: keep it now", err=True)
 
 
 @token_app.command("list")
@@ -115,11 +118,13 @@ def token_list(server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident token list --user alice
     """
+    with connect(server) as client:
+        tokens = client.list_tokens(user=user or None).items
     typer.echo(f"{'ID':>5}  {'USER':<16}  {'NAME':<20}  {'EXPIRES':<20}  STATE")
-    for t in _call(server, "GET", "/tokens", params={"user": user} if user else None)["items"]:
-        state = "revoked" if t["revoked_at"] else "active"
-        typer.echo(f"{t['id']:>5}  {t['user']:<16}  {t['name']:<20}"
-                   f"  {(t['expires_at'] or 'never')[:19]:<20}  {state}")
+    for t in tokens:
+        state = "revoked" if t.revoked_at else "active"
+        expires = "never" if t.expires_at is None else model_json(t.expires_at)[:19]
+        typer.echo(f"{t.id:>5}  {t.user:<16}  {t.name:<20}  {expires:<20}  {state}")
 
 
 @token_app.command("revoke")
@@ -128,8 +133,9 @@ def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident token revoke 7
     """
-    t = _call(server, "DELETE", f"/tokens/{token_id}")
-    typer.echo(f"token {t['id']} {t['name']!r} of {t['user']} revoked")
+    with connect(server) as client:
+        t = client.revoke_token(token_id)
+    typer.echo(f"token {t.id} {t.name!r} of {t.user} revoked")
 
 
 @project_app.command("add")
@@ -144,10 +150,10 @@ def project_add(name: str, server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident project add vision --gpus 24 --member alice
     """
-    p = _call(server, "POST", "/projects", json={"name": name, "gpus": gpus, "cpus": cpus,
-                                                 "members": member or []})
-    typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
-               f" {_quota(p['cpu_quota'])} CPUs; members: {', '.join(p['members']) or '-'}")
+    with connect(server) as client:
+        p = client.create_project(name, gpus=gpus, cpus=cpus, members=member)
+    typer.echo(f"project {p.name}: quota {_quota(p.gpu_quota)} GPUs,"
+               f" {_quota(p.cpu_quota)} CPUs; members: {', '.join(p.members) or '-'}")
 
 
 @project_app.command("quota")
@@ -160,9 +166,10 @@ def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident project quota vision --gpus 32
     """
-    p = _call(server, "PUT", f"/projects/{name}/quota", json={"gpus": gpus, "cpus": cpus})
-    typer.echo(f"project {p['name']}: quota {_quota(p['gpu_quota'])} GPUs,"
-               f" {_quota(p['cpu_quota'])} CPUs")
+    with connect(server) as client:
+        p = client.set_quota(name, gpus=gpus, cpus=cpus)
+    typer.echo(f"project {p.name}: quota {_quota(p.gpu_quota)} GPUs,"
+               f" {_quota(p.cpu_quota)} CPUs")
 
 
 @project_app.command("list")
@@ -171,9 +178,11 @@ def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident project list
     """
-    for p in _call(server, "GET", "/projects")["items"]:
-        typer.echo(f"{p['name']:<16}  GPUs {_quota(p['gpu_quota']):>6}  CPUs"
-                   f" {_quota(p['cpu_quota']):>6}  {', '.join(p['members'])}")
+    with connect(server) as client:
+        projects = client.list_projects().items
+    for p in projects:
+        typer.echo(f"{p.name:<16}  GPUs {_quota(p.gpu_quota):>6}  CPUs"
+                   f" {_quota(p.cpu_quota):>6}  {', '.join(p.members)}")
 
 
 def announce_bootstrap(settings: Any) -> None:

@@ -10,20 +10,18 @@ from __future__ import annotations
 import json
 import sys
 import time
-import uuid
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import click
-import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, _client, fail, refusal, unreachable
+from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, error_line, fail
 from api.cli_spec import SetOpt, load_spec
-from service.planner.stored import StoredPlan
+from api.client import ApiError, TridentClient, model_json
+from api.schemas import JobOut, MetricOut
 from service.states import JobState
 
 EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
@@ -37,11 +35,6 @@ ACTIVE = [s.value for s in JobState if not s.terminal]
 class Output(StrEnum):
     text = "text"
     json = "json"
-
-
-def layout(plan: dict[str, Any]) -> str:
-    """A job's layout from the REST JSON of its plan, e.g. `tp1 pp1 dp2 zero2`."""
-    return StoredPlan.from_json(plan).layout.label
 
 
 def submit(spec: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON).")],
@@ -62,27 +55,26 @@ def submit(spec: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON
 
     Example: trident submit examples/tiny.yaml --set train.steps=100 --set parallel.dp=2
     """
-    body = load_spec(spec, sets).model_dump(mode="json")
-    job = _call(server, "POST", "/jobs", json=body,
-                params={"project": project} if project else None,
-                headers={"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}, retries=4)
-    as_json = output == Output.json
-    if as_json:
-        typer.echo(json.dumps(job, indent=2))
-    elif detach:
-        typer.echo(job["id"])
-    if detach:
-        return
-    if not as_json:
-        typer.echo(f"job {job['id']} submitted: {job['name']}, {layout(job['plan'])},"
-                   f" {job['world_size']} ranks")
-    try:
-        state = follow(server, job["id"], err=as_json)
-    except KeyboardInterrupt:
-        typer.echo(f"\nstopped following job {job['id']}; it trains on (`trident cancel"
-                   f" {job['id']}` stops it, `trident logs -f {job['id']}` follows its output)",
-                   err=True)
-        raise typer.Exit(INTERRUPTED) from None
+    checked = load_spec(spec, sets)
+    with connect(server) as client:
+        job = client.submit(checked, project=project)
+        as_json = output == Output.json
+        if as_json:
+            typer.echo(json.dumps(model_json(job), indent=2))
+        elif detach:
+            typer.echo(job.id)
+        if detach:
+            return
+        if not as_json:
+            typer.echo(f"job {job.id} submitted: {job.name}, {job.plan.layout.label},"
+                       f" {job.world_size} ranks")
+        try:
+            state = follow(client, job.id, err=as_json)
+        except KeyboardInterrupt:
+            typer.echo(f"\nstopped following job {job.id}; it trains on (`trident cancel"
+                       f" {job.id}` stops it, `trident logs -f {job.id}` follows its output)",
+                       err=True)
+            raise typer.Exit(INTERRUPTED) from None
     raise typer.Exit(EXIT[state])
 
 
@@ -95,10 +87,10 @@ class _Lines:
     def note(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    def step(self, m: dict[str, Any], total: int) -> None:
-        loss = "-" if m["loss"] is None else f"{m['loss']:.4f}"
-        self.note(f"  step {m['step']:>5}/{total}  loss {loss}  {m['step_time_s'] * 1000:8.1f}"
-                  f" ms  {m['tokens_per_s']:10.0f} tok/s")
+    def step(self, m: MetricOut, total: int) -> None:
+        loss = "-" if m.loss is None else f"{m.loss:.4f}"
+        self.note(f"  step {m.step:>5}/{total}  loss {loss}  {m.step_time_s * 1000:8.1f}"
+                  f" ms  {m.tokens_per_s:10.0f} tok/s")
 
     def close(self) -> None:
         pass
@@ -118,47 +110,47 @@ class _Bar(_Lines):
     def note(self, text: str) -> None:
         self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    def step(self, m: dict[str, Any], total: int) -> None:
-        loss = "-" if m["loss"] is None else f"{m['loss']:.4f}"
-        self.progress.update(self.task, completed=m["step"],
-                             info=f"loss {loss}  {m['step_time_s']:.3f} s/step")
+    def step(self, m: MetricOut, total: int) -> None:
+        loss = "-" if m.loss is None else f"{m.loss:.4f}"
+        self.progress.update(self.task, completed=m.step,
+                             info=f"loss {loss}  {m.step_time_s:.3f} s/step")
 
     def close(self) -> None:
         self.progress.stop()
 
 
-def follow(server: str, job_id: int, interval: float = 1.0, err: bool = False) -> str:
+def follow(client: TridentClient, job_id: int, interval: float = 1.0,
+           err: bool = False) -> str:
     """Print state changes, events and new steps until the job ends; its final state."""
     console = Console(file=sys.stderr if err else sys.stdout, highlight=False)
-    job = _call(server, "GET", f"/jobs/{job_id}", retries=2)
-    total = int(job["spec"]["train"]["steps"])
+    job: JobOut = client.get_job(job_id)
+    total = job.total_steps or 0
     out = _Bar(console, job_id, total) if console.is_interactive else _Lines(console)
     last_state, last_step, last_event, attempt = "", 0, 0, 0
     try:
         while True:
-            for ev in _call(server, "GET", f"/jobs/{job_id}/events", retries=2,
-                            params={"after": last_event, "limit": 1000})["items"]:
-                last_event = ev["id"]
-                if ev["kind"] != "state":
-                    out.note(f"  [{ev['kind']}] {ev['message'].splitlines()[0][:200]}")
-            if job["attempts"] != attempt:  # a retry counts its steps from 1 again
-                attempt, last_step = job["attempts"], 0
+            for ev in client.iter_events(job_id, after=last_event):
+                last_event = ev.id
+                if ev.kind != "state":
+                    out.note(f"  [{ev.kind}] {(ev.message.splitlines() or [''])[0][:200]}")
+            if job.attempts != attempt:  # a retry counts its steps from 1 again
+                attempt, last_step = job.attempts, 0
             if attempt:
-                for m in _call(server, "GET", f"/jobs/{job_id}/metrics", retries=2,
-                               params={"after_step": last_step, "attempt": attempt})["items"]:
-                    last_step = max(last_step, m["step"])
+                for m in client.list_metrics(job_id, after_step=last_step,
+                                             attempt=attempt).items:
+                    last_step = max(last_step, m.step)
                     out.step(m, total)
-            if job["state"] != last_state:
-                last_state = job["state"]
+            if job.state.value != last_state:
+                last_state = job.state.value
                 out.note(f"job {job_id} {last_state}")
             if last_state in EXIT:
                 break
             time.sleep(interval)
-            job = _call(server, "GET", f"/jobs/{job_id}", retries=2)
+            job = client.get_job(job_id)
     finally:
         out.close()
-    if job.get("error"):
-        typer.echo(job["error"], err=True)
+    if job.error:
+        typer.echo(job.error, err=True)
     return last_state
 
 
@@ -172,18 +164,10 @@ def parse_states(given: list[str] | None) -> list[str]:
     return out
 
 
-def _targets(server: str, states: list[str], owner: str | None) -> list[dict[str, Any]]:
+def _targets(client: TridentClient, states: list[str], owner: str | None) -> list[JobOut]:
     """The jobs `cancel --all` selects: not ended, in `states`, of `owner`."""
-    found: list[dict[str, Any]] = []
     wanted = [s for s in states if s in ACTIVE] if states else ACTIVE
-    params: dict[str, Any] = {"state": wanted, "limit": 500,
-                              **({"owner": owner} if owner else {})}
-    while wanted:
-        page = _call(server, "GET", "/jobs", params={**params, "offset": len(found)})
-        found += page["items"]
-        if not page["items"] or len(found) >= page["total"]:
-            break
-    return found
+    return list(client.iter_jobs(state=wanted, owner=owner or None)) if wanted else []
 
 
 def cancel(ids: Annotated[list[int] | None, typer.Argument(
@@ -210,37 +194,43 @@ def cancel(ids: Annotated[list[int] | None, typer.Argument(
         fail("give job ids, or --all (with --state/--owner to narrow it)")
     if (state or owner) and not all_:
         fail("--state and --owner select jobs for --all")
-    if all_:
-        jobs = _targets(server, parse_states(state), owner)
-        if not jobs:
-            typer.echo("no job that has not ended matches; nothing to cancel")
-            return
-        lines = [f"  {j['id']:>5}  {j['state']:<10} {j['owner']:<12} {j['name']}" for j in jobs]
-        targets = [j["id"] for j in jobs]
-    else:
-        targets = list(dict.fromkeys(ids or []))
-        lines = [f"  {i}" for i in targets]
-    if not yes:
-        typer.echo(f"cancel {len(targets)} job(s):\n" + "\n".join(lines))
-        try:
-            if not typer.confirm("proceed?", default=False):
-                fail("not confirmed: nothing cancelled", 1)
-        except click.Abort:
-            fail("not confirmed: nothing cancelled (--yes skips the question)", 1)
-    refused = 0
-    with _client(server) as client:
+    with connect(server) as client:
+        if all_:
+            jobs = _targets(client, parse_states(state), owner)
+            if not jobs:
+                typer.echo("no job that has not ended matches; nothing to cancel")
+                return
+            lines = [f"  {j.id:>5}  {j.state.value:<10} {j.owner:<12} {j.name}" for j in jobs]
+            targets = [j.id for j in jobs]
+        else:
+            targets = list(dict.fromkeys(ids or []))
+            lines = [f"  {i}" for i in targets]
+        if not yes:
+            typer.echo(f"cancel {len(targets)} job(s):\n" + "\n".join(lines))
+            confirm("nothing cancelled (--yes cancels without asking)")
+        refused = 0
         for job_id in targets:
             try:
-                r = client.post(f"/jobs/{job_id}/cancel")
-            except httpx.HTTPError as exc:
-                fail(unreachable(server, exc))
-            if r.status_code >= 400:
+                job = client.cancel_job(job_id)
+            except ApiError as exc:
                 refused += 1
-                typer.echo(f"job {job_id}: {refusal(server, r)}", err=True)
+                typer.echo(f"error: job {job_id}: {error_line(exc)}", err=True)
             else:
-                typer.echo(f"job {job_id}: {r.json()['state']} (cancel requested)")
+                typer.echo(f"job {job_id}: {job.state.value} (cancel requested)")
     if refused:
         raise typer.Exit(1)
+
+
+def confirm(otherwise: str) -> None:
+    """Ask `proceed? [y/N]`; anything but yes (or no answer: stdin closed, no terminal) is
+    `error: not confirmed: <otherwise>` and exit 1."""
+    try:
+        if typer.confirm("proceed?", default=False):
+            return
+    except typer.Abort:  # end of input before an answer
+        typer.echo("")  # end the prompt's line, so that the error is a line of its own
+        fail(f"no answer on stdin: {otherwise}", 1)
+    fail(f"not confirmed: {otherwise}", 1)
 
 
 def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
@@ -248,7 +238,8 @@ def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
 
     Example: trident resubmit 12
     """
-    typer.echo(_call(server, "POST", f"/jobs/{job_id}/resubmit")["id"])
+    with connect(server) as client:
+        typer.echo(client.resubmit_job(job_id).id)
 
 
 def register(app: typer.Typer) -> None:

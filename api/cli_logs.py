@@ -8,23 +8,18 @@ the time by which it was written, from the writer's time index); `--rank`, `--st
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-import httpx
 import typer
 
-from api.cli_common import DEFAULT_SERVER, ServerOpt, _call, _client, fail, refusal, unreachable
+from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
+from api.client import TridentClient, model_json
+from service.ranklogs import Chunk
 
 INTERRUPTED = 130
-RECONNECTS = 5
-"""How many times in a row `logs -f` reconnects after the connection broke."""
-RECONNECT_BACKOFF_S = 1.0
-"""The first reconnect waits twice this, each next one twice as long, up to 10 s."""
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -72,12 +67,12 @@ class RankLines:
             head += f"[rank {rank}] "
         typer.echo(head + line)
 
-    def add(self, chunk: dict[str, Any]) -> None:
-        r = chunk["rank"]
-        if chunk.get("skipped"):
-            typer.echo(f"[rank {r}] ... {chunk['skipped']} bytes dropped by the size cap")
-        *lines, self.partial[r] = (self.partial.get(r, "") + chunk["text"]).split("\n")
-        times = chunk.get("times") or []  # one per line, the partial last one too
+    def add(self, chunk: Chunk) -> None:
+        r = chunk.rank
+        if chunk.skipped:
+            typer.echo(f"[rank {r}] ... {chunk.skipped} bytes dropped by the size cap")
+        *lines, self.partial[r] = (self.partial.get(r, "") + chunk.text).split("\n")
+        times = chunk.times or []  # one per line, the partial last one too
         for i, line in enumerate(lines):
             self._echo(r, line, times[i] if i < len(times) else None)
         if len(times) > len(lines):
@@ -90,78 +85,26 @@ class RankLines:
         self.partial.clear()
 
 
-def _stage_ranks(server: str, job_id: int, stage: int) -> list[int]:
+def _stage_ranks(client: TridentClient, job_id: int, stage: int) -> list[int]:
     """The ranks of pipeline stage `stage`, from the job's plan."""
-    plan = _call(server, "GET", f"/jobs/{job_id}")["plan"]
-    rows = plan.get("rank_layout") or []
-    stages = sorted({row["pp"] for row in rows})
+    rows = client.get_job(job_id).plan.rank_layout
+    stages = sorted({row.pp for row in rows})
     if stage not in stages:
         fail(f"--stage {stage}: job {job_id} has pipeline stages"
              f" {', '.join(map(str, stages)) or 'none'}")
-    return [row["rank"] for row in rows if row["pp"] == stage]
+    return [row.rank for row in rows if row.pp == stage]
 
 
-def unseen(chunk: dict[str, Any], printed: dict[int, int]) -> dict[str, Any]:
-    """`chunk` without the bytes of its rank printed already (a reconnected stream starts
-    at the lowest offset of all its ranks); records what it leaves to print."""
-    r, raw = chunk["rank"], chunk["text"].encode("utf-8", errors="replace")
-    start = chunk["next"] - len(raw)
-    seen = printed.get(r, start)
-    printed[r] = max(seen, chunk["next"])
-    if seen <= start:
-        return chunk
-    cut = raw[:seen - start]
-    times = chunk.get("times")
-    return {**chunk, "text": raw[seen - start:].decode("utf-8", errors="replace"),
-            "skipped": 0, "times": times[cut.count(b"\n"):] if times else times}
-
-
-def follow_rank_logs(client: httpx.Client, job_id: int, params: dict[str, Any],
-                     printer: RankLines) -> None:
-    """Print the stream of `GET /jobs/{id}/logs?follow=true` until the job has ended. The
-    server ends a stream after an hour, and a restart ends it too: then it reconnects
-    (from the lowest offset its ranks reached, printing nothing twice)."""
-    printed: dict[int, int] = {}
-    query, failures = {**params, "follow": True}, 0
-    while True:
-        try:
-            with client.stream("GET", f"/jobs/{job_id}/logs", params=query,
-                               timeout=httpx.Timeout(30, read=None)) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    fail(refusal(str(client.base_url).removesuffix("/api/v1/"), resp))
-                for line in resp.iter_lines():
-                    if line.startswith("event: end"):
-                        printer.flush()
-                        return
-                    if line.startswith("data: "):
-                        printer.add(unseen(json.loads(line[6:]), printed))
-                        failures = 0
-        except httpx.TransportError:
-            failures += 1
-            if failures > RECONNECTS:
-                raise
-            time.sleep(min(RECONNECT_BACKOFF_S * 2**failures, 10.0))
-        time.sleep(0.2)
-        # Again from where every rank got to (a rank not heard from: from the start; the
-        # `--since` time still holds, `--tail` was met).
-        every = set(params.get("rank", ())) <= set(printed) and "rank" in params
-        query = {**{k: v for k, v in params.items() if k != "tail"}, "follow": True,
-                 "since": min(printed.values()) if every else params.get("since", 0)}
-
-
-def _read_all(server: str, job_id: int, params: dict[str, Any], printer: RankLines) -> None:
-    """Every selected rank's output, page by page (each answer holds at most `max_bytes`
-    per rank)."""
-    first = _call(server, "GET", f"/jobs/{job_id}/logs", params=params)
-    for c in first["ranks"]:
+def print_logs(chunks: Any, printer: RankLines) -> None:
+    """Print `chunks` (a rank's whole lines once they end; a rank's last partial line when
+    the next rank's output starts, and at the end)."""
+    last: int | None = None
+    for c in chunks:
+        if last is not None and c.rank != last:
+            printer.flush()
         printer.add(c)
-        while c["next"] < c["size"]:
-            more = {k: v for k, v in params.items() if k not in ("tail", "since_time")}
-            c = _call(server, "GET", f"/jobs/{job_id}/logs",
-                      params={**more, "rank": c["rank"], "since": c["next"]})["ranks"][0]
-            printer.add(c)
-        printer.flush()
+        last = c.rank
+    printer.flush()
 
 
 def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
@@ -195,27 +138,24 @@ def logs(job_id: int, server: ServerOpt = DEFAULT_SERVER,
     except re.error as exc:
         fail(f"--grep {grep!r}: not a regular expression: {exc}")
     ranks = parse_ranks(rank)
-    if stage is not None:
-        in_stage = _stage_ranks(server, job_id, stage)
-        ranks = [r for r in ranks if r in in_stage] if ranks else in_stage
-        if not ranks:
-            fail(f"--rank {','.join(rank or [])}: none of them is in stage {stage}")
-    params: dict[str, Any] = {"rank": ranks, "attempt": attempt, "tail": tail,
-                              "timestamps": timestamps or None,
-                              "since_time": parse_since(since).isoformat() if since else None}
-    params = {k: v for k, v in params.items() if v not in (None, [])}
+    since_time = parse_since(since) if since else None
     printer = RankLines(prefix=prefix, timestamps=timestamps, grep=pattern)
-    if not follow:
-        _read_all(server, job_id, params, printer)
-        return
-    try:
-        with _client(server) as client:
-            follow_rank_logs(client, job_id, params, printer)
-    except httpx.HTTPError as exc:
-        fail(unreachable(server, exc))
-    except KeyboardInterrupt:
-        printer.flush()
-        raise typer.Exit(INTERRUPTED) from None
+    with connect(server) as client:
+        if stage is not None:
+            in_stage = _stage_ranks(client, job_id, stage)
+            ranks = [r for r in ranks if r in in_stage] if ranks else in_stage
+            if not ranks:
+                fail(f"--rank {','.join(rank or [])}: none of them is in stage {stage}")
+        select: dict[str, Any] = {"rank": ranks or None, "attempt": attempt, "tail": tail,
+                                  "since_time": since_time, "timestamps": timestamps}
+        if not follow:
+            print_logs(client.read_logs(job_id, **select), printer)
+            return
+        try:
+            print_logs(client.follow_logs(job_id, **select), printer)
+        except KeyboardInterrupt:
+            printer.flush()
+            raise typer.Exit(INTERRUPTED) from None
 
 
 def events(job_id: int, server: ServerOpt = DEFAULT_SERVER,
@@ -232,21 +172,18 @@ def events(job_id: int, server: ServerOpt = DEFAULT_SERVER,
     """
     after, ended = 0, False
     try:
-        while True:
-            items = _call(server, "GET", f"/jobs/{job_id}/events",
-                          params={"after": after, "limit": 1000}, retries=2)["items"]
-            for ev in items:
-                after = ev["id"]
-                if not kind or ev["kind"] in kind:
-                    typer.echo(f"{ev['time']}  {ev['kind']:<10} {ev['message']}")
-            if len(items) == 1000:
-                continue
-            if not follow or ended:
-                return
-            # Once the job has ended, one more read gets the events written with its end.
-            ended = _call(server, "GET", f"/jobs/{job_id}", retries=2)["state"] in TERMINAL
-            if not ended:
-                time.sleep(1.0)
+        with connect(server) as client:
+            while True:
+                for ev in client.iter_events(job_id, after=after):
+                    after = ev.id
+                    if not kind or ev.kind in kind:
+                        typer.echo(f"{model_json(ev.time)}  {ev.kind:<10} {ev.message}")
+                if not follow or ended:
+                    return
+                # Once the job has ended, one more read gets the events written with its end.
+                ended = client.get_job(job_id).state.terminal
+                if not ended:
+                    time.sleep(1.0)
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import typer
 
-ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
-                                        help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
+from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
+from api.client import model_json
+from api.schemas import NodeInfo, NodeJob
+
 DataDirOpt = Annotated[Path | None, typer.Option(
     envvar="TRIDENT_DATA_DIR", help="Where the node's state, log and (head) Ray token live;"
     " default ./var.")]
@@ -58,12 +59,12 @@ def node_start(
             "--dry-run", help="Print the labels and the `ray start` command; start nothing.")]
         = False) -> None:
     """Start this host's Ray node with its GPU model, memory, profile and NVLink/PCIe matrix
-    as labels, and its CPUs and GPUs; returns once it runs (it keeps running).
+    as labels, and its CPUs and GPUs; returns once it runs (it keeps running). It listens on
+    every interface, for the other hosts (unlike `trident up`'s own head, on loopback only).
 
     Example: trident node start --head --port 6379; on the other hosts:
     trident node start --address HEAD:6379 --auth-token-file TOKEN
     """
-    from api.cli_common import fail
     from service.hardware import PROFILES
     from service.inventory import node_inventory
     from service.node_labels import node_labels
@@ -98,6 +99,9 @@ def node_start(
         fail(str(exc), 1)
     typer.echo(f"ray {state.role} node running (pid {state.pid}, log {state.log}),"
                f" cluster at {state.address}")
+    typer.echo("listening on every interface of this host (Ray's ports: the head's, and those"
+               " of its servers and workers), for the other hosts: keep them behind a firewall"
+               " that lets only the cluster's hosts in")
     typer.echo("labels: " + ", ".join(f"{k}={v}" for k, v in labels.items()))
     if head and token is not None:
         typer.echo(f"join: trident node start --address {where} --auth-token-file {token}")
@@ -115,7 +119,6 @@ def node_stop(data_dir: DataDirOpt = None,
 
     Example: trident node stop --data-dir /srv/trident
     """
-    from api.cli_common import fail
     from service.raynode import stop_node
 
     root = _data_dir(data_dir)
@@ -125,10 +128,10 @@ def node_stop(data_dir: DataDirOpt = None,
     typer.echo(f"ray {state.role} node stopped (pid {state.pid})")
 
 
-def _jobs_cell(jobs: list[dict[str, Any]]) -> str:
+def _jobs_cell(jobs: list[NodeJob]) -> str:
     from api.cli_stacks import rank_ranges
 
-    return " ".join(f"{j['job_id']}[r{rank_ranges(j['ranks'])}]" for j in jobs) or "-"
+    return " ".join(f"{j.job_id}[r{rank_ranges(j.ranks)}]" for j in jobs) or "-"
 
 
 def cluster(server: ServerOpt = DEFAULT_SERVER,
@@ -139,27 +142,26 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
 
     Example: trident cluster -o json
     """
-    from api.cli_common import _call
-
-    c = _call(server, "GET", "/cluster")
+    with connect(server) as client:
+        c = client.get_cluster()
     if output == "json":
-        typer.echo(json.dumps(c, indent=2))
+        typer.echo(json.dumps(model_json(c), indent=2))
         return
-    per_node = c.get("jobs") or {}
     typer.echo(f"{'NODE':<12}  {'HOST':<20} {'STATE':<5}  {'CPU':>5} {'GPU':>4}"
                f"  {'HARDWARE':<38} {'LINK':<6}  JOBS")
-    for n in c["nodes"]:
-        info, res = n["info"], n["info"].get("resources") or {}
-        what = (f"{len(info.get('gpus') or [])} x {info.get('gpu_model')}"
-                if info.get("accelerator") == "gpu" else f"CPU, {info.get('cpus')} cores")
-        if info.get("profile"):
-            what += f" ({info['profile']})"
-        typer.echo(f"{n['node_id'][:12]:<12}  {n['hostname'][:20]:<20}"
-                   f" {'alive' if n['alive'] else 'dead':<5}  {res.get('CPU', 0):>5g}"
-                   f" {res.get('GPU', 0):>4g}  {what[:38]:<38} {info.get('gpu_link') or '-':<6}"
-                   f"  {_jobs_cell(per_node.get(n['node_id']) or [])}")
-    for name, p in c["profiles"].items():
-        typer.echo(f"profile {name}: calibrated by probe {p.get('probe_id')}")
+    for n in c.nodes:
+        info = NodeInfo.of(n)
+        res = info.resources
+        what = (f"{len(info.gpus)} x {info.gpu_model}" if info.accelerator == "gpu"
+                else f"CPU, {info.cpus} cores")
+        if info.profile:
+            what += f" ({info.profile})"
+        typer.echo(f"{n.node_id[:12]:<12}  {n.hostname[:20]:<20}"
+                   f" {'alive' if n.alive else 'dead':<5}  {res.get('CPU', 0):>5g}"
+                   f" {res.get('GPU', 0):>4g}  {what[:38]:<38} {info.gpu_link or '-':<6}"
+                   f"  {_jobs_cell(c.jobs.get(n.node_id) or [])}")
+    for name, p in c.profiles.items():
+        typer.echo(f"profile {name}: calibrated by probe {p.probe_id}")
 
 
 def register(app: typer.Typer) -> None:

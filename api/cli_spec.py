@@ -8,6 +8,7 @@ one is refused before anything is sent, naming the fields its parent does have.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,9 @@ from pydantic import BaseModel, ValidationError
 from api.cli_common import fail
 from service.spec import JobSpec
 from service.specfile import load_yaml
+
+FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
+"""A spec check across fields says which field it refuses first: `parallel.tp: tp(3) ...`."""
 
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="FIELD=VALUE",
@@ -34,10 +38,22 @@ def read_spec_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}")
     except yaml.YAMLError as exc:
-        fail(f"{path} is not valid YAML: {exc}")
+        fail(f"{path} is not valid YAML: {yaml_problem(exc)}")
     if not isinstance(raw, dict):
         fail(f"{path}: a spec is a mapping of fields, got {type(raw).__name__}")
     return raw
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's several-line error as one line: where, then what (`line 3, column 4:
+    expected ',' or ']', but got ':'`)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    return (f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+            + (f" ({context})" if context else ""))
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -109,15 +125,16 @@ def validate_spec(raw: dict[str, Any], origin: str, sets: list[str] | None = Non
         set_fields = {s.partition("=")[0].strip(): s for s in sets or []}
         lines = []
         for e in exc.errors():
-            loc = ".".join(str(p) for p in e["loc"]) or "spec"
+            loc = ".".join(str(p) for p in e["loc"])
             msg = str(e["msg"]).removeprefix("Value error, ")
+            if not loc and (named := FIELD_PREFIX.match(msg)):
+                loc, msg = named.group(1), named.group(2)  # a check across fields names one
+            loc = loc or "spec"
             made = next((s for f, s in set_fields.items()
                          if loc == f or loc.startswith(f + ".") or f.startswith(loc + ".")),
                         None)
             lines.append(f"{loc}: {msg}" + (f" (from --set {made})" if made else ""))
-        if len(lines) == 1:
-            fail(f"{origin}: invalid spec: {lines[0]}")
-        fail("\n".join([f"{origin}: invalid spec", *(f"  {line}" for line in lines)]))
+        fail(f"{origin}: invalid spec: {'; '.join(lines)}")
 
 
 def load_spec(path: Path, sets: list[str] | None = None) -> JobSpec:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import typer
 
-ServerOpt = Annotated[str, typer.Option("--server", envvar="TRIDENT_SERVER",
-                                        help="Base URL of the Trident API.")]
-DEFAULT_SERVER = "http://127.0.0.1:8000"
+from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
+from api.client import model_json
+from api.schemas import StackAnswer
+from service.stack_requests import StackRequest, StackStatus
+
 TRAIN_THREAD = "train"
 """The rank's work thread (`service.stack_collect.TRAIN_THREAD`)."""
 
@@ -38,28 +40,25 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def render(req: dict[str, Any], all_threads: bool = False) -> str:
+def render(req: StackRequest, all_threads: bool = False) -> str:
     """A done stack request as text: per thread (the work thread `train` only, unless
     `all_threads`) each group of ranks with identical stacks, then the ranks without any."""
-    res = req.get("result") or {}
-    total = int(res.get("ranks") or 0)
-    lines = [f"job {req['job_id']}, attempt {req.get('attempt')}: stacks of {total} rank(s)"
-             f" (request {req['id']})"]
-    threads = res.get("threads") or []
-    shown = [t for t in threads if all_threads or t["thread"] == TRAIN_THREAD]
+    res = StackAnswer.of(req)
+    total = res.ranks
+    lines = [f"job {req.job_id}, attempt {req.attempt}: stacks of {total} rank(s)"
+             f" (request {req.id})"]
+    shown = [t for t in res.threads if all_threads or t.thread == TRAIN_THREAD]
     for t in shown:
-        groups = t["groups"]
         lines.append("")
-        lines.append(f"=== thread {t['thread']}: {len(groups)} distinct stack(s)")
-        for g in groups:
-            who = f"rank {g['ranks'][0]}" if len(g["ranks"]) == 1 else \
-                f"ranks {rank_ranges(g['ranks'])}"
-            lines.append(f"--- {who} ({len(g['ranks'])} of {total})")
-            lines.append((g["stack"] or "(left out: the answer's size limit was reached)\n")
+        lines.append(f"=== thread {t.thread}: {len(t.groups)} distinct stack(s)")
+        for g in t.groups:
+            who = f"rank {g.ranks[0]}" if len(g.ranks) == 1 else f"ranks {rank_ranges(g.ranks)}"
+            lines.append(f"--- {who} ({len(g.ranks)} of {total})")
+            lines.append((g.stack or "(left out: the answer's size limit was reached)\n")
                          .rstrip("\n"))
-    for m in res.get("missing") or []:
-        lines.append(f"no stacks from rank(s) {rank_ranges(m['ranks'])}: {m['reason']}")
-    hidden = sorted(t["thread"] for t in threads if t not in shown)
+    for m in res.missing:
+        lines.append(f"no stacks from rank(s) {rank_ranges(m.ranks)}: {m.reason}")
+    hidden = sorted(t.thread for t in res.threads if t not in shown)
     if hidden:
         lines.append(f"({len(hidden)} other thread(s): {', '.join(hidden)[:300]};"
                      " --all-threads shows them)")
@@ -81,20 +80,19 @@ def stacks(job_id: Annotated[int, typer.Argument(min=1, help="A RUNNING job's id
 
     Example: trident stacks 12 --all-threads
     """
-    from api.cli_common import _call, fail
-
-    req = _call(server, "POST", f"/jobs/{job_id}/stacks")
-    deadline = time.monotonic() + timeout
-    while req["status"] in ("pending", "running"):
-        if time.monotonic() > deadline:
-            fail(f"stack request {req['id']} of job {job_id} still {req['status']} after"
-                 f" {timeout:g} s: is the controller running? (`trident status`)", 1)
-        time.sleep(0.3)
-        req = _call(server, "GET", f"/jobs/{job_id}/stacks/{req['id']}")
+    with connect(server) as client:
+        req = client.request_stacks(job_id)
+        deadline = time.monotonic() + timeout
+        while req.status in (StackStatus.PENDING, StackStatus.RUNNING):
+            if time.monotonic() > deadline:
+                fail(f"stack request {req.id} of job {job_id} still {req.status.value} after"
+                     f" {timeout:g} s: is the controller running? (`trident status`)", 1)
+            time.sleep(0.3)
+            req = client.get_stacks(job_id, req.id)
     if output == "json":
-        typer.echo(json.dumps(req, indent=2))
-    elif req["status"] == "failed":
-        fail(f"stack request {req['id']} of job {job_id} failed: {req['error']}", 1)
+        typer.echo(json.dumps(model_json(req), indent=2))
+    elif req.status == StackStatus.FAILED:
+        fail(f"stack request {req.id} of job {job_id} failed: {req.error}", 1)
     else:
         typer.echo(render(req, all_threads))
 

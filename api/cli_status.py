@@ -1,7 +1,7 @@
 """`trident status [ID]`: the jobs list (or one job's line) as `kubectl get` prints it, in
 columns, wide columns, JSON or YAML; filtered, sorted, and with `--watch` redrawn in place.
-Every figure comes from `GET /api/v1/jobs` (or `/jobs/{id}`), which carries each job's newest
-step, loss, measured step time, restarts and the reason it waits or failed."""
+Every figure comes from `TridentClient.list_jobs` (or `get_job`), which carries each job's
+newest step, loss, measured step time, restarts and the reason it waits or failed."""
 
 from __future__ import annotations
 
@@ -9,28 +9,30 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel
 
-from api.cli_common import _call, fail
+from api.cli_common import connect, fail
 from api.cli_format import (
     DEFAULT_SERVER,
+    JobRow,
     Output,
     OutputOpt,
     ServerOpt,
     ago,
     columns,
     dump,
-    job_row,
     refresh,
     secs,
     span,
 )
+from api.client import TridentClient
 from service.dashboard import Sort
 from service.states import JobState
 
-LOCAL_SORTS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "duration": lambda r: r["duration_s"], "step": lambda r: r["step"],
-    "loss": lambda r: r["loss"], "restarts": lambda r: r["restarts"],
-    "ranks": lambda r: r["ranks"], "step_s": lambda r: r["step_s_measured"]}
+LOCAL_SORTS: dict[str, Callable[[JobRow], Any]] = {
+    "duration": lambda r: r.duration_s, "step": lambda r: r.step, "loss": lambda r: r.loss,
+    "restarts": lambda r: r.restarts, "ranks": lambda r: r.ranks,
+    "step_s": lambda r: r.step_s_measured}
 """Sort keys the server does not sort by: `status` sorts the page it fetched by them."""
 SORT_KEYS = sorted({s.value for s in Sort} | {"submitted"} | set(LOCAL_SORTS))
 
@@ -42,19 +44,26 @@ REASON_WIDTH = 60
 """`-o table` cuts the reason to this many characters (`-o wide` does not)."""
 
 
-def cells(r: dict[str, Any], wide: bool) -> list[str]:
+class Page(BaseModel):
+    """`status -o json|yaml` without an id: the rows and how many jobs the filters select."""
+
+    items: list[JobRow]
+    total: int
+
+
+def cells(r: JobRow, wide: bool) -> list[str]:
     """One job's cells, in the order of `WIDE` or `HEADERS`."""
-    reason = r["reason"] or ""
+    reason = r.reason or ""
     if not wide and len(reason) > REASON_WIDTH:
         reason = reason[:REASON_WIDTH - 3] + "..."
-    c = {"ID": str(r["id"]), "NAME": r["name"], "OWNER": r["owner"],
-         "PROJECT": r["project"] or "-", "LAYOUT": r["layout"], "RANKS": str(r["ranks"]),
-         "SUBMITTED": ago(r["submitted"]), "DURATION": span(r["duration_s"]),
-         "STEP": f"{'-' if r['step'] is None else r['step']}/{r['total_steps'] or '-'}",
-         "LOSS": "-" if r["loss"] is None else f"{r['loss']:.4g}",
-         "S/STEP": f"{secs(r['step_s_predicted'])}/{secs(r['step_s_measured'])}",
-         "RESTARTS": str(r["restarts"]), "PRIORITY": str(r["priority"]),
-         "REPORTED": ago(r["reported_at"]), "STATE": r["state"], "REASON": reason or "-"}
+    c = {"ID": str(r.id), "NAME": r.name, "OWNER": r.owner, "PROJECT": r.project or "-",
+         "LAYOUT": r.layout, "RANKS": str(r.ranks), "SUBMITTED": ago(r.submitted),
+         "DURATION": span(r.duration_s),
+         "STEP": f"{'-' if r.step is None else r.step}/{r.total_steps or '-'}",
+         "LOSS": "-" if r.loss is None else f"{r.loss:.4g}",
+         "S/STEP": f"{secs(r.step_s_predicted)}/{secs(r.step_s_measured)}",
+         "RESTARTS": str(r.restarts), "PRIORITY": str(r.priority),
+         "REPORTED": ago(r.reported_at), "STATE": r.state, "REASON": reason or "-"}
     return [c[h] for h in (WIDE if wide else HEADERS)]
 
 
@@ -77,25 +86,25 @@ def _sort(key: str | None) -> tuple[str | None, bool]:
     return ("created" if name == "submitted" else name), desc
 
 
-def fetch(server: str, job_id: int | None, params: dict[str, Any],
-          local: tuple[str, bool] | None) -> tuple[list[dict[str, Any]], int]:
+def fetch(client: TridentClient, job_id: int | None, params: dict[str, Any],
+          local: tuple[str, bool] | None) -> tuple[list[JobRow], int]:
     """The rows to show and how many jobs the filters select."""
     if job_id is not None:
-        return [job_row(_call(server, "GET", f"/jobs/{job_id}", retries=2))], 1
-    page = _call(server, "GET", "/jobs", params=params, retries=2)
-    rows = [job_row(j) for j in page["items"]]
+        return [JobRow.of(client.get_job(job_id))], 1
+    page = client.list_jobs(**params)
+    rows = [JobRow.of(j) for j in page.items]
     if local is not None:
         key, desc = LOCAL_SORTS[local[0]], local[1]
         # Jobs without the figure last, in either order.
         known = sorted((r for r in rows if key(r) is not None), key=key, reverse=desc)
         rows = known + [r for r in rows if key(r) is None]
-    return rows, int(page["total"])
+    return rows, page.total
 
 
-def render(rows: list[dict[str, Any]], total: int, fmt: Output, single: bool,
+def render(rows: list[JobRow], total: int, fmt: Output, single: bool,
            no_headers: bool, stream: bool = False) -> str:
     if fmt in (Output.json, Output.yaml):
-        return dump(rows[0] if single else {"items": rows, "total": total}, fmt, stream=stream)
+        return dump(rows[0] if single else Page(items=rows, total=total), fmt, stream=stream)
     wide = fmt == Output.wide
     return columns(WIDE if wide else HEADERS, [cells(r, wide) for r in rows],
                    headers_shown=not no_headers)
@@ -133,9 +142,8 @@ def status(job_id: Annotated[int | None, typer.Argument(
     Example: trident status --state RUNNING,QUEUED --sort-by=-created -o wide --watch
     """
     key, desc = _sort(sort_by)
-    params: dict[str, Any] = {"limit": limit, "state": _states(state)}
-    params.update({k: v for k, v in {"owner": owner, "project": project, "name": name}.items()
-                   if v})
+    params: dict[str, Any] = {"limit": limit, "state": _states(state), "owner": owner or None,
+                              "project": project or None, "name": name or None}
     local = None
     if key in LOCAL_SORTS:
         local = (key, desc)
@@ -143,15 +151,16 @@ def status(job_id: Annotated[int | None, typer.Argument(
         params.update(sort=key, desc=desc)
 
     machine = output in (Output.json, Output.yaml)
+    with connect(server) as client:
 
-    def frame() -> str:
-        rows, total = fetch(server, job_id, params, local)
-        return render(rows, total, output, job_id is not None, no_headers, stream=True)
+        def frame() -> str:
+            rows, total = fetch(client, job_id, params, local)
+            return render(rows, total, output, job_id is not None, no_headers, stream=True)
 
-    if watch:
-        refresh(frame, count=watch_count, interval=interval, in_place=not machine)
-        return
-    rows, total = fetch(server, job_id, params, local)
+        if watch:
+            refresh(frame, count=watch_count, interval=interval, in_place=not machine)
+            return
+        rows, total = fetch(client, job_id, params, local)
     typer.echo(render(rows, total, output, job_id is not None, no_headers))
     if output in (Output.table, Output.wide) and total > len(rows):
         typer.echo(f"({len(rows)} of {total} jobs; --limit shows more)", err=True)

@@ -1,27 +1,30 @@
 """`trident top [ID]`: a live view, refreshed every second. With a job: one line per rank
 (step, step time, compute against TP/PP/DP collective time, peak memory against the plan,
 age of its last heartbeat and of its newest report, straggler and hang marks), from
-`GET /jobs/{id}/ranks`. Without: the active jobs, from `GET /jobs`."""
+`TridentClient.get_ranks`. Without: the active jobs, from `list_jobs`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
+from pydantic import BaseModel
 
-from api.cli_common import _call
+from api.cli_common import connect
 from api.cli_format import (
     DEFAULT_SERVER,
+    JobRow,
     Output,
     ServerOpt,
     ago,
     columns,
     dump,
-    job_row,
     refresh,
     secs,
     size,
 )
+from api.client import TridentClient
+from api.schemas import RankCell
 
 ACTIVE = ["PLACING", "RUNNING", "RESTARTING"]
 JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "S/STEP",
@@ -30,22 +33,36 @@ RANK_HEADERS = ["RANK", "TP", "PP", "DP", "NODE", "STEP", "STEP_S", "COMPUTE_S",
                 "PP_S", "DP_S", "MEM PEAK/PLAN", "HEARTBEAT", "REPORTED", "MARK"]
 
 
-def mark(c: dict[str, Any]) -> str:
+class JobFrame(BaseModel):
+    """One refresh of `top ID`, as `-o json|yaml` prints it (docs/cli.md)."""
+
+    job: JobRow
+    attempt: int | None
+    ranks: list[RankCell]
+
+
+class JobsFrame(BaseModel):
+    """One refresh of `top` without an id: the active jobs."""
+
+    items: list[JobRow]
+    total: int
+
+
+def mark(c: RankCell) -> str:
     """A rank's marks: a straggler (its compute against its stage's median), or a rank that
     a hang waits for."""
     marks = []
-    if c["straggler"]:
-        ratio = c.get("compute_ratio")
-        marks.append("straggler" + ("" if ratio is None else f" x{ratio:.2f}"))
-    if c["hang_waits_for"]:
+    if c.straggler:
+        marks.append("straggler" + ("" if c.compute_ratio is None
+                                    else f" x{c.compute_ratio:.2f}"))
+    if c.hang_waits_for:
         marks.append("hang waits for it")
     return ", ".join(marks) or "-"
 
 
-def _memory(c: dict[str, Any]) -> str:
-    peak, pred = c["memory_peak_bytes"], c["memory_predicted_bytes"]
-    ratio = f" {c['memory_ratio']:.0%}" if c.get("memory_ratio") is not None else ""
-    return f"{size(peak)}/{size(pred)}{ratio}"
+def _memory(c: RankCell) -> str:
+    ratio = f" {c.memory_ratio:.0%}" if c.memory_ratio is not None else ""
+    return f"{size(c.memory_peak_bytes)}/{size(c.memory_predicted_bytes)}{ratio}"
 
 
 def _age(seconds: float | None) -> str:
@@ -53,44 +70,42 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
-def job_frame(server: str, job_id: int) -> dict[str, Any]:
-    """One refresh of `top ID`, as `-o json|yaml` prints it (docs/cli.md)."""
-    job = job_row(_call(server, "GET", f"/jobs/{job_id}", retries=2))
-    grid = _call(server, "GET", f"/jobs/{job_id}/ranks", retries=2)
-    return {"job": job, "attempt": grid["attempt"], "ranks": grid["cells"]}
+def job_frame(client: TridentClient, job_id: int) -> JobFrame:
+    job = JobRow.of(client.get_job(job_id))
+    grid = client.get_ranks(job_id)
+    return JobFrame(job=job, attempt=grid.attempt, ranks=grid.cells)
 
 
-def jobs_frame(server: str) -> dict[str, Any]:
-    """One refresh of `top` without an id: the active jobs."""
-    page = _call(server, "GET", "/jobs", params={"state": ACTIVE, "limit": 500}, retries=2)
-    return {"items": [job_row(j) for j in page["items"]], "total": page["total"]}
+def jobs_frame(client: TridentClient) -> JobsFrame:
+    page = client.list_jobs(state=ACTIVE, limit=500)
+    return JobsFrame(items=[JobRow.of(j) for j in page.items], total=page.total)
 
 
-def job_text(f: dict[str, Any]) -> str:
-    j = f["job"]
-    loss = "-" if j["loss"] is None else f"{j['loss']:.4g}"
-    head = (f"job {j['id']} {j['name']}  {j['state']}  {j['layout']}  attempt"
-            f" {f['attempt'] or '-'}  step {'-' if j['step'] is None else j['step']}/"
-            f"{j['total_steps'] or '-'}  loss {loss}  s/step {secs(j['step_s_measured'])}"
-            f" (plan {secs(j['step_s_predicted'])})")
-    if j["reason"]:
-        head += f"\n{j['reason']}"
-    rows = [[str(c["rank"]), str(c["tp"]), str(c["pp"]), str(c["dp"]), c["node"] or "-",
-             "-" if c["step"] is None else str(c["step"]), secs(c["step_time_s"]),
-             secs(c["compute_s"]), secs(c["tp_s"]), secs(c["pp_s"]), secs(c["dp_s"]),
-             _memory(c), _age(c["heartbeat_age_s"]), ago(c["reported_at"]), mark(c)]
-            for c in f["ranks"]]
+def job_text(f: JobFrame) -> str:
+    j = f.job
+    loss = "-" if j.loss is None else f"{j.loss:.4g}"
+    head = (f"job {j.id} {j.name}  {j.state}  {j.layout}  attempt"
+            f" {f.attempt or '-'}  step {'-' if j.step is None else j.step}/"
+            f"{j.total_steps or '-'}  loss {loss}  s/step {secs(j.step_s_measured)}"
+            f" (plan {secs(j.step_s_predicted)})")
+    if j.reason:
+        head += f"\n{j.reason}"
+    rows = [[str(c.rank), str(c.tp), str(c.pp), str(c.dp), c.node or "-",
+             "-" if c.step is None else str(c.step), secs(c.step_time_s),
+             secs(c.compute_s), secs(c.tp_s), secs(c.pp_s), secs(c.dp_s),
+             _memory(c), _age(c.heartbeat_age_s), ago(c.reported_at), mark(c)]
+            for c in f.ranks]
     return head + "\n" + columns(RANK_HEADERS, rows)
 
 
-def jobs_text(f: dict[str, Any]) -> str:
-    if not f["items"]:
+def jobs_text(f: JobsFrame) -> str:
+    if not f.items:
         return "no active jobs"
-    rows = [[str(r["id"]), r["name"], r["owner"], r["state"], r["layout"], str(r["ranks"]),
-             f"{'-' if r['step'] is None else r['step']}/{r['total_steps'] or '-'}",
-             "-" if r["loss"] is None else f"{r['loss']:.4g}",
-             f"{secs(r['step_s_predicted'])}/{secs(r['step_s_measured'])}",
-             str(r["restarts"]), ago(r["reported_at"])] for r in f["items"]]
+    rows = [[str(r.id), r.name, r.owner, r.state, r.layout, str(r.ranks),
+             f"{'-' if r.step is None else r.step}/{r.total_steps or '-'}",
+             "-" if r.loss is None else f"{r.loss:.4g}",
+             f"{secs(r.step_s_predicted)}/{secs(r.step_s_measured)}",
+             str(r.restarts), ago(r.reported_at)] for r in f.items]
     return columns(JOB_HEADERS, rows)
 
 
@@ -113,14 +128,15 @@ def top(job_id: Annotated[int | None, typer.Argument(
     Example: trident top 7 --interval 2
     """
     machine = output in (Output.json, Output.yaml)
+    with connect(server) as client:
 
-    def frame() -> str:
-        f = jobs_frame(server) if job_id is None else job_frame(server, job_id)
-        if machine:
-            return dump(f, output, stream=True)
-        return jobs_text(f) if job_id is None else job_text(f)
+        def frame() -> str:
+            f = jobs_frame(client) if job_id is None else job_frame(client, job_id)
+            if machine:
+                return dump(f, output, stream=True)
+            return jobs_text(f) if isinstance(f, JobsFrame) else job_text(f)
 
-    refresh(frame, count=count, interval=interval, in_place=not machine)
+        refresh(frame, count=count, interval=interval, in_place=not machine)
 
 
 def register(app: typer.Typer) -> None:

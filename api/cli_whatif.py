@@ -9,77 +9,115 @@ ratio, its tokens/s divided by it.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
-from typing import Any
 
 import typer
+from pydantic import BaseModel
 
-from api.cli_common import _call, fail
+from api.cli_common import connect, fail
 from api.cli_spec import apply_sets, read_spec_file, validate_spec
+from api.client import model_json
+from api.schemas import JobOut, Measured, MeasuredMemory, Number, PlanOut
+from service.planner.stored import PlannedLayout
 
 
-def _label(layout: dict[str, Any]) -> str:
-    return (f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']} zero{layout['zero']}"
-            f" mb{layout.get('micro_batch', '?')}")
+def _label(layout: PlannedLayout) -> str:
+    return f"{layout.label} mb{layout.micro_batch}"
 
 
 def _num(value: float | None, scale: float, unit: str, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:,.{digits}f} {unit}"
 
 
-def compare_rows(job: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+# --- what `plan --compare --json` prints (docs/cli.md), its fields in this order ---------------
+
+class JobSide(BaseModel):
+    """The job: its layout, and its plan against its measurement."""
+
+    id: int
+    name: str
+    state: str
+    layout: str
+    steps_measured: int
+    step_s: Measured
+    tokens_per_s: Measured
+    memory_bytes: MeasuredMemory | None
+
+
+class WhatIfSide(BaseModel):
+    """The what-if's plan."""
+
+    layout: str
+    fits: bool
+    reasons: list[str]
+    step_s: Number
+    tokens_per_s: Number
+    memory_bytes: Number
+
+
+class Expected(BaseModel):
+    """The what-if's prediction times the job's measured/predicted step time."""
+
+    ratio: float | None
+    step_s: float | None
+    tokens_per_s: float | None
+
+
+class Comparison(BaseModel):
+    job: JobSide
+    what_if: WhatIfSide
+    expected: Expected
+
+
+def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
     """The what-if next to the job: predictions, the job's measurement, and what the job's
     measured/predicted ratio makes of the what-if."""
-    pvm = job.get("predicted_vs_measured") or {}
-    step = pvm.get("step_s") or {}
-    tokens = pvm.get("tokens_per_s") or {}
-    memory = pvm.get("memory_bytes") or {}
-    ratio = step.get("ratio")
-    what_step = plan["time"]["step_s"]
-    return {
-        "job": {"id": job["id"], "name": job["name"], "state": job["state"],
-                "layout": _label(job["plan"]["layout"]),
-                "steps_measured": pvm.get("steps_measured", 0),
-                "step_s": step, "tokens_per_s": tokens, "memory_bytes": memory},
-        "what_if": {"layout": _label(plan["layout"]), "fits": plan["fits"],
-                    "reasons": plan.get("reasons", []), "step_s": what_step,
-                    "tokens_per_s": plan["tokens_per_s"],
-                    "memory_bytes": plan["memory"]["total"]},
-        "expected": {"ratio": ratio,
-                     "step_s": what_step * ratio if ratio else None,
-                     "tokens_per_s": plan["tokens_per_s"] / ratio if ratio else None},
-    }
+    pvm = job.predicted_vs_measured
+    step = pvm.step_s if pvm else Measured()
+    ratio = step.ratio
+    what_step = plan.time.step_s
+    return Comparison(
+        job=JobSide(id=job.id, name=job.name, state=job.state.value,
+                    layout=_label(job.plan.layout),
+                    steps_measured=pvm.steps_measured if pvm else 0, step_s=step,
+                    tokens_per_s=pvm.tokens_per_s if pvm else Measured(),
+                    memory_bytes=pvm.memory_bytes if pvm else None),
+        what_if=WhatIfSide(layout=_label(plan.layout), fits=plan.fits, reasons=plan.reasons,
+                           step_s=what_step, tokens_per_s=plan.tokens_per_s,
+                           memory_bytes=plan.memory.total),
+        expected=Expected(ratio=ratio, step_s=what_step * ratio if ratio else None,
+                          tokens_per_s=plan.tokens_per_s / ratio if ratio else None))
 
 
-def render(rows: dict[str, Any]) -> str:
-    j, w, e = rows["job"], rows["what_if"], rows["expected"]
-    head = f"job {j['id']} ({j['layout']})"
+def render(rows: Comparison) -> str:
+    j, w, e = rows.job, rows.what_if, rows.expected
+    head = f"job {j.id} ({j.layout})"
     width = max(26, len(head) + 2)
-    ratio = e["ratio"]
+    ratio = e.ratio
+    memory = j.memory_bytes
 
     def row(label: str, left: str, right: str) -> str:
         return f"{label:<24}{left:<{width}}{right}".rstrip()
 
-    misfit = "" if w["fits"] else f"  (does not fit: {'; '.join(w['reasons'])})"
+    misfit = "" if w.fits else f"  (does not fit: {'; '.join(w.reasons)})"
     return "\n".join([
-        f"what-if against job {j['id']} {j['name']}: {j['state']},"
-        f" {j['steps_measured']} steady steps measured",
-        row("", head, f"what-if ({w['layout']})"),
-        row("step time predicted", _num(j["step_s"].get("predicted"), 1e3, "ms"),
-            _num(w["step_s"], 1e3, "ms")),
-        row("step time measured", _num(j["step_s"].get("measured"), 1e3, "ms"),
-            f"expected {_num(e['step_s'], 1e3, 'ms')} (predicted x {ratio:.2f}, the job's"
+        f"what-if against job {j.id} {j.name}: {j.state},"
+        f" {j.steps_measured} steady steps measured",
+        row("", head, f"what-if ({w.layout})"),
+        row("step time predicted", _num(j.step_s.predicted, 1e3, "ms"),
+            _num(w.step_s, 1e3, "ms")),
+        row("step time measured", _num(j.step_s.measured, 1e3, "ms"),
+            f"expected {_num(e.step_s, 1e3, 'ms')} (predicted x {ratio:.2f}, the job's"
             " measured/predicted)" if ratio else "expected - (the job has no measured steps"
             " yet)"),
-        row("tokens/s predicted", _num(j["tokens_per_s"].get("predicted"), 1, "", 0),
-            _num(w["tokens_per_s"], 1, "", 0)),
-        row("tokens/s measured", _num(j["tokens_per_s"].get("measured"), 1, "", 0),
-            f"expected {_num(e['tokens_per_s'], 1, '', 0)}" if ratio else "expected -"),
-        row("memory/GPU predicted", _num(j["memory_bytes"].get("predicted"), 1e-9, "GB", 2),
-            _num(w["memory_bytes"], 1e-9, "GB", 2) + misfit),
-        row("memory/GPU peak", _num(j["memory_bytes"].get("measured_peak"), 1e-9, "GB", 2),
+        row("tokens/s predicted", _num(j.tokens_per_s.predicted, 1, "", 0),
+            _num(w.tokens_per_s, 1, "", 0)),
+        row("tokens/s measured", _num(j.tokens_per_s.measured, 1, "", 0),
+            f"expected {_num(e.tokens_per_s, 1, '', 0)}" if ratio else "expected -"),
+        row("memory/GPU predicted", _num(memory.predicted if memory else None, 1e-9, "GB", 2),
+            _num(w.memory_bytes, 1e-9, "GB", 2) + misfit),
+        row("memory/GPU peak", _num(memory.measured_peak if memory else None, 1e-9, "GB", 2),
             ""),
     ])
 
@@ -88,12 +126,15 @@ def what_if(server: str, job_id: int, spec: Path | None, sets: list[str],
             as_json: bool) -> None:
     """Plan `spec` (default: the job's stored spec) with `sets` applied, on the server, and
     print it against job `job_id`'s measurement."""
-    job = _call(server, "GET", f"/jobs/{job_id}")
-    raw = read_spec_file(spec) if spec is not None else copy.deepcopy(job["spec"])
-    checked = validate_spec(apply_sets(raw, sets), str(spec or f"job {job_id}'s spec"), sets)
-    if checked.parallel == "auto":
-        fail("--compare needs an explicit layout: set parallel (e.g. --set parallel.tp=2),"
-             " or run `trident plan SPEC` for the ranked layouts")
-    plan = _call(server, "POST", "/plan", json=checked.model_dump(mode="json"))
+    with connect(server) as client:
+        job = client.get_job(job_id)
+        raw = read_spec_file(spec) if spec is not None else job.spec.model_dump(mode="json")
+        checked = validate_spec(apply_sets(raw, sets), str(spec or f"job {job_id}'s spec"),
+                                sets)
+        if checked.parallel == "auto":
+            fail("--compare needs an explicit layout: set parallel (e.g. --set"
+                 " parallel.tp=2), or run `trident plan SPEC` for the ranked layouts")
+        plan = client.plan(checked)
+    assert isinstance(plan, PlanOut)  # an explicit layout: one plan, not a search
     rows = compare_rows(job, plan)
-    typer.echo(json.dumps(rows, indent=2) if as_json else render(rows))
+    typer.echo(json.dumps(model_json(rows), indent=2) if as_json else render(rows))

@@ -33,7 +33,8 @@ IdempotencyKey = Annotated[str | None, Header(
     description="Any string of printable ASCII characters without spaces (at most"
     f" {IDEMPOTENCY_KEY_MAX}), new for every job: a submission retried with the same key"
     " returns the job the first one created (200) instead of creating another; the same"
-    " key with another spec is a 409.")]
+    " key with another spec is a 409. Keys are the caller's own: the same key from another"
+    " user makes a job of the caller's.")]
 
 
 def get_store(request: Request) -> Store:

@@ -1,6 +1,9 @@
-"""`GET /api/v1/healthz`: the database and the controller's lease, reported separately.
+"""`GET /api/v1/healthz`: the database and the controller's lease, reported separately, and
+the data directory's filesystem (`nearly full` under `TRIDENT_DATA_DIR_MIN_FREE`).
 
 Read from the store only (the lease row the controller renews every pass), never from Ray.
+A data directory nearly full is named, but does not make the stack `degraded`: the control
+plane works on (`service.diskfull`), and a health check that restarted it would not help.
 """
 
 from __future__ import annotations
@@ -10,23 +13,30 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from service.datadir import usage
 from service.db import utcnow
+from service.dbcheck import damaged
 from service.lease import CONTROLLER, Leases
+from service.settings import Settings
 from service.store import Store
 
 log = logging.getLogger(__name__)
 
 
-def health(store: Store) -> JSONResponse:
+def health(store: Store, settings: Settings | None = None) -> JSONResponse:
     """200 `ok` when the database answers and a controller holds an unexpired lease; else 503
-    `degraded`, with `database` or `controller` saying what is wrong."""
+    `degraded`, with `database` or `controller` saying what is wrong. With `settings`, also
+    `data_dir` (`service.datadir.usage`)."""
+    disk = {} if settings is None else {
+        "data_dir": usage(settings.data_dir, settings.data_dir_min_free)}
     try:
         lease = Leases(store).read(name=CONTROLLER)
     except Exception as exc:  # any failure to read is the database's
         log.warning("healthz: the database does not answer: %s", exc)
         return JSONResponse(status_code=503, content={
-            "status": "degraded", "database": f"unavailable: {type(exc).__name__}",
-            "controller": None})
+            "status": "degraded",
+            "database": f"{'damaged' if damaged(exc) else 'unavailable'}: {type(exc).__name__}",
+            "controller": None, **disk})
     now = utcnow()
     controller: dict[str, Any] = {"holder": None, "lease_age_s": None, "expires_in_s": None}
     if lease is not None:
@@ -38,4 +48,5 @@ def health(store: Store) -> JSONResponse:
         controller["error"] = ("no controller has held the lease" if lease is None else
                                "the controller has not renewed its lease in time")
     return JSONResponse(status_code=200 if ok else 503, content={
-        "status": "ok" if ok else "degraded", "database": "ok", "controller": controller})
+        "status": "ok" if ok else "degraded", "database": "ok", "controller": controller,
+        **disk})

@@ -1,14 +1,29 @@
-"""Request and response bodies of the REST API (separate from the database models)."""
+"""The REST API's bodies, separate from the database models: every route's answer has its model
+here (or is a view of the store: `Job`, `Event`, `Attempt`, `Probe`, `User`, ...), used both
+as the route's `response_model` and by `api.client.TridentClient`, which returns them. So a
+route and the client cannot disagree on a shape. Stored JSON that a client reads (an
+attempt's placement, a node's inventory, a probe's summary) has a model here too, read with
+its `of`.
+
+One module: it is the API's vocabulary, which a client reads top to bottom.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.dashboard import JobSummary
-from service.store import Attempt, Event, Job, Metric
+from service.identity import AuditEntry, Project, Token, User
+from service.planner.stored import PlannedLayout, StoredPlan
+from service.ranklogs import Chunk
+from service.stack_requests import StackRequest
+from service.store import Attempt, Event, Job, Metric, Node, Probe
+
+Number = int | float
+"""A JSON number kept as it was (an int stays an int)."""
 
 
 class Refusal(BaseModel):
@@ -21,9 +36,13 @@ class JobOut(Job):
     """A job as the API shows it: the stored `Job` without its per-rank claim, with its line
     of the jobs list (newest step, loss, measured step time, restarts, why it waits)."""
 
-    cpus: float = Field(exclude=True)
-    gpus: float = Field(exclude=True)
-    predicted_vs_measured: dict[str, Any] | None = None
+    # The per-rank claim stays on the server: not in the answer, so None in a client's copy
+    # (a JobOut read back from JSON), where `Job` always has it.
+    cpus: float | None = Field(default=None, exclude=True)  # type: ignore[assignment]
+    """Not in the API's answer: None in a client's copy."""
+    gpus: float | None = Field(default=None, exclude=True)  # type: ignore[assignment]
+    """Not in the API's answer: None in a client's copy."""
+    predicted_vs_measured: PredictedVsMeasured | None = None
     """Step time, tokens/s and memory: the plan's prediction and the measurement (detail
     view only)."""
 
@@ -58,6 +77,8 @@ class JobOut(Job):
 
 
 class JobList(BaseModel):
+    """`GET /jobs`: one page, and how many jobs the filters select."""
+
     items: list[JobOut]
     total: int
     limit: int
@@ -70,6 +91,8 @@ class EventList(BaseModel):
 
 
 class MetricOut(BaseModel):
+    """One rank's report of one step."""
+
     attempt: int
     step: int
     rank: int
@@ -92,3 +115,436 @@ class MetricList(BaseModel):
 
 class AttemptList(BaseModel):
     items: list[Attempt]
+
+
+# --- jobs: the plan against the measurement, attempts, logs ------------------------------------
+
+class Measured(BaseModel):
+    """One figure of `predicted_vs_measured`: the plan's prediction, the measurement (None
+    before steady steps) and measured / predicted."""
+
+    predicted: Number | None = None
+    measured: Number | None = None
+    ratio: float | None = None
+
+
+class MeasuredMemory(BaseModel):
+    predicted: Number
+    """The plan's bytes per GPU (its most loaded stage)."""
+    measured_peak: Number | None = None
+    """The highest process peak any step report of the newest attempt gave."""
+
+
+class PredictedVsMeasured(BaseModel):
+    """`service.compare.compare`: rank 0's steady steps of the newest attempt against the plan
+    (medians of the steps after the warm-up)."""
+
+    steps_measured: int
+    step_s: Measured
+    tokens_per_s: Measured
+    model_state_bytes: Measured
+    """Parameters, gradients and optimizer states per GPU."""
+    memory_bytes: MeasuredMemory
+
+
+class RankPlace(BaseModel):
+    """Where one rank of an attempt ran (`Attempt.placement["ranks"]`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rank: int
+    node_id: str | None = None
+    hostname: str | None = None
+    gpu_ids: list[str | int] = Field(default_factory=list)
+
+
+class Placement(BaseModel):
+    """An attempt's `placement` as the worker group reported it: the node of every rank."""
+
+    model_config = ConfigDict(extra="allow")
+
+    ranks: list[RankPlace] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, attempt: Attempt) -> Placement:
+        return cls.model_validate(attempt.placement or {})
+
+
+class LogPage(BaseModel):
+    """`GET /jobs/{id}/logs`: one attempt's rank output from the offsets asked for."""
+
+    attempt: int | None
+    """The attempt read (None: the job has not started)."""
+    max_bytes_per_rank: int
+    """How much of each rank's newest output the server keeps per attempt."""
+    ranks: list[Chunk]
+
+
+# --- the dashboard's job views -------------------------------------------------------------------
+
+class SeriesPredicted(BaseModel):
+    step_time_s: Number
+    tokens_per_s: Number
+    mfu: Number | None
+
+
+class Series(BaseModel):
+    """`GET /jobs/{id}/series`: rank 0's curves, downsampled on the server."""
+
+    rows: int
+    """Steps stored (the points may be fewer: `max_points`)."""
+    step: list[int]
+    loss: list[float | None]
+    step_time_s: list[float]
+    tokens_per_s: list[float]
+    mfu: list[float]
+    predicted: SeriesPredicted
+
+
+class RankCell(BaseModel):
+    """One rank of `GET /jobs/{id}/ranks` (newest attempt): `service.rank_status.RankStatus`."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    node: str | None
+    gpu: str | None
+    memory_peak_bytes: Number | None
+    memory_predicted_bytes: Number
+    """The plan's bytes for its pipeline stage."""
+    memory_ratio: float | None
+    compute_s: float | None
+    """Its median compute seconds per step (the step less its collectives)."""
+    stage_compute_s: float | None
+    """The median of its stage peers' `compute_s`."""
+    compute_ratio: float | None
+    step: int | None
+    step_time_s: float | None
+    tp_s: float | None
+    pp_s: float | None
+    dp_s: float | None
+    reported_at: datetime | None
+    heartbeat_age_s: float | None
+    """Seconds since its last heartbeat as the controller saw it (None before the first)."""
+    straggler: bool
+    hang_waits_for: bool
+
+
+class RanksGrid(BaseModel):
+    """`GET /jobs/{id}/ranks`: `service.rank_status.rank_status`, as the ranks grid, `trident
+    top` and the per-rank gauges of `/metrics` read it."""
+
+    layout: PlannedLayout
+    world_size: int
+    attempt: int | None
+    cells: list[RankCell]
+
+
+class TimeSplit(BaseModel):
+    """Seconds of a step: compute and the time in TP, PP and DP collectives, the pipeline
+    bubble (None: not measured), and the whole step."""
+
+    compute: float
+    tp: float
+    pp: float
+    dp: float
+    bubble: float | None
+    step: float
+
+
+class StepSplit(BaseModel):
+    step: int
+    ranks: int
+    """Ranks that reported the step with timed collectives."""
+    step_s: float
+    compute: float
+    tp: float
+    pp: float
+    dp: float
+    bubble: float | None
+
+
+class CommSteps(BaseModel):
+    """`GET /jobs/{id}/comm/steps`: the plan's split and each recent step's, rank means."""
+
+    predicted: TimeSplit
+    steps: list[StepSplit]
+
+
+class OpComm(BaseModel):
+    time_s: float
+    bytes: float
+    calls: float
+
+
+class RankDimComm(BaseModel):
+    time_s: float
+    fraction: float
+    bytes: float
+    busbw: float | None
+    ops: dict[str, OpComm]
+
+
+class RankComm(BaseModel):
+    rank: int
+    step_time_s: float
+    steps: int
+    dims: dict[str, RankDimComm]
+
+
+class DimComm(BaseModel):
+    time_s_per_step: float
+    max_rank_time_s_per_step: float
+    fraction: float
+    bytes_per_step: float
+    busbw: float | None
+    predicted_time_s_per_step: Number | None
+    predicted_fraction: float | None
+
+
+class CommView(BaseModel):
+    """`GET /jobs/{id}/comm` (`service.monitor.comm.summarize_comm`)."""
+
+    step_time_s: float
+    predicted_step_s: Number | None
+    dims: dict[str, DimComm]
+    ranks: list[RankComm]
+    probe: list[dict[str, Any]]
+    attempt: int | None
+    probe_summary: dict[str, Any] | None
+
+
+class StackGroup(BaseModel):
+    ranks: list[int]
+    text: str
+
+
+class Hang(BaseModel):
+    """A hang diagnosis and the stacks recorded with it, identical ones grouped."""
+
+    id: int
+    attempt: int | None
+    time: datetime
+    summary: str
+    diagnosis: dict[str, Any]
+    stacks: list[StackGroup]
+
+
+class HangList(BaseModel):
+    items: list[Hang]
+    """Newest first."""
+
+
+# --- the planner ---------------------------------------------------------------------------------
+
+class PlanOut(StoredPlan):
+    """`POST /plan` for an explicit layout: the plan a job of this spec would store, whether
+    it fits and why not."""
+
+    fits: bool
+    reasons: list[str] = Field(default_factory=list)
+
+
+class LayoutSearch(BaseModel):
+    """`POST /plan` for `parallel: auto`: the ranked layouts that fit, the rejected ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    world_size: int
+    profile: str
+    considered: int
+    fitting: int
+    best: PlanOut | None
+    ranked: list[dict[str, Any]]
+    rejected: list[dict[str, Any]]
+    explanation: str
+
+
+# --- the cluster ---------------------------------------------------------------------------------
+
+class NodeJob(BaseModel):
+    """An active job with ranks on a node (`GET /cluster`'s `jobs`)."""
+
+    job_id: int
+    name: str
+    owner: str
+    state: str
+    attempt: int
+    ranks: list[int]
+
+
+class NodeInfo(BaseModel):
+    """A node's inventory (`Node.info`, `service.inventory.node_inventory` and its labels)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    hostname: str | None = None
+    accelerator: str | None = None
+    cpus: int | None = None
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    gpu_model: str | None = None
+    gpu_link: str | None = None
+    profile: str | None = None
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, node: Node) -> NodeInfo:
+        return cls.model_validate(node.info or {})
+
+
+class NamedProfile(BaseModel):
+    """A hardware profile as JSON (`HardwareProfile.to_json`): its name, the rest kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+
+class CalibratedProfileOut(NamedProfile):
+    """A profile a cluster probe calibrated: the hardware profile's fields, and which probe."""
+
+    probe_id: int | None
+    calibrated_at: datetime
+
+
+class ClusterView(BaseModel):
+    """`GET /cluster`."""
+
+    nodes: list[Node]
+    jobs: dict[str, list[NodeJob]]
+    """Node id -> the active jobs with ranks there."""
+    probe: Probe | None
+    """The newest cluster probe."""
+    profiles: dict[str, CalibratedProfileOut]
+
+
+class ProbeList(BaseModel):
+    items: list[Probe]
+
+
+class ProbeSummary(BaseModel):
+    """A done cluster probe's `summary`: what it measured and the profile it calibrated (its
+    `results` are `service.protocols.ProbeRowModel` rows, with their expectation)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    ranks: int
+    nodes: int
+    matmul_flops: dict[str, float]
+    links: dict[str, float | None]
+    profile: NamedProfile
+    """The profile it calibrated."""
+
+    @classmethod
+    def of(cls, probe: Probe) -> ProbeSummary:
+        return cls.model_validate(probe.summary)
+
+
+# --- identity ------------------------------------------------------------------------------------
+
+class TokenRef(BaseModel):
+    id: int
+    name: str
+
+
+class WhoAmI(BaseModel):
+    """`GET /whoami`."""
+
+    user: str
+    role: str
+    projects: list[str]
+    """The default first."""
+    token: TokenRef
+    """The token this request carried."""
+
+
+class NewToken(BaseModel):
+    token: str
+    """The secret: shown this once, stored only as a hash."""
+    info: Token
+
+
+class UserList(BaseModel):
+    items: list[User]
+
+
+class TokenList(BaseModel):
+    items: list[Token]
+
+
+class ProjectList(BaseModel):
+    items: list[Project]
+
+
+class AuditList(BaseModel):
+    items: list[AuditEntry]
+    """Oldest first."""
+
+
+# --- system --------------------------------------------------------------------------------------
+
+class ControllerLease(BaseModel):
+    holder: str | None
+    lease_age_s: float | None
+    expires_in_s: float | None
+    error: str | None = None
+    """Why the controller is not healthy (absent when it is)."""
+
+
+class DataDirUsage(BaseModel):
+    """The filesystem of the server's data directory (`service.datadir.usage`)."""
+
+    status: str
+    """`ok`, `nearly full` (less than `min_free_fraction` of it free) or `unavailable: ...`."""
+    min_free_fraction: float
+    """`TRIDENT_DATA_DIR_MIN_FREE`."""
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    free_fraction: float | None = None
+
+
+class Health(BaseModel):
+    """`GET /healthz`: 200 `ok`, or 503 `degraded` naming what is wrong."""
+
+    status: Literal["ok", "degraded"]
+    database: str
+    controller: ControllerLease | None
+    data_dir: DataDirUsage | None = None
+    """Named when nearly full, without making the answer `degraded` by itself."""
+
+
+# --- stacks --------------------------------------------------------------------------------------
+
+class RanksStack(BaseModel):
+    """Ranks whose stacks of one thread are identical, and that stack (None: left out, the
+    answer's size limit was reached)."""
+
+    ranks: list[int]
+    stack: str | None
+
+
+class ThreadStacks(BaseModel):
+    thread: str
+    groups: list[RanksStack]
+    """Largest group first."""
+
+
+class MissingRanks(BaseModel):
+    reason: str
+    ranks: list[int]
+
+
+class StackAnswer(BaseModel):
+    """A done stack request's `result` (`service.stack_collect.group_stacks`)."""
+
+    ranks: int = 0
+    """Ranks that answered."""
+    threads: list[ThreadStacks] = Field(default_factory=list)
+    """The rank's work thread (`train`) first."""
+    missing: list[MissingRanks] = Field(default_factory=list)
+    left_out: int = 0
+
+    @classmethod
+    def of(cls, request: StackRequest) -> StackAnswer:
+        return cls.model_validate(request.result or {})

@@ -3,24 +3,33 @@
 `POST /login` takes an API token from the form, checks it, and issues a session: a token of
 its own (named `dashboard session`, expiring after `TRIDENT_SESSION_HOURS`), set as an
 HttpOnly, SameSite=Strict cookie, so that page scripts cannot read it and other sites' pages
-cannot send it. A state-changing request authenticated by the cookie must also carry the
-session's CSRF token (`api.auth.csrf_token`: a form field `csrf`, or the `X-CSRF-Token`
-header), and a cross-site `Origin` is refused. `page_principal` guards the page routes: a
-Bearer token or a session, else a redirect to the log-in page.
+cannot send it. A state-changing request authenticated by the cookie, on any route, must also
+carry the session's CSRF token (`api.auth.csrf_token`: the `X-CSRF-Token` header, which the
+pages' scripts send; on `/logout`, whose form posts it, also the form field `csrf`), and is
+refused when its `Origin` (or `Referer`) names another site, token or not (`api.auth.check_csrf`).
+`page_principal` guards the page routes: a Bearer token or a session, else a redirect to the
+log-in page.
 """
 
 from __future__ import annotations
 
-import hmac
 from datetime import timedelta
 from html import escape
 from typing import Annotated
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from api.auth import RULES, SESSION_COOKIE, csrf_token, identity_of
+from api.auth import (
+    CSRF_HEADER,
+    RULES,
+    SESSION_COOKIE,
+    check_csrf,
+    cross_site,
+    csrf_token,
+    identity_of,
+)
 from service.identity import AuthError, Principal
 
 router = APIRouter(include_in_schema=False)
@@ -39,14 +48,6 @@ _LOGIN = """<!doctype html>
 <p>A token comes from <code>trident token create</code>, or, for the first admin, from the
 file <code>admin.token</code> in the server's data directory.</p>
 </body></html>"""
-
-
-def _same_origin(request: Request) -> bool:
-    """A browser names the page a form was sent from: it must be this server."""
-    origin = request.headers.get("origin") or request.headers.get("referer")
-    if origin is None:  # not a browser
-        return True
-    return urlsplit(origin).netloc == request.headers.get("host", request.url.netloc)
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -77,6 +78,7 @@ def page_principal(request: Request) -> Principal:
                                 headers={"WWW-Authenticate": "Bearer"}) from None
     elif (found := session_principal(request)) is not None:
         who = found[0]
+        check_csrf(request, found[1], request.headers.get(CSRF_HEADER, ""))
     else:
         raise HTTPException(status_code=303, detail="log in first",
                             headers={"Location": "/login"})
@@ -103,7 +105,7 @@ def login_page(message: str = "") -> str:
 @router.post("/login")
 async def login(request: Request) -> RedirectResponse:
     """Check the form's token and set the session cookie; back to the form if it is wrong."""
-    if not _same_origin(request):
+    if cross_site(request) is not None:
         raise HTTPException(status_code=403, detail="csrf: log-in form sent from another site")
     token = (await _form(request)).get("token", "").strip()
     identity = identity_of(request)
@@ -129,10 +131,9 @@ async def logout(request: Request) -> RedirectResponse:
     found = session_principal(request)
     if found is not None:
         who, secret = found
-        sent = (await _form(request)).get("csrf") or request.headers.get("x-csrf-token", "")
-        if not _same_origin(request) or not hmac.compare_digest(sent, csrf_token(secret)):
-            raise HTTPException(status_code=403, detail="csrf: log-out without the session's"
-                                " CSRF token")
+        sent = (await _form(request)).get("csrf") or request.headers.get(CSRF_HEADER, "")
+        check_csrf(request, secret, sent, how=f"the form field `csrf` or the {CSRF_HEADER}"
+                   " header")
         request.state.principal = who
         identity_of(request).revoke_token(token_id=who.token_id)
     response = RedirectResponse("/login", status_code=303)

@@ -3,7 +3,9 @@ which environment variables it may set. Checked at submission (`service.jobs.sub
 the server's settings and the submitter's role; each refusal is a SpecError naming the field.
 
 - `checkpoint.dir` must resolve, after `..` and symlinks, inside one of the checkpoint roots
-  (`TRIDENT_CHECKPOINT_ROOTS`, default the data directory).
+  (`TRIDENT_CHECKPOINT_ROOTS`, default the data directory), to a folder of the job's own: not a
+  root itself, not the data directory nor anything Trident keeps there, not a folder recorded
+  as another job's (`service.checkpoints`; the controller checks that again at start).
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
 - `env` may not set variables that change how the worker process itself loads (the dynamic
   loader's, the interpreter's, the shell's start-up files), unless they are in
@@ -12,10 +14,10 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.checkpoints import CheckpointPlaces
 from service.spec import JobSpec, SpecError
 
 DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
@@ -31,6 +33,9 @@ class Confinement:
     """The server's limits on a spec, and whether the submitter is an admin."""
 
     checkpoint_roots: list[Path]
+    data_dir: Path | None = None
+    """The server's data directory: no job's checkpoint folder is in it but under its
+    `checkpoints/`."""
     entrypoint_modules: list[str] = field(default_factory=list)
     env_allow: frozenset[str] = frozenset()
     admin: bool = False
@@ -44,16 +49,9 @@ class Confinement:
         self._env(spec.env)
 
     def _checkpoint_dir(self, raw: str) -> None:
-        roots = [os.path.realpath(r) for r in self.checkpoint_roots]
-        allowed = ", ".join(roots)
-        if not os.path.isabs(raw):
-            raise SpecError("checkpoint.dir", f"{raw!r} is not an absolute path; it must lie"
-                            f" inside the server's checkpoint roots: {allowed}")
-        # realpath resolves `..` and every symlink of the part of the path that exists.
-        real = os.path.realpath(raw)
-        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
-            raise SpecError("checkpoint.dir", f"{raw!r} resolves to {real}, outside the"
-                            f" server's checkpoint roots: {allowed}")
+        places = CheckpointPlaces(self.checkpoint_roots, self.data_dir)
+        if why := places.refusal(raw) or places.taken(raw):
+            raise SpecError("checkpoint.dir", why)
 
     def _entrypoint(self, entrypoint: str) -> None:
         if not self.entrypoint_modules:

@@ -13,6 +13,12 @@ Groups outlive the controller: a controller that starts re-attaches to the live 
 PLACING or RUNNING job (no retry used; the ranks send again what was not stored, which the
 store takes once) and, after its first pass, stops every group on the cluster that belongs to
 no active attempt. Reports are acknowledged to the ranks only once they are stored.
+
+Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
+stored before a limit it fails reads everywhere, and fails the job here without a retry), and
+the job's checkpoint folder is made its own (`service.checkpoints`); a folder that is another
+job's fails the job without a retry too. The module stays one piece
+(about 400 lines): one pass, each of whose parts hands its work to the modules named here.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.checkpoints import CheckpointPlaces, CheckpointWriter, JobFolders
 from service.identity import Identity
 from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth, record_stacks
@@ -32,6 +39,7 @@ from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
+from service.spec_limits import recheck
 from service.stack_collect import StackCollector
 from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
@@ -85,7 +93,8 @@ class Controller:
     def __init__(self, store: Store, launcher: Launcher, *, checkpoint_root: Path,
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
-                 shutdown_timeout_s: float = 20.0, fence: Fence | None = None) -> None:
+                 shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
+                 places: CheckpointPlaces | None = None) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -94,6 +103,8 @@ class Controller:
         is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise)."""
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
+        self.folders = JobFolders(checkpoint_root, places)
+        """Each job's checkpoint folder, made its own before every attempt."""
         self.start_timeout_s = start_timeout_s
         self.cancel_grace_s = cancel_grace_s
         self.poll_timeout_s = poll_timeout_s
@@ -225,10 +236,17 @@ class Controller:
                 return
             job = placing
         job = self.store.start_attempt(job_id=job.id, fence=self.fence)
-        attempt, spec = job.attempts, job.spec
+        attempt = job.attempts
+        try:  # a spec stored before a check it fails was added, a folder not the job's
+            spec = recheck(job.spec)
+            folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
+        except (ValueError, OSError) as exc:  # CheckpointRefused and ValidationError too
+            self._fail_attempt(job, attempt, f"not started: {exc}", result,
+                               retry=isinstance(exc, OSError))
+            return
         try:
             group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
-                                        checkpoint_dir=self._checkpoint_dir(job.id, spec))
+                                        checkpoint_dir=folder, writer=CheckpointWriter.of(job))
         except Exception as exc:  # a failed start is data for the failure policy
             log.exception("job %s: start failed", job.id)
             self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
@@ -237,17 +255,19 @@ class Controller:
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
                                                                         spec))
 
-    def _checkpoint_dir(self, job_id: int, spec: JobSpec) -> str:
-        return spec.checkpoint.dir or str(self.checkpoint_root / f"job-{job_id}")
-
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
-        if job.attempts and job.state in (JobState.PLACING, JobState.RUNNING):
-            spec = job.spec
-            group = self.launcher.attach(job_id=job.id, attempt=job.attempts, spec=spec,
-                                         plan=job.plan,
-                                         checkpoint_dir=self._checkpoint_dir(job.id, spec))
+        try:  # a stored spec that fails a check added since is lost here, refused by _place
+            spec: JobSpec | None = recheck(job.spec)
+        except ValueError:
+            spec = None
+        if spec is not None and job.attempts and job.state in (JobState.PLACING,
+                                                               JobState.RUNNING):
+            group = self.launcher.attach(
+                job_id=job.id, attempt=job.attempts, spec=spec, plan=job.plan,
+                checkpoint_dir=self.folders.folder(job.id, spec.checkpoint.dir),
+                writer=CheckpointWriter.of(job))
             if group is not None:
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
@@ -306,8 +326,11 @@ class Controller:
             self._teardown(job.id, run)
             detail = poll.error or "a rank failed"
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
-            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}",
-                               result)
+            # A folder that is another job's now (rank 0 refused it) stays so: no retry.
+            theirs = self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
+            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}"
+                               + (f"\nnot retried: {theirs}" if theirs else ""), result,
+                               retry=theirs is None)
 
     def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
         n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,
@@ -333,10 +356,11 @@ class Controller:
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
         self._move(job, to, message, result, attempt=run.attempt)
 
-    def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult) -> None:
+    def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult, *,
+                      retry: bool = True) -> None:
         self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.FAILED,
                                error=error)
-        to = decide_on_failure(job)
+        to = decide_on_failure(job) if retry else JobState.FAILED
         if to == JobState.RESTARTING:
             left = retries(job) - job.attempts
             self._move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"

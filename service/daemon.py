@@ -8,6 +8,8 @@ with it on SIGTERM. It acts only while it holds the controller's lease
 (`service.lease`): a second daemon against the same database waits as standby and takes over
 once the leader stops renewing. A leader that finds the lease taken stops at once, without
 touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
+A database it cannot read (`service.dbcheck`) is one line in its log, at start (it exits with
+DATABASE_UNREADABLE) and for every pass that fails on a damaged one.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from collections.abc import Callable
 from datetime import datetime
 from types import FrameType
 
+from service.checkpoints import CheckpointPlaces
 from service.controller import Controller
+from service.dbcheck import Unreadable, check, damaged, describe, readable
+from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
+from service.rayhead import LOOPBACK_ENV, metric_ports
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
 
@@ -33,6 +39,9 @@ log = logging.getLogger("trident.controller")
 
 LEASE_LOST = 3
 """Exit status of a daemon whose lease another controller took."""
+DATABASE_UNREADABLE = 4
+"""Exit status of a daemon that cannot read its database (`service.dbcheck`): one line in
+its log says which, what is wrong and how to restore it."""
 
 
 class LeaseLost(Exception):
@@ -41,6 +50,11 @@ class LeaseLost(Exception):
 
 def connect_ray(settings: Settings) -> object:
     """Connect to the configured Ray cluster, or start a local one; returns the launcher."""
+    if not settings.ray_address:
+        # A Ray of this process only: on loopback, like `trident up`'s head, with free ports
+        # for its metrics servers (read by Ray when it is imported, and by the processes it
+        # starts).
+        os.environ.update({**LOOPBACK_ENV, **metric_ports()})
     ray = importlib.import_module("ray")
     # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
     # (which logs, stops the loop and releases the lease) would never run: keep ours.
@@ -123,12 +137,15 @@ class LeaderLoop:
 def run(settings: Settings, stop: threading.Event) -> int:
     """The daemon's loop until `stop` is set; its exit status (LEASE_LOST, or 0)."""
     store = Store(settings.db_url)
-    store.migrate()
+    with readable(settings.db_url):
+        store.migrate()
     leader = Leader(store, duration_s=settings.lease_s)
 
     def make_controller() -> Controller:
         return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
                           checkpoint_root=settings.checkpoint_root,
+                          places=CheckpointPlaces(settings.checkpoint_root_dirs,
+                                                  settings.data_dir),
                           start_timeout_s=settings.start_timeout_s,
                           cancel_grace_s=settings.cancel_grace_s,
                           fence=Fence(CONTROLLER, leader.holder))
@@ -154,11 +171,15 @@ def run(settings: Settings, stop: threading.Event) -> int:
             except LeaseLost:
                 status = LEASE_LOST
                 break
-            except Exception:  # one bad pass must not end the daemon
+            except Exception as exc:  # one bad pass must not end the daemon
                 failures += 1
                 wait = retry_wait_s(failures, settings.poll_interval_s, settings.lease_s)
-                log.exception("controller pass failed (%d in a row); retrying in %g s",
-                              failures, wait)
+                if damaged(exc):  # the same line every pass, not a traceback every pass
+                    log.error("controller pass failed (%d in a row): %s; retrying in %g s",
+                              failures, describe(settings.db_url, exc), wait)
+                else:
+                    log.exception("controller pass failed (%d in a row); retrying in %g s",
+                                  failures, wait)
                 if leader.holding and leader.expired():
                     # Not renewed in time (the database is away): another controller may act
                     # now, so this one must not.
@@ -185,6 +206,11 @@ def run(settings: Settings, stop: threading.Event) -> int:
 
 
 def main() -> None:
+    # Under `trident up` both streams are controller.log, in the data directory: when its
+    # disk is full, a log line (or Ray's forwarding of a worker's output) is lost, counted
+    # and said later, instead of raising in whichever thread wrote it.
+    sys.stdout = tolerate_full_disk(sys.stdout)
+    sys.stderr = tolerate_full_disk(sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr, force=True)
     stop = threading.Event()
@@ -197,7 +223,13 @@ def main() -> None:
     signal.signal(signal.SIGINT, _stop)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    sys.exit(run(settings, stop))
+    try:
+        check(settings.db_url, budget_s=0)  # `trident up` and `trident controller` did more
+        status = run(settings, stop)
+    except Unreadable as exc:
+        log.error("%s", exc)
+        status = DATABASE_UNREADABLE
+    sys.exit(status)
 
 
 if __name__ == "__main__":

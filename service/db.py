@@ -44,7 +44,9 @@ NAME_MAX = 64
 
 class JobRow(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_idempotency_key", "idempotency_key", unique=True),
+    # An idempotency key is its owner's: the same key from two users is two jobs.
+    __table_args__ = (Index("ix_jobs_owner_idempotency_key", "owner", "idempotency_key",
+                            unique=True),
                       Index("ix_jobs_owner", "owner"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -66,7 +68,8 @@ class JobRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(IDEMPOTENCY_KEY_MAX),
                                                         nullable=True)
-    """The client's `Idempotency-Key` of the submission that created the job (unique)."""
+    """The client's `Idempotency-Key` of the submission that created the job (unique per
+    owner)."""
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
     """SHA-256 of the submitted spec, to tell a retry from another request with that key."""
     project: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)

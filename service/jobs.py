@@ -81,9 +81,11 @@ class Submitter:
 
 def submit_once(store: Store, spec: JobSpec, key: str,
                 by: Submitter | None = None) -> tuple[Job, bool]:
-    """`submit` under an idempotency key: the job (and True) when this call created it; the
-    job an earlier submission with `key` created (and False) when the spec is the same;
-    KeyReused when it is not."""
+    """`submit` under an idempotency key of `by.owner`: the job (and True) when this call
+    created it; the job an earlier submission of that owner with `key` created (and False)
+    when the spec is the same; KeyReused when it is not. Keys are scoped to their owner:
+    another user's job with the same key is never returned."""
+    by = by or Submitter()
     digest = request_hash(spec)
 
     def earlier(job: Job, digest_then: str | None) -> tuple[Job, bool]:
@@ -91,7 +93,7 @@ def submit_once(store: Store, spec: JobSpec, key: str,
             raise KeyReused(key, job)
         return job, False
 
-    if (found := store.job_by_idempotency_key(key)) is not None:
+    if (found := store.job_by_idempotency_key(owner=by.owner, key=key)) is not None:
         return earlier(*found)
     try:
         return submit(store, spec, idempotency_key=key, digest=digest, by=by), True

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict  # pydantic takes typing's only from Python 3.12
 
+from service.checkpoints import CheckpointWriter
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 
@@ -87,6 +88,10 @@ class StepReport(BaseModel):
     """Step of the checkpoint this attempt resumed from (0: started fresh)."""
     checkpoint: str | None = None
     """Directory of the checkpoint saved after this step, if any."""
+    checkpoint_error: str | None = Field(default=None, max_length=4000)
+    """Why the checkpoint due after this step was not saved (the disk is full, ...): its
+    partial tag is removed, the newest complete one stays the one to resume from, and
+    training goes on; the controller stores it as a `checkpoint` event of the job."""
     comm: dict[str, dict[str, CommOpStats]] | None = None
     """Collectives of this step: dim (tp, pp, dp, or another group's name) -> op -> stats.
     Added by the rank actor's `CommTimer`; None when the step's collectives were not counted."""
@@ -248,10 +253,12 @@ class Launcher(Protocol):
     def total_capacity(self) -> list[NodeCapacity]: ...
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> WorkerGroup:
+              checkpoint_dir: str | None, writer: CheckpointWriter | None) -> WorkerGroup:
         """Claim resources and start the ranks; must not block on training. Each rank is
         sent the stored `spec` and its row of the stored `plan` (`StoredPlan.rank_plan`: its
-        stage, layers and groups), which it builds from."""
+        stage, layers and groups), which it builds from. `writer`: the job `checkpoint_dir`
+        must belong to (rank 0 checks it before any rank resumes). What a start that raises
+        claimed is released before it raises."""
         ...
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
@@ -264,7 +271,8 @@ class Launcher(Protocol):
         ...
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None) -> WorkerGroup | None:
+               checkpoint_dir: str | None,
+               writer: CheckpointWriter | None) -> WorkerGroup | None:
         """The attempt's group, still there from before this controller started (training,
         or not launched yet: it goes on from its placement, to train from `checkpoint_dir`),
         or None (and whatever is left of it stopped)."""

@@ -5,10 +5,11 @@ controller (whose restart would take every job with it) nor end with `trident up
 `ray start --head --block` in a session of its own, restarted by a `Supervisor` when it exits.
 Its address is kept in `<data_dir>/ray/head.json`, and Ray's token authentication is on, with a
 token of the data directory's (`<data_dir>/ray/auth_token`, owner-only) given to the head and
-the controller; a `trident up` that starts while a head
-from an earlier one still answers there (that one was killed) watches it instead of starting
-a second. `trident up` stops the head when it stops, unless jobs are still active in the store
-(without `--stop-jobs`), which keep training on it and are re-attached by the next controller.
+the controller. It listens on loopback only (`LOOPBACK_ENV`): nothing of it can be reached
+from another host. A `trident up` that starts while a head from an earlier one still answers
+there (that one was killed) watches it instead of starting a second. `trident up` stops the
+head when it stops, unless jobs are still active in the store (without `--stop-jobs`), which
+keep training on it and are re-attached by the next controller.
 """
 
 from __future__ import annotations
@@ -24,11 +25,31 @@ from pathlib import Path
 
 from service.supervisor import Supervisor
 
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's environment for a node that listens on loopback only (127.0.0.1), and its drivers.
+
+Ray's servers bind to the node's address when it is a loopback one, else to every interface
+(the GCS and the raylet's gRPC servers: `0.0.0.0` unless the node is on `127.0.0.1`; the
+dashboard agent, the runtime-env agent, the metrics exporter and the Ray client server: the
+node's address). But `ray start` replaces a loopback `--node-ip-address` by the host's
+address, so that other hosts can join (`ray._private.services.resolve_ip_for_localhost`),
+unless Ray's multi-node mode is off, which this variable does (its default on macOS and
+Windows). A node started so cannot be joined by another (a worker's `ray start` goes to the
+host's address, where it does not listen; with the variable set, Ray refuses to start a worker
+node): a cluster of several hosts is `trident node start` (`service.raynode`)."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def metric_ports() -> dict[str, str]:
+    """Free ports, in Ray's environment, for the dashboard's and the autoscaler's metrics
+    servers, which Ray would put on 44227 and 44217 whatever other Ray runs on the host."""
+    return {"DASHBOARD_METRIC_PORT": str(_free_port()),
+            "AUTOSCALER_METRIC_PORT": str(_free_port())}
 
 
 def answers(address: str, timeout_s: float = 1.0) -> bool:
@@ -70,21 +91,31 @@ class RayHead:
         self._adopting = recorded is not None
         self.address = recorded or f"127.0.0.1:{_free_port()}"
         port = self.address.rpartition(":")[2]
+        # Free ports for the servers Ray gives a fixed one (the client server 10001, the
+        # dashboard agent's HTTP 52365, the metrics servers: `metric_ports`): with Ray's, a
+        # second Ray on this host (another stack's) would find them taken.
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-                "--disable-usage-stats"]
-        self.supervisor = Supervisor(argv, env={**os.environ, **self.env()}, name="ray head",
+                "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-agent-listen-port={_free_port()}"]
+        self.supervisor = Supervisor(argv, env={**os.environ, **self.env(), **metric_ports()},
+                                     name="ray head",
                                      log_path=data_dir / "ray-head.log",
                                      running_elsewhere=self._adopted,
                                      on_start=self._record)
 
     def env(self) -> dict[str, str]:
         """What the head and every driver of it (the controller) need: Ray's token
-        authentication, with a token of this data directory's, readable by its owner only."""
-        return auth_env(self.dir / "auth_token")
+        authentication, with a token of this data directory's, readable by its owner only,
+        and every Ray process on loopback (`LOOPBACK_ENV`)."""
+        return {**auth_env(self.dir / "auth_token"), **LOOPBACK_ENV}
 
     def _record(self, pid: int) -> None:
-        self.state_path.write_text(json.dumps({"address": self.address, "pid": pid}))
+        # Whole or not at all: a full disk must not leave an empty head.json, which would
+        # hide a live head from the next `trident up` (the address is the same every start).
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps({"address": self.address, "pid": pid}))
+        os.replace(tmp, self.state_path)
 
     def _adopted(self) -> bool:
         """Whether the head to watch is one this `trident up` did not start (and lives)."""

@@ -2,9 +2,13 @@
 
 `start` runs `ray start --block` (head, or a worker joining `--address`) as a process of its
 own session, so that it outlives the command, with the node's labels (`service.node_labels`),
-its CPUs and GPUs, and Ray's token authentication (`service.rayhead.auth_env`); it waits until
-Ray says the node runs and records what it started in `<data_dir>/node/state.json`: the pid
-(also its process group), the address, the temp dir and the log. `stop` stops that node and
+its CPUs and GPUs, and Ray's token authentication (`service.rayhead.auth_env`). It listens on
+every interface of the host: that is how the other hosts reach it, and starting a node with it
+is how a cluster of several hosts opts in (`trident up`'s own head is on loopback only:
+`service.rayhead.LOOPBACK_ENV`; Ray replaces a loopback `--node-ip-address` here by the
+host's address, so that the others can join). It waits until Ray says the node runs and
+records what it started in `<data_dir>/node/state.json`: the pid (also its process group),
+the address, the temp dir and the log. `stop` stops that node and
 nothing else: SIGTERM to the recorded `ray start --block` (which stops the node's processes),
 then SIGKILL to what is left of its process group after the grace. It never runs `ray stop`,
 which would stop every Ray node of the host, other people's too.

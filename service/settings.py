@@ -50,7 +50,12 @@ class Settings(BaseSettings):
     rank_log_max_bytes: int = Field(default=16 << 20, ge=64 << 10, le=1 << 34)
     """The most bytes of stdout and stderr kept per rank and attempt (16 MiB): the newest
     output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`),
-    with their time index (`.log.times`, `.log.times.1`) counted in."""
+    with their time index (`.log.times`, `.log.times.1`) counted in; held while the disk
+    refuses writes too (`workers.ranklog`)."""
+    data_dir_min_free: float = Field(default=0.05, ge=0, le=1)
+    """`GET /api/v1/healthz` names the data directory `nearly full` when less than this
+    fraction of its filesystem is free (default 0.05: 5 %). A full disk costs a checkpoint
+    save and the log lines it refuses, not the control plane, but it costs them."""
     metrics_per_rank: bool = True
     """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
     active job); turn off for very large jobs."""

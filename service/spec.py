@@ -24,11 +24,11 @@ from pydantic import (
 from service.hardware import PROFILES
 from service.parallel import ParallelDims
 from service.presets import PRESETS
+from service.spec_limits import OsPath, RayQuantity, env_value
 from service.spec_stack import Partition, Stack, layer_split_errors
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV: dict[str, Any] = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
 
 MAX_WORLD = 65536
@@ -194,8 +194,8 @@ class ResourcesSpec(_Strict):
 
     gpus_per_worker: Annotated[int, Field(ge=0, le=16)] = 0
     """GPUs per rank: 1 on GPU clusters, 0 to run on CPU with gloo."""
-    cpus_per_worker: Annotated[float, Field(gt=0, le=1024)] = 1.0
-    """CPUs per rank; may be fractional so that many ranks share a few cores in tests."""
+    cpus_per_worker: Annotated[RayQuantity, Field(gt=0, le=1024)] = 1.0
+    """CPUs per rank; a multiple of Ray's unit (0.0001), so that ranks may share a core."""
 
 
 class ClusterSpec(_Strict):
@@ -221,8 +221,9 @@ class CheckpointSpec(_Strict):
 
     every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
     """Save every this many steps; 0 saves none."""
-    dir: Annotated[str, Field(max_length=4096)] | None = None
-    """Absolute, inside the server's checkpoint roots (default: its data directory)."""
+    dir: OsPath | None = None
+    """The job's own folder inside the checkpoint roots (default: `checkpoints/job-<id>` in the
+    data directory); not a root, the data directory, nor another job's. 4095 bytes at most."""
 
 
 class MonitorSpec(_Strict):
@@ -300,9 +301,7 @@ class JobSpec(_Strict):
         for key, value in v.items():
             if not _ENV_KEY.match(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
-            if _CONTROL.search(value):
-                raise ValueError(f"the value of {key} holds a control character (NUL, newline,"
-                                 " ...); environment values are printable text")
+            env_value(key, value)
         return v
 
     @field_validator("entrypoint")

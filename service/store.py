@@ -119,9 +119,9 @@ class Store:
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
                    owner: str = "local", project: str | None = None,
                    idempotency_key: str | None = None, request_hash: str | None = None) -> Job:
-        """Queue a new job. With an `idempotency_key` that a job holds already, nothing is
-        created and KeyTaken carries that job (the unique index decides between concurrent
-        submissions, so exactly one of them creates it)."""
+        """Queue a new job. With an `idempotency_key` that a job of the same `owner` holds
+        already, nothing is created and KeyTaken carries that job (the unique index on owner
+        and key decides between concurrent submissions, so exactly one of them creates it)."""
         try:
             with self._tx() as s:
                 row = JobRow(name=name, owner=owner, project=project,
@@ -135,15 +135,18 @@ class Store:
                                data={"to": JobState.QUEUED.value}))
                 return Job.from_row(row)
         except IntegrityError:
-            taken = self.job_by_idempotency_key(idempotency_key) if idempotency_key else None
+            taken = (self.job_by_idempotency_key(owner=owner, key=idempotency_key)
+                     if idempotency_key else None)
             if taken is None:
                 raise
             raise KeyTaken(*taken) from None
 
-    def job_by_idempotency_key(self, key: str) -> tuple[Job, str | None] | None:
-        """The job submitted with `key`, and the hash of the request that created it."""
+    def job_by_idempotency_key(self, *, owner: str, key: str) -> tuple[Job, str | None] | None:
+        """The job `owner` submitted with `key`, and the hash of the request that created
+        it (other owners' jobs with that key are not found)."""
         with self._tx() as s:
-            row = s.execute(select(JobRow).where(JobRow.idempotency_key == key)).scalar()
+            row = s.execute(select(JobRow).where(JobRow.owner == owner,
+                                                 JobRow.idempotency_key == key)).scalar()
             return None if row is None else (Job.from_row(row), row.request_hash)
 
     def get_job(self, *, job_id: int) -> Job:

@@ -7,6 +7,10 @@ back within a second. Every start and exit is a line in the controller's log (a 
 stderr for `trident controller`, whose output a container runtime or systemd collects). `stop`
 sends SIGTERM (the daemon stops its loop and releases its lease), then SIGKILL after a grace.
 
+Supervision survives its own log: a line the disk refuses (a full data directory) is counted
+and said once a line goes through again (`service.diskfull`), a callback or a start that
+fails is logged and retried with the backoff, so the loop itself never ends but by `stop`.
+
 The same class keeps the embedded default's Ray head up (`service.rayhead`): there
 `running_elsewhere` says whether a head started earlier (by a `trident up` that was killed)
 still runs, which is then watched, not started twice.
@@ -14,6 +18,7 @@ still runs, which is then watched, not started twice.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -24,8 +29,15 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
+
+from service.diskfull import Refused
 
 log = logging.getLogger("trident.supervisor")
+
+NOTICE_EVERY_S = 5.0
+"""While the process runs, how often lines the log's disk refused are said again, once it
+takes them."""
 
 
 class Supervisor:
@@ -49,6 +61,9 @@ class Supervisor:
         self.exits: list[int] = []
         """Exit status of every process that ended by itself."""
         self.proc: subprocess.Popen[bytes] | None = None
+        self.refused = Refused("line")
+        """Lines of this supervisor's that the log's disk refused, not yet said."""
+        self._partial = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-supervisor",
@@ -63,13 +78,37 @@ class Supervisor:
         self._thread.start()
 
     def _note(self, message: str) -> None:
-        """A line in the supervised process's log, in the daemon's format."""
-        log.info(message)
+        """A line in the supervised process's log, in the daemon's format; a line the disk
+        refuses is counted, and said before the next one that goes through (an empty
+        `message`: only that)."""
+        if message:
+            log.info(message)
         if self.log_path is None:  # the log is this process's stderr, where `log` writes
             return
         stamp = datetime.now(UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-        with self.log_path.open("a") as f:
-            f.write(f"{stamp} {log.name} {message}\n")
+        notice = self.refused.notice()
+        lines = ("" if notice is None else f"{stamp} {log.name} {notice[0]}") + \
+            ("" if not message else f"{stamp} {log.name} {message}\n")
+        data = ("\n" if self._partial else "").encode() + lines.encode()
+        lost = 1 if message else 0
+        try:
+            with self.log_path.open("ab", buffering=0) as f:  # one write(2), no buffer
+                written = f.write(data)
+        except OSError as exc:
+            self.refused.add(lost, exc)
+            return
+        self._partial = written < len(data)  # the disk filled during the write
+        if self._partial:
+            self.refused.add(lost, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        elif notice is not None:
+            self.refused.said(notice[1])
+
+    def _open_log(self, path: Path) -> IO[bytes] | None:
+        try:
+            return path.open("ab")
+        except OSError as exc:  # its output is lost, not the process
+            self._note(f"cannot open {path} ({exc.strerror}): {self.name} starts without it")
+            return None
 
     def _spawn(self) -> subprocess.Popen[bytes] | None:
         with self._lock:
@@ -80,41 +119,70 @@ class Supervisor:
             if self.log_path is None:  # inherit stdout and stderr
                 self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
             else:
-                with self.log_path.open("ab") as out:
-                    self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                out = self._open_log(self.log_path)
+                try:
+                    self.proc = subprocess.Popen(self.argv, env=self.env,
+                                                 stdout=out or subprocess.DEVNULL,
                                                  stderr=subprocess.STDOUT,
                                                  start_new_session=True)
+                finally:
+                    if out is not None:
+                        out.close()
             self.starts += 1
             return self.proc
 
     def _loop(self) -> None:
         backoff = self.backoff_min_s
         while not self._stop.is_set():
-            if self.running_elsewhere is not None and self.running_elsewhere():
-                self._note(f"{self.name} already running: watching it")
-                while self.running_elsewhere():
-                    if self._stop.wait(2):
-                        return
-                self._note(f"{self.name} started earlier is gone: starting one")
-            proc = self._spawn()
-            if proc is None:
+            try:
+                ran = self._run_once(backoff)
+            except Exception as exc:  # a start that failed (no memory, no pids): again later
+                log.debug("supervising %s failed", self.name, exc_info=True)
+                self._note(f"starting {self.name} failed ({type(exc).__name__}: {exc});"
+                           f" trying again in {backoff:g} s")
+                ran = 0.0
+            if ran is None:
                 return
-            began = time.monotonic()
-            self._note(f"{self.name} pid {proc.pid} started (start {self.starts})")
-            if self.on_start is not None:
-                self.on_start(proc.pid)
-            code = proc.wait()
-            ran = time.monotonic() - began
-            if self._stop.is_set():
-                return
-            self.exits.append(code)
             if ran >= self.stable_s:
                 backoff = self.backoff_min_s
-            self._note(f"{self.name} pid {proc.pid} exited with status {code} after"
-                       f" {ran:.1f} s; restarting in {backoff:g} s")
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _run_once(self, backoff: float) -> float | None:
+        """Start the process (or watch the one running elsewhere) and wait for its end; how
+        long it ran, or None when stopped."""
+        if self.running_elsewhere is not None and self.running_elsewhere():
+            self._note(f"{self.name} already running: watching it")
+            while self.running_elsewhere():
+                if self._stop.wait(2):
+                    return None
+            self._note(f"{self.name} started earlier is gone: starting one")
+        proc = self._spawn()
+        if proc is None:
+            return None
+        began = time.monotonic()
+        self._note(f"{self.name} pid {proc.pid} started (start {self.starts})")
+        if self.on_start is not None:
+            try:
+                self.on_start(proc.pid)
+            except Exception:  # e.g. the terminal's file is on the full disk too
+                log.exception("%s pid %s: on_start failed", self.name, proc.pid)
+        while True:
+            try:
+                code = proc.wait(NOTICE_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                if self.refused.count:  # say what the disk refused as soon as it can
+                    self._note("")
+        ran = time.monotonic() - began
+        if self._stop.is_set():
+            return None
+        self.exits.append(code)
+        self._note(f"{self.name} pid {proc.pid} exited with status {code} after"
+                   f" {ran:.1f} s; restarting in"
+                   f" {self.backoff_min_s if ran >= self.stable_s else backoff:g} s")
+        return ran
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Stop restarting, and stop the running daemon: SIGTERM, then SIGKILL after

@@ -1,5 +1,6 @@
 """What a worker group's poll brought, stored: its step reports (validated, through
-`MetricsIngest`), its probe reports (to the attempt's health) and its events.
+`MetricsIngest`), its probe reports (to the attempt's health), its events, and a `checkpoint`
+event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`).
 
 The controller calls `store_poll` for every poll of a group it watches, and once more for the
 last poll of a cancelled group, taken beside its loop while the group is stopped
@@ -24,6 +25,7 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
     report is dropped with a warning event; `health` (None: nobody watches the attempt any
     more) sees every valid one."""
     rows: list[dict[str, Any]] = []
+    failed_saves: list[StepReport] = []
     for raw in poll.reports:
         try:
             if raw.get("kind") == "probe":
@@ -32,6 +34,8 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                 continue
             report = StepReport.model_validate(raw)
             rows.append(report.row())
+            if report.checkpoint_error and report.rank == 0:  # every rank says the same
+                failed_saves.append(report)
             if health is not None:
                 health.step_report(report)
         except (ValidationError, KeyError, TypeError) as exc:
@@ -42,4 +46,11 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
         store.add_event(job_id=job_id, attempt=attempt, kind=str(ev.get("kind", "info"))[:32],
                         message=str(ev.get("message", ""))[:10000], data=ev.get("data") or {})
     ingest.record(job_id=job_id, attempt=attempt, world_size=world_size, rows=rows)
+    # After the rows: a poll whose rows failed to store comes again, and its events with it.
+    for report in failed_saves:
+        store.add_event(job_id=job_id, attempt=attempt, kind="checkpoint",
+                        message=f"the checkpoint of step {report.step} was not saved; training"
+                        " goes on, and a restart resumes from the newest complete checkpoint:"
+                        f" {report.checkpoint_error}",
+                        data={"step": report.step, "error": report.checkpoint_error})
     return len(rows)

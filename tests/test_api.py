@@ -15,6 +15,7 @@ from service.settings import Settings
 from service.states import JobState
 from service.store import Store
 from tests.conftest import authed_client, tiny_spec
+from tests.smallfs import Filler, small_fs
 
 
 @pytest.fixture
@@ -187,7 +188,9 @@ def test_healthz_reports_the_database_and_the_controller_lease(client: TestClien
     """503 degraded while no controller holds an unexpired lease; 200 while one does."""
     r = client.get("/api/v1/healthz")
     assert r.status_code == 503
-    assert r.json() == {"status": "degraded", "database": "ok", "controller": {
+    body = r.json()
+    assert body.pop("data_dir")["status"] == "ok"
+    assert body == {"status": "degraded", "database": "ok", "controller": {
         "holder": None, "lease_age_s": None, "expires_in_s": None,
         "error": "no controller has held the lease"}}
     leader = Leader(store, duration_s=60, holder="ctl-1")
@@ -205,6 +208,33 @@ def test_healthz_reports_the_database_and_the_controller_lease(client: TestClien
     assert r.json()["status"] == "degraded" and ctl["holder"] == "ctl-1"
     assert ctl["expires_in_s"] < 0 and ctl["lease_age_s"] >= 120
     assert ctl["error"] == "the controller has not renewed its lease in time"
+
+
+def test_healthz_names_a_data_dir_that_is_nearly_full(store: Store, tmp_path) -> None:
+    """On a filesystem of its own, with the threshold of the settings: `ok` while more is
+    free, `nearly full` (with the figures and the threshold) once a filler takes the space;
+    the stack's status stays that of its database and controller."""
+    Leader(store, duration_s=60, holder="ctl-1").acquire_or_renew()
+    with small_fs(tmp_path / "fs", 4) as fs:
+        settings = Settings(data_dir=fs, data_dir_min_free=0.25)
+        with authed_client(create_app(settings, store=store), store) as c:
+            r = c.get("/api/v1/healthz")
+            disk = r.json()["data_dir"]
+            assert r.status_code == 200 and disk["status"] == "ok", disk
+            assert "path" not in disk and disk["total_bytes"] == 4 << 20  # healthz is public
+            assert disk["min_free_fraction"] == 0.25 and disk["free_fraction"] > 0.25
+            filler = Filler(fs / "filler", leave_bytes=512 << 10).start()
+            try:
+                r = c.get("/api/v1/healthz")
+            finally:
+                filler.free()
+    disk = r.json()["data_dir"]
+    assert r.status_code == 200 and r.json()["status"] == "ok"  # nothing is down (yet)
+    assert disk["status"] == "nearly full", disk
+    assert disk["free_bytes"] <= 512 << 10 and disk["free_fraction"] < 0.25
+    with TestClient(create_app(Settings(data_dir=tmp_path / "missing"), store=store)) as c:
+        r = c.get("/api/v1/healthz")
+    assert r.json()["data_dir"]["status"] == "unavailable: No such file or directory"
 
 
 def test_healthz_names_the_database_when_it_does_not_answer(tmp_path) -> None:

@@ -150,13 +150,17 @@ def test_every_operation_documents_the_refusals_it_may_answer() -> None:
     doc = create_app(Settings(data_dir=_DATA / "doc")).openapi()
     assert doc["components"]["schemas"]["Refusal"]["required"] == ["detail"]
     ref = {"$ref": "#/components/schemas/Refusal"}
-    operations = [(path, op) for path, item in doc["paths"].items() for op in item.values()]
+    operations = [(path, method, op) for path, item in doc["paths"].items()
+                  for method, op in item.items()]
     assert len(operations) > 20
-    for path, op in operations:
+    for path, method, op in operations:
         want = {"503"}
         if path != "/api/v1/healthz":
             assert op.get("security"), path
             want |= {"401", "403"}
+            # A change sent with the dashboard's session cookie: the CSRF rule's 403 too.
+            csrf = "`csrf: ...`" in op["responses"]["403"]["description"]
+            assert csrf == (method != "get"), (method, path)
         if "{" in path:
             want.add("404")
         if "requestBody" in op:

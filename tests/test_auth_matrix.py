@@ -5,6 +5,7 @@ The routes come from the app itself (`api.auth.api_routes`), so a new route fail
 until it declares a rule (`Depends(require(...))`) and has an example request here. What each
 role may do is written out below, apart from `api.auth.RULES`, so that a rule loosened by
 mistake fails too. The dashboard's pages, also read from the app, need a session or a token.
+Every route that changes something refuses the session cookie from another site.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.auth import api_routes
+from api.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, api_routes, csrf_token
 from service.identity import Identity
 from service.jobs import Submitter
 from service.jobs import submit as submit_job
@@ -219,6 +220,47 @@ def test_authorization_matrix(world: tuple[TestClient, World]) -> None:
                     assert r.json()["detail"].startswith(rule.name + ":"), where
                 cells += 1
     assert cells == 3 * 3 * (len(EXAMPLES))
+
+
+OTHER_SITES = [{"Origin": "http://evil.example"}, {"Origin": "null"},
+               {"Origin": "http://testserver.evil.example"},
+               {"Referer": "http://evil.example/jobs"}]
+"""How a browser names a page of another site that sends a request (the test server is
+`http://testserver`): its origin, an opaque origin (a sandboxed frame), a look-alike host, or
+only a referrer."""
+
+
+def test_every_changing_route_refuses_a_session_from_another_site(
+        world: tuple[TestClient, World]) -> None:
+    """Every API route that changes something, called with the dashboard's session cookie:
+    from another site a 403 naming the rule even with the session's CSRF token; without the
+    token a 403; from the dashboard's own pages with it, what the admin's Bearer token gets."""
+    client, w = world
+    r = client.post("/login", data={"token": w.tokens["admin"]}, follow_redirects=False)
+    assert r.status_code == 303
+    good = csrf_token(client.cookies[SESSION_COOKIE])
+    changing = [(m, p) for m, p, _ in api_routes(client.app)  # type: ignore[arg-type]
+                if m not in SAFE_METHODS]
+    assert len(changing) >= 12, changing
+    for method, path in changing:
+        for site in OTHER_SITES:
+            url, body = EXAMPLES[(method, path)](w, "admin", "own")
+            r = client.request(method, url, json=body, headers={**site, CSRF_HEADER: good})
+            where = f"{method} {url} {site} -> {r.status_code} {r.text[:300]}"
+            assert r.status_code == 403, where
+            assert r.json()["detail"].startswith("csrf:"), where
+            assert "refused from another site" in r.json()["detail"], where
+        for token in ({}, {CSRF_HEADER: "0" * 64}):
+            url, body = EXAMPLES[(method, path)](w, "admin", "own")
+            r = client.request(method, url, json=body,
+                               headers={"Origin": "http://testserver", **token})
+            where = f"{method} {url} {token} -> {r.status_code} {r.text[:300]}"
+            assert r.status_code == 403, where
+            assert "must carry the session's CSRF token" in r.json()["detail"], where
+        url, body = EXAMPLES[(method, path)](w, "admin", "own")
+        r = client.request(method, url, json=body, headers={
+            "Origin": "http://testserver", "Referer": "http://testserver/", CSRF_HEADER: good})
+        assert r.status_code < 400, f"{method} {url} -> {r.status_code} {r.text[:300]}"
 
 
 SESSION_ROUTES = {"/login", "/logout"}

@@ -216,6 +216,14 @@ def test_cancel_from_the_job_page(live: Live, page: Page) -> None:
     assert live.job("chatty")["state"] == "CANCELLED"
 
 
+def test_log_out_from_the_page_ends_the_session(live: Live, page: Page) -> None:
+    """The log-out button posts its form's `csrf` field from the dashboard's own origin."""
+    page.click("form.logout button")
+    page.wait_for_url(f"{live.url}/login")
+    page.goto(f"{live.url}/")
+    assert page.url.startswith(f"{live.url}/login"), page.url  # the session is over
+
+
 def test_what_if_numbers_change_with_tp(live: Live, page: Page) -> None:
     page.goto(f"{live.url}/plan?job={live.jobs['tiny']}")
     step, memory = page.locator("#n-step"), page.locator("#n-memory")

@@ -155,7 +155,8 @@ def test_yaml_numbers_are_numbers(tmp_path: Path) -> None:
 def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The first answer is lost after the server queued the job; the retry gets that job."""
-    import api.cli_common
+    import api.cli_jobs
+    from api.client import TridentClient
 
     keys: list[str] = []
     real = httpx.HTTPTransport()
@@ -170,8 +171,8 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                     raise httpx.ReadError("connection reset", request=request)
             return response
 
-    monkeypatch.setattr(api.cli_common, "_client", lambda s: httpx.Client(
-        base_url=s.rstrip("/") + "/api/v1", transport=LosesFirstAnswer()))
+    monkeypatch.setattr(api.cli_jobs, "connect", lambda s: TridentClient(
+        s, transport=LosesFirstAnswer()))
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
                             server])
     assert r.exit_code == 0, r.output

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import typer
 
-from api import cli_common, cli_logs
+from api import client
 from api.cli import app
 from service.states import JobState
 from service.store import Store
@@ -203,8 +203,8 @@ def test_errors_are_one_line_never_a_traceback(live: Live, monkeypatch: pytest.M
             assert p in r.stderr, (p, r.stderr)
 
     # The retries and reconnects happen as they would, without their waits.
-    monkeypatch.setattr(cli_common, "BACKOFF_S", 0.001)
-    monkeypatch.setattr(cli_logs, "RECONNECT_BACKOFF_S", 0.001)
+    monkeypatch.setattr(client, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(client, "RECONNECT_BACKOFF_S", 0.001)
     gone = f"http://127.0.0.1:{free_port()}"
     for args in (["status"], ["cancel", "1", "--yes"], ["logs", "1"], ["logs", "1", "-f"],
                  ["events", "1"], ["submit", TINY]):

@@ -204,12 +204,16 @@ def test_a_log_without_a_time_index(live: Live) -> None:
 
 
 def test_a_reconnected_stream_prints_only_what_was_not_printed() -> None:
-    from api.cli_logs import unseen
+    from dataclasses import replace
+
+    from api.client import unseen
+    from service.ranklogs import Chunk
 
     printed = {1: 13}
-    chunk = {"rank": 1, "text": "ab\ncd\nef", "next": 18, "skipped": 0, "times": [1.0, 2.0, 3.0]}
-    assert unseen(chunk, printed) == {**chunk, "text": "cd\nef", "times": [2.0, 3.0]}
+    chunk = Chunk(rank=1, text="ab\ncd\nef", next=18, skipped=0, size=18,
+                  times=[1.0, 2.0, 3.0])
+    assert unseen(chunk, printed) == replace(chunk, text="cd\nef", times=[2.0, 3.0])
     assert printed == {1: 18}
-    assert unseen(chunk, printed)["text"] == ""  # all of it seen
-    other = {**chunk, "rank": 2}
+    assert unseen(chunk, printed).text == ""  # all of it seen
+    other = replace(chunk, rank=2)
     assert unseen(other, printed) is other and printed[2] == 18

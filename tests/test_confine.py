@@ -1,7 +1,8 @@
 """A submitted spec stays inside its job: checkpoint paths inside the roots (after `..` and
-symlinks), entrypoints under the allowed modules, no loader variables in `env`, bodies at most
-1 MiB; each refused with the stated message, nothing stored and nothing written outside the
-roots. Through the API, on SQLite and PostgreSQL."""
+symlinks), in a folder of the job's own (not the data directory nor what Trident keeps there,
+not another job's folder), entrypoints under the allowed modules, no loader variables in
+`env`, bodies at most 1 MiB; each refused with the stated message, nothing stored and nothing
+written outside the roots. Through the API, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from service.checkpoints import RULE, CheckpointWriter, claim
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
@@ -63,9 +65,13 @@ def test_checkpoint_dir_must_resolve_inside_the_roots(client: TestClient, store:
     assert loc == ["body", "checkpoint", "dir"] and "is not an absolute path" in msg
     assert client.get("/api/v1/jobs").json()["total"] == 0  # nothing stored
     assert list(outside.iterdir()) == []  # nothing written outside the roots
-    for path in [str(root / "a"), f"{root}/x/../b", str(root)]:
+    for path in [str(root / "a"), f"{root}/x/../b"]:
         r = client.post("/api/v1/jobs", json=tiny_spec(checkpoint={"dir": path}))
         assert r.status_code == 201, (path, r.text)
+    # A root is where every job's folder is: no job's own.
+    loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(checkpoint={"dir": str(root)})))
+    assert loc == ["body", "checkpoint", "dir"] and RULE in msg
+    assert msg.startswith(f"{str(root)!r} is the checkpoint root {real_root} itself"), msg
 
 
 def test_default_checkpoint_root_is_the_data_directory(store: Store, tmp_path: Path) -> None:
@@ -77,6 +83,74 @@ def test_default_checkpoint_root_is_the_data_directory(store: Store, tmp_path: P
         loc, msg = refusal(c.post("/api/v1/jobs", json=tiny_spec(
             checkpoint={"dir": str(tmp_path / "elsewhere")})))
         assert msg.endswith(f"roots: {os.path.realpath(tmp_path / 'data')}")
+
+
+def member(store: Store, name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {user_token(store, name, 'member')}"}
+
+
+def test_a_member_may_not_name_the_data_directory_or_another_jobs_default_folder(
+        store: Store, tmp_path: Path) -> None:
+    """The default roots: the data directory, where Trident keeps its database, admin token,
+    Ray's files (and its auth token) and the rank logs, and every job's default folder."""
+    data = tmp_path / "data"
+    (data / "ray").mkdir(parents=True)
+    (data / "ray" / "auth_token").write_text("secret\n")
+    real = os.path.realpath(data)
+    with TestClient(create_app(Settings(data_dir=data), store=store)) as c:
+        bob = c.post("/api/v1/jobs", json=tiny_spec(), headers=member(store, "bob"))
+        assert bob.status_code == 201, bob.text
+        theirs = f"{data}/checkpoints/job-{bob.json()['id']}"
+        alice = member(store, "alice")
+        refused = {
+            str(data): f"{str(data)!r} is the data directory {real}",
+            f"{data}/ray": "inside the data directory",
+            f"{data}/ray/../ray/sub": "inside the data directory",
+            f"{data}/logs": "inside the data directory",
+            f"{data}/admin.token": "inside the data directory",
+            f"{data}/checkpoints": "where every job's default folder is",
+            theirs: f"the default checkpoint folder of job {bob.json()['id']}",
+            f"{theirs}/sub": f"the default checkpoint folder of job {bob.json()['id']}",
+            f"{data}/checkpoints/job-999": "the default checkpoint folder of job 999",
+        }
+        for path, why in refused.items():
+            loc, msg = refusal(c.post("/api/v1/jobs", headers=alice, json=tiny_spec(
+                checkpoint={"dir": path, "every_steps": 2})))
+            assert loc == ["body", "checkpoint", "dir"], path
+            assert why in msg and RULE in msg, (path, msg)
+        assert "ray/, logs/" in c.post("/api/v1/jobs", headers=alice, json=tiny_spec(
+            checkpoint={"dir": f"{data}/ray"})).json()["detail"][0]["msg"]
+        assert c.get("/api/v1/jobs", headers=alice).json()["total"] == 1  # bob's alone
+        assert sorted(os.listdir(data / "ray")) == ["auth_token"]  # nothing written there
+        r = c.post("/api/v1/jobs", headers=alice, json=tiny_spec(
+            checkpoint={"dir": f"{data}/checkpoints/alice-run"}))
+        assert r.status_code == 201, r.text
+
+
+def test_a_folder_recorded_as_another_jobs_is_refused(client: TestClient, store: Store,
+                                                      roots: tuple[Path, Path]) -> None:
+    """A named folder that a job started with (its record says which, and whose) is that job's:
+    no new job may name it, or a folder inside it, not even one of the same owner; a folder
+    holding checkpoints that no job recorded is refused too."""
+    root, _ = roots
+    bob = member(store, "bob")
+    r = client.post("/api/v1/jobs", headers=bob, json=tiny_spec(
+        checkpoint={"dir": str(root / "bob-run"), "every_steps": 2}))
+    assert r.status_code == 201, r.text
+    bob_job = r.json()["id"]
+    claim(root / "bob-run", CheckpointWriter(job_id=bob_job, owner="bob"))  # as at its start
+    (root / "old").mkdir()
+    (root / "old" / "step4").mkdir()  # written before folders had records
+    for headers in (client.headers, bob):  # alice, then bob himself
+        for path, why in [(root / "bob-run", f"the checkpoints of job {bob_job} (owner bob)"),
+                          (root / "bob-run" / "inner",
+                           f"the checkpoint folder of job {bob_job} (owner bob)"),
+                          (root / "old", "(step4) that no job is recorded as having written")]:
+            loc, msg = refusal(client.post("/api/v1/jobs", headers=dict(headers), json=tiny_spec(
+                checkpoint={"dir": str(path), "every_steps": 2})))
+            assert loc == ["body", "checkpoint", "dir"] and why in msg and RULE in msg, msg
+    assert client.get("/api/v1/jobs").json()["total"] == 1
+    assert not (root / "bob-run" / "inner").exists()
 
 
 @pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH",

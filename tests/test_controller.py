@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
+from service.checkpoints import CheckpointWriter
 from service.controller import Controller
 from service.db import JobRow
 from service.hardware import get_profile
@@ -78,7 +79,7 @@ class FakeLauncher:
         self.swept: list[tuple[int, int]] = []
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None) -> FakeGroup | None:
+               checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup | None:
         g = self.live.get((job_id, attempt))
         return g if g is not None and not g.shut else None
 
@@ -105,10 +106,10 @@ class FakeLauncher:
         return g
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> FakeGroup:
+              checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup:
         g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir},
                       release=self.release)
-        self.started.append({"spec": spec, "plan": plan})
+        self.started.append({"spec": spec, "plan": plan, "writer": writer})
         self.groups.append(g)
         self.live[(job_id, attempt)] = g
         return g

@@ -147,3 +147,53 @@ def test_cluster_shows_the_jobs_on_each_node(server: str, tmp_path: Path) -> Non
     assert lines[1].endswith(f"{job_id}[r0]") and lines[2].endswith(f"{job_id}[r1-2]")
     assert "CPU, 4 cores (cpu)" in lines[2]
     store.close()
+
+
+def test_probe_prints_what_it_measured_and_the_profile_it_calibrated(
+        server: str, tmp_path: Path) -> None:  # noqa: F811
+    """`trident probe` against the API, its probe finished as the controller would: the
+    ranks, FLOP/s, link bandwidth, each row, and the profile; a failed probe is one line."""
+    import threading
+    import time
+
+    from service.hardware import PROFILES
+    from service.store import ProbeStatus
+
+    store = Store(Settings(data_dir=tmp_path).db_url)
+
+    def controller(status: ProbeStatus) -> None:
+        deadline = time.monotonic() + 60
+        while not (claimed := store.claim_probes(scope="cluster")):
+            assert time.monotonic() < deadline, "no probe requested"
+            time.sleep(0.05)
+        store.finish_probe(
+            probe_id=claimed[0].id, status=status,
+            results=[{"dim": "world", "op": "all_reduce", "group": [0, 1], "bytes": 1 << 20,
+                      "time_s": 4e-4, "algbw": 2.5e9, "busbw": 2.5e9,
+                      "expected_busbw": 5e9, "ratio": 0.5}],
+            summary={"profile": PROFILES["cpu"].to_json(), "matmul_flops": {"fp32": 1.5e12},
+                     "links": {"intra_node_bw": 2.5e9, "inter_node_bw": None},
+                     "ranks": 2, "nodes": 1} if status == ProbeStatus.DONE else {},
+            error=None if status == ProbeStatus.DONE else "rank 1 died")
+
+    try:
+        for status in (ProbeStatus.DONE, ProbeStatus.FAILED):
+            t = threading.Thread(target=controller, args=(status,), daemon=True)
+            t.start()
+            r = runner.invoke(app, ["probe", "--server", server, "--ranks-per-node", "1",
+                                    "--timeout", "60"])
+            t.join(10)
+            if status == ProbeStatus.DONE:
+                assert r.exit_code == 0, r.output
+                assert r.stdout.splitlines() == [
+                    "probe 1 requested; waiting for the controller",
+                    "2 ranks on 1 node(s)",
+                    "  matmul fp32: 1.500 TFLOP/s per rank",
+                    "  intra_node_bw: 2.50 GB/s (all-reduce busbw)",
+                    "  op             group           bytes  busbw GB/s",
+                    "  all_reduce     [0, 1]        1048576       2.500",
+                    "profile 'cpu' calibrated; new plans on this cluster use it"]
+            else:
+                assert r.exit_code == 1 and r.stderr == "error: probe 2 failed: rank 1 died\n"
+    finally:
+        store.close()

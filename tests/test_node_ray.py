@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -70,6 +71,10 @@ def test_a_job_runs_across_two_nodes_started_by_trident_node(
                  "--data-dir", str(head_dir), *common)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"trident up --ray-address 127.0.0.1:{port}" in r.stdout
+        assert "listening on every interface" in r.stdout  # what the other hosts need
+        gcs = [c.laddr.ip for c in psutil.net_connections(kind="inet")
+               if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert gcs and not any(ip.startswith(("127.", "::ffff:127.")) for ip in gcs), gcs
         assert token.exists() and token.stat().st_mode & 0o077 == 0
         r = node("start", "--address", f"127.0.0.1:{port}", "--temp-dir", f"{short_dir}/w",
                  "--data-dir", str(worker_dir), "--auth-token-file", str(token), *common)

@@ -5,6 +5,7 @@ offset across rotations, served by `GET /jobs/{id}/logs` (plain and followed) an
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,16 +22,21 @@ from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
 from tests.conftest import authed_client, tiny_spec, user_token
+from tests.smallfs import small_fs
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20) -> subprocess.CompletedProcess:
-    """A child process that captures its output as rank 1, then runs `body`."""
+def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20,
+             check_s: float | None = None) -> subprocess.CompletedProcess:
+    """A child process that captures its output as rank 1, then runs `body`; with `check_s`,
+    its watcher looks that often (the body may call `log.look()` itself)."""
     code = textwrap.dedent(f"""
         import os, sys
-        from workers.ranklog import capture
-        log = capture({str(log_dir)!r}, 1, {max_bytes})
+        import workers.ranklog
+        if {check_s!r} is not None:
+            workers.ranklog.CHECK_S = {check_s!r}
+        log = workers.ranklog.capture({str(log_dir)!r}, 1, {max_bytes})
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})
@@ -80,6 +86,57 @@ def test_the_cap_keeps_the_newest_output_and_offsets_survive_rotations(tmp_path:
     assert c3.text == "block 2 line 15 ".ljust(39, ".") + "\n" + (
         "block 2 line 16 ".ljust(39, ".") + "\n")
     assert read_chunk(tmp_path, 1, c3.next, 40).text.startswith("block 2 line 17")
+
+
+def test_a_full_disk_costs_the_lines_it_refuses_and_the_cap_still_holds(tmp_path: Path) -> None:
+    """On a tmpfs of its own, filled while the rank writes: prints do not raise (the rank
+    would end), the watcher rotates at the cap all the same and writes the base it owes once
+    the disk takes writes again, and the log says there what was lost; past the full disk
+    the cap holds and the stream's offsets are whole. The body looks for the watcher
+    (`log.look()`) at the moments the test needs, instead of every `CHECK_S`."""
+    snapshot = tmp_path / "log-after-the-full-disk.txt"
+    with small_fs(tmp_path / "fs", 1) as fs:
+        logs = fs / "logs"
+        out = run_rank(logs, f"""
+            from service.diskfull import TolerantStream
+            from tests.smallfs import Filler
+
+            for i in range(60):
+                print(f"before {{i:02d}}".ljust(39, "."))  # 2400 bytes: past half the cap
+            filler = Filler({str(fs / "filler")!r}).start()
+            assert log.look()  # rotates: the renames work, the new base is refused
+            assert (log.path.parent / "rank-1.log.1").stat().st_size == 2400
+            assert log.base == 2400 and log.refused.count >= 1
+            assert (log.path.parent / "rank-1.log.base").read_text() == "0"  # owed
+            for i in range(100):
+                print(f"refused {{i:02d}}".ljust(39, "."))  # nothing raises
+            assert isinstance(sys.stdout, TolerantStream) and sys.stdout.refused.count > 0
+            filler.free()
+            assert log.look()  # the owed base, and the watcher's notice in the log
+            assert (log.path.parent / "rank-1.log.base").read_text() == "2400"
+            print("after the disk was freed")
+            with open({str(snapshot)!r}, "w") as f:
+                f.write(log.path.read_text())
+            for block in range(3):  # well past the cap (4000) again
+                for i in range(60):
+                    print(f"block {{block}} line {{i:02d}}".ljust(39, "."))
+                assert log.look()
+        """, max_bytes=4000, check_s=3600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        kept = [p for p in logs.glob("rank-1.log*") if ".base" not in p.name]
+        assert sum(p.stat().st_size for p in kept) <= 4000 + 40 + 2 * 20
+        c = read_chunk(logs, 1, 0, 1 << 20)
+        assert c.next == c.size and c.skipped == c.size - len(c.text.encode())
+        # Each block past half the cap rotated: the newest one is kept, whole.
+        assert c.text == "".join(f"block 2 line {i:02d}".ljust(39, ".") + "\n"
+                                 for i in range(60))
+    # What the new file held once the disk took writes again: the watcher's notice, the
+    # stream's (the 100 lines it refused), then the line printed after.
+    notice = r"\[trident\] the disk refused writes here \(No space left on device\): "
+    assert re.fullmatch(
+        notice + r"\d+ log index writes? before this line could not be written\n"
+        + notice + r"(\d+) bytes before this line could not be written\n"
+        + "after the disk was freed\n", snapshot.read_text()), snapshot.read_text()
 
 
 @pytest.fixture

@@ -7,7 +7,10 @@ import pytest
 
 pytest.importorskip("ray")
 
+from pydantic import TypeAdapter  # noqa: E402
+
 from api.cli_stacks import render  # noqa: E402
+from service.stack_requests import StackRequest  # noqa: E402
 from service.states import JobState  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.test_e2e_ray import drive_until, local_ray, stack  # noqa: E402, F401
@@ -47,6 +50,6 @@ def test_stacks_of_a_training_job_are_grouped_and_show_the_training_loop(
     for g in train["groups"]:  # each rank's work thread is inside the training loop
         assert "in train_rank" in g["stack"] and "workers/train.py" in g["stack"], g["stack"]
     assert {"MainThread"} <= {t["thread"] for t in res["threads"]}
-    text = render(req)
+    text = render(TypeAdapter(StackRequest).validate_python(req))
     assert "=== thread train:" in text and "in train_rank" in text
     assert ("--- ranks 0-1 (2 of 2)" in text) == (len(train["groups"]) == 1)

@@ -296,7 +296,7 @@ def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
 def test_migration_makes_env_values_stored_before_printable(db_url: str) -> None:
     """A spec stored before env values had to be printable text reads as a JobSpec after the
     upgrade: its control characters are written as escapes, and the job says so."""
-    upgrade(db_url, "0010")
+    upgrade(db_url, "0011")
     spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
     spec["env"] = {"BANNER": "one\ntwo\tthree\x00", "PLAIN": "as it was"}
     with pytest.raises(ValidationError, match="control character"):
@@ -317,19 +317,64 @@ def test_migration_makes_env_values_stored_before_printable(db_url: str) -> None
     s.close()
 
 
-def test_idempotency_keys_are_unique_and_find_their_job(store: Store) -> None:
+def test_idempotency_keys_are_unique_per_owner_and_find_their_job(store: Store) -> None:
     from service.store import KeyTaken
 
-    job_id = _job(store, idempotency_key="k1", request_hash="h1")
-    _job(store)  # jobs without a key never collide
-    _job(store)
-    found = store.job_by_idempotency_key("k1")
+    job_id = _job(store, owner="alice", idempotency_key="k1", request_hash="h1")
+    _job(store, owner="alice")  # jobs without a key never collide
+    _job(store, owner="alice")
+    found = store.job_by_idempotency_key(owner="alice", key="k1")
     assert found is not None and found[0].id == job_id and found[1] == "h1"
-    assert store.job_by_idempotency_key("k2") is None
+    assert store.job_by_idempotency_key(owner="alice", key="k2") is None
     with pytest.raises(KeyTaken) as taken:
-        _job(store, idempotency_key="k1", request_hash="h2")
+        _job(store, owner="alice", idempotency_key="k1", request_hash="h2")
     assert taken.value.job.id == job_id and taken.value.request_hash == "h1"
-    assert store.list_jobs()[1] == 3
+    # Another owner's key is not found, and the same key makes a job of that owner's.
+    assert store.job_by_idempotency_key(owner="bob", key="k1") is None
+    bobs = _job(store, owner="bob", idempotency_key="k1", request_hash="h2")
+    assert bobs != job_id
+    found = store.job_by_idempotency_key(owner="bob", key="k1")
+    assert found is not None and found[0].id == bobs and found[0].owner == "bob"
+    found = store.job_by_idempotency_key(owner="alice", key="k1")
+    assert found is not None and found[0].id == job_id
+    assert store.list_jobs()[1] == 4
+
+
+def test_idempotency_key_per_owner_revision_both_ways(db_url: str) -> None:
+    """0011 scopes keys to their owner; its downgrade keeps every job and gives a key that
+    two owners share back to the oldest of their jobs only."""
+    from sqlalchemy.exc import IntegrityError
+
+    upgrade(db_url, "0010")
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at,"
+                       " idempotency_key) VALUES ('old', 'alice', 'QUEUED', 0, :spec, :plan,"
+                       " 2, 1, 0, false, 0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 'k')"),
+                  {"plan": json.dumps(stored_plan(dp=2).to_json()),
+                   "spec": json.dumps(JobSpec.model_validate(tiny_spec()).model_dump(
+                       mode="json"))})
+    upgrade(db_url)
+    indexes = {i["name"]: i for i in inspect(s.engine).get_indexes("jobs")}
+    assert "ix_jobs_idempotency_key" not in indexes
+    scoped = indexes["ix_jobs_owner_idempotency_key"]
+    assert scoped["column_names"] == ["owner", "idempotency_key"] and scoped["unique"]
+    (old,), _ = s.list_jobs()
+    found = s.job_by_idempotency_key(owner="alice", key="k")
+    assert found is not None and found[0].id == old.id  # the key stored before still works
+    bobs = _job(s, owner="bob", idempotency_key="k")
+    others = _job(s, owner="bob", idempotency_key="other")
+    downgrade(db_url, "0010")
+    with s.engine.begin() as c:
+        keys = dict(c.execute(text("SELECT id, idempotency_key FROM jobs")).all())
+        assert c.execute(text("SELECT count(*) FROM events")).scalar_one() == 2
+    assert keys == {old.id: "k", bobs: None, others: "other"}
+    with pytest.raises(IntegrityError), s.engine.begin() as c:  # unique over all users again
+        c.execute(text("UPDATE jobs SET idempotency_key = 'k' WHERE id = :i"), {"i": bobs})
+    upgrade(db_url)
+    assert _job(s, owner="carol", idempotency_key="k") not in keys
+    s.close()
 
 
 def test_idempotency_key_revision_keeps_jobs_both_ways(db_url: str) -> None:

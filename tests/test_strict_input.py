@@ -1,9 +1,10 @@
 """Input checked at the door: bounded integers in paths and queries, strict numbers in bodies,
 printable environments, resources some node can offer, a body size cap, and idempotent
-submission; on SQLite and PostgreSQL."""
+submission under keys of the caller's own; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +14,11 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.body_limit import MAX_BODY_BYTES
-from service.jobs import KeyReused, submit_once
+from service.jobs import KeyReused, Submitter, submit_once
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, tiny_spec, user_token
 
 TOO_BIG = [2**31, 2**63, 2**64]
 
@@ -116,6 +117,43 @@ def test_control_characters_in_env_values_are_refused(client: TestClient, value:
     assert r.status_code == 422 and _loc(r) == [["body", "env"]]
     ok = client.post("/api/v1/jobs", json=tiny_spec(env={"NCCL_DEBUG": "INFO x=1 ü"}))
     assert ok.status_code == 201, ok.text
+
+
+def test_what_ray_or_the_os_would_refuse_is_a_422_naming_its_field(client: TestClient,
+                                                                    tmp_path: Path) -> None:
+    """Refused at submission, against the field, not at start: resource quantities Ray
+    cannot claim (it counts in units of 0.0001, and refuses less than one when it creates the
+    ranks, after the placement group), and paths or environment values the OS refuses."""
+    ckpt = f"{tmp_path}/checkpoints"
+    cpus, path = ["body", "resources", "cpus_per_worker"], ["body", "checkpoint", "dir"]
+    cases = [
+        ({"resources": {"cpus_per_worker": 1e-9}}, cpus, "1e-09 is not a whole number of"
+         " Ray's resource units (0.0001)"),
+        ({"resources": {"cpus_per_worker": 0.00015}}, cpus, "use a multiple of 0.0001"),
+        ({"checkpoint": {"dir": f"{ckpt}/a\x00b"}}, path, "holds a NUL byte"),
+        ({"checkpoint": {"dir": f"{ckpt}/a\nb"}}, path, "holds a control character"),
+        ({"checkpoint": {"dir": f"{ckpt}/{'x' * 256}/a"}}, path,
+         "is 256 bytes long in UTF-8; the OS takes at most 255 per component"),
+        ({"checkpoint": {"dir": f"{ckpt}/" + "é/" * 1400}}, path,
+         f"is {len(ckpt) + 1 + 3 * 1400} bytes long in UTF-8; the OS takes at most 4095"),
+        ({"checkpoint": {"dir": "/" + "a" * 4095}}, path, "at most 4095 characters"),
+        ({"checkpoint": {"dir": f"{ckpt}/\ud800"}}, path, "unable to parse raw data as a unicode"),
+        ({"env": {"NCCL_DEBUG": "\ud800"}}, ["body", "env", "NCCL_DEBUG"],
+         "unable to parse raw data as a unicode"),
+    ]
+    for over, loc, msg in cases:
+        # A lone surrogate, escaped in the JSON as any client library sends it.
+        r = client.post("/api/v1/jobs", content=json.dumps(tiny_spec(**over)),
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, (over, r.text)
+        [d] = r.json()["detail"]
+        assert d["loc"] == loc and msg in d["msg"], (over, d)
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+    for fine in (0.0001, 0.3, 1.25):
+        r = client.post("/api/v1/jobs", json=tiny_spec(resources={"cpus_per_worker": fine}))
+        assert r.status_code == 201, r.text
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["ResourcesSpec"]["properties"]["cpus_per_worker"]["multipleOf"] == 0.0001
 
 
 def test_more_ranks_than_one_node_need_a_cluster(client: TestClient) -> None:
@@ -230,31 +268,64 @@ def test_idempotency_keys_are_short_printable_text(client: TestClient, key: str)
     assert client.get("/api/v1/jobs").json()["total"] == 0
 
 
-def test_concurrent_retries_create_one_job(store: Store) -> None:
+def test_an_idempotency_key_is_the_callers_own(store: Store, tmp_path: Path) -> None:
+    """Another user's key with the same spec makes a job of the caller's own; each user's
+    retry still finds their first job, and a conflict names only the caller's job."""
+    alice = {"Authorization": f"Bearer {user_token(store, 'alice', 'member')}",
+             "Idempotency-Key": "shared-7f3a"}
+    bob = {"Authorization": f"Bearer {user_token(store, 'bob', 'member')}",
+           "Idempotency-Key": "shared-7f3a"}
+    with TestClient(create_app(Settings(data_dir=tmp_path), store=store)) as c:
+        hers = c.post("/api/v1/jobs", json=tiny_spec(), headers=alice)
+        assert hers.status_code == 201 and hers.json()["owner"] == "alice", hers.text
+        his = c.post("/api/v1/jobs", json=tiny_spec(), headers=bob)
+        assert his.status_code == 201, his.text
+        assert his.json()["owner"] == "bob" and his.json()["id"] != hers.json()["id"]
+        for who, first in ((alice, hers), (bob, his)):
+            again = c.post("/api/v1/jobs", json=tiny_spec(), headers=who)
+            assert again.status_code == 200, again.text
+            assert (again.json()["id"], again.json()["owner"]) == (first.json()["id"],
+                                                                   first.json()["owner"])
+        r = c.post("/api/v1/jobs", json=tiny_spec(name="renamed"), headers=bob)
+        assert r.status_code == 409
+        [d] = r.json()["detail"]
+        assert f"job {his.json()['id']} " in d["msg"]
+        assert f"job {hers.json()['id']} " not in d["msg"]
+        listed = c.get("/api/v1/jobs", headers={"Authorization": alice["Authorization"]})
+        assert sorted((j["id"], j["owner"]) for j in listed.json()["items"]) == [
+            (hers.json()["id"], "alice"), (his.json()["id"], "bob")]
+
+
+def test_concurrent_retries_create_one_job_per_owner(store: Store) -> None:
+    """Three retries each of two users, all at once, under one key: one job per user."""
     spec = JobSpec.model_validate(tiny_spec())
-    results: list[tuple[int, bool]] = []
+    results: list[tuple[str, int, bool]] = []
     errors: list[BaseException] = []
     start = threading.Barrier(6)
 
-    def retry() -> None:
+    def retry(owner: str) -> None:
         start.wait()
         try:
-            job, created = submit_once(store, spec, "same-key")
-            results.append((job.id, created))
+            job, created = submit_once(store, spec, "same-key", Submitter(owner=owner))
+            results.append((job.owner, job.id, created))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=retry) for _ in range(6)]
+    threads = [threading.Thread(target=retry, args=(owner,)) for owner in ["alice", "bob"] * 3]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
-    assert len({job_id for job_id, _ in results}) == 1
-    assert sorted(created for _, created in results) == [False] * 5 + [True]
-    assert store.list_jobs()[1] == 1
+    for owner in ("alice", "bob"):
+        mine = [(job_id, created) for who, job_id, created in results if who == owner]
+        assert len({job_id for job_id, _ in mine}) == 1, results
+        assert sorted(created for _, created in mine) == [False, False, True], results
+    assert len({job_id for _, job_id, _ in results}) == 2
+    assert store.list_jobs()[1] == 2
     with pytest.raises(KeyReused):
-        submit_once(store, JobSpec.model_validate(tiny_spec(name="other")), "same-key")
+        submit_once(store, JobSpec.model_validate(tiny_spec(name="other")), "same-key",
+                    Submitter(owner="alice"))
 
 
 def test_every_integer_in_a_path_or_query_is_bounded(client: TestClient) -> None:

@@ -1,9 +1,12 @@
 """`trident up`'s supervision: a controller process that exits is started again (with
-backoff), and healthz is 200 again once the new one holds the lease; `stop` ends it cleanly."""
+backoff), and healthz is 200 again once the new one holds the lease; `stop` ends it cleanly;
+a log the disk refuses costs its lines, never the supervision."""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import sys
 import time
@@ -16,6 +19,7 @@ from api.app import create_app
 from service.settings import Settings
 from service.store import Store
 from service.supervisor import Supervisor
+from tests.smallfs import Filler, small_fs
 from tests.test_cli import serving, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +98,10 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
              "workers.group": SimpleNamespace(NAMESPACE="trident"),
              "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
+    # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV); undone after the test.
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "DASHBOARD_METRIC_PORT",
+                 "AUTOSCALER_METRIC_PORT"):
+        monkeypatch.setenv(name, "1")
 
     def ours(_signum: int, _frame: object) -> None:
         pass
@@ -102,5 +110,66 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
     try:
         assert daemon.connect_ray(Settings()) == "launcher"
         assert signal.getsignal(signal.SIGTERM) is ours
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_supervision_outlives_a_full_disk_under_its_log(tmp_path: Path) -> None:
+    """The log on a small filesystem filled before the first start: every line the
+    supervisor writes is refused, and so is what `on_start` prints, yet it keeps restarting
+    the process; once the disk is freed its next line says how many were lost."""
+    with small_fs(tmp_path / "fs", 1) as fs:
+        log = fs / "controller.log"
+        started: list[int] = []
+
+        def on_start(pid: int) -> None:  # `trident up` echoes to a terminal that may be a file
+            started.append(pid)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        filler = Filler(fs / "filler").start()
+        sup = Supervisor([sys.executable, "-c", "import sys; sys.exit(3)"],
+                         env=dict(os.environ), log_path=log, backoff_min_s=0.05,
+                         backoff_max_s=0.1, on_start=on_start)
+        sup.start()
+        try:
+            wait_for("restarted while the disk is full", lambda: sup.starts >= 4)
+            assert sup.refused.count >= 4 and log.stat().st_size == 0
+            filler.free()
+            wait_for("a line in the log again", lambda: log.stat().st_size > 0)
+            at = sup.starts
+            wait_for("restarting on", lambda: sup.starts >= at + 2)
+        finally:
+            sup.stop(5)
+            filler.free()
+        text = log.read_text()
+    assert re.search(r"the disk refused writes here \(No space left on device\): \d+ lines"
+                     r" before this line could not be written\n", text), text
+    assert text.count("the disk refused writes") == 1
+    assert set(sup.exits) == {3} and len(started) == sup.starts
+
+
+def test_a_log_that_cannot_be_opened_costs_the_output_not_the_start(tmp_path: Path) -> None:
+    sup = Supervisor([sys.executable, "-c", "print('lost'); import sys; sys.exit(5)"],
+                     env=dict(os.environ), log_path=tmp_path / "gone" / "controller.log",
+                     backoff_min_s=0.05, backoff_max_s=0.1)
+    sup.start()
+    try:
+        wait_for("started twice", lambda: len(sup.exits) >= 2)
+    finally:
+        sup.stop(5)
+    assert set(sup.exits) == {5}  # it ran (and exited by itself) every time
+    assert sup.refused.count >= 2  # the supervisor's own lines had nowhere to go either
+
+
+def test_a_start_that_fails_is_tried_again_with_the_backoff(tmp_path: Path) -> None:
+    log = tmp_path / "controller.log"
+    sup = Supervisor([str(tmp_path / "no-such-program")], env=dict(os.environ), log_path=log,
+                     backoff_min_s=0.05, backoff_max_s=0.1)
+    sup.start()
+    try:
+        wait_for("tried three times", lambda: log.exists() and log.read_text().count(
+            "starting controller failed (FileNotFoundError") >= 3)
+    finally:
+        sup.stop(5)
+    assert sup.starts == 0 and "trying again in 0.05 s" in log.read_text()

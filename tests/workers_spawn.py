@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from service.checkpoints import CheckpointWriter
 from service.protocols import StepReport
 from service.spec import JobSpec
 
@@ -32,7 +33,8 @@ def _distinct_free_ports(n: int) -> list[int]:
 
 
 def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: str | None,
-               attempts: list[int | None], stop_ranks: list[int] | None, queue: Any) -> None:
+               attempts: list[int | None], stop_ranks: list[int] | None, queue: Any,
+               writer: CheckpointWriter | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -61,7 +63,7 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=ports[attempt],
                               checkpoint_dir=ckpt, plan=planned_row(spec, rank),
-                              attempt=attempt)
+                              attempt=attempt, writer=writer)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
 
@@ -84,11 +86,12 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
 
 def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
               attempts: list[int | None] | None = None, stop_ranks: list[int] | None = None,
-              timeout: float = 240) -> list[list[dict]]:
+              timeout: float = 240, writer: CheckpointWriter | None = None) -> list[list[dict]]:
     """Reports per attempt, in arrival order; raises with the traceback of a failed rank.
 
     `attempts` runs several attempts in the same processes; an attempt's number is the step
-    after which `stop` is set (None: run to the end), on `stop_ranks` only if given.
+    after which `stop` is set (None: run to the end), on `stop_ranks` only if given. `writer`:
+    the job the checkpoint folder must belong to, as the controller gives it.
     """
     attempts = attempts or [None]
     world = spec.world_size
@@ -97,7 +100,7 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     ports = _distinct_free_ports(len(attempts))  # a fresh rendezvous port per attempt
     procs = [ctx.Process(target=_rank_main,
                          args=(spec.model_dump_json(exclude_unset=True), r, world, ports,
-                               checkpoint_dir, attempts, stop_ranks, queue))
+                               checkpoint_dir, attempts, stop_ranks, queue, writer))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from service.checkpoints import CheckpointWriter
 from service.planner.stored import RankPlan
 from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
@@ -75,10 +76,13 @@ class RankActor:
 
     def start(self, spec: JobSpec, plan: RankPlan, master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int,
-              log: tuple[str, int] | None = None) -> None:
+              log: tuple[str, int] | None = None,
+              writer: dict[str, Any] | None = None) -> None:
         """Probe (if asked), then train, on a thread: the job's stored spec and this rank's
         row of its stored plan, as the controller's launcher sends them; `ports`: [training,
-        probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`)."""
+        probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`);
+        `writer`: the job the checkpoint folder must belong to
+        (`service.checkpoints.CheckpointWriter`)."""
         from workers.ranklog import capture
         from workers.train import RankContext, train_rank
 
@@ -86,7 +90,8 @@ class RankActor:
 
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
                           master_addr=master_addr, master_port=ports[0],
-                          checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt)
+                          checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
+                          writer=CheckpointWriter.from_json(writer) if writer else None)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:

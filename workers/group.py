@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from service.checkpoints import CheckpointWriter
 from service.planner.stored import StoredPlan
 from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
@@ -101,16 +102,24 @@ class RayWorkerGroup:
             return
         lifetime = {"lifetime": "detached"} if detached else {}
         self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime)
-        self.actors = [
-            RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r // self.tp),
-                **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
-                   if detached else {}),
-            ).remote(r, world_size, env)
-            for r in range(world_size)
-        ]
+        self.actors = []
+        try:
+            for r in range(world_size):
+                self.actors.append(RankActor.options(  # type: ignore[attr-defined]
+                    num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=r // self.tp),
+                    **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
+                       if detached else {}),
+                ).remote(r, world_size, env))
+        except BaseException:
+            # A partial start releases what it claimed now, not at the next controller's
+            # sweep: the ranks made so far and the placement group.
+            try:
+                self._release()
+            except RayError:
+                log.exception("%s: releasing what a failed start claimed failed", name)
+            raise
 
     # --- polling ----------------------------------------------------------------------------
 
@@ -273,6 +282,10 @@ class RayWorkerGroup:
                 if "running" not in states:
                     break
                 time.sleep(0.1)
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the ranks and remove the placement group."""
         for a in self.actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.pg)
@@ -280,22 +293,23 @@ class RayWorkerGroup:
 
 
 def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_dir: str | None,
-                 log: tuple[str, int] | None) -> Callable[[Any, int, list[dict[str, Any]], int],
-                                                          Any]:
+                 log: tuple[str, int] | None, writer: CheckpointWriter | None = None,
+                 ) -> Callable[[Any, int, list[dict[str, Any]], int], Any]:
     """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`):
     with the job's stored spec and the rank's row of its stored plan (`StoredPlan.rank_plan`:
-    its stage, layers and groups)."""
+    its stage, layers and groups); `writer`: the job the checkpoint folder must belong to."""
+    writer_json = writer.to_json() if writer is not None else None
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start.remote(spec, plan.rank_plan(rank), infos[0]["ip"],
                                   infos[0]["free_ports"], local_rank, checkpoint_dir, attempt,
-                                  log)
+                                  log, writer_json)
 
     return launch
 
 
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-                checkpoint_dir: str | None,
+                checkpoint_dir: str | None, writer: CheckpointWriter | None = None,
                 log: tuple[str, int] | None = None) -> RayWorkerGroup:
     """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
     `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
@@ -304,6 +318,7 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
                           env=rank_env(spec.env, cpus, gpus), detached=True,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
+                                              writer=writer,
                                               checkpoint_dir=checkpoint_dir, log=log))
 
 

@@ -20,6 +20,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from service.checkpoints import CheckpointWriter
 from service.node_labels import node_facts
 from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
@@ -58,9 +59,13 @@ class RayLauncher:
         self.log_max_bytes = log_max_bytes
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None) -> RayWorkerGroup:
+              checkpoint_dir: str | None,
+              writer: CheckpointWriter | None = None) -> RayWorkerGroup:
+        """A job's attempt (`train_group`); one that fails to start has released what it
+        claimed (placement group, ranks) when this raises."""
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
-                            checkpoint_dir=checkpoint_dir, log=self._rank_log(job_id, attempt))
+                            checkpoint_dir=checkpoint_dir, writer=writer,
+                            log=self._rank_log(job_id, attempt))
         self._placing.append(group)
         return group
 
@@ -70,7 +75,8 @@ class RayLauncher:
         return str(attempt_log_dir(self.log_root, job_id, attempt)), self.log_max_bytes
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None) -> RayWorkerGroup | None:
+               checkpoint_dir: str | None,
+               writer: CheckpointWriter | None = None) -> RayWorkerGroup | None:
         """The attempt's detached group, re-attached where the controller that started it
         left it: training (every rank started), or not launched yet (still waiting for its
         placement group, or placed): its polls then go on from its placement. None when it is
@@ -83,6 +89,7 @@ class RayLauncher:
                                    gpus=spec.resources.gpus_per_worker, env={}, attach=True,
                                    launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                                        checkpoint_dir=checkpoint_dir,
+                                                       writer=writer,
                                                        log=self._rank_log(job_id, attempt)))
             # Until it is placed its actors cannot answer: nothing was started on them.
             placed = bool(ray.wait([group.pg.ready()], timeout=0.5)[0])

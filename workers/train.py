@@ -15,8 +15,9 @@ trainer builds from that row and never works the split out again.
 model (each weight drawn unsharded from the seed, then sliced: layout-invariant), parallelize
 (tensor parallel inside the layers, then activation checkpointing inside the blocks, then ZeRO
 wrapping last through `deepspeed.initialize`), resume, loop (report every optimizer step, save
-every `checkpoint.every_steps`), tear down. A spec with `entrypoint` runs that function instead
-of the built-in GPT loop, between the same set-up and tear-down.
+every `checkpoint.every_steps`: a save that fails is reported and the loop goes on), tear down.
+A spec with `entrypoint` runs that function instead of the built-in GPT loop, between the same
+set-up and tear-down.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from service.checkpoints import CheckpointWriter
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
@@ -67,6 +69,9 @@ class RankContext:
     plan: RankPlan
     """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
     attempt: int = 0
+    writer: CheckpointWriter | None = None
+    """The job `checkpoint_dir` must belong to, checked before any rank resumes (None: not
+    checked, as under torchrun)."""
 
 
 def planned_row(spec: JobSpec, rank: int) -> RankPlan:
@@ -108,6 +113,7 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     down. Exceptions propagate; `stop` ends the run cleanly between steps."""
     device = _setup(spec, ctx)
     try:
+        checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
         groups = build_groups(spec.layout.dims, ctx.rank)
         _check_row(ctx.plan, groups)
         ds_config = deepspeed_config(spec, device)
@@ -266,16 +272,18 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp)
         dt = time.perf_counter() - t0
         waited = bubble.end_step() if bubble is not None else 0.0
-        saved = None
+        saved = checkpoint.Saved(None, None)
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
+            # A save the disk refuses is reported with the step; training goes on.
             saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
         report(StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
             step_time_s=dt, tokens_per_s=tokens_per_step / dt,
             bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
-            attempt=ctx.attempt, resumed_from=start, checkpoint=saved,
+            attempt=ctx.attempt, resumed_from=start, checkpoint=saved.path,
+            checkpoint_error=saved.error,
             memory=MemoryReport(
                 params_bytes=states.get("params", 0),
                 grads_bytes=states.get("grads", 0),

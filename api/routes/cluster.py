@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import require
 from api.deps import ProbeId, StoreDep
+from api.schemas import ClusterView, ProbeList
 from service.hardware import PROFILES
 from service.store import NotFound, Probe, Store
 
@@ -16,7 +17,7 @@ router = APIRouter(tags=["cluster"])
 _READ = [Depends(require("cluster:read"))]
 
 
-@router.get("/cluster", dependencies=_READ)
+@router.get("/cluster", response_model=ClusterView, dependencies=_READ)
 def cluster(store: StoreDep) -> dict[str, Any]:
     """Nodes (GPU model, memory and link matrix on GPU nodes; CPU otherwise; the labels and
     profile `trident node start` declared), the active jobs on each node (`jobs`: node id ->
@@ -67,7 +68,7 @@ def request_probe(body: ProbeRequest, store: StoreDep) -> Probe:
     return store.create_probe(scope="cluster", request=body.model_dump())
 
 
-@router.get("/probes", dependencies=_READ)
+@router.get("/probes", response_model=ProbeList, dependencies=_READ)
 def list_probes(store: StoreDep) -> dict[str, Any]:
     return {"items": store.list_probes(scope="cluster", limit=50)}
 

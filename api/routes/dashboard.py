@@ -9,13 +9,14 @@ from fastapi import APIRouter, Depends, Query
 
 from api.auth import require
 from api.deps import JobDep, StoreDep
+from api.schemas import CommSteps, HangList, RanksGrid, Series
 from service.dashboard import MAX_POINTS, job_series
 from service.rank_status import rank_status
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 
 
-@router.get("/{job_id}/series")
+@router.get("/{job_id}/series", response_model=Series)
 def series(job: JobDep, store: StoreDep,
            max_points: Annotated[int, Query(ge=10, le=MAX_POINTS, description=(
                "The most points per series: longer series keep each bucket's minimum and"
@@ -25,7 +26,7 @@ def series(job: JobDep, store: StoreDep,
     return job_series(store, job, max_points)
 
 
-@router.get("/{job_id}/ranks")
+@router.get("/{job_id}/ranks", response_model=RanksGrid)
 def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
     """Every rank of the layout (newest attempt): tp/pp/dp coordinates, node and GPU, peak
     memory against the prediction for its stage, compute time against its stage peers, the
@@ -34,7 +35,7 @@ def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
     return rank_status(store, job).to_json()
 
 
-@router.get("/{job_id}/comm/steps")
+@router.get("/{job_id}/comm/steps", response_model=CommSteps)
 def comm_steps(job: JobDep, store: StoreDep,
                last: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
     """Per step of the newest attempt's last `last` steps (timed steps only), the mean over
@@ -72,7 +73,7 @@ def comm_steps(job: JobDep, store: StoreDep,
     return out
 
 
-@router.get("/{job_id}/hangs")
+@router.get("/{job_id}/hangs", response_model=HangList)
 def hangs(job: JobDep, store: StoreDep) -> dict[str, Any]:
     """Every hang diagnosis of the job (newest first), each with the ranks' Python stacks
     recorded with it, ranks with identical stacks grouped."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import Who, check_owner, identity_of, require
 from api.deps import INT32_MAX, INT64_MAX
 from api.routes.jobs import NAME_PATTERN
+from api.schemas import AuditList, NewToken, ProjectList, TokenList, UserList, WhoAmI
 from service.db import NAME_MAX
 from service.identity import (
     DEFAULT_PROJECT,
@@ -55,7 +56,8 @@ def _conflict(exc: Conflict) -> HTTPException:
 
 # --- who am I -------------------------------------------------------------------------------
 
-@router.get("/whoami", tags=["identity"], dependencies=[Depends(require("self"))])
+@router.get("/whoami", response_model=WhoAmI, tags=["identity"],
+            dependencies=[Depends(require("self"))])
 def whoami(who: Who, identity: IdentityDep) -> dict[str, object]:
     """The caller: user, role, projects (the default first) and the token used."""
     user = identity.get_user(name=who.name)
@@ -94,7 +96,7 @@ def add_user(body: UserIn, identity: IdentityDep) -> User:
             {"loc": ["body", "projects"], "msg": str(exc), "type": "value_error"}]) from None
 
 
-@router.get("/users", tags=["identity"], dependencies=_USERS)
+@router.get("/users", response_model=UserList, tags=["identity"], dependencies=_USERS)
 def list_users(identity: IdentityDep) -> dict[str, list[User]]:
     return {"items": identity.list_users()}
 
@@ -126,12 +128,6 @@ class TokenIn(_Body):
     """Whose token (admins only; default: the caller's)."""
 
 
-class NewToken(BaseModel):
-    token: str
-    """The secret: shown this once, stored only as a hash."""
-    info: Token
-
-
 _TOKENS = [Depends(require("tokens:manage"))]
 
 
@@ -149,7 +145,7 @@ def create_token(body: TokenIn, who: Who, identity: IdentityDep) -> NewToken:
     return NewToken(token=secret, info=info)
 
 
-@router.get("/tokens", tags=["identity"], dependencies=_TOKENS)
+@router.get("/tokens", response_model=TokenList, tags=["identity"], dependencies=_TOKENS)
 def list_tokens(who: Who, identity: IdentityDep,
                 user: Annotated[str | None, Query(
                     min_length=1, max_length=NAME_MAX,
@@ -217,7 +213,8 @@ def add_project(body: ProjectIn, identity: IdentityDep) -> Project:
     return project
 
 
-@router.get("/projects", tags=["identity"], dependencies=[Depends(require("projects:read"))])
+@router.get("/projects", response_model=ProjectList, tags=["identity"],
+            dependencies=[Depends(require("projects:read"))])
 def list_projects(identity: IdentityDep) -> dict[str, list[Project]]:
     return {"items": identity.list_projects()}
 
@@ -242,7 +239,8 @@ def add_member(name: ProjectPath, body: MemberIn, identity: IdentityDep) -> Proj
 
 # --- audit ----------------------------------------------------------------------------------
 
-@router.get("/audit", tags=["identity"], dependencies=[Depends(require("audit:read"))])
+@router.get("/audit", response_model=AuditList, tags=["identity"],
+            dependencies=[Depends(require("audit:read"))])
 def audit(request: Request, identity: IdentityDep,
           actor: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
                                              description="Only this user's requests.")] = None,

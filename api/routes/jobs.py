@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.auth import Who, check_owner, identity_of, require
 from api.deps import (
@@ -19,6 +21,7 @@ from api.deps import (
 )
 from api.schemas import (
     AttemptList,
+    CommView,
     EventList,
     JobList,
     JobOut,
@@ -37,6 +40,7 @@ from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
+from service.spec_limits import recheck
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
 
@@ -72,7 +76,7 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
                 f" belongs to {', '.join(mine) or 'none'}, not {project}"))
     settings = request.app.state.settings
     return Submitter(owner=who.name, project=project, confinement=Confinement(
-        checkpoint_roots=settings.checkpoint_root_dirs,
+        checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
         admin=who.role == "admin"))
 
@@ -91,9 +95,11 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     """Validate and plan a job, then queue it, owned by the caller, under `project`. For
     `parallel: auto` the stored spec carries the layout the search chose (the plan says
     `chosen_by: search`). With an `Idempotency-Key` a retry is safe: it returns the first
-    submission's job. `checkpoint.dir` must lie inside the server's checkpoint roots,
-    `entrypoint` under its allowed modules, and `env` may not set loader variables
-    (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin submits."""
+    submission's job. `checkpoint.dir` must be a folder of the job's own inside the server's
+    checkpoint roots (not a root itself, not in the data directory but under its
+    `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules, and
+    `env` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin
+    submits."""
     job, created = _queue(store, spec, request, submitter(request, who, project),
                           idempotency_key)
     if not created:
@@ -188,7 +194,12 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     default), owned by the caller; checked as a new submission. Members resubmit only their
     own jobs."""
     check_owner(who, "jobs:resubmit", job.owner)
-    new, _ = _queue(store, job.spec, request, submitter(request, who, job.project))
+    try:  # stored before a limit it fails was added: refused as a new submission would be
+        spec = recheck(job.spec)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    new, _ = _queue(store, spec, request, submitter(request, who, job.project))
     return JobOut.of(new, summary=job_summary(store, new.id, new=True))
 
 
@@ -218,7 +229,7 @@ def attempts(job: JobDep, store: StoreDep) -> AttemptList:
     return AttemptList(items=store.list_attempts(job_id=job.id))
 
 
-@router.get("/{job_id}/comm", dependencies=_READ)
+@router.get("/{job_id}/comm", response_model=CommView, dependencies=_READ)
 def comm(job: JobDep, store: StoreDep,
          last: Annotated[int, Query(ge=1, le=10000)] = 100) -> dict[str, Any]:
     """Communication per dimension over the last `last` steps of the newest attempt: time per

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from api.auth import require
 from api.deps import INT32_MAX, JobDep, StoreDep
-from api.schemas import Refusal
+from api.schemas import LogPage, Refusal
 from service.ranklogs import (
     Chunk,
     attempt_log_dir,
@@ -116,9 +116,9 @@ def _attempt(job: Job, attempt: int | None) -> int | None:
     return attempt or (job.attempts or None)
 
 
-@router.get("/{job_id}/logs", responses={200: {"content": {"text/event-stream": {}}},
-                                         409: {"model": Refusal,
-                                               "description": "The job has not started yet"}})
+@router.get("/{job_id}/logs", response_model=LogPage,
+            responses={200: {"content": {"text/event-stream": {}}},
+                       409: {"model": Refusal, "description": "The job has not started yet"}})
 def logs(job: JobDep, store: StoreDep, request: Request, rank: LogRank = None,
          attempt: LogAttempt = None, since: Since = 0, follow: Follow = False,
          max_bytes: MaxBytes = 256 << 10, tail: Tail = None, since_time: SinceTime = None,

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 
 from api.auth import require
 from api.deps import StoreDep
+from api.schemas import LayoutSearch, PlanOut
 from service.planner import plan_command
 from service.planner.search import cpu_bound
 from service.profiles import profile_for
@@ -16,7 +17,9 @@ from service.spec import JobSpec
 router = APIRouter(tags=["plan"])
 
 
-@router.post("/plan", dependencies=[Depends(require("plan"))])
+# Unset fields stay out, so that the answer is the planner's JSON as it made it.
+@router.post("/plan", response_model=PlanOut | LayoutSearch, response_model_exclude_unset=True,
+             dependencies=[Depends(require("plan"))])
 def plan(spec: JobSpec, store: StoreDep,
          top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
     """Predicted memory and step time: for an explicit layout exactly that layout (even when

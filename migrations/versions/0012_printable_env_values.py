@@ -7,8 +7,8 @@ This writes each such character as its escape (`\\n`, `\\t`, `\\x00`), so that t
 and shows what it was given, and records an event on the job that says which variables
 changed. Nothing else of the spec changes.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 """
 
 import re
@@ -16,8 +16,8 @@ import re
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0011"
-down_revision = "0010"
+revision = "0012"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

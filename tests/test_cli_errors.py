@@ -1,0 +1,160 @@
+"""Every `trident` error is one line, tried as a new user would: `error: ...` on stderr, a
+non-zero exit, what went wrong and what to do, never a box of several lines or a traceback.
+Usage errors, a spec that is not YAML, a refused cancel, a cancel with nobody to answer its
+question, a server URL with the API's path in it; and `trident --help`, whose command lines
+are whole sentences. Through Typer's CliRunner against a live API server (the `live`
+fixture), and as a real process where the terminal (or its absence) matters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner, Result
+
+from api.cli import app
+from api.cli_common import first_sentence
+from service.states import JobState
+from tests.cli_stack import Live
+from tests.conftest import user_token
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "examples/tiny.yaml")
+runner = CliRunner()
+
+
+def trident(*args: str, server: str | None = None) -> Result:
+    """`trident ARGS [--server URL]` as a user types it."""
+    return runner.invoke(app, [*args, *(["--server", server] if server else [])],
+                         prog_name="trident")
+
+
+def one_line(r: Result, code: int) -> str:
+    """The one error line of a failed command (checked: stderr is that line alone)."""
+    assert r.exit_code == code, (r.exit_code, r.output)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output and "╭" not in r.output and "│" not in r.output
+    return lines[0]
+
+
+def test_usage_errors_are_one_line_with_the_help_to_read() -> None:
+    assert one_line(trident("status", "abc"), 2) == (
+        "error: Invalid value for 'job_id': Input should be a valid integer, unable to parse"
+        " string as an integer (`trident status --help` shows the usage)")
+    assert one_line(trident("describe", "0"), 2) == (
+        "error: Invalid value for 'job_id': Input should be greater than or equal to 1"
+        " (`trident describe --help` shows the usage)")
+    assert one_line(trident("submit"), 2) == (
+        "error: Missing argument 'spec' (`trident submit --help` shows the usage)")
+    assert one_line(trident("stauts"), 2).startswith("error: No such command 'stauts'")
+    assert one_line(trident("user", "add", "bob", "--colour", "red"), 2) == (
+        "error: No such option: --colour (`trident user add --help` shows the usage)")
+    assert trident("--help").exit_code == 0  # asking for help is no error
+
+
+def test_a_spec_that_is_not_yaml_is_one_line_naming_where(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: [a\n  b: c\n")
+    for args in (["validate", str(bad)], ["plan", str(bad)],
+                 ["submit", str(bad), "--server", "http://127.0.0.1:9"]):
+        assert one_line(trident(*args), 2) == (
+            f"error: {bad} is not valid YAML: line 3, column 4: expected ',' or ']', but got"
+            " ':' (while parsing a flow sequence)")
+    bad.write_text("name: x\n\tmodel: y\n")
+    assert "is not valid YAML: line 2, column 1: found character '\\t'" in one_line(
+        trident("validate", str(bad)), 2)
+
+
+def test_a_spec_error_names_its_field_once(tmp_path: Path) -> None:
+    line = one_line(trident("validate", TINY, "--set", "parallel.tp=3"), 2)
+    assert line == (f"error: {TINY}: invalid spec: parallel.tp: tp(3) does not divide"
+                    " heads(4) (from --set parallel.tp=3)")
+    assert line.count("spec:") == 1
+    # Several fields wrong: one line still, each field named.
+    bad = tmp_path / "two.yaml"
+    bad.write_text("name: x\nmodel: {preset: gpt-tiny}\ntrain: {steps: 0, stepz: 1}\n")
+    assert one_line(trident("validate", str(bad)), 2) == (
+        f"error: {bad}: invalid spec: train.steps: Input should be greater than or equal to 1;"
+        " train.stepz: Extra inputs are not permitted")
+
+
+def test_a_refused_cancel_is_an_error_line_naming_the_job(
+        live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    ok, ended = (int(trident("submit", TINY, "-d", server=live.url).stdout) for _ in range(2))
+    live.store.request_cancel(job_id=ended)
+    r = trident("cancel", str(ended), str(ok), "--yes", server=live.url)
+    assert one_line(r, 1) == f"error: job {ended}: 409: job {ended} is already CANCELLED"
+    assert r.stdout == f"job {ok}: CANCELLED (cancel requested)\n"
+    monkeypatch.setenv("TRIDENT_TOKEN", user_token(live.store, "vic", "viewer"))
+    assert one_line(trident("cancel", str(ok), "--yes", server=live.url), 1).startswith(
+        f"error: job {ok}: 403: jobs:cancel")
+
+
+def test_cancel_without_a_terminal_says_to_use_yes(live: Live) -> None:
+    """No one can answer the question (stdin is not a terminal, and empty): nothing is
+    cancelled, and the line says how to cancel without being asked."""
+    job_id = int(trident("submit", TINY, "-d", server=live.url).stdout)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([str(Path(sys.executable).parent / "trident"), "cancel", str(job_id),
+                           "--server", live.url], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 1, done
+    assert done.stderr == "error: no answer on stdin: nothing cancelled (--yes cancels" \
+                          " without asking)\n"
+    assert done.stdout.startswith(f"cancel 1 job(s):\n  {job_id}\nproceed? [y/N]")
+    assert "Aborted" not in done.stdout + done.stderr
+    assert live.store.get_job(job_id=job_id).state == JobState.QUEUED
+
+
+def test_a_server_url_with_the_apis_path_is_named(live: Live) -> None:
+    line = one_line(trident("status", server=live.url + "/api/v1"), 2)
+    assert line == (f"error: --server: {live.url}/api/v1 ends in /api/v1: give the server's"
+                    f" base URL, {live.url}")
+    line = one_line(trident("status", server=live.url + "/trident"), 2)
+    assert line.startswith(f"error: {live.url}/trident/api/v1/jobs?")
+    assert "404: no such route of the Trident API (GET); is the server URL the base URL of a" \
+           " Trident server?" in line
+    assert one_line(trident("whoami", server="127.0.0.1:8000"), 2) == (
+        "error: --server: '127.0.0.1:8000' is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+
+
+def test_help_lists_each_command_by_its_first_sentence_whole() -> None:
+    """`trident --help` (and a group's) gives each command the first sentence of its
+    docstring, on one line where the terminal is wide enough, never a sentence cut at the
+    docstring's line breaks."""
+    group = typer.main.get_command(app)
+    for prefix, cmds in [([], group.commands),  # type: ignore[attr-defined]
+                         *(([name], cmd.commands) for name, cmd in
+                           group.commands.items()  # type: ignore[attr-defined]
+                           if hasattr(cmd, "commands"))]:
+        r = runner.invoke(app, [*prefix, "--help"], prog_name="trident",
+                          env={"COLUMNS": "400"})
+        assert r.exit_code == 0, r.output
+        for name, cmd in cmds.items():
+            if hasattr(cmd, "commands"):
+                continue
+            sentence = first_sentence(cmd.callback.__doc__)
+            assert sentence == cmd.short_help and sentence[-1] in ".?", (name, sentence)
+            assert "\n" not in sentence and len(sentence) > 20, (name, sentence)
+            assert re.search(rf"│ {name} +{re.escape(sentence)} +│", r.output), (
+                prefix, name, r.output)
+    assert first_sentence("Do a thing, e.g. this one.\n  Then more.\n\nExample: x") == \
+        "Do a thing, e.g. this one."
+
+
+@pytest.mark.parametrize("args", [["status", "abc"], ["cancel", "1", "--yes"]])
+def test_a_real_process_prints_no_box(args: list[str]) -> None:
+    """As a user's shell runs it (no CliRunner): the same one line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    done = subprocess.run([str(Path(sys.executable).parent / "trident"), *args, "--server",
+                           "http://127.0.0.1:9/api/v1"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: "), done

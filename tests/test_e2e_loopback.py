@@ -1,0 +1,119 @@
+"""Nothing of the embedded stack can be reached from another host: every socket that `trident
+up`, its controller, its Ray head and the head's processes and workers listen on is on
+loopback; so is the Ray the controller daemon starts inside itself when it runs alone. Real
+processes, real Ray; the sockets as the kernel lists them (`psutil.net_connections`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from service.rayhead import answers, live_head
+from tests.test_cli import free_port, wait_healthy
+from tests.test_e2e_detached import ROOT, Up, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also written as an IPv4-mapped IPv6 address (::ffff:127.0.0.1)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def test_loopback_tells_the_addresses_apart() -> None:
+    assert all(map(loopback, ["127.0.0.1", "127.3.2.1", "::1", "::ffff:127.0.0.1"]))
+    assert not any(map(loopback, ["0.0.0.0", "::", "192.0.2.2", "::ffff:192.0.2.2"]))
+
+
+def tree(pid: int) -> dict[int, str]:
+    """Process `pid` and all its descendants: pid -> command line (or name)."""
+    root = psutil.Process(pid)
+    out = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out[p.pid] = " ".join(p.cmdline())[:160] or p.name()
+        except psutil.Error:
+            continue
+    return out
+
+
+def listening(pids: dict[int, str]) -> list[tuple[str, int, str]]:
+    """(address, port, process) of every inet socket those processes listen on."""
+    return [(c.laddr.ip, c.laddr.port, pids[c.pid])
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def ray_worker(cmd: str) -> bool:
+    """A Ray worker process (an idle worker, or an actor), not one of the node's agents."""
+    return (cmd.startswith("ray::") and "Agent" not in cmd) or "default_worker.py" in cmd
+
+
+NODE_SERVERS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "dashboard.py",
+                "monitor.py")
+"""The Ray processes of a head that listen (`ray start --head` adds its client server)."""
+
+
+def serving(pids: dict[int, str], servers: tuple[str, ...]) -> bool:
+    """Whether each of `servers` and a Ray worker listen already (they start one by one)."""
+    cmds = [cmd for _, _, cmd in listening(pids)]
+    return (all(any(s in cmd for cmd in cmds) for s in servers)
+            and any(map(ray_worker, cmds)))
+
+
+def check_all_on_loopback(pids: dict[int, str]) -> None:
+    sockets = listening(pids)
+    exposed = [s for s in sockets if not loopback(s[0])]
+    assert not exposed, "listening beyond loopback:\n" + "\n".join(map(str, exposed))
+
+
+def test_the_embedded_stack_listens_on_loopback_only(tmp_path: Path) -> None:
+    port = free_port()
+    up = Up(tmp_path, port, {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"})
+    head = None
+    try:
+        wait_healthy(up.server, timeout_s=180)
+        controller = up.controller_pid()
+        # The controller is a Ray driver: it listens for Ray's calls once connected.
+        servers = (*NODE_SERVERS, "ray.util.client.server", "service.daemon")
+        wait_for("every server of the stack listening",
+                 lambda: serving(tree(up.proc.pid), servers), 180, up.log)
+        pids = tree(up.proc.pid)
+        assert controller in pids, pids
+        assert ("127.0.0.1", port) in [(a, p) for a, p, _ in listening(pids)]  # the API
+        check_all_on_loopback(pids)
+        head = live_head(tmp_path)
+        assert head is not None and head.startswith("127.0.0.1:"), head
+    finally:
+        out = up.stop()
+    assert up.proc.returncode == 0, out
+    assert head is not None and not answers(head), "the Ray head outlived trident up"
+
+
+def test_the_daemon_alone_starts_its_ray_on_loopback(tmp_path: Path) -> None:
+    """`python -m service.daemon` without TRIDENT_RAY_ADDRESS: a Ray inside the daemon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRIDENT_RAY_ADDRESS"}
+    env.update(TRIDENT_DATA_DIR=str(tmp_path), PYTHONPATH=str(ROOT),
+               TRIDENT_POLL_INTERVAL_S="0.2", TRIDENT_LEASE_S="3")
+    log = (tmp_path / "daemon.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "service.daemon"], env=env, cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for("the Ray of the daemon listening, with a worker",
+                 lambda: serving(tree(proc.pid), NODE_SERVERS), 180,
+                 lambda: (tmp_path / "daemon.log").read_text()[-4000:])
+        check_all_on_loopback(tree(proc.pid))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log.close()

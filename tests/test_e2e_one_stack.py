@@ -1,0 +1,63 @@
+"""A data directory belongs to one `trident up`, on real processes: a second one on it says so
+in one line and exits, leaving the first (its API, its controller, its Ray head) untouched;
+once the first is killed with SIGKILL, the next one takes the directory and adopts the Ray
+head the killed one left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.rayhead import answers, live_head, stop_recorded_head
+from tests.test_cli import free_port, wait_healthy
+from tests.test_e2e_detached import ROOT, Up
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_second_trident_up_on_a_data_dir_in_use_exits_and_leaves_the_first_alone(
+        tmp_path: Path) -> None:
+    first = Up(tmp_path, free_port(), {})
+    try:
+        wait_healthy(first.server, timeout_s=180)
+        holder = httpx.get(f"{first.server}/api/v1/healthz").json()["controller"]["holder"]
+        head = json.loads((tmp_path / "ray" / "head.json").read_text())
+
+        second = subprocess.run(
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(free_port())],
+            env={**os.environ, "TRIDENT_DATA_DIR": str(tmp_path)}, cwd=ROOT,
+            capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        assert second.stdout == ""
+        assert second.stderr == (
+            f"error: data dir {tmp_path} is in use by another `trident up` (pid"
+            f" {first.proc.pid}); stop it, or give this one another --data-dir\n")
+
+        # The first is untouched: the same controller leads, the same Ray head answers.
+        r = httpx.get(f"{first.server}/api/v1/healthz")
+        assert r.status_code == 200 and r.json()["controller"]["holder"] == holder
+        assert json.loads((tmp_path / "ray" / "head.json").read_text()) == head
+        assert live_head(tmp_path) == head["address"]
+
+        # kill -9 of the first: the lock goes with it, its Ray head stays, and the next
+        # `trident up` on the directory adopts that head.
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        first.stop()
+        assert answers(head["address"])
+        first = Up(tmp_path, free_port(), {})
+        wait_healthy(first.server, timeout_s=180)
+        assert json.loads((tmp_path / "ray" / "head.json").read_text())["pid"] == head["pid"]
+    finally:
+        out = first.stop()
+        stopped = stop_recorded_head(tmp_path)  # only if the test failed with the head up
+    assert "(already running: adopted)" in out, out
+    assert first.proc.returncode == 0, out
+    assert not stopped and not answers(head["address"])  # no job: the head stopped with it
