@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import inspect, select, text
+from sqlalchemy import inspect, select, text, update
 
 from migrations import downgrade, upgrade
 from service.db import JobRow
@@ -17,6 +17,7 @@ from service.planner.memory import MemoryBreakdown, stage_memory
 from service.planner.stored import plan_json
 from service.planner.timing import TimeBreakdown
 from service.spec import JobSpec, ParallelSpec
+from service.spec_limits import recheck
 from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
 from tests.conftest import stored_plan, tiny_spec
@@ -118,6 +119,27 @@ def test_rank_rows_are_validated_on_first_use_only() -> None:
         plan.rank_layout[0]
     good = stored_plan(tp=2, pp=2).rank_layout
     assert [r.rank for r in good] == [0, 1, 2, 3] and good[2].first_stage is False
+
+
+def test_a_spec_stored_before_a_newer_limit_reads_and_is_rechecked(store: Store) -> None:
+    """Ray's resource unit and the OS's path limits came after specs were first stored: a row
+    that fails them reads as it was stored, and `recheck` (the controller's, before every
+    attempt) names each field it fails."""
+    spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
+    spec["resources"]["cpus_per_worker"] = 1e-9
+    spec["checkpoint"] = {"every_steps": 2, "dir": f"/ckpt/{'x' * 256}/line\nbreak"}
+    with pytest.raises(ValidationError):
+        JobSpec.model_validate(spec)  # what a submission of it is
+    job_id = _job(store)
+    with store.engine.begin() as c:
+        c.execute(update(JobRow).where(JobRow.id == job_id).values(spec=spec))
+    (listed,), _ = store.list_jobs()
+    job = store.get_job(job_id=job_id)
+    assert listed.spec == job.spec and job.spec.model_dump(mode="json") == spec
+    with pytest.raises(ValidationError) as refused:
+        recheck(job.spec)
+    assert sorted(".".join(map(str, e["loc"])) for e in refused.value.errors()) == [
+        "checkpoint.dir", "resources.cpus_per_worker"]
 
 
 def test_expect_guards_against_races(store: Store) -> None:
