@@ -32,6 +32,7 @@ from api.cli_format import (
 from api.client import TridentClient
 from api.schemas import Hang, Number, Placement, PredictedVsMeasured, TimeSplit
 from service.dashboard import one_line
+from service.spec import JobSpec
 from service.store import Attempt, Event
 
 STACK_LINES = 8
@@ -116,7 +117,8 @@ class Description(BaseModel):
     """Everything `describe` shows."""
 
     job: JobRow
-    spec: dict[str, Any]
+    spec: JobSpec
+    """The spec as stored (`Job.spec`)."""
     plan: PlanLine
     predicted_vs_measured: PredictedVsMeasured | None
     time_split: TimeSplits
@@ -231,7 +233,7 @@ def text(d: Description) -> str:
     out += ["  " + line for line in columns(["WHAT", "PREDICTED", "MEASURED", "RATIO"],
                                              rows).splitlines()]
     out += ["", "Spec:"] + ["  " + line for line in yaml.safe_dump(
-        d.spec, sort_keys=False).rstrip().splitlines()]
+        d.spec.model_dump(mode="json"), sort_keys=False).rstrip().splitlines()]
     out += ["", "Attempts:"] + (_attempts(d.attempts) or ["  none yet"])
     if d.hang:
         h = d.hang

@@ -9,7 +9,6 @@ ratio, its tokens/s divided by it.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -129,7 +128,7 @@ def what_if(server: str, job_id: int, spec: Path | None, sets: list[str],
     print it against job `job_id`'s measurement."""
     with connect(server) as client:
         job = client.get_job(job_id)
-        raw = read_spec_file(spec) if spec is not None else copy.deepcopy(job.spec)
+        raw = read_spec_file(spec) if spec is not None else job.spec.model_dump(mode="json")
         checked = validate_spec(apply_sets(raw, sets), str(spec or f"job {job_id}'s spec"),
                                 sets)
         if checked.parallel == "auto":

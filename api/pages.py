@@ -141,8 +141,8 @@ def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
     """One job, in tabs: overview, metrics, ranks, communication, logs, hangs."""
     metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
-        "job": job, "spec_yaml": yaml.safe_dump(job.spec, sort_keys=False),
-        "plan": job.plan.model_dump(), "measured": compare(job.plan, metrics),
+        "job": job, "spec_yaml": yaml.safe_dump(job.spec.model_dump(mode="json"), sort_keys=False),
+        "plan": job.plan, "measured": compare(job.plan, metrics),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
         "terminal": job.state.terminal})
 
@@ -185,7 +185,7 @@ def plan_page(request: Request, store: StoreDep,
         measured = compare(j.plan, recent_metrics(store, j))
     return templates.TemplateResponse(request, "plan.html", {
         "job": base, "measured": measured, "profiles": sorted(PROFILES),
-        "spec": base.spec if base else DEFAULT_SPEC})
+        "spec": base.spec.model_dump(mode="json") if base else DEFAULT_SPEC})
 
 
 @router.get("/cluster", response_class=HTMLResponse)

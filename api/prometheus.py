@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,15 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.dashboard import count_by_state, measured_bubble_ratio
 from service.db import utcnow
-from service.heartbeats import HeartbeatLog, ages
 from service.lease import CONTROLLER, Leases
+from service.rank_status import rank_status
 from service.states import JobState
 from service.store import Job, Store
-from service.store import Metric as StepRow
 
 ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING]
 JOB = ["job_id"]
 RANK = ["job_id", "rank", "node", "gpu"]
+RANK_WINDOW = 5
+"""Steps per rank a scrape reads: a rank's newest report is within the last few steps."""
 
 
 def _g(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -81,7 +81,7 @@ class StoreCollector(Collector):
                          " mean over the newest step's reporting ranks (kind=measured).",
                          [*JOB, "kind"]),
             "mem": _g("trident_rank_memory_peak_bytes", "Measured peak memory of a rank"
-                      " (newest step).", RANK),
+                      " (the largest its newest steps reported).", RANK),
             "mem_pred": _g("trident_rank_memory_predicted_bytes", "The plan's predicted"
                            " memory of the rank's pipeline stage.", RANK),
             "age": _g("trident_rank_last_report_age_seconds", "Seconds since the rank's"
@@ -106,19 +106,17 @@ class StoreCollector(Collector):
         lay, plan = job.plan.layout, job.plan
         f["info"].add_metric([str(job.id), job.name, job.owner, job.state.value, str(lay.tp),
                               str(lay.pp), str(lay.dp), str(lay.zero)], 1)
-        steps = job.spec.get("train", {}).get("steps")
-        if isinstance(steps, int):
-            f["steps"].add_metric(jid, steps)
+        f["steps"].add_metric(jid, job.spec.train.steps)
         f["step_pred"].add_metric(jid, plan.time.step_s)
         f["tok_pred"].add_metric(jid, plan.tokens_per_s)
-        mfu_pred = plan.model_dump().get("mfu")
+        mfu_pred = plan.mfu
         if mfu_pred is not None:
             f["mfu_pred"].add_metric(jid, mfu_pred)
         if plan.time.step_s:
             f["bubble"].add_metric([*jid, "predicted"], plan.time.bubble_s / plan.time.step_s)
         latest = store.latest_metric(job_id=job.id)
         if self.per_rank:
-            self._ranks(store, job, latest, f)
+            self._ranks(store, job, f)
         if latest is None:
             return
         f["step"].add_metric(jid, latest.step)
@@ -139,37 +137,19 @@ class StoreCollector(Collector):
         if measured is not None:
             f["bubble"].add_metric([*jid, "measured"], measured)
 
-    def _ranks(self, store: Store, job: Job, latest: StepRow | None,
-               f: dict[str, GaugeMetricFamily]) -> None:
-        attempts = store.list_attempts(job_id=job.id)
-        place = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
-                                        if attempts else [])}
-        by_stage = {int(m["stage"]): float(m["total"])
-                    for m in job.plan.model_dump().get("memory_by_stage") or []}
-        stage_of = {r.rank: r.pp for r in job.plan.rank_layout}
-        newest: dict[int, Any] = {}
-        if latest is not None:
-            for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
-                                        after_step=max(0, latest.step - 5), limit=100000):
-                newest[m.rank] = m
+    def _ranks(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
+        """The ranks grid's status of every rank (`service.rank_status`), over the newest
+        `RANK_WINDOW` steps."""
         now = utcnow()
-        beats = ages(HeartbeatLog(store.engine).last_seen(
-            job_id=job.id, attempt=attempts[-1].number), now) if attempts else {}
-        for rank in range(job.world_size):
-            p = place.get(rank, {})
-            labels = [str(job.id), str(rank), str(p.get("hostname", "")),
-                      ",".join(p.get("gpu_ids") or [])]
-            f["mem_pred"].add_metric(labels, by_stage.get(stage_of.get(rank, 0),
-                                                          float(job.plan.memory.total)))
-            if rank in beats:
-                f["hb_age"].add_metric(labels, beats[rank])
-            row = newest.get(rank)
-            if row is None:
-                continue
-            peak = row.data.get("memory", {}).get("process_peak_bytes")
-            if isinstance(peak, int | float):
-                f["mem"].add_metric(labels, peak)
-            f["age"].add_metric(labels, (now - row.time).total_seconds())
+        for r in rank_status(store, job, window=RANK_WINDOW).ranks:
+            labels = [str(job.id), str(r.rank), r.node or "", r.gpu or ""]
+            f["mem_pred"].add_metric(labels, r.memory_predicted_bytes)
+            if r.heartbeat_age_s is not None:
+                f["hb_age"].add_metric(labels, r.heartbeat_age_s)
+            if r.memory_peak_bytes is not None:
+                f["mem"].add_metric(labels, r.memory_peak_bytes)
+            if r.reported_at is not None:
+                f["age"].add_metric(labels, (now - r.reported_at).total_seconds())
 
 
 def request_latency(registry: CollectorRegistry) -> Histogram:

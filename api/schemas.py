@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.dashboard import JobSummary
 from service.identity import AuditEntry, Project, Token, User
-from service.planner.stored import StoredPlan
+from service.planner.stored import PlannedLayout, StoredPlan
 from service.ranklogs import Chunk
 from service.stack_requests import StackRequest
 from service.store import Attempt, Event, Job, Metric, Node, Probe
@@ -202,7 +202,7 @@ class Series(BaseModel):
 
 
 class RankCell(BaseModel):
-    """One rank of `GET /jobs/{id}/ranks` (newest attempt)."""
+    """One rank of `GET /jobs/{id}/ranks` (newest attempt): `service.rank_status.RankStatus`."""
 
     rank: int
     tp: int
@@ -232,7 +232,10 @@ class RankCell(BaseModel):
 
 
 class RanksGrid(BaseModel):
-    layout: dict[str, Any]
+    """`GET /jobs/{id}/ranks`: `service.rank_status.rank_status`, as the ranks grid, `trident
+    top` and the per-rank gauges of `/metrics` read it."""
+
+    layout: PlannedLayout
     world_size: int
     attempt: int | None
     cells: list[RankCell]

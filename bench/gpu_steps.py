@@ -79,7 +79,7 @@ def step_train(precision: str) -> dict[str, Any]:
     reports: list[StepReport] = []
     torch.cuda.reset_peak_memory_stats()
     ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                      master_port=_free_port(), checkpoint_dir=None)
+                      master_port=_free_port(), checkpoint_dir=None, plan=plan.rank_plan(0))
     t0 = time.perf_counter()
     train_rank(spec, ctx, reports.append, threading.Event())
     wall = time.perf_counter() - t0

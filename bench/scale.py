@@ -316,10 +316,13 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
             fig["controller"] = controller_pass(store, size, max(5, size.reps // 4))
             # A 4,096-rank job reporting every second, in a process of its own, while list
             # and detail are measured here.
-            big = store.create_job(name="big", spec=_spec_plan()[0],
-                                   plan=__import__("service.planner", fromlist=["StoredPlan"])
-                                   .StoredPlan.from_json(_spec_plan()[1]),
-                                   world_size=size.world, cpus=1, gpus=0).id
+            from service.planner import StoredPlan
+            from service.spec import JobSpec
+
+            spec, plan = _spec_plan()
+            big = store.create_job(name="big", spec=JobSpec.model_validate(spec),
+                                   plan=StoredPlan.from_json(plan), world_size=size.world,
+                                   cpus=1, gpus=0).id
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
             p = ctx.Process(target=_ingest_proc, args=(url, big, size.world, size.ingest_s, q))

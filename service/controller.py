@@ -14,8 +14,10 @@ PLACING or RUNNING job (no retry used; the ranks send again what was not stored,
 store takes once) and, after its first pass, stops every group on the cluster that belongs to
 no active attempt. Reports are acknowledged to the ranks only once they are stored.
 
-Before every attempt the job's checkpoint folder is made its own (`service.checkpoints`);
-a folder that is another job's fails the job without a retry. The module stays one piece
+Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
+stored before a limit it fails reads everywhere, and fails the job here without a retry), and
+the job's checkpoint folder is made its own (`service.checkpoints`); a folder that is another
+job's fails the job without a retry too. The module stays one piece
 (about 400 lines): one pass, each of whose parts hands its work to the modules named here.
 """
 
@@ -37,6 +39,7 @@ from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
 from service.spec import JobSpec
+from service.spec_limits import recheck
 from service.stack_collect import StackCollector
 from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
@@ -83,7 +86,7 @@ def decide_on_failure(job: Job) -> JobState:
 
 def retries(job: Job) -> int:
     """Restarts the job's spec allows (`max_retries`)."""
-    return int(job.spec.get("max_retries", 0))
+    return job.spec.max_retries
 
 
 class Controller:
@@ -235,7 +238,7 @@ class Controller:
         job = self.store.start_attempt(job_id=job.id, fence=self.fence)
         attempt = job.attempts
         try:  # a spec stored before a check it fails was added, a folder not the job's
-            spec = JobSpec.model_validate(job.spec)
+            spec = recheck(job.spec)
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
         except (ValueError, OSError) as exc:  # CheckpointRefused and ValidationError too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
@@ -256,11 +259,11 @@ class Controller:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
         try:  # a stored spec that fails a check added since is lost here, refused by _place
-            spec: JobSpec | None = JobSpec.model_validate(job.spec)
+            spec: JobSpec | None = recheck(job.spec)
         except ValueError:
             spec = None
         if spec is not None and job.attempts and job.state in (JobState.PLACING,
-                                                                JobState.RUNNING):
+                                                               JobState.RUNNING):
             group = self.launcher.attach(
                 job_id=job.id, attempt=job.attempts, spec=spec, plan=job.plan,
                 checkpoint_dir=self.folders.folder(job.id, spec.checkpoint.dir),

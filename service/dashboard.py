@@ -9,7 +9,6 @@ columns of its rank-0 rows, bucketed in the database (min/max per bucket) when l
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,8 +17,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import AttemptRow, EventRow, JobRow, MetricRow, utcnow
-from service.heartbeats import HeartbeatLog, ages
+from service.db import AttemptRow, JobRow, MetricRow
 from service.states import JobState
 from service.store import Job, Metric, Store
 
@@ -136,11 +134,6 @@ def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
     return {job_id: int(n) for job_id, n in rows}
 
 
-def _steps(row: JobRow) -> int | None:
-    steps = row.spec.get("train", {}).get("steps") if isinstance(row.spec, dict) else None
-    return steps if isinstance(steps, int) else None
-
-
 def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
               owner: str = "", project: str = "", sort: str = "id", desc: bool = True,
               limit: int = 50, offset: int = 0) -> tuple[list[JobSummary], int]:
@@ -172,8 +165,9 @@ def _summaries(s: Session, rows: Sequence[JobRow], *, steps: bool = True
     is queued)."""
     positions = _queue_positions(s, [r.id for r in rows if r.state == JobState.QUEUED.value])
     latest = _latest(s, [r.id for r in rows]) if steps else {}
-    return [JobSummary(job=Job.from_row(r), latest=latest.get(r.id), total_steps=_steps(r),
-                       queue_position=positions.get(r.id)) for r in rows]
+    jobs = [Job.from_row(r) for r in rows]
+    return [JobSummary(job=j, latest=latest.get(j.id), total_steps=j.spec.train.steps,
+                       queue_position=positions.get(j.id)) for j in jobs]
 
 
 def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
@@ -191,8 +185,9 @@ def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
         q = select(JobRow).where(JobRow.state == JobState.QUEUED.value)
         total = s.execute(select(func.count()).select_from(q.subquery())).scalar_one()
         rows = s.execute(q.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)).scalars()
-        return [JobSummary(job=Job.from_row(r), latest=None, total_steps=_steps(r),
-                           queue_position=i) for i, r in enumerate(rows, 1)], int(total)
+        jobs = [Job.from_row(r) for r in rows]
+        return [JobSummary(job=j, latest=None, total_steps=j.spec.train.steps,
+                           queue_position=i) for i, j in enumerate(jobs, 1)], int(total)
 
 
 def count_by_state(store: Store) -> dict[JobState, int]:
@@ -265,7 +260,7 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     and dips survive however long the job ran; a bucket is narrower than a pixel of a chart,
     so the order of minimum and maximum inside it is not drawn. `rows`: the steps shown."""
     plan = job.plan
-    mfu_pred = plan.model_dump().get("mfu")
+    mfu_pred = plan.mfu
     mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
     out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
                            "tokens_per_s": [], "mfu": [], "predicted": {
@@ -301,87 +296,3 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     out["tokens_per_s"] = [float(p[3]) for p in points]
     out["mfu"] = [float(p[3]) * mfu_per_token for p in points]
     return out
-
-
-# --- ranks grid --------------------------------------------------------------------------------
-
-def _compute_s(m: Metric) -> float | None:
-    comm = m.data.get("comm")
-    if comm is None or not m.data.get("timed", True):
-        return None
-    return max(0.0, m.step_time_s - sum(o["time_s"] for ops in comm.values()
-                                        for o in ops.values()))
-
-
-def _comm_s(m: Metric | None) -> dict[str, float | None]:
-    """Seconds of one step report in TP, PP and DP collectives (None: not timed)."""
-    if m is None or m.data.get("comm") is None or not m.data.get("timed", True):
-        return {"tp_s": None, "pp_s": None, "dp_s": None}
-    return {f"{d}_s": sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
-            for d in ("tp", "pp", "dp")}
-
-
-def ranks_grid(store: Store, job: Job, window: int = 20) -> dict[str, Any]:
-    """Every rank of the layout: coordinates, node, GPU, measured peak memory against the plan's
-    prediction for its stage, compute time against its stage peers' median, its newest step
-    (step time, seconds in TP/PP/DP collectives, when it was reported), the age of its last
-    heartbeat, and whether it is a straggler or the rank a hang waits for (the newest
-    attempt's events and heartbeats)."""
-    plan = job.plan
-    by_stage = {int(m["stage"]): float(m["total"])
-                for m in plan.model_dump().get("memory_by_stage") or []}
-    attempts = store.list_attempts(job_id=job.id)
-    placement = {r["rank"]: r for r in (attempts[-1].placement.get("ranks", [])
-                                        if attempts else [])}
-    latest = store.latest_metric(job_id=job.id)
-    recent: dict[int, list[Metric]] = {}
-    if latest is not None:
-        for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
-                                    after_step=max(0, latest.step - window), limit=100000):
-            recent.setdefault(m.rank, []).append(m)
-    compute: dict[int, float] = {}
-    for r, ms in recent.items():
-        times = [x for m in ms if (x := _compute_s(m)) is not None]
-        if times:
-            compute[r] = statistics.median(times)
-    stage_of = {row.rank: row.pp for row in plan.rank_layout}
-    peers: dict[int, list[float]] = {}
-    for r, t in compute.items():
-        peers.setdefault(stage_of.get(r, 0), []).append(t)
-    number = attempts[-1].number if attempts else None
-    beats = ages(HeartbeatLog(store.engine).last_seen(job_id=job.id, attempt=number),
-                 utcnow()) if number is not None else {}
-    stragglers, waited_for = set(), set()
-    with _session(store).begin() as s:
-        for ev in s.execute(select(EventRow).where(
-                EventRow.job_id == job.id, EventRow.attempt == number,
-                EventRow.kind.in_(["straggler", "hang"]))).scalars():
-            if ev.kind == "straggler":
-                stragglers.add(int((ev.data or {}).get("rank", -1)))
-            else:
-                waited_for |= set((ev.data or {}).get("never_arrived", []))
-    cells = []
-    for row in plan.rank_layout:
-        ms = recent.get(row.rank, [])
-        peaks = [p for m in ms if isinstance(p := m.data.get("memory", {})
-                                             .get("process_peak_bytes"), int | float)]
-        pred = by_stage.get(row.pp, float(plan.memory.total))
-        c = compute.get(row.rank)
-        peer = statistics.median(peers[row.pp]) if peers.get(row.pp) else None
-        place = placement.get(row.rank, {})
-        cells.append({
-            "rank": row.rank, "tp": row.tp, "pp": row.pp, "dp": row.dp,
-            "node": place.get("hostname"), "gpu": ",".join(place.get("gpu_ids") or []) or None,
-            "memory_peak_bytes": max(peaks) if peaks else None,
-            "memory_predicted_bytes": pred,
-            "memory_ratio": max(peaks) / pred if peaks and pred else None,
-            "compute_s": c, "stage_compute_s": peer,
-            "compute_ratio": c / peer if c is not None and peer else None,
-            "step": ms[-1].step if ms else None,
-            "step_time_s": ms[-1].step_time_s if ms else None,
-            **_comm_s(ms[-1] if ms else None),
-            "reported_at": ms[-1].time if ms else None,
-            "heartbeat_age_s": beats.get(row.rank),
-            "straggler": row.rank in stragglers, "hang_waits_for": row.rank in waited_for})
-    return {"layout": plan.layout.model_dump(), "world_size": plan.world_size,
-            "attempt": number, "cells": cells}

@@ -118,7 +118,7 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
     unplaceable = placement_refusal(prepared, store.list_nodes())
     if unplaceable is not None:
         raise unplaceable
-    return store.create_job(name=spec.name, spec=prepared.spec.model_dump(mode="json"),
+    return store.create_job(name=spec.name, spec=prepared.spec,
                             plan=prepared.plan, world_size=prepared.world_size,
                             cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority,
                             owner=by.owner, project=by.project,

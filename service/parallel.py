@@ -92,7 +92,13 @@ class ParallelDims:
         return [out[k] for k in sorted(out)]
 
     def group_of(self, rank: int, dim: Dim) -> list[int]:
-        return next(g for g in self.groups(dim) if rank in g)
+        """The ranks of `rank`'s group along `dim` (its entry of `groups(dim)`), ascending."""
+        c = self.coord(rank)
+        if dim == Dim.TP:
+            return [self.rank(pp=c.pp, dp=c.dp, tp=t) for t in range(self.tp)]
+        if dim == Dim.DP:
+            return [self.rank(pp=c.pp, dp=d, tp=c.tp) for d in range(self.dp)]
+        return [self.rank(pp=p, dp=c.dp, tp=c.tp) for p in range(self.pp)]
 
 
 PARTITION_WORK_LIMIT = 2_000_000
@@ -180,10 +186,12 @@ def stage_block_counts(stages: list[list[tuple[int, int]]]) -> list[int]:
     return [sum(end - start for start, end in rngs) for rngs in stages]
 
 
-def rank_layout(dims: ParallelDims, layers: int, virtual_stages: int = 1,
-                weights: Sequence[float] | None = None) -> list[dict[str, object]]:
-    """The stored, JSON-ready rank layout: coordinates and the layers each rank runs."""
-    stages = stage_layers(layers, dims.pp, virtual_stages, weights)
+def rank_layout(dims: ParallelDims,
+                stages: Sequence[Sequence[tuple[int, int]]]) -> list[dict[str, object]]:
+    """The stored, JSON-ready rank layout: each rank's coordinates and the layers of its
+    pipeline stage (`stages`: every stage's ranges, as `stage_layers` splits them)."""
+    if len(stages) != dims.pp:
+        raise ValueError(f"{len(stages)} stages of layers for pp({dims.pp})")
     rows: list[dict[str, object]] = []
     for r in range(dims.world_size):
         c = dims.coord(r)

@@ -129,6 +129,38 @@ class StepReport(BaseModel):
         return out
 
 
+Phase = Literal["setup", "probe", "forward", "backward", "optimizer", "checkpoint", "done"]
+"""Where in its work a rank is (`HeartbeatReport.phase`)."""
+
+
+class HeartbeatReport(BaseModel):
+    """What one rank is doing now, and since when: `workers.heartbeat.Heartbeat.read()`.
+
+    Sent across Ray with every poll as `model_dump()` and validated by the worker group in
+    the controller's process (a rank of a group started by an older controller may speak an
+    older form); the controller judges hangs by it (`service.monitor.hang`) and keeps each
+    rank's last one for the API (`service.heartbeats`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0, le=65535)
+    step: int = Field(ge=-1, le=10_000_000)
+    """The step the rank is in (-1 before its first, and while it probes)."""
+    phase: Phase
+    collective: str | None = Field(default=None, max_length=64)
+    """The collective the rank is blocked in (None outside collectives)."""
+    dim: str | None = Field(default=None, max_length=16)
+    """That collective's dimension (tp, pp, dp, or another group's name)."""
+    group: list[int] | None = Field(default=None, max_length=65536)
+    """That collective's group, as global ranks."""
+    time: float
+    """Wall time of the rank's last change (its clock; the controller sets its own clock's
+    `receive time - age_s` before judging, see `AttemptHealth.polled`)."""
+    age_s: float = Field(ge=0)
+    """Monotonic seconds since that change (immune to clock skew between nodes)."""
+
+
 class ProbeRowModel(BaseModel):
     """One bandwidth measurement: one op at one size over one group (nccl-tests terms)."""
 
@@ -174,8 +206,8 @@ class PollResult:
     error: str | None = None
     failed_ranks: list[int] = field(default_factory=list)
     placement: dict[str, Any] | None = None
-    heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Each answering rank's heartbeat: step, phase, collective, dim, group, time, age_s."""
+    heartbeats: dict[int, HeartbeatReport] = field(default_factory=dict)
+    """Each answering rank's heartbeat."""
     acks: dict[int, int] = field(default_factory=dict)
     """Per rank, the sequence number of its last report in `reports`: given back to
     `WorkerGroup.acknowledge` once they are stored, so that the rank may forget them."""
@@ -222,9 +254,11 @@ class Launcher(Protocol):
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None, writer: CheckpointWriter | None) -> WorkerGroup:
-        """Claim resources and start the ranks; must not block on training. `writer`: the
-        job `checkpoint_dir` must belong to (rank 0 checks it before any rank resumes).
-        What a start that raises claimed is released before it raises."""
+        """Claim resources and start the ranks; must not block on training. Each rank is
+        sent the stored `spec` and its row of the stored `plan` (`StoredPlan.rank_plan`: its
+        stage, layers and groups), which it builds from. `writer`: the job `checkpoint_dir`
+        must belong to (rank 0 checks it before any rank resumes). What a start that raises
+        claimed is released before it raises."""
         ...
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,

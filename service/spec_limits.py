@@ -7,14 +7,23 @@ that a job that passes the check does not fail at start, and each refusal names 
 - A path is text the OS takes: no NUL (or other control character), at most `PATH_MAX - 1`
   bytes in UTF-8 and `NAME_MAX` bytes per component (Linux's limits); so is an environment
   value. (Lone surrogates, which JSON can carry and no OS takes, pydantic refuses itself.)
+
+These limits came after specs were first stored: a job's row may hold a spec written before
+one of them. Such a row must still read (listings, the job page, the API), so a stored spec
+is validated with the context `{"stored": True}` (`service.views.Job`), under which the
+resource and path limits here are not enforced; the controller checks a stored spec against
+them with `recheck` before every attempt (a spec that fails one fails the job without a
+start), and a resubmission does too. Environment values are always checked: revision 0012
+wrote the control characters older rows held as escapes.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, Field, ValidationInfo
 
 RAY_UNIT = 0.0001
 """Ray counts resources in fixed point with 4 decimals (`ray._raylet.RESOURCE_UNIT_SCALING`)."""
@@ -23,6 +32,10 @@ PATH_MAX = 4096
 NAME_MAX = 255
 """Bytes of one path component (Linux)."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+STORED = "stored"
+"""The validation context key of a stored spec read back (see the module's docstring)."""
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def ray_quantity(value: float) -> float:
@@ -45,6 +58,9 @@ def env_value(key: str, value: str) -> None:
 
 def os_path(value: str) -> str:
     """`value` when the OS would take it as a path; ValueError naming what it would refuse."""
+    if len(value) > PATH_MAX - 1:
+        raise ValueError(f"the path has {len(value)} characters; it may have at most"
+                         f" {PATH_MAX - 1} characters")
     if "\x00" in value:
         raise ValueError(f"{value!r} holds a NUL byte, which no path can hold")
     if _CONTROL.search(value):
@@ -61,8 +77,28 @@ def os_path(value: str) -> str:
     return value
 
 
+def recheck(spec: M) -> M:
+    """`spec`, a stored spec read back (its limits here not enforced), validated again as a
+    new submission is; ValidationError naming each field that fails a limit of today."""
+    return type(spec).model_validate(spec.model_dump(mode="json"))
+
+
+def _unless_stored(check: Callable[[Any], Any]) -> AfterValidator:
+    """`check` as a validator that a stored spec read back skips."""
+
+    def validate(value: Any, info: ValidationInfo) -> Any:
+        if info.context and info.context.get(STORED):
+            return value
+        return check(value)
+
+    return AfterValidator(validate)
+
+
 RayQuantity = Annotated[float, Field(json_schema_extra={"multipleOf": RAY_UNIT}),
-                        AfterValidator(ray_quantity)]
+                        _unless_stored(ray_quantity)]
 """A resource quantity Ray can claim exactly (the limit is stated in the JSON schema too)."""
-OsPath = Annotated[str, Field(max_length=PATH_MAX - 1), AfterValidator(os_path)]
-"""A path the OS takes (its byte limits are checked by `os_path`)."""
+OsPath = Annotated[str, Field(max_length=PATH_MAX, json_schema_extra={"maxLength": PATH_MAX - 1}),
+                   _unless_stored(os_path)]
+"""A path the OS takes: its length and byte limits are checked by `os_path` (and the length
+stated in the JSON schema). `max_length` is the bound paths had before those limits, which a
+stored spec keeps; pydantic refuses lone surrogates under it."""

@@ -32,6 +32,7 @@ from service.db import (
     utcnow,
 )
 from service.planner.stored import StoredPlan
+from service.spec import JobSpec
 from service.states import JobState, TransitionError, check_transition
 from service.views import (
     Attempt,
@@ -114,7 +115,7 @@ class Store:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def create_job(self, *, name: str, spec: dict[str, Any], plan: StoredPlan,
+    def create_job(self, *, name: str, spec: JobSpec, plan: StoredPlan,
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
                    owner: str = "local", project: str | None = None,
                    idempotency_key: str | None = None, request_hash: str | None = None) -> Job:
@@ -124,7 +125,8 @@ class Store:
         try:
             with self._tx() as s:
                 row = JobRow(name=name, owner=owner, project=project,
-                             state=JobState.QUEUED.value, priority=priority, spec=spec,
+                             state=JobState.QUEUED.value, priority=priority,
+                             spec=spec.model_dump(mode="json"),
                              plan=plan.to_json(), world_size=world_size, cpus=cpus, gpus=gpus,
                              idempotency_key=idempotency_key, request_hash=request_hash)
                 s.add(row)

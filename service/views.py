@@ -2,7 +2,11 @@
 
 `service.store` builds them; the API, the controller, the scheduler and the CLI read them.
 `Job` is a pydantic model so that the API's `JobOut` can extend it instead of repeating its
-fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects).
+fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects). A job's
+spec and plan are validated once, here, when its row is read: `Job.spec` is the `JobSpec`
+that runs, `Job.plan` the typed `StoredPlan`. A spec is read as stored (the limits added after
+it could have been written are not enforced, `service.spec_limits`), wherever a `Job` is
+validated: from its row, as an API answer, in a client.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from service.db import AttemptRow, EventRow, JobRow, MetricRow, NodeRow, ProbeRow, ProfileRow
 from service.hardware import HardwareProfile
 from service.planner.stored import StoredPlan
+from service.spec import JobSpec
+from service.spec_limits import STORED
 from service.states import JobState
 
 
@@ -45,7 +51,8 @@ class Job(BaseModel):
     """The project it was submitted under (None: submitted before projects existed)."""
     state: JobState
     priority: int
-    spec: dict[str, Any]
+    spec: JobSpec
+    """The spec as stored at submission, with the layout it runs (`parallel` resolved)."""
     plan: StoredPlan
     world_size: int
     cpus: float
@@ -60,12 +67,22 @@ class Job(BaseModel):
     waiting: str | None = None
     """Why it is still queued although it would fit (its project's quota), if it is."""
 
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _read_as_stored(cls, value: Any, info: ValidationInfo) -> Any:
+        """A spec stored before a limit it fails was added still reads (the controller
+        refuses to start it, `service.spec_limits.recheck`)."""
+        if isinstance(value, JobSpec):
+            return value
+        return JobSpec.model_validate(value, context={**(info.context or {}), STORED: True})
+
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
         return cls(
             id=row.id, name=row.name, owner=row.owner, project=row.project,
             state=JobState(row.state), waiting=row.waiting,
-            priority=row.priority, spec=row.spec, plan=StoredPlan.from_json(row.plan),
+            priority=row.priority, spec=row.spec,
+            plan=StoredPlan.from_json(row.plan),
             world_size=row.world_size, cpus=row.cpus, gpus=row.gpus,
             cancel_requested=row.cancel_requested, attempts=row.attempts, error=row.error,
             created_at=_utc(row.created_at), updated_at=_utc(row.updated_at),

@@ -24,7 +24,7 @@ def fill_jobs(path: Path, n: int) -> list[int]:
     ids = []
     try:
         for i in range(n):
-            job = store.create_job(name=f"job-{i}", spec=prepared.spec.model_dump(mode="json"),
+            job = store.create_job(name=f"job-{i}", spec=prepared.spec,
                                    plan=prepared.plan, world_size=prepared.world_size,
                                    cpus=prepared.cpus, gpus=prepared.gpus, owner="admin")
             store.transition(job_id=job.id, to=JobState.CANCELLED, message="test")

@@ -37,3 +37,16 @@ def flaky(ctx: Any) -> None:
         while not os.path.exists(os.environ["TRIDENT_TEST_GO"]) and time.monotonic() < deadline:
             time.sleep(0.2)
         raise RuntimeError("flaky: attempt 1 fails on purpose")
+
+
+def rows(ctx: Any) -> None:
+    """Report, in one step's `custom` values, the row of the plan this rank was sent: its
+    coordinates, its layers, every stage's layers and its groups."""
+    import json
+
+    row = ctx.plan
+    ctx.report({"rank": ctx.rank, "step": 1, "loss": 1.0, "step_time_s": 0.1,
+                "tokens_per_s": 1.0, "custom": {
+                    "coords": json.dumps([row.pp, row.dp, row.tp]),
+                    "layers": json.dumps(row.layers), "stages": json.dumps(row.stages),
+                    "groups": json.dumps({str(d): g for d, g in row.groups.items()})}})

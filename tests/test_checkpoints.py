@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from api.app import create_app
+from api.schemas import JobOut
 from service.checkpoints import (
     RECORD,
     RULE,
@@ -27,10 +29,11 @@ from service.controller import Controller
 from service.jobs import Submitter
 from service.jobs import submit as submit_job
 from service.protocols import PollResult
+from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import AttemptStatus, Store
-from tests.conftest import tiny_spec
+from tests.conftest import authed_client, tiny_spec
 from tests.test_controller import FakeLauncher
 
 ALICE = CheckpointWriter(job_id=1, owner="alice")
@@ -189,16 +192,45 @@ def test_a_folder_rank_0_refused_fails_the_job_without_a_retry(sqlite_store: Sto
 def test_a_stored_spec_that_fails_a_newer_check_fails_without_a_start(sqlite_store: Store,
                                                                        tmp_path: Path) -> None:
     """Stored before a check it fails was added (a resource quantity Ray cannot claim): the
-    job fails with the reason, without a retry, and the pass goes on."""
+    job still lists and reads, in the store and through the API, as it was stored; it fails
+    with the reason, without a retry, and the pass goes on; a resubmission is refused on the
+    field, as a new submission would be."""
     job = submit_job(sqlite_store, JobSpec.model_validate(tiny_spec(max_retries=2)))
     good = queue(sqlite_store, "bob")
-    spec = {**job.spec, "resources": {**job.spec["resources"], "cpus_per_worker": 1e-9}}
+    stored = job.spec.model_dump(mode="json")
+    spec = {**stored, "resources": {**stored["resources"], "cpus_per_worker": 1e-9}}
     with sqlite3.connect(tmp_path / "c.db") as db:  # as an older server stored it
         db.execute("UPDATE jobs SET spec = ? WHERE id = ?", (json.dumps(spec), job.id))
-    launcher = FakeLauncher([[PollResult(state="starting")]])
-    c = make(sqlite_store, launcher, tmp_path)
-    c.step()
-    bad = sqlite_store.get_job(job_id=job.id)
-    assert bad.state == JobState.FAILED and bad.error is not None
-    assert "not started" in bad.error and "resources.cpus_per_worker" in bad.error, bad.error
-    assert sqlite_store.get_job(job_id=good).state == JobState.PLACING
+    assert sqlite_store.get_job(job_id=job.id).spec.resources.cpus_per_worker == 1e-9
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=sqlite_store),
+                       sqlite_store) as api:
+        def reads(state: JobState) -> None:
+            listed = api.get("/api/v1/jobs")
+            assert listed.status_code == 200, listed.text
+            assert {j["id"]: j["state"] for j in listed.json()["items"]}[job.id] == state.value
+            one = api.get(f"/api/v1/jobs/{job.id}")
+            assert one.status_code == 200, one.text
+            assert one.json()["spec"] == spec
+            read = JobOut.model_validate(one.json())  # as TridentClient reads it
+            assert read.spec.resources.cpus_per_worker == 1e-9 and read.state == state
+            assert api.get(f"/jobs/{job.id}").status_code == 200  # its page
+            assert api.get("/").status_code == 200  # the jobs list's page
+
+        reads(JobState.QUEUED)
+        refused = api.post(f"/api/v1/jobs/{job.id}/resubmit")
+        assert refused.status_code == 422, refused.text
+        [d] = refused.json()["detail"]
+        assert d["loc"] == ["body", "resources", "cpus_per_worker"], d
+        assert "is not a whole number of Ray's resource units" in d["msg"], d
+        launcher = FakeLauncher([[PollResult(state="starting")]])
+        c = make(sqlite_store, launcher, tmp_path)
+        c.step()
+        bad = sqlite_store.get_job(job_id=job.id)
+        assert bad.state == JobState.FAILED and bad.error is not None
+        assert "not started" in bad.error and "resources.cpus_per_worker" in bad.error, \
+            bad.error
+        assert bad.attempts == 1 and sqlite_store.get_job(job_id=good).state == JobState.PLACING
+        # Only the good job was started.
+        assert [g.starts["ckpt"] for g in launcher.groups] == [
+            str(tmp_path / "data" / "checkpoints" / f"job-{good}")]
+        reads(JobState.FAILED)

@@ -90,8 +90,8 @@ def test_submit_detach_json_and_set(live: Live) -> None:
                  "--set", "train.lr=3e-4", "--set", "parallel={tp: 1, dp: 2, zero: 1}")
     assert r.exit_code == 0, r.output
     job = live.store.get_job(job_id=int(r.stdout.strip()))
-    assert job.spec["train"]["steps"] == 100 and job.spec["train"]["lr"] == 0.0003
-    assert job.spec["parallel"]["zero"] == 1
+    assert job.spec.train.steps == 100 and job.spec.train.lr == 0.0003
+    assert job.spec.layout.zero == 1
     r = live.cli("submit", TINY, "-d", "-o", "json", "--set", "name=scripted")
     assert r.exit_code == 0, r.output
     created = json.loads(r.stdout)

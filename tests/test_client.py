@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from api import client as client_module
 from api.client import (
@@ -41,6 +42,7 @@ from api.schemas import (
     ProbeSummary,
     StackAnswer,
 )
+from service.db import JobRow
 from service.hardware import PROFILES
 from service.heartbeats import HeartbeatLog
 from service.lease import Leader
@@ -142,6 +144,26 @@ def test_jobs_submit_list_cancel_and_resubmit(live: Live, client: TridentClient,
     again = client.resubmit_job(job.id)
     assert again.id not in (job.id, other.id, *more) and again.state == JobState.QUEUED
     assert again.spec == live.store.get_job(job_id=job.id).spec
+
+
+def test_a_spec_stored_before_a_newer_limit_reads_through_the_client(
+        live: Live, client: TridentClient) -> None:
+    """A spec stored before a limit it fails was added (a resource quantity Ray cannot claim,
+    written here as an older server did) reads as it was stored, in the client's records and
+    in `trident describe`; resubmitting it is refused on its field."""
+    job = client.submit(JobSpec.model_validate(tiny_spec(name="older")))
+    spec = job.spec.model_dump(mode="json")
+    spec["resources"]["cpus_per_worker"] = 1e-9
+    with live.store.engine.begin() as c:
+        c.execute(update(JobRow).where(JobRow.id == job.id).values(spec=spec))
+    got = client.get_job(job.id)
+    assert got.spec.resources.cpus_per_worker == 1e-9 and got.name == "older"
+    assert [j.spec.resources.cpus_per_worker for j in client.iter_jobs()] == [1e-9]
+    with pytest.raises(Invalid) as refused:
+        client.resubmit_job(job.id)
+    assert refused.value.field == "resources.cpus_per_worker", refused.value
+    r = live.cli("describe", str(job.id))
+    assert r.exit_code == 0 and "cpus_per_worker: 1.0e-09" in r.output, r.output
 
 
 def test_a_running_jobs_events_metrics_attempts_and_views(live: Live, client: TridentClient,

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.dashboard import job_series, jobs_page, queue, ranks_grid
+from service.dashboard import job_series, jobs_page, queue
 from service.heartbeats import HeartbeatLog
 from service.jobs import submit
+from service.rank_status import rank_status
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
@@ -88,7 +89,8 @@ def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store
     assert out["rows"] == 7 and out["step"] == list(range(1, 8))
     assert out["loss"] == [9.9, 9.8, 9.7, 1.0, 1.0, 1.0, 1.0]
     assert out["predicted"]["step_time_s"] == job.plan.time.step_s
-    mfu = job.plan.model_dump()["mfu"]
+    mfu = job.plan.mfu
+    assert mfu is not None
     assert out["mfu"][0] == pytest.approx(mfu * 100.0 / job.plan.tokens_per_s)
 
 
@@ -130,11 +132,11 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
         {"rank": r, "hostname": f"n{r}", "gpu_ids": [str(r)]} for r in range(4)]})
     store.add_event(job_id=job_id, attempt=1, kind="straggler", message="slow",
                     data={"rank": 3})
-    grid = ranks_grid(store, job)
+    grid = rank_status(store, job).to_json()
     cells = {c["rank"]: c for c in grid["cells"]}
     assert len(cells) == job.world_size == 4
-    stage = {r.rank: r.pp for r in job.plan.rank_layout}
-    by_stage = {m["stage"]: m["total"] for m in job.plan.model_dump()["memory_by_stage"]}
+    stage = job.plan.stage_of()
+    by_stage = {m.stage: m.total for m in job.plan.memory_by_stage}
     for r, c in cells.items():
         assert c["pp"] == stage[r] and c["node"] == f"n{r}" and c["gpu"] == str(r)
         assert c["memory_ratio"] == pytest.approx(c["memory_peak_bytes"] / by_stage[stage[r]])
@@ -147,7 +149,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
     seen = time.time() - 30.0
     HeartbeatLog(store.engine).record(job_id=job_id, attempt=1, seen={1: seen})
     before = time.time()
-    cells = {c["rank"]: c for c in ranks_grid(store, job)["cells"]}
+    cells = {c["rank"]: c for c in rank_status(store, job).to_json()["cells"]}
     assert before - seen <= cells[1]["heartbeat_age_s"] <= time.time() - seen
     assert cells[0]["heartbeat_age_s"] is None
 

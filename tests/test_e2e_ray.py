@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,9 +13,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from sqlalchemy import update  # noqa: E402
 
 from api.app import create_app  # noqa: E402
 from service.controller import Controller  # noqa: E402
+from service.db import JobRow  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
@@ -290,6 +293,33 @@ def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:
     job = client.get(f"/api/v1/jobs/{job_id}").json()
     assert "RuntimeError: rank 1 exploded on purpose" in job["error"]
     assert "Traceback" in job["error"]
+
+
+def test_each_rank_is_sent_its_row_of_the_stored_plan(stack) -> None:
+    """The launcher sends every rank its row of the plan as stored: its coordinates, its
+    layers, every stage's layers and its groups. A stored split other than the one the
+    planner would make now is the one the ranks get: they do not work it out again."""
+    client, store, controller = stack
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        model={"preset": "gpt-tiny", "layers": 5},
+        parallel={"tp": 1, "pp": 2, "dp": 1, "partition": "parameters"},
+        monitor={"probe": False}, entrypoint="tests.entrypoints:rows")).json()["id"]
+    planned = store.get_job(job_id=job_id).plan.to_json()
+    stored = [[[0, 1]], [[1, 5]]]
+    assert [r["layers"] for r in planned["rank_layout"]] != stored
+    with store.engine.begin() as c:  # before the controller's first pass reads it
+        c.execute(update(JobRow).where(JobRow.id == job_id).values(plan={
+            **planned, "rank_layout": [{**r, "layers": stored[r["pp"]]}
+                                       for r in planned["rank_layout"]]}))
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 180) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    sent = {m.rank: {k: json.loads(v) for k, v in m.data["custom"].items()}
+            for m in store.list_metrics(job_id=job_id, rank=None)}
+    assert sent == {
+        0: {"coords": [0, 0, 0], "layers": [[0, 1]], "stages": stored,
+            "groups": {"tp": [0], "pp": [0, 1], "dp": [0]}},
+        1: {"coords": [1, 0, 0], "layers": [[1, 5]], "stages": stored,
+            "groups": {"tp": [1], "pp": [0, 1], "dp": [1]}}}
 
 
 def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) -> None:

@@ -11,6 +11,7 @@ import pytest
 from service.heartbeats import HeartbeatLog, HeartbeatThrottle, ages
 from service.jobs import submit
 from service.monitor.attempt import AttemptHealth
+from service.protocols import HeartbeatReport
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
@@ -51,10 +52,10 @@ def test_throttle_writes_changed_ranks_at_most_once_a_second(store: Store) -> No
 
 def test_polled_heartbeats_are_stored_on_the_controllers_clock(store: Store) -> None:
     job = started(store)
-    health = AttemptHealth(store, job, 1, JobSpec.model_validate(job.spec))
+    health = AttemptHealth(store, job, 1, job.spec)
     # The rank's clock is not ours: its heartbeat's age (monotonic) is what counts.
-    hb = {"step": 3, "phase": "forward", "collective": None, "dim": None, "group": None,
-          "time": 5.0}
-    health.polled({0: {**hb, "age_s": 2.0}, 1: {**hb, "age_s": 0.5}}, received=1000.0)
+    hb = HeartbeatReport(rank=0, step=3, phase="forward", time=5.0, age_s=0.0)
+    health.polled({0: hb.model_copy(update={"age_s": 2.0}),
+                   1: hb.model_copy(update={"rank": 1, "age_s": 0.5})}, received=1000.0)
     seen = HeartbeatLog(store.engine).last_seen(job_id=job.id, attempt=1)
     assert {r: t.timestamp() for r, t in seen.items()} == pytest.approx({0: 998.0, 1: 999.5})

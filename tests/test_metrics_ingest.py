@@ -8,12 +8,14 @@ import pytest
 
 from service import metrics_ingest as mi
 from service.metrics_ingest import MetricsIngest
+from service.spec import JobSpec
 from service.store import Store
 from tests.conftest import stored_plan, tiny_spec
 
 
 def _job(store: Store, world: int) -> int:
-    return store.create_job(name="big", spec=tiny_spec(), plan=stored_plan(), world_size=world,
+    return store.create_job(name="big", spec=JobSpec.model_validate(tiny_spec()),
+                            plan=stored_plan(), world_size=world,
                             cpus=1, gpus=0).id
 
 

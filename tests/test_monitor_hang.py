@@ -3,7 +3,6 @@ controller-like loop in the test process reads the live heartbeats (written by e
 poll thread, as the Ray actor's poll would ship them) and must name the sleeping rank within
 the timeout plus 10 seconds, with every rank's Python stack."""
 
-import json
 import os
 import threading
 import time
@@ -13,9 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pydantic import ValidationError
 
 from service.monitor.hang import diagnose_hang
 from service.parallel import ParallelDims
+from service.protocols import HeartbeatReport
 from tests._monitor_dist import free_port
 from workers.comm_timer import CommTimer
 from workers.heartbeat import Heartbeat, dump_stacks
@@ -29,7 +30,7 @@ def _poll_thread(hb: Heartbeat, out: Path) -> None:
     beat_file, stack_req = out / f"hb{hb.rank}.json", out / "dump"
     while True:
         tmp = beat_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(hb.read()))
+        tmp.write_text(hb.read().model_dump_json())
         os.replace(tmp, beat_file)
         if stack_req.exists() and not (out / f"stacks{hb.rank}.txt").exists():
             (out / f"stacks{hb.rank}.txt").write_text(dump_stacks())
@@ -73,18 +74,19 @@ def test_sleeping_rank_is_named_within_timeout(tmp_path):
         while diagnosis is None and time.time() < deadline:
             time.sleep(0.25)
             try:
-                beats = {r: json.loads((tmp_path / f"hb{r}.json").read_text()) for r in range(2)}
-            except (FileNotFoundError, json.JSONDecodeError):
+                beats = {r: HeartbeatReport.model_validate_json(
+                    (tmp_path / f"hb{r}.json").read_text()) for r in range(2)}
+            except (FileNotFoundError, ValidationError):
                 continue
             # Judge once the scene is set (rank 1 asleep in its step, rank 0 waiting in the
             # all-reduce): before that, a loaded machine may starve both ranks for the timeout.
-            if not (beats[SLEEPY_RANK]["step"] == SLEEPY_STEP == beats[0]["step"]
-                    and beats[0]["collective"]):
+            if not (beats[SLEEPY_RANK].step == SLEEPY_STEP == beats[0].step
+                    and beats[0].collective):
                 continue
             diagnosis = diagnose_hang(beats, time.time(), TIMEOUT_S, ParallelDims(dp=2))
         assert diagnosis is not None, "no hang diagnosed"
         detected_at = time.time()
-        last_progress = max(b["time"] for b in beats.values())
+        last_progress = max(b.time for b in beats.values())
         assert detected_at - last_progress <= TIMEOUT_S + 10
 
         assert diagnosis.never_arrived == [SLEEPY_RANK]

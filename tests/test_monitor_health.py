@@ -11,7 +11,7 @@ from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import flag_slow_groups, measured_link_bw
 from service.monitor.stragglers import compute_s, find_stragglers
 from service.parallel import Dim, ParallelDims
-from service.protocols import StepReport
+from service.protocols import HeartbeatReport, StepReport
 
 CPU = get_profile("cpu")
 H100 = get_profile("h100-80gb")
@@ -88,14 +88,19 @@ def _hb(step, phase, collective=None, dim=None, group=None, t=100.0):
             "group": group, "time": t}
 
 
+def _beats(hbs):
+    """Each rank's heartbeat, as the worker group hands them to the controller."""
+    return {r: HeartbeatReport(rank=r, age_s=0.0, **hb) for r, hb in hbs.items()}
+
+
 def test_hang_names_the_rank_that_never_arrived():
     dims = ParallelDims(tp=2, dp=2)  # tp groups [0,1] [2,3]; dp groups [0,2] [1,3]
-    hbs = {
+    hbs = _beats({
         0: _hb(7, "backward", "all_reduce", "dp", [0, 2]),
         1: _hb(7, "backward", "all_reduce", "dp", [1, 3]),
         2: _hb(7, "forward", t=95.0),  # stuck in compute at step 7
         3: _hb(7, "backward", "all_reduce", "dp", [1, 3]),
-    }
+    })
     assert diagnose_hang(hbs, now=105.0, timeout=10.0, dims=dims) is None
     d = diagnose_hang(hbs, now=111.0, timeout=10.0, dims=dims)
     assert d is not None
@@ -109,11 +114,11 @@ def test_hang_names_the_rank_that_never_arrived():
 
 def test_hang_follows_chain_and_flags_silent_ranks():
     dims = ParallelDims(tp=2, pp=2)  # tp [0,1] [2,3]; pp pairs [0,2] [1,3]
-    hbs = {
+    hbs = _beats({
         0: _hb(3, "forward", "all_reduce", "tp", [0, 1]),
         1: _hb(3, "forward", "send", "pp", [1, 3]),  # blocked on rank 3, so not the culprit
         2: _hb(3, "forward", "recv", "pp", [0, 2]),
-    }
+    })
     d = diagnose_hang(hbs, now=200.0, timeout=30.0, dims=dims)
     assert d is not None
     assert d.never_arrived == [3]  # no heartbeat at all
@@ -124,14 +129,15 @@ def test_hang_follows_chain_and_flags_silent_ranks():
 
 
 def test_hang_with_matched_p2p_is_not_a_missing_peer():
-    hbs = {0: _hb(1, "forward", "send", "pp", [0, 1]), 1: _hb(1, "forward", "recv", "pp", [0, 1])}
+    hbs = _beats({0: _hb(1, "forward", "send", "pp", [0, 1]),
+                  1: _hb(1, "forward", "recv", "pp", [0, 1])})
     d = diagnose_hang(hbs, now=500.0, timeout=30.0)
     assert d is not None and d.waiting == [] and d.never_arrived == []
     assert "stuck inside the transport" in d.summary
 
 
 def test_hang_all_in_compute_names_the_laggard():
-    hbs = {0: _hb(5, "optimizer"), 1: _hb(4, "forward")}
+    hbs = _beats({0: _hb(5, "optimizer"), 1: _hb(4, "forward")})
     d = diagnose_hang(hbs, now=500.0, timeout=30.0)
     assert d is not None and d.never_arrived == [1]
 

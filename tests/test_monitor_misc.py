@@ -50,14 +50,14 @@ def test_heartbeat_read_from_another_thread_and_stacks():
     hb.beat(5, "backward")
     seen = {}
     with hb.in_collective("all_reduce", "dp", [1, 3]):
-        t = threading.Thread(target=lambda: seen.update(hb.read()))
+        t = threading.Thread(target=lambda: seen.update(hb.read().model_dump()))
         t.start()
         t.join()
     assert seen["collective"] == "all_reduce" and seen["group"] == [1, 3]
     assert (seen["step"], seen["phase"], seen["dim"]) == (5, "backward", "dp")
     after = hb.read()
-    assert after["collective"] is None and after["time"] >= seen["time"]
-    assert abs(after["time"] - time.time()) < 5
+    assert after.collective is None and after.time >= seen["time"]
+    assert abs(after.time - time.time()) < 5
 
     ready, stop = threading.Event(), threading.Event()
 

@@ -50,7 +50,7 @@ def _timer_rank(rank, world):
         empty = timer.step_summary()
     finally:
         timer.uninstall()
-    return {"ok": ok, "summary": summary, "empty": empty, "hb": hb.read(),
+    return {"ok": ok, "summary": summary, "empty": empty, "hb": hb.read().model_dump(),
             "restored": installed and dist.all_reduce is original}
 
 

@@ -11,8 +11,10 @@ from service.hardware import GB, PROFILES, get_profile
 from service.planner import PlanInfeasible, evaluate, plan_job, search
 from service.planner.calibrate import fit_overheads, profile_from_measurements
 from service.planner.capacity import can_train, capacity
+from service.planner.explain import tuning_notes
 from service.planner.report import plan_command, render_can_train, render_plan, render_search
 from service.planner.shape import ModelShape
+from service.planner.stored import plan_json
 from service.planner.timing import ring_time
 from service.spec import JobSpec, ParallelSpec
 
@@ -45,7 +47,7 @@ def test_profiles_complete() -> None:
 
 def test_plan_json_documented_keys() -> None:
     spec = job(parallel=ParallelSpec(tp=2, pp=2, dp=2, zero=1), gb=16)
-    out = evaluate(spec).to_json()
+    out = plan_json(evaluate(spec))
     assert set(out["layout"]) == set(ParallelSpec.model_fields) | {"micro_batch"}
     for key in ("params", "grads", "optimizer", "activations", "other", "total"):
         assert out["memory"][key] >= 0
@@ -93,8 +95,8 @@ def test_tp_across_nodes_pays_inter_node_link() -> None:
     across = evaluate(job("gpt3-13b", nodes=8, gpn=2, gb=64, mb=8), lay)  # over 2 nodes
     assert across.time.tp_comm_s / inside.time.tp_comm_s == pytest.approx(
         prof.intra_node_bw / prof.inter_node_bw, rel=0.05)
-    assert any("inter-node" in n for n in across.notes)
-    assert not any("inter-node" in n for n in inside.notes)
+    assert any("inter-node" in n for n in tuning_notes(across))
+    assert not any("inter-node" in n for n in tuning_notes(inside))
 
 
 def test_ring_costs_match_nccl_tests_busbw() -> None:
@@ -144,7 +146,7 @@ def test_evaluate_explicit_layout_even_when_it_does_not_fit() -> None:
     spec = job("gpt3-175b", gb=8, parallel=ParallelSpec(dp=8))
     plan = evaluate(spec)
     assert not plan.fits
-    assert plan.to_json()["fits"] is False
+    assert plan_json(plan)["fits"] is False
     assert "capacity 85.90 GB" in plan.reasons[0]  # 80 GiB
     with pytest.raises(ValueError, match=r"tp\(5\) does not divide heads\(96\)"):
         evaluate(spec, ParallelSpec(tp=5))
@@ -277,8 +279,8 @@ def test_reduce_bucket_is_resident_whole_on_gpus_but_only_as_written_on_cpu_rank
                                              "precision": "fp32"},
                                    "parallel": {"dp": 2, "zero": 2}})
     params = ModelShape.from_spec(spec.model).total_params
-    cpu = evaluate(spec).to_json()["memory"]
-    gpu = evaluate(spec, profile=get_profile("a100-80gb")).to_json()["memory"]
+    cpu = plan_json(evaluate(spec))["memory"]
+    gpu = plan_json(evaluate(spec, profile=get_profile("a100-80gb")))["memory"]
     assert cpu["zero_buffers"] == pytest.approx(params * 4)  # fp32 gradients, one bucket
     assert gpu["zero_buffers"] == pytest.approx(5e8 * 4)  # DeepSpeed's default bucket
 

@@ -9,6 +9,7 @@ from service.planner import evaluate
 from service.planner.capacity import can_train
 from service.planner.clusters import gpu_hours_per_billion_tokens, smallest_cluster
 from service.planner.report import plan_command, render_plan
+from service.planner.stored import plan_json
 from service.planner.uncertainty import held_out_error
 from service.spec import JobSpec, ParallelSpec
 
@@ -23,7 +24,7 @@ def spec(preset: str = "gpt3-175b", gpu: str = "a100-80gb", nodes: int = 1,
 def test_every_prediction_carries_a_range_from_held_out_error_and_names_its_constant():
     plan = evaluate(spec("gpt3-6.7b", parallel=ParallelSpec(tp=2, dp=4, zero=1),
                          stack="fsdp"))
-    out = plan.to_json()["ranges"]
+    out = plan_json(plan)["ranges"]
     err, basis = held_out_error("time_error", "fsdp", "a100-80gb")
     assert basis == "fsdp/a100-80gb" and 0 < err < 1
     lo, hi = out["step_s"]
@@ -39,7 +40,7 @@ def test_every_prediction_carries_a_range_from_held_out_error_and_names_its_cons
 
 def test_memory_reports_allocated_and_reserved_and_the_bytes_besides_tensors():
     plan = evaluate(spec("gpt3-6.7b", parallel=ParallelSpec(tp=2, pp=2, dp=2, zero=1)))
-    m = plan.to_json()["memory"]
+    m = plan_json(plan)["memory"]
     assert m["allocated"] < m["reserved_by_allocator"] < m["total"]
     assert m["reserved"] == pytest.approx(m["cuda_context"] + m["nccl_buffers"]
                                           + m["framework"] + m["allocator_slack"])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from service.planner import evaluate, search
+from service.parallel import Dim, ParallelDims
+from service.planner import StoredPlan, evaluate, search
 from service.planner.memory import stage_memory
 from service.planner.plan import scenario_for
 from service.planner.shape import ModelShape
+from service.planner.stored import plan_json
 from service.spec import JobSpec, ModelSpec, ParallelSpec
 
 
@@ -21,7 +23,7 @@ def spec(layers: int, pp: int, partition: str = "uniform", gpu: str = "a100-80gb
 
 def test_five_layers_on_two_stages_split_three_and_two_and_the_plan_shows_it():
     plan = evaluate(spec(5, 2))
-    out = plan.to_json()
+    out = plan_json(plan)
     assert out["stages"]["blocks"] == [3, 2]
     assert [s["layers"] for s in out["memory_by_stage"]] == [[[0, 3]], [[3, 5]]]
     assert [r["layers"] for r in out["rank_layout"]] == [[[0, 3]], [[3, 5]]]
@@ -59,10 +61,10 @@ def test_parameters_partition_counts_embedding_and_head():
     # the last stage's copy of the tied head weigh about two blocks each, so balancing by
     # parameters moves blocks from the end stages to the middle one.
     plan = evaluate(spec(24, 3, "parameters"))
-    blocks = plan.to_json()["stages"]["blocks"]
+    blocks = plan_json(plan)["stages"]["blocks"]
     assert sum(blocks) == 24 and blocks[1] > blocks[0] and blocks[1] > blocks[2]
     uniform = evaluate(spec(24, 3, "uniform"))
-    assert uniform.to_json()["stages"]["blocks"] == [8, 8, 8]
+    assert plan_json(uniform)["stages"]["blocks"] == [8, 8, 8]
     # ... which lowers the heaviest stage's parameters (and so its memory).
     heaviest = [max(stage_memory(p.scenario, s).params_per_rank for s in range(3))
                 for p in (plan, uniform)]
@@ -85,3 +87,34 @@ def test_search_offers_uneven_pipelines():
     assert not any("not divisible by pp" in r.reason for r in res.rejected)
     sc = scenario_for(sp, ParallelSpec(pp=4))
     assert sc.stage_blocks == (7, 6, 6, 6)
+
+
+def test_each_rank_plan_is_its_stored_row_with_every_stage_and_its_groups():
+    """`StoredPlan.rank_plan`, the row the launcher sends a rank: the stored row's stage and
+    layers (here the `parameters` balance of an uneven split), every stage's layers, and the
+    ranks of its TP, PP and DP groups."""
+    job = JobSpec(name="u", model={"preset": "gpt3-1.3b", "layers": 7},
+                  train={"global_batch": 16, "micro_batch": 1},
+                  parallel=ParallelSpec(tp=2, pp=3, dp=2, partition="parameters"),
+                  cluster={"gpu": "a100-80gb", "nodes": 2, "gpus_per_node": 6})
+    plan = StoredPlan.from_json(plan_json(evaluate(job)))
+    dims = plan.layout.dims
+    stages = ModelShape.from_spec(job.model).stages(3, 1, "parameters")
+    assert stages != ModelShape.from_spec(job.model).stages(3)  # not the uniform split
+    for rank, row in enumerate(plan.rank_layout):
+        mine = plan.rank_plan(rank)
+        assert (mine.rank, mine.pp, mine.dp, mine.tp) == (row.rank, row.pp, row.dp, row.tp)
+        assert mine.layers == row.layers == stages[row.pp]
+        assert mine.stages == stages
+        assert mine.blocks == [i for a, b in stages[row.pp] for i in range(a, b)]
+        assert mine.first_stage == row.first_stage and mine.last_stage == row.last_stage
+        for dim in Dim:
+            assert mine.groups[dim] in dims.groups(dim) and rank in mine.groups[dim]
+    assert plan.rank_plan(5).groups == {Dim.TP: [4, 5], Dim.DP: [5, 7], Dim.PP: [1, 5, 9]}
+
+
+def test_a_ranks_group_along_a_dim_is_its_entry_of_the_groups():
+    for dims in (ParallelDims(tp=2, pp=3, dp=2), ParallelDims(dp=5), ParallelDims(tp=4, pp=2)):
+        for dim in Dim:
+            for group in dims.groups(dim):
+                assert all(dims.group_of(r, dim) == group for r in group)

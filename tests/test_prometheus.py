@@ -76,6 +76,7 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         before = datetime.now(UTC)
         fams = scrape(client)
         after = datetime.now(UTC)
+        cells = client.get(f"/api/v1/jobs/{running.id}/ranks").json()["cells"]
 
     assert fams["trident_jobs"].type == "gauge"
     assert value(fams["trident_jobs"], state="QUEUED") == len(queued)
@@ -100,7 +101,7 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         pytest.approx((latest.step_time_s - pred) / pred)
     assert value(fams["trident_job_tokens_per_second"], job_id=job) == 3000.0
     assert value(fams["trident_job_loss"], job_id=job) == pytest.approx(4.7)
-    mfu_pred = running.plan.model_dump()["mfu"]
+    mfu_pred = running.plan.mfu
     assert value(fams["trident_job_mfu_ratio"], job_id=job) == pytest.approx(
         mfu_pred * 3000.0 / running.plan.tokens_per_s)
     bubbles = fams["trident_pipeline_bubble_ratio"]
@@ -126,6 +127,15 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
             assert (before - seen[rank]).total_seconds() <= age <= \
                 (after - seen[rank]).total_seconds()
         assert (before - seen[0]).total_seconds() >= 12.5
+        # One status per rank: the ranks grid's (`trident top`'s) cells, gauge for gauge.
+        assert [c["rank"] for c in cells] == [0, 1]
+        for c in cells:
+            labels = {"job_id": job, "rank": str(c["rank"]), "node": c["node"],
+                      "gpu": c["gpu"] or ""}
+            assert value(fams["trident_rank_memory_peak_bytes"], **labels) == \
+                c["memory_peak_bytes"]
+            assert value(fams["trident_rank_memory_predicted_bytes"], **labels) == \
+                pytest.approx(c["memory_predicted_bytes"])
     else:
         assert not fams["trident_rank_memory_peak_bytes"].samples
         assert not fams["trident_rank_heartbeat_age_seconds"].samples

@@ -6,18 +6,26 @@ import json
 import threading
 
 import pytest
-from sqlalchemy import inspect, text
+from pydantic import ValidationError
+from sqlalchemy import inspect, select, text, update
 
 from migrations import downgrade, upgrade
+from service.db import JobRow
 from service.hardware import get_profile
-from service.spec import ParallelSpec
+from service.planner import StoredPlan, evaluate
+from service.planner.memory import MemoryBreakdown, stage_memory
+from service.planner.stored import plan_json
+from service.planner.timing import TimeBreakdown
+from service.spec import JobSpec, ParallelSpec
+from service.spec_limits import recheck
 from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
-from tests.conftest import stored_plan
+from tests.conftest import stored_plan, tiny_spec
 
 
 def _job(store: Store, **kw: object) -> int:
-    args: dict = {"name": "j", "spec": {"max_retries": 0}, "plan": stored_plan(dp=2),
+    args: dict = {"name": "j", "spec": JobSpec.model_validate(tiny_spec()),
+                  "plan": stored_plan(dp=2),
                   "world_size": 2, "cpus": 1.0, "gpus": 0.0}
     args.update(kw)
     return store.create_job(**args).id
@@ -57,6 +65,81 @@ def test_plan_comes_back_typed_and_as_stored(store: Store) -> None:
     # Every key, typed or not, in the order it was stored.
     assert json.dumps(job.plan.to_json()) == json.dumps(plan.to_json())
     assert "explanation" in job.plan.to_json() and job.plan.chosen_by == "spec"
+
+
+def test_a_stored_plan_holds_the_planners_own_breakdowns(store: Store) -> None:
+    """The planner's TimeBreakdown and MemoryBreakdown are what is stored and read back; the
+    per-stage memory and the MFU are typed too."""
+    spec = JobSpec.model_validate(tiny_spec(
+        model={"layers": 5, "hidden": 64, "heads": 8, "vocab": 256, "seq_len": 32},
+        train={"global_batch": 4, "micro_batch": 1, "precision": "fp32"},
+        parallel={"tp": 1, "pp": 2, "dp": 1}))
+    planned = evaluate(spec)
+    job = store.get_job(job_id=_job(store, plan=StoredPlan.from_json(plan_json(planned)),
+                                    world_size=2))
+    assert isinstance(job.plan.time, TimeBreakdown) and job.plan.time == planned.time
+    assert isinstance(job.plan.memory, MemoryBreakdown) and job.plan.memory == planned.memory
+    assert job.plan.mfu == pytest.approx(planned.mfu)
+    by_stage = {s: stage_memory(planned.scenario, s) for s in range(2)}
+    assert job.plan.stage_bytes() == {s: m.total for s, m in by_stage.items()}
+    assert [m.layers for m in job.plan.memory_by_stage] == [[(0, 3)], [(3, 5)]]
+    assert job.plan.stage_of() == {0: 0, 1: 1}
+    # The stored JSON carries the breakdowns' derived keys, as the planner writes them, and
+    # reads back as the very JSON the planner wrote, key for key and number for number.
+    assert job.plan.to_json()["memory"] == planned.memory.to_json()
+    assert json.dumps(job.plan.to_json()) == json.dumps(json.loads(json.dumps(
+        plan_json(planned))))
+
+
+def test_a_plan_stored_before_later_keys_reads_with_their_defaults() -> None:
+    """Plans stored before `memory_by_stage`, `mfu`, the reserved bytes' split and the
+    slowest stage existed still read, and dump back without them."""
+    data = stored_plan(pp=2).to_json()
+    del data["memory_by_stage"], data["mfu"]
+    for key in ("cuda_context", "nccl_buffers", "framework", "allocator_slack"):
+        del data["memory"][key]
+    del data["time"]["slowest_stage"], data["time"]["stage_micro_batch_s"]
+    plan = StoredPlan.from_json(data)
+    assert plan.mfu is None and plan.memory_by_stage == [] and plan.stage_bytes() == {}
+    assert plan.memory.cuda_context == 0.0 and plan.time.slowest_stage == 0
+    assert plan.memory.total == pytest.approx(data["memory"]["total"])
+    out = plan.to_json()
+    assert "memory_by_stage" not in out and "mfu" not in out
+
+
+def test_rank_rows_are_validated_on_first_use_only() -> None:
+    """Reading a plan leaves its rank rows as stored (a pass over every active job reads
+    every plan); a row is validated when it is first read, and the plan dumps back as is."""
+    data = stored_plan(dp=2).to_json()
+    data["rank_layout"] = [{"rank": 0, "layers": "not a row"}, {"rank": 1}]
+    plan = StoredPlan.from_json(data)
+    assert len(plan.rank_layout) == 2 and plan.layout.dp == 2
+    assert plan.to_json()["rank_layout"] == data["rank_layout"]
+    with pytest.raises(ValidationError, match="layers"):
+        plan.rank_layout[0]
+    good = stored_plan(tp=2, pp=2).rank_layout
+    assert [r.rank for r in good] == [0, 1, 2, 3] and good[2].first_stage is False
+
+
+def test_a_spec_stored_before_a_newer_limit_reads_and_is_rechecked(store: Store) -> None:
+    """Ray's resource unit and the OS's path limits came after specs were first stored: a row
+    that fails them reads as it was stored, and `recheck` (the controller's, before every
+    attempt) names each field it fails."""
+    spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
+    spec["resources"]["cpus_per_worker"] = 1e-9
+    spec["checkpoint"] = {"every_steps": 2, "dir": f"/ckpt/{'x' * 256}/line\nbreak"}
+    with pytest.raises(ValidationError):
+        JobSpec.model_validate(spec)  # what a submission of it is
+    job_id = _job(store)
+    with store.engine.begin() as c:
+        c.execute(update(JobRow).where(JobRow.id == job_id).values(spec=spec))
+    (listed,), _ = store.list_jobs()
+    job = store.get_job(job_id=job_id)
+    assert listed.spec == job.spec and job.spec.model_dump(mode="json") == spec
+    with pytest.raises(ValidationError) as refused:
+        recheck(job.spec)
+    assert sorted(".".join(map(str, e["loc"])) for e in refused.value.errors()) == [
+        "checkpoint.dir", "resources.cpus_per_worker"]
 
 
 def test_expect_guards_against_races(store: Store) -> None:
@@ -209,7 +292,9 @@ def test_calibrated_profiles_replace_older_ones(store: Store) -> None:
 def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
     upgrade(db_url, "0002")
     plan = stored_plan(dp=2).to_json()
-    spec = {"name": "j", "parallel": "auto", "train": {"micro_batch": 7, "steps": 3}}
+    spec = {"name": "j", "model": {"preset": "gpt-tiny"}, "parallel": "auto",
+            "train": {"micro_batch": 7, "steps": 3},
+            "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}}
     s = Store(db_url)
     with s.engine.begin() as c:
         c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
@@ -218,10 +303,39 @@ def test_migration_resolves_auto_specs_stored_before(db_url: str) -> None:
                        " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
                   {"spec": json.dumps(spec), "plan": json.dumps(plan)})
     upgrade(db_url)
-    (job,), _ = s.list_jobs()
+    with s.engine.begin() as c:
+        stored = c.execute(select(JobRow.spec)).scalar_one()
     layout = dict(plan["layout"])
-    assert job.spec["train"] == {"micro_batch": layout.pop("micro_batch"), "steps": 3}
-    assert job.spec["parallel"] == layout
+    micro_batch = layout.pop("micro_batch")
+    assert stored["train"] == {"micro_batch": micro_batch, "steps": 3}
+    assert stored["parallel"] == layout
+    (job,), _ = s.list_jobs()  # and it reads as the spec that runs
+    assert job.spec.train.micro_batch == micro_batch and job.spec.train.steps == 3
+    assert job.spec.layout == ParallelSpec.model_validate(layout)
+    s.close()
+
+
+def test_migration_makes_env_values_stored_before_printable(db_url: str) -> None:
+    """A spec stored before env values had to be printable text reads as a JobSpec after the
+    upgrade: its control characters are written as escapes, and the job says so."""
+    upgrade(db_url, "0011")
+    spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
+    spec["env"] = {"BANNER": "one\ntwo\tthree\x00", "PLAIN": "as it was"}
+    with pytest.raises(ValidationError, match="control character"):
+        JobSpec.model_validate(spec)  # what the row could not be read as
+    s = Store(db_url)
+    with s.engine.begin() as c:
+        c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
+                       " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
+                       " VALUES ('old', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
+                       " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                  {"spec": json.dumps(spec), "plan": json.dumps(stored_plan(dp=2).to_json())})
+    upgrade(db_url)
+    (job,), _ = s.list_jobs()
+    assert job.spec.env == {"BANNER": "one\\ntwo\\tthree\\x00", "PLAIN": "as it was"}
+    assert job.spec.model_dump(mode="json") == {**spec, "env": job.spec.env}
+    (event,) = [e for e in s.list_events(job_id=job.id) if e.kind == "spec"]
+    assert event.data == {"escaped": ["BANNER"]} and "BANNER" in event.message
     s.close()
 
 
@@ -258,9 +372,11 @@ def test_idempotency_key_per_owner_revision_both_ways(db_url: str) -> None:
     with s.engine.begin() as c:
         c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
                        " cpus, gpus, cancel_requested, attempts, created_at, updated_at,"
-                       " idempotency_key) VALUES ('old', 'alice', 'QUEUED', 0, '{}', :plan, 2,"
-                       " 1, 0, false, 0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 'k')"),
-                  {"plan": json.dumps(stored_plan(dp=2).to_json())})
+                       " idempotency_key) VALUES ('old', 'alice', 'QUEUED', 0, :spec, :plan,"
+                       " 2, 1, 0, false, 0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 'k')"),
+                  {"plan": json.dumps(stored_plan(dp=2).to_json()),
+                   "spec": json.dumps(JobSpec.model_validate(tiny_spec()).model_dump(
+                       mode="json"))})
     upgrade(db_url)
     indexes = {i["name"]: i for i in inspect(s.engine).get_indexes("jobs")}
     assert "ix_jobs_idempotency_key" not in indexes
@@ -289,9 +405,11 @@ def test_idempotency_key_revision_keeps_jobs_both_ways(db_url: str) -> None:
     with s.engine.begin() as c:
         c.execute(text("INSERT INTO jobs (name, owner, state, priority, spec, plan, world_size,"
                        " cpus, gpus, cancel_requested, attempts, created_at, updated_at)"
-                       " VALUES ('old', 'local', 'QUEUED', 0, '{}', :plan, 2, 1, 0, false, 0,"
+                       " VALUES ('old', 'local', 'QUEUED', 0, :spec, :plan, 2, 1, 0, false, 0,"
                        " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
-                  {"plan": json.dumps(stored_plan(dp=2).to_json())})
+                  {"plan": json.dumps(stored_plan(dp=2).to_json()),
+                   "spec": json.dumps(JobSpec.model_validate(tiny_spec()).model_dump(
+                       mode="json"))})
         old_id = c.execute(text("SELECT id FROM jobs")).scalar_one()
         c.execute(text("INSERT INTO events (job_id, kind, message, data, time) VALUES"
                        " (:j, 'state', 'job queued', '{}', CURRENT_TIMESTAMP)"), {"j": old_id})

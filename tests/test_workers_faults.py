@@ -31,7 +31,7 @@ def test_a_hang_sleeps_before_the_first_collective_and_counts_as_compute(world_o
     hb = Heartbeat(0)
 
     def fake_sleep(seconds: float) -> None:
-        seen.append((seconds, hb.read()["collective"]))
+        seen.append((seconds, hb.read().collective))
         clock[0] += seconds
 
     monkeypatch.setattr(comm_timer.time, "perf_counter", lambda: clock[0])

@@ -138,12 +138,12 @@ def test_fp16_is_refused_with_the_reason_on_a_device_without_fp16():
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from workers.train import RankContext, train_rank
+    from workers.train import RankContext, planned_row, train_rank
 
     if torch.cuda.is_available() or get_accelerator().is_fp16_supported():
         pytest.skip("this device has fp16")
     ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                      master_port=1, checkpoint_dir=None)
+                      master_port=1, checkpoint_dir=None, plan=planned_row(spec("fp16"), 0))
     with pytest.raises(ValueError, match="fp16 needs a device with fp16"):
         train_rank(spec("fp16"), ctx, lambda row: None, threading.Event())
 

@@ -45,7 +45,7 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
     spec = JobSpec.model_validate_json(spec_json)
     if spec.resources.gpus_per_worker == 0:
         os.environ["DS_ACCELERATOR"] = "cpu"
-    from workers.train import RankContext, train_rank
+    from workers.train import RankContext, planned_row, train_rank
 
     try:
         # Several attempts in one process, as a Ray actor may run them; an attempt with a
@@ -62,7 +62,8 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
 
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=ports[attempt],
-                              checkpoint_dir=ckpt, attempt=attempt, writer=writer)
+                              checkpoint_dir=ckpt, plan=planned_row(spec, rank),
+                              attempt=attempt, writer=writer)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
 

@@ -23,6 +23,9 @@ from typing import Any
 
 import ray
 
+from service.checkpoints import CheckpointWriter
+from service.planner.stored import RankPlan
+from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
 
 RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
@@ -71,24 +74,23 @@ class RankActor:
             "free_ports": [_free_port(), _free_port()],
         }
 
-    def start(self, spec_json: dict[str, Any], master_addr: str, ports: list[int],
+    def start(self, spec: JobSpec, plan: RankPlan, master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int,
               log: tuple[str, int] | None = None,
               writer: dict[str, Any] | None = None) -> None:
-        """Probe (if asked), then train, on a thread; `ports`: [training, probe]; `log`: the
-        directory and size cap of the rank logs (`workers.ranklog`); `writer`: the job the
-        checkpoint folder must belong to (`service.checkpoints.CheckpointWriter`)."""
-        from service.checkpoints import CheckpointWriter
-        from service.spec import JobSpec
+        """Probe (if asked), then train, on a thread: the job's stored spec and this rank's
+        row of its stored plan, as the controller's launcher sends them; `ports`: [training,
+        probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`);
+        `writer`: the job the checkpoint folder must belong to
+        (`service.checkpoints.CheckpointWriter`)."""
         from workers.ranklog import capture
         from workers.train import RankContext, train_rank
 
         self._log = capture(log[0], self.rank, log[1]) if log else None
 
-        spec = JobSpec.model_validate(spec_json)
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
                           master_addr=master_addr, master_port=ports[0],
-                          checkpoint_dir=checkpoint_dir, attempt=attempt,
+                          checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
                           writer=CheckpointWriter.from_json(writer) if writer else None)
 
         def work() -> None:
@@ -116,7 +118,7 @@ class RankActor:
                 print(self._error, file=sys.stderr, flush=True)  # into the rank's log
             finally:
                 self._finished = True
-                self.heartbeat.beat(self.heartbeat.read()["step"], "done")
+                self.heartbeat.beat(self.heartbeat.read().step, "done")
 
         self._thread = threading.Thread(target=run, name=f"rank{self.rank}", daemon=True)
         self._thread.start()
@@ -200,8 +202,9 @@ class RankActor:
             state = "failed"
         else:
             state = "stopped" if self._stop.is_set() else "succeeded"
+        # Plain dicts across Ray; the group validates the heartbeat back into its model.
         return {"rank": self.rank, "state": state, "reports": reports, "error": self._error,
-                "heartbeat": self.heartbeat.read(), "dropped": dropped}
+                "heartbeat": self.heartbeat.read().model_dump(), "dropped": dropped}
 
     def started(self) -> bool:
         """Whether this rank's work was started (a controller that re-attaches needs it)."""

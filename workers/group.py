@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import (
     get_placement_group,
@@ -32,7 +33,7 @@ from ray.util.scheduling_strategies import (
 
 from service.checkpoints import CheckpointWriter
 from service.planner.stored import StoredPlan
-from service.protocols import GroupState, PollResult
+from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
 from workers.actor import RANK_RUNTIME_ENV, RankActor
@@ -88,6 +89,7 @@ class RayWorkerGroup:
         self._states: dict[int, str] = {}
         self._errors: dict[int, str] = {}
         self._acked: dict[int, int] = {}
+        self._bad_beats: set[int] = set()
         self.actors: list[Any]
         if attach:  # the ranks exist and train: look them up by name
             found = get_placement_group(name)
@@ -188,7 +190,7 @@ class RayWorkerGroup:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done_set = set(done)
         reports: list[dict[str, Any]] = []
-        heartbeats: dict[int, dict[str, Any]] = {}
+        heartbeats: dict[int, HeartbeatReport] = {}
         acks: dict[int, int] = {}
         events: list[dict[str, Any]] = []
         for r, ref in list(self._poll_refs.items()):
@@ -207,7 +209,13 @@ class RayWorkerGroup:
             if out.get("dropped"):
                 events.append({"kind": "warning", "message": f"rank {r} dropped"
                                f" {out['dropped']} unacknowledged report(s): its buffer is full"})
-            heartbeats[r] = out["heartbeat"]
+            try:
+                heartbeats[r] = HeartbeatReport.model_validate(out["heartbeat"])
+            except ValidationError as exc:  # dropped, said once: the rank is judged without it
+                if r not in self._bad_beats:
+                    self._bad_beats.add(r)
+                    events.append({"kind": "warning", "message": f"rank {r} sent a heartbeat"
+                                   f" that does not validate, dropped: {exc}"})
             self._states[r] = out["state"]
             if out["error"]:
                 self._errors[r] = f"rank {r}:\n{out['error']}"
@@ -284,17 +292,18 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
-def train_launch(*, attempt: int, spec: JobSpec, checkpoint_dir: str | None,
+def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_dir: str | None,
                  log: tuple[str, int] | None, writer: CheckpointWriter | None = None,
                  ) -> Callable[[Any, int, list[dict[str, Any]], int], Any]:
-    """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`);
-    `writer`: the job the checkpoint folder must belong to."""
-    spec_json = spec.model_dump(mode="json")
+    """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`):
+    with the job's stored spec and the rank's row of its stored plan (`StoredPlan.rank_plan`:
+    its stage, layers and groups); `writer`: the job the checkpoint folder must belong to."""
     writer_json = writer.to_json() if writer is not None else None
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
-        return actor.start.remote(spec_json, infos[0]["ip"], infos[0]["free_ports"],
-                                  local_rank, checkpoint_dir, attempt, log, writer_json)
+        return actor.start.remote(spec, plan.rank_plan(rank), infos[0]["ip"],
+                                  infos[0]["free_ports"], local_rank, checkpoint_dir, attempt,
+                                  log, writer_json)
 
     return launch
 
@@ -308,7 +317,8 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
                           env=rank_env(spec.env, cpus, gpus), detached=True,
-                          launch=train_launch(attempt=attempt, spec=spec, writer=writer,
+                          launch=train_launch(attempt=attempt, spec=spec, plan=plan,
+                                              writer=writer,
                                               checkpoint_dir=checkpoint_dir, log=log))
 
 

@@ -2,9 +2,9 @@
 
 The trainer loop owns the writes (`beat`, `entering`, `left`; or `in_collective` as a context
 manager, which `workers.comm_timer.CommTimer` calls for every collective it times). The Ray
-actor's poll thread calls `read()` and ships the dict to the controller, which feeds
-`service.monitor.hang.diagnose_hang`. When the controller declares a hang it asks every rank for
-`dump_stacks()` and stores the text in the job's events.
+actor's poll thread calls `read()`, a `service.protocols.HeartbeatReport`, and ships it to the
+controller, which feeds `service.monitor.hang.diagnose_hang`. When the controller declares a
+hang it asks every rank for `dump_stacks()` and stores the text in the job's events.
 
 A write is a few attribute stores under a lock, cheap enough for every collective.
 """
@@ -17,9 +17,8 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
-PHASES = ("setup", "probe", "forward", "backward", "optimizer", "checkpoint", "done")
+from service.protocols import HeartbeatReport, Phase
 
 
 class Heartbeat:
@@ -29,7 +28,7 @@ class Heartbeat:
         self.rank = rank
         self._lock = threading.Lock()
         self._step = -1
-        self._phase = "setup"
+        self._phase: Phase = "setup"
         self._collective: str | None = None
         self._dim: str | None = None
         self._group: list[int] | None = None
@@ -40,7 +39,7 @@ class Heartbeat:
         self._wall = time.time()
         self._mono = time.monotonic()
 
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: Phase) -> None:
         """The rank entered `phase` of `step` (also the progress mark of the hang detector)."""
         with self._lock:
             self._step, self._phase = step, phase
@@ -66,16 +65,15 @@ class Heartbeat:
         finally:
             self.left()
 
-    def read(self) -> dict[str, Any]:
-        """A JSON-ready snapshot; `time` is the wall clock of the last change, `age_s` the
-        monotonic seconds since then (immune to clock skew between nodes)."""
+    def read(self) -> HeartbeatReport:
+        """A snapshot; `time` is the wall clock of the last change, `age_s` the monotonic
+        seconds since then (immune to clock skew between nodes)."""
         with self._lock:
-            return {
-                "rank": self.rank, "step": self._step, "phase": self._phase,
-                "collective": self._collective, "dim": self._dim,
-                "group": list(self._group) if self._group is not None else None,
-                "time": self._wall, "age_s": time.monotonic() - self._mono,
-            }
+            return HeartbeatReport(
+                rank=self.rank, step=self._step, phase=self._phase,
+                collective=self._collective, dim=self._dim,
+                group=list(self._group) if self._group is not None else None,
+                time=self._wall, age_s=max(0.0, time.monotonic() - self._mono))
 
 
 def thread_stacks(names: dict[int, str] | None = None,

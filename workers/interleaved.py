@@ -2,7 +2,7 @@
 
 Why not DeepSpeed here: its pipeline engine has only the plain 1F1B schedule. torch's
 `ScheduleInterleaved1F1B` runs several model chunks per pipeline rank; chunk k of pipeline rank
-s holds virtual stage k * pp + s, i.e. exactly the plan's `stage_layers` ranges. ZeRO-1 is
+s holds virtual stage k * pp + s, i.e. exactly the ranges of the rank's row of the plan. ZeRO-1 is
 torch's `ZeroRedundancyOptimizer` over the DP group. The DP gradient average is by hand (one
 flat all-reduce after the schedule's last backward): `DistributedDataParallel` around the chunks
 trips an internal assert in its bucket rebuilding under the interleaved schedule
@@ -53,7 +53,9 @@ class InterleavedEngine:
     """This rank's model chunks, their pipeline stages, the schedule and the optimizer."""
 
     def __init__(self, spec: JobSpec, shape: ModelShape, groups: RankGroups,
-                 device: torch.device, bubble: BubbleMeter | None = None) -> None:
+                 layers: list[tuple[int, int]], device: torch.device,
+                 bubble: BubbleMeter | None = None) -> None:
+        """`layers`: this rank's block range in each of its chunks (its row of the plan)."""
         check_supported(spec)
         self.bubble = bubble
         """Times the schedule's waits on its neighbours and the loss exchange."""
@@ -65,7 +67,7 @@ class InterleavedEngine:
         chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
                                               checkpoint=torch_checkpoint,
                                               sequence_parallel=p.sequence_parallel)).to(device)
-                  for rng in shape.stages(p.pp, p.virtual_stages, p.partition)[groups.pp_rank]]
+                  for rng in layers]
         self.module = nn.ModuleList(chunks)
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids

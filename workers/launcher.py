@@ -87,7 +87,7 @@ class RayLauncher:
                                    ranks_per_bundle=plan.layout.tp,
                                    cpus=spec.resources.cpus_per_worker,
                                    gpus=spec.resources.gpus_per_worker, env={}, attach=True,
-                                   launch=train_launch(attempt=attempt, spec=spec,
+                                   launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                                        checkpoint_dir=checkpoint_dir,
                                                        writer=writer,
                                                        log=self._rank_log(job_id, attempt)))

@@ -3,10 +3,11 @@
 `build_pipeline` wraps the model's flat layer list [Embedding, Block 0..L-1, Head] in a
 `PipelineModule` over `PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)`, whose rank
 order (pipe, data, model; model fastest) is exactly `service.parallel.ParallelDims`. The stage
-boundaries are the stored plan's (`ModelShape.stages`: uniform, or by parameters as DeepSpeed's
-`partition_method='parameters'` balances them; the layers need not divide by pp), with the
-embedding on the first stage and the head on the last. DeepSpeed runs its 1F1B schedule
-(`TrainSchedule`) over global_batch / (micro_batch * dp) micro-batches per step.
+boundaries are the stored plan's, as the rank's row carries them (`RankPlan.stages`: uniform, or
+by parameters as DeepSpeed's `partition_method='parameters'` balances them; the layers need not
+divide by pp), with the embedding on the first stage and the head on the last. DeepSpeed runs
+its 1F1B schedule (`TrainSchedule`) over global_batch / (micro_batch * dp) micro-batches per
+step.
 
 Interleaved stages (`virtual_stages` > 1) are not this module's: DeepSpeed's pipeline engine
 has no interleaved schedule, so `workers.interleaved` runs them on torch.distributed.pipelining.
@@ -27,7 +28,7 @@ from workers.tp import RankGroups
 
 def layer_parts(stages: list[list[tuple[int, int]]], layers: int) -> list[int]:
     """DeepSpeed's `parts` (layer-list boundaries per stage) from the plan's stage ranges
-    (`ModelShape.stages`, even or not).
+    (`RankPlan.stages`, even or not).
 
     The list holds the embedding at index 0, block i at index i + 1, the head at L + 1.
     """
@@ -50,8 +51,10 @@ class _PlannedPipe(PipelineModule):
 
 
 def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: RankGroups,
-                   recompute: Recompute, sequence_parallel: bool = False,
-                   partition: str = "uniform") -> PipelineModule:
+                   recompute: Recompute, stages: list[list[tuple[int, int]]],
+                   sequence_parallel: bool = False) -> PipelineModule:
+    """This rank's stage of the pipeline whose stages hold `stages` (every stage's block
+    ranges, from the rank's row of the plan)."""
     check_buildable(shape)
     sp = sequence_parallel
     specs = [LayerSpec(Embedding, shape, seed, groups, sp)]
@@ -60,6 +63,5 @@ def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: Ran
     specs.append(LayerSpec(Head, shape, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
     return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
-                        planned_parts=layer_parts(shape.stages(dims.pp, 1, partition),
-                                                  shape.layers),
+                        planned_parts=layer_parts(stages, shape.layers),
                         activation_checkpoint_interval=0)

@@ -5,6 +5,12 @@ rank, rendezvous given in `RankContext`), and `python -m workers.train --spec SP
 the same function under torchrun (rendezvous read from torchrun's environment), for debugging
 and as the baseline without orchestration.
 
+Each rank is given its row of the job's plan (`RankContext.plan`, a
+`service.planner.stored.RankPlan`: its stage, the layers it builds, its groups): the Ray
+actor gets the row of the stored plan from the controller's launcher; without a controller
+(torchrun, tests) `planned_row` takes it from the plan the control plane would store. The
+trainer builds from that row and never works the split out again.
+
 `train_rank` reads top to bottom: set up torch.distributed and the TP/PP/DP groups, build the
 model (each weight drawn unsharded from the seed, then sliced: layout-invariant), parallelize
 (tensor parallel inside the layers, then activation checkpointing inside the blocks, then ZeRO
@@ -23,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -32,10 +38,11 @@ import torch.distributed as dist
 from deepspeed.constants import default_pg_timeout
 
 from service.checkpoints import CheckpointWriter
-from service.parallel import rank_layout
+from service.planner import evaluate
 from service.planner.shape import ModelShape
+from service.planner.stored import RankPlan, StoredPlan, plan_json
 from service.protocols import MemoryReport, StepReport
-from service.spec import JobSpec, ParallelSpec
+from service.spec import JobSpec
 from workers import checkpoint, data, memory, rendezvous
 from workers.bubble import BubbleMeter
 from workers.model import GPT, Block, loss_fn
@@ -60,10 +67,19 @@ class RankContext:
     master_port: int
     checkpoint_dir: str | None
     """The job's checkpoint directory (None: no checkpoints)."""
+    plan: RankPlan
+    """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
     attempt: int = 0
     writer: CheckpointWriter | None = None
     """The job `checkpoint_dir` must belong to, checked before any rank resumes (None: not
     checked, as under torchrun)."""
+
+
+def planned_row(spec: JobSpec, rank: int) -> RankPlan:
+    """Rank `rank`'s row of the plan the control plane stores for `spec`, for a run without a
+    controller (`main` under torchrun, tests, benches); the controller's launcher sends each
+    rank its row of the stored plan."""
+    return StoredPlan.from_json(plan_json(evaluate(spec))).rank_plan(rank)
 
 
 @dataclass
@@ -84,8 +100,9 @@ class TrainContext:
     resume_step: int
     """Steps already done by the newest complete checkpoint (0: start fresh)."""
     stop: threading.Event
+    plan: RankPlan
+    """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
     attempt: int = 0
-    layout: list[dict[str, object]] = field(default_factory=list)
 
     def should_stop(self) -> bool:
         """Collective: whether any rank was asked to stop; call it on every rank each step."""
@@ -98,8 +115,8 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
     device = _setup(spec, ctx)
     try:
         checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
-        layout = spec.layout
-        groups = build_groups(layout.dims, ctx.rank)
+        groups = build_groups(spec.layout.dims, ctx.rank)
+        _check_row(ctx.plan, groups)
         ds_config = deepspeed_config(spec, device)
         if spec.entrypoint:
             _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
@@ -203,7 +220,9 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
     layout, t = spec.layout, spec.train
     shape = ModelShape.from_spec(spec.model)  # what the planner counted; built as it is
-    _check_layout(layout, shape, groups, ctx.rank)
+    if layout.sequence_parallel and shape.seq_len % layout.tp:
+        raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
+                         f" seq_len({shape.seq_len})")
 
     # Build and parallelize: tensor parallel and activation checkpointing live inside the
     # layers (workers.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
@@ -213,11 +232,11 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     if layout.pp > 1 and layout.virtual_stages > 1:
         # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
         from workers.interleaved import InterleavedEngine
-        engine = InterleavedEngine(spec, shape, groups, device, bubble)
+        engine = InterleavedEngine(spec, shape, groups, ctx.plan.layers, device, bubble)
     elif layout.pp > 1:
         from workers.pipeline import build_pipeline
         model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
-                               layout.sequence_parallel, layout.partition)
+                               ctx.plan.stages, layout.sequence_parallel)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
         assert bubble is not None
@@ -226,7 +245,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config, mpu=DeepSpeedMpu(groups))
-    _check_stage(engine.module, layout, shape, ctx.rank)
+    _check_stage(engine.module, ctx.plan)
 
     states: dict[str, int] = {}
     inner = memory.innermost_optimizer(engine.optimizer)
@@ -307,30 +326,18 @@ def _to(batches, device: torch.device):
         yield x.to(device), y.to(device)
 
 
-def _check_layout(layout: ParallelSpec, shape: ModelShape, groups: RankGroups,
-                  rank: int) -> None:
-    """The trainer runs exactly the stored plan's layout: same coordinates, same layer ranges."""
-    if layout.sequence_parallel and shape.seq_len % layout.tp:
-        raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
-                         f" seq_len({shape.seq_len})")
-    row = rank_layout(layout.dims, shape.layers, layout.virtual_stages,
-                      _weights(layout, shape))[rank]
-    assert (row["pp"], row["dp"], row["tp"]) == (groups.pp_rank, groups.dp_rank, groups.tp_rank)
+def _check_row(row: RankPlan, groups: RankGroups) -> None:
+    """The rank's row of the plan puts it where its process groups do."""
+    assert (row.rank, row.pp, row.dp, row.tp) == (
+        groups.rank, groups.pp_rank, groups.dp_rank, groups.tp_rank), (
+        f"rank {groups.rank}'s row of the plan is rank {row.rank}'s (pp {row.pp}, dp {row.dp},"
+        f" tp {row.tp})")
 
 
-def _weights(layout: ParallelSpec, shape: ModelShape) -> list[int] | None:
-    """The `parameters` partition's weights, as the planner's rank layout uses them."""
-    return shape.pipeline_weights() if layout.partition == "parameters" and layout.pp > 1 \
-        else None
-
-
-def _check_stage(module: torch.nn.Module, layout: ParallelSpec, shape: ModelShape,
-                 rank: int) -> None:
-    """The blocks this rank built are the plan's layer ranges for its stage, in order."""
-    ranges = shape.stages(layout.pp, layout.virtual_stages, layout.partition)
-    planned = [i for start, end in ranges[layout.dims.coord(rank).pp] for i in range(start, end)]
+def _check_stage(module: torch.nn.Module, row: RankPlan) -> None:
+    """The blocks this rank built are its row's layer ranges, in order."""
     built = [m.index for m in module.modules() if isinstance(m, Block)]
-    assert built == planned, f"rank {rank} built blocks {built}, the plan says {planned}"
+    assert built == row.blocks, f"rank {row.rank} built blocks {built}, the plan says {row.blocks}"
 
 
 # --- custom entrypoints -------------------------------------------------------------------------
@@ -345,11 +352,7 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       local_rank=ctx.local_rank, device=device, groups=groups,
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=lambda r: report(StepReport.model_validate(r)),
-                      resume_step=resume, stop=stop, attempt=ctx.attempt,
-                      layout=rank_layout(spec.layout.dims, spec.model.layers,
-                                         spec.layout.virtual_stages,
-                                         _weights(spec.layout,
-                                                  ModelShape.from_spec(spec.model)))))
+                      resume_step=resume, stop=stop, plan=ctx.plan, attempt=ctx.attempt))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------
@@ -364,8 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.spec) as f:
         spec = JobSpec.model_validate(load_yaml(f))
     env = os.environ
-    ctx = RankContext(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
-                      local_rank=int(env.get("LOCAL_RANK", 0)),
+    rank = int(env.get("RANK", 0))
+    ctx = RankContext(rank=rank, world_size=int(env.get("WORLD_SIZE", 1)),
+                      local_rank=int(env.get("LOCAL_RANK", 0)), plan=planned_row(spec, rank),
                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                       master_port=int(env.get("MASTER_PORT", 29500)),
                       checkpoint_dir=args.checkpoint_dir or spec.checkpoint.dir,

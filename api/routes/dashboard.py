@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, Query
 from api.auth import require
 from api.deps import JobDep, StoreDep
 from api.schemas import CommSteps, HangList, RanksGrid, Series
-from service.dashboard import MAX_POINTS, job_series, ranks_grid
+from service.dashboard import MAX_POINTS, job_series
+from service.rank_status import rank_status
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 
@@ -31,7 +32,7 @@ def ranks(job: JobDep, store: StoreDep) -> dict[str, Any]:
     memory against the prediction for its stage, compute time against its stage peers, the
     seconds since its last heartbeat as the controller saw it (`heartbeat_age_s`, None before
     the first), stragglers and the ranks a hang waits for."""
-    return ranks_grid(store, job)
+    return rank_status(store, job).to_json()
 
 
 @router.get("/{job_id}/comm/steps", response_model=CommSteps)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.auth import Who, check_owner, identity_of, require
 from api.deps import (
@@ -38,6 +40,7 @@ from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
+from service.spec_limits import recheck
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
 
@@ -191,7 +194,11 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     default), owned by the caller; checked as a new submission. Members resubmit only their
     own jobs."""
     check_owner(who, "jobs:resubmit", job.owner)
-    spec = JobSpec.model_validate(job.spec)
+    try:  # stored before a limit it fails was added: refused as a new submission would be
+        spec = recheck(job.spec)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
     new, _ = _queue(store, spec, request, submitter(request, who, job.project))
     return JobOut.of(new, summary=job_summary(store, new.id, new=True))
 

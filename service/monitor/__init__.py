@@ -10,6 +10,7 @@ measure, these modules decide.
 - `comm`: the `GET /api/v1/jobs/{id}/comm` view over the stored step reports.
 - `attempt`: one running attempt's health state, fed by the controller's poll loop.
 - `cluster_probe`: `trident probe` runs, started and collected by the controller.
+- `calibration`: a `trident probe` run's reports into a calibrated hardware profile.
 
 Import the submodules, not this package: it re-exports nothing, so that a worker importing
 `service.monitor.bandwidth` pulls in nothing else.

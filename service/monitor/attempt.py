@@ -21,7 +21,7 @@ from service.monitor.probe import annotate_expected, flag_slow_groups
 from service.monitor.stragglers import compute_s, find_stragglers
 from service.parallel import Dim
 from service.profiles import profile_for
-from service.protocols import ProbeReport, StepReport
+from service.protocols import HeartbeatReport, ProbeReport, StepReport
 from service.spec import JobSpec
 from service.store import Job, ProbeStatus, Store
 
@@ -39,7 +39,7 @@ class AttemptHealth:
         self.attempt = attempt
         self.spec = spec
         self.stage_of_rank = job.plan.stage_of()
-        self.heartbeats: dict[int, dict[str, Any]] = {}
+        self.heartbeats: dict[int, HeartbeatReport] = {}
         self.compute: dict[int, deque[float]] = {}
         self.stragglers: set[int] = set()
         self.probe_rows: list[dict[str, Any]] = []
@@ -95,15 +95,15 @@ class AttemptHealth:
         for w in slow:
             self._event("warning", str(w.get("message", w)), w)
 
-    def polled(self, heartbeats: Mapping[int, Mapping[str, Any]],
+    def polled(self, heartbeats: Mapping[int, HeartbeatReport],
                received: float | None = None) -> None:
         """After each poll: take the ranks' heartbeats (stored for the API at most once a
         second) and name new stragglers (once each)."""
         received = time.time() if received is None else received
         for rank, hb in heartbeats.items():
             # Judge by this clock: the rank's own clock may differ from ours.
-            self.heartbeats[rank] = {**hb, "time": received - float(hb.get("age_s", 0.0))}
-        self.beats.offer({r: hb["time"] for r, hb in self.heartbeats.items()})
+            self.heartbeats[rank] = hb.model_copy(update={"time": received - hb.age_s})
+        self.beats.offer({r: hb.time for r, hb in self.heartbeats.items()})
         monitor = self.spec.monitor
         found = find_stragglers(
             {r: list(t) for r, t in self.compute.items() if r in self.stage_of_rank},

@@ -2,7 +2,7 @@
 
 `POST /api/v1/probes` stores a pending cluster probe; the controller calls `ClusterProbes.step()`
 once per pass, which starts pending probes on the launcher, polls the running ones, and on
-success stores the annotated rows and the calibrated profile (`service.calibration`) that
+success stores the annotated rows and the calibrated profile (`service.monitor.calibration`) that
 planning and probe judgement then use (`service.profiles.profile_for`).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.calibration import calibrate
+from service.monitor.calibration import calibrate
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.store import ProbeStatus, Store
 from service.teardown import Teardowns

@@ -142,7 +142,7 @@ def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
                     {"step": m.step, "step_time_s": m.step_time_s,
                      "timed": m.data.get("timed", True), "comm": m.data["comm"]})
     probes = store.list_probes(job_id=job.id, limit=1)
-    out = summarize_comm(rank_reports, job.plan.layout.dims, job.plan.time.model_dump(),
+    out = summarize_comm(rank_reports, job.plan.layout.dims, job.plan.time.to_json(),
                          probes[0].results if probes else [])
     out["attempt"] = latest.attempt if latest else None
     out["probe_summary"] = probes[0].summary if probes else None

@@ -1,7 +1,7 @@
 """Hang diagnosis: when no rank made progress in time, which ranks never arrived.
 
 Called by the per-attempt health (`service.monitor.attempt`) on every poll with the ranks'
-heartbeats (`workers.heartbeat.Heartbeat.read()`).
+heartbeats (`service.protocols.HeartbeatReport`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from service.monitor.bandwidth import P2P_OPS
 from service.parallel import ParallelDims
+from service.protocols import HeartbeatReport
 
 
 @dataclass
@@ -45,25 +46,26 @@ class Diagnosis:
         return asdict(self)
 
 
-def _wait_key(hb: Mapping[str, Any]) -> tuple[int, str, tuple[int, ...]]:
-    coll = "p2p" if hb["collective"] in P2P_OPS else hb["collective"]
-    return (hb["step"], coll, tuple(sorted(hb["group"] or ())))
+def _wait_key(hb: HeartbeatReport) -> tuple[int, str, tuple[int, ...]]:
+    assert hb.collective is not None
+    coll = "p2p" if hb.collective in P2P_OPS else hb.collective
+    return (hb.step, coll, tuple(sorted(hb.group or ())))
 
 
-def diagnose_hang(heartbeats: Mapping[int, Mapping[str, Any]], now: float, timeout: float,
+def diagnose_hang(heartbeats: Mapping[int, HeartbeatReport], now: float, timeout: float,
                   dims: ParallelDims | None = None) -> Diagnosis | None:
     """A diagnosis when no rank made progress within `timeout` seconds, else None.
 
-    `heartbeats[rank]` is `workers.heartbeat.Heartbeat.read()`: step, phase, collective (None
-    outside collectives), dim, group (rank list), time (wall clock of the last change). Ranks
-    of `dims` without any heartbeat count as never arrived. Across nodes with unsynchronised
-    clocks the controller may set `time = its own receive time - age_s` before calling.
+    `heartbeats[rank]`: step, phase, collective (None outside collectives), dim, group (rank
+    list), time (wall clock of the last change). Ranks of `dims` without any heartbeat count
+    as never arrived. Across nodes with unsynchronised clocks the controller sets `time = its
+    own receive time - age_s` before calling.
     """
     expected = range(dims.world_size) if dims else sorted(heartbeats)
     silent = [r for r in expected if r not in heartbeats]
     if not heartbeats:
         return None
-    last = max(hb["time"] for hb in heartbeats.values())
+    last = max(hb.time for hb in heartbeats.values())
     stalled = now - last
     if stalled < timeout:
         return None
@@ -72,7 +74,7 @@ def diagnose_hang(heartbeats: Mapping[int, Mapping[str, Any]], now: float, timeo
     # group members that are not in it.
     sets: dict[tuple[int, str, tuple[int, ...]], list[int]] = {}
     for rank, hb in sorted(heartbeats.items()):
-        if hb.get("collective") and hb.get("group"):
+        if hb.collective and hb.group:
             sets.setdefault(_wait_key(hb), []).append(rank)
     waiting: list[WaitingGroup] = []
     missing_all: set[int] = set()
@@ -80,18 +82,18 @@ def diagnose_hang(heartbeats: Mapping[int, Mapping[str, Any]], now: float, timeo
         missing = [r for r in group if r not in ranks]
         if not missing:
             continue  # everyone arrived: stuck inside the transport, not waiting on a peer
-        dim = heartbeats[ranks[0]].get("dim")
-        name = heartbeats[ranks[0]]["collective"]
+        dim = heartbeats[ranks[0]].dim
+        name = heartbeats[ranks[0]].collective or ""
         waiting.append(WaitingGroup(dim=dim, group=list(group), collective=name, step=step,
                                     waiting=ranks, missing=missing))
         missing_all.update(missing)
-    in_collective = {r for r, hb in heartbeats.items() if hb.get("collective")}
+    in_collective = {r for r, hb in heartbeats.items() if hb.collective}
     culprits = sorted((missing_all - in_collective) | set(silent))
     if not culprits and not in_collective:
         # Nobody is in a collective: the stall is in compute; the ranks furthest behind are it.
-        low = min(hb["step"] for hb in heartbeats.values())
-        culprits = sorted(r for r, hb in heartbeats.items() if hb["step"] == low)
-    state = {r: {k: hb.get(k) for k in ("step", "phase", "collective", "dim", "group")}
+        low = min(hb.step for hb in heartbeats.values())
+        culprits = sorted(r for r, hb in heartbeats.items() if hb.step == low)
+    state = {r: hb.model_dump(include={"step", "phase", "collective", "dim", "group"})
              for r, hb in sorted(heartbeats.items())}
     lines = [f"no progress for {stalled:.1f} s (timeout {timeout:g} s)"]
     if not culprits:
@@ -102,9 +104,9 @@ def diagnose_hang(heartbeats: Mapping[int, Mapping[str, Any]], now: float, timeo
     for r in culprits:
         if r in heartbeats:
             hb = heartbeats[r]
-            where = (f"in {hb['collective']}" if hb.get("collective")
-                     else f"in {hb['phase']} (not in a collective)")
-            lines.append(f"rank {r} never arrived: at step {hb['step']} {where}")
+            where = (f"in {hb.collective}" if hb.collective
+                     else f"in {hb.phase} (not in a collective)")
+            lines.append(f"rank {r} never arrived: at step {hb.step} {where}")
         else:
             lines.append(f"rank {r} never arrived: no heartbeat")
     return Diagnosis(stalled_s=stalled, never_arrived=culprits, waiting=waiting, ranks=state,

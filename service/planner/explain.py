@@ -3,8 +3,8 @@
 `explain(plan)` says where the step goes and what the layout pays for; `compare(best,
 other)` says why the best beat another candidate; `tuning_notes(plan)` lists concrete
 settings to look at (recompute, micro-batch count against the bubble, ZeRO-3 against its
-communication share, NCCL settings). Called by `Plan.explanation` / `Plan.notes` and by
-search.py for the ranked result.
+communication share, NCCL settings). Called by `plan_json` (stored.py) for the plan a job
+stores, by report.py for `trident plan`, and by search.py for the ranked result.
 """
 
 from __future__ import annotations

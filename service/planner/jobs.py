@@ -13,6 +13,7 @@ from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
 from service.planner.scenario import ZeroConfig
 from service.planner.search import SearchTooLarge, nearest_fitting, search
+from service.planner.stored import plan_json
 from service.spec import JobSpec
 
 
@@ -41,7 +42,7 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
             raise PlanInfeasible(
                 f"no layout of {res.world_size} ranks fits on {res.profile}: "
                 + "; ".join(reasons[:6]), reasons=reasons)
-        out = res.best.to_json()
+        out = plan_json(res.best)
         out["chosen_by"] = "search"
         out["search"] = {
             "considered": res.considered, "fitting": len(res.ranked),
@@ -63,6 +64,6 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
         raise PlanInfeasible(
             f"layout {layout_name(plan)} does not fit: " + "; ".join(plan.reasons) + alts,
             plan=plan, nearest=nearest, reasons=plan.reasons)
-    out = plan.to_json()
+    out = plan_json(plan)
     out["chosen_by"] = "spec"
     return out

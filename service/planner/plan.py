@@ -1,23 +1,21 @@
 """`Plan`: one layout's predicted memory and time, and `evaluate`, which makes it.
 
 Called by search.py for every candidate and by the control plane (through
-`service.planner.evaluate` / `plan_job`) for explicit layouts. The plan JSON documented in
-docs/planner.md is `Plan.to_json()`.
+`service.planner.evaluate` / `plan_job`) for explicit layouts. The words about a plan
+(explain.py), its ranges (uncertainty.py) and the plan JSON a job stores (stored.py's
+`plan_json`) are built on top of it, never imported by it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Any
 
 from service.hardware import GB, HardwareProfile, get_profile
-from service.parallel import rank_layout
-from service.planner.memory import MemoryBreakdown, memory, stage_memory
+from service.planner.memory import MemoryBreakdown, memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
-from service.planner.uncertainty import ranges
 from service.spec import JobSpec, ParallelSpec
 from service.spec_stack import layer_split_errors
 
@@ -64,14 +62,14 @@ def structural_problems(shape: ModelShape, lay: ParallelSpec, *, global_batch: i
 
 @dataclass(frozen=True)
 class Plan:
-    """Predictions for one layout on one cluster. `to_json()` is the stored form."""
+    """Predictions for one layout on one cluster (`service.planner.stored.plan_json` is the
+    form a job stores)."""
 
     scenario: Scenario
     memory: MemoryBreakdown
     time: TimeBreakdown
     job: str = ""
     """The job's name, for reports."""
-    extra_notes: tuple[str, ...] = field(default=())
 
     @property
     def layout(self) -> ParallelSpec:
@@ -156,16 +154,6 @@ class Plan:
                 "compute": (t.compute_s + t.overhead_s) / t.step_s,
                 "offload": (t.offload_s + t.optimizer_s) / t.step_s}
 
-    @cached_property
-    def explanation(self) -> str:
-        from service.planner.explain import explain
-        return explain(self)
-
-    @cached_property
-    def notes(self) -> list[str]:
-        from service.planner.explain import tuning_notes
-        return [*tuning_notes(self), *self.extra_notes]
-
     def stages_json(self) -> dict[str, Any]:
         """The pipeline split: blocks per stage, the most loaded stage by memory and the
         slowest by time (with uneven stages they need not be the first and the last)."""
@@ -186,52 +174,6 @@ class Plan:
         return {"layout": self.layout_json(), "fits": self.fits,
                 "memory_total": self.memory.total, "step_s": self.time.step_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
-
-    def to_json(self, *, with_ranks: bool = True) -> dict[str, Any]:
-        sc = self.scenario
-        mem = self.memory.to_json()
-        out: dict[str, Any] = {
-            "job": self.job,
-            "profile": sc.profile.name,
-            "world_size": self.world_size,
-            "nodes": sc.nodes,
-            "gpus_per_node": sc.gpus_per_node,
-            "precision": sc.precision,
-            "global_batch": sc.global_batch,
-            "micro_batches": sc.micro_batches,
-            "layout": self.layout_json(),
-            "fits": self.fits,
-            "reasons": self.reasons,
-            "capacity_bytes": self.capacity_bytes,
-            "memory": mem,
-            "memory_by_stage": [
-                {k: v for k, v in stage_memory(sc, s).to_json().items()
-                 if k in ("stage", "params", "grads", "optimizer", "activations", "other",
-                          "total")} | {"layers": [list(r) for r in sc.stage_ranges[s]],
-                                       "blocks": sc.stage_blocks[s],
-                                       "micro_batch_s": self.time.stage_micro_batch_s[s]}
-                for s in range(sc.layout.pp)],
-            "stages": self.stages_json(),
-            "ranges": ranges(self),
-            "host_memory": {"per_rank": self.memory.host_per_rank,
-                            "per_node": self.memory.host_per_node,
-                            "capacity_per_node": self.host_capacity_bytes},
-            "time": self.time.to_json(),
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "shares": self.shares,
-            "params_total": sc.shape.total_params,
-            "explanation": self.explanation,
-            "notes": self.notes,
-        }
-        if with_ranks:
-            weights = (sc.shape.pipeline_weights() if sc.layout.partition == "parameters"
-                       and sc.layout.pp > 1 else None)
-            out["rank_layout"] = rank_layout(sc.dims, sc.shape.layers,
-                                             sc.layout.virtual_stages, weights)
-        return out
 
 
 def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None = None,

@@ -9,9 +9,10 @@ from typing import Any
 
 from service.hardware import GB, HardwareProfile
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
-from service.planner.explain import layout_name
+from service.planner.explain import explain, layout_name, tuning_notes
 from service.planner.plan import Plan, evaluate
 from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
+from service.planner.stored import plan_json
 from service.planner.uncertainty import ranges
 from service.spec import JobSpec
 
@@ -62,9 +63,9 @@ def render_plan(plan: Plan) -> str:
         f"{100 * rg['memory_error']:.0f}%); dominated by {rg['dominant_time_constant']};"
         f" {rg['note']}",
         "",
-        "  " + plan.explanation,
+        "  " + explain(plan),
     ]
-    lines += [f"  - {n}" for n in plan.notes]
+    lines += [f"  - {n}" for n in tuning_notes(plan)]
     return "\n".join(lines)
 
 
@@ -129,7 +130,7 @@ def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
     plan = evaluate(spec, profile=profile)
     takes, cut = _what_it_takes(spec, profile) if not plan.fits else (None, None)
     if as_json:
-        return plan.to_json() | _takes_json(takes, cut)
+        return plan_json(plan) | _takes_json(takes, cut)
     text = render_plan(plan)
     if takes:  # nothing of this world size fits: no nearest layout to search for
         return (text + "\n\nNearest layouts that fit:\n  none of this world size\n\n"

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.hardware import HardwareProfile, get_profile
-from service.planner.explain import compare, layout_name
+from service.planner.explain import compare, explain, layout_name
 from service.planner.memory import stage_memory
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
+from service.planner.stored import plan_json
 from service.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 
 SEARCH_BUDGET = 16_000
@@ -143,7 +144,7 @@ class SearchResult:
             reasons = sorted({r.reason for r in self.rejected})[:5]
             return "No layout fits: " + "; ".join(reasons)
         lines = [f"Best of {len(self.ranked)} fitting layouts ({self.considered} evaluated, "
-                 f"{len(self.rejected)} rejections): {best.explanation}"]
+                 f"{len(self.rejected)} rejections): {explain(best)}"]
         lines += [compare(best, other) for other in self.alternatives()]
         return " ".join(lines)
 
@@ -153,7 +154,7 @@ class SearchResult:
             "profile": self.profile,
             "considered": self.considered,
             "fitting": len(self.ranked),
-            "best": self.best.to_json() if self.best else None,
+            "best": plan_json(self.best) if self.best else None,
             "ranked": [p.summary() | {"name": layout_name(p)} for p in self.ranked[:top]],
             "rejected": [r.to_json() for r in self.rejected],
             "explanation": self.explanation(),

@@ -1,0 +1,130 @@
+"""No import loops among the project's modules (service/, api/, workers/).
+
+The graph is read from the source with `ast`: every import statement counts, at the top of a
+module, inside a function (a lazy import is still a dependency) or under TYPE_CHECKING (a
+type that needs the other module is one too); `from package import module` depends on that
+module. Two levels are checked: modules, and subpackages (`service.planner`,
+`service.monitor`, ...) taken whole, so that no code leaves a subpackage and comes back into
+it through a module outside it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("service", "api", "workers")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package[:len(package) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                submodules = [f"{base}.{a.name}" for a in node.names
+                              if f"{base}.{a.name}" in modules]
+                # Names that are not submodules come from the package itself.
+                targets = submodules + ([base] if len(submodules) < len(node.names) else [])
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def by_subpackage(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """The graph with every subpackage (`service.planner.*`, ...) one node."""
+    def node(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(node(a), set()).update(node(b) for b in targets if node(b) != node(a))
+    return out
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _edges(graph: Mapping[str, Iterable[str]], scc: list[str]) -> list[str]:
+    return [f"{a} -> {b}" for a in scc for b in sorted(graph[a]) if b in scc]
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    graph = import_graph()
+    assert "service.store" in graph["service.controller"]  # top level
+    assert "service.planner.clusters" in graph["service.planner.report"]  # in a function
+    assert "service.planner.plan" in graph["service.planner.explain"]  # TYPE_CHECKING
+    assert "service.planner.sac" in graph["service.planner.timing"]  # from package import mod
+
+
+def test_cycles_are_found() -> None:
+    loop = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "b": {"a.x"}}
+    assert cycles(loop) == [["a.x", "a.y", "a.z"]]
+    assert cycles({"s.m.a": {"s.c"}, "s.c": {"s.m.b"}, "s.m.b": set()}) == []
+    assert cycles(by_subpackage({"s.m.a": {"s.c"}, "s.c": {"s.m.b"}, "s.m.b": set()})) == [
+        ["s.c", "s.m"]]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import loops: " + "; ".join(", ".join(_edges(graph, c)) for c in found)
+
+
+def test_no_subpackage_is_left_and_entered_again() -> None:
+    graph = by_subpackage(import_graph())
+    found = cycles(graph)
+    assert not found, "import loops: " + "; ".join(", ".join(_edges(graph, c)) for c in found)
