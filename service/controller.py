@@ -24,8 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from service.checkpoints import CheckpointPlaces, CheckpointWriter, JobFolders
 from service.identity import Identity
@@ -36,12 +39,15 @@ from service.node_survey import NodeSurvey
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
+from service.secrets import SecretBox, SecretsUnreadable, redact
 from service.spec import JobSpec
 from service.stack_collect import StackCollector
 from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
+from service.tracking.config import TrackingConfig
+from service.tracking.exporter import Exporter
 from service.worker_reports import store_poll
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,11 @@ class _Running:
     started: float
     spec: JobSpec
     health: AttemptHealth
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    """The job's secrets, to keep them out of what is stored from its ranks."""
+
+    def redact(self, text: str) -> str:
+        return redact(text, self.secrets) if self.secrets else text
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -91,7 +102,8 @@ class Controller:
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
-                 places: CheckpointPlaces | None = None) -> None:
+                 places: CheckpointPlaces | None = None, box: SecretBox | None = None,
+                 tracking: TrackingConfig | None = None) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -118,6 +130,11 @@ class Controller:
         self.quota_notes = QuotaNotes(store)
         self.stacks = StackCollector(StackRequests(store))
         """`trident stacks`: answered from the live groups, beside the loop."""
+        self.box = box
+        """Opens jobs' secrets for their ranks' environment (None: a job with secrets fails)."""
+        self.exporter = Exporter(store, tracking.make_sink, allowed=tracking.allows) \
+            if tracking is not None else None
+        """Sends the stored steps to MLflow and TensorBoard files, beside the loop."""
         self._swept = False
 
     # --- one pass -----------------------------------------------------------------------------
@@ -146,6 +163,8 @@ class Controller:
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
         self.nodes.step()
+        if self.exporter is not None:
+            self.exporter.step()
         return result
 
     def shutdown(self, *, stop_jobs: bool = False) -> None:
@@ -154,6 +173,8 @@ class Controller:
         controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
         (all at once, inside the 30 s `trident up` gives the daemon to exit)."""
         self.nodes.close()
+        if self.exporter is not None:
+            self.exporter.close()
         if stop_jobs:
             for job_id, run in list(self.running.items()):
                 self._teardown(job_id, run)
@@ -237,20 +258,37 @@ class Controller:
         try:  # a spec stored before a check it fails was added, a folder not the job's
             spec = JobSpec.model_validate(job.spec)
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
-        except (ValueError, OSError) as exc:  # CheckpointRefused and ValidationError too
+            secrets = self._secrets(job.id)
+        except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
                                retry=isinstance(exc, OSError))
             return
+        # The ranks get the secrets in their environment; the spec they are sent (a dump)
+        # never carries them.
+        with_secrets = spec.model_copy(update={"secrets": {k: SecretStr(v)
+                                                           for k, v in secrets.items()}})
         try:
-            group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
-                                        checkpoint_dir=folder, writer=CheckpointWriter.of(job))
+            group = self.launcher.start(job_id=job.id, attempt=attempt, spec=with_secrets,
+                                        plan=job.plan, checkpoint_dir=folder,
+                                        writer=CheckpointWriter.of(job))
         except Exception as exc:  # a failed start is data for the failure policy
             log.exception("job %s: start failed", job.id)
-            self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
+            self._fail_attempt(job, attempt, redact(f"worker group failed to start: {exc!r}",
+                                                    secrets), result)
             return
         self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
-                                                                        spec))
+                                                                        spec), secrets=secrets)
+
+    def _secrets(self, job_id: int) -> dict[str, str]:
+        """The job's secrets, opened (SecretsUnreadable when this controller cannot)."""
+        sealed = self.store.job_secrets(job_id=job_id)
+        if not sealed:
+            return {}
+        if self.box is None:
+            raise SecretsUnreadable("the job has secrets and this controller no key to open"
+                                    " them")
+        return self.box.open_all(sealed)
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
@@ -266,9 +304,13 @@ class Controller:
                 checkpoint_dir=self.folders.folder(job.id, spec.checkpoint.dir),
                 writer=CheckpointWriter.of(job))
             if group is not None:
+                try:
+                    secrets = self._secrets(job.id)
+                except SecretsUnreadable:  # only to redact: the ranks have theirs already
+                    secrets = {}
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
-                    health=AttemptHealth(self.store, job, job.attempts, spec))
+                    health=AttemptHealth(self.store, job, job.attempts, spec), secrets=secrets)
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
                                      message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
@@ -321,7 +363,7 @@ class Controller:
                          f"all ranks finished {run.spec.train.steps} steps", result)
         elif poll.state == "failed":
             self._teardown(job.id, run)
-            detail = poll.error or "a rank failed"
+            detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
             # A folder that is another job's now (rank 0 refused it) stays so: no retry.
             theirs = self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
@@ -331,7 +373,8 @@ class Controller:
 
     def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
         n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,
-                       world_size=job.world_size, poll=poll, health=run.health)
+                       world_size=job.world_size, poll=poll, health=run.health,
+                       redact=run.redact)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
         return n
@@ -386,8 +429,13 @@ class Controller:
             record_stacks(self.store, key_id, td.attempt, td.stacks)
         if td.final is not None and td.attempt is not None:
             job = self.store.get_job(job_id=key_id)
+            try:
+                secrets = self._secrets(key_id)
+            except SecretsUnreadable:
+                secrets = {}
             store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,
-                       world_size=job.world_size, poll=td.final, health=None)
+                       world_size=job.world_size, poll=td.final, health=None,
+                       redact=partial(redact, secrets=secrets))
         self.store.add_event(
             job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
             message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"
