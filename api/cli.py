@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
+from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top, cli_tracking
 from api.cli_common import DEFAULT_SERVER, ServerOpt, Trident, connect, fail, short_helps
 from api.cli_identity import announce_bootstrap, register
 from api.cli_node import register as register_node
@@ -243,6 +243,7 @@ register_node(app)
 register_stacks(app)
 cli_jobs.register(app)
 cli_logs.register(app)
+cli_tracking.register(app)
 short_helps(app)
 
 
