@@ -138,5 +138,8 @@ def comparison(store: Store, jobs: Sequence[Job], shows_env: Callable[[Job], boo
     charted: list[str] = list(CHARTED)
     for c in curves:  # then every other per-step figure (lr, grad_norm, custom metrics ...)
         charted += [n for n in c.metrics if n not in charted and n not in UNCHARTED]
+    for c in curves:  # every curve has every charted figure (None where it has no value)
+        for n in charted:
+            c.metrics.setdefault(n, [None] * len(c.step))
     return ([headline(store, j, c) for j, c in zip(jobs, curves, strict=True)],
             differences([spec_for(j, shows_env(j)) for j in jobs]), curves, charted)

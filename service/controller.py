@@ -132,8 +132,9 @@ class Controller:
         """`trident stacks`: answered from the live groups, beside the loop."""
         self.box = box
         """Opens jobs' secrets for their ranks' environment (None: a job with secrets fails)."""
-        self.exporter = Exporter(store, tracking.make_sink, allowed=tracking.allows) \
-            if tracking is not None else None
+        # An ended job's export waits out its group's stopping (its last poll) first.
+        self.exporter = Exporter(store, tracking.make_sink, allowed=tracking.allows,
+                                 settle_s=cancel_grace_s + 30) if tracking is not None else None
         """Sends the stored steps to MLflow and TensorBoard files, beside the loop."""
         self._swept = False
 

@@ -32,7 +32,7 @@ from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
 from service.rayhead import LOOPBACK_ENV, metric_ports
-from service.secrets import SERVER_SECRETS, SecretBox
+from service.secrets import SecretBox, forget_server_secrets
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
 from service.tracking.config import TrackingConfig
@@ -58,8 +58,7 @@ def connect_ray(settings: Settings) -> object:
         # starts). Its processes run jobs: the server's secrets (read into `settings`
         # already) stay out of the environment they inherit.
         os.environ.update({**LOOPBACK_ENV, **metric_ports()})
-        for name in SERVER_SECRETS:
-            os.environ.pop(name, None)
+        forget_server_secrets()
     ray = importlib.import_module("ray")
     # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
     # (which logs, stops the loop and releases the lease) would never run: keep ours.

@@ -21,7 +21,7 @@ into its settings and taken out of the environment of every process a job's code
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
@@ -117,6 +117,14 @@ def redact(text: str, secrets: Mapping[str, str]) -> str:
         if len(value) >= REDACT_MIN_CHARS and value in text:
             text = text.replace(value, f"[secret {name}]")
     return text
+
+
+def forget_server_secrets(env: MutableMapping[str, str] = os.environ) -> None:
+    """Take the server's secrets out of `env` (this process's environment, by default): for
+    a process that starts others that run jobs (the daemon's own Ray), once its settings
+    have read them."""
+    for name in SERVER_SECRETS:
+        env.pop(name, None)
 
 
 def without_server_secrets(env: Mapping[str, str],

@@ -18,8 +18,9 @@ Failures:
   page and `/metrics`), with an event; the cursor moves past it.
 
 A job's final state goes out as soon as it ends and every stored step went; the export is
-`done` once the job has been over for `settle_s` (the last poll of a cancelled group can
-store steps just after the job ends) and those steps went too.
+`done` then for a job that succeeded, and for one that failed or was cancelled once it has
+been over for `settle_s` (the last poll of a group stopped beside the loop can store steps
+just after its job ended) and those steps went too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from datetime import datetime, timedelta
 
 from service.db import utcnow
 from service.metrics_ingest import MetricsIngest
+from service.states import JobState
 from service.store import Job, NotFound, Store
 from service.tracking.exports import Export, Exports, Sink
 from service.tracking.scalars import first_rank_of_stages, scalars_of
@@ -186,8 +188,9 @@ class Exporter:
         sent, caught_up = self._send_steps(job, export, sink, started)
         export = self._reread(export)
         final = job.state.terminal and caught_up
-        settled = final and utcnow() - (job.finished_at or job.updated_at) >= \
-            timedelta(seconds=self.settle_s)
+        # Only a stopped group's last poll can store steps after its job ended.
+        settled = final and (job.state == JobState.SUCCEEDED or utcnow() - (
+            job.finished_at or job.updated_at) >= timedelta(seconds=self.settle_s))
         if export.state != job.state.value or (settled and not export.done):
             sink.tell(job, export, final=final)
             self.exports.told(job_id=job.id, sink=export.sink, state=job.state.value,

@@ -93,13 +93,18 @@ def client(uri: str, creds: MlflowCreds) -> Any:
     return made
 
 
+RETRIED = frozenset({401, 403, 408, 429})
+"""4xx answers that say nothing about the batch (credentials, time-out, rate): tried again."""
+
+
 def _classify(exc: Exception) -> Exception:
-    """TrackerRefused for MLflow's own refusals (4xx but 429), TrackerDown for the rest."""
+    """TrackerRefused for MLflow's refusals of what was sent (a 4xx but `RETRIED`),
+    TrackerDown for the rest: a batch is dropped only when MLflow will never take it."""
     from mlflow.exceptions import RestException
 
     if isinstance(exc, RestException):
         status = exc.get_http_status_code()
-        if status != 429 and 400 <= status < 500:
+        if status not in RETRIED and 400 <= status < 500:
             return TrackerRefused(f"MLflow refused it: {exc}"[:2000])
     return TrackerDown(f"{type(exc).__name__}: {exc}"[:2000])
 
