@@ -122,7 +122,7 @@ def test_the_jobs_page_offers_a_comparison_and_the_page_loads(live: Live) -> Non
     page = httpx.get(f"{live.url}/", headers=token).text
     assert 'id="compare-selected"' in page
     r = httpx.get(f"{live.url}/compare?jobs={a.id}&jobs={b.id}", headers=token)
-    assert r.status_code == 200 and 'data-jobs="{},{}"'.format(a.id, b.id) in r.text
+    assert r.status_code == 200 and f'data-jobs="{a.id},{b.id}"' in r.text
     assert httpx.get(f"{live.url}/compare?jobs={a.id}", headers=token).status_code == 422
     assert httpx.get(f"{live.url}/compare?jobs={a.id}&jobs=999",
                      headers=token).status_code == 404
