@@ -28,6 +28,8 @@ from tests.conftest import tiny_spec
 
 mlflow = pytest.importorskip("mlflow")
 
+pytestmark = pytest.mark.slow  # a real mlflow server: processes of its own
+
 SECRET = "sk-mlflow-test-secret-value-0123456789"
 STEPS = 7
 
