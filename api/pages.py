@@ -33,6 +33,7 @@ from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
 from service.store import Job, NotFound
 from service.tracking.exports import Exports
+from service.tracking.sinks import spec_json
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.
 router = APIRouter(include_in_schema=False, dependencies=[Depends(page_principal)])
@@ -143,7 +144,7 @@ def shown_spec(request: Request, job: Job, *, names: bool = True) -> dict[str, A
     """The job's spec as the signed-in user may read it: `env` values for its owner and
     admins only (`jobs:env`; others see the names, or nothing with `names` False, where the
     spec is to be edited and submitted); secrets are in no spec."""
-    spec = dict(job.spec)
+    spec = spec_json(job)
     if spec.get("env") and not may(request.state.principal, "jobs:env", job.owner):
         spec["env"] = {k: HIDDEN_ENV for k in spec["env"]} if names else {}
     return spec

@@ -132,3 +132,47 @@ def _token() -> Any:
     import os
 
     return os.environ["TRIDENT_TOKEN"]
+
+
+@pytest.mark.slow
+def test_tensorboard_serve_starts_tensorboard_on_loopback_on_the_jobs_files(live: Live) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from service.tracking.exporter import Exporter
+    from tests.mlflow_server import free_port
+
+    cfg = TrackingConfig(tensorboard_root=live.settings.data_dir / "tensorboard")
+    a = trained(live.store, name="a", lr=0.001, steps=4, tracking=cfg)
+    Exporter(live.store, cfg.make_sink, allowed=cfg.allows, settle_s=0).cycle()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "tensorboard", str(a.id), "--serve",
+                             "--port", str(port), "--server", live.url],
+                            env=dict(os.environ), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5)
+                if r.status_code == 200 and "loss" in r.text:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "TensorBoard did not serve the job's scalars"
+            time.sleep(0.5)
+        assert {"loss", "step_time_s", "tokens_per_s"} <= set(next(iter(r.json().values())))
+        import psutil
+
+        listening = {c.laddr.ip for c in psutil.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}  # loopback only, unless --host says otherwise
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)

@@ -58,9 +58,9 @@ class TrackerSink(Protocol):
 
 
 def spec_json(job: Job) -> dict[str, Any]:
-    """The job's stored spec as JSON (without `secrets`, which no dump carries)."""
+    """The job's stored spec as JSON (a copy; without `secrets`, which no dump carries)."""
     spec: Any = job.spec
-    return spec if isinstance(spec, dict) else spec.model_dump(mode="json")
+    return dict(spec) if isinstance(spec, dict) else spec.model_dump(mode="json")
 
 
 def experiment_of(job: Job) -> str:
