@@ -5,9 +5,10 @@ the leader exports); it returns at once, and a round (`cycle`) runs on the expor
 thread, so a tracker that is slow or down holds neither a pass nor a rank. The queue is the
 store itself: each job's cursor per tracker (`exports`) says the last step sent, a round reads
 the steps after it in batches (`MetricsIngest.rows_after`: whole steps only, every rank's
-report in), sends them, and moves the cursor. Memory stays bounded by one batch however long a
-tracker is away, nothing is lost while it is (the store keeps every step), and after an
-outage or a restart of the controller the tracker gets every step it missed.
+report in), sends them, and moves the cursor (at most `BATCHES_PER_ROUND` batches per export
+in a round, so one backlog keeps no other job waiting). Memory stays bounded by one batch
+however long a tracker is away, nothing is lost while it is (the store keeps every step), and
+after an outage or a restart of the controller the tracker gets every step it missed.
 
 Failures:
 - The tracker does not answer (`TrackerDown`): nothing moves; the tracker is tried again after
@@ -47,6 +48,9 @@ log = logging.getLogger("trident.tracking")
 
 BATCH_STEPS = 200
 """Steps read and sent at a time (MLflow's batches of 1,000 values are cut from them)."""
+BATCHES_PER_ROUND = 5
+"""Batches one export sends in a round at most, so that a long backlog (after an outage)
+does not keep the other jobs' exports waiting: the rest goes in the next rounds."""
 
 SinkMaker = Callable[[Sink, str], TrackerSink]
 
@@ -134,38 +138,53 @@ class Exporter:
         with self._lock:
             started = self.clock()
             sent = 0
+            by_job: dict[int, list[Export]] = {}
             for export in self.exports.pending():
+                by_job.setdefault(export.job_id, []).append(export)
+            states = self.exports.job_states(job_ids=list(by_job))
+            for job_id, exports in by_job.items():
                 if self.clock() - started > self.budget_s:
                     break
-                key = (export.sink, export.target)
-                outage = self.outages.get(key)
-                if outage is not None and self.clock() < outage.next_try:
-                    continue
+                state = states.get(job_id)
+                if state is None or all(e.state == state == JobState.QUEUED.value
+                                        for e in exports):
+                    continue  # gone, or queued and its trackers told so: nothing to send
                 try:
-                    job = self.store.get_job(job_id=export.job_id)
+                    job = self.store.get_job(job_id=job_id)
                 except NotFound:
                     continue
-                if not self.allowed(export.sink, export.target):
-                    self.exports.give_up(job_id=job.id, sink=export.sink, error=(
-                        f"{export.target} is no longer among this server's trackers"))
-                    continue
-                try:
-                    sent += self._export(job, export, started)
-                except TrackerDown as exc:
-                    self._down(key, job, export, str(exc))
-                    continue
-                except TrackerRefused as exc:  # the run itself: nothing of this job can go
-                    self.exports.give_up(job_id=job.id, sink=export.sink, error=str(exc))
-                    self.store.add_event(job_id=job.id, kind="tracking", message=(
-                        f"{export.sink} at {export.target} refused the job's run, which is"
-                        f" not exported there: {exc}"), data={"sink": export.sink.value})
-                    continue
-                except Exception:  # one job's failure must not hold the others
-                    log.exception("job %s: exporting to %s failed", job.id, export.sink)
-                    continue
-                if key in self.outages:
-                    self._recovered(key)
+                for export in exports:
+                    sent += self._one(job, export, started)
             return sent
+
+    def _one(self, job: Job, export: Export, started: float) -> int:
+        """Export one job to one tracker, unless its tracker waits out a backoff; the steps
+        sent. Its failures are handled here: one never holds the others."""
+        key = (export.sink, export.target)
+        outage = self.outages.get(key)
+        if outage is not None and self.clock() < outage.next_try:
+            return 0
+        if not self.allowed(export.sink, export.target):
+            self.exports.give_up(job_id=job.id, sink=export.sink, error=(
+                f"{export.target} is no longer among this server's trackers"))
+            return 0
+        try:
+            sent = self._export(job, export, started)
+        except TrackerDown as exc:
+            self._down(key, job, export, str(exc))
+            return 0
+        except TrackerRefused as exc:  # the run itself: nothing of this job can go
+            self.exports.give_up(job_id=job.id, sink=export.sink, error=str(exc))
+            self.store.add_event(job_id=job.id, kind="tracking", message=(
+                f"{export.sink} at {export.target} refused the job's run, which is not"
+                f" exported there: {exc}"), data={"sink": export.sink.value})
+            return 0
+        except Exception:  # one job's failure must not hold the others
+            log.exception("job %s: exporting to %s failed", job.id, export.sink)
+            return 0
+        if key in self.outages:
+            self._recovered(key)
+        return sent
 
     def _sink(self, kind: Sink, target: str) -> TrackerSink:
         key = (kind, target)
@@ -209,7 +228,9 @@ class Exporter:
         open_attempt = job.attempts if not job.state.terminal else None
         leaders = sorted(first_rank_of_stages(job.plan).values())
         sent = 0
-        while self.clock() - started <= self.budget_s:
+        for _ in range(BATCHES_PER_ROUND):
+            if self.clock() - started > self.budget_s:
+                break
             rows = self.ingest.rows_after(job_id=job.id, after=(export.attempt, export.step),
                                           limit=self.batch_steps, open_attempt=open_attempt,
                                           ranks=leaders)

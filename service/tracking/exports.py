@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 
-from service.db import EngineTx, TrackingExportRow, utcnow
+from service.db import EngineTx, JobRow, TrackingExportRow, utcnow
 from service.store import Store
 from service.views import aware
 
@@ -75,6 +75,15 @@ class Exports(EngineTx):
                              .order_by(TrackingExportRow.job_id, TrackingExportRow.sink)
                              .limit(limit)).scalars()
             return [Export.from_row(r) for r in rows]
+
+    def job_states(self, *, job_ids: list[int]) -> dict[int, str]:
+        """The state of each of `job_ids` (one query: a round skips a queued job's exports
+        without reading the job)."""
+        if not job_ids:
+            return {}
+        with self._tx() as s:
+            rows = s.execute(select(JobRow.id, JobRow.state).where(JobRow.id.in_(job_ids)))
+            return {int(i): str(st) for i, st in rows}
 
     def of_job(self, *, job_id: int) -> list[Export]:
         with self._tx() as s:
