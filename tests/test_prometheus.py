@@ -137,7 +137,10 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
                  route="/api/v1/jobs/{id}", status="404") == 1
     for name, fam in fams.items():  # conventions: counters end in _total, no unitless time
         assert name.startswith("trident_")
-        assert fam.type in ("gauge", "histogram"), name
+        assert fam.type in ("gauge", "histogram", "counter"), name
+        if fam.type == "counter":  # the exporter's steps sent and dropped
+            assert name.startswith("trident_tracking_")
+            assert all(s.name == f"{name}_total" for s in fam.samples), fam.samples
 
 
 def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_path) -> None:

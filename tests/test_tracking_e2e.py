@@ -146,9 +146,14 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
             go.touch()
             wait("the job's end", lambda: sc.get(f"/api/v1/jobs/{job_id}").json()["state"]
                  in ("SUCCEEDED", "FAILED", "CANCELLED"))
+            ended = time.time()
             wait("every export done", lambda: all(
                 e["done"] for e in sc.get(run_url).json()["exports"]))
             sc.job = sc.get(f"/api/v1/jobs/{job_id}").json()
+            print(f"tracking e2e: {sc.steps_before} steps before the kill, {sc.steps_during}"
+                  f" stored during the {OUTAGE_S:g} s outage, {sc.job['step']} in all; MLflow"
+                  f" back {sc.back_at - sc.killed_at:.1f} s after the kill, every export done"
+                  f" {time.time() - ended:.1f} s after the job ended")
             yield sc
     finally:
         stop.set()
@@ -196,6 +201,9 @@ def test_mlflow_has_every_step_and_the_final_state_once_it_is_back(scenario: Sce
     events = [ev for ev in scenario.get(f"/api/v1/jobs/{job_id}/events?limit=1000").json()
               ["items"] if ev["kind"] == "tracking"]
     assert [ev["data"]["down"] for ev in events] == [True, False], events
+    page = scenario.get(f"/jobs/{job_id}").text  # the job's page lists its trackers
+    assert f'<a href="{e["run_url"]}">' in page
+    assert f'<td class="exported">{len(stored)}</td><td class="dropped">0</td>' in page
     metrics = scenario.get("/metrics").text
     assert f'trident_tracking_exported_steps_total{{sink="mlflow"}} {float(len(stored))}' \
         in metrics

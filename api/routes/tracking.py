@@ -18,6 +18,7 @@ from api.schemas import (
     Comparison,
     JobTracking,
     PredictedVsMeasured,
+    Refusal,
     RunCurves,
     SpecDifference,
     TrackerExport,
@@ -68,7 +69,8 @@ JobIds = Annotated[list[Annotated[int, Query(ge=1, le=INT32_MAX)]], Query(
     description=f"The jobs to compare: 2 to {MAX_JOBS} ids, `jobs=3&jobs=7`.")]
 
 
-@router.get("/compare", response_model=Comparison)
+@router.get("/compare", response_model=Comparison,
+            responses={404: {"model": Refusal, "description": "A job named does not exist"}})
 def compare_jobs(jobs: JobIds, store: StoreDep, who: Who) -> Comparison:
     """Jobs side by side: each one's newest figures and its plan against its measurement,
     the spec fields whose values differ, and every per-step figure (loss, eval_loss,
