@@ -99,14 +99,14 @@ class Settings(BaseSettings):
     @field_validator("mlflow_uri")
     @classmethod
     def _mlflow_uri(cls, v: str) -> str:
-        from service.tracking.spec import check_uri
+        from service.spec import check_uri
 
         return check_uri(v) if v else v
 
     @field_validator("mlflow_uris")
     @classmethod
     def _mlflow_uris(cls, v: str) -> str:
-        from service.tracking.spec import check_uri
+        from service.spec import check_uri
 
         return ",".join(check_uri(u.strip()) for u in v.split(",") if u.strip())
 

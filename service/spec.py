@@ -27,7 +27,6 @@ from service.parallel import ParallelDims
 from service.presets import PRESETS
 from service.spec_limits import OsPath, RayQuantity, env_value
 from service.spec_stack import Partition, Stack, layer_split_errors
-from service.tracking.spec import TrackingSpec
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -36,6 +35,9 @@ MAX_SECRETS = 64
 """Most secrets one job may carry."""
 SECRET_MAX_CHARS = 16384
 """Longest secret value (a token, a key; printable text, as an environment value)."""
+_URI = re.compile(r"^https?://[^\s/?#@]+(?::\d+)?(?:/[^\s?#]*)?$")
+"""http(s), a host (no user:password@), an optional port and path; no query or fragment."""
+EXPERIMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._/-]{0,249}$"
 _SECRETS: dict[str, Any] = {"maxProperties": MAX_SECRETS, "writeOnly": True,
                             "propertyNames": {"pattern": _ENV_KEY.pattern, "maxLength": 128}}
 
@@ -268,6 +270,39 @@ class FaultSpec(_Strict):
     """Sleep length for hang and slow."""
     attempt: Annotated[int, Field(ge=1, le=1000)] = 1
     """The attempt it fires in (so that a restarted attempt can succeed)."""
+
+
+def normal_uri(uri: str) -> str:
+    """An MLflow URI as compared with the ones a server allows: without a trailing slash."""
+    return uri.rstrip("/")
+
+
+def check_uri(uri: str) -> str:
+    """`uri` normalised, or ValueError saying what an MLflow URI here must look like."""
+    if not _URI.match(uri):
+        raise ValueError(f"{uri[:200]!r} is not an http(s) URI without credentials, query or"
+                         " fragment (http(s)://host[:port][/path])")
+    return normal_uri(uri)
+
+
+class TrackingSpec(_Strict):
+    """Where the job's metrics go besides Trident's own store (docs/tracking.md): sent by the
+    control plane from the store, never by the ranks (`service.tracking`)."""
+
+    mlflow: Annotated[str, Field(max_length=2048)] | None = None
+    """An MLflow tracking server for this job (`http(s)://host[:port][/path]`), one of those
+    the server allows (`TRIDENT_MLFLOW_URIS`, checked by `service.confine`); default: the
+    server's `TRIDENT_MLFLOW_URI`, if it has one."""
+    experiment: Annotated[str, Field(pattern=EXPERIMENT_PATTERN)] | None = None
+    """The MLflow experiment the job's run goes into (default: the job's project, or
+    `trident`)."""
+    enabled: bool = True
+    """False: this job goes to no tracker (neither MLflow nor TensorBoard files)."""
+
+    @field_validator("mlflow")
+    @classmethod
+    def _http_uri(cls, v: str | None) -> str | None:
+        return None if v is None else check_uri(v)
 
 
 class JobSpec(_Strict):

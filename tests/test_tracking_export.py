@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.confine import mlflow_refusal
 from service.jobs import Submitter, submit
 from service.metrics_ingest import MetricsIngest
 from service.protocols import StepReport
@@ -250,11 +251,13 @@ def test_a_spec_chooses_its_trackers_within_what_the_server_allows(tmp_path: Pat
     spec = JobSpec.model_validate(tiny_spec()).tracking
     assert cfg.targets(spec) == {"mlflow": URI, "tensorboard": "tensorboard"}
     other = JobSpec.model_validate(tiny_spec(tracking={"mlflow": "http://other:1/"})).tracking
-    assert cfg.targets(other)["mlflow"] == "http://other:1" and cfg.refusal(other) is None
+    assert cfg.targets(other)["mlflow"] == "http://other:1"
+    assert mlflow_refusal(other.mlflow, cfg.mlflow_allowed) is None
     off = JobSpec.model_validate(tiny_spec(tracking={"enabled": False})).tracking
     assert cfg.targets(off) == {}
     evil = JobSpec.model_validate(tiny_spec(tracking={"mlflow": "http://evil:1"})).tracking
-    assert "TRIDENT_MLFLOW_URIS" in (cfg.refusal(evil) or "")
+    assert "TRIDENT_MLFLOW_URIS" in (mlflow_refusal(evil.mlflow, cfg.mlflow_allowed) or "")
+    assert "allows no MLflow server" in (mlflow_refusal(evil.mlflow, frozenset()) or "")
     with pytest.raises(ValueError, match="without credentials"):
         JobSpec.model_validate(tiny_spec(tracking={"mlflow": "http://u:p@host:1"}))
 

@@ -76,7 +76,8 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
     return Submitter(owner=who.name, project=project, confinement=Confinement(
         checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
-        admin=who.role == "admin"), tracking=request.app.state.tracking,
+        admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
+        tracking=request.app.state.tracking,
         box=request.app.state.box)
 
 

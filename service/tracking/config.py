@@ -4,6 +4,7 @@ send them.
 `TrackingConfig.of(settings)` reads `TRIDENT_MLFLOW_URI` (every job's MLflow, unless its spec
 names another or turns tracking off), `TRIDENT_MLFLOW_URIS` (the others a spec may name), the
 server's MLflow credentials and `TRIDENT_TENSORBOARD` (event files under the data directory).
+The API confines a spec's `tracking.mlflow` to `mlflow_allowed` (`service.confine`).
 `targets` is what `service.jobs.submit` stores with a job (a cursor per tracker, the job's
 for good: a later change of the settings does not move a job's run); `make_sink` is what the
 exporter sends through.
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.spec import TrackingSpec, normal_uri
 from service.tracking.exports import Sink
-from service.tracking.spec import TrackingSpec, mlflow_refusal, normal_uri
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -53,10 +54,6 @@ class TrackingConfig:
                    token=token.get_secret_value() if token is not None else None,
                    username=settings.mlflow_username or None,
                    password=password.get_secret_value() if password is not None else None)
-
-    def refusal(self, tracking: TrackingSpec) -> str | None:
-        """Why a spec's `tracking` may not run here (an MLflow server not allowed)."""
-        return mlflow_refusal(tracking.mlflow, self.mlflow_allowed)
 
     def targets(self, tracking: TrackingSpec) -> dict[str, str]:
         """The trackers a job with this `tracking` goes to: sink -> the MLflow URI, or

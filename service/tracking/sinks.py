@@ -17,11 +17,12 @@ from service.states import JobState
 from service.store import Job
 from service.tracking.exports import Export, Sink
 from service.tracking.scalars import StepScalars
-from service.tracking.spec import DEFAULT_EXPERIMENT
 
 PARAM_VALUE_MAX = 6000
 """MLflow's longest parameter value (`mlflow.utils.validation.MAX_PARAM_VAL_LENGTH`)."""
 TAG_VALUE_MAX = 5000
+DEFAULT_EXPERIMENT = "trident"
+"""The experiment of a job with neither `tracking.experiment` nor a project."""
 KEY_MAX = 250
 """MLflow's longest metric, parameter or tag name."""
 HIDDEN = frozenset({"env", "secrets"})
