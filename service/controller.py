@@ -5,9 +5,12 @@ a fake `Launcher`. Policies decide, the controller carries out; every state chan
 `Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop. Each attempt's
 health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `trident probe`
 runs by `ClusterProbes` (both in `service.monitor`), `trident stacks` requests by
-`StackCollector` (`service.stack_collect`). Nothing in a pass waits for workers to
+`StackCollector` (`service.stack_collect`), the stored steps' way to MLflow and TensorBoard
+by the `Exporter` (`service.tracking`), beside the loop. Nothing in a pass waits for workers to
 die: groups are stopped beside the loop by `Teardowns` (`service.teardown`), so a cancelled
-job is CANCELLED in the pass that sees the request, however many are cancelled at once.
+job is CANCELLED in the pass that sees the request, however many are cancelled at once. A
+job's secrets are opened into its ranks' environment only, and kept out of what is stored
+from them (`service.secrets`).
 
 Groups outlive the controller: a controller that starts re-attaches to the live group of each
 PLACING or RUNNING job (no retry used; the ranks send again what was not stored, which the
@@ -23,12 +26,11 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
-
-from pydantic import SecretStr
 
 from service.checkpoints import CheckpointPlaces, CheckpointWriter, JobFolders
 from service.identity import Identity
@@ -39,7 +41,7 @@ from service.node_survey import NodeSurvey
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
-from service.secrets import SecretBox, SecretsUnreadable, redact
+from service.secrets import JobSecrets, SecretBox, SecretsUnreadable, redact
 from service.spec import JobSpec
 from service.stack_collect import StackCollector
 from service.stack_requests import StackRequests
@@ -80,11 +82,8 @@ class _Running:
     started: float
     spec: JobSpec
     health: AttemptHealth
-    secrets: dict[str, str] = field(default_factory=dict, repr=False)
-    """The job's secrets, to keep them out of what is stored from its ranks."""
-
-    def redact(self, text: str) -> str:
-        return redact(text, self.secrets) if self.secrets else text
+    redact: Callable[[str], str] = field(default=str, repr=False)  # str: the text as it is
+    """Takes the job's secrets out of what is stored from its ranks."""
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -130,8 +129,9 @@ class Controller:
         self.quota_notes = QuotaNotes(store)
         self.stacks = StackCollector(StackRequests(store))
         """`trident stacks`: answered from the live groups, beside the loop."""
-        self.box = box
-        """Opens jobs' secrets for their ranks' environment (None: a job with secrets fails)."""
+        self.secrets = JobSecrets(store, box)
+        """Opens jobs' secrets for their ranks' environment (no box: a job with secrets
+        fails)."""
         # An ended job's export waits out its group's stopping (its last poll) first.
         self.exporter = Exporter(store, tracking.make_sink, allowed=tracking.allows,
                                  settle_s=cancel_grace_s + 30) if tracking is not None else None
@@ -259,37 +259,25 @@ class Controller:
         try:  # a spec stored before a check it fails was added, a folder not the job's
             spec = JobSpec.model_validate(job.spec)
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
-            secrets = self._secrets(job.id)
+            secrets = self.secrets.open(job.id)
         except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
                                retry=isinstance(exc, OSError))
             return
-        # The ranks get the secrets in their environment; the spec they are sent (a dump)
-        # never carries them.
-        with_secrets = spec.model_copy(update={"secrets": {k: SecretStr(v)
-                                                           for k, v in secrets.items()}})
-        try:
-            group = self.launcher.start(job_id=job.id, attempt=attempt, spec=with_secrets,
+        try:  # secrets reach the ranks' environment, never the spec each is sent (a dump)
+            group = self.launcher.start(job_id=job.id, attempt=attempt,
+                                        spec=spec.with_secrets(secrets),
                                         plan=job.plan, checkpoint_dir=folder,
                                         writer=CheckpointWriter.of(job))
         except Exception as exc:  # a failed start is data for the failure policy
-            log.exception("job %s: start failed", job.id)
+            log.error("job %s: start failed: %s", job.id, redact(traceback.format_exc(), secrets))
             self._fail_attempt(job, attempt, redact(f"worker group failed to start: {exc!r}",
                                                     secrets), result)
             return
         self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
-                                                                        spec), secrets=secrets)
-
-    def _secrets(self, job_id: int) -> dict[str, str]:
-        """The job's secrets, opened (SecretsUnreadable when this controller cannot)."""
-        sealed = self.store.job_secrets(job_id=job_id)
-        if not sealed:
-            return {}
-        if self.box is None:
-            raise SecretsUnreadable("the job has secrets and this controller no key to open"
-                                    " them")
-        return self.box.open_all(sealed)
+                                                                        spec),
+                                        redact=self.secrets.redactor(job.id, secrets))
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
@@ -305,13 +293,10 @@ class Controller:
                 checkpoint_dir=self.folders.folder(job.id, spec.checkpoint.dir),
                 writer=CheckpointWriter.of(job))
             if group is not None:
-                try:
-                    secrets = self._secrets(job.id)
-                except SecretsUnreadable:  # only to redact: the ranks have theirs already
-                    secrets = {}
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
-                    health=AttemptHealth(self.store, job, job.attempts, spec), secrets=secrets)
+                    health=AttemptHealth(self.store, job, job.attempts, spec),
+                    redact=self.secrets.redactor(job.id))
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
                                      message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
@@ -430,13 +415,9 @@ class Controller:
             record_stacks(self.store, key_id, td.attempt, td.stacks)
         if td.final is not None and td.attempt is not None:
             job = self.store.get_job(job_id=key_id)
-            try:
-                secrets = self._secrets(key_id)
-            except SecretsUnreadable:
-                secrets = {}
             store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,
                        world_size=job.world_size, poll=td.final, health=None,
-                       redact=partial(redact, secrets=secrets))
+                       redact=self.secrets.redactor(key_id))
         self.store.add_event(
             job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
             message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"

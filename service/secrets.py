@@ -21,10 +21,13 @@ into its settings and taken out of the environment of every process a job's code
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from functools import partial
 from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
+
+from service.store import Store
 
 KEY_FILE = "secrets.key"
 """The key file in the data directory, made on first use when `TRIDENT_SECRETS_KEY` is unset."""
@@ -109,6 +112,35 @@ def _read_or_make(path: Path) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(made)
     return made
+
+
+class JobSecrets:
+    """The controller's access to jobs' secrets: opened for an attempt's ranks, and the
+    redaction of what it stores from them."""
+
+    def __init__(self, store: Store, box: SecretBox | None) -> None:
+        self.store = store
+        self.box = box
+
+    def open(self, job_id: int) -> dict[str, str]:
+        """The job's secrets by name; SecretsUnreadable when this server cannot open them."""
+        sealed = self.store.job_secrets(job_id=job_id)
+        if not sealed:
+            return {}
+        if self.box is None:
+            raise SecretsUnreadable("the job has secrets and this controller no key to open"
+                                    " them")
+        return self.box.open_all(sealed)
+
+    def redactor(self, job_id: int, known: Mapping[str, str] | None = None
+                 ) -> Callable[[str], str]:
+        """`redact` with the job's secrets (`known`, or opened now; none it cannot open)."""
+        if known is None:
+            try:
+                known = self.open(job_id)
+            except SecretsUnreadable:  # its ranks never got them either
+                known = {}
+        return partial(redact, secrets=dict(known))
 
 
 def redact(text: str, secrets: Mapping[str, str]) -> str:

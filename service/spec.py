@@ -8,6 +8,7 @@ with the arithmetic, and names the field, so the API can turn it into a 422.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -376,6 +377,10 @@ class JobSpec(_Strict):
     def secret_values(self) -> dict[str, str]:
         """The secrets' values by name (for the store's sealed copy and the ranks' env)."""
         return {k: v.get_secret_value() for k, v in self.secrets.items()}
+
+    def with_secrets(self, values: Mapping[str, str]) -> JobSpec:
+        """This spec carrying `values` as its secrets (checked when they were submitted)."""
+        return self.model_copy(update={"secrets": {k: SecretStr(v) for k, v in values.items()}})
 
     @field_validator("entrypoint")
     @classmethod

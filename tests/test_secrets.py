@@ -5,6 +5,7 @@ tracker credentials stay out of every process that runs jobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import types
@@ -189,3 +190,42 @@ def test_the_servers_tracker_credentials_stay_out_of_processes_that_run_jobs(
         os.environ.update(saved)
     assert seen and not set(seen["env"]) & set(SERVER_SECRETS)
     assert settings.mlflow_token.get_secret_value() == "server-TRIDENT_MLFLOW_TOKEN"
+
+
+def test_the_controller_gives_the_ranks_their_secrets_and_stores_none_from_them(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    from service.controller import Controller
+    from service.jobs import Submitter, submit
+    from service.protocols import PollResult
+    from service.states import JobState
+    from tests.test_controller import FakeLauncher
+
+    box = SecretBox.of(None, tmp_path)
+    spec = JobSpec.model_validate(tiny_spec(secrets={"API_KEY": VALUE}))
+    job = submit(sqlite_store, spec, by=Submitter(box=box))
+    leaky = [PollResult(state="running", events=[
+                 {"kind": "info", "message": f"rank 0 read {VALUE}", "data": {"v": VALUE}}]),
+             PollResult(state="failed", error=f"RuntimeError: the server said no to {VALUE}",
+                        failed_ranks=[0])]
+    launcher = FakeLauncher([leaky])
+    controller = Controller(sqlite_store, launcher, checkpoint_root=tmp_path / "ckpt", box=box)
+    for _ in range(4):
+        controller.step()
+    started = launcher.started[0]["spec"]
+    assert started.secret_values() == {"API_KEY": VALUE}  # for the ranks' environment
+    assert VALUE not in json.dumps(started.model_dump(mode="json"))  # the spec they are sent
+    done = sqlite_store.get_job(job_id=job.id)
+    assert done.state == JobState.FAILED
+    assert "the server said no to [secret API_KEY]" in (done.error or "")
+    stored = [done.error or "", *(f"{e.message} {e.data}" for e in
+                                  sqlite_store.list_events(job_id=job.id))]
+    assert "rank 0 read [secret API_KEY]" in " ".join(stored)
+    assert not [text for text in stored if VALUE in text]
+    # A controller that cannot open them (another key) does not start the job.
+    again = submit(sqlite_store, spec, by=Submitter(box=box))
+    other = Controller(sqlite_store, FakeLauncher([leaky]), checkpoint_root=tmp_path / "ckpt",
+                       box=SecretBox.of(SecretBox.new_key().decode(), tmp_path))
+    for _ in range(3):
+        other.step()
+    failed = sqlite_store.get_job(job_id=again.id)
+    assert failed.state == JobState.FAILED and "sealed with another key" in (failed.error or "")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from pydantic import SecretStr
 
 from api.auth import Who, check_owner, identity_of, may, require
 from api.deps import (
@@ -210,8 +209,7 @@ def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut
     check_owner(who, "jobs:resubmit", job.owner)
     spec = JobSpec.model_validate(job.spec)
     if who.name == job.owner and (sealed := store.job_secrets(job_id=job.id)):
-        opened = request.app.state.box.open_all(sealed)
-        spec = spec.model_copy(update={"secrets": {k: SecretStr(v) for k, v in opened.items()}})
+        spec = spec.with_secrets(request.app.state.box.open_all(sealed))
     new, _ = _queue(store, spec, request, submitter(request, who, job.project))
     return job_out(store, new, who, summary=job_summary(store, new.id, new=True))
 
