@@ -1,7 +1,9 @@
 """Nothing of the embedded stack can be reached from another host: every socket that `trident
 up`, its controller, its Ray head and the head's processes and workers listen on is on
-loopback; so is the Ray the controller daemon starts inside itself when it runs alone. Real
-processes, real Ray; the sockets as the kernel lists them (`psutil.net_connections`)."""
+loopback, while a job runs too (its ranks' rendezvous store and gloo sockets,
+`workers.rendezvous`); so is the Ray the controller daemon starts inside itself when it runs
+alone. Real processes, real Ray, a real job through the API; the sockets as the kernel lists
+them (`psutil.net_connections`)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from service.rayhead import answers, live_head
+from tests.conftest import tiny_spec
 from tests.test_cli import free_port, wait_healthy
 from tests.test_e2e_detached import ROOT, Up, wait_for
 
@@ -77,9 +81,28 @@ def check_all_on_loopback(pids: dict[int, str]) -> None:
     assert not exposed, "listening beyond loopback:\n" + "\n".join(map(str, exposed))
 
 
-def test_the_embedded_stack_listens_on_loopback_only(tmp_path: Path) -> None:
+def submit_running_job(up: Up) -> int:
+    """A 2-rank job long enough to be checked while it trains (`--stop-jobs` ends it)."""
+    spec = tiny_spec(train={"steps": 100_000, "global_batch": 8, "micro_batch": 2,
+                            "precision": "fp32", "lr": 0.003}, monitor={"probe": False})
+    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    assert r.status_code == 201, r.text
+    job_id = int(r.json()["id"])
+
+    def trained_a_step() -> bool:
+        job = up.get(f"/jobs/{job_id}")
+        assert job["state"] in ("QUEUED", "PLACING", "RUNNING"), (job["error"], up.log())
+        return bool(up.get(f"/jobs/{job_id}/metrics", rank=1)["items"])
+
+    wait_for("the job training on both ranks", trained_a_step, 240, up.log)
+    return job_id
+
+
+def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: Path) -> None:
     port = free_port()
-    up = Up(tmp_path, port, {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"})
+    # --stop-jobs: the job and the Ray head end with `trident up`, even when a check fails.
+    up = Up(tmp_path, port, {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"},
+            "--stop-jobs")
     head = None
     try:
         wait_healthy(up.server, timeout_s=180)
@@ -88,12 +111,24 @@ def test_the_embedded_stack_listens_on_loopback_only(tmp_path: Path) -> None:
         servers = (*NODE_SERVERS, "ray.util.client.server", "service.daemon")
         wait_for("every server of the stack listening",
                  lambda: serving(tree(up.proc.pid), servers), 180, up.log)
+        head = live_head(tmp_path)
+        job_id = submit_running_job(up)
+        placement = up.get(f"/jobs/{job_id}/attempts")["items"][-1]["placement"]
         pids = tree(up.proc.pid)
         assert controller in pids, pids
-        assert ("127.0.0.1", port) in [(a, p) for a, p, _ in listening(pids)]  # the API
+        sockets = listening(pids)
+        assert ("127.0.0.1", port) in [(a, p) for a, p, _ in sockets]  # the API
         check_all_on_loopback(pids)
-        head = live_head(tmp_path)
         assert head is not None and head.startswith("127.0.0.1:"), head
+        # The ranks are processes of the stack, and they listen: rank 0 its rendezvous store
+        # on the master address (loopback: where Ray put rank 0), each its gloo sockets.
+        ranks = {r["rank"]: r["pid"] for r in placement["ranks"]}
+        assert set(ranks) == {0, 1} and set(ranks.values()) <= set(pids), (ranks, pids)
+        master_addr, master_port = placement["master"].rsplit(":", 1)
+        assert loopback(master_addr), placement["master"]
+        by_pid = {pid: [(a, p) for a, p, _ in listening({pid: ""})] for pid in ranks.values()}
+        assert (master_addr, int(master_port)) in by_pid[ranks[0]], by_pid
+        assert len(by_pid[ranks[1]]) > 1, by_pid  # its actor's server and its gloo sockets
     finally:
         out = up.stop()
     assert up.proc.returncode == 0, out

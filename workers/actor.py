@@ -127,6 +127,7 @@ class RankActor:
         import torch
         import torch.distributed as dist
 
+        from workers import rendezvous
         from workers.comm_probe import DEFAULT_SIZES, JOB_PROBE_POINT_S, probe_layout
         from workers.nccl_env import pg_timeout
 
@@ -134,10 +135,9 @@ class RankActor:
         if on_gpu:
             # Ray shows each rank only its own GPU(s): index within what is visible.
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if on_gpu else "gloo",
-                                init_method=f"tcp://{master_addr}:{port}", rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=pg_timeout(spec.monitor.hang_timeout_s))
+        rendezvous.init_process_group("nccl" if on_gpu else "gloo", rank=self.rank,
+                                      world_size=self.world_size, master_addr=master_addr,
+                                      port=port, timeout=pg_timeout(spec.monitor.hang_timeout_s))
         try:
             sizes = [s for s in DEFAULT_SIZES if s <= spec.monitor.probe_max_bytes]
             rows = probe_layout(spec.layout.dims, self.rank, sizes=sizes,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from service.parallel import ParallelDims
+from workers import rendezvous
 from workers.comm_probe import DEFAULT_SIZES, probe_layout
 from workers.heartbeat import Heartbeat
 
@@ -49,9 +50,9 @@ def probe_cluster_rank(*, rank: int, world_size: int, master_addr: str, port: in
         flops["bf16"] = matmul_flops(torch.bfloat16, n=8192, device=device)
     rows: list[dict[str, Any]] = []
     if world_size > 1:
-        dist.init_process_group("nccl" if on_gpu else "gloo",
-                                init_method=f"tcp://{master_addr}:{port}", rank=rank,
-                                world_size=world_size)
+        rendezvous.init_process_group("nccl" if on_gpu else "gloo", rank=rank,
+                                      world_size=world_size, master_addr=master_addr,
+                                      port=port)
         try:
             dims = ParallelDims(tp=ranks_per_node, dp=world_size // ranks_per_node)
             rows = probe_layout(dims, rank, sizes=[s for s in DEFAULT_SIZES if s <= max_bytes],

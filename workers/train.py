@@ -29,13 +29,14 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.constants import default_pg_timeout
 
 from service.checkpoints import CheckpointWriter
 from service.parallel import rank_layout
 from service.planner.shape import ModelShape
 from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec, ParallelSpec
-from workers import checkpoint, data, memory
+from workers import checkpoint, data, memory, rendezvous
 from workers.bubble import BubbleMeter
 from workers.model import GPT, Block, loss_fn
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
@@ -135,6 +136,12 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
     gpu = ctx.local_rank % max(1, torch.cuda.device_count()) if use_gpu else 0
     if use_gpu:
         torch.cuda.set_device(gpu)
+    # The group first, on the job's master address (workers.rendezvous); DeepSpeed then finds
+    # it initialised. Its timeout and device binding are what DeepSpeed would have used.
+    rendezvous.init_process_group(
+        "nccl" if use_gpu else "gloo", rank=ctx.rank, world_size=ctx.world_size,
+        master_addr=ctx.master_addr, port=ctx.master_port, timeout=default_pg_timeout,
+        device_id=torch.device("cuda", gpu) if use_gpu and ctx.world_size > 1 else None)
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
                                auto_mpi_discovery=False, verbose=False,
                                rank=ctx.rank, world_size=ctx.world_size)
