@@ -229,3 +229,26 @@ def test_the_controller_gives_the_ranks_their_secrets_and_stores_none_from_them(
         other.step()
     failed = sqlite_store.get_job(job_id=again.id)
     assert failed.state == JobState.FAILED and "sealed with another key" in (failed.error or "")
+
+
+def test_trident_submit_takes_secrets_from_the_environment_or_a_file_never_the_line(
+        live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(json.dumps(tiny_spec()))
+    (tmp_path / "key").write_text(VALUE + "-from-file\n")
+    monkeypatch.setenv("API_KEY", VALUE)
+    r = live.cli("submit", str(spec_file), "-d", "--secret", "API_KEY",
+                 "--secret", f"FILE_KEY=@{tmp_path / 'key'}")
+    assert r.exit_code == 0, r.output
+    job_id = int(r.output.strip())
+    box = SecretBox.of(None, live.settings.data_dir)
+    assert box.open_all(live.store.job_secrets(job_id=job_id)) == {
+        "API_KEY": VALUE, "FILE_KEY": VALUE + "-from-file"}
+    out = live.cli("describe", str(job_id))
+    assert out.exit_code == 0 and "secrets: API_KEY, FILE_KEY (values never shown)" in out.output
+    assert VALUE not in out.output
+    for args, words in [(["--secret", f"API_KEY={VALUE}"], "never on the command line"),
+                        (["--secret", "NOT_SET_HERE"], "no variable NOT_SET_HERE"),
+                        (["--secret", "BAD=@/nonexistent/file"], "cannot read")]:
+        r = live.cli("submit", str(spec_file), "-d", *args)
+        assert r.exit_code == 2 and words in r.output and VALUE not in r.output, r.output

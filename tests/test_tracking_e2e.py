@@ -244,8 +244,10 @@ def test_the_secret_is_in_the_ranks_environment_and_nowhere_else(scenario: Scena
     scenario.answers.append(("POST resubmit", r.text))
     again = r.json()["id"]
     assert r.json()["secrets"] == ["TRIDENT_TEST_SECRET"]
-    httpx.post(f"{scenario.url}/api/v1/jobs/{again}/cancel", headers=scenario.headers,
-               timeout=60)
+    r = httpx.post(f"{scenario.url}/api/v1/jobs/{again}/cancel", headers=scenario.headers,
+                   timeout=60)
+    assert r.status_code == 202, r.text
+    scenario.answers.append(("POST cancel", r.text))
     # Every GET route of the API, every page.
     app = create_app(scenario.settings, store=scenario.store)
     for method, path, _ in api_routes(app):
