@@ -30,17 +30,19 @@ from api.db_errors import database_error
 from api.health import health
 from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
-from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks
+from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks, tracking
 from api.schemas import Health
 from service.dbcheck import Unreadable, check
 from service.heap import freeze_startup_objects
 from service.identity import Identity, bootstrap, prod_refusal
+from service.secrets import SecretBox
 from service.settings import Settings
 from service.store import Store
+from service.tracking.config import TrackingConfig
 
 log = logging.getLogger(__name__)
 
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[A-Za-z_0-9]+)*): (.*)$", re.S)
 
 
 def _name_the_field(err: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +73,12 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.env == "prod" and (why := prod_refusal(app.state.identity,
                                                            settings.data_dir)):
             raise RuntimeError(f"refusing to start in prod: {why}")
+        key = settings.secrets_key.get_secret_value() if settings.secrets_key else None
+        try:
+            app.state.box = SecretBox.of(key, settings.data_dir)
+        except ValueError as exc:  # a message without the key's value
+            raise RuntimeError(f"refusing to start: TRIDENT_SECRETS_KEY: {exc}") from None
+        app.state.tracking = TrackingConfig.of(settings)
         app.state.audit = AuditWriter(app.state.identity)
         yield
         app.state.audit.close()
@@ -108,6 +116,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(plan.router)
     v1.include_router(identity.router)
     v1.include_router(stacks.router)
+    v1.include_router(tracking.router)
 
     @v1.get("/healthz", tags=["system"], response_model=Health,
             responses={503: {"model": Health, "description": "degraded"}})

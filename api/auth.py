@@ -55,6 +55,8 @@ RULES: dict[str, Rule] = dict([
           text="admins cancel any job, members only their own"),
     _rule("jobs:resubmit", "admin", own="member",
           text="admins resubmit any job, members only their own"),
+    _rule("jobs:env", "admin", own="member viewer",
+          text="admins read every job's env values, other users only their own jobs'"),
     _rule("jobs:stacks", "admin", own="member",
           text="admins ask any job's ranks for their stacks, members only their own jobs'"),
     _rule("cluster:read", "admin member viewer", text="any user may read the cluster"),
@@ -160,10 +162,16 @@ def require(name: str) -> Callable[..., Principal]:
     return dependency
 
 
+def may(who: Principal, name: str, owner: str) -> bool:
+    """Whether `who` may act on something `owner` owns under rule `name`."""
+    rule = RULES[name]
+    return who.role in rule.roles or (who.role in rule.own and owner == who.name)
+
+
 def check_owner(who: Principal, name: str, owner: str) -> None:
     """A 403 unless `who` may act on something `owner` owns under rule `name`."""
     rule = RULES[name]
-    if who.role in rule.roles or (who.role in rule.own and owner == who.name):
+    if may(who, name, owner):
         return
     raise HTTPException(status_code=403, detail=rule.refusal(who) + f"; this belongs to {owner}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top
+from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top, cli_tracking
 from api.cli_common import DEFAULT_SERVER, ServerOpt, Trident, connect, fail, short_helps
 from api.cli_identity import announce_bootstrap, register
 from api.cli_node import register as register_node
@@ -72,6 +73,9 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     if data_dir:
         env["TRIDENT_DATA_DIR"] = str(data_dir)
     env["TRIDENT_STOP_JOBS"] = "1" if stop_jobs else "0"
+    # Where people reach the dashboard, for each MLflow run's link to its job (unless set).
+    reach = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    env.setdefault("TRIDENT_PUBLIC_URL", f"http://{reach}:{port}")
     os.environ.update(env)
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +247,7 @@ register_node(app)
 register_stacks(app)
 cli_jobs.register(app)
 cli_logs.register(app)
+cli_tracking.register(app)
 short_helps(app)
 
 

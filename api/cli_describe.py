@@ -130,6 +130,10 @@ class Description(BaseModel):
     events: list[EventLine]
     """The newest `--events`, oldest first."""
     events_total: int
+    secrets: list[str] = []
+    """The names of the job's secrets (their values are never shown)."""
+    env_hidden: list[str] = []
+    """The `env` variables whose values you may not read (the owner's and admins' to read)."""
 
 
 def nodes_of(placement: Placement) -> list[NodeRanks]:
@@ -169,7 +173,7 @@ def gather(client: TridentClient, job_id: int, events: int) -> Description:
                                  step=sum(s.step_s for s in steps) / len(steps))
     row = JobRow.of(j)
     return Description(
-        job=row, spec=j.spec,
+        job=row, spec=j.spec, secrets=j.secrets, env_hidden=j.env_hidden,
         plan=PlanLine(layout=row.layout, world_size=j.plan.world_size,
                       step_s=j.plan.time.step_s, tokens_per_s=j.plan.tokens_per_s,
                       memory_bytes=j.plan.memory.total),
@@ -234,6 +238,11 @@ def text(d: Description) -> str:
                                              rows).splitlines()]
     out += ["", "Spec:"] + ["  " + line for line in yaml.safe_dump(
         d.spec.model_dump(mode="json"), sort_keys=False).rstrip().splitlines()]
+    if d.env_hidden:
+        out.append(f"  (env values of {', '.join(d.env_hidden)}: the owner's and admins' to"
+                   " read)")
+    if d.secrets:
+        out.append(f"  secrets: {', '.join(d.secrets)} (values never shown)")
     out += ["", "Attempts:"] + (_attempts(d.attempts) or ["  none yet"])
     if d.hang:
         h = d.hang

@@ -8,6 +8,7 @@ of steps on a terminal and prints a line per step otherwise (pipes, CI logs).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from enum import StrEnum
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -22,6 +24,7 @@ from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, error_line, fail
 from api.cli_spec import SetOpt, load_spec
 from api.client import ApiError, TridentClient, model_json
 from api.schemas import JobOut, MetricOut
+from service.spec import JobSpec
 from service.states import JobState
 
 EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
@@ -37,6 +40,39 @@ class Output(StrEnum):
     json = "json"
 
 
+SecretOpt = Annotated[list[str] | None, typer.Option(
+    "--secret", metavar="NAME[=@FILE]",
+    help="A secret for the ranks' environment, write-only on the server: the value of this"
+    " shell's variable NAME, or NAME=@FILE the file's text (a final newline dropped). Never"
+    " a value on the command line. Repeat for more.")]
+
+
+def with_secrets(spec: JobSpec, secrets: list[str]) -> JobSpec:
+    """`spec` with `--secret`s added (read here, on the client; sent in the submission only)."""
+    values: dict[str, str] = {}
+    for item in secrets:
+        name, sep, source = item.partition("=")
+        if not sep:
+            if name not in os.environ:
+                fail(f"--secret {name}: no variable {name} in this shell's environment (set"
+                     f" it, or give --secret {name}=@FILE)")
+            values[name] = os.environ[name]
+        elif source.startswith("@"):
+            try:
+                values[name] = Path(source[1:]).read_text().removesuffix("\n")
+            except OSError as exc:
+                fail(f"--secret {name}: cannot read {source[1:]}: {exc.strerror}")
+        else:
+            fail(f"--secret {name}: give the value from the environment (--secret {name}) or"
+                 f" a file (--secret {name}=@FILE), never on the command line")
+    merged = {**spec.secret_values(), **values}
+    try:
+        return JobSpec.model_validate({**spec.model_dump(mode="json"), "secrets": merged})
+    except ValidationError as exc:  # its text quotes the input: say the messages only
+        fail("--secret: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                      for e in exc.errors()))
+
+
 def submit(spec: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON).")],
            server: ServerOpt = DEFAULT_SERVER,
            sets: SetOpt = None,
@@ -46,16 +82,19 @@ def submit(spec: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON
                "--output", "-o", help="json: print the created job as JSON (the follow goes"
                " to stderr).")] = Output.text,
            project: Annotated[str | None, typer.Option(
-               help="Project to submit under (default: your first).")] = None) -> None:
+               help="Project to submit under (default: your first).")] = None,
+           secret: SecretOpt = None) -> None:
     """Submit a job spec and follow it until it ends: state changes, events, a progress bar
     of steps (a line per step when not on a terminal), then the final state. Exits 0 if it
     SUCCEEDED, 1 if it FAILED, 3 if it was CANCELLED, 2 if the submission was refused;
     Ctrl-C stops following (130) and the job trains on. Retried on connection errors under
     one Idempotency-Key, so that a retry never queues the job twice.
 
-    Example: trident submit examples/tiny.yaml --set train.steps=100 --set parallel.dp=2
+    Example: trident submit examples/tiny.yaml --set train.steps=100 --secret HF_TOKEN
     """
     checked = load_spec(spec, sets)
+    if secret:
+        checked = with_secrets(checked, secret)
     with connect(server) as client:
         job = client.submit(checked, project=project)
         as_json = output == Output.json

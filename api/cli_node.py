@@ -70,6 +70,7 @@ def node_start(
     from service.node_labels import node_labels
     from service.rayhead import auth_env
     from service.raynode import host_ip, ray_start_argv, start_node
+    from service.secrets import without_server_secrets
 
     if head == bool(address):
         fail("give either --head or --address HEAD:PORT")
@@ -93,7 +94,7 @@ def node_start(
     auth = auth_env(token) if token is not None else {}
     try:
         state = start_node(root, role="head" if head else "worker", address=where, argv=argv,
-                           env={**os.environ, **auth},
+                           env={**without_server_secrets(os.environ), **auth},
                            temp_dir=str(temp_dir) if temp_dir else None, timeout_s=timeout)
     except RuntimeError as exc:
         fail(str(exc), 1)

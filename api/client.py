@@ -37,11 +37,13 @@ from api.schemas import (
     ClusterView,
     CommSteps,
     CommView,
+    Comparison,
     EventList,
     HangList,
     Health,
     JobList,
     JobOut,
+    JobTracking,
     LayoutSearch,
     LogPage,
     MetricList,
@@ -52,6 +54,7 @@ from api.schemas import (
     RanksGrid,
     Series,
     TokenList,
+    TrackingInfo,
     UserList,
     WhoAmI,
 )
@@ -337,6 +340,8 @@ class TridentClient:
         `project` (default: the caller's first). Retried under one `Idempotency-Key` (made
         here unless given), so that a retry never queues the job twice."""
         body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+        if isinstance(spec, JobSpec) and spec.secrets:  # write-only: no dump carries them
+            body["secrets"] = spec.secret_values()
         key = idempotency_key or f"client-{uuid.uuid4().hex}"
         return _parse(JobOut, self._send("POST", "/jobs", retry=True, json=body,
                                          params=_query(project=project),
@@ -419,6 +424,21 @@ class TridentClient:
     def list_hangs(self, job_id: int) -> HangList:
         """Every hang diagnosis of a job, newest first, with the ranks' stacks grouped."""
         return self._get(HangList, f"/jobs/{job_id}/hangs")
+
+    # -- tracking and comparison ------------------------------------------------------------------
+
+    def job_tracking(self, job_id: int) -> JobTracking:
+        """Where a job's steps went: per tracker its run or directory, the steps sent and
+        dropped, the newest failure."""
+        return self._get(JobTracking, f"/jobs/{job_id}/tracking")
+
+    def tracking_info(self) -> TrackingInfo:
+        """The server's trackers: its MLflow servers, where TensorBoard files are written."""
+        return self._get(TrackingInfo, "/tracking")
+
+    def compare(self, job_ids: list[int]) -> Comparison:
+        """Jobs side by side (2 to 8): figures, differing spec fields, curves."""
+        return self._get(Comparison, "/compare", jobs=list(job_ids))
 
     # -- rank logs -------------------------------------------------------------------------------
 
@@ -513,6 +533,8 @@ class TridentClient:
         """The planner on the server, nothing submitted: a `PlanOut` for an explicit layout,
         a `LayoutSearch` for `parallel: auto`."""
         body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+        if isinstance(spec, JobSpec) and spec.secrets:  # write-only: no dump carries them
+            body["secrets"] = spec.secret_values()
         return self._post(PlanOut | LayoutSearch, "/plan", body, params={"top": top})
 
     # -- identity --------------------------------------------------------------------------------

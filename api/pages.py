@@ -22,14 +22,18 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
+from api.auth import may
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.session import page_principal, session_csrf
 from service.compare import compare
+from service.comparison import HIDDEN_ENV, MAX_JOBS
 from service.dashboard import Sort, count_by_state, jobs_page, queue, recent_metrics
 from service.hardware import PROFILES
 from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
-from service.store import NotFound
+from service.store import Job, NotFound
+from service.tracking.exports import Exports
+from service.tracking.sinks import spec_json
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.
 router = APIRouter(include_in_schema=False, dependencies=[Depends(page_principal)])
@@ -136,15 +140,41 @@ def job_rows(request: Request, store: StoreDep, state: States = None, name: Name
     return templates.TemplateResponse(request, "_job_rows.html", ctx)
 
 
+def shown_spec(request: Request, job: Job, *, names: bool = True) -> dict[str, Any]:
+    """The job's spec as the signed-in user may read it: `env` values for its owner and
+    admins only (`jobs:env`; others see the names, or nothing with `names` False, where the
+    spec is to be edited and submitted); secrets are in no spec."""
+    spec = spec_json(job)
+    if spec.get("env") and not may(request.state.principal, "jobs:env", job.owner):
+        spec["env"] = {k: HIDDEN_ENV for k in spec["env"]} if names else {}
+    return spec
+
+
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
-    """One job, in tabs: overview, metrics, ranks, communication, logs, hangs."""
+    """One job, in tabs: overview (with its trackers and its secrets' names), metrics,
+    ranks, communication, logs, hangs."""
     metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
-        "job": job, "spec_yaml": yaml.safe_dump(job.spec.model_dump(mode="json"), sort_keys=False),
+        "job": job, "spec_yaml": yaml.safe_dump(shown_spec(request, job), sort_keys=False),
         "plan": job.plan, "measured": compare(job.plan, metrics),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
-        "terminal": job.state.terminal})
+        "terminal": job.state.terminal, "exports": Exports(store).of_job(job_id=job.id),
+        "secrets": store.secret_names(job_ids=[job.id]).get(job.id, [])})
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(request: Request, store: StoreDep,
+                 jobs: Annotated[list[Annotated[int, Query(ge=1, le=INT32_MAX)]],
+                                 Query(min_length=2, max_length=MAX_JOBS)]) -> HTMLResponse:
+    """Jobs side by side: their figures, the spec fields that differ, and one chart per
+    figure with every job's curve (by step or wall time). Opened from the jobs list."""
+    for job_id in jobs:
+        try:
+            store.get_job(job_id=job_id)
+        except NotFound as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from None
+    return templates.TemplateResponse(request, "compare.html", {"ids": jobs})
 
 
 @router.get("/jobs/{job_id}/logs/rank-{rank}.log")
@@ -185,7 +215,7 @@ def plan_page(request: Request, store: StoreDep,
         measured = compare(j.plan, recent_metrics(store, j))
     return templates.TemplateResponse(request, "plan.html", {
         "job": base, "measured": measured, "profiles": sorted(PROFILES),
-        "spec": base.spec.model_dump(mode="json") if base else DEFAULT_SPEC})
+        "spec": shown_spec(request, base, names=False) if base else DEFAULT_SPEC})
 
 
 @router.get("/cluster", response_class=HTMLResponse)

@@ -8,7 +8,10 @@ per-rank series (`trident_rank_*`, one per rank of every active job) can be turn
 device index, empty on CPU) so they join with the DCGM exporter's series.
 
 The API's own request latency is a histogram in the app's registry; the controller pass
-duration comes from the controller's lease row (the controller is another process).
+duration comes from the controller's lease row (the controller is another process), and the
+exporter's counts (steps sent to each tracker, dropped, exports failing now) from its cursors
+in the store (`service.tracking.exports`). Custom metrics (`StepReport.custom`, numbers) of an
+active job's newest step are `trident_job_custom{name=...}`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +31,8 @@ from service.lease import CONTROLLER, Leases
 from service.rank_status import rank_status
 from service.states import JobState
 from service.store import Job, Store
+from service.tracking.exports import Exports
+from service.tracking.scalars import custom
 
 ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING]
 JOB = ["job_id"]
@@ -54,6 +59,7 @@ class StoreCollector(Collector):
             jobs.add_metric([state.value], n)
         yield jobs
         yield from self._controller(store)
+        yield from self._tracking(store)
         fams = {
             "info": _g("trident_job_info", "An active job (value 1) and its layout.",
                        ["job_id", "name", "owner", "state", "tp", "pp", "dp", "zero"]),
@@ -72,6 +78,8 @@ class StoreCollector(Collector):
             "mfu": _g("trident_job_mfu_ratio", "Model FLOPs utilisation, newest step.", JOB),
             "mfu_pred": _g("trident_job_mfu_predicted_ratio", "The plan's predicted MFU.", JOB),
             "loss": _g("trident_job_loss", "Training loss, newest step.", JOB),
+            "custom": _g("trident_job_custom", "A custom metric an entrypoint reported"
+                         " (StepReport.custom), newest step of rank 0.", [*JOB, "name"]),
             "comm_s": _g("trident_job_comm_seconds", "Seconds in collectives in rank 0's"
                          " newest timed step, by dimension and op.", [*JOB, "dim", "op"]),
             "comm_b": _g("trident_job_comm_bytes", "Bytes moved by collectives in rank 0's"
@@ -101,6 +109,19 @@ class StoreCollector(Collector):
             g.add_metric([], lease.last_pass_s)
         yield g
 
+    def _tracking(self, store: Store) -> Iterator[Metric]:
+        sent = CounterMetricFamily("trident_tracking_exported_steps", "Steps the exporter"
+                                   " sent, by tracker (mlflow, tensorboard).", labels=["sink"])
+        dropped = CounterMetricFamily("trident_tracking_dropped_steps", "Steps a tracker"
+                                      " refused for good, by tracker.", labels=["sink"])
+        failing = _g("trident_tracking_failing_exports", "Jobs' exports whose tracker does"
+                     " not answer now, by tracker.", ["sink"])
+        for sink, (e, d, f) in Exports(store).totals().items():
+            sent.add_metric([sink.value], e)
+            dropped.add_metric([sink.value], d)
+            failing.add_metric([sink.value], f)
+        yield from (sent, dropped, failing)
+
     def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
         jid = [str(job.id)]
         lay, plan = job.plan.layout, job.plan
@@ -128,6 +149,8 @@ class StoreCollector(Collector):
             f["mfu"].add_metric(jid, mfu_pred * latest.tokens_per_s / plan.tokens_per_s)
         if latest.loss is not None:
             f["loss"].add_metric(jid, latest.loss)
+        for name, value in custom(latest).items():
+            f["custom"].add_metric([*jid, name], value)
         for dim, ops in (latest.data.get("comm") or {}).items():
             for op, st in ops.items():
                 if latest.data.get("timed", True):

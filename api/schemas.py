@@ -62,14 +62,25 @@ class JobOut(Job):
     """1-based place in the admission order, while queued."""
     reason: str | None = None
     """Why it waits, restarts or failed, in one line."""
+    secrets: list[str] = Field(default_factory=list)
+    """The names of the job's secrets (`JobSpec.secrets`); their values are never shown."""
+    env_hidden: list[str] = Field(default_factory=list)
+    """The names of `spec.env`'s variables whose values you may not read (a job's `env` is
+    its owner's and the admins' to read): `spec.env` leaves them out."""
 
     @classmethod
     def of(cls, job: Job, predicted_vs_measured: dict[str, Any] | None = None,
-           summary: JobSummary | None = None) -> JobOut:
-        extra: dict[str, Any] = {}
+           summary: JobSummary | None = None, *, shows_env: bool = True,
+           secrets: list[str] | None = None) -> JobOut:
+        """The answer for a reader: `shows_env` False for one who may not read its `env`."""
+        hidden: list[str] = []
+        if not shows_env and job.spec.env:
+            hidden = sorted(job.spec.env)
+            job = job.model_copy(update={"spec": job.spec.model_copy(update={"env": {}})})
+        extra: dict[str, Any] = {"secrets": secrets or [], "env_hidden": hidden}
         if summary is not None:
-            extra = {"total_steps": summary.total_steps, "restarts": summary.restarts,
-                     "queue_position": summary.queue_position, "reason": summary.reason}
+            extra.update(total_steps=summary.total_steps, restarts=summary.restarts,
+                         queue_position=summary.queue_position, reason=summary.reason)
             if (m := summary.latest) is not None:
                 extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
                              reported_at=m.time)
@@ -334,6 +345,107 @@ class Hang(BaseModel):
 class HangList(BaseModel):
     items: list[Hang]
     """Newest first."""
+
+
+# --- tracking and comparison ---------------------------------------------------------------------
+
+class TrackerExport(BaseModel):
+    """How far a job's stored steps went to one tracker (`service.tracking.exports`)."""
+
+    sink: str
+    """`mlflow` or `tensorboard`."""
+    target: str
+    """The MLflow tracking URI, or `tensorboard`."""
+    run_id: str | None = None
+    run_url: str | None = None
+    """The MLflow run's page."""
+    directory: str | None = None
+    """The job's TensorBoard directory on the server."""
+    attempt: int
+    step: int
+    """The last (attempt, step) sent or dropped."""
+    exported: int
+    """Steps sent."""
+    dropped: int
+    """Steps the tracker refused for good (never sent again)."""
+    state: str | None
+    """The job state the tracker was last told."""
+    done: bool
+    error: str | None
+    """The newest failure, until a send succeeds."""
+    failing_since: datetime | None
+    """Since when the tracker does not answer (None: it answers)."""
+    updated_at: datetime
+
+
+class JobTracking(BaseModel):
+    """`GET /jobs/{id}/tracking`: the job's exports, one per tracker it goes to."""
+
+    job_id: int
+    exports: list[TrackerExport]
+
+
+class TrackingInfo(BaseModel):
+    """`GET /tracking`: the server's trackers."""
+
+    mlflow_uri: str | None
+    """Every job's MLflow server (`TRIDENT_MLFLOW_URI`), unless its spec says otherwise."""
+    mlflow_uris: list[str]
+    """The MLflow servers a spec's `tracking.mlflow` may name."""
+    tensorboard_dir: str | None
+    """Where jobs' TensorBoard event files are (`job-<id>/` each); None: none written."""
+
+
+class ComparedRun(BaseModel):
+    """One job of a comparison: its newest figures and the plan against the measurement."""
+
+    id: int
+    name: str
+    owner: str
+    state: str
+    layout: str
+    world_size: int
+    step: int | None
+    """Rank 0's newest step."""
+    total_steps: int
+    loss: float | None
+    eval_loss: float | None
+    """The newest stored validation loss (None: none stored)."""
+    mfu: float | None
+    """Measured (median of the steady steps)."""
+    mfu_predicted: float | None
+    custom: dict[str, float]
+    """The newest step's custom metrics (numbers)."""
+    predicted_vs_measured: PredictedVsMeasured
+
+
+class SpecDifference(BaseModel):
+    field: str
+    """A dotted spec field (`parallel.tp`)."""
+    values: list[Any]
+    """One per run, in the order of `runs` (None: not set)."""
+
+
+class RunCurves(BaseModel):
+    """One job's curves: per step (sampled beyond 2,000 steps), seconds since it started and
+    every per-step figure by its stored name."""
+
+    job_id: int
+    step: list[int]
+    elapsed_s: list[float]
+    metrics: dict[str, list[float | None]]
+
+
+class Comparison(BaseModel):
+    """`GET /compare`: several jobs side by side."""
+
+    runs: list[ComparedRun]
+    differences: list[SpecDifference]
+    """The spec fields whose values differ."""
+    curves: list[RunCurves]
+    charted: list[str]
+    """The figures the comparison page draws, one chart each (loss, eval_loss, step_time_s,
+    tokens_per_s, then the others the runs have: custom metrics ...)."""
 
 
 # --- the planner ---------------------------------------------------------------------------------

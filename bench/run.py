@@ -8,7 +8,8 @@ fails is reported as failed and the others still run.
 Comparisons (see each module): `orchestration` (Trident against torchrun), `control_plane`
 (Trident's submit against Ray Jobs), `scale` (store and controller with 100,000 jobs and 10
 million metric rows; a 4,096-rank job's ingest), `planner_monitor` (the planner's search time,
-the monitor's overhead).
+the monitor's overhead), `tracking` (the exporter's throughput to TensorBoard and MLflow, and
+a controller pass's cost while MLflow hangs).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]], None]]]:
-    from bench import control_plane, orchestration, planner_monitor, scale
+    from bench import control_plane, orchestration, planner_monitor, scale, tracking
     return {
         "orchestration": ("Orchestration cost: Trident against torchrun", orchestration.run),
         "control_plane": ("Control plane: Trident's submit against Ray Jobs", control_plane.run),
         "scale": ("Store and controller at scale; ingest of a 4,096-rank job", scale.run),
         "planner_monitor": ("Planner search time and monitor overhead", planner_monitor.run),
+        "tracking": ("Tracking: export throughput; a pass while a tracker hangs", tracking.run),
     }
 
 

@@ -10,6 +10,9 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
 - `env` may not set variables that change how the worker process itself loads (the dynamic
   loader's, the interpreter's, the shell's start-up files), unless they are in
   `TRIDENT_ENV_ALLOW` or an admin submits; NCCL_*, TORCH_*, CUDA_* and other names pass.
+- `tracking.mlflow` must be an MLflow server the server allows (`TRIDENT_MLFLOW_URIS`, or
+  `TRIDENT_MLFLOW_URI`): the exporter sends the server's own tracker credentials with every
+  request (`service.tracking`), so a URI of the user's choosing would hand them over.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.checkpoints import CheckpointPlaces
-from service.spec import JobSpec, SpecError
+from service.spec import JobSpec, SpecError, normal_uri
 
 DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
 """The dynamic loader's (`LD_PRELOAD`, `LD_LIBRARY_PATH`, `LD_AUDIT`, macOS's `DYLD_*`) and the
@@ -39,6 +42,8 @@ class Confinement:
     entrypoint_modules: list[str] = field(default_factory=list)
     env_allow: frozenset[str] = frozenset()
     admin: bool = False
+    mlflow_uris: frozenset[str] = frozenset()
+    """The MLflow servers a spec may name (normalised: `service.spec.normal_uri`)."""
 
     def check(self, spec: JobSpec) -> None:
         """Raise SpecError for the first field that reaches outside the job."""
@@ -47,6 +52,8 @@ class Confinement:
         if spec.entrypoint is not None:
             self._entrypoint(spec.entrypoint)
         self._env(spec.env)
+        if (why := mlflow_refusal(spec.tracking.mlflow, self.mlflow_uris)) is not None:
+            raise SpecError("tracking.mlflow", why)
 
     def _checkpoint_dir(self, raw: str) -> None:
         places = CheckpointPlaces(self.checkpoint_roots, self.data_dir)
@@ -71,3 +78,14 @@ class Confinement:
             raise SpecError("env", f"{', '.join(denied)} would change how the worker process"
                             " itself loads (LD_*, DYLD_*, PYTHON*, PATH, ...); only an admin may"
                             " set them, or allow them for everyone with TRIDENT_ENV_ALLOW")
+
+
+def mlflow_refusal(uri: str | None, allowed: frozenset[str]) -> str | None:
+    """Why a spec may not name the MLflow server `uri` on a server that allows `allowed`."""
+    if uri is None or normal_uri(uri) in allowed:
+        return None
+    if not allowed:
+        return ("this server allows no MLflow server of a spec's choosing (TRIDENT_MLFLOW_URIS"
+                " is empty): leave tracking.mlflow out to use the server's own")
+    return (f"{uri[:200]} is not among the MLflow servers this server allows"
+            f" (TRIDENT_MLFLOW_URIS): {', '.join(sorted(allowed))}")

@@ -5,9 +5,12 @@ a fake `Launcher`. Policies decide, the controller carries out; every state chan
 `Store.transition`. The daemon (`service.daemon`) calls `step()` in a loop. Each attempt's
 health (probe, stragglers, placement, hangs) is judged by its `AttemptHealth`, `trident probe`
 runs by `ClusterProbes` (both in `service.monitor`), `trident stacks` requests by
-`StackCollector` (`service.stack_collect`). Nothing in a pass waits for workers to
+`StackCollector` (`service.stack_collect`), the stored steps' way to MLflow and TensorBoard
+by the `Exporter` (`service.tracking`), beside the loop. Nothing in a pass waits for workers to
 die: groups are stopped beside the loop by `Teardowns` (`service.teardown`), so a cancelled
-job is CANCELLED in the pass that sees the request, however many are cancelled at once.
+job is CANCELLED in the pass that sees the request, however many are cancelled at once. A
+job's secrets are opened into its ranks' environment only, and kept out of what is stored
+from them (`service.secrets`).
 
 Groups outlive the controller: a controller that starts re-attaches to the live group of each
 PLACING or RUNNING job (no retry used; the ranks send again what was not stored, which the
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ from service.node_survey import NodeSurvey
 from service.protocols import Launcher, PollResult, WorkerGroup
 from service.quota import Quota, QuotaNotes, held
 from service.scheduler import admit, unplaceable
+from service.secrets import JobSecrets, SecretBox, SecretsUnreadable, redact
 from service.spec import JobSpec
 from service.spec_limits import recheck
 from service.stack_collect import StackCollector
@@ -45,6 +51,8 @@ from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, Store
 from service.teardown import Teardown, Teardowns
+from service.tracking.config import TrackingConfig
+from service.tracking.exporter import Exporter
 from service.worker_reports import store_poll
 
 log = logging.getLogger(__name__)
@@ -77,6 +85,8 @@ class _Running:
     started: float
     spec: JobSpec
     health: AttemptHealth
+    redact: Callable[[str], str] = field(default=str, repr=False)  # str: the text as it is
+    """Takes the job's secrets out of what is stored from its ranks."""
 
 
 def decide_on_failure(job: Job) -> JobState:
@@ -94,7 +104,8 @@ class Controller:
                  start_timeout_s: float = 120.0, cancel_grace_s: float = 5.0,
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
-                 places: CheckpointPlaces | None = None) -> None:
+                 places: CheckpointPlaces | None = None, box: SecretBox | None = None,
+                 tracking: TrackingConfig | None = None) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -121,6 +132,13 @@ class Controller:
         self.quota_notes = QuotaNotes(store)
         self.stacks = StackCollector(StackRequests(store))
         """`trident stacks`: answered from the live groups, beside the loop."""
+        self.secrets = JobSecrets(store, box)
+        """Opens jobs' secrets for their ranks' environment (no box: a job with secrets
+        fails)."""
+        # An ended job's export waits out its group's stopping (its last poll) first.
+        self.exporter = Exporter(store, tracking.make_sink, allowed=tracking.allows,
+                                 settle_s=cancel_grace_s + 30) if tracking is not None else None
+        """Sends the stored steps to MLflow and TensorBoard files, beside the loop."""
         self._swept = False
 
     # --- one pass -----------------------------------------------------------------------------
@@ -149,6 +167,8 @@ class Controller:
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
         self.nodes.step()
+        if self.exporter is not None:
+            self.exporter.step()
         return result
 
     def shutdown(self, *, stop_jobs: bool = False) -> None:
@@ -157,6 +177,8 @@ class Controller:
         controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
         (all at once, inside the 30 s `trident up` gives the daemon to exit)."""
         self.nodes.close()
+        if self.exporter is not None:
+            self.exporter.close()
         if stop_jobs:
             for job_id, run in list(self.running.items()):
                 self._teardown(job_id, run)
@@ -240,20 +262,25 @@ class Controller:
         try:  # a spec stored before a check it fails was added, a folder not the job's
             spec = recheck(job.spec)
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
-        except (ValueError, OSError) as exc:  # CheckpointRefused and ValidationError too
+            secrets = self.secrets.open(job.id)
+        except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
                                retry=isinstance(exc, OSError))
             return
-        try:
-            group = self.launcher.start(job_id=job.id, attempt=attempt, spec=spec, plan=job.plan,
-                                        checkpoint_dir=folder, writer=CheckpointWriter.of(job))
+        try:  # secrets reach the ranks' environment, never the spec each is sent (a dump)
+            group = self.launcher.start(job_id=job.id, attempt=attempt,
+                                        spec=spec.with_secrets(secrets),
+                                        plan=job.plan, checkpoint_dir=folder,
+                                        writer=CheckpointWriter.of(job))
         except Exception as exc:  # a failed start is data for the failure policy
-            log.exception("job %s: start failed", job.id)
-            self._fail_attempt(job, attempt, f"worker group failed to start: {exc!r}", result)
+            log.error("job %s: start failed: %s", job.id, redact(traceback.format_exc(), secrets))
+            self._fail_attempt(job, attempt, redact(f"worker group failed to start: {exc!r}",
+                                                    secrets), result)
             return
         self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
-                                                                        spec))
+                                                                        spec),
+                                        redact=self.secrets.redactor(job.id, secrets))
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
@@ -271,7 +298,8 @@ class Controller:
             if group is not None:
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
-                    health=AttemptHealth(self.store, job, job.attempts, spec))
+                    health=AttemptHealth(self.store, job, job.attempts, spec),
+                    redact=self.secrets.redactor(job.id))
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
                                      message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
@@ -324,7 +352,7 @@ class Controller:
                          f"all ranks finished {run.spec.train.steps} steps", result)
         elif poll.state == "failed":
             self._teardown(job.id, run)
-            detail = poll.error or "a rank failed"
+            detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
             # A folder that is another job's now (rank 0 refused it) stays so: no retry.
             theirs = self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
@@ -334,7 +362,8 @@ class Controller:
 
     def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
         n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,
-                       world_size=job.world_size, poll=poll, health=run.health)
+                       world_size=job.world_size, poll=poll, health=run.health,
+                       redact=run.redact)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
         return n
@@ -390,7 +419,8 @@ class Controller:
         if td.final is not None and td.attempt is not None:
             job = self.store.get_job(job_id=key_id)
             store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,
-                       world_size=job.world_size, poll=td.final, health=None)
+                       world_size=job.world_size, poll=td.final, health=None,
+                       redact=self.secrets.redactor(key_id))
         self.store.add_event(
             job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
             message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"

@@ -32,8 +32,10 @@ from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
 from service.lease import CONTROLLER, Leader, Role
 from service.rayhead import LOOPBACK_ENV, metric_ports
+from service.secrets import SecretBox, forget_server_secrets
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
+from service.tracking.config import TrackingConfig
 
 log = logging.getLogger("trident.controller")
 
@@ -53,8 +55,10 @@ def connect_ray(settings: Settings) -> object:
     if not settings.ray_address:
         # A Ray of this process only: on loopback, like `trident up`'s head, with free ports
         # for its metrics servers (read by Ray when it is imported, and by the processes it
-        # starts).
+        # starts). Its processes run jobs: the server's secrets (read into `settings`
+        # already) stay out of the environment they inherit.
         os.environ.update({**LOOPBACK_ENV, **metric_ports()})
+        forget_server_secrets()
     ray = importlib.import_module("ray")
     # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
     # (which logs, stops the loop and releases the lease) would never run: keep ours.
@@ -140,6 +144,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
     with readable(settings.db_url):
         store.migrate()
     leader = Leader(store, duration_s=settings.lease_s)
+    secret = settings.secrets_key.get_secret_value() if settings.secrets_key else None
+    box = SecretBox.of(secret, settings.data_dir)
 
     def make_controller() -> Controller:
         return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
@@ -148,7 +154,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
                                                   settings.data_dir),
                           start_timeout_s=settings.start_timeout_s,
                           cancel_grace_s=settings.cancel_grace_s,
-                          fence=Fence(CONTROLLER, leader.holder))
+                          fence=Fence(CONTROLLER, leader.holder), box=box,
+                          tracking=TrackingConfig.of(settings))
 
     loop = LeaderLoop(leader, make_controller)
     log.info("controller %s starting against %s (lease %g s)", leader.holder,

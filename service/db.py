@@ -19,6 +19,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -254,6 +255,54 @@ class AuditRow(Base):
     action: Mapped[str | None] = mapped_column(String(64), nullable=True)
     """The authorization rule of the route (e.g. `jobs:cancel`)."""
     status: Mapped[int] = mapped_column(Integer)
+
+
+class JobSecretRow(Base):
+    """A secret of a job (`JobSpec.secrets`), sealed with the server's key
+    (`service.secrets.SecretBox`): apart from the spec, never returned; the controller opens
+    it to give it to the ranks' environment."""
+
+    __tablename__ = "job_secrets"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class TrackingExportRow(Base):
+    """How far a job's stored steps went to one tracker (`service.tracking`): the cursor
+    the exporter goes on from after an outage or a restart, and what it sent and dropped."""
+
+    __tablename__ = "tracking_exports"
+    __table_args__ = (Index("ix_tracking_exports_done", "done"),)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    sink: Mapped[str] = mapped_column(String(16), primary_key=True)
+    """`mlflow` or `tensorboard`."""
+    target: Mapped[str] = mapped_column(String(2048))
+    """The MLflow tracking URI, or `tensorboard` (the data directory's, `job-<id>/` in it)."""
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The job's MLflow run (None: not made yet)."""
+    experiment_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    """The cursor: the last (attempt, step) sent or dropped; the next batch starts after it."""
+    exported: Mapped[int] = mapped_column(Integer, default=0)
+    """Steps sent."""
+    dropped: Mapped[int] = mapped_column(Integer, default=0)
+    """Steps the tracker refused for good (counted, never sent again)."""
+    state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    """The job state the tracker was last told."""
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Every step of the ended job and its final state sent: nothing more to do."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The newest failure (an outage, a refusal), until a send succeeds."""
+    failing_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                           nullable=True)
+    """When the tracker stopped answering (None: it answers)."""
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 def _finite(value: Any) -> Any:

@@ -23,8 +23,10 @@ from service.planner.stored import StoredPlan
 from service.profiles import profile_for
 from service.protocols import NodeCapacity
 from service.scheduler import bundles, pack
+from service.secrets import SecretBox
 from service.spec import JobSpec, SpecError
 from service.store import Job, KeyTaken, Node, Store
+from service.tracking.config import TrackingConfig
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,12 @@ class KeyReused(ValueError):
 
 
 def request_hash(spec: JobSpec) -> str:
-    """SHA-256 of the spec as validated: key order, spacing and defaults do not count."""
-    text = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the spec as validated: key order, spacing and defaults do not count. Of
+    its secrets, the names count (never a value: the hash is stored)."""
+    data = spec.model_dump(mode="json")
+    if spec.secrets:
+        data["secrets"] = sorted(spec.secrets)
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -77,6 +83,10 @@ class Submitter:
     owner: str = "local"
     project: str | None = None
     confinement: Confinement | None = None
+    tracking: TrackingConfig | None = None
+    """The server's trackers: which the job goes to, and which MLflow servers it may name."""
+    box: SecretBox | None = None
+    """Seals the spec's `secrets` for the store (None: a spec with secrets is refused)."""
 
 
 def submit_once(store: Store, spec: JobSpec, key: str,
@@ -105,12 +115,17 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
            digest: str | None = None, by: Submitter | None = None) -> Job:
     """Plan `spec` with the profile this cluster plans with and queue it, owned by `by`.
     PlanInfeasible (a ValueError) if it cannot fit; a SpecError on the field that reaches
-    outside the job (`by.confinement`), on `model` if it would run the built-in trainer
-    and that would build another model than the one planned, or on `resources` if no
-    placement of its ranks exists on the recorded nodes."""
+    outside the job (`by.confinement`), on `tracking.mlflow` if it names an MLflow server
+    the server does not allow, on `model` if it would run the built-in trainer and that would
+    build another model than the one planned, or on `resources` if no placement of its ranks
+    exists on the recorded nodes. The spec's `secrets` are sealed (`by.box`) and stored
+    apart from it; the stored spec holds none."""
     by = by or Submitter()
     if by.confinement is not None:
         by.confinement.check(spec)
+    if spec.secrets and by.box is None:
+        raise SpecError("secrets", "this server keeps no secrets")
+    sealed = by.box.seal_all(spec.secret_values()) if by.box is not None else {}
     prepared = prepare(spec, profile_for(store, spec.target.gpu))
     refusal = ModelShape.from_spec(spec.model).builtin_trainer_refusal()
     if spec.entrypoint is None and refusal:
@@ -122,7 +137,9 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
                             plan=prepared.plan, world_size=prepared.world_size,
                             cpus=prepared.cpus, gpus=prepared.gpus, priority=spec.priority,
                             owner=by.owner, project=by.project,
-                            idempotency_key=idempotency_key, request_hash=digest)
+                            idempotency_key=idempotency_key, request_hash=digest,
+                            secrets=sealed, tracking=by.tracking.targets(spec.tracking)
+                            if by.tracking is not None else None)
 
 
 def capacities(nodes: list[Node]) -> list[NodeCapacity]:

@@ -34,7 +34,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Float, ForeignKey, Integer, LargeBinary, delete, select
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    and_,
+    delete,
+    or_,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
@@ -244,3 +254,52 @@ class MetricsIngest:
                                     MetricRow.attempt == newest)
                              .order_by(MetricRow.step.desc()).limit(limit)).scalars()
             return [Metric.from_row(r) for r in reversed(list(rows))]
+
+    def rows_after(self, *, job_id: int, after: tuple[int, int], limit: int,
+                   open_attempt: int | None = None, ranks: Sequence[int] = ()) -> list[Metric]:
+        """Rank 0's rows after (attempt, step) `after`, oldest first, at most `limit` steps,
+        and the rows of `ranks` of those steps: what the exporter sends next
+        (`service.tracking`). Of `open_attempt` (the one still running), only the steps
+        every rank has reported, up to the first that one has not: a step is sent whole."""
+        attempt, step = after
+        with self._sessions.begin() as s:
+            rank0 = list(s.execute(
+                select(MetricRow).where(
+                    MetricRow.job_id == job_id, MetricRow.rank == 0,
+                    or_(MetricRow.attempt > attempt,
+                        and_(MetricRow.attempt == attempt, MetricRow.step > step)))
+                .order_by(MetricRow.attempt, MetricRow.step).limit(limit)).scalars())
+            if open_attempt is not None:
+                steps = [r.step for r in rank0 if r.attempt == open_attempt]
+                complete = set(s.execute(
+                    select(StepMetricRow.step).where(
+                        StepMetricRow.job_id == job_id, StepMetricRow.attempt == open_attempt,
+                        StepMetricRow.step.in_(steps), StepMetricRow.rank_bits.is_(None))
+                ).scalars()) if steps else set()
+                for i, r in enumerate(rank0):
+                    if r.attempt == open_attempt and r.step not in complete:
+                        rank0 = rank0[:i]
+                        break
+            out = [Metric.from_row(r) for r in rank0]
+            others = [r for r in ranks if r != 0]
+            if rank0 and others:
+                pairs = {(r.attempt, r.step) for r in rank0}
+                first, last = rank0[0], rank0[-1]
+                rows = s.execute(select(MetricRow).where(
+                    MetricRow.job_id == job_id, MetricRow.rank.in_(others),
+                    MetricRow.attempt >= first.attempt, MetricRow.attempt <= last.attempt,
+                    MetricRow.step >= min(p[1] for p in pairs),
+                    MetricRow.step <= max(p[1] for p in pairs))).scalars()
+                out += [Metric.from_row(r) for r in rows if (r.attempt, r.step) in pairs]
+            return out
+
+
+    def sampled(self, *, job_id: int, every: int = 1, limit: int = 100_000) -> list[Metric]:
+        """Rank 0's rows of every attempt at the steps that are multiples of `every` (all of
+        them for 1), oldest first: a long run's curves at a bounded cost."""
+        with self._sessions.begin() as s:
+            q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.rank == 0)
+            if every > 1:
+                q = q.where(MetricRow.step % every == 0)
+            rows = s.execute(q.order_by(MetricRow.attempt, MetricRow.step).limit(limit))
+            return [Metric.from_row(r) for r in rows.scalars()]

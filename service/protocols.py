@@ -7,6 +7,7 @@ reports cross a process boundary, so they are validated here before anything is 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
@@ -52,6 +53,14 @@ class CommOpStats(TypedDict):
 
 CustomValue = bool | int | float | Annotated[str, Field(max_length=1024)] | None
 """A value a custom entrypoint may report beside the fields of `StepReport`."""
+CUSTOM_MAX = 64
+"""Custom metrics one step report may carry."""
+CUSTOM_NAME_MAX = 64
+"""Longest custom metric name."""
+CUSTOM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+"""A custom metric's name: a valid name for MLflow, TensorBoard and a Prometheus label."""
+DERIVED = frozenset({"mfu"})
+"""Names the control plane gives figures it derives from a step (`service.tracking.scalars`)."""
 
 METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s"})
 """Fields of `StepReport` stored as columns of a metrics row; the rest goes to its `data`."""
@@ -103,9 +112,12 @@ class StepReport(BaseModel):
     (`workers.bubble`): the part of its PP time beyond the transfers themselves. 0 without
     pipeline parallelism; None when not measured (a custom entrypoint, a GPU step between
     samples)."""
-    custom: dict[Annotated[str, Field(max_length=64)], CustomValue] | None = Field(
-        default=None, max_length=64)
-    """Whatever else a custom entrypoint wants kept with the step (stored as is)."""
+    custom: dict[Annotated[str, Field(max_length=CUSTOM_NAME_MAX)], CustomValue] | None = \
+        Field(default=None, max_length=CUSTOM_MAX)
+    """Whatever else a custom entrypoint wants kept with the step (stored as is): at most
+    `CUSTOM_MAX` names of `CUSTOM_NAME` form, none a field's of this report; those with
+    number values are metrics, sent to the trackers, compared and exported on `/metrics`
+    under their names."""
 
     @field_validator("loss")
     @classmethod
@@ -113,6 +125,18 @@ class StepReport(BaseModel):
         # A diverged run reports nan/inf; JSON cannot carry them, so store None and say so.
         if v is not None and not math.isfinite(v):
             return None
+        return v
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_names(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in v or {}:
+            if not CUSTOM_NAME.match(name):
+                raise ValueError(f"custom metric name {name!r}: letters, digits, '_', '.' and"
+                                 " '-', starting with a letter or '_'")
+            if name in StepReport.model_fields or name in DERIVED:
+                raise ValueError(f"custom metric name {name!r} is taken by the step report"
+                                 " (one of its fields, or a figure derived from them)")
         return v
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from service.secrets import without_server_secrets
 from service.supervisor import Supervisor
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -98,7 +99,9 @@ class RayHead:
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
                 "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
                 f"--dashboard-agent-listen-port={_free_port()}"]
-        self.supervisor = Supervisor(argv, env={**os.environ, **self.env(), **metric_ports()},
+        # Its processes run jobs: without the server's secrets (`service.secrets`).
+        self.supervisor = Supervisor(argv, env={**without_server_secrets(os.environ),
+                                                **self.env(), **metric_ports()},
                                      name="ray head",
                                      log_path=data_dir / "ray-head.log",
                                      running_elsewhere=self._adopted,

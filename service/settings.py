@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -72,6 +72,43 @@ class Settings(BaseSettings):
     the worker process loads (`LD_PRELOAD`, `PYTHONPATH`, ...); admins may always set them."""
     session_hours: float = Field(default=12.0, gt=0, le=24 * 30)
     """How long a dashboard log-in lasts."""
+    public_url: str = ""
+    """The dashboard's address as people reach it (`https://trident.example.org`): each
+    MLflow run links back to its job's page with it (`trident.url`); empty: no link."""
+    mlflow_uri: str = ""
+    """Every job's MLflow tracking server (`http(s)://host[:port][/path]`): its steps,
+    parameters, tags and final state go there as a run (`docs/tracking.md`); empty: none."""
+    mlflow_uris: str = ""
+    """Comma-separated other MLflow servers a spec's `tracking.mlflow` may name (the server's
+    credentials below go to them too)."""
+    mlflow_token: SecretStr | None = None
+    """The server's bearer token for its MLflow servers; no job can read it."""
+    mlflow_username: str = ""
+    """The server's user name for its MLflow servers (HTTP basic auth, with the password)."""
+    mlflow_password: SecretStr | None = None
+    """The server's password for its MLflow servers; no job can read it."""
+    tensorboard: bool = True
+    """Whether every job's scalars are written as TensorBoard event files under
+    `data_dir/tensorboard/job-<id>/` (`trident tensorboard`)."""
+    secrets_key: SecretStr | None = None
+    """The key (Fernet, 32 url-safe base64 bytes) jobs' secrets are sealed with in the
+    database; unset: a key file the server makes in `data_dir` (`secrets.key`, mode 600).
+    The API and the controller must share it (`service.secrets`). Checked when they start
+    (a wrong one is a message without the value, never pydantic's, which quotes it)."""
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, v: str) -> str:
+        from service.spec import check_uri
+
+        return check_uri(v) if v else v
+
+    @field_validator("mlflow_uris")
+    @classmethod
+    def _mlflow_uris(cls, v: str) -> str:
+        from service.spec import check_uri
+
+        return ",".join(check_uri(u.strip()) for u in v.split(",") if u.strip())
 
     @model_validator(mode="after")
     def _safe_in_prod(self) -> Settings:
@@ -99,6 +136,10 @@ class Settings(BaseSettings):
         """`checkpoint_roots` as paths (the data directory when empty)."""
         roots = [Path(p.strip()) for p in self.checkpoint_roots.split(",") if p.strip()]
         return roots or [self.data_dir]
+
+    @property
+    def mlflow_uri_list(self) -> list[str]:
+        return [u for u in self.mlflow_uris.split(",") if u]
 
     @property
     def entrypoint_prefixes(self) -> list[str]:

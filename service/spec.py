@@ -8,12 +8,14 @@ with the arithmetic, and names the field, so the API can turn it into a 422.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     Strict,
     TypeAdapter,
     ValidationError,
@@ -30,6 +32,15 @@ from service.spec_stack import Partition, Stack, layer_split_errors
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _ENV: dict[str, Any] = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
+MAX_SECRETS = 64
+"""Most secrets one job may carry."""
+SECRET_MAX_CHARS = 16384
+"""Longest secret value (a token, a key; printable text, as an environment value)."""
+_URI = re.compile(r"^https?://[^\s/?#@]+(?::\d+)?(?:/[^\s?#]*)?$")
+"""http(s), a host (no user:password@), an optional port and path; no query or fragment."""
+EXPERIMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._/-]{0,249}$"
+_SECRETS: dict[str, Any] = {"maxProperties": MAX_SECRETS, "writeOnly": True,
+                            "propertyNames": {"pattern": _ENV_KEY.pattern, "maxLength": 128}}
 
 MAX_WORLD = 65536
 MAX_RANKS_PER_NODE = 64
@@ -262,6 +273,39 @@ class FaultSpec(_Strict):
     """The attempt it fires in (so that a restarted attempt can succeed)."""
 
 
+def normal_uri(uri: str) -> str:
+    """An MLflow URI as compared with the ones a server allows: without a trailing slash."""
+    return uri.rstrip("/")
+
+
+def check_uri(uri: str) -> str:
+    """`uri` normalised, or ValueError saying what an MLflow URI here must look like."""
+    if not _URI.match(uri):
+        raise ValueError(f"{uri[:200]!r} is not an http(s) URI without credentials, query or"
+                         " fragment (http(s)://host[:port][/path])")
+    return normal_uri(uri)
+
+
+class TrackingSpec(_Strict):
+    """Where the job's metrics go besides Trident's own store (docs/tracking.md): sent by the
+    control plane from the store, never by the ranks (`service.tracking`)."""
+
+    mlflow: Annotated[str, Field(max_length=2048)] | None = None
+    """An MLflow tracking server for this job (`http(s)://host[:port][/path]`), one of those
+    the server allows (`TRIDENT_MLFLOW_URIS`, checked by `service.confine`); default: the
+    server's `TRIDENT_MLFLOW_URI`, if it has one."""
+    experiment: Annotated[str, Field(pattern=EXPERIMENT_PATTERN)] | None = None
+    """The MLflow experiment the job's run goes into (default: the job's project, or
+    `trident`)."""
+    enabled: bool = True
+    """False: this job goes to no tracker (neither MLflow nor TensorBoard files)."""
+
+    @field_validator("mlflow")
+    @classmethod
+    def _http_uri(cls, v: str | None) -> str | None:
+        return None if v is None else check_uri(v)
+
+
 class JobSpec(_Strict):
     """A training job: model, run, layout, resources and policies."""
 
@@ -283,7 +327,17 @@ class JobSpec(_Strict):
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
     """Restarts from the last checkpoint allowed after a recoverable failure."""
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field({}, json_schema_extra=_ENV)
-    """Environment variables for every rank (e.g. NCCL_*); no LD_*, PYTHON*, PATH (admins)."""
+    """Environment variables for every rank (e.g. NCCL_*); no LD_*, PYTHON*, PATH (admins).
+    Readable by the job's owner and admins only (others see the names)."""
+    secrets: dict[Annotated[str, Field(max_length=128)],
+                  Annotated[SecretStr, Field(max_length=SECRET_MAX_CHARS)]] = Field(
+        {}, exclude=True, json_schema_extra=_SECRETS)
+    """Environment variables for every rank whose values are secret (tracker tokens, keys):
+    write-only. Stored apart from the spec, encrypted (`service.secrets`), never returned by
+    any route, page, event or export (their names are), given to the ranks' environment only.
+    A dump of the spec leaves them out (`secret_values` reads them)."""
+    tracking: TrackingSpec = TrackingSpec()
+    """Where the job's metrics go: MLflow, TensorBoard files (`docs/tracking.md`)."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     """Higher runs first among queued jobs."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None
@@ -304,6 +358,30 @@ class JobSpec(_Strict):
             env_value(key, value)
         return v
 
+    @field_validator("secrets")
+    @classmethod
+    def _secret_keys(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # No value in a message: pydantic's own errors carry the input, the API drops it.
+        if len(v) > MAX_SECRETS:
+            raise ValueError(f"at most {MAX_SECRETS} secrets, got {len(v)}")
+        for key, value in v.items():
+            if not _ENV_KEY.match(key):
+                raise ValueError(f"{key[:128]!r} is not a valid environment variable name")
+            try:
+                env_value(key, value.get_secret_value())
+            except ValueError:
+                raise ValueError(f"the value of secret {key} holds a control character (NUL,"
+                                 " newline, ...); secrets are printable text") from None
+        return v
+
+    def secret_values(self) -> dict[str, str]:
+        """The secrets' values by name (for the store's sealed copy and the ranks' env)."""
+        return {k: v.get_secret_value() for k, v in self.secrets.items()}
+
+    def with_secrets(self, values: Mapping[str, str]) -> JobSpec:
+        """This spec carrying `values` as its secrets (checked when they were submitted)."""
+        return self.model_copy(update={"secrets": {k: SecretStr(v) for k, v in values.items()}})
+
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
@@ -313,6 +391,9 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        for name in sorted(set(self.secrets) & set(self.env)):
+            raise SpecError(f"secrets.{name}", f"{name} is set in env too; a variable is"
+                            " either a secret or not")
         for err in layout_errors(self):
             raise err
         return self

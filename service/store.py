@@ -7,7 +7,7 @@ Callers (API, controller) get the immutable views of `service.views` back, never
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +23,13 @@ from service.db import (
     AttemptRow,
     EventRow,
     JobRow,
+    JobSecretRow,
     LeaseRow,
     MetricRow,
     NodeRow,
     ProbeRow,
     ProfileRow,
+    TrackingExportRow,
     make_engine,
     utcnow,
 )
@@ -118,10 +120,15 @@ class Store:
     def create_job(self, *, name: str, spec: JobSpec, plan: StoredPlan,
                    world_size: int, cpus: float, gpus: float, priority: int = 0,
                    owner: str = "local", project: str | None = None,
-                   idempotency_key: str | None = None, request_hash: str | None = None) -> Job:
+                   idempotency_key: str | None = None, request_hash: str | None = None,
+                   secrets: Mapping[str, bytes] | None = None,
+                   tracking: Mapping[str, str] | None = None) -> Job:
         """Queue a new job. With an `idempotency_key` that a job of the same `owner` holds
         already, nothing is created and KeyTaken carries that job (the unique index on owner
-        and key decides between concurrent submissions, so exactly one of them creates it)."""
+        and key decides between concurrent submissions, so exactly one of them creates it).
+        `secrets`: the job's sealed secrets by name (`service.secrets`), stored apart from the
+        spec in the same transaction; `tracking`: the trackers its steps go to (sink ->
+        target, `service.tracking.exports`), each a cursor at the start."""
         try:
             with self._tx() as s:
                 row = JobRow(name=name, owner=owner, project=project,
@@ -133,6 +140,12 @@ class Store:
                 s.flush()
                 s.add(EventRow(job_id=row.id, kind="state", message="job queued",
                                data={"to": JobState.QUEUED.value}))
+                s.add_all(JobSecretRow(job_id=row.id, name=k, sealed=v)
+                          for k, v in (secrets or {}).items())
+                s.add_all(TrackingExportRow(job_id=row.id, sink=sink, target=target,
+                                            attempt=0, step=0, exported=0, dropped=0,
+                                            done=False)
+                          for sink, target in (tracking or {}).items())
                 return Job.from_row(row)
         except IntegrityError:
             taken = (self.job_by_idempotency_key(owner=owner, key=idempotency_key)
@@ -140,6 +153,27 @@ class Store:
             if taken is None:
                 raise
             raise KeyTaken(*taken) from None
+
+    def job_secrets(self, *, job_id: int) -> dict[str, bytes]:
+        """A job's sealed secrets by name: for the controller, which opens them for the
+        ranks' environment, and the owner's resubmission. Never for an answer."""
+        with self._tx() as s:
+            rows = s.execute(select(JobSecretRow).where(JobSecretRow.job_id == job_id)
+                             .order_by(JobSecretRow.name)).scalars()
+            return {r.name: r.sealed for r in rows}
+
+    def secret_names(self, *, job_ids: Sequence[int]) -> dict[int, list[str]]:
+        """The names (only) of the secrets of each of `job_ids` that has any."""
+        if not job_ids:
+            return {}
+        with self._tx() as s:
+            rows = s.execute(select(JobSecretRow.job_id, JobSecretRow.name)
+                             .where(JobSecretRow.job_id.in_(list(job_ids)))
+                             .order_by(JobSecretRow.job_id, JobSecretRow.name))
+            out: dict[int, list[str]] = {}
+            for job_id, name in rows:
+                out.setdefault(job_id, []).append(name)
+            return out
 
     def job_by_idempotency_key(self, *, owner: str, key: str) -> tuple[Job, str | None] | None:
         """The job `owner` submitted with `key`, and the hash of the request that created

@@ -9,6 +9,7 @@ last poll of a cancelled group, taken beside its loop while the group is stopped
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,11 +20,17 @@ from service.protocols import PollResult, ProbeReport, StepReport
 from service.store import Store
 
 
+def _same(text: str) -> str:
+    return text
+
+
 def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int,
-               world_size: int, poll: PollResult, health: AttemptHealth | None) -> int:
+               world_size: int, poll: PollResult, health: AttemptHealth | None,
+               redact: Callable[[str], str] = _same) -> int:
     """Store `poll`'s reports and events; the number of step reports stored. An invalid
     report is dropped with a warning event; `health` (None: nobody watches the attempt any
-    more) sees every valid one."""
+    more) sees every valid one. The text of what is stored from the ranks (events, errors)
+    goes through `redact` (the job's secrets out, `service.secrets.redact`)."""
     rows: list[dict[str, Any]] = []
     failed_saves: list[StepReport] = []
     for raw in poll.reports:
@@ -40,17 +47,21 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                 health.step_report(report)
         except (ValidationError, KeyError, TypeError) as exc:
             store.add_event(job_id=job_id, attempt=attempt, kind="warning",
-                            message=f"dropped an invalid worker report: {exc}",
-                            data={"report": {k: str(v)[:200] for k, v in raw.items()}})
+                            message=redact(f"dropped an invalid worker report: {exc}"),
+                            data={"report": {k: redact(str(v)[:200]) for k, v in raw.items()}})
     for ev in poll.events:
+        data = ev.get("data") or {}
         store.add_event(job_id=job_id, attempt=attempt, kind=str(ev.get("kind", "info"))[:32],
-                        message=str(ev.get("message", ""))[:10000], data=ev.get("data") or {})
+                        message=redact(str(ev.get("message", ""))[:10000]),
+                        data=data if redact is _same else {k: redact(v) if isinstance(v, str)
+                                                           else v for k, v in data.items()})
     ingest.record(job_id=job_id, attempt=attempt, world_size=world_size, rows=rows)
     # After the rows: a poll whose rows failed to store comes again, and its events with it.
     for report in failed_saves:
         store.add_event(job_id=job_id, attempt=attempt, kind="checkpoint",
                         message=f"the checkpoint of step {report.step} was not saved; training"
                         " goes on, and a restart resumes from the newest complete checkpoint:"
-                        f" {report.checkpoint_error}",
-                        data={"step": report.step, "error": report.checkpoint_error})
+                        f" {redact(report.checkpoint_error or '')}",
+                        data={"step": report.step,
+                              "error": redact(report.checkpoint_error or "")})
     return len(rows)

@@ -127,3 +127,15 @@ def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     from tests.cli_stack import live_stack
 
     yield from live_stack(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real `mlflow server` (SQLite, loopback, a free port) for the session's tracking
+    tests (`tests.mlflow_server.MlflowServer`): seconds to start, so started once."""
+    from tests.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    yield server
+    server.kill()

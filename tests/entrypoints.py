@@ -50,3 +50,42 @@ def rows(ctx: Any) -> None:
                     "coords": json.dumps([row.pp, row.dp, row.tp]),
                     "layers": json.dumps(row.layers), "stages": json.dumps(row.stages),
                     "groups": json.dumps({str(d): g for d, g in row.groups.items()})}})
+
+
+def tracked(ctx: Any) -> None:
+    """The tracking test's job: checks that its secret reached this rank's environment as
+    submitted (by its digest, never printing it) and that the server's own tracker token did
+    not, then reports a step every 0.2 s, with a custom metric, until the file named by
+    TRIDENT_TEST_GO exists on any rank (the test's signal; at most an hour), and 3 more."""
+    import hashlib
+    import os
+    import time
+
+    from workers.tp import world_any
+
+    value = os.environ.get("TRIDENT_TEST_SECRET")
+    digest = hashlib.sha256((value or "").encode()).hexdigest()
+    if value is None or digest != os.environ["TRIDENT_TEST_SECRET_SHA256"]:
+        raise RuntimeError("the secret TRIDENT_TEST_SECRET is not in this rank's environment"
+                           " as it was submitted")
+    if "TRIDENT_MLFLOW_TOKEN" in os.environ or "MLFLOW_TRACKING_TOKEN" in os.environ:
+        raise RuntimeError("the server's MLflow token reached a rank")
+    print(f"tracked rank {ctx.rank}: its secret is in its environment ({len(value)} chars)",
+          flush=True)
+    deadline, last, more = time.monotonic() + 3600, time.monotonic(), None
+    for step in range(1, 20_000):
+        if ctx.should_stop():
+            return
+        time.sleep(0.2)
+        now = time.monotonic()
+        ctx.report({"rank": ctx.rank, "step": step, "loss": 5.0 / step ** 0.5,
+                    "step_time_s": now - last, "tokens_per_s": 2048 / (now - last),
+                    "custom": {"accuracy": 1 - 1 / (step + 1)}})
+        last = now
+        if more is None and world_any(os.path.exists(os.environ["TRIDENT_TEST_GO"])
+                                      or now > deadline, ctx.device):
+            more = 3
+        if more is not None:
+            more -= 1
+            if more == 0:
+                return

@@ -40,7 +40,8 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
                           "world_size", "cancel_requested", "attempts", "error", "created_at",
                           "updated_at", "started_at", "finished_at", "waiting",
                           "predicted_vs_measured", "step", "total_steps", "loss", "step_time_s",
-                          "reported_at", "restarts", "queue_position", "reason"]
+                          "reported_at", "restarts", "queue_position", "reason", "secrets",
+                          "env_hidden"]
     assert (body["total_steps"], body["queue_position"], body["restarts"]) == (6, 1, 0)
     assert body["reason"].startswith("first in line")
 

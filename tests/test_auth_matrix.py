@@ -127,6 +127,11 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/attempts", None),
     ("GET", "/api/v1/jobs/{job_id}/comm"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/comm", None),
+    ("GET", "/api/v1/jobs/{job_id}/tracking"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/tracking", None),
+    ("GET", "/api/v1/tracking"): lambda w, c, r: ("/api/v1/tracking", None),
+    ("GET", "/api/v1/compare"): lambda w, c, r: (
+        f"/api/v1/compare?jobs={w.job(w.owner(c, r))}&jobs={w.job(c)}", None),
     ("GET", "/api/v1/cluster"): lambda w, c, r: ("/api/v1/cluster", None),
     ("POST", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", {"ranks_per_node": 1}),
     ("GET", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", None),
@@ -267,7 +272,8 @@ SESSION_ROUTES = {"/login", "/logout"}
 """The dashboard's log-in and log-out (`tests.test_auth`): open to anyone, CSRF-checked."""
 PAGES = {"/": "/", "/ui/jobs/rows": "/ui/jobs/rows", "/jobs/{job_id}": "/jobs/{job}",
          "/jobs/{job_id}/logs/rank-{rank}.log": "/jobs/{job}/logs/rank-0.log",
-         "/plan": "/plan", "/cluster": "/cluster", "/queue": "/queue"}
+         "/plan": "/plan", "/cluster": "/cluster", "/queue": "/queue",
+         "/compare": "/compare?jobs={job}&jobs={job}"}
 """One example URL per dashboard page (rule `pages:read`)."""
 
 

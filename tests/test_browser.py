@@ -261,3 +261,73 @@ def test_the_logs_tab_moves_on_to_a_newer_attempt(live: Live, page: Page) -> Non
     assert text.index("flaky rank 0 attempt 1") < text.index("--- attempt 2 ---")
     job = live.wait("flaky", TERMINAL, 600)
     assert job["state"] == "SUCCEEDED" and job["attempts"] == 2, job
+
+
+def test_the_comparison_page_overlays_the_jobs_and_lists_what_differs(live: Live,
+                                                                      page: Page) -> None:
+    tiny = live.wait("tiny", TERMINAL, 600)
+    assert tiny["state"] == "SUCCEEDED", tiny["error"]
+    deadline = time.monotonic() + 600
+    while (live.job("chatty")["step"] or 0) < 3:  # it reports a step every 0.2 s
+        assert time.monotonic() < deadline, "chatty reported no steps"
+        time.sleep(0.3)
+    ids = [live.jobs["tiny"], live.jobs["chatty"]]
+    page.goto(live.url + "/")
+    for job_id in ids:
+        page.check(f"tr[data-job='{job_id}'] input.sel")
+    expect(page.locator("#compare-selected")).to_have_text("Compare selected (2)")
+    page.click("#compare-selected")
+    page.wait_for_url(f"{live.url}/compare?jobs={ids[0]}&jobs={ids[1]}")
+    expect(page.locator("#run-rows tr[data-job]")).to_have_count(2)
+    # Both loss curves on one chart: uPlot's legend holds one series per job.
+    chart = page.locator("#chart-loss")
+    expect(chart).to_have_attribute("data-series", "2")
+    expect(chart.locator("canvas")).to_have_count(1)
+    for job_id in ids:
+        expect(chart.locator(".u-legend")).to_contain_text(f"job {job_id}")
+    expect(page.locator("#chart-step_time_s")).to_have_attribute("data-series", "2")
+    expect(page.locator("#chart-eval_loss")).to_contain_text("No job has stored eval_loss")
+    # The spec fields that differ, with each job's value.
+    row = page.locator("#differences tr[data-field='entrypoint']")
+    expect(row).to_contain_text("tests.entrypoints:chatty")
+    expect(row).to_contain_text("unset")
+    expect(page.locator("#differences tr[data-field='name']")).to_contain_text("browser-tiny")
+    page.check("input[name=x-axis][value=elapsed_s]")  # by wall time: the same two curves
+    expect(page.locator("#chart-loss")).to_have_attribute("data-series", "2")
+    expect(page.locator("#chart-loss .u-axis").first).to_be_visible()
+
+
+_CONTRAST = """el => {
+  const rgb = s => s.match(/[\\d.]+/g).map(Number);
+  const lum = c => { const [r, g, b] = c.slice(0, 3).map(v => { v /= 255;
+      return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  let bg = el, back = null;
+  while (bg) {
+    const c = rgb(getComputedStyle(bg).backgroundColor);
+    if (c.length === 3 || c[3] > 0) { back = c; break; }
+    bg = bg.parentElement;
+  }
+  const fg = lum(rgb(getComputedStyle(el).color)), b = lum(back || [255, 255, 255]);
+  return (Math.max(fg, b) + 0.05) / (Math.min(fg, b) + 0.05);
+}"""
+"""WCAG 2's contrast ratio of an element's text against the first background behind it."""
+
+
+def test_the_header_reads_and_stays_on_one_line(live: Live, page: Page) -> None:
+    page.goto(live.url + "/")
+    assert page.viewport_size == {"width": 1400, "height": 1000}
+    who = page.locator("header .who")
+    expect(who).to_have_text("admin (admin)")
+    ratio = who.evaluate(_CONTRAST)
+    assert ratio >= 4.5, f"the user's name: contrast {ratio:.2f}:1, WCAG AA needs 4.5:1"
+    for link in page.locator("header nav a").all():
+        assert link.evaluate(_CONTRAST) >= 4.5, link.inner_text()
+    first = page.locator("header nav a").first.bounding_box()
+    button = page.locator("form.logout button").bounding_box()
+    name = who.bounding_box()
+    assert first and button and name
+    middle = first["y"] + first["height"] / 2
+    for box in (button, name):  # on the links' line, not wrapped below them
+        assert abs(box["y"] + box["height"] / 2 - middle) < 4, (box, first)
+    assert button["x"] + button["width"] <= 1400

@@ -276,7 +276,8 @@ def test_describe_shows_everything_about_a_job(stack: tuple[str, dict[str, int]]
     assert "Events (newest 2 of 7)" in out
     d = json.loads(cli(url, "describe", str(ids["running"]), "-o", "json"))
     assert list(d) == ["job", "spec", "plan", "predicted_vs_measured", "time_split",
-                       "attempts", "hang", "error", "reason", "events", "events_total"]
+                       "attempts", "hang", "error", "reason", "events", "events_total",
+                       "secrets", "env_hidden"]
     assert [a["status"] for a in d["attempts"]] == ["failed", "running"]
     assert d["attempts"][1]["nodes"][1] == {"hostname": "h2",
                                             "node_id": "node-h2-0123456789", "ranks": [1],

@@ -202,12 +202,37 @@ def test_entrypoint_modules_restrict_custom_code(store: Store, tmp_path: Path,
         assert r.status_code == 403 and r.json()["detail"].startswith("jobs:submit:")
 
 
+def test_a_spec_names_only_an_mlflow_server_the_server_allows(store: Store, tmp_path: Path,
+                                                              roots: tuple[Path, Path]) -> None:
+    """The exporter sends the server's tracker credentials: a URI of the user's choosing
+    would get them, so it is refused before anything is stored."""
+    with make_client(store, tmp_path, roots[0], mlflow_uri="http://mlflow.corp:5000",
+                     mlflow_uris="https://mlflow.other/team/") as c:
+        c.headers["Authorization"] = f"Bearer {user_token(store, 'alice', 'member')}"
+        for ok in ("http://mlflow.corp:5000/", "https://mlflow.other/team", None):
+            r = c.post("/api/v1/jobs", json=tiny_spec(tracking={"mlflow": ok}))
+            assert r.status_code == 201, r.text
+        loc, msg = refusal(c.post("/api/v1/jobs", json=tiny_spec(
+            tracking={"mlflow": "http://attacker.example:80"})))
+        assert loc == ["body", "tracking", "mlflow"]
+        assert msg == ("http://attacker.example:80 is not among the MLflow servers this server"
+                       " allows (TRIDENT_MLFLOW_URIS): http://mlflow.corp:5000,"
+                       " https://mlflow.other/team")
+        loc, msg = refusal(c.post("/api/v1/jobs", json=tiny_spec(
+            tracking={"mlflow": "http://user:pw@mlflow.corp:5000"})))
+        assert loc == ["body", "tracking", "mlflow"] and "without credentials" in msg
+        jobs = c.get("/api/v1/jobs").json()["total"]
+    assert jobs == 3  # nothing of the refused ones stored
+
+
 def test_oversize_bodies_are_413_and_limits_are_in_the_schema(client: TestClient) -> None:
     r = client.post("/api/v1/jobs", json=tiny_spec(env={"PAD": "x" * 4000, **{
         f"V{i}": "x" * 4000 for i in range(300)}}))
     assert r.status_code == 413 and "larger than 1048576 bytes" in r.json()["detail"]
-    schema = client.get("/openapi.json").json()["components"]["schemas"]
-    spec = schema["JobSpec"]["properties"]
+    openapi = client.get("/openapi.json").json()
+    schema = openapi["components"]["schemas"]
+    body = openapi["paths"]["/api/v1/jobs"]["post"]["requestBody"]["content"]
+    spec = schema[body["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
     assert spec["env"]["maxProperties"] == 256 and spec["env"]["propertyNames"]["pattern"]
     assert spec["env"]["additionalProperties"]["maxLength"] == 4096
     assert spec["name"]["pattern"].endswith("{0,127}$")

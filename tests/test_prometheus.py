@@ -147,4 +147,39 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
                  route="/api/v1/jobs/{id}", status="404") == 1
     for name, fam in fams.items():  # conventions: counters end in _total, no unitless time
         assert name.startswith("trident_")
-        assert fam.type in ("gauge", "histogram"), name
+        assert fam.type in ("gauge", "histogram", "counter"), name
+        if fam.type == "counter":  # the exporter's steps sent and dropped
+            assert name.startswith("trident_tracking_")
+            assert all(s.name == f"{name}_total" for s in fam.samples), fam.samples
+
+
+def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_path) -> None:
+    from service.jobs import Submitter
+    from service.tracking.config import TrackingConfig
+    from service.tracking.exports import Exports, Sink
+
+    uri = "http://mlflow.test:5000"
+    cfg = TrackingConfig(mlflow_uri=uri, mlflow_allowed=frozenset({uri}),
+                         tensorboard_root=tmp_path / "tensorboard")
+    job = submit(store, JobSpec.model_validate(tiny_spec()), by=Submitter(tracking=cfg))
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=job.id, to=to, message=to.value)
+    store.start_attempt(job_id=job.id)
+    store.record_metrics(job_id=job.id, attempt=1, rows=[
+        {**report(1, 0, peak=1), "data": {"custom": {"accuracy": 0.25, "phase": "warm"}}},
+        {**report(2, 0, peak=1), "data": {"custom": {"accuracy": 0.5, "top5": 0.9}}}])
+    exports = Exports(store)
+    exports.advance(job_id=job.id, sink=Sink.MLFLOW, attempt=1, step=7, exported=5, dropped=2)
+    exports.advance(job_id=job.id, sink=Sink.TENSORBOARD, attempt=1, step=7, exported=7)
+    exports.failing(job_id=job.id, sink=Sink.MLFLOW, error="refused")
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as client:
+        fams = scrape(client)
+    custom = {(s.labels["job_id"], s.labels["name"]): s.value
+              for s in fams["trident_job_custom"].samples}
+    # The newest step's, numbers only.
+    assert custom == {(str(job.id), "accuracy"): 0.5, (str(job.id), "top5"): 0.9}
+    sent, dropped = fams["trident_tracking_exported_steps"], fams["trident_tracking_dropped_steps"]
+    assert value(sent, sink="mlflow") == 5 and value(sent, sink="tensorboard") == 7
+    assert value(dropped, sink="mlflow") == 2 and value(dropped, sink="tensorboard") == 0
+    failing = fams["trident_tracking_failing_exports"]
+    assert value(failing, sink="mlflow") == 1 and value(failing, sink="tensorboard") == 0

@@ -316,7 +316,10 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
-                          env=rank_env(spec.env, cpus, gpus), detached=True,
+                          # The job's secrets reach the ranks' environment only: the
+                          # spec each rank is sent (`train_launch`, a dump) carries none.
+                          env=rank_env({**spec.env, **spec.secret_values()}, cpus, gpus),
+                          detached=True,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                               writer=writer,
                                               checkpoint_dir=checkpoint_dir, log=log))

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api.auth import Who, check_owner, identity_of, require
+from api.auth import Who, check_owner, identity_of, may, require
 from api.deps import (
     AfterStep,
     Attempt,
@@ -78,7 +78,16 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
     return Submitter(owner=who.name, project=project, confinement=Confinement(
         checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
-        admin=who.role == "admin"))
+        admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
+        tracking=request.app.state.tracking,
+        box=request.app.state.box)
+
+
+def job_out(store: Store, job: Job, who: Principal, **kw: Any) -> JobOut:
+    """`job` as `who` may read it: `env` values for its owner and admins only
+    (`jobs:env`), its secrets by name."""
+    names = store.secret_names(job_ids=[job.id]).get(job.id, [])
+    return JobOut.of(job, shows_env=may(who, "jobs:env", job.owner), secrets=names, **kw)
 
 
 RECENT_STEPS = 1000
@@ -97,14 +106,16 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     `chosen_by: search`). With an `Idempotency-Key` a retry is safe: it returns the first
     submission's job. `checkpoint.dir` must be a folder of the job's own inside the server's
     checkpoint roots (not a root itself, not in the data directory but under its
-    `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules, and
+    `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules,
     `env` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin
-    submits."""
+    submits, and `tracking.mlflow` must be an MLflow server this server allows. `secrets`
+    are write-only: stored apart from the spec, sealed, never in an answer (their names are,
+    in `secrets`)."""
     job, created = _queue(store, spec, request, submitter(request, who, project),
                           idempotency_key)
     if not created:
         response.status_code = 200
-    return JobOut.of(job, summary=job_summary(store, job.id, new=created))
+    return job_out(store, job, who, summary=job_summary(store, job.id, new=created))
 
 
 def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
@@ -137,7 +148,7 @@ _READ = [Depends(require("jobs:read"))]
 
 
 @router.get("", response_model=JobList, dependencies=_READ)
-def list_jobs(store: StoreDep,
+def list_jobs(store: StoreDep, who: Who,
               state: Annotated[list[JobState] | None, Query()] = None,
               owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
                                                  description="Only this user's jobs.")] = None,
@@ -153,23 +164,27 @@ def list_jobs(store: StoreDep,
               offset: Offset = 0) -> JobList:
     """Jobs, newest first unless `sort`/`desc` say otherwise; `state` may repeat to select
     several states. Each carries its newest step, loss, measured step time, restarts and
-    the reason it waits or failed (one query for the page's steps, none per job)."""
+    the reason it waits or failed (one query for the page's steps, none per job); `env`
+    values only where the caller may read them (its own jobs; an admin's: all)."""
     items, total = jobs_page(store, states=state or (), owner=owner or "",
                              project=project or "", name=name or "", sort=sort.value,
                              desc=desc, limit=limit, offset=offset)
-    return JobList(items=[JobOut.of(it.job, summary=it) for it in items], total=total,
-                   limit=limit, offset=offset)
+    names = store.secret_names(job_ids=[it.job.id for it in items])
+    return JobList(items=[JobOut.of(it.job, summary=it, secrets=names.get(it.job.id),
+                                    shows_env=may(who, "jobs:env", it.job.owner))
+                          for it in items], total=total, limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobOut, dependencies=_READ)
-def get_job(job: JobDep, store: StoreDep) -> JobOut:
+def get_job(job: JobDep, store: StoreDep, who: Who) -> JobOut:
     """A job with its plan, the plan's predictions next to what was measured, and its line
-    of the jobs list (newest step, reason)."""
+    of the jobs list (newest step, reason). Its `env` values only for its owner and admins
+    (others get the names in `env_hidden`); its secrets by name only, to anyone."""
     # The newest steps only: a job's page costs the same after a day of training as after a
     # minute (`service.metrics_ingest.MetricsIngest.recent_metrics`).
     recent = MetricsIngest(store).recent_metrics(job_id=job.id, limit=RECENT_STEPS)
-    return JobOut.of(job, predicted_vs_measured=compare(job.plan, recent),
-                     summary=job_summary(store, job.id))
+    return job_out(store, job, who, predicted_vs_measured=compare(job.plan, recent),
+                   summary=job_summary(store, job.id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,
@@ -184,7 +199,7 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
         moved = store.request_cancel(job_id=job.id)
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
-    return JobOut.of(moved, summary=job_summary(store, moved.id))
+    return job_out(store, moved, who, summary=job_summary(store, moved.id))
 
 
 @router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
@@ -192,15 +207,18 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
 def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut:
     """Queue a new job with this job's stored spec, under its project (or the caller's
     default), owned by the caller; checked as a new submission. Members resubmit only their
-    own jobs."""
+    own jobs. The job's secrets go with it when its owner resubmits (an admin resubmitting
+    another user's job gets a job without them: they stay their owner's)."""
     check_owner(who, "jobs:resubmit", job.owner)
     try:  # stored before a limit it fails was added: refused as a new submission would be
         spec = recheck(job.spec)
     except ValidationError as exc:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    if who.name == job.owner and (sealed := store.job_secrets(job_id=job.id)):
+        spec = spec.with_secrets(request.app.state.box.open_all(sealed))
     new, _ = _queue(store, spec, request, submitter(request, who, job.project))
-    return JobOut.of(new, summary=job_summary(store, new.id, new=True))
+    return job_out(store, new, who, summary=job_summary(store, new.id, new=True))
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)

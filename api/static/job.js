@@ -63,10 +63,8 @@
   });
   document.getElementById("resubmit").addEventListener("click", async () => {
     const out = document.getElementById("action-status");
-    try {
-      const j = await getJSON(api);
-      const fresh = await getJSON("/api/v1/jobs", {method: "POST", headers: {"Content-Type": "application/json"},
-                                                   body: JSON.stringify(j.spec)});
+    try {  // on the server: the stored spec, and the job's secrets when its owner asks
+      const fresh = await getJSON(`${api}/resubmit`, {method: "POST"});
       location.href = `/jobs/${fresh.id}`;
     } catch (e) { out.textContent = "resubmit refused: " + e.message; }
   });
