@@ -37,12 +37,17 @@ install: $(BIN)/python
 demo: install
 	@bash examples/demo.sh
 
+# Two pytest-xdist workers, one test module each at a time (`--dist loadfile`: a module's
+# fixtures, its Ray or its `trident up`, stay in one process): the multi-process tests mostly
+# wait on their processes, so two of them share two cores well. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+
 test: install
 	bash .ci/start-postgres.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
 	$(BIN)/ruff check service workers api tests bench migrations

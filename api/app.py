@@ -7,6 +7,7 @@ is slow. `create_app` is used by `trident up`, by uvicorn (`api.app:app`) and by
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -15,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy.exc import DBAPIError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import pages, session
 from api.audit import Audit, AuditWriter
@@ -30,14 +33,27 @@ from api.db_errors import database_error
 from api.health import health
 from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
-from api.routes import cluster, dashboard, identity, jobs, logs, plan, stacks, tracking
+from api.routes import (
+    checkpoints,
+    cluster,
+    dashboard,
+    identity,
+    jobs,
+    logs,
+    plan,
+    stacks,
+    tracking,
+)
 from api.schemas import Health
-from service.dbcheck import Unreadable, check
+from api.serve import watch_parent
 from service.heap import freeze_startup_objects
-from service.identity import Identity, bootstrap, prod_refusal
 from service.secrets import SecretBox
 from service.settings import Settings
 from service.store import Store
+from service.store.bootstrap import bootstrap, prod_refusal
+from service.store.dbcheck import Unreadable, check
+from service.store.identity import Identity
+from service.store.trusted_tokens import STAMP_FILE
 from service.tracking.config import TrackingConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +72,49 @@ def _name_the_field(err: dict[str, Any]) -> dict[str, Any]:
     return err
 
 
+class HealthFirst:
+    """ASGI middleware: `GET /api/v1/healthz` answered before routing (the route below is
+    its documentation, and the same function): every probe, load balancer and `trident up`
+    polls it, and walking FastAPI's routes and dependencies cost more than the check."""
+
+    PATH = "/api/v1/healthz"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.PATH or \
+                scope["method"] != "GET":
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self.PATH  # the request-latency histogram's label
+        state = scope["app"].state
+        answer = await run_in_threadpool(health, state.store, state.settings)
+        await answer(scope, receive, send)
+
+
+class PidHeader:
+    """ASGI middleware (tests only, `TRIDENT_DEBUG_PID_HEADER`): `X-Trident-Pid`, the API
+    process that answered, on every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.pid = str(os.getpid()).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_pid(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-trident-pid", self.pid)]}
+            await send(message)
+
+        await self.app(scope, receive, with_pid)
+
+
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -63,7 +122,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = store is None
         app.state.store = store or Store(settings.db_url)
-        app.state.identity = Identity(app.state.store)
+        app.state.identity = Identity(app.state.store, stamp=settings.data_dir / STAMP_FILE)
         if own:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             app.state.store.migrate()
@@ -80,6 +139,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             raise RuntimeError(f"refusing to start: TRIDENT_SECRETS_KEY: {exc}") from None
         app.state.tracking = TrackingConfig.of(settings)
         app.state.audit = AuditWriter(app.state.identity)
+        if own:
+            watch_parent()  # a worker of `trident up --api-workers N` ends with it
         yield
         app.state.audit.close()
         if own:
@@ -95,10 +156,13 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                   " (reads); a route its role may not call is a 403 naming the rule.")
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(HealthFirst)
     registry = CollectorRegistry(auto_describe=False)
     app.add_middleware(RequestTimer, histogram=request_latency(registry))
     registry.register(StoreCollector(lambda: app.state.store, settings.metrics_per_rank))
     app.add_middleware(Audit)  # outermost: it records the refusals of the others too
+    if settings.debug_pid_header:
+        app.add_middleware(PidHeader)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,15 +173,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.add_exception_handler(DBAPIError, database_error)
 
     v1 = APIRouter(prefix="/api/v1")
-    v1.include_router(jobs.router)
-    v1.include_router(logs.router)
-    v1.include_router(dashboard.router)
-    v1.include_router(cluster.router)
-    v1.include_router(plan.router)
-    v1.include_router(identity.router)
-    v1.include_router(stacks.router)
-    v1.include_router(tracking.router)
 
+    # Routes match in order: the health check (polled by every probe and load balancer)
+    # first, so that it does not walk every other route.
     @v1.get("/healthz", tags=["system"], response_model=Health,
             responses={503: {"model": Health, "description": "degraded"}})
     def healthz(request: Request) -> JSONResponse:
@@ -125,6 +183,16 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         else `degraded` (503), naming which of the two is wrong. `data_dir` says how full the
         data directory's filesystem is: `nearly full` under `TRIDENT_DATA_DIR_MIN_FREE`."""
         return health(request.app.state.store, request.app.state.settings)
+
+    v1.include_router(jobs.router)
+    v1.include_router(checkpoints.router)
+    v1.include_router(logs.router)
+    v1.include_router(dashboard.router)
+    v1.include_router(cluster.router)
+    v1.include_router(plan.router)
+    v1.include_router(identity.router)
+    v1.include_router(stacks.router)
+    v1.include_router(tracking.router)
 
     @app.get("/metrics", tags=["system"], response_class=Response,
              dependencies=[Depends(require("metrics:read"))],
@@ -147,7 +215,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 def app() -> FastAPI:
     """Factory for `uvicorn --factory api.app:app`: the app, with start-up's objects frozen
     out of garbage collection (`service.heap`). A database it cannot read is one line on
-    stderr and exit status 1 (`service.dbcheck`): uvicorn would print a traceback."""
+    stderr and exit status 1 (`service.store.dbcheck`): uvicorn would print a traceback."""
     settings = Settings()
     try:
         if note := check(settings.db_url):

@@ -20,8 +20,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.db import utcnow
-from service.identity import Identity, Principal
+from service.store.identity import Identity, Principal
+from service.store.tables import utcnow
 
 log = logging.getLogger(__name__)
 

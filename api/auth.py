@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.identity import AuthError, Identity, Principal
+from service.store.identity import AuthError, Identity, Principal
 
 SESSION_COOKIE = "trident_session"
 CSRF_HEADER = "X-CSRF-Token"
@@ -55,6 +55,8 @@ RULES: dict[str, Rule] = dict([
           text="admins cancel any job, members only their own"),
     _rule("jobs:resubmit", "admin", own="member",
           text="admins resubmit any job, members only their own"),
+    _rule("jobs:export", "admin", own="member",
+          text="admins export any job's weights, members only their own jobs'"),
     _rule("jobs:env", "admin", own="member viewer",
           text="admins read every job's env values, other users only their own jobs'"),
     _rule("jobs:stacks", "admin", own="member",

@@ -6,7 +6,8 @@ profile, or a local server's bootstrap token file (`api.cli_auth`); the identity
 are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
 `events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
 `api.cli_describe` and `api.cli_top`, `node` (starts this host's Ray node, no server) and
-`cluster` in `api.cli_node`, `stacks` in `api.cli_stacks`.
+`cluster` in `api.cli_node`, `stacks` in `api.cli_stacks`, `data` (local: corpora) in
+`api.cli_data`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from api import cli_describe, cli_jobs, cli_logs, cli_status, cli_top, cli_tracking
+from api import cli_checkpoints, cli_describe, cli_jobs, cli_logs, cli_status, cli_top, cli_tracking
 from api.cli_common import DEFAULT_SERVER, ServerOpt, Trident, connect, fail, short_helps
-from api.cli_identity import announce_bootstrap, register
+from api.cli_data import register as register_data
+from api.cli_identity import open_database, register
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
@@ -47,6 +49,10 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
        data_dir: Annotated[Path | None, typer.Option(envvar="TRIDENT_DATA_DIR",
                                                      help="Database, checkpoints, logs.")]
        = None,
+       api_workers: Annotated[int, typer.Option(
+           min=0, max=64, envvar="TRIDENT_API_WORKERS",
+           help="API processes sharing the port, on the one database (0: the machine's"
+           " cores, at most 4).")] = 0,
        stop_jobs: Annotated[bool, typer.Option(
            "--stop-jobs", help="On SIGTERM or Ctrl-C, stop running jobs too (by default they"
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
@@ -55,13 +61,15 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
     at a time: a second one on it exits, naming the pid that holds it. A database it cannot
     read is one line (which, what is wrong, how to restore it) and exit status 1, before
-    anything starts.
+    anything starts. --api-workers N runs N API processes on the one port and database
+    (sessions, idempotency, log streams work across them); the controller stays one.
 
     Example: trident up --port 8000
     """
     import uvicorn
 
     from api.app import create_app
+    from api.serve import PARENT_ENV, default_workers, serve
     from service.heap import freeze_startup_objects
     from service.settings import Settings
 
@@ -87,7 +95,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         fail(str(exc))
     except OSError as exc:  # a read-only or foreign directory
         fail(f"cannot lock data dir {settings.data_dir}: {exc.strerror or exc}")
-    _open_database(settings)
+    open_database(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor
 
@@ -111,32 +119,23 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so that the
     # `finally` below stops the controller instead of leaving it orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    workers = api_workers or default_workers()
+    typer.echo(f"API: {workers} process(es)")
     controller.start()
     try:
-        served = create_app(settings)
-        freeze_startup_objects()  # full collections skip start-up's objects (service.heap)
-        uvicorn.run(served, host=host, port=port, log_level="warning")
+        if workers > 1:
+            # Processes of their own sharing the port (`api.serve`), each building the app
+            # from the environment set above; each stops if this process is killed.
+            os.environ[PARENT_ENV] = str(os.getpid())
+            serve(host, port, workers)
+        else:
+            served = create_app(settings)
+            freeze_startup_objects()  # full collections skip start-up's objects
+            uvicorn.run(served, host=host, port=port, log_level="warning")
     finally:
         controller.stop(30)
         if head is not None:
             _stop_head(head, settings, stop_jobs)
-
-
-def _open_database(settings: Any) -> None:
-    """Check the database (`service.dbcheck`), bring its schema up to date and (but in prod)
-    make the first admin; one line and exit status 1 when it cannot be read."""
-    from migrations import upgrade
-    from service.dbcheck import Unreadable, check, readable
-
-    try:
-        with readable(settings.db_url):
-            if note := check(settings.db_url):
-                typer.echo(note)
-            upgrade(settings.db_url)
-            if settings.env != "prod":
-                announce_bootstrap(settings)
-    except Unreadable as exc:
-        fail(str(exc), 1)
 
 
 def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
@@ -148,8 +147,8 @@ def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
     a job without its records, so jobs left on the head would only hold its resources,
     unseen. A server database that is only away (PostgreSQL restarting) keeps the head: the
     records are intact, and the next `trident up` adopts the head and re-attaches the jobs."""
-    from service.dbcheck import away, describe, sqlite_path
     from service.store import Store
+    from service.store.dbcheck import away, describe, sqlite_path
 
     store = Store(settings.db_url)
     try:
@@ -182,8 +181,8 @@ def controller() -> None:
 
     Example: TRIDENT_DATABASE_URL=postgresql+psycopg://trident@db/trident trident controller
     """
-    from service.dbcheck import Unreadable, check
     from service.settings import Settings
+    from service.store.dbcheck import Unreadable, check
     from service.supervisor import run_controller
 
     try:
@@ -245,9 +244,11 @@ cli_describe.register(app)
 cli_top.register(app)
 register_node(app)
 register_stacks(app)
+register_data(app)
 cli_jobs.register(app)
 cli_logs.register(app)
 cli_tracking.register(app)
+cli_checkpoints.register(app)
 short_helps(app)
 
 

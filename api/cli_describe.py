@@ -31,9 +31,9 @@ from api.cli_format import (
 )
 from api.client import TridentClient
 from api.schemas import Hang, Number, Placement, PredictedVsMeasured, TimeSplit
-from service.dashboard import one_line
 from service.spec import JobSpec
 from service.store import Attempt, Event
+from service.store.dashboard import one_line
 
 STACK_LINES = 8
 """A hang's stacks show their innermost this-many lines (`-o json` has them whole)."""
@@ -113,6 +113,14 @@ class EventLine(BaseModel):
         return cls(id=e.id, time=e.time, attempt=e.attempt, kind=e.kind, message=e.message)
 
 
+class CheckpointsLine(BaseModel):
+    """The job's checkpoint tags not deleted, and their bytes on disk."""
+
+    tags: int
+    newest_step: int | None
+    bytes_on_disk: int
+
+
 class Description(BaseModel):
     """Everything `describe` shows."""
 
@@ -134,6 +142,9 @@ class Description(BaseModel):
     """The names of the job's secrets (their values are never shown)."""
     env_hidden: list[str] = []
     """The `env` variables whose values you may not read (the owner's and admins' to read)."""
+    checkpoints: CheckpointsLine | None = None
+    """Its checkpoint tags on disk (`trident checkpoints` lists them)."""
+
 
 
 def nodes_of(placement: Placement) -> list[NodeRanks]:
@@ -165,6 +176,7 @@ def gather(client: TridentClient, job_id: int, events: int) -> Description:
     hangs = client.list_hangs(job_id).items
     split = client.get_comm_steps(job_id)
     evs, total = _events(client, job_id, events)
+    tags = client.list_checkpoints(job_id)
     steps = split.steps
     measured = None
     if steps:
@@ -181,7 +193,9 @@ def gather(client: TridentClient, job_id: int, events: int) -> Description:
         time_split=TimeSplits(predicted=split.predicted, measured=measured, steps=len(steps)),
         attempts=[AttemptLine.of(a) for a in attempts], hang=hangs[0] if hangs else None,
         error=j.error, reason=j.reason, events=[EventLine.of(e) for e in evs],
-        events_total=total)
+        events_total=total,
+        checkpoints=CheckpointsLine(tags=len(tags.items), bytes_on_disk=tags.bytes_on_disk,
+                                    newest_step=tags.items[-1].step if tags.items else None))
 
 
 def _when(t: datetime | None) -> str:
@@ -211,9 +225,21 @@ def text(d: Description) -> str:
     field("Finished", _when(r.finished))
     field("Duration", span(r.duration_s))
     field("Attempts", f"{r.attempts} ({r.restarts} restart(s))")
+    if d.checkpoints is not None and d.checkpoints.tags:
+        c = d.checkpoints
+        field("Checkpoints", f"{c.tags} tag(s), newest step {c.newest_step},"
+              f" {size(c.bytes_on_disk)} on disk")
     loss = "-" if r.loss is None else f"{r.loss:.4g}"
     field("Progress", f"step {'-' if r.step is None else r.step}/"
           f"{r.total_steps or '-'}, loss {loss}, last report {ago(r.reported_at)}")
+    lr = "-" if r.lr is None else f"{r.lr:.3g}"
+    norm = "-" if r.grad_norm is None else f"{r.grad_norm:.4g}"
+    field("Recipe", f"lr {lr} at step {'-' if r.step is None else r.step}, gradient norm"
+          f" {norm} before clipping (clip {d.spec.train.grad_clip or 'off'})")
+    if r.eval_loss is not None or r.tokens is not None:
+        evl = "-" if r.eval_loss is None else f"{r.eval_loss:.4g}"
+        epoch = "" if r.epoch is None else f", epoch {r.epoch:.3g}"
+        field("Data", f"eval loss {evl}, {r.tokens or 0} tokens{epoch}")
     pvm, plan = d.predicted_vs_measured, d.plan
     out += ["", f"Plan against measurement (medians of {pvm.steps_measured if pvm else 0}"
             " steady steps, newest attempt):"]

@@ -129,6 +129,14 @@ class JobRow(BaseModel):
     step: int | None
     total_steps: int | None
     loss: float | None
+    lr: float | None = None
+    """The learning rate of `step`."""
+    grad_norm: float | None = None
+    """The global gradient norm of `step`, before clipping."""
+    eval_loss: float | None = None
+    """The newest validation loss (`data.eval_every`)."""
+    tokens: int | None = None
+    epoch: float | None = None
     step_s_predicted: Number
     step_s_measured: float | None
     reported_at: datetime | None
@@ -145,7 +153,9 @@ class JobRow(BaseModel):
             layout=j.plan.layout.label, ranks=j.world_size, priority=j.priority,
             submitted=j.created_at, started=j.started_at, finished=j.finished_at,
             duration_s=seconds_between(j.started_at, j.finished_at), step=j.step,
-            total_steps=j.total_steps, loss=j.loss, step_s_predicted=j.plan.time.step_s,
+            total_steps=j.total_steps, loss=j.loss, lr=j.lr, grad_norm=j.grad_norm,
+            eval_loss=j.eval_loss, tokens=j.tokens, epoch=j.epoch,
+            step_s_predicted=j.plan.time.step_s,
             step_s_measured=j.step_time_s, reported_at=j.reported_at, attempts=j.attempts,
             restarts=j.restarts, queue_position=j.queue_position, reason=j.reason,
             error=j.error)

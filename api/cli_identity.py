@@ -161,15 +161,19 @@ def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
                   gpus: Annotated[float | None, typer.Option(
                       min=0, help="GPUs (none: no limit).")] = None,
                   cpus: Annotated[float | None, typer.Option(
-                      min=0, help="CPUs of CPU-only jobs (none: no limit).")] = None) -> None:
-    """Set a project's quota (admins); the scheduler applies it from its next pass.
+                      min=0, help="CPUs of CPU-only jobs (none: no limit).")] = None,
+                  max_priority: Annotated[int | None, typer.Option(
+                      min=-1000, max=1000, help="The highest priority its members may give"
+                      " a job (none: no cap).")] = None) -> None:
+    """Set a project's quota and priority cap (admins): a limit not given is lifted. The
+    scheduler applies the quota from its next pass; the cap applies to new submissions.
 
-    Example: trident project quota vision --gpus 32
+    Example: trident project quota vision --gpus 32 --max-priority 10
     """
     with connect(server) as client:
-        p = client.set_quota(name, gpus=gpus, cpus=cpus)
+        p = client.set_quota(name, gpus=gpus, cpus=cpus, max_priority=max_priority)
     typer.echo(f"project {p.name}: quota {_quota(p.gpu_quota)} GPUs,"
-               f" {_quota(p.cpu_quota)} CPUs")
+               f" {_quota(p.cpu_quota)} CPUs, max priority {_quota(p.max_priority)}")
 
 
 @project_app.command("list")
@@ -185,10 +189,28 @@ def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
                    f" {_quota(p.cpu_quota):>6}  {', '.join(p.members)}")
 
 
+def open_database(settings: Any) -> None:
+    """Check the database (`service.store.dbcheck`), bring its schema up to date and (but in prod)
+    make the first admin; one line and exit status 1 when it cannot be read."""
+    from service.store.dbcheck import Unreadable, check, readable
+    from service.store.schema import upgrade
+
+    try:
+        with readable(settings.db_url):
+            if note := check(settings.db_url):
+                typer.echo(note)
+            upgrade(settings.db_url)
+            if settings.env != "prod":
+                announce_bootstrap(settings)
+    except Unreadable as exc:
+        fail(str(exc), 1)
+
+
 def announce_bootstrap(settings: Any) -> None:
     """Create the first admin and its token file, once; say where the file is."""
-    from service.identity import Identity, bootstrap, token_file
     from service.store import Store
+    from service.store.bootstrap import bootstrap, token_file
+    from service.store.identity import Identity
 
     store = Store(settings.db_url)
     try:
@@ -210,10 +232,11 @@ def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(
 
     Example: TRIDENT_ENV=prod trident bootstrap --data-dir /var/lib/trident
     """
-    from migrations import upgrade
-    from service.identity import Identity, bootstrap
     from service.settings import Settings
     from service.store import Store
+    from service.store.bootstrap import bootstrap
+    from service.store.identity import Identity
+    from service.store.schema import upgrade
 
     settings = Settings(data_dir=data_dir) if data_dir else Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)

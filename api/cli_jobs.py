@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, error_line, fail
-from api.cli_spec import SetOpt, load_spec
+from api.cli_spec import SetOpt, check_path, load_spec
 from api.client import ApiError, TridentClient, model_json
 from api.schemas import JobOut, MetricOut
 from service.spec import JobSpec
+from service.specfile import load_yaml
 from service.states import JobState
 
 EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
@@ -97,23 +99,30 @@ def submit(spec: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON
         checked = with_secrets(checked, secret)
     with connect(server) as client:
         job = client.submit(checked, project=project)
-        as_json = output == Output.json
-        if as_json:
-            typer.echo(json.dumps(model_json(job), indent=2))
-        elif detach:
-            typer.echo(job.id)
-        if detach:
-            return
-        if not as_json:
-            typer.echo(f"job {job.id} submitted: {job.name}, {job.plan.layout.label},"
-                       f" {job.world_size} ranks")
-        try:
-            state = follow(client, job.id, err=as_json)
-        except KeyboardInterrupt:
-            typer.echo(f"\nstopped following job {job.id}; it trains on (`trident cancel"
-                       f" {job.id}` stops it, `trident logs -f {job.id}` follows its output)",
-                       err=True)
-            raise typer.Exit(INTERRUPTED) from None
+        show_and_follow(client, job, output, detach)
+
+
+def show_and_follow(client: TridentClient, job: JobOut, output: Output, detach: bool) -> None:
+    """What `submit` and `resubmit` do with the job they queued: print it (its id with -d, its
+    JSON with -o json, a line otherwise), then, unless detached, follow it until it ends and
+    exit with its state's code (Ctrl-C: 130, the job trains on)."""
+    as_json = output == Output.json
+    if as_json:
+        typer.echo(json.dumps(model_json(job), indent=2))
+    elif detach:
+        typer.echo(job.id)
+    if detach:
+        return
+    if not as_json:
+        typer.echo(f"job {job.id} submitted: {job.name}, {job.plan.layout.label},"
+                   f" {job.world_size} ranks")
+    try:
+        state = follow(client, job.id, err=as_json)
+    except KeyboardInterrupt:
+        typer.echo(f"\nstopped following job {job.id}; it trains on (`trident cancel"
+                   f" {job.id}` stops it, `trident logs -f {job.id}` follows its output)",
+                   err=True)
+        raise typer.Exit(INTERRUPTED) from None
     raise typer.Exit(EXIT[state])
 
 
@@ -272,13 +281,51 @@ def confirm(otherwise: str) -> None:
     fail(f"not confirmed: {otherwise}", 1)
 
 
-def resubmit(job_id: int, server: ServerOpt = DEFAULT_SERVER) -> None:
-    """Queue a new job with a job's spec (members: their own jobs); prints the new id.
+def resubmit(job_id: Annotated[int, typer.Argument(min=1, help="The job.")],
+             step: Annotated[int | None, typer.Argument(
+                 min=1, help="With --from-checkpoint: the tag's step (default: the newest).",
+                 show_default=False)] = None,
+             from_checkpoint: Annotated[bool, typer.Option(
+                 "--from-checkpoint", help="Start from the job's checkpoint (any job you may"
+                 " read), on the layout --set gives it.")] = False,
+             sets: SetOpt = None,
+             detach: Annotated[bool, typer.Option(
+                 "--detach", "-d", help="Print the new job's id and return at once.")] = False,
+             output: Annotated[Output, typer.Option(
+                 "--output", "-o", help="json: print the new job as JSON (the follow goes"
+                 " to stderr).")] = Output.text,
+             server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Queue a new job with a job's spec (members: their own jobs), --set fields changed, and
+    follow it as `submit` does. With --from-checkpoint [STEP] it starts from that job's
+    checkpoint (its newest, or STEP's), possibly on another layout or cluster size.
 
-    Example: trident resubmit 12
+    Example: trident resubmit 12 --from-checkpoint 400 --set parallel.dp=2 --set parallel.tp=1
     """
+    if step is not None and not from_checkpoint:
+        fail("STEP: only with --from-checkpoint (trident resubmit JOB --from-checkpoint STEP)")
+    changes = dict(_set_pairs(sets or []))
     with connect(server) as client:
-        typer.echo(client.resubmit_job(job_id).id)
+        job = client.resubmit_job(job_id, from_checkpoint=(step or 0) if from_checkpoint
+                                  else None, changes=changes)
+        show_and_follow(client, job, output, detach)
+
+
+def _set_pairs(sets: list[str]) -> list[tuple[str, object]]:
+    """`--set FIELD=VALUE` as (field, value), the value read as YAML, as `submit` reads it;
+    the field is checked against the spec's fields here."""
+    out = []
+    for item in sets:
+        field, eq, text = item.partition("=")
+        field = field.strip()
+        if not eq or not field:
+            fail(f"--set {item!r}: expected FIELD=VALUE, e.g. train.steps=100")
+        check_path(field)
+        try:
+            value = load_yaml(text) if text.strip() else ""
+        except yaml.YAMLError:
+            fail(f"--set {field}: {text!r} is not a YAML value")
+        out.append((field, value))
+    return out
 
 
 def register(app: typer.Typer) -> None:

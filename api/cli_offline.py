@@ -23,6 +23,10 @@ def plan(spec: Annotated[Path | None, typer.Argument(
          server: ServerOpt = DEFAULT_SERVER,
          top: Annotated[int, typer.Option(min=1, max=100, help="Layouts to list (auto).")] = 5,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
+         deepspeed_config: Annotated[bool, typer.Option(
+             "--deepspeed-config", help="Print the DeepSpeed config the ranks pass to"
+             " deepspeed.initialize (JSON; an explicit layout, CPU ranks or GPUs as the spec"
+             " says), its `deepspeed:` section merged in.")] = False,
          ) -> None:
     """Predict memory and step time, with no server: an explicit layout exactly as given
     (even when it does not fit), or for `parallel: auto` the best layouts. With --compare
@@ -38,6 +42,15 @@ def plan(spec: Annotated[Path | None, typer.Argument(
         return
     if spec is None:
         fail("give a SPEC (or --compare JOB to start from that job's spec)")
+    if deepspeed_config:
+        from service.ds_config import deepspeed_config as ds_config
+        job = load_spec(spec, sets)
+        if isinstance(job.parallel, str):
+            fail("--deepspeed-config needs an explicit layout (parallel: auto chooses one when"
+                 " the job is planned)")
+        typer.echo(json.dumps(ds_config(job, cuda=job.resources.gpus_per_worker > 0),
+                              indent=2, sort_keys=True))
+        return
     try:
         out = plan_command(load_spec(spec, sets), top=top, as_json=as_json)
     except ValueError as exc:

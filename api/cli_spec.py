@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from api.cli_common import fail
+from service import hf_config
 from service.spec import JobSpec
 from service.specfile import load_yaml
 
@@ -120,7 +121,8 @@ def apply_sets(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
 def validate_spec(raw: dict[str, Any], origin: str, sets: list[str] | None = None) -> JobSpec:
     """`raw` as a `JobSpec`; errors name the field (and the `--set` that made it, if any)."""
     try:
-        return JobSpec.model_validate(raw)
+        with hf_config.reading(hf_config.local_reader):  # model.hf_config: the user's file
+            return JobSpec.model_validate(raw)
     except ValidationError as exc:
         set_fields = {s.partition("=")[0].strip(): s for s in sets or []}
         lines = []

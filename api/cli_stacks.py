@@ -18,7 +18,7 @@ import typer
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
 from api.client import model_json
 from api.schemas import StackAnswer
-from service.stack_requests import StackRequest, StackStatus
+from service.store.stack_requests import StackRequest, StackStatus
 
 TRAIN_THREAD = "train"
 """The rank's work thread (`service.stack_collect.TRAIN_THREAD`)."""

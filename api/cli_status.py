@@ -26,8 +26,8 @@ from api.cli_format import (
     span,
 )
 from api.client import TridentClient
-from service.dashboard import Sort
 from service.states import JobState
+from service.store.dashboard import Sort
 
 LOCAL_SORTS: dict[str, Callable[[JobRow], Any]] = {
     "duration": lambda r: r.duration_s, "step": lambda r: r.step, "loss": lambda r: r.loss,
@@ -39,7 +39,9 @@ SORT_KEYS = sorted({s.value for s in Sort} | {"submitted"} | set(LOCAL_SORTS))
 HEADERS = ["ID", "NAME", "OWNER", "LAYOUT", "RANKS", "SUBMITTED", "DURATION", "STEP", "LOSS",
            "S/STEP", "RESTARTS", "STATE", "REASON"]
 WIDE = ["ID", "NAME", "OWNER", "PROJECT", "LAYOUT", "RANKS", "SUBMITTED", "DURATION", "STEP",
-        "LOSS", "S/STEP", "RESTARTS", "PRIORITY", "REPORTED", "STATE", "REASON"]
+        "LOSS", "EVAL", "TOKENS", "LR", "GRAD_NORM", "S/STEP", "RESTARTS", "PRIORITY",
+        "REPORTED", "STATE",
+        "REASON"]
 REASON_WIDTH = 60
 """`-o table` cuts the reason to this many characters (`-o wide` does not)."""
 
@@ -61,6 +63,10 @@ def cells(r: JobRow, wide: bool) -> list[str]:
          "DURATION": span(r.duration_s),
          "STEP": f"{'-' if r.step is None else r.step}/{r.total_steps or '-'}",
          "LOSS": "-" if r.loss is None else f"{r.loss:.4g}",
+         "LR": "-" if r.lr is None else f"{r.lr:.3g}",
+         "GRAD_NORM": "-" if r.grad_norm is None else f"{r.grad_norm:.4g}",
+         "EVAL": "-" if r.eval_loss is None else f"{r.eval_loss:.4g}",
+         "TOKENS": "-" if r.tokens is None else f"{r.tokens:.3g}",
          "S/STEP": f"{secs(r.step_s_predicted)}/{secs(r.step_s_measured)}",
          "RESTARTS": str(r.restarts), "PRIORITY": str(r.priority),
          "REPORTED": ago(r.reported_at), "STATE": r.state, "REASON": reason or "-"}

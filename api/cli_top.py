@@ -26,8 +26,8 @@ from api.cli_format import (
 from api.client import TridentClient
 from api.schemas import RankCell
 
-ACTIVE = ["PLACING", "RUNNING", "RESTARTING"]
-JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "S/STEP",
+ACTIVE = ["PLACING", "RUNNING", "RESTARTING", "PREEMPTED"]
+JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "EVAL", "S/STEP",
                "RESTARTS", "REPORTED"]
 RANK_HEADERS = ["RANK", "TP", "PP", "DP", "NODE", "STEP", "STEP_S", "COMPUTE_S", "TP_S",
                 "PP_S", "DP_S", "MEM PEAK/PLAN", "HEARTBEAT", "REPORTED", "MARK"]
@@ -86,7 +86,9 @@ def job_text(f: JobFrame) -> str:
     loss = "-" if j.loss is None else f"{j.loss:.4g}"
     head = (f"job {j.id} {j.name}  {j.state}  {j.layout}  attempt"
             f" {f.attempt or '-'}  step {'-' if j.step is None else j.step}/"
-            f"{j.total_steps or '-'}  loss {loss}  s/step {secs(j.step_s_measured)}"
+            f"{j.total_steps or '-'}  loss {loss}"
+            f"{'' if j.eval_loss is None else f'  eval {j.eval_loss:.4g}'}"
+            f"  s/step {secs(j.step_s_measured)}"
             f" (plan {secs(j.step_s_predicted)})")
     if j.reason:
         head += f"\n{j.reason}"
@@ -104,6 +106,7 @@ def jobs_text(f: JobsFrame) -> str:
     rows = [[str(r.id), r.name, r.owner, r.state, r.layout, str(r.ranks),
              f"{'-' if r.step is None else r.step}/{r.total_steps or '-'}",
              "-" if r.loss is None else f"{r.loss:.4g}",
+             "-" if r.eval_loss is None else f"{r.eval_loss:.4g}",
              f"{secs(r.step_s_predicted)}/{secs(r.step_s_measured)}",
              str(r.restarts), ago(r.reported_at)] for r in f.items]
     return columns(JOB_HEADERS, rows)

@@ -34,6 +34,7 @@ from api.cli_auth import token_for
 from api.schemas import (
     AttemptList,
     AuditList,
+    CheckpointList,
     ClusterView,
     CommSteps,
     CommView,
@@ -58,11 +59,11 @@ from api.schemas import (
     UserList,
     WhoAmI,
 )
-from service.identity import Project, Token, User
 from service.ranklogs import Chunk
 from service.spec import JobSpec
-from service.stack_requests import StackRequest
 from service.store import Event, Probe
+from service.store.identity import Project, Token, User
+from service.store.stack_requests import StackRequest
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 """The server when neither the caller nor `TRIDENT_SERVER` names one (`trident up`'s)."""
@@ -375,9 +376,15 @@ class TridentClient:
         """Ask for a job's cancellation; a job that has ended is a `Conflict` (409)."""
         return self._post(JobOut, f"/jobs/{job_id}/cancel")
 
-    def resubmit_job(self, job_id: int) -> JobOut:
-        """Queue a new job with a job's stored spec; the new job."""
-        return self._post(JobOut, f"/jobs/{job_id}/resubmit")
+    def resubmit_job(self, job_id: int, *, from_checkpoint: int | None = None,
+                     changes: Mapping[str, Any] | None = None) -> JobOut:
+        """Queue a new job with a job's stored spec, `changes` (dotted field -> value)
+        applied; with `from_checkpoint` (0: the newest tag, N: the tag of step N) it starts
+        from that job's checkpoint, on whatever layout `changes` gives it. The new job."""
+        body: dict[str, Any] | None = None
+        if from_checkpoint is not None or changes:
+            body = {"from_checkpoint": from_checkpoint, "set": dict(changes or {})}
+        return self._post(JobOut, f"/jobs/{job_id}/resubmit", body)
 
     def list_events(self, job_id: int, *, after: int = 0, limit: int = 200) -> EventList:
         """A job's events after event id `after`, oldest first."""
@@ -402,6 +409,43 @@ class TridentClient:
     def list_attempts(self, job_id: int) -> AttemptList:
         """Every attempt of a job: status, placement (the node of every rank), error."""
         return self._get(AttemptList, f"/jobs/{job_id}/attempts")
+
+    def list_checkpoints(self, job_id: int, *, removed: bool = False) -> CheckpointList:
+        """A job's checkpoint tags (step, size, layout, time) and its bytes on disk; with
+        `removed`, the tags its retention policy deleted too."""
+        return self._get(CheckpointList, f"/jobs/{job_id}/checkpoints",
+                         removed="true" if removed else None)
+
+    def export(self, job_id: int, out: str | os.PathLike[str], *, step: int | None = None,
+               format: str = "hf") -> str:  # noqa: A002 (the route's and the CLI's name)
+        """Write a job's checkpoint tag (`step`, default the newest) as a Hugging Face model
+        folder `out` (`config.json`, safetensors: `GET /jobs/{id}/export`, a tar streamed to
+        a temporary file beside `out`, then unpacked); `out` must not exist yet. The
+        folder's path."""
+        import tarfile
+        import tempfile
+
+        target = os.path.abspath(os.fspath(out))
+        if os.path.exists(target):
+            raise FileExistsError(f"{target} exists already; give a new folder")
+        parent = os.path.dirname(target)
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=parent, prefix=".trident-export-") as work:
+            archive = os.path.join(work, "export.tar")
+            with self._http.stream("GET", f"/jobs/{job_id}/export",
+                                   params=_query(step=step, format=format),
+                                   timeout=httpx.Timeout(30, read=None)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _refusal(resp, self)
+                with open(archive, "wb") as f:
+                    for chunk in resp.iter_bytes():
+                        f.write(chunk)
+            with tarfile.open(archive) as tar:
+                tar.extractall(os.path.join(work, "x"), filter="data")
+            [top] = os.listdir(os.path.join(work, "x"))
+            os.replace(os.path.join(work, "x", top), target)
+        return target
 
     def get_comm(self, job_id: int, *, last: int = 100) -> CommView:
         """Communication per TP/PP/DP over the newest attempt's last `last` steps."""
@@ -572,19 +616,21 @@ class TridentClient:
         return _parse(Token, self._send("DELETE", f"/tokens/{token_id}"))
 
     def create_project(self, name: str, *, gpus: float | None = None,
-                       cpus: float | None = None, members: list[str] | None = None
-                       ) -> Project:
+                       cpus: float | None = None, members: list[str] | None = None,
+                       max_priority: int | None = None) -> Project:
         return self._post(Project, "/projects", {"name": name, "gpus": gpus, "cpus": cpus,
-                                                 "members": members or []})
+                                                 "members": members or [],
+                                                 "max_priority": max_priority})
 
     def list_projects(self) -> ProjectList:
         return self._get(ProjectList, "/projects")
 
     def set_quota(self, project: str, *, gpus: float | None = None,
-                  cpus: float | None = None) -> Project:
-        """Set (or, with None, lift) a project's quota."""
+                  cpus: float | None = None, max_priority: int | None = None) -> Project:
+        """Set (or, with None, lift) a project's quota and priority cap (all three)."""
         return _parse(Project, self._send("PUT", f"/projects/{project}/quota",
-                                          json={"gpus": gpus, "cpus": cpus}))
+                                          json={"gpus": gpus, "cpus": cpus,
+                                                "max_priority": max_priority}))
 
     def add_member(self, project: str, user: str) -> Project:
         return self._post(Project, f"/projects/{project}/members", {"user": user})

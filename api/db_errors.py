@@ -5,7 +5,7 @@ route, a dependency (the token check) or the `/metrics` collector (`api.promethe
 answer takes the shape of what was asked: JSON (`{"detail": ...}`) under `/api/`, plain text
 for `/metrics` (what Prometheus shows as the scrape's error), a page for the dashboard's.
 
-Two kinds, told apart by `service.dbcheck`: a database that is away (a server stopped,
+Two kinds, told apart by `service.store.dbcheck`: a database that is away (a server stopped,
 restarting or unreachable) answers with `Retry-After`, since a retry will do; a damaged one
 (a malformed SQLite page, PostgreSQL's data_corrupted) says so, and that an operator must
 restore it. Nothing was written either way: every store function is one transaction.
@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from sqlalchemy.exc import DBAPIError
 
-from service.dbcheck import away, damaged, describe
+from service.store.dbcheck import away, damaged, describe
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Path, Query, Request
 
-from service.db import IDEMPOTENCY_KEY_MAX
+from service import hf_config
 from service.store import Job, NotFound, Store
+from service.store.tables import IDEMPOTENCY_KEY_MAX
 
 INT32_MAX = 2**31 - 1
 """The largest value of an INTEGER column (job and probe ids, attempts, steps, ranks)."""
@@ -35,6 +36,14 @@ IdempotencyKey = Annotated[str | None, Header(
     " returns the job the first one created (200) instead of creating another; the same"
     " key with another spec is a 409. Keys are the caller's own: the same key from another"
     " user makes a job of the caller's.")]
+
+
+async def read_hf_configs(request: Request) -> None:
+    """Let the spec in this request's body read `model.hf_config` inside the server's
+    checkpoint roots only (`service.hf_config.confined_reader`). Async, so that the reader is
+    installed in the context FastAPI then validates the body in; a route lists it after its
+    access check, so that no file is read for a caller who may not submit."""
+    hf_config.install(hf_config.confined_reader(request.app.state.settings.checkpoint_root_dirs))
 
 
 def get_store(request: Request) -> Store:

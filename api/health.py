@@ -14,11 +14,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from service.datadir import usage
-from service.db import utcnow
-from service.dbcheck import damaged
-from service.lease import CONTROLLER, Leases
 from service.settings import Settings
 from service.store import Store
+from service.store.dbcheck import damaged
+from service.store.lease import CONTROLLER, Leases
+from service.store.tables import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,13 @@ from api.deps import INT32_MAX, JobDep, StoreDep
 from api.session import page_principal, session_csrf
 from service.compare import compare
 from service.comparison import HIDDEN_ENV, MAX_JOBS
-from service.dashboard import Sort, count_by_state, jobs_page, queue, recent_metrics
+from service.ds_config import deepspeed_config
 from service.hardware import PROFILES
 from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
 from service.store import Job, NotFound
-from service.tracking.exports import Exports
+from service.store.dashboard import Sort, count_by_state, jobs_page, queue, recent_metrics
+from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.
@@ -160,7 +161,10 @@ def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
         "plan": job.plan, "measured": compare(job.plan, metrics),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
         "terminal": job.state.terminal, "exports": Exports(store).of_job(job_id=job.id),
-        "secrets": store.secret_names(job_ids=[job.id]).get(job.id, [])})
+        "secrets": store.secret_names(job_ids=[job.id]).get(job.id, []),
+        "ds_config": json.dumps(deepspeed_config(job.spec,
+                                                 cuda=job.spec.resources.gpus_per_worker > 0),
+                                indent=2, sort_keys=True)})
 
 
 @router.get("/compare", response_class=HTMLResponse)

@@ -10,7 +10,7 @@ device index, empty on CPU) so they join with the DCGM exporter's series.
 The API's own request latency is a histogram in the app's registry; the controller pass
 duration comes from the controller's lease row (the controller is another process), and the
 exporter's counts (steps sent to each tracker, dropped, exports failing now) from its cursors
-in the store (`service.tracking.exports`). Custom metrics (`StepReport.custom`, numbers) of an
+in the store (`service.store.tracking_exports`). Custom metrics (`StepReport.custom`, numbers) of an
 active job's newest step are `trident_job_custom{name=...}`.
 """
 
@@ -25,16 +25,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.dashboard import count_by_state, measured_bubble_ratio
-from service.db import utcnow
-from service.lease import CONTROLLER, Leases
 from service.rank_status import rank_status
 from service.states import JobState
 from service.store import Job, Store
-from service.tracking.exports import Exports
+from service.store.dashboard import count_by_state, measured_bubble_ratio
+from service.store.lease import CONTROLLER, Leases
+from service.store.tables import utcnow
+from service.store.tracking_exports import Exports
 from service.tracking.scalars import custom
 
-ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING]
+ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING, JobState.PREEMPTED]
 JOB = ["job_id"]
 RANK = ["job_id", "rank", "node", "gpu"]
 RANK_WINDOW = 5
@@ -78,6 +78,16 @@ class StoreCollector(Collector):
             "mfu": _g("trident_job_mfu_ratio", "Model FLOPs utilisation, newest step.", JOB),
             "mfu_pred": _g("trident_job_mfu_predicted_ratio", "The plan's predicted MFU.", JOB),
             "loss": _g("trident_job_loss", "Training loss, newest step.", JOB),
+            "lr": _g("trident_job_learning_rate", "The learning rate the newest step ran at"
+                     " (the schedule's).", JOB),
+            "grad_norm": _g("trident_job_grad_norm", "Global gradient norm of the newest"
+                            " step, before clipping.", JOB),
+            "eval_loss": _g("trident_job_eval_loss", "Validation loss, newest step that"
+                            " evaluated (data.eval_every).", JOB),
+            "tokens": _g("trident_job_tokens", "Tokens the job has trained on, newest step.",
+                         JOB),
+            "epoch": _g("trident_job_epoch", "Passes over the first training corpus, newest"
+                        " step.", JOB),
             "custom": _g("trident_job_custom", "A custom metric an entrypoint reported"
                          " (StepReport.custom), newest step of rank 0.", [*JOB, "name"]),
             "comm_s": _g("trident_job_comm_seconds", "Seconds in collectives in rank 0's"
@@ -149,6 +159,16 @@ class StoreCollector(Collector):
             f["mfu"].add_metric(jid, mfu_pred * latest.tokens_per_s / plan.tokens_per_s)
         if latest.loss is not None:
             f["loss"].add_metric(jid, latest.loss)
+        if latest.lr is not None:
+            f["lr"].add_metric(jid, latest.lr)
+        if latest.grad_norm is not None:
+            f["grad_norm"].add_metric(jid, latest.grad_norm)
+        for name in ("tokens", "epoch"):
+            if latest.data.get(name) is not None:
+                f[name].add_metric(jid, latest.data[name])
+        evaluated = store.latest_eval(job_id=job.id)
+        if evaluated is not None:
+            f["eval_loss"].add_metric(jid, evaluated)
         for name, value in custom(latest).items():
             f["custom"].add_metric([*jid, name], value)
         for dim, ops in (latest.data.get("comm") or {}).items():

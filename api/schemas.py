@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.dashboard import JobSummary
-from service.identity import AuditEntry, Project, Token, User
 from service.planner.stored import PlannedLayout, StoredPlan
 from service.ranklogs import Chunk
-from service.stack_requests import StackRequest
 from service.store import Attempt, Event, Job, Metric, Node, Probe
+from service.store.dashboard import JobSummary
+from service.store.identity import AuditEntry, Project, Token, User
+from service.store.stack_requests import StackRequest
 
 Number = int | float
 """A JSON number kept as it was (an int stays an int)."""
@@ -42,6 +42,9 @@ class JobOut(Job):
     """Not in the API's answer: None in a client's copy."""
     gpus: float | None = Field(default=None, exclude=True)  # type: ignore[assignment]
     """Not in the API's answer: None in a client's copy."""
+    elastic: dict[str, Any] | None = Field(default=None, exclude=True)
+    """Not in the API's answer (the submitted plan it keeps is the size of `plan`): an elastic
+    job's moves are its `elastic` events."""
     predicted_vs_measured: PredictedVsMeasured | None = None
     """Step time, tokens/s and memory: the plan's prediction and the measurement (detail
     view only)."""
@@ -52,6 +55,16 @@ class JobOut(Job):
     """`train.steps` of its spec."""
     loss: float | None = None
     """The loss at `step`."""
+    lr: float | None = None
+    """The learning rate `step` ran at (the schedule's)."""
+    grad_norm: float | None = None
+    """The global gradient norm of `step`, before clipping."""
+    eval_loss: float | None = None
+    """The validation loss of the newest step that evaluated (`data.eval_every`)."""
+    tokens: int | None = None
+    """Tokens trained on by `step` (rank 0's report)."""
+    epoch: float | None = None
+    """Passes over the first training corpus by `step` (kind `tokens`)."""
     step_time_s: float | None = None
     """The measured seconds of `step` (the plan's prediction: `plan.time.step_s`)."""
     reported_at: datetime | None = None
@@ -80,10 +93,12 @@ class JobOut(Job):
         extra: dict[str, Any] = {"secrets": secrets or [], "env_hidden": hidden}
         if summary is not None:
             extra.update(total_steps=summary.total_steps, restarts=summary.restarts,
-                         queue_position=summary.queue_position, reason=summary.reason)
+                         queue_position=summary.queue_position, reason=summary.reason,
+                         eval_loss=summary.eval_loss)
             if (m := summary.latest) is not None:
                 extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
-                             reported_at=m.time)
+                             reported_at=m.time, lr=m.lr, grad_norm=m.grad_norm,
+                             tokens=m.data.get("tokens"), epoch=m.data.get("epoch"))
         return cls(**dict(job), predicted_vs_measured=predicted_vs_measured, **extra)
 
 
@@ -98,7 +113,7 @@ class JobList(BaseModel):
 
 class EventList(BaseModel):
     items: list[Event]
-    """The stored events as they are (`service.views.Event`), oldest first."""
+    """The stored events as they are (`service.store.views.Event`), oldest first."""
 
 
 class MetricOut(BaseModel):
@@ -110,14 +125,31 @@ class MetricOut(BaseModel):
     loss: float | None
     step_time_s: float
     tokens_per_s: float
+    lr: float | None = None
+    """The learning rate the step ran at (the schedule's, `train.lr` at its peak)."""
+    grad_norm: float | None = None
+    """The global gradient norm over every rank, before clipping (`train.grad_clip`)."""
     memory: dict[str, float | str]
     time: datetime
+    eval_loss: float | None = None
+    """Validation loss, on the steps that evaluated (`data.eval_every`; docs/data.md)."""
+    tokens: int | None = None
+    """Tokens the job had trained on after this step."""
+    epoch: float | None = None
+    """Passes over the first training corpus after this step (kind `tokens`)."""
+    first_sample: int | None = None
+    """The step read global samples [first_sample, first_sample + global_batch)."""
+    drawn: dict[str, int] | None = None
+    """Samples drawn so far from each training corpus, by path (kind `tokens`)."""
 
     @classmethod
     def of(cls, m: Metric) -> MetricOut:
+        d = m.data
         return cls(attempt=m.attempt, step=m.step, rank=m.rank, loss=m.loss,
-                   step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s,
-                   memory=m.data.get("memory", {}), time=m.time)
+                   step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s, lr=m.lr,
+                   grad_norm=m.grad_norm, memory=d.get("memory", {}), time=m.time,
+                   eval_loss=d.get("eval_loss"), tokens=d.get("tokens"), epoch=d.get("epoch"),
+                   first_sample=d.get("first_sample"), drawn=d.get("drawn"))
 
 
 class MetricList(BaseModel):
@@ -126,6 +158,29 @@ class MetricList(BaseModel):
 
 class AttemptList(BaseModel):
     items: list[Attempt]
+
+
+class CheckpointOut(BaseModel):
+    """One checkpoint tag of a job (`service.store.checkpoints`)."""
+
+    step: int
+    attempt: int
+    bytes: int
+    """Its size on disk, as the job's rank 0 counted it when the tag was complete."""
+    layout: dict[str, Any]
+    """The layout that wrote it (`tp`, `pp`, `dp`, `zero`, ..., `micro_batch`)."""
+    created_at: datetime
+    removed_at: datetime | None = None
+    """When the retention policy deleted it (only with `removed=true`)."""
+
+
+class CheckpointList(BaseModel):
+    items: list[CheckpointOut]
+    bytes_on_disk: int
+    """The bytes of the job's tags not deleted."""
+    keep_last: int | None
+    """The job's retention policy (`checkpoint.keep_last`; None: every tag is kept)."""
+    keep_every: int | None
 
 
 # --- jobs: the plan against the measurement, attempts, logs ------------------------------------
@@ -210,6 +265,17 @@ class Series(BaseModel):
     tokens_per_s: list[float]
     mfu: list[float]
     predicted: SeriesPredicted
+    eval_step: list[int] = Field(default_factory=list)
+    """The steps that evaluated (`data.eval_every`), at most `max_points` of them."""
+    eval_loss: list[float] = Field(default_factory=list)
+    """The validation loss at each of `eval_step`."""
+    recipe_step: list[int] = Field(default_factory=list)
+    """The steps that reported the recipe's figures, at most `max_points` of them."""
+    lr: list[float] = Field(default_factory=list)
+    """The learning rate of each of `recipe_step`, as the schedule gave it."""
+    grad_norm: list[float | None] = Field(default_factory=list)
+    """The global gradient norm before clipping at each of `recipe_step` (None: not
+    reported)."""
 
 
 class RankCell(BaseModel):
@@ -350,7 +416,7 @@ class HangList(BaseModel):
 # --- tracking and comparison ---------------------------------------------------------------------
 
 class TrackerExport(BaseModel):
-    """How far a job's stored steps went to one tracker (`service.tracking.exports`)."""
+    """How far a job's stored steps went to one tracker (`service.store.tracking_exports`)."""
 
     sink: str
     """`mlflow` or `tensorboard`."""

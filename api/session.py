@@ -30,7 +30,7 @@ from api.auth import (
     csrf_token,
     identity_of,
 )
-from service.identity import AuthError, Principal
+from service.store.identity import AuthError, Principal
 
 router = APIRouter(include_in_schema=False)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 def admin_headers(store: Any) -> dict[str, str]:
     """An admin's Authorization header for an app on `store` (user `bench-admin`)."""
-    from service.identity import Conflict, Identity
+    from service.store.identity import Conflict, Identity
 
     identity = Identity(store)
     with contextlib.suppress(Conflict):  # made by an earlier call

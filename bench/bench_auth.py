@@ -43,12 +43,12 @@ from api.auth import authenticate
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.prometheus import RequestTimer, request_latency
 from api.schemas import JobOut
-from service.dashboard import job_summary
-from service.identity import Identity, Principal
 from service.jobs import Submitter, submit
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
+from service.store.dashboard import job_summary
+from service.store.identity import Identity, Principal
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 """The local PostgreSQL server (its `test` database only to create and drop the scratch one)."""

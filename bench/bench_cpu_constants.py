@@ -29,10 +29,10 @@ STEPS, WARMUP = 30, 5
 def worker(rank: int, port: int, layers: int, zero: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_SIZE="2")
-    import deepspeed
     import torch
 
     from tests._planner_ds_probe import GPT
+    from workers.deepspeed_import import deepspeed
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

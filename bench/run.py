@@ -9,7 +9,8 @@ Comparisons (see each module): `orchestration` (Trident against torchrun), `cont
 (Trident's submit against Ray Jobs), `scale` (store and controller with 100,000 jobs and 10
 million metric rows; a 4,096-rank job's ingest), `planner_monitor` (the planner's search time,
 the monitor's overhead), `tracking` (the exporter's throughput to TensorBoard and MLflow, and
-a controller pass's cost while MLflow hangs).
+a controller pass's cost while MLflow hangs), `models_hf` (Trident's trainer against the same
+config as a `transformers` model under DeepSpeed: tokens/s, construction time and memory).
 """
 
 from __future__ import annotations
@@ -27,13 +28,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]], None]]]:
-    from bench import control_plane, orchestration, planner_monitor, scale, tracking
+    from bench import (
+        control_plane,
+        models_hf,
+        orchestration,
+        planner_monitor,
+        scale,
+        tracking,
+        viewers,
+    )
     return {
         "orchestration": ("Orchestration cost: Trident against torchrun", orchestration.run),
         "control_plane": ("Control plane: Trident's submit against Ray Jobs", control_plane.run),
+        "api_cpu": ("Control plane: server CPU per request of the common routes",
+                    control_plane.budgets),
+        "viewers": ("Control plane: 100 dashboard viewers, 8 submitters and a 4,096-rank"
+                    " job; 8 x 50 submissions", viewers.run),
         "scale": ("Store and controller at scale; ingest of a 4,096-rank job", scale.run),
         "planner_monitor": ("Planner search time and monitor overhead", planner_monitor.run),
         "tracking": ("Tracking: export throughput; a pass while a tracker hangs", tracking.run),
+        "models_hf": ("Trident's trainer against transformers under DeepSpeed", models_hf.run),
     }
 
 

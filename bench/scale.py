@@ -215,9 +215,9 @@ def _reports(world: int, step: int, rng: random.Random) -> list[dict[str, Any]]:
 
 
 def _ingest_proc(url: str, job_id: int, world: int, seconds: int, q: Any) -> None:
-    from service.metrics_ingest import MetricsIngest
     from service.protocols import StepReport
     from service.store import Store
+    from service.store.metrics import MetricsIngest
 
     store = Store(url)
     ing = MetricsIngest(store)

@@ -30,10 +30,10 @@ PASS_GOAL_S = 1e-3
 
 def _job(store: Any, cfg: Any, steps: int) -> Any:
     from service.jobs import Submitter, submit
-    from service.metrics_ingest import MetricsIngest
     from service.protocols import StepReport
     from service.spec import JobSpec
     from service.states import JobState
+    from service.store.metrics import MetricsIngest
 
     spec = JobSpec.model_validate({
         "name": "bench-tracking", "model": {"preset": "gpt-tiny"},
@@ -56,8 +56,8 @@ def _job(store: Any, cfg: Any, steps: int) -> Any:
 
 
 def _throughput(store: Any, cfg: Any, job: Any, kind: Any) -> tuple[float, int]:
+    from service.store.tracking_exports import Exports
     from service.tracking.exporter import Exporter
-    from service.tracking.exports import Exports
 
     exporter = Exporter(store, cfg.make_sink, allowed=cfg.allows, settle_s=0)
     t0 = time.perf_counter()
@@ -97,9 +97,9 @@ class _Silent:
 
 def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
     from service.store import Store
+    from service.store.tracking_exports import Sink
     from service.tracking.config import TrackingConfig
     from service.tracking.exporter import Exporter
-    from service.tracking.exports import Sink
     from tests.mlflow_server import MlflowServer
 
     steps = 400 if quick else 4000
@@ -116,7 +116,7 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
         for kind, cfg in only.items():  # a job for each: its one tracker
             job = _job(store, cfg, steps)
             seconds, exported = _throughput(store, cfg, job, kind)
-            from service.metrics_ingest import MetricsIngest
+            from service.store.metrics import MetricsIngest
             from service.tracking.scalars import first_rank_of_stages, scalars_of
 
             rows = MetricsIngest(store).rows_after(

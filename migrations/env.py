@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from service.db import Base, make_engine
 from service.settings import Settings
+from service.store.tables import Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.views import Job
+    from service.store.views import Job
 
 RECORD = "trident-checkpoint.json"
 """The record of a checkpoint folder: the job (id and owner) it belongs to."""
 RECORD_MAX_BYTES = 64 << 10
 DEFAULT_FOLDER = re.compile(r"^job-\d+$")
 """Names of the default folders under `<data_dir>/checkpoints` (see `default_folder`)."""
-_TAG = re.compile(r"^step\d+$")
+TAG = re.compile(r"^step(\d+)$")
+"""A tag's folder name (`step<N>/`); its group: the step."""
 RULE = "a job keeps its checkpoints in a folder of its own"
 """The rule every refusal names."""
 DATA_DIR_FILES = "the database, the admin token, ray/, logs/"
@@ -47,6 +48,24 @@ DATA_DIR_FILES = "the database, the admin token, ray/, logs/"
 
 class CheckpointRefused(ValueError):
     """A job may not resume from, or write into, a folder; the message says why."""
+
+
+class ExportRefused(ValueError):
+    """A tag that is not exported as a Hugging Face model (`workers.hf_export`), and why."""
+
+
+def tag(step: int) -> str:
+    """Tag `step`'s folder name."""
+    return f"step{step}"
+
+
+def newest_complete_step(directory: str | Path | None) -> int:
+    """The step of the newest complete checkpoint under `directory`, 0 when there is none."""
+    if not directory or not os.path.isdir(directory):
+        return 0
+    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := TAG.match(name))
+             and os.path.exists(os.path.join(directory, name, MARKER))]
+    return max(steps, default=0)
 
 
 @dataclass(frozen=True)
@@ -147,7 +166,7 @@ def claim(folder: str | Path, job: CheckpointWriter, *, adopt: bool = False) -> 
 
 def _tags(folder: str | Path) -> list[str]:
     try:
-        return sorted(n for n in os.listdir(folder) if _TAG.match(n))
+        return sorted(n for n in os.listdir(folder) if TAG.match(n))
     except OSError:  # none, or none this process can see (writing there fails then too)
         return []
 
@@ -255,3 +274,89 @@ class JobFolders:
     def refusal(self, job: CheckpointWriter, named: str | None) -> str | None:
         """`refusal` of the job's folder (None: it is still the job's)."""
         return refusal(self.folder(job.job_id, named), job, adopt=named is None)
+
+
+def retained(steps: list[int] | set[int], *, keep_last: int | None,
+             keep_every: int | None) -> set[int]:
+    """The complete tags' steps a retention policy keeps (`CheckpointSpec.keep_last`,
+    `keep_every`): every one without `keep_last`; else the newest `keep_last`, and each whose
+    step is a multiple of `keep_every`. The newest tag is always kept."""
+    ordered = sorted(set(steps))
+    if keep_last is None:
+        return set(ordered)
+    keep = set(ordered[-keep_last:])
+    if keep_every:
+        keep.update(s for s in ordered if s % keep_every == 0)
+    return keep
+
+
+MARKER = "COMPLETE"
+"""The file that makes a tag complete (`workers.checkpoint`): written last, by rank 0."""
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """What `seed` put into a job's folder."""
+
+    step: int
+    files: int
+    bytes: int
+    linked: bool
+    """Hard links (no bytes copied); False: copied (another filesystem)."""
+    seconds: float
+
+
+def seed(folder: str | Path, source_folder: str | Path, source: CheckpointWriter, step: int,
+         *, adopt: bool = False) -> Seeded | None:
+    """Put tag `step` of `source`'s folder into `folder` (the job's own, claimed), for a job
+    started from another job's checkpoint (`CheckpointSpec.resume_from`): its files hard
+    linked (copied across filesystems) into a temporary tag, renamed, then marked complete,
+    so that a seeding cut short is never resumed from. The source folder is only read. None
+    when `folder` has a complete tag already (a later attempt resumes from its own).
+    CheckpointRefused when the source folder is not `source`'s (`adopt`: its default folder,
+    whose record may be missing) or has no complete tag `step`."""
+    import shutil
+    import time
+
+    started = time.monotonic()
+    if any((Path(folder) / t / MARKER).exists() for t in _tags(folder)):
+        return None
+    try:
+        owner = read_writer(source_folder)
+    except ValueError as exc:
+        raise CheckpointRefused(f"checkpoint.resume_from: {source_folder}: {exc}") from None
+    if (owner is None and not adopt) or (owner is not None and owner.job_id != source.job_id):
+        raise CheckpointRefused(f"checkpoint.resume_from: {source_folder} is not the"
+                                f" checkpoint folder of {source}")
+    tag = Path(source_folder) / f"step{step}"
+    if not (tag / MARKER).exists():
+        raise CheckpointRefused(f"checkpoint.resume_from: {source} has no complete checkpoint"
+                                f" of step {step} (in {source_folder})")
+    target = Path(folder) / f"step{step}"
+    tmp = Path(folder) / f".seeding-step{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)  # a partial tag of an earlier try
+    files = size = 0
+    linked = True
+    for src in sorted(tag.rglob("*")):
+        dst = tmp / src.relative_to(tag)
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            continue
+        if src.name == MARKER:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:  # another filesystem, or links refused
+            shutil.copy2(src, dst)
+            linked = False
+        files += 1
+        size += src.stat().st_size
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    marker = target / (MARKER + ".tmp")
+    marker.write_text(f"{step}\n")
+    os.replace(marker, target / MARKER)
+    return Seeded(step=step, files=files, bytes=size, linked=linked,
+                  seconds=time.monotonic() - started)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.compare import WARMUP_STEPS, compare
-from service.dashboard import recent_metrics
-from service.metrics_ingest import MetricsIngest
 from service.store import Job, Store
+from service.store.dashboard import recent_metrics
+from service.store.metrics import MetricsIngest
 from service.tracking.scalars import StepScalars, custom, mfu_per_token_s, step_scalars
 from service.tracking.sinks import spec_json
 

@@ -6,6 +6,11 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
   (`TRIDENT_CHECKPOINT_ROOTS`, default the data directory), to a folder of the job's own: not a
   root itself, not the data directory nor anything Trident keeps there, not a folder recorded
   as another job's (`service.checkpoints`; the controller checks that again at start).
+- every corpus of `data.train` and `data.valid` (its `.idx` and its `.bin`) must resolve, after
+  `..` and symlinks, inside one of the data roots (`TRIDENT_DATA_ROOTS`, default the data
+  directory): a job reads no file the server's operator did not put in a data root.
+- `model.hf_config` and `init.from_hf` (a Hugging Face config and checkpoint the job reads)
+  must resolve, after `..` and symlinks, inside one of the checkpoint roots.
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
 - `env` may not set variables that change how the worker process itself loads (the dynamic
   loader's, the interpreter's, the shell's start-up files), unless they are in
@@ -17,10 +22,12 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.checkpoints import CheckpointPlaces
+from service.hf_config import within_roots
 from service.spec import JobSpec, SpecError, normal_uri
 
 DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
@@ -40,6 +47,8 @@ class Confinement:
     """The server's data directory: no job's checkpoint folder is in it but under its
     `checkpoints/`."""
     entrypoint_modules: list[str] = field(default_factory=list)
+    data_roots: list[Path] = field(default_factory=list)
+    """Where corpora may be (`Settings.data_root_dirs`); empty: no corpus may be named."""
     env_allow: frozenset[str] = frozenset()
     admin: bool = False
     mlflow_uris: frozenset[str] = frozenset()
@@ -49,6 +58,14 @@ class Confinement:
         """Raise SpecError for the first field that reaches outside the job."""
         if spec.checkpoint.dir is not None:
             self._checkpoint_dir(spec.checkpoint.dir)
+        for name, path in (("model.hf_config", spec.model.hf_config),
+                           ("init.from_hf", spec.init.from_hf)):
+            if path is not None and (why := within_roots(path, self.checkpoint_roots)):
+                raise SpecError(name, why)
+        for name in ("train", "valid"):
+            for i, ref in enumerate(getattr(spec.data, name)):
+                if why := data_refusal(ref.path, self.data_roots):
+                    raise SpecError(f"data.{name}.{i}.path", why)
         if spec.entrypoint is not None:
             self._entrypoint(spec.entrypoint)
         self._env(spec.env)
@@ -78,6 +95,19 @@ class Confinement:
             raise SpecError("env", f"{', '.join(denied)} would change how the worker process"
                             " itself loads (LD_*, DYLD_*, PYTHON*, PATH, ...); only an admin may"
                             " set them, or allow them for everyone with TRIDENT_ENV_ALLOW")
+
+
+def data_refusal(prefix: str, roots: list[Path]) -> str | None:
+    """Why a spec may not name the corpus `prefix` on a server whose data roots are `roots`:
+    its `.idx` or `.bin` resolves outside them. None when both lie inside."""
+    real_roots = [os.path.realpath(r) for r in roots]
+    allowed = ", ".join(real_roots) or "none (TRIDENT_DATA_ROOTS)"
+    for path in (prefix + ".idx", prefix + ".bin"):
+        real = os.path.realpath(path)
+        if not any(real.startswith(r.rstrip(os.sep) + os.sep) for r in real_roots):
+            return (f"{path!r} resolves to {real}, outside the server's data roots"
+                    f" (TRIDENT_DATA_ROOTS): {allowed}")
+    return None
 
 
 def mlflow_refusal(uri: str | None, allowed: frozenset[str]) -> str | None:

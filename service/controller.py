@@ -20,8 +20,13 @@ no active attempt. Reports are acknowledged to the ranks only once they are stor
 Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
 the job's checkpoint folder is made its own (`service.checkpoints`); a folder that is another
-job's fails the job without a retry too. The module stays one piece
-(about 400 lines): one pass, each of whose parts hands its work to the modules named here.
+job's fails the job without a retry too. A queued job that cannot be placed may preempt
+running jobs of lower priority (`service.preemption` chooses and words it; here they are asked
+to save and stop, watched while they do, and requeued). An elastic job that lost its ranks
+and waited `wait_s` for them is re-planned onto what is free, and with `scale_up` moved back
+when the room returns (`service.elastic` decides and words it; here its stored layout is
+changed, and a move up asks its ranks to save and stop). One module because it is one pass
+(about 700 lines), each of whose parts hands its work to the modules named here.
 """
 
 from __future__ import annotations
@@ -34,22 +39,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.checkpoints import CheckpointPlaces, CheckpointWriter, JobFolders
-from service.identity import Identity
-from service.metrics_ingest import MetricsIngest
+from service.checkpoints import (
+    CheckpointPlaces,
+    CheckpointRefused,
+    CheckpointWriter,
+    JobFolders,
+    seed,
+)
+from service.elastic import (
+    ElasticState,
+    Replan,
+    describe,
+    fitting_ranks,
+    moved_message,
+    replan,
+    submitted,
+)
 from service.monitor.attempt import AttemptHealth, record_stacks
 from service.monitor.cluster_probe import ClusterProbes
 from service.node_survey import NodeSurvey
-from service.protocols import Launcher, PollResult, WorkerGroup
-from service.quota import Quota, QuotaNotes, held
-from service.scheduler import admit, unplaceable
+from service.pace import FAST_FOR_S, Activity
+from service.preemption import Victim, asked_message, choose, holds, preempting_message
+from service.profiles import profile_for
+from service.protocols import Launcher, NodeCapacity, PollResult, WorkerGroup
+from service.quota import Quota, held
+from service.scheduler import admit, bundles, pack, unplaceable
 from service.secrets import JobSecrets, SecretBox, SecretsUnreadable, redact
 from service.spec import JobSpec
 from service.spec_limits import recheck
 from service.stack_collect import StackCollector
-from service.stack_requests import StackRequests
 from service.states import JobState, TransitionError
-from service.store import AttemptStatus, Fence, Job, Store
+from service.store import AttemptStatus, Fence, Job, NotFound, Store
+from service.store.checkpoints import CheckpointIndex
+from service.store.elastic import ElasticMoves
+from service.store.identity import Identity
+from service.store.metrics import MetricsIngest
+from service.store.quota import QuotaNotes
+from service.store.stack_requests import StackRequests
 from service.teardown import Teardown, Teardowns
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
@@ -61,6 +87,19 @@ HANG_STACKS_S = 10.0
 
 ADMIT_PAGE = 64
 """Queued jobs read per page by admission (see `Controller._admit`)."""
+
+ELASTIC_SCAN = 256
+"""Queued jobs that ran before a pass looks at for elastic re-plans
+(`Controller._elastic_down`)."""
+
+
+@dataclass
+class _Move:
+    """An elastic job asked to save and stop, to resume on a larger layout."""
+
+    to: Replan
+    asked: float
+    """`time.monotonic()` when it was asked."""
 
 
 @dataclass
@@ -87,11 +126,22 @@ class _Running:
     health: AttemptHealth
     redact: Callable[[str], str] = field(default=str, repr=False)  # str: the text as it is
     """Takes the job's secrets out of what is stored from its ranks."""
+    placement: dict[str, Any] | None = None
+    """Where its ranks are (node of each), once known: what preempting it would free."""
+    stepped: bool = False
+    """Whether a step of it was stored: until then it is starting (`activity`)."""
 
 
 def decide_on_failure(job: Job) -> JobState:
-    """Failure policy: restart from the last checkpoint while retries are left, else fail."""
-    return JobState.RESTARTING if job.attempts <= retries(job) else JobState.FAILED
+    """Failure policy: restart from the last checkpoint while retries are left, else fail.
+    Attempts stopped by a preemption spend none."""
+    return JobState.RESTARTING if failures(job) <= retries(job) else JobState.FAILED
+
+
+def failures(job: Job) -> int:
+    """Attempts that spent a retry: all but those a preemption or an elastic move up
+    stopped."""
+    return job.attempts - job.preemptions - job.moves_up
 
 
 def retries(job: Job) -> int:
@@ -105,13 +155,16 @@ class Controller:
                  poll_timeout_s: float = 0.05, inventory_every_s: float = 60.0,
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
                  places: CheckpointPlaces | None = None, box: SecretBox | None = None,
-                 tracking: TrackingConfig | None = None) -> None:
+                 tracking: TrackingConfig | None = None,
+                 preempt_grace_s: float = 300.0) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
         self.fence = fence
         """The lease this controller acts under (the daemon's); attempts start only while it
-        is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise)."""
+        is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise), and
+        ranks are launched only while it is (`_fenced`: before a group is started, before a
+        starting group is polled, whose poll launches its ranks; `ClusterProbes` likewise)."""
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
         self.folders = JobFolders(checkpoint_root, places)
@@ -126,7 +179,7 @@ class Controller:
         """How long a cancelled group's last poll waits for its ranks (beside the loop)."""
         self.cluster_probes = ClusterProbes(store, launcher, start_timeout_s=start_timeout_s,
                                             poll_timeout_s=poll_timeout_s,
-                                            teardowns=self.teardowns)
+                                            teardowns=self.teardowns, fence=fence)
         self.nodes = NodeSurvey(store, launcher, inventory_every_s)
         self.identity = Identity(store)
         self.quota_notes = QuotaNotes(store)
@@ -140,6 +193,23 @@ class Controller:
                                  settle_s=cancel_grace_s + 30) if tracking is not None else None
         """Sends the stored steps to MLflow and TensorBoard files, beside the loop."""
         self._swept = False
+        self.preempt_grace_s = preempt_grace_s
+        """How long a preempted job's ranks get to save their checkpoint and stop."""
+        self.victims: dict[int, Victim] = {}
+        """Preempted jobs whose room is not given back yet: no other preemption starts."""
+        self.elastic_moves = ElasticMoves(store)
+        """Elastic jobs' layouts in the store (`service.store.elastic`)."""
+        self.moving: dict[int, _Move] = {}
+        """Elastic jobs asked to save and stop to resume on a larger layout."""
+        self.elastic_said: dict[int, str] = {}
+        """The last reason each elastic job was not re-planned for, said once."""
+        self.up_judged: dict[int, tuple[tuple[str, float, float], ...]] = {}
+        """The room each running elastic job's move up was last judged on: judged again only
+        when it changed (a search of the planner each)."""
+        self.down_judged: dict[int, tuple[tuple[str, float, float], ...]] = {}
+        """Likewise, the free room a queued elastic job was last found no layout for."""
+        self.blocked: int | None = None
+        """The queued job admission stopped at in this pass: no move up takes its room."""
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -147,13 +217,20 @@ class Controller:
         result = StepResult()
         for td in self.teardowns.reap():
             self._stopped(td)
-        for job in self.store.active_jobs():
+        active = self.store.active_jobs()
+        for job in active:
             if job.cancel_requested and job.id in self.running:
                 self._cancel(job, self.running[job.id], result)
             elif job.cancel_requested:
                 self._move(job, JobState.CANCELLED, "cancelled by request", result)
+            elif job.id in self.running and job.state == JobState.PREEMPTED:
+                self._watch_preempted(job, self.running[job.id], result)
+            elif job.id in self.running and job.id in self.moving:
+                self._watch_moving(job, self.running[job.id], result)
             elif job.id in self.running:
                 self._watch(job, self.running[job.id], result)
+            elif job.state == JobState.PREEMPTED:  # its group is gone (a new controller)
+                self._requeue(job, job.attempts, "its worker group is gone", result)
             elif job.state == JobState.RESTARTING:
                 # The last attempt's ranks may still hold the checkpoint directory and their
                 # resources: the next attempt starts once they are gone.
@@ -163,13 +240,26 @@ class Controller:
                 self._orphaned(job, result)
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
-        self._admit(result)
+        self._elastic_down()
+        self._admit(result, active)
+        self._elastic_up(active)
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
         self.nodes.step()
         if self.exporter is not None:
             self.exporter.step()
         return result
+
+    def activity(self, result: StepResult) -> Activity:
+        """What the pass that returned `result` saw, for the daemon's wait (`service.pace`)."""
+        runs = list(self.running.values())
+        now = time.monotonic()
+        beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
+                  or self.moving or self.victims)
+        return Activity(
+            starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
+            changed=bool(result.changes), steady=bool(runs) and not beside,
+            hang_timeout_s=min((r.spec.monitor.hang_timeout_s for r in runs), default=None))
 
     def shutdown(self, *, stop_jobs: bool = False) -> None:
         """The controller is stopping (daemon exit). Groups are detached: they train on and the
@@ -193,6 +283,12 @@ class Controller:
         except Exception:
             log.exception("storing what the stopped worker groups reported failed")
 
+    def _fenced(self) -> None:
+        """Raise NotHolder (the pass stops; the daemon exits) when this controller acts under
+        a lease it no longer holds: a pass that outlived its lease launches nothing."""
+        if self.fence is not None:
+            self.store.check_fence(self.fence)
+
     def _sweep(self) -> None:
         keep = {(job_id, run.attempt) for job_id, run in self.running.items()}
         for name in self.launcher.sweep(keep):
@@ -202,12 +298,13 @@ class Controller:
 
     # --- admission and placement ----------------------------------------------------------------
 
-    def _admit(self, result: StepResult) -> None:
+    def _admit(self, result: StepResult, active: list[Job]) -> None:
         """Admit from the head of the queue, read a page (`ADMIT_PAGE`) at a time: admission
         stops at the first job that does not fit, so a long queue costs a pass no more than
         its head. Jobs over their project's quota wait without blocking the others. The next
         page is read only while every job of a page was impossible or waiting for its quota
         (the free capacity is then as it was); one that admitted continues in the next pass."""
+        self.blocked = None
         quotas = {p: Quota(gpus, cpus) for p, (gpus, cpus) in self.identity.quotas().items()}
         holding = held(self.store.active_jobs()) if quotas else None
         offset = 0
@@ -236,14 +333,248 @@ class Controller:
                     self._place(placing, result)
             skipped = len(adm.impossible) + len(adm.waiting)
             if adm.admitted or skipped < len(queued) or len(queued) < ADMIT_PAGE:
+                self.blocked = adm.blocked.id if adm.blocked is not None else None
+                if adm.blocked is not None and not adm.admitted:
+                    self._preempt(adm.blocked, active, result)
                 return
+
+    # --- preemption -----------------------------------------------------------------------------
+
+    def _preempt(self, blocked: Job, active: list[Job], result: StepResult) -> None:
+        """Ask the running jobs `service.preemption` chooses for `blocked` to checkpoint and
+        stop (one preemption at a time: none while a victim still holds its room)."""
+        self.victims = {j: v for j, v in self.victims.items()
+                        if j in self.running or self.teardowns.busy(("job", j))}
+        if self.victims or any(j.state == JobState.PREEMPTED for j in active):
+            return
+        chosen = choose(self.store, blocked, active, self.launcher.free_capacity(),
+                        {j: (run.started, run.placement) for j, run in self.running.items()
+                         if j not in self.moving})  # a job moving up is stopping already
+        if not chosen:
+            return
+        self._fenced()  # stopping another job's ranks is the leader's to do
+        for victim in chosen:
+            run = self.running[victim.job.id]
+            moved = self._move(victim.job, JobState.PREEMPTED, asked_message(victim, blocked),
+                               result, attempt=run.attempt,
+                               data={"preempted_by": blocked.id, "priority": blocked.priority})
+            if moved is None:
+                continue
+            run.group.preempt()
+            self.victims[victim.job.id] = Victim(by=blocked.id, asked=time.monotonic())
+        self.store.add_event(job_id=blocked.id, kind="preempting",
+                             message=preempting_message(chosen, blocked),
+                             data={"victims": [v.job.id for v in chosen]})
+
+    def _watch_preempted(self, job: Job, run: _Running, result: StepResult) -> None:
+        """A preempted job's ranks save and stop: what they report is stored; once they
+        stopped (or the grace is over) it is requeued; one that finished meanwhile
+        succeeded."""
+        poll = run.group.poll(self.poll_timeout_s)
+        result.metrics += self._record(job, run, poll)
+        victim = self.victims.get(job.id)
+        late = victim is None or time.monotonic() - victim.asked > self.preempt_grace_s
+        if poll.state == "succeeded":
+            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
+                         f"all ranks finished {run.spec.train.steps} steps", result)
+        elif poll.state in ("stopped", "failed") or late:
+            self._teardown(job.id, run)
+            why = {"stopped": "its ranks saved and stopped",
+                   "failed": f"its ranks stopped with an error: {run.redact(poll.error or '')}"
+                   }.get(poll.state, f"its ranks did not stop within {self.preempt_grace_s:g} s")
+            self._requeue(job, run.attempt, why, result)
+
+    def _requeue(self, job: Job, attempt: int, why: str, result: StepResult) -> None:
+        victim = self.victims.get(job.id)
+        by = f"job {victim.by}" if victim else "a job of higher priority"
+        self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.PREEMPTED,
+                               error=f"preempted by {by}: {why}")
+        moved = self._move(job, JobState.QUEUED, f"requeued after its preemption by {by}"
+                           f" ({why}); it resumes from its newest checkpoint when there is room,"
+                           " without spending a retry", result, attempt=attempt)
+        if moved is not None:
+            self.quota_notes.note(job.id, f"preempted by {by}; resumes from its checkpoint"
+                                  " when there is room", kind="preempted",
+                                  data={"preempted_by": victim.by if victim else None})
+
+    # --- elastic re-plan ------------------------------------------------------------------------
+
+    def _elastic_down(self) -> None:
+        """Re-plan each queued elastic job whose ranks were lost (its last attempt failed, was
+        lost, or moved up into room that was gone) and that the free room has not held for
+        `wait_s` since: onto the best layout of what is free now (`service.elastic.replan`);
+        admission then places it in this same pass. A job no layout fits is said once."""
+        queued = [j for j in self.elastic_moves.requeued(limit=ELASTIC_SCAN)
+                  if j.spec.elastic is not None]
+        ids = {q.id for q in queued}
+        self.elastic_said = {j: m for j, m in self.elastic_said.items() if j in ids}
+        self.down_judged = {j: r for j, r in self.down_judged.items() if j in ids}
+        if not queued:
+            return
+        free = self.launcher.free_capacity()
+        for job in queued:
+            elastic = job.spec.elastic
+            assert elastic is not None
+            last = self.store.list_attempts(job_id=job.id)[-1]
+            if last.status not in (AttemptStatus.FAILED, AttemptStatus.LOST,
+                                   AttemptStatus.MOVED) or last.ended_at is None:
+                continue  # a preempted job waits for the room it gave
+            if pack(bundles(job), free) is not None:
+                continue  # it fits as it is: admission places it
+            waited = time.time() - last.ended_at.timestamp()
+            if waited < elastic.wait_s:
+                continue
+            seen = tuple((n.node_id, n.cpus, n.gpus) for n in free)
+            if self.down_judged.get(job.id) == seen:
+                continue  # no layout fitted this room: none does now
+            state = ElasticState.of(job)
+            got = replan(job.spec, state, free, min_ranks=elastic.min_ranks,
+                         profile=profile_for(self.store, job.spec.target.gpu),
+                         exclude_world=job.world_size)
+            if isinstance(got, str):
+                self.down_judged[job.id] = seen
+                self._elastic_note(job, f"elastic: not re-planned: {got}; it waits for room"
+                                   f" for its {job.world_size} ranks")
+                continue
+            tags = CheckpointIndex(self.store).list(job_id=job.id)
+            why = (f"attempt {last.number} lost its ranks and the free room has held"
+                   f" {fitting_ranks(job.spec, free)} of its {job.world_size} for"
+                   f" {waited:.0f} s, wait_s {elastic.wait_s:g}")
+            try:
+                self.elastic_moves.relayout(
+                    job_id=job.id, expect=JobState.QUEUED, spec=got.spec, plan=got.plan,
+                    world_size=got.world_size, elastic=state.to_json(),
+                    message=moved_message(job, got, why=why,
+                                          checkpoint=tags[-1].step if tags else None),
+                    data={"direction": "down", "from": describe(job.plan, job.world_size),
+                          "to": describe(got.plan, got.world_size),
+                          "checkpoint_step": tags[-1].step if tags else None})
+            except TransitionError as exc:  # cancelled meanwhile
+                log.info("job %s: %s", job.id, exc)
+                continue
+            self.elastic_said.pop(job.id, None)
+            free = _taken(free, got)
+
+    def _elastic_note(self, job: Job, message: str) -> None:
+        if self.elastic_said.get(job.id) != message:
+            self.elastic_said[job.id] = message
+            self.store.add_event(job_id=job.id, kind="elastic", message=message,
+                                 data={"direction": None})
+
+    def _elastic_up(self, active: list[Job]) -> None:
+        """With `scale_up`: a running elastic job on fewer ranks than it was submitted with,
+        whose room plus the free room now holds its submitted layout (or else a larger one
+        predicted faster than its own) is asked to save a checkpoint now and stop
+        (`_watch_moving` restarts it on that layout). Not while a queued job waits for room
+        (admission's blocked job): that room is its."""
+        self.moving = {j: m for j, m in self.moving.items() if j in self.running}
+        self.up_judged = {j: r for j, r in self.up_judged.items() if j in self.running}
+        if self.blocked is not None:
+            return
+        free: list[NodeCapacity] | None = None
+        for job in active:
+            elastic, run = job.spec.elastic, self.running.get(job.id)
+            if elastic is None or not elastic.scale_up or run is None or \
+                    job.state != JobState.RUNNING or job.id in self.moving or \
+                    job.elastic is None or run.placement is None:
+                continue
+            state = ElasticState.of(job)
+            if job.world_size >= state.world_size:
+                continue
+            if free is None:
+                free = self.launcher.free_capacity()
+            room = _given_back(free, holds(run.placement, job))
+            seen = tuple((n.node_id, n.cpus, n.gpus) for n in room)
+            if self.up_judged.get(job.id) == seen:
+                continue
+            self.up_judged[job.id] = seen
+            fits = fitting_ranks(job.spec, room)
+            if fits <= job.world_size:
+                continue
+            got: Replan | str = submitted(job.spec, state) if fits >= state.world_size else \
+                replan(job.spec, state, room, min_ranks=job.world_size + 1,
+                       profile=profile_for(self.store, job.spec.target.gpu))
+            if isinstance(got, str) or (got.world_size < state.world_size
+                                        and got.step_s >= job.plan.time.step_s):
+                continue  # the submitted layout is moved back to as asked; others if faster
+            self._fenced()  # stopping ranks is the leader's to do
+            run.group.preempt()
+            self.moving[job.id] = _Move(to=got, asked=time.monotonic())
+            self.store.add_event(
+                job_id=job.id, attempt=run.attempt, kind="elastic",
+                message=f"elastic: the room of {fits} rank(s) is free again; moving to"
+                f" {got.plan.layout.label} on {got.world_size} rank(s) (predicted"
+                f" {got.step_s:.4g} s/step, now {job.plan.time.step_s:.4g}): its ranks are"
+                " asked to save a checkpoint now and stop",
+                data={"direction": "up", "asked": True,
+                      "from": describe(job.plan, job.world_size),
+                      "to": describe(got.plan, got.world_size)})
+
+    def _watch_moving(self, job: Job, run: _Running, result: StepResult) -> None:
+        """An elastic job moving up: its ranks save and stop; then RESTARTING on the larger
+        layout (the attempt ends `moved`, no retry spent). One that finished or failed
+        meanwhile ends as it would have."""
+        move = self.moving[job.id]
+        poll = run.group.poll(self.poll_timeout_s)
+        result.metrics += self._record(job, run, poll)
+        late = time.monotonic() - move.asked > self.preempt_grace_s
+        if poll.state == "succeeded":
+            self.moving.pop(job.id)
+            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
+                         f"all ranks finished {run.spec.train.steps} steps", result)
+            return
+        if poll.state == "failed":
+            self.moving.pop(job.id)
+            self._teardown(job.id, run)
+            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: failed while saving"
+                               f" to move up: {run.redact(poll.error or 'a rank failed')}",
+                               result)
+            return
+        if poll.state != "stopped" and not late:
+            return
+        self.moving.pop(job.id)
+        self._teardown(job.id, run)
+        why = "its ranks saved a checkpoint and stopped" if poll.state == "stopped" else \
+            f"its ranks did not stop within {self.preempt_grace_s:g} s"
+        self.store.end_attempt(job_id=job.id, number=run.attempt, status=AttemptStatus.MOVED,
+                               error=f"moved to a larger layout: {why}")
+        moved = self._move(job, JobState.RESTARTING, f"moving to {move.to.plan.layout.label} on"
+                           f" {move.to.world_size} rank(s): {why}; no retry spent", result,
+                           attempt=run.attempt)
+        if moved is None:
+            return
+        tags = CheckpointIndex(self.store).list(job_id=job.id)
+        try:
+            self.elastic_moves.relayout(
+                job_id=job.id, expect=JobState.RESTARTING, spec=move.to.spec,
+                plan=move.to.plan, world_size=move.to.world_size,
+                elastic=ElasticState.of(job).to_json(moved_up=True),
+                message=moved_message(job, move.to, why="the room of a larger layout is free"
+                                      " again (scale_up)",
+                                      checkpoint=tags[-1].step if tags else None),
+                data={"direction": "up", "from": describe(job.plan, job.world_size),
+                      "to": describe(move.to.plan, move.to.world_size),
+                      "checkpoint_step": tags[-1].step if tags else None},
+                attempt=run.attempt)
+        except TransitionError as exc:  # cancelled meanwhile: it ends where it is
+            log.info("job %s: %s", job.id, exc)
 
     def _restart(self, job: Job, result: StepResult) -> None:
         """The next attempt, from the checkpoint; or, when the cluster no longer has room for
-        it (it lost a node), back to the queue until it has."""
+        it (it lost a node), back to the queue until it has. An elastic job waits there for
+        free room (not for the cluster's), to be re-planned after `wait_s`."""
         why = unplaceable(job, self.launcher.total_capacity())
+        elastic = job.spec.elastic
+        if why is None and elastic is not None and \
+                pack(bundles(job), self.launcher.free_capacity()) is None:
+            why = f"the free room holds {fitting_ranks(job.spec, self.launcher.free_capacity())}" \
+                f" of its {job.world_size} ranks"
         if why is None:
             self._place(job, result)
+        elif elastic is not None:
+            self._move(job, JobState.QUEUED, f"waiting for room: {why}; elastic: when the room"
+                       f" is not back within wait_s ({elastic.wait_s:g} s) it is re-planned onto"
+                       " what is free and resumes from its checkpoint", result)
         else:
             self._move(job, JobState.QUEUED, f"waiting for the cluster: it no longer has room"
                        f" for this job ({why}); it resumes from its checkpoint when it has",
@@ -262,11 +593,14 @@ class Controller:
         try:  # a spec stored before a check it fails was added, a folder not the job's
             spec = recheck(job.spec)
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
+            if spec.checkpoint.resume_from is not None:
+                self._seed(job, attempt, spec, folder)
             secrets = self.secrets.open(job.id)
         except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
                                retry=isinstance(exc, OSError))
             return
+        self._fenced()  # the lease may have gone while the folder and secrets were readied
         try:  # secrets reach the ranks' environment, never the spec each is sent (a dump)
             group = self.launcher.start(job_id=job.id, attempt=attempt,
                                         spec=spec.with_secrets(secrets),
@@ -282,6 +616,28 @@ class Controller:
                                                                         spec),
                                         redact=self.secrets.redactor(job.id, secrets))
 
+    def _seed(self, job: Job, attempt: int, spec: JobSpec, folder: str) -> None:
+        """A job started from another job's checkpoint finds that tag in its own folder
+        (`service.checkpoints.seed`) unless it has one of its own already; CheckpointRefused
+        when the source job or its tag is gone."""
+        rf = spec.checkpoint.resume_from
+        assert rf is not None
+        try:
+            source = self.store.get_job(job_id=rf.job)
+        except NotFound:
+            raise CheckpointRefused(f"checkpoint.resume_from: job {rf.job} is gone") from None
+        named = source.spec.checkpoint.dir
+        done = seed(folder, self.folders.folder(source.id, named), CheckpointWriter.of(source),
+                    rf.step, adopt=named is None)
+        if done is not None:
+            how = "hard-linked" if done.linked else "copied"
+            self.store.add_event(job_id=job.id, attempt=attempt, kind="checkpoint",
+                                 message=f"starts from job {source.id}'s checkpoint of step"
+                                 f" {done.step}: {done.files} file(s), {done.bytes} bytes"
+                                 f" {how} into its own folder in {done.seconds:.2f} s",
+                                 data={"source_job": source.id, "step": done.step,
+                                       "bytes": done.bytes, "linked": done.linked})
+
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
         run (re-attached: no retry used), or be gone (the attempt is lost: restart)."""
@@ -296,10 +652,13 @@ class Controller:
                 checkpoint_dir=self.folders.folder(job.id, spec.checkpoint.dir),
                 writer=CheckpointWriter.of(job))
             if group is not None:
+                placed = [a.placement for a in self.store.list_attempts(job_id=job.id)
+                          if a.number == job.attempts]
                 self.running[job.id] = _Running(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
                     health=AttemptHealth(self.store, job, job.attempts, spec),
-                    redact=self.secrets.redactor(job.id))
+                    redact=self.secrets.redactor(job.id),
+                    placement=placed[0] if placed and placed[0] else None)
                 self.store.add_event(job_id=job.id, attempt=job.attempts, kind="reattach",
                                      message=f"re-attached to the worker group of"
                                      f" attempt {job.attempts}: no retry used; reports not"
@@ -326,8 +685,11 @@ class Controller:
                      " before they are killed", result, drain=job.state == JobState.RUNNING)
 
     def _watch(self, job: Job, run: _Running, result: StepResult) -> None:
+        if job.state == JobState.PLACING:  # its poll may launch the ranks (rendezvous)
+            self._fenced()
         poll = run.group.poll(self.poll_timeout_s)
         if poll.placement:
+            run.placement = poll.placement
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
             run.health.placed(poll.placement)
         result.metrics += self._record(job, run, poll)
@@ -366,6 +728,7 @@ class Controller:
                        redact=run.redact)
         if poll.acks:  # stored: the ranks may forget them
             run.group.acknowledge(poll.acks)
+        run.stepped = run.stepped or n > 0
         return n
 
     def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
@@ -391,7 +754,7 @@ class Controller:
                                error=error)
         to = decide_on_failure(job) if retry else JobState.FAILED
         if to == JobState.RESTARTING:
-            left = retries(job) - job.attempts
+            left = retries(job) - failures(job)
             self._move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"
                        f" ({left} retries left)", result, attempt=attempt, data={"error": error})
         else:
@@ -441,3 +804,23 @@ class Controller:
             return None
         result.changes.append(Change(job.id, to, message))
         return moved
+
+
+def _taken(free: list[NodeCapacity], job: Replan) -> list[NodeCapacity]:
+    """The free room once `job`'s ranks are placed in it (first fit, as admission packs)."""
+    items = bundles(job)
+    where = pack(items, free)
+    if where is None:
+        return free
+    out = [[n.cpus, n.gpus] for n in free]
+    for b, n in zip(items, where, strict=True):
+        out[n][0] -= b.cpus
+        out[n][1] -= b.gpus
+    return [NodeCapacity(n.node_id, c, g) for n, (c, g) in zip(free, out, strict=True)]
+
+
+def _given_back(free: list[NodeCapacity],
+                held: dict[str, tuple[float, float]]) -> list[NodeCapacity]:
+    """The free room with what a job holds on each node added: the room it could move to."""
+    return [NodeCapacity(n.node_id, n.cpus + held.get(n.node_id, (0.0, 0.0))[0],
+                         n.gpus + held.get(n.node_id, (0.0, 0.0))[1]) for n in free]

@@ -5,10 +5,10 @@ Run by `trident up` (which restarts it when it exits) as its own process, or alo
 `python -m service.daemon`. When it stops, the jobs' worker groups train on (they are
 detached Ray actors) and the next controller re-attaches them; `TRIDENT_STOP_JOBS` stops them
 with it on SIGTERM. It acts only while it holds the controller's lease
-(`service.lease`): a second daemon against the same database waits as standby and takes over
+(`service.store.lease`): a second daemon against the same database waits as standby and takes over
 once the leader stops renewing. A leader that finds the lease taken stops at once, without
 touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
-A database it cannot read (`service.dbcheck`) is one line in its log, at start (it exits with
+A database it cannot read (`service.store.dbcheck`) is one line in its log, at start (it exits with
 DATABASE_UNREADABLE) and for every pass that fails on a damaged one.
 """
 
@@ -26,15 +26,16 @@ from datetime import datetime
 from types import FrameType
 
 from service.checkpoints import CheckpointPlaces
-from service.controller import Controller
-from service.dbcheck import Unreadable, check, damaged, describe, readable
+from service.controller import Controller, StepResult
 from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
-from service.lease import CONTROLLER, Leader, Role
-from service.rayhead import LOOPBACK_ENV, metric_ports
+from service.pace import Pace
+from service.rayhead import LOOPBACK_ENV, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, metric_ports
 from service.secrets import SecretBox, forget_server_secrets
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
+from service.store.dbcheck import Unreadable, check, damaged, describe, readable
+from service.store.lease import CONTROLLER, Leader, Role
 from service.tracking.config import TrackingConfig
 
 log = logging.getLogger("trident.controller")
@@ -42,7 +43,7 @@ log = logging.getLogger("trident.controller")
 LEASE_LOST = 3
 """Exit status of a daemon whose lease another controller took."""
 DATABASE_UNREADABLE = 4
-"""Exit status of a daemon that cannot read its database (`service.dbcheck`): one line in
+"""Exit status of a daemon that cannot read its database (`service.store.dbcheck`): one line in
 its log says which, what is wrong and how to restore it."""
 
 
@@ -53,11 +54,13 @@ class LeaseLost(Exception):
 def connect_ray(settings: Settings) -> object:
     """Connect to the configured Ray cluster, or start a local one; returns the launcher."""
     if not settings.ray_address:
-        # A Ray of this process only: on loopback, like `trident up`'s head, with free ports
+        # A Ray of this process only: on loopback, like `trident up`'s head, its metrics
+        # collection off (`UNUSED_OFF_ENV`), its workers at niceness 0, with free ports
         # for its metrics servers (read by Ray when it is imported, and by the processes it
         # starts). Its processes run jobs: the server's secrets (read into `settings`
         # already) stay out of the environment they inherit.
-        os.environ.update({**LOOPBACK_ENV, **metric_ports()})
+        os.environ.update({**LOOPBACK_ENV, **UNUSED_OFF_ENV, **WORKER_NICENESS_ENV,
+                           **metric_ports()})
         forget_server_secrets()
     ray = importlib.import_module("ray")
     # ray.init replaces the SIGTERM handler with a bare sys.exit, so that the daemon's own
@@ -99,6 +102,8 @@ class LeaderLoop:
         self._standby_logged: str | None = None
         self.last_pass_s: float | None = None
         """How long the last controller pass took; written with the next renewal."""
+        self.last_result: StepResult | None = None
+        """What the last controller pass did (None: no pass as leader yet)."""
 
     def tick(self, now: datetime | None = None) -> Role:
         """Renew (or try to take) the lease and, as leader, do one controller pass. Raises
@@ -130,12 +135,20 @@ class LeaderLoop:
         try:
             result = self.controller.step()
             self.last_pass_s = time.monotonic() - started
+            self.last_result = result
         except NotHolder as exc:  # taken over in the middle of this pass
             log.error("%s: stopping at once, without touching any job", exc)
             raise LeaseLost(str(exc)) from exc
         for change in result.changes:
             log.info("job %s -> %s: %s", change.job_id, change.to, change.message)
         return role
+
+    def wait_s(self, pace: Pace, standby_s: float) -> float:
+        """The wait before the next tick: `pace`'s after a pass as leader (from what that
+        pass saw), else `standby_s`."""
+        if self.controller is None or self.last_result is None:
+            return standby_s
+        return pace.next(self.controller.activity(self.last_result))
 
 
 def run(settings: Settings, stop: threading.Event) -> int:
@@ -158,6 +171,9 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           tracking=TrackingConfig.of(settings))
 
     loop = LeaderLoop(leader, make_controller)
+    # Renewed every pass: the longest wait is a third of the lease (as `retry_wait_s`).
+    pace = Pace(settings.poll_interval_s,
+                min(settings.poll_max_interval_s, settings.lease_s / 3))
     log.info("controller %s starting against %s (lease %g s)", leader.holder,
              settings.db_url, settings.lease_s)
     parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
@@ -196,7 +212,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
                 stop.wait(wait)
                 continue
             failures = 0
-            stop.wait(settings.poll_interval_s)
+            stop.wait(loop.wait_s(pace, settings.poll_interval_s))
     finally:
         if status != LEASE_LOST:
             if loop.controller is not None:

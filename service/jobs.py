@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from service.confine import Confinement
+from service.data_check import check_data
 from service.hardware import HardwareProfile
 from service.planner import plan_job
 from service.planner.shape import ModelShape
@@ -123,6 +124,7 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
     by = by or Submitter()
     if by.confinement is not None:
         by.confinement.check(spec)
+    spec = check_data(spec)  # after confinement: no file outside the data roots is read
     if spec.secrets and by.box is None:
         raise SpecError("secrets", "this server keeps no secrets")
     sealed = by.box.seal_all(spec.secret_values()) if by.box is not None else {}

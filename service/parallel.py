@@ -4,6 +4,9 @@ One frozen `ParallelDims` value is spoken by the spec, the planner, the stored p
 workers and the dashboard. Ranks are laid out with coordinates (pp, dp, tp) and tp varying
 fastest, so a TP group is a run of adjacent ranks (and packs onto one node), then DP, then PP.
 This is the order of DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model).
+The layers are split over the pipeline stages here too, as DeepSpeed splits them: the
+`parallel.partition` rule (`Partition`), its boundaries (`partition_uniform`,
+`partition_balanced`) and the splits that cannot be made (`layer_split_errors`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
+from typing import Literal
 
 
 class Dim(StrEnum):
@@ -101,6 +105,9 @@ class ParallelDims:
         return [self.rank(pp=p, dp=c.dp, tp=c.tp) for p in range(self.pp)]
 
 
+Partition = Literal["uniform", "parameters"]
+"""`parallel.partition`: how pipeline stages split layers that need not divide evenly."""
+
 PARTITION_WORK_LIMIT = 2_000_000
 """Most (items^2 x parts) the `parameters` partition's dynamic programme may cost."""
 
@@ -116,6 +123,20 @@ def partition_uniform(items: int, parts: int) -> list[int]:
 
 def partition_work(items: int, parts: int) -> int:
     return items * items * parts
+
+
+def layer_split_errors(layers: int, pp: int, virtual_stages: int,
+                       partition: str) -> list[tuple[str, str]]:
+    """(field, message) for a pipeline split that cannot be made: fewer layers than model
+    chunks, or a `parameters` balance too costly to compute (`partition_work`)."""
+    chunks = pp * virtual_stages
+    if layers < chunks:
+        return [("parallel.pp", f"layers({layers}) is fewer than pp({pp}) * virtual_stages"
+                 f"({virtual_stages}) = {chunks}: every model chunk needs a layer")]
+    if partition == "parameters" and partition_work(layers + 2, chunks) > PARTITION_WORK_LIMIT:
+        return [("parallel.partition", f"balancing {layers} layers over {chunks} chunks by"
+                 " parameters is too costly to compute; use partition 'uniform'")]
+    return []
 
 
 @lru_cache(maxsize=256)

@@ -62,7 +62,8 @@ CUSTOM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 DERIVED = frozenset({"mfu"})
 """Names the control plane gives figures it derives from a step (`service.tracking.scalars`)."""
 
-METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s"})
+METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s", "lr",
+                            "grad_norm"})
 """Fields of `StepReport` stored as columns of a metrics row; the rest goes to its `data`."""
 
 
@@ -87,6 +88,11 @@ class StepReport(BaseModel):
     """Wall time of this rank's optimizer step."""
     tokens_per_s: float = Field(ge=0)
     """Global tokens (global_batch * seq_len) per second of this rank's step time."""
+    lr: float | None = Field(default=None, ge=0, le=10)
+    """The learning rate this optimizer step ran at (the schedule's, `TrainSpec.lr_at`)."""
+    grad_norm: float | None = Field(default=None, ge=0)
+    """The global L2 norm of the gradient over every rank, before clipping (None: not
+    finite, as on an fp16 overflow, or not measured)."""
     memory: MemoryReport = Field(default_factory=MemoryReport)
     tp_rank: int | None = Field(default=None, ge=0)
     pp_rank: int | None = Field(default=None, ge=0)
@@ -101,6 +107,12 @@ class StepReport(BaseModel):
     """Why the checkpoint due after this step was not saved (the disk is full, ...): its
     partial tag is removed, the newest complete one stays the one to resume from, and
     training goes on; the controller stores it as a `checkpoint` event of the job."""
+    checkpoint_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
+    """Size on disk of the checkpoint saved after this step (rank 0's count)."""
+    checkpoints_removed: list[Annotated[int, Field(ge=1, le=10_000_000)]] | None = Field(
+        default=None, max_length=10_000)
+    """Steps of the older tags deleted after this step's checkpoint was complete (retention:
+    `checkpoint.keep_last`, `keep_every`)."""
     comm: dict[str, dict[str, CommOpStats]] | None = None
     """Collectives of this step: dim (tp, pp, dp, or another group's name) -> op -> stats.
     Added by the rank actor's `CommTimer`; None when the step's collectives were not counted."""
@@ -112,6 +124,19 @@ class StepReport(BaseModel):
     (`workers.bubble`): the part of its PP time beyond the transfers themselves. 0 without
     pipeline parallelism; None when not measured (a custom entrypoint, a GPU step between
     samples)."""
+    eval_loss: float | None = None
+    """Mean validation loss over `data.eval_batches` global batches, on the steps that
+    evaluated (every `data.eval_every`, and the last); the same value on every rank."""
+    tokens: int | None = Field(default=None, ge=0)
+    """Tokens the job has trained on after this step (consumed samples * seq_len)."""
+    epoch: float | None = Field(default=None, ge=0)
+    """Passes over the first training corpus after this step (kind `tokens`)."""
+    first_sample: int | None = Field(default=None, ge=0)
+    """Global number of this step's first sample: the step read samples [first_sample,
+    first_sample + global_batch) of the job's sample order (`workers.data`)."""
+    drawn: dict[Annotated[str, Field(max_length=4096)], Annotated[int, Field(ge=0)]] | None = \
+        Field(default=None, max_length=64)
+    """Samples drawn so far from each training corpus, by path (kind `tokens`)."""
     custom: dict[Annotated[str, Field(max_length=CUSTOM_NAME_MAX)], CustomValue] | None = \
         Field(default=None, max_length=CUSTOM_MAX)
     """Whatever else a custom entrypoint wants kept with the step (stored as is): at most
@@ -119,7 +144,15 @@ class StepReport(BaseModel):
     number values are metrics, sent to the trackers, compared and exported on `/metrics`
     under their names."""
 
-    @field_validator("loss")
+    @field_validator("grad_norm", mode="before")
+    @classmethod
+    def _finite_norm_or_none(cls, v: Any) -> Any:
+        # DeepSpeed reports inf on an fp16 overflow (the step is skipped): no norm then.
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    @field_validator("loss", "eval_loss")
     @classmethod
     def _finite_or_none(cls, v: float | None) -> float | None:
         # A diverged run reports nan/inf; JSON cannot carry them, so store None and say so.
@@ -163,7 +196,7 @@ class HeartbeatReport(BaseModel):
     Sent across Ray with every poll as `model_dump()` and validated by the worker group in
     the controller's process (a rank of a group started by an older controller may speak an
     older form); the controller judges hangs by it (`service.monitor.hang`) and keeps each
-    rank's last one for the API (`service.heartbeats`).
+    rank's last one for the API (`service.store.heartbeats`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -244,6 +277,10 @@ class WorkerGroup(Protocol):
 
     def cancel(self) -> None:
         """Ask every rank to stop at the next step boundary."""
+
+    def preempt(self) -> None:
+        """Ask every rank to save a checkpoint at the next step boundary and stop there (a
+        job of higher priority needs the room)."""
 
     def shutdown(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the ranks to end, then kill them and free resources."""

@@ -4,8 +4,8 @@ A project may cap the GPUs its jobs hold at once, and the CPUs its CPU-only jobs
 job's CPUs come with its GPUs). The scheduler (`service.scheduler.admit`) admits a queued job
 only when its project's holding plus the job's claim stays within the cap; a job that would
 pass it waits, and the reason (`waiting for quota: project vision holds 24/24 GPUs, ...`) is
-kept on the job and written as one event each time it changes (`QuotaNotes`), so a job
-waiting through many passes does not flood its events.
+kept on the job and written as one event each time it changes (`service.store.quota.QuotaNotes`),
+so a job waiting through many passes does not flood its events.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import select
-
-from service.db import EngineTx, EventRow, JobRow, utcnow
-from service.states import JobState
-from service.store import Job, Store
+from service.store import Job
 
 _EPS = 1e-9
 
@@ -80,25 +76,3 @@ def take(holding: Held, job: Job) -> None:
         kind, amount = claim(job)
         per = holding.setdefault(job.project, {})
         per[kind] = per.get(kind, 0.0) + amount
-
-
-class QuotaNotes(EngineTx):
-    """Keeps a queued job's waiting reason, and its event, in step with the scheduler."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
-
-    def note(self, job_id: int, reason: str | None) -> bool:
-        """Set (or with None clear) the job's waiting reason; a new reason is also an event
-        (`quota`). A job that is no longer queued gets no new reason. Whether it changed."""
-        with self._tx() as s:
-            row = s.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar()
-            if row is None or row.waiting == reason or (
-                    reason is not None and row.state != JobState.QUEUED.value):
-                return False
-            row.waiting = reason
-            row.updated_at = utcnow()
-            if reason is not None:
-                s.add(EventRow(job_id=job_id, kind="quota", message=reason,
-                               data={"project": row.project}))
-            return True

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
-
-from service.db import EventRow, utcnow
-from service.heartbeats import HeartbeatLog, ages
 from service.planner.stored import PlannedLayout
 from service.store import Job, Metric, Store
+from service.store.dashboard import marked_ranks
+from service.store.heartbeats import HeartbeatLog, ages
+from service.store.tables import utcnow
 
 WINDOW = 20
 """Steps of the newest attempt a status reads (medians, peaks, the newest report)."""
@@ -120,21 +118,6 @@ def _comm_s(m: Metric | None) -> tuple[float | None, float | None, float | None]
     return tp, pp, dp
 
 
-def _marked(store: Store, job_id: int, attempt: int | None) -> tuple[set[int], set[int]]:
-    """The attempt's stragglers and the ranks its hang diagnoses say never arrived."""
-    stragglers: set[int] = set()
-    waited_for: set[int] = set()
-    with sessionmaker(store.engine).begin() as s:
-        for ev in s.execute(select(EventRow).where(
-                EventRow.job_id == job_id, EventRow.attempt == attempt,
-                EventRow.kind.in_(["straggler", "hang"]))).scalars():
-            if ev.kind == "straggler":
-                stragglers.add(int((ev.data or {}).get("rank", -1)))
-            else:
-                waited_for |= set((ev.data or {}).get("never_arrived", []))
-    return stragglers, waited_for
-
-
 def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
     """Every rank of `job`'s layout in its newest attempt, from the last `window` steps."""
     plan = job.plan
@@ -158,9 +141,9 @@ def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
     for r, t in compute.items():
         peers.setdefault(stage_of.get(r, 0), []).append(t)
     number = attempts[-1].number if attempts else None
-    beats = ages(HeartbeatLog(store.engine).last_seen(job_id=job.id, attempt=number),
+    beats = ages(HeartbeatLog(store).last_seen(job_id=job.id, attempt=number),
                  utcnow()) if number is not None else {}
-    stragglers, waited_for = _marked(store, job.id, number)
+    stragglers, waited_for = marked_ranks(store, job_id=job.id, attempt=number)
     out = []
     for row in plan.rank_layout:
         ms = recent.get(row.rank, [])

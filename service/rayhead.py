@@ -40,6 +40,25 @@ host's address, where it does not listen; with the variable set, Ray refuses to 
 node): a cluster of several hosts is `trident node start` (`service.raynode`)."""
 
 
+UNUSED_OFF_ENV = {"RAY_enable_metrics_collection": "0"}
+"""Ray's environment for what of it Trident does not use, off: its metrics collection (Ray's
+`enable_metrics_collection` setting, read by every Ray process from its environment: the
+GCS, the raylet, the workers, which then record and send no metrics, and the dashboard
+agent, which then runs no Prometheus exporter and records no node stats). Trident's own
+metrics are its store's (`GET /metrics`). The dashboard is off by `--include-dashboard=false`
+(Ray still runs its API server, `dashboard.py`, without the dashboard's modules, and a
+dashboard agent per node: Ray has no setting that leaves them out). Set on the Ray that
+Trident starts (`trident up`'s head and the daemon's own) and its drivers, never on a cluster
+named by `TRIDENT_RAY_ADDRESS`, whose metrics are its operator's."""
+
+
+WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
+"""Ray's workers at niceness 0, not Ray's 15: a rank is the job's work, not background work
+(`workers.actor.RANK_RUNTIME_ENV`). Set on the Ray that Trident starts and its drivers (the
+controller, which then starts its ranks without a runtime environment:
+`workers.actor.rank_runtime_env`)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,8 +129,10 @@ class RayHead:
     def env(self) -> dict[str, str]:
         """What the head and every driver of it (the controller) need: Ray's token
         authentication, with a token of this data directory's, readable by its owner only,
-        and every Ray process on loopback (`LOOPBACK_ENV`)."""
-        return {**auth_env(self.dir / "auth_token"), **LOOPBACK_ENV}
+        and every Ray process on loopback (`LOOPBACK_ENV`), with what Trident does not use
+        off (`UNUSED_OFF_ENV`) and its workers at niceness 0 (`WORKER_NICENESS_ENV`)."""
+        return {**auth_env(self.dir / "auth_token"), **LOOPBACK_ENV, **UNUSED_OFF_ENV,
+                **WORKER_NICENESS_ENV}
 
     def _record(self, pid: int) -> None:
         # Whole or not at all: a full disk must not leave an empty head.json, which would

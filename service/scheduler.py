@@ -8,10 +8,16 @@ starved by smaller ones behind it. A job that could not fit even on the empty cl
 reported as impossible instead of blocking the queue. A job whose project's quota
 (`service.quota`) it would pass waits, with the reason, and does not block the jobs of other
 projects behind it: within quota, priority then age decide.
+
+Preemption (`preemption_victims`): the job admission stopped at (`Admission.blocked`) may take
+the room of running jobs of strictly lower priority that are preemptible, the fewest GPU-hours
+lost first (GPUs held times the time since their newest checkpoint; then CPU-hours, then the
+lower priority, then the younger job), as few as make it fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,6 +79,8 @@ class Admission:
     impossible: list[tuple[Job, str]]
     waiting: list[tuple[Job, str]] = field(default_factory=list)
     """Jobs over their project's quota, and why."""
+    blocked: Job | None = None
+    """The job admission stopped at: it fits the cluster and its quota, not the free room."""
 
 
 def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity],
@@ -84,6 +92,7 @@ def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]
     impossible: list[tuple[Job, str]] = []
     waiting: list[tuple[Job, str]] = []
     holding = {p: dict(h) for p, h in (holding or {}).items()}
+    blocked: Job | None = None
     for job in queued:
         items = bundles(job)
         if pack(items, total) is None:
@@ -94,6 +103,7 @@ def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]
             continue
         where = pack(items, remaining)
         if where is None:
+            blocked = job
             break
         admitted.append(job)
         take(holding, job)
@@ -105,7 +115,55 @@ def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity]
         remaining = [NodeCapacity(node.node_id, node.cpus - used.get(i, [0, 0])[0],
                                   node.gpus - used.get(i, [0, 0])[1])
                      for i, node in enumerate(remaining)]
-    return Admission(admitted=admitted, impossible=impossible, waiting=waiting)
+    return Admission(admitted=admitted, impossible=impossible, waiting=waiting,
+                     blocked=blocked)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running job as preemption sees it: what it holds on each node, and what stopping
+    it now would lose."""
+
+    job: Job
+    holds: dict[str, tuple[float, float]]
+    """node id -> (CPUs, GPUs) its ranks hold there."""
+    lost_gpu_hours: float
+    """GPUs it holds times the hours since its newest checkpoint (or its attempt's start)."""
+    lost_cpu_hours: float
+
+
+def preemption_victims(job: Job, free: list[NodeCapacity],
+                       running: Sequence[Running]) -> list[Running] | None:
+    """The running jobs to stop so that `job` fits, or None when stopping every candidate
+    would not make it fit (then none is stopped). Candidates: preemptible, of strictly lower
+    priority; taken the fewest GPU-hours lost first, and then dropped again, costliest first,
+    where the others leave room enough."""
+    candidates = sorted(
+        (r for r in running if r.job.priority < job.priority and r.job.spec.preemptible),
+        key=lambda r: (r.lost_gpu_hours, r.lost_cpu_hours, r.job.priority, -r.job.id))
+    items = bundles(job)
+    chosen: list[Running] = []
+    for r in candidates:
+        chosen.append(r)
+        if pack(items, _freed(free, chosen)) is not None:
+            break
+    else:
+        return None
+    for r in reversed(chosen[:-1]):  # one taken early may be needless once later ones are
+        rest = [c for c in chosen if c is not r]
+        if pack(items, _freed(free, rest)) is not None:
+            chosen = rest
+    return chosen
+
+
+def _freed(free: list[NodeCapacity], stopped: Sequence[Running]) -> list[NodeCapacity]:
+    """The free room once the `stopped` jobs' ranks are gone."""
+    out = []
+    for n in free:
+        cpus = n.cpus + sum(r.holds.get(n.node_id, (0.0, 0.0))[0] for r in stopped)
+        gpus = n.gpus + sum(r.holds.get(n.node_id, (0.0, 0.0))[1] for r in stopped)
+        out.append(NodeCapacity(n.node_id, cpus, gpus))
+    return out
 
 
 def unplaceable(job: Job, total: list[NodeCapacity]) -> str | None:

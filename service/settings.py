@@ -38,7 +38,14 @@ class Settings(BaseSettings):
     they train on, detached, and the next controller re-attaches them (`trident up
     --stop-jobs` sets it)."""
     poll_interval_s: float = Field(default=0.5, gt=0, le=60)
-    """How often the controller steps."""
+    """How often the controller steps (0.1 s at most while a job's group starts; longer,
+    up to `poll_max_interval_s`, while every group trains and nothing changes:
+    `service.pace`)."""
+    poll_max_interval_s: float = Field(default=2.0, gt=0, le=60)
+    """The longest wait between controller passes while every group trains and nothing
+    changes (never over a third of `lease_s`, nor a quarter of a running job's
+    `monitor.hang_timeout_s`; `service.pace`): a cancel or a new job that fits beside the
+    running ones may wait this long."""
     cancel_grace_s: float = Field(default=5.0, ge=0, le=600)
     """How long workers get to stop by themselves before they are killed."""
     start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
@@ -59,11 +66,20 @@ class Settings(BaseSettings):
     metrics_per_rank: bool = True
     """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
     active job); turn off for very large jobs."""
+    api_workers: int = Field(default=0, ge=0, le=64)
+    """API processes `trident up` and `python -m api.serve` start (0: the machine's cores,
+    at most 4; `api.serve`)."""
+    debug_pid_header: bool = False
+    """Answer every request with `X-Trident-Pid` (the API process that answered): for the
+    tests of several API processes; never in production."""
     allow_faults: bool = False
     """Accept jobs with `faults` (fault injection for tests); never in production."""
     checkpoint_roots: str = ""
     """Comma-separated directories a spec's `checkpoint.dir` must resolve inside (after `..`
     and symlinks); empty means `data_dir` alone."""
+    data_roots: str = ""
+    """Comma-separated directories a spec's corpora (`data.train`, `data.valid`) must resolve
+    inside, `.idx` and `.bin` alike (after `..` and symlinks); empty means `data_dir` alone."""
     entrypoint_modules: str = ""
     """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
     `examples.custom_entrypoint:train`); empty allows any module."""
@@ -123,6 +139,8 @@ class Settings(BaseSettings):
                 raise ValueError("TRIDENT_RAY_ADDRESS must be set in prod")
             if self.allow_faults:
                 raise ValueError("TRIDENT_ALLOW_FAULTS must not be set in prod")
+            if self.debug_pid_header:
+                raise ValueError("TRIDENT_DEBUG_PID_HEADER must not be set in prod")
         return self
 
     @property
@@ -135,6 +153,12 @@ class Settings(BaseSettings):
     def checkpoint_root_dirs(self) -> list[Path]:
         """`checkpoint_roots` as paths (the data directory when empty)."""
         roots = [Path(p.strip()) for p in self.checkpoint_roots.split(",") if p.strip()]
+        return roots or [self.data_dir]
+
+    @property
+    def data_root_dirs(self) -> list[Path]:
+        """`data_roots` as paths (the data directory when empty)."""
+        roots = [Path(p.strip()) for p in self.data_roots.split(",") if p.strip()]
         return roots or [self.data_dir]
 
     @property

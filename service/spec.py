@@ -3,10 +3,18 @@
 Accepted as JSON over REST and as YAML by the CLI. Field names are the public contract:
 add fields freely, never rename. Every check that needs more than one field explains itself
 with the arithmetic, and names the field, so the API can turn it into a 422.
+
+One module because the spec is one pydantic model tree and one public contract: `JobSpec`'s
+checks across fields and `layout_errors` read the model, train, parallel and resources parts
+together, and the parts are read as one document (the API's schema of a submission, the
+stored spec). Its vocabularies of a field or two live beside the model that uses them; the
+parallel layout's (`ParallelDims`, `Partition`) and the limits of outside input
+(`service.spec_limits`) have modules of their own, used beyond the spec.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -23,11 +31,11 @@ from pydantic import (
     model_validator,
 )
 
+from service import ds_config
 from service.hardware import PROFILES
-from service.parallel import ParallelDims
+from service.parallel import ParallelDims, Partition, layer_split_errors
 from service.presets import PRESETS
 from service.spec_limits import OsPath, RayQuantity, env_value
-from service.spec_stack import Partition, Stack, layer_split_errors
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -42,11 +50,17 @@ EXPERIMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._/-]{0,249}$"
 _SECRETS: dict[str, Any] = {"maxProperties": MAX_SECRETS, "writeOnly": True,
                             "propertyNames": {"pattern": _ENV_KEY.pattern, "maxLength": 128}}
 
+_DS: dict[str, Any] = {"maxProperties": ds_config.MAX_KEYS,
+                       "propertyNames": {"maxLength": ds_config.MAX_NAME}}
 MAX_WORLD = 65536
 MAX_RANKS_PER_NODE = 64
 MAX_MICRO_BATCH = 65536
 Zero = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+Stack = Literal["trident", "megatron-lm", "megatron-deepspeed", "deepspeed", "fsdp"]
+"""`train.stack`: the training software whose speed and memory the planner models
+(`service.planner.stacks` holds each stack's constants and their sources); only `trident`
+runs on Trident's own workers, the others are for planning runs made elsewhere."""
 GPU_DEFAULT = "a100-80gb"
 """Profile assumed for GPU jobs that name no cluster."""
 
@@ -105,8 +119,25 @@ class ModelSpec(_Strict):
     """Sequence length s in tokens."""
     ffn_hidden: Annotated[int, Field(ge=1, le=1_048_576)]
     """MLP inner size; defaults to 4 * hidden."""
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP type: `gelu` (two matrices, GPT) or `swiglu` (three matrices, Llama)."""
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """MLP type: `gelu` (two matrices, GPT, exact erf GELU), `gelu_tanh` (the same with GELU's
+    tanh approximation: GPT-2's `gelu_new`) or `swiglu` (three matrices, Llama)."""
+    tied: bool | None = None
+    """The LM head shares the token embedding; default: the preset's, else tied for `gelu`
+    (GPT) and untied for `swiglu` (Llama)."""
+    rope_theta: Annotated[float, Field(gt=0, le=1e9)] = 10000.0
+    """The base of rotary positions (Llama 2: 10000, Llama 3: 500000)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2), for a family without
+    linear biases (`swiglu`); the GPT family's biases are on every linear layer already."""
+    norm_eps: Annotated[float, Field(gt=0, le=1.0)] | None = None
+    """The norms' epsilon (Llama: `rms_norm_eps`, GPT-2: `layer_norm_epsilon`); default:
+    torch's (LayerNorm 1e-5, RMSNorm the dtype's machine epsilon)."""
+    hf_config: OsPath | None = None
+    """A Hugging Face `config.json` on the server (inside its checkpoint roots) that gives
+    every dimension and trait (`service.hf_config`: Llama, Mistral, Qwen2, GPT-2); the fields
+    given beside it (`seq_len`, ...) override the config's. Read once at submission: the
+    stored spec holds the dimensions read."""
 
     @model_validator(mode="before")
     @classmethod
@@ -114,6 +145,10 @@ class ModelSpec(_Strict):
         preset = data.get("preset") if isinstance(data, dict) else None
         if not isinstance(data, dict) or not isinstance(preset, str | None):
             return data  # a validated ModelSpec, or a wrong type for pydantic to name
+        if isinstance(data.get("hf_config"), str) and \
+                any(k not in data for k in ("layers", "hidden", "heads", "vocab")):
+            from service.hf_config import read_fields
+            data = {**read_fields(data["hf_config"], data.get("seq_len")), **data}
         if isinstance(preset, str) and preset not in PRESETS:
             # Refused here, at the field, so that the missing dimensions are not reported too.
             error = ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
@@ -159,11 +194,59 @@ class TrainSpec(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Arithmetic precision of weights and activations (optimizer states stay fp32)."""
     lr: Annotated[float, Field(gt=0, le=10)] = 3e-4
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW): reached at the end of the warmup, then decayed."""
+    min_lr: Annotated[float, Field(ge=0, le=10)] = 0.0
+    """The rate the decay ends at (at most `lr`); kept after `decay_steps`."""
+    warmup_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """Steps of linear warmup: step n (1-based) of the warmup runs at lr * n / warmup_steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """How the rate goes from `lr` to `min_lr` over `decay_steps` after the warmup
+    (`constant`: stays at `lr`)."""
+    decay_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """Steps the decay takes after the warmup; default: the rest of the run (steps -
+    warmup_steps, at least 1)."""
+    weight_decay: Annotated[float, Field(ge=0, le=10)] = 0.1
+    """AdamW's decoupled weight decay, on the weight matrices only (see `weight_decay_all`)."""
+    weight_decay_all: bool = False
+    """Also decay norms, biases and embeddings (which are not decayed by default)."""
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]],
+                     Field(min_length=2, max_length=2)] = [0.9, 0.95]
+    """AdamW's [beta1, beta2], each in [0, 1)."""
+    eps: Annotated[float, Field(gt=0, le=1)] = 1e-8
+    """AdamW's epsilon."""
+    grad_clip: Annotated[float, Field(ge=0, le=1e6)] = 1.0
+    """Clip the gradient to this global norm (over every TP, PP and DP rank); 0: no clipping.
+    The norm before clipping is reported with each step (`grad_norm`)."""
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 1234
-    """Seed of initialisation and of the synthetic data."""
+    """Seed of initialisation, of the synthetic data and of the corpora's sample order."""
     stack: Stack = "trident"
     """Training software the planner models (speed, memory); Trident runs only `trident`."""
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TrainSpec:
+        if self.min_lr > self.lr:  # refused at the field, as an unknown preset is
+            error = ValueError(f"min_lr({self.min_lr}) is above lr({self.lr}), the peak rate"
+                               " it decays from")
+            raise ValidationError.from_exception_data(type(self).__name__, [{
+                "type": "value_error", "loc": ("min_lr",), "input": self.min_lr,
+                "ctx": {"error": error}}])
+        return self
+
+    def decay_span(self) -> int:
+        """Steps of the decay: `decay_steps`, or the rest of the run after the warmup."""
+        return self.decay_steps or max(1, self.steps - self.warmup_steps)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 1-based optimizer step `step` (Megatron's schedule: linear
+        warmup, then cosine, linear or constant decay to `min_lr`, then `min_lr`)."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_span())
+        if self.decay == "linear":
+            return self.lr - (self.lr - self.min_lr) * progress
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class ParallelSpec(_Strict):
@@ -227,6 +310,26 @@ class ClusterSpec(_Strict):
         return v
 
 
+class ResumeFrom(_Strict):
+    """Another job's checkpoint tag a job starts from (`trident resubmit JOB
+    --from-checkpoint`): set by the resubmission route only, once it checked that the caller
+    may read that job and that the tag is there."""
+
+    job: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    """The job whose checkpoint folder holds the tag."""
+    step: Annotated[int, Field(ge=1, le=10_000_000)]
+    """The tag's step: the new job's first attempt resumes from it."""
+
+
+class InitSpec(_Strict):
+    """Where the weights start (default: the seeded per-weight init, `workers.model`)."""
+
+    from_hf: OsPath | None = None
+    """A Hugging Face checkpoint folder on the server (inside its checkpoint roots): its
+    `model.safetensors`, or the shards its `model.safetensors.index.json` names. Each rank
+    reads only its slices (`workers.hf_weights`); the tensors must have the model's shapes."""
+
+
 class CheckpointSpec(_Strict):
     """Periodic DeepSpeed checkpoints, used to resume a restarted attempt."""
 
@@ -235,6 +338,46 @@ class CheckpointSpec(_Strict):
     dir: OsPath | None = None
     """The job's own folder inside the checkpoint roots (default: `checkpoints/job-<id>` in the
     data directory); not a root, the data directory, nor another job's. 4095 bytes at most."""
+    keep_last: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    """Keep the newest this many complete tags (None: keep every tag). Older ones are
+    deleted by rank 0 only once a newer tag is complete (`workers.checkpoint.prune`)."""
+    keep_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """With `keep_last`: also keep every tag whose step is a multiple of this (a multiple of
+    `every_steps`, so that such tags are saved at all)."""
+    resume_from: ResumeFrom | None = None
+    """The job starts from this tag of another job (read there, never written): its first
+    attempt finds it in its own folder (`service.checkpoints.seed`). Set by
+    `POST /jobs/{id}/resubmit` with `from_checkpoint` only; a submission naming it is a
+    422."""
+
+    @model_validator(mode="after")
+    def _retention(self) -> CheckpointSpec:
+        if self.keep_every is not None:
+            if self.keep_last is None:
+                raise ValueError("keep_every: only with keep_last (without it every tag is"
+                                 " kept)")
+            if not self.every_steps or self.keep_every % self.every_steps:
+                raise ValueError(f"keep_every: {self.keep_every} is not a multiple of"
+                                 f" every_steps ({self.every_steps}): no tag would be saved"
+                                 " at its steps")
+        return self
+
+
+class ElasticSpec(_Strict):
+    """Elastic re-plan (`docs/checkpoints.md`): when the job loses ranks and the cluster does
+    not give them back within `wait_s`, it resumes from its newest checkpoint on the layout
+    the planner finds best for what can be placed then (the same model and global batch; a
+    DP-degree change the checkpoint conversion covers), and with `scale_up` moves back when
+    the room returns."""
+
+    min_ranks: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
+    """The fewest ranks it may run on (at most its own world size)."""
+    wait_s: Annotated[float, Field(ge=0, le=86400)] = 300.0
+    """How long it waits, once its ranks are lost, for the cluster to give them back before
+    it is re-planned smaller."""
+    scale_up: bool = False
+    """Once re-planned smaller: when the room of a larger layout (up to the submitted one)
+    is free again, save a checkpoint now and resume on it."""
 
 
 class MonitorSpec(_Strict):
@@ -271,6 +414,78 @@ class FaultSpec(_Strict):
     """Sleep length for hang and slow."""
     attempt: Annotated[int, Field(ge=1, le=1000)] = 1
     """The attempt it fires in (so that a restarted attempt can succeed)."""
+
+
+MAX_CORPORA = 64
+"""Most corpora in `data.train` (and in `data.valid`)."""
+MAX_DATA_SAMPLES = 1 << 31
+"""Most samples a `tokens` job's sample order may hold: train.steps * train.global_batch (its
+cached index costs 16 bytes a sample, built once by one process; `workers.data`)."""
+
+
+class CorpusRef(_Strict):
+    """One corpus of a blend: a Megatron indexed dataset (`PATH.bin` + `PATH.idx`)."""
+
+    path: OsPath
+    """The corpus's prefix, absolute, inside the server's data roots (`TRIDENT_DATA_ROOTS`):
+    `/corpora/web/web_text_document` names `web_text_document.bin` and `.idx` there."""
+    weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    """Its share of the blend, relative to the others' (normalised to sum to 1)."""
+    fingerprint: Annotated[str, Field(max_length=256)] | None = None
+    """Set by the server at submission (sizes and modification times of both files,
+    `service.data_check`); a submitted value is replaced. A rank that finds the corpus changed
+    since fails the job, naming the file."""
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"{v[:200]!r} is not an absolute path")
+        return v
+
+
+class DataSpec(_Strict):
+    """What the job trains on (`docs/data.md`): synthetic sequences, or tokenized corpora."""
+
+    kind: Literal["synthetic", "tokens"] = "synthetic"
+    """`synthetic`: noisy arithmetic sequences drawn from the seed (`workers.data`), no files;
+    `tokens`: the corpora of `train`, prepared by `trident data prepare` (or Megatron-LM's
+    `preprocess_data.py`)."""
+    train: Annotated[list[CorpusRef], Field(max_length=MAX_CORPORA)] = Field(
+        default_factory=list)
+    """The training corpora and their weights (kind `tokens`): each sample is drawn from the
+    corpus furthest below its share (Megatron's blending rule)."""
+    valid: Annotated[list[CorpusRef], Field(max_length=MAX_CORPORA)] = Field(
+        default_factory=list)
+    """Validation corpora (kind `tokens`); or `valid_fraction`, not both."""
+    valid_fraction: Annotated[float, Field(ge=0, le=0.5)] = 0.0
+    """Hold out this fraction of each training corpus's documents (the last ones) for
+    validation instead of naming `valid` corpora; 0: none."""
+    eval_every: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """Evaluate the validation loss every this many steps (and after the last); 0: never."""
+    eval_batches: Annotated[int, Field(ge=1, le=10_000)] = 4
+    """Global batches per evaluation: the same first `eval_batches * train.global_batch`
+    samples of the validation order every time, so evaluations compare."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataSpec:
+        if self.kind == "synthetic":
+            for name in ("train", "valid"):
+                if getattr(self, name):
+                    raise SpecError(f"data.{name}", "corpora are for kind 'tokens'; kind"
+                                    " 'synthetic' draws its data from the seed")
+            if self.valid_fraction:
+                raise SpecError("data.valid_fraction", "valid_fraction is for kind 'tokens'")
+            return self
+        if not self.train:
+            raise SpecError("data.train", "kind 'tokens' needs at least one training corpus")
+        if self.valid and self.valid_fraction:
+            raise SpecError("data.valid_fraction", "give valid corpora or valid_fraction,"
+                            " not both")
+        if self.eval_every and not self.valid and not self.valid_fraction:
+            raise SpecError("data.eval_every", f"eval_every({self.eval_every}) needs"
+                            " validation data: valid corpora or a valid_fraction")
+        return self
 
 
 def normal_uri(uri: str) -> str:
@@ -324,6 +539,10 @@ class JobSpec(_Strict):
     exactly the job's own ranks, on the `cpu` profile (or `gpu_default` with GPUs)."""
     checkpoint: CheckpointSpec = CheckpointSpec()
     """Checkpoint policy."""
+    init: InitSpec = InitSpec()
+    """Where the weights start: the seeded init, or a Hugging Face checkpoint."""
+    data: DataSpec = DataSpec()
+    """What the job trains on: synthetic sequences (the default) or tokenized corpora."""
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
     """Restarts from the last checkpoint allowed after a recoverable failure."""
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field({}, json_schema_extra=_ENV)
@@ -339,13 +558,26 @@ class JobSpec(_Strict):
     tracking: TrackingSpec = TrackingSpec()
     """Where the job's metrics go: MLflow, TensorBoard files (`docs/tracking.md`)."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
-    """Higher runs first among queued jobs."""
+    """Higher runs first among queued jobs, and a queued job that cannot be placed preempts
+    running jobs of strictly lower priority (`docs/checkpoints.md`). At most the project's
+    `max_priority` unless an admin submits."""
+    preemptible: bool = True
+    """False: never preempted for a job of higher priority (admins only)."""
+    elastic: ElasticSpec | None = None
+    """Re-plan the layout when ranks are lost (`min_ranks`, `wait_s`, `scale_up`; needs
+    `checkpoint.every_steps` and `max_retries` >= 1); None: a job that lost ranks waits QUEUED
+    until the cluster can hold its layout again."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None
     """Custom per-rank training function, "package.module:function"; default: built-in GPT."""
     monitor: MonitorSpec = MonitorSpec()
     """Health monitor settings."""
     faults: Annotated[list[FaultSpec], Field(max_length=16)] = Field(default_factory=list)
     """Faults to inject (tests only; the server must set TRIDENT_ALLOW_FAULTS)."""
+    deepspeed: dict[str, Any] = Field(default_factory=dict, json_schema_extra=_DS)
+    """Keys of a DeepSpeed config (`ds_config.json`) that do not decide the layout: bucket
+    sizes, `overlap_comm`, `contiguous_gradients`, `communication_data_type`, ... (the allow
+    list: `service.ds_config`); a key the spec decides may only repeat the spec's value.
+    `trident plan SPEC --deepspeed-config` prints the config the ranks run with."""
 
     @field_validator("env")
     @classmethod
@@ -382,6 +614,12 @@ class JobSpec(_Strict):
         """This spec carrying `values` as its secrets (checked when they were submitted)."""
         return self.model_copy(update={"secrets": {k: SecretStr(v) for k, v in values.items()}})
 
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_bounded(cls, v: dict[str, Any]) -> dict[str, Any]:
+        ds_config.check_bounds(v)
+        return v
+
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
@@ -394,8 +632,15 @@ class JobSpec(_Strict):
         for name in sorted(set(self.secrets) & set(self.env)):
             raise SpecError(f"secrets.{name}", f"{name} is set in env too; a variable is"
                             " either a secret or not")
+        samples = self.train.steps * self.train.global_batch
+        if self.data.kind == "tokens" and samples > MAX_DATA_SAMPLES:
+            raise SpecError("train.steps", f"steps({self.train.steps}) * global_batch"
+                            f"({self.train.global_batch}) = {samples} samples exceed the"
+                            f" {MAX_DATA_SAMPLES} a sample order of kind 'tokens' holds")
         for err in layout_errors(self):
             raise err
+        for field, why in ds_config.section_errors(self):
+            raise SpecError(field, why)
         return self
 
     @property
@@ -467,6 +712,17 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
             "cluster", f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world} ranks need a cluster"
             " (gpu, nodes, gpus_per_node) to plan for: without one the ranks are planned as"
             f" one node, and a node has at most {MAX_RANKS_PER_NODE}"))
+    if spec.elastic is not None:
+        if spec.elastic.min_ranks > world:
+            errs.append(SpecError("elastic.min_ranks", f"min_ranks({spec.elastic.min_ranks})"
+                                  f" is more than the job's {world} ranks"))
+        if not spec.checkpoint.every_steps:
+            errs.append(SpecError("elastic", "elastic needs checkpoint.every_steps >= 1: a"
+                                  " re-planned job resumes from its newest checkpoint"))
+        if not spec.max_retries:
+            errs.append(SpecError("max_retries", "elastic needs max_retries >= 1: the attempt"
+                                  " that loses its ranks fails, and spends a retry as any"
+                                  " failure does, before the job is re-planned"))
     for i, f in enumerate(spec.faults):
         if f.rank >= world:
             errs.append(SpecError(f"faults.{i}.rank",

@@ -10,7 +10,7 @@ that a job that passes the check does not fail at start, and each refusal names 
 
 These limits came after specs were first stored: a job's row may hold a spec written before
 one of them. Such a row must still read (listings, the job page, the API), so a stored spec
-is validated with the context `{"stored": True}` (`service.views.Job`), under which the
+is validated with the context `{"stored": True}` (`service.store.views.Job`), under which the
 resource and path limits here are not enforced; the controller checks a stored spec against
 them with `recheck` before every attempt (a spec that fails one fails the job without a
 start), and a resubmission does too. Environment values are always checked: revision 0012

@@ -1,7 +1,7 @@
 """The controller's side of `trident stacks`: collect a running job's stacks beside the loop.
 
 Each pass, `StackCollector.step` looks at the requests not answered yet
-(`service.stack_requests`): one for a job this controller runs is taken and its group asked
+(`service.store.stack_requests`): one for a job this controller runs is taken and its group asked
 for every rank's thread stacks (`WorkerGroup.thread_stacks`) on a thread of its own, since
 ranks may take up to `timeout_s` to answer and a pass must not wait; the next pass after the
 answer came stores it, grouped by `group_stacks`. A request for a job with no live group here
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.protocols import WorkerGroup
-from service.stack_requests import StackRequests, StackStatus
+from service.store.stack_requests import StackRequests, StackStatus
 
 STACK_MAX_BYTES = 32 << 10
 """The most text kept of one thread's stack (its innermost frames)."""

@@ -1,10 +1,14 @@
-"""Job states and the transitions between them; `service.store.transition` is their only writer.
+"""Job states and the transitions between them; `Store.transition` (`service.store.jobs`) is
+their only writer.
 
     QUEUED -> PLACING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
     RUNNING -> RESTARTING -> PLACING        (recoverable failure, retries left)
     QUEUED | PLACING | RESTARTING -> CANCELLED | FAILED
     PLACING -> RESTARTING                   (the group failed before it ran)
     RESTARTING -> QUEUED                    (the cluster lost the room it ran in: it waits)
+    RUNNING -> PREEMPTED -> QUEUED          (a job of higher priority needs the room: its
+                                             ranks checkpoint and stop, no retry is spent)
+    PREEMPTED -> SUCCEEDED | FAILED | CANCELLED
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ class JobState(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"
+    """Asked to checkpoint now and stop, for a job of higher priority; QUEUED once stopped."""
 
     @property
     def terminal(self) -> bool:
@@ -28,7 +34,8 @@ class JobState(StrEnum):
     @property
     def active(self) -> bool:
         """Holds (or is claiming) cluster resources."""
-        return self in (JobState.PLACING, JobState.RUNNING, JobState.RESTARTING)
+        return self in (JobState.PLACING, JobState.RUNNING, JobState.RESTARTING,
+                        JobState.PREEMPTED)
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -38,7 +45,10 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.PLACING: frozenset(
         {JobState.RUNNING, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset(
-        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.RESTARTING}),
+        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.RESTARTING,
+         JobState.PREEMPTED}),
+    JobState.PREEMPTED: frozenset(
+        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
     JobState.RESTARTING: frozenset(
         {JobState.PLACING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),

@@ -1,6 +1,7 @@
 """What a worker group's poll brought, stored: its step reports (validated, through
 `MetricsIngest`), its probe reports (to the attempt's health), its events, and a `checkpoint`
-event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`).
+event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`), and each
+tag rank 0 completed or deleted into the job's checkpoint index (`service.store.checkpoints`).
 
 The controller calls `store_poll` for every poll of a group it watches, and once more for the
 last poll of a cancelled group, taken beside its loop while the group is stopped
@@ -14,10 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.metrics_ingest import MetricsIngest
 from service.monitor.attempt import AttemptHealth
 from service.protocols import PollResult, ProbeReport, StepReport
 from service.store import Store
+from service.store.checkpoints import CheckpointIndex
+from service.store.metrics import MetricsIngest
 
 
 def _same(text: str) -> str:
@@ -33,6 +35,7 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
     goes through `redact` (the job's secrets out, `service.secrets.redact`)."""
     rows: list[dict[str, Any]] = []
     failed_saves: list[StepReport] = []
+    saves: list[StepReport] = []
     for raw in poll.reports:
         try:
             if raw.get("kind") == "probe":
@@ -43,6 +46,8 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
             rows.append(report.row())
             if report.checkpoint_error and report.rank == 0:  # every rank says the same
                 failed_saves.append(report)
+            if report.checkpoint and report.checkpoint_bytes is not None and report.rank == 0:
+                saves.append(report)
             if health is not None:
                 health.step_report(report)
         except (ValidationError, KeyError, TypeError) as exc:
@@ -64,4 +69,12 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                         f" {redact(report.checkpoint_error or '')}",
                         data={"step": report.step,
                               "error": redact(report.checkpoint_error or "")})
+    if saves:
+        index = CheckpointIndex(store)
+        layout = store.get_job(job_id=job_id).plan.layout.model_dump(mode="json")
+        for report in saves:
+            assert report.checkpoint_bytes is not None
+            index.saved(job_id=job_id, attempt=attempt, step=report.step,
+                        size=report.checkpoint_bytes, layout=layout,
+                        removed=report.checkpoints_removed)
     return len(rows)

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 
-from service.lease import Leader, Role
 from service.store import Store
+from service.store.lease import Leader, Role
 
 
 def main() -> None:

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests import forked
+from tests.servers import free_port
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
@@ -32,6 +26,16 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
 
 
 def run_ranks(fn: Callable[..., Any], world: int, out: Path, *args: Any) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` gloo ranks; return each rank's JSON result."""
-    mp.spawn(_entry, args=(fn, world, free_port(), str(out), args), nprocs=world, join=True)
+    """Run `fn(rank, world, *args)` on `world` gloo ranks (`tests.forked`); return each rank's
+    JSON result."""
+    ctx = forked.context()
+    port = free_port()
+    procs = [forked.process(ctx, _entry, (r, fn, world, port, str(out), args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    assert not failed, f"ranks failed (rank: exit code): {failed}"
     return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]

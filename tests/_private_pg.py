@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tests.test_cli import free_port
+from tests.servers import free_port
 
 
 def _bin() -> Path:

@@ -3,8 +3,11 @@ token set: what the CLI tests run their commands against (the `live` fixture).""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -16,7 +19,7 @@ from api.cli import app
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import user_token
-from tests.test_cli import serving
+from tests.servers import ROOT, serving
 
 runner = CliRunner()
 
@@ -42,10 +45,25 @@ def live_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live
     store.close()
 
 
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached after {timeout} s"
-        time.sleep(0.05)
+TINY = str(ROOT / "examples/tiny.yaml")
+"""The tiny example spec, as a path for the CLI."""
 
 
+def spawn(live: Live, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`trident ARGS --server URL` as a process, its output lines collected as they come."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIDENT_TOKEN": user_token(live.store)}
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args, "--server", live.url],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(line.rstrip("\n") for line in proc.stdout),
+                     daemon=True).start()
+    return proc, out
+
+
+def finish(proc: subprocess.Popen[str], out: list[str]) -> int:
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still following after the job ended: {out}") from None

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from fastapi import FastAPI
@@ -15,6 +16,9 @@ from sqlalchemy import create_engine, text
 
 from service.planner import StoredPlan
 from service.store import Store
+
+if TYPE_CHECKING:
+    from service.controller import Controller
 
 PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -104,7 +108,7 @@ def stored_plan(*, tp: int = 1, pp: int = 1, dp: int = 1) -> StoredPlan:
 def user_token(store: Store, name: str = "admin", role: str = "admin",
                projects: tuple[str, ...] = ("default",)) -> str:
     """A token of user `name` (created, with its projects, unless it exists)."""
-    from service.identity import Conflict, Identity
+    from service.store.identity import Conflict, Identity
 
     identity = Identity(store)
     for p in projects:
@@ -139,3 +143,52 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A Ray of the module's own on this machine (2 CPUs, no dashboard)."""
+    import ray
+
+    # "local": a new Ray of its own, never one that `ray start` left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
+    """The API (a TestClient, an admin's token), its store and a controller on the real local
+    Ray, with faults allowed: what the Ray end-to-end tests drive one pass at a time."""
+    from api.app import create_app
+    from service.controller import Controller
+    from service.settings import Settings
+    from workers.launcher import RayLauncher
+
+    store = Store(f"sqlite:///{tmp_path / 'e2e.db'}")
+    store.migrate()
+    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
+                            start_timeout_s=120, cancel_grace_s=5)
+    settings = Settings(data_dir=tmp_path, allow_faults=True)
+    with authed_client(create_app(settings, store=store), store) as client:
+        yield client, store, controller
+    controller.shutdown(stop_jobs=True)
+    store.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An API server whose first start created the admin; the CLI finds its token file as
+    it would for `trident up` (TRIDENT_DATA_DIR), and no `trident login` profile."""
+    from tests.servers import first_start
+
+    yield from first_start(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def server_on_each_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      db_url: str) -> Iterator[str]:
+    """`server`, on SQLite and on PostgreSQL."""
+    from tests.servers import first_start
+
+    yield from first_start(tmp_path, monkeypatch, db_url)

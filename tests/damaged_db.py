@@ -1,5 +1,5 @@
-"""Real damaged SQLite files for the tests of `service.dbcheck`: a database of Trident's schema
-with jobs in it, whose header or pages are then overwritten in place, as a disk or a careless
+"""Real damaged SQLite files for the tests of `service.store.dbcheck`: a database of Trident's
+schema with jobs in it, whose header or pages are then overwritten in place, as a disk or a careless
 copy would.
 """
 

@@ -89,3 +89,26 @@ def tracked(ctx: Any) -> None:
             more -= 1
             if more == 0:
                 return
+
+
+def ds_config_dump(ctx: Any) -> None:
+    """Write the DeepSpeed config the built-in trainer would pass to `deepspeed.initialize`
+    to $TRIDENT_TEST_DS_CONFIG (rank 0), with what an engine made from it reads back."""
+    import json
+    import os
+
+    import torch
+
+    from workers.deepspeed_import import deepspeed
+
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ctx.ds_config)
+    read_back = {"reduce_bucket_size": engine.zero_reduce_bucket_size(),
+                 "overlap_comm": engine.zero_overlap_comm(),
+                 "communication_data_type": str(engine.communication_data_type)}
+    engine.destroy()
+    if ctx.rank == 0:
+        with open(os.environ["TRIDENT_TEST_DS_CONFIG"], "w") as f:
+            json.dump({"config": ctx.ds_config, "engine": read_back}, f)
+    ctx.report({"rank": ctx.rank, "step": 1, "step_time_s": 0.1, "tokens_per_s": 1.0})

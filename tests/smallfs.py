@@ -88,3 +88,14 @@ class Filler:
         if self._thread.is_alive():
             self._thread.join(10)
         self.path.unlink(missing_ok=True)
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file below `folder`: its size and modification time."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            st = os.stat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), folder)] = (st.st_size,
+                                                                        st.st_mtime_ns)
+    return out

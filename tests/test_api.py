@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.db import utcnow
-from service.lease import Leader
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store
+from service.store.lease import Leader
+from service.store.tables import utcnow
 from tests.conftest import authed_client, tiny_spec
 from tests.smallfs import Filler, small_fs
 
@@ -38,8 +38,9 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
     # prediction next to the measurement, and its line of the jobs list.
     assert list(body) == ["id", "name", "owner", "project", "state", "priority", "spec", "plan",
                           "world_size", "cancel_requested", "attempts", "error", "created_at",
-                          "updated_at", "started_at", "finished_at", "waiting",
-                          "predicted_vs_measured", "step", "total_steps", "loss", "step_time_s",
+                          "updated_at", "started_at", "finished_at", "waiting", "preemptions",
+                          "predicted_vs_measured", "step", "total_steps", "loss", "lr",
+                          "grad_norm", "eval_loss", "tokens", "epoch", "step_time_s",
                           "reported_at", "restarts", "queue_position", "reason", "secrets",
                           "env_hidden"]
     assert (body["total_steps"], body["queue_position"], body["restarts"]) == (6, 1, 0)
@@ -67,16 +68,21 @@ def test_bad_specs_are_422_naming_the_field(client: TestClient, spec: dict, loc:
 
 def test_a_model_the_built_in_trainer_would_build_differently_is_refused_at_submit(
         client: TestClient) -> None:
-    gpt = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}  # tied, biases
-    r = client.post("/api/v1/jobs", json=tiny_spec(model=gpt))
+    # ALiBi positions (BLOOM): the built-in trainer builds learned or rotary positions only.
+    bloom = {"preset": "bloom-176b", "layers": 2, "hidden": 64, "heads": 4, "vocab": 256,
+             "seq_len": 32}
+    r = client.post("/api/v1/jobs", json=tiny_spec(model=bloom))
     assert r.status_code == 422
     [d] = r.json()["detail"]
-    assert d["loc"] == ["body", "model"] and "untied LM head (tied=True)" in d["msg"], d
+    assert d["loc"] == ["body", "model"] and "not 'alibi'" in d["msg"], d
     assert client.get("/api/v1/jobs").json()["total"] == 0
     # The planner still plans it, and a custom entrypoint may train it.
-    assert client.post("/api/v1/plan", json=tiny_spec(model=gpt)).status_code == 200
-    custom = tiny_spec(model=gpt, entrypoint="examples.custom_entrypoint:train")
+    assert client.post("/api/v1/plan", json=tiny_spec(model=bloom)).status_code == 200
+    custom = tiny_spec(model=bloom, entrypoint="examples.custom_entrypoint:train")
     assert client.post("/api/v1/jobs", json=custom).status_code == 201
+    # Plain dimensions (GPT style: biases, tied head, learned positions) train as counted.
+    gpt = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}
+    assert client.post("/api/v1/jobs", json=tiny_spec(model=gpt)).status_code == 201
 
 
 def test_list_filters_by_state_and_paginates(client: TestClient, store: Store) -> None:
@@ -108,11 +114,11 @@ def test_metrics_shape(client: TestClient, store: Store) -> None:
     job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
     store.record_metrics(job_id=job_id, attempt=1, rows=[
         {"rank": r, "step": 1, "loss": 5.5, "step_time_s": 0.2, "tokens_per_s": 1280.0,
-         "data": {"memory": {"params": 1.0}}} for r in (0, 1)])
+         "lr": 2.5e-4, "grad_norm": 0.75, "data": {"memory": {"params": 1.0}}} for r in (0, 1)])
     items = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
     assert len(items) == 1
     assert {"attempt": 1, "step": 1, "rank": 0, "loss": 5.5, "step_time_s": 0.2,
-            "tokens_per_s": 1280.0}.items() <= items[0].items()
+            "tokens_per_s": 1280.0, "lr": 2.5e-4, "grad_norm": 0.75}.items() <= items[0].items()
     assert client.get(f"/api/v1/jobs/{job_id}/metrics", params={"rank": 1}).json()["items"]
 
 

@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from api.app import create_app
-from service.identity import Identity
 from service.jobs import submit
-from service.lease import Leader
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
+from service.store.identity import Identity
+from service.store.lease import Leader
 from tests.conftest import PG_ADMIN_URL, scratch_pg_database, tiny_spec, user_token
 
 FUZZER = "fuzzer"

@@ -16,10 +16,11 @@ from sqlalchemy import update
 
 from api.app import create_app
 from api.auth import SESSION_COOKIE, csrf_token
-from service.db import TokenRow, utcnow
-from service.identity import Identity, bootstrap, hash_token, prod_refusal, token_file
 from service.settings import Settings
 from service.store import Store
+from service.store.bootstrap import bootstrap, prod_refusal, token_file
+from service.store.identity import Identity, hash_token
+from service.store.tables import TokenRow, utcnow
 from tests.conftest import tiny_spec, user_token
 
 
@@ -61,6 +62,9 @@ def test_token_lifecycle_create_use_revoke_expire(client: TestClient, store: Sto
     with store.engine.begin() as c:
         c.execute(update(TokenRow).where(TokenRow.id == short_id)
                   .values(expires_at=utcnow() - timedelta(seconds=1)))
+    # Written behind the API's back: a process trusts a token it checked for AUTH_CACHE_S
+    # unless told (`Identity.changed`, which the API's own revocations call).
+    client.app.state.identity.changed()  # type: ignore[attr-defined]
     r = client.get("/api/v1/jobs", headers=bearer(short))
     assert r.status_code == 401 and "token 'short' of admin expired at" in r.json()["detail"]
 
@@ -284,3 +288,26 @@ def test_resubmit_copies_the_spec_for_its_owner_and_the_last_admin_stays(
                        headers=bearer(admin)).json()["owner"] == "admin"
     r = client.post("/api/v1/users/admin/disable", headers=bearer(admin))
     assert r.status_code == 409 and "last active admin" in r.json()["detail"]
+
+
+def test_a_token_trusted_by_one_process_is_dropped_when_another_revokes_it(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    """Each API process keeps the tokens it checked for a few seconds; a revocation or a
+    disabled user in one process replaces the data dir's stamp file, and the others ask the
+    database again on their next request."""
+    from service.store.identity import AuthError
+    from service.store.trusted_tokens import STAMP_FILE
+
+    secret = user_token(sqlite_store, name="ann", role="member")
+    one = Identity(sqlite_store, stamp=tmp_path / STAMP_FILE)
+    two = Identity(sqlite_store, stamp=tmp_path / STAMP_FILE)
+    who = two.authenticate(secret)
+    assert two.authenticate(secret) == who  # trusted: no query (asserted below by a revoke)
+    one.revoke_token(token_id=who.token_id)
+    with pytest.raises(AuthError, match="revoked"):
+        two.authenticate(secret)
+    other = user_token(sqlite_store, name="bob", role="member")
+    assert two.authenticate(other).name == "bob"
+    one.set_disabled(name="bob")
+    with pytest.raises(AuthError, match="disabled"):
+        two.authenticate(other)

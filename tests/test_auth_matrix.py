@@ -21,14 +21,14 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, api_routes, csrf_token
-from service.identity import Identity
 from service.jobs import Submitter
 from service.jobs import submit as submit_job
 from service.settings import Settings
 from service.spec import JobSpec
-from service.stack_requests import StackRequests
 from service.states import JobState
 from service.store import Store
+from service.store.identity import Identity
+from service.store.stack_requests import StackRequests
 from tests.conftest import tiny_spec
 
 ROLES = ("admin", "member", "viewer")
@@ -38,6 +38,9 @@ OTHER = {"own": None, "other": "bob", "other_project": "carol"}
 """Whose object a relation targets: the caller's own, another user's of the caller's project
 (vision), or a user's of another project (speech)."""
 PUBLIC = {("GET", "/api/v1/healthz")}
+NOTHING_YET = {("GET", "/api/v1/jobs/{job_id}/export")}
+"""Routes whose allowed example answers 404: the example job has no checkpoint to export
+(tests/test_hf_models.py exports one)."""
 
 ANY, OWN, NONE = "any", "own", "none"
 EXPECTED: dict[str, dict[str, str]] = {
@@ -46,6 +49,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "jobs:cancel": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:resubmit": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:stacks": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:export": {"admin": ANY, "member": OWN, "viewer": NONE},
     "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
     "plan": {"admin": ANY, "member": ANY, "viewer": ANY},
@@ -125,6 +129,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/metrics", None),
     ("GET", "/api/v1/jobs/{job_id}/attempts"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/attempts", None),
+    ("GET", "/api/v1/jobs/{job_id}/export"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/export", None),
+    ("GET", "/api/v1/jobs/{job_id}/checkpoints"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/checkpoints", None),
     ("GET", "/api/v1/jobs/{job_id}/comm"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/comm", None),
     ("GET", "/api/v1/jobs/{job_id}/tracking"): lambda w, c, r: (
@@ -219,7 +227,8 @@ def test_authorization_matrix(world: tuple[TestClient, World]) -> None:
                                    headers={"Authorization": f"Bearer {w.tokens[caller]}"})
                 where = f"{role} {relation}: {method} {url} -> {r.status_code} {r.text[:300]}"
                 if allowed:
-                    assert r.status_code < 400, where
+                    assert r.status_code < 400 or (method, path) in NOTHING_YET and \
+                        r.status_code == 404, where
                 else:
                     assert r.status_code == 403, where
                     assert r.json()["detail"].startswith(rule.name + ":"), where

@@ -26,8 +26,8 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.test_e2e_ray import drive  # noqa: E402
-from tests.test_workers_checkpoint_owner import snapshot  # noqa: E402
+from tests.smallfs import snapshot  # noqa: E402
+from tests.waiting import drive  # noqa: E402
 from workers.group import NAMESPACE, RayWorkerGroup  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 

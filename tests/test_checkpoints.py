@@ -34,7 +34,7 @@ from service.spec import JobSpec
 from service.states import JobState
 from service.store import AttemptStatus, Store
 from tests.conftest import authed_client, tiny_spec
-from tests.test_controller import FakeLauncher
+from tests.fakes import FakeLauncher
 
 ALICE = CheckpointWriter(job_id=1, owner="alice")
 BOB = CheckpointWriter(job_id=2, owner="bob")

@@ -5,94 +5,20 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
-from api.app import create_app
 from api.cli import app
 from service.settings import Settings
+from tests.servers import ROOT, admin_headers, free_port, wait_healthy
 
-ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
-
-
-def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True) -> None:
-    """Poll until the API answers 200 (the database answers and a controller holds the
-    lease), or, with `controller=False` (an API without a controller), until the database
-    answers; a deadline, not a count, so that slow starts are fine."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url + "/api/v1/healthz")
-            if r.status_code == 200 or (not controller and r.json().get("database") == "ok"):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def serving(asgi: Any) -> Iterator[str]:
-    """An API app served by uvicorn on a free local port in a thread; yields its URL once
-    its database answers, and stops it on exit."""
-    srv = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=free_port(),
-                                        log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    try:
-        url = f"http://127.0.0.1:{srv.config.port}"
-        wait_healthy(url, controller=False)
-        yield url
-    finally:
-        srv.should_exit = True
-        t.join(5)
-
-
-def admin_headers(data_dir: Path) -> dict[str, str]:
-    """The bootstrap admin's token, from the file the server's first start wrote."""
-    return {"Authorization": f"Bearer {(data_dir / 'admin.token').read_text().strip()}"}
-
-
-def _first_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                 database_url: str = "") -> Iterator[str]:
-    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
-    with serving(create_app(Settings(data_dir=tmp_path, database_url=database_url))) as url:
-        yield url
-
-
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """An API server whose first start created the admin; the CLI finds its token file as
-    it would for `trident up` (TRIDENT_DATA_DIR), and no `trident login` profile."""
-    yield from _first_start(tmp_path, monkeypatch)
-
-
-@pytest.fixture
-def server_on_each_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                      db_url: str) -> Iterator[str]:
-    """`server`, on SQLite and on PostgreSQL."""
-    yield from _first_start(tmp_path, monkeypatch, db_url)
 
 
 def test_validate_fills_defaults() -> None:
@@ -277,8 +203,8 @@ def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
     monkeypatch.setenv("TRIDENT_TOKEN", (tmp_path / "admin.token").read_text().strip())
     assert "bootstrap" in run("token", "list")
     assert re.search(r"alice +member +active +vision", run("user", "list"))
-    assert "quota 8 GPUs, 16 CPUs" in run("project", "quota", "vision", "--gpus", "8",
-                                          "--cpus", "16")
+    assert "quota 8 GPUs, 16 CPUs, max priority 10" in run(
+        "project", "quota", "vision", "--gpus", "8", "--cpus", "16", "--max-priority", "10")
     assert re.search(r"vision +GPUs +8 +CPUs +16 +alice", run("project", "list"))
     laptop = next(line.split()[0] for line in run("token", "list").splitlines()
                   if "laptop" in line)
@@ -295,7 +221,7 @@ def test_trident_ups_first_start_says_where_the_admin_token_is(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """What `trident up` prints before it starts anything (the slow demo test runs it all)."""
     from api.cli_identity import announce_bootstrap
-    from migrations import upgrade
+    from service.store.schema import upgrade
 
     settings = Settings(data_dir=tmp_path)
     upgrade(settings.db_url)

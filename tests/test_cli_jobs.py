@@ -20,9 +20,10 @@ from api import client
 from api.cli import app
 from service.states import JobState
 from service.store import Store
-from tests.cli_stack import Live, runner, wait_for
+from tests.cli_stack import Live, runner
 from tests.conftest import user_token
-from tests.test_cli import free_port
+from tests.servers import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "examples/tiny.yaml")
@@ -240,7 +241,7 @@ def test_every_command_has_help_with_an_example_and_completion_works() -> None:
     complete = {"_TRIDENT_COMPLETE": "complete_bash", "COMP_CWORD": "3",
                 "COMP_WORDS": "trident cancel --state "}
     r = runner.invoke(app, [], prog_name="trident", env=complete)
-    assert r.output.split() == ["QUEUED", "PLACING", "RUNNING", "RESTARTING"]
+    assert r.output.split() == ["QUEUED", "PLACING", "RUNNING", "RESTARTING", "PREEMPTED"]
 
 
 def test_plan_and_validate_take_set_without_a_server() -> None:

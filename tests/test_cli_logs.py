@@ -6,9 +6,6 @@ time and checked for what it printed."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,9 +15,9 @@ import pytest
 
 from service.ranklogs import attempt_log_dir
 from service.states import JobState
-from tests.cli_stack import Live, wait_for
+from tests.cli_stack import TINY, Live, finish, spawn
 from tests.conftest import user_token
-from tests.test_cli_jobs import TINY
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_000.0
@@ -95,26 +92,6 @@ def test_logs_select_ranks_stages_lines_and_times(live: Live) -> None:
     big = [f"big line {i:06d} " + "x" * 80 for i in range(4000)]
     (d / "rank-1.log").write_text("\n".join(big) + "\n")
     assert lines("--rank", "1", "--no-prefix") == big
-
-
-def spawn(live: Live, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """`trident ARGS --server URL` as a process, its output lines collected as they come."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIDENT_TOKEN": user_token(live.store)}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args, "--server", live.url],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(line.rstrip("\n") for line in proc.stdout),
-                     daemon=True).start()
-    return proc, out
-
-
-def finish(proc: subprocess.Popen[str], out: list[str]) -> int:
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"still following after the job ended: {out}") from None
 
 
 def test_logs_follow_prints_new_lines_until_the_job_ends(live: Live) -> None:

@@ -15,10 +15,14 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from service.controller import Controller  # noqa: E402
-from tests.cli_stack import Live, live_stack, wait_for  # noqa: E402
-from tests.test_cli_jobs import TINY  # noqa: E402
-from tests.test_cli_logs import finish, spawn  # noqa: E402
-from tests.test_e2e_ray import local_ray  # noqa: E402, F401  (fixture)
+from tests.cli_stack import (  # noqa: E402  # noqa: E402
+    TINY,  # noqa: E402
+    Live,
+    finish,
+    live_stack,
+    spawn,
+)
+from tests.waiting import wait_for  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -64,11 +68,11 @@ def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> 
     logs = None
     try:
         wait_for("the chatty job running", lambda: any(
-            line.endswith(" RUNNING") for line in submitted), timeout=180)
+            line.endswith(" RUNNING") for line in submitted), timeout_s=180)
         job_id = int(submitted[0].split()[1])
         logs = spawn(stack, "logs", str(job_id), "-f", "--rank", "1", "--tail", "2")
         wait_for("rank 1's output followed", lambda: sum(
-            "chatty rank 1 step" in line for line in logs[1]) >= 4, timeout=60)
+            "chatty rank 1 step" in line for line in logs[1]) >= 4, timeout_s=60)
         r = stack.cli("cancel", str(job_id), "--yes")
         assert r.exit_code == 0, r.output
         assert finish(submit, submitted) == 3, submitted

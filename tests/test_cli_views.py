@@ -25,15 +25,15 @@ from api.app import create_app
 from api.cli import app
 from api.cli_describe import ranges
 from api.cli_format import columns, span
-from service.heartbeats import HeartbeatLog
 from service.jobs import Submitter, submit
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
-from service.views import AttemptStatus
+from service.store.heartbeats import HeartbeatLog
+from service.store.views import AttemptStatus
 from tests.conftest import tiny_spec
-from tests.test_cli import serving
+from tests.servers import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -48,7 +48,7 @@ def report(step: int, rank: int, *, step_time_s: float = 0.5, dp_s: float = 0.1,
            peak: int = 1 << 20) -> dict[str, Any]:
     """A step report as the ranks send it: comm time per op, memory."""
     return {"step": step, "rank": rank, "loss": 5.0 - step / 10, "step_time_s": step_time_s,
-            "tokens_per_s": 100.0,
+            "tokens_per_s": 100.0, "lr": 2e-4 / step, "grad_norm": 1.25 * step,
             "data": {"comm": {"dp": {"all_reduce": {"time_s": dp_s, "bytes": 1000,
                                                     "calls": 1}}},
                      "memory": {"process_peak_bytes": peak}}}
@@ -82,7 +82,7 @@ def seed(store: Store) -> dict[str, int]:
     store.add_event(job_id=run, attempt=2, kind="straggler", message="rank 1 is slow",
                     data={"rank": 1})
     # Rank 0 was last heard from an hour ago (a hang would look so); rank 1 never.
-    HeartbeatLog(store.engine).record(job_id=run, attempt=2, seen={0: time.time() - 3600})
+    HeartbeatLog(store).record(job_id=run, attempt=2, seen={0: time.time() - 3600})
     bad = ids["failed"]
     for to in (JobState.PLACING, JobState.RUNNING):
         store.transition(job_id=bad, to=to, message=to.value)
@@ -170,17 +170,21 @@ def test_status_columns_filters_sorts_and_formats(stack: tuple[str, dict[str, in
     r = next(i for i in doc["items"] if i["id"] == ids["running"])
     assert list(r) == ["id", "name", "owner", "project", "state", "layout", "ranks",
                        "priority", "submitted", "started", "finished", "duration_s", "step",
-                       "total_steps", "loss", "step_s_predicted", "step_s_measured",
-                       "reported_at", "attempts", "restarts", "queue_position", "reason",
-                       "error"]
+                       "total_steps", "loss", "lr", "grad_norm", "eval_loss", "tokens",
+                       "epoch", "step_s_predicted", "step_s_measured", "reported_at",
+                       "attempts", "restarts", "queue_position", "reason", "error"]
     assert (r["step"], r["total_steps"], r["restarts"], r["attempts"]) == (3, 6, 1, 2)
     assert r["loss"] == pytest.approx(4.7) and r["step_s_measured"] == 0.5
     assert r["layout"] == "tp1 pp1 dp2 zero2" and r["owner"] == "alice"
     one = yaml.safe_load(cli(url, "status", str(ids["queued"]), "-o", "yaml"))
     assert one["id"] == ids["queued"] and one["queue_position"] == 1 and one["step"] is None
+    assert r["lr"] == pytest.approx(2e-4 / 3) and r["grad_norm"] == pytest.approx(3.75)
     wide = cli(url, "status", "-o", "wide").splitlines()
     assert "PROJECT" in wide[0] and "PRIORITY" in wide[0] and "REPORTED" in wide[0]
+    assert "LR" in wide[0].split() and "GRAD_NORM" in wide[0].split()
     assert "default" in wide[1]
+    running = next(ln for ln in wide if ln.split()[0] == str(ids["running"]))
+    assert " 6.67e-05 " in running and " 3.75 " in running
 
 
 def test_status_refusals_are_one_line(stack: tuple[str, dict[str, int]]) -> None:
@@ -261,7 +265,8 @@ def test_describe_shows_everything_about_a_job(stack: tuple[str, dict[str, int]]
     url, ids = stack
     out = cli(url, "describe", str(ids["running"]))
     for text in ("Name:         train-big", "State:        RUNNING", "Attempts:     2 (1",
-                 "step 3/6, loss 4.7", "Plan against measurement", "s/step", "tokens/s",
+                 "step 3/6, loss 4.7", "lr 6.67e-05 at step 3, gradient norm 3.75 before"
+                 " clipping (clip 1.0)", "Plan against measurement", "s/step", "tokens/s",
                  "dp s", "Spec:", "  name: train-big", "#1  failed", "#2  running",
                  "node h1 (node-h1-0123): ranks 0-1", "node h2 (node-h2-0123): ranks 1",
                  "error: RuntimeError: CUDA out of memory", "straggler", "rank 1 is slow"):
@@ -277,7 +282,7 @@ def test_describe_shows_everything_about_a_job(stack: tuple[str, dict[str, int]]
     d = json.loads(cli(url, "describe", str(ids["running"]), "-o", "json"))
     assert list(d) == ["job", "spec", "plan", "predicted_vs_measured", "time_split",
                        "attempts", "hang", "error", "reason", "events", "events_total",
-                       "secrets", "env_hidden"]
+                       "secrets", "env_hidden", "checkpoints"]
     assert [a["status"] for a in d["attempts"]] == ["failed", "running"]
     assert d["attempts"][1]["nodes"][1] == {"hostname": "h2",
                                             "node_id": "node-h2-0123456789", "ranks": [1],

@@ -23,8 +23,8 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.test_cli import serving  # noqa: E402
-from tests.test_e2e_ray import drive, drive_until  # noqa: E402
+from tests.servers import serving  # noqa: E402
+from tests.waiting import drive, drive_until  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -42,20 +42,21 @@ from api.schemas import (
     ProbeSummary,
     StackAnswer,
 )
-from service.db import JobRow
 from service.hardware import PROFILES
-from service.heartbeats import HeartbeatLog
-from service.lease import Leader
 from service.protocols import ProbeRowModel
 from service.ranklogs import attempt_log_dir
 from service.spec import JobSpec
 from service.stack_collect import group_stacks
-from service.stack_requests import StackRequests, StackStatus
 from service.states import JobState
 from service.store import ProbeStatus
-from tests.cli_stack import Live, wait_for
+from service.store.heartbeats import HeartbeatLog
+from service.store.lease import Leader
+from service.store.stack_requests import StackRequests, StackStatus
+from service.store.tables import JobRow
+from tests.cli_stack import Live
 from tests.conftest import tiny_spec, user_token
-from tests.test_cli import free_port
+from tests.servers import free_port
+from tests.waiting import wait_for
 
 HANG_STACK = "Traceback (most recent call last):\n  File \"train.py\", line 9, in step\n" \
              "    dist.all_reduce(grad)\n"
@@ -83,7 +84,7 @@ def running(live: Live, c: TridentClient, steps: int = 3) -> int:
          "data": {"comm": {"dp": {"all_reduce": {"time_s": 0.1, "bytes": 1000, "calls": 1}}},
                   "memory": {"process_peak_bytes": 1 << 20}}}
         for s in range(1, steps + 1) for r in (0, 1)])
-    HeartbeatLog(store.engine).record(job_id=job.id, attempt=1, seen={0: time.time() - 60})
+    HeartbeatLog(store).record(job_id=job.id, attempt=1, seen={0: time.time() - 60})
     store.add_event(job_id=job.id, attempt=1, kind="straggler", message="rank 1 is slow",
                     data={"rank": 1})
     store.add_event(job_id=job.id, attempt=1, kind="hang", message="no progress for 60 s",

@@ -13,11 +13,11 @@ import pytest
 
 from service.comparison import differences, flatten
 from service.jobs import Submitter, submit
-from service.metrics_ingest import MetricsIngest
 from service.protocols import StepReport
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
+from service.store.metrics import MetricsIngest
 from service.tracking.config import TrackingConfig
 from tests.cli_stack import Live
 from tests.conftest import tiny_spec

@@ -3,9 +3,7 @@ test_e2e_ray.py)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,125 +11,12 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from service.checkpoints import CheckpointWriter
-from service.controller import Controller
-from service.db import JobRow
 from service.hardware import get_profile
-from service.jobs import submit as submit_job
-from service.planner import StoredPlan
-from service.protocols import HeartbeatReport, NodeCapacity, PollResult
-from service.spec import JobSpec
+from service.protocols import HeartbeatReport, PollResult
 from service.states import JobState
 from service.store import AttemptStatus, ProbeStatus, Store
-from tests.conftest import tiny_spec
-
-
-@dataclass
-class FakeGroup:
-    script: list[PollResult]
-    cancelled: bool = False
-    shut: bool = False
-    starts: dict[str, Any] = field(default_factory=dict)
-    release: threading.Event | None = None
-    """When set, `shutdown` blocks until it is (ranks slow to stop)."""
-    on_poll: Callable[[], None] | None = None
-    polls: int = 0
-    acked: dict[int, int] = field(default_factory=dict)
-    after_cancel: PollResult | None = None
-    """What a poll after `cancel` returns (default: stopped, nothing reported)."""
-    poll_threads: list[str] = field(default_factory=list)
-    stack_threads: list[str] = field(default_factory=list)
-
-    def poll(self, timeout_s: float) -> PollResult:
-        self.polls += 1
-        self.poll_threads.append(threading.current_thread().name)
-        if self.on_poll is not None:
-            self.on_poll()
-        if self.cancelled:
-            return self.after_cancel or PollResult(state="stopped")
-        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def shutdown(self, grace_s: float) -> None:
-        if self.release is not None:
-            assert self.release.wait(60), "shutdown never released"
-        self.shut = True
-
-    def stacks(self, timeout_s: float) -> dict[int, str]:
-        self.stack_threads.append(threading.current_thread().name)
-        return {0: "Thread rank0:\n  File train.py, in all_reduce", 1: "Thread rank1:\n  sleep"}
-
-    def acknowledge(self, acks: dict[int, int]) -> None:
-        self.acked.update(acks)
-
-
-class FakeLauncher:
-    def __init__(self, scripts: list[list[PollResult]], cpus: float = 4) -> None:
-        self.scripts = scripts
-        self.groups: list[FakeGroup] = []
-        self.started: list[dict[str, Any]] = []
-        self.cpus = cpus
-        self.release: threading.Event | None = None
-        self.live: dict[tuple[int, int], FakeGroup] = {}
-        """Groups that outlive a controller, by (job, attempt): what `attach` finds."""
-        self.swept: list[tuple[int, int]] = []
-
-    def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-               checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup | None:
-        g = self.live.get((job_id, attempt))
-        return g if g is not None and not g.shut else None
-
-    def sweep(self, keep: set[tuple[int, int]]) -> list[str]:
-        gone = [k for k in self.live if k not in keep]
-        for k in gone:
-            self.live.pop(k).shut = True
-            self.swept.append(k)
-        return [f"job{j}-a{a}" for j, a in gone]
-
-    def total_capacity(self) -> list[NodeCapacity]:
-        return [NodeCapacity("n0", self.cpus, 0)]
-
-    def free_capacity(self) -> list[NodeCapacity]:
-        return self.total_capacity()
-
-    def inventory(self) -> list[dict[str, Any]]:
-        return [{"node_id": "n0", "hostname": "fake", "accelerator": "cpu"}]
-
-    def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
-                            max_bytes: int) -> FakeGroup:
-        g = FakeGroup(self.scripts.pop(0), starts={"probe": probe_id})
-        self.groups.append(g)
-        return g
-
-    def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
-              checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup:
-        g = FakeGroup(self.scripts.pop(0), starts={"attempt": attempt, "ckpt": checkpoint_dir},
-                      release=self.release)
-        self.started.append({"spec": spec, "plan": plan, "writer": writer})
-        self.groups.append(g)
-        self.live[(job_id, attempt)] = g
-        return g
-
-
-def step_report(rank: int, step: int, loss: float) -> dict[str, Any]:
-    return {"kind": "step", "rank": rank, "step": step, "loss": loss, "step_time_s": 0.1,
-            "tokens_per_s": 2560.0, "memory": {"params_bytes": 1000}}
-
-
-def submit(store: Store, **over: Any) -> int:
-    return submit_job(store, JobSpec.model_validate(tiny_spec(**over))).id
-
-
-def make(store: Store, launcher: FakeLauncher, tmp_path: Path, **kw: Any) -> Controller:
-    return Controller(store, launcher, checkpoint_root=tmp_path, **kw)
-
-
-def stopped(c: Controller, group: FakeGroup) -> bool:
-    """Whether `group` was shut down, once the teardowns (beside the loop) are done."""
-    assert c.teardowns.wait(30), "teardowns still running"
-    return group.shut
+from service.store.tables import JobRow
+from tests.fakes import FakeLauncher, make, step_report, stopped, submit
 
 
 def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from service import controller as controller_mod
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import Store
-from tests.test_controller import FakeLauncher, make, submit
+from tests.fakes import FakeLauncher, make, submit
 
 
 def _pages(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int | None, int]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Store
-from tests.test_controller import FakeLauncher, make, step_report, stopped, submit
+from tests.fakes import FakeLauncher, make, step_report, stopped, submit
 
 RUNNING = PollResult(state="running")
 

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
-from service.lease import CONTROLLER, Leases
 from service.store import Store
-from tests.test_supervisor import wait_for
+from service.store.lease import CONTROLLER, Leases
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

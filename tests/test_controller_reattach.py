@@ -12,7 +12,7 @@ import pytest
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Store
-from tests.test_controller import FakeGroup, FakeLauncher, make, step_report, submit
+from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
 
 
 def running(*steps: int, acks: dict[int, int] | None = None) -> PollResult:
@@ -104,7 +104,7 @@ def test_reports_are_acknowledged_only_once_stored(sqlite_store: Store, tmp_path
     job_id = submit(sqlite_store)
     c = make(sqlite_store, launcher, tmp_path)
     c.step(), c.step()
-    real = c.ingest.record  # the controller's metrics writer (service.metrics_ingest)
+    real = c.ingest.record  # the controller's metrics writer (service.store.metrics)
 
     def away(**kw: object) -> None:
         raise ConnectionError("database away")

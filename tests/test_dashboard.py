@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.dashboard import job_series, jobs_page, queue
-from service.heartbeats import HeartbeatLog
 from service.jobs import submit
 from service.rank_status import rank_status
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
+from service.store.dashboard import job_series, jobs_page, queue
+from service.store.heartbeats import HeartbeatLog
 from tests.conftest import authed_client, tiny_spec
 
 VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
@@ -147,7 +147,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
     assert cells[3]["straggler"] and not cells[2]["straggler"]
     assert all(c["heartbeat_age_s"] is None for c in cells.values())  # none seen yet
     seen = time.time() - 30.0
-    HeartbeatLog(store.engine).record(job_id=job_id, attempt=1, seen={1: seen})
+    HeartbeatLog(store).record(job_id=job_id, attempt=1, seen={1: seen})
     before = time.time()
     cells = {c["rank"]: c for c in rank_status(store, job).to_json()["cells"]}
     assert before - seen <= cells[1]["heartbeat_age_s"] <= time.time() - seen
@@ -319,3 +319,28 @@ def test_queue_positions_follow_priority_then_age_for_one_job_and_for_a_page(
     assert {j: c.get(f"/api/v1/jobs/{j}").json()["queue_position"] for j in ids} == want
     r = c.post("/api/v1/jobs", json=tiny_spec(name="e", priority=1))
     assert r.status_code == 201 and r.json()["queue_position"] == 3  # after b and d
+
+
+def test_series_carry_the_recipe_and_the_job_page_its_deepspeed_config(client: Any) -> None:
+    import html
+
+    from service.ds_config import deepspeed_config
+    from service.store.metrics import MetricsIngest
+
+    c, store = client
+    job_id = started(store)
+    ingest = MetricsIngest(store)  # as the controller stores what the ranks report
+    ingest.record(job_id=job_id, attempt=1, world_size=2, rows=[
+        row(s, rank=r, lr=1e-3 * s, grad_norm=2.0 + s) for s in (1, 2, 3) for r in (0, 1)])
+    store.start_attempt(job_id=job_id)  # step 3 again, under another rate
+    ingest.record(job_id=job_id, attempt=2, world_size=2, rows=[
+        row(3, rank=r, lr=5e-4, grad_norm=None) for r in (0, 1)])
+    series = c.get(f"/api/v1/jobs/{job_id}/series").json()
+    assert series["recipe_step"] == [1, 2, 3]
+    assert series["lr"] == [pytest.approx(1e-3), pytest.approx(2e-3), pytest.approx(5e-4)]
+    assert series["grad_norm"] == [pytest.approx(3.0), pytest.approx(4.0), None]
+    page = c.get(f"/jobs/{job_id}").text
+    shown = re.search(r'<pre class="scroll" id="ds-config">(.*?)</pre>', page, re.S)
+    assert shown is not None
+    spec = store.get_job(job_id=job_id).spec
+    assert json.loads(html.unescape(shown.group(1))) == deepspeed_config(spec)

@@ -1,5 +1,5 @@
-"""A database Trident cannot read (`service.dbcheck`), on real damaged SQLite files: one line at
-start for every entry point (`trident controller`, the daemon, the API's factory), a 503
+"""A database Trident cannot read (`service.store.dbcheck`), on real damaged SQLite files: one line
+at start for every entry point (`trident controller`, the daemon, the API's factory), a 503
 naming the damage for every kind of route while serving, and `trident up`'s decision about its
 Ray head when it cannot read which jobs are active. The live stack's side (`trident up` itself,
 a file damaged under it, SIGTERM) is in tests/test_e2e_damaged_db.py."""
@@ -20,12 +20,12 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.cli import _stop_head
 from service.daemon import DATABASE_UNREADABLE
-from service.dbcheck import Unreadable, check, describe, readable
 from service.settings import Settings
 from service.store import Store
+from service.store.dbcheck import Unreadable, check, describe, readable
 from tests.conftest import user_token
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
-from tests.test_cli import free_port
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,7 +195,7 @@ def test_the_daemon_logs_a_damaged_database_in_one_line_per_failed_pass(
     import time
 
     import service.daemon as daemon
-    from tests.test_controller import FakeLauncher
+    from tests.fakes import FakeLauncher
 
     fill_jobs(tmp_path / "trident.db", 200)
     damage_pages(tmp_path / "trident.db", table_pages(tmp_path / "trident.db", "jobs"))

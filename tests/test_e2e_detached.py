@@ -8,12 +8,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,65 +17,14 @@ import pytest
 from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
-from tests.test_cli import free_port, wait_healthy
+from tests.servers import free_port, wait_healthy
+from tests.up import Up, alive, last_step
+from tests.waiting import wait_for
 from workers.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, why: Callable[[], str]
-             = lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s\n{why()}")
-        time.sleep(0.2)
-
-
-class Up:
-    """`trident up` as a user runs it, in its own process (and session)."""
-
-    def __init__(self, data_dir: Path, port: int, env: dict[str, str],
-                 *args: str) -> None:
-        self.data_dir = data_dir
-        self.server = f"http://127.0.0.1:{port}"
-        self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
-        self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port), *args],
-            env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
-            stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log(self) -> str:
-        parts = []
-        for name in ("controller.log", "ray-head.log"):
-            path = self.data_dir / name
-            if path.exists():
-                parts.append(f"--- {name}\n" + path.read_text()[-6000:])
-        return "\n".join(parts)
-
-    @property
-    def auth(self) -> dict[str, str]:
-        """The bootstrap admin's token, from the file `trident up` wrote on its first start."""
-        return {"Authorization": f"Bearer {(self.data_dir / 'admin.token').read_text().strip()}"}
-
-    def get(self, path: str, **params: Any) -> Any:
-        r = httpx.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
-                      timeout=10)
-        r.raise_for_status()
-        return r.json()
-
-    def controller_pid(self) -> int:
-        return int(self.get("/healthz")["controller"]["holder"].split(":")[1])
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(90)
-        self.out.close()
-        return Path(self.out.name).read_text()
 
 
 @pytest.fixture
@@ -101,12 +46,9 @@ def submit_long_job(up: Up, steps: int = STEPS) -> int:
     return int(r.json()["id"])
 
 
-def last_step(up: Up, job_id: int) -> int:
-    items = up.get(f"/jobs/{job_id}/metrics", after_step=0)["items"]
-    return max((m["step"] for m in items), default=0)
-
-
 def check_outcome(up: Up, job_id: int, reattached: int) -> None:
+    """Succeeded on its first attempt with every step of every rank exactly once, after at
+    least `reattached` re-attaches."""
     job = up.get(f"/jobs/{job_id}")
     assert job["state"] == "SUCCEEDED", (job["error"], up.log())
     assert job["attempts"] == 1, "a retry was used up"
@@ -114,7 +56,9 @@ def check_outcome(up: Up, job_id: int, reattached: int) -> None:
         steps = [m["step"] for m in up.get(f"/jobs/{job_id}/metrics", rank=rank)["items"]]
         assert steps == list(range(1, STEPS + 1)), (rank, steps)
     events = up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
-    assert sum(e["kind"] == "reattach" for e in events) == reattached, events
+    # At least one re-attach per kill; a controller stalled past its 3 s lease on a loaded
+    # machine loses it and re-attaches once more, which costs the job nothing either.
+    assert sum(e["kind"] == "reattach" for e in events) >= reattached, events
 
 
 def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
@@ -156,14 +100,6 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
     assert "adopted" in out, out
     # No job is active: stopping trident up stopped the Ray head too.
     assert head and not answers(head) and live_head(tmp_path) is None
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigterm_to_trident_up_leaves_jobs_training_and_stop_jobs_stops_them(
@@ -224,14 +160,22 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         stopped = time.time()
         r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
-        time.sleep(30)  # the ranks train on (and finish); their reports wait for the database
-        # They trained while the database was away: checkpoints past the last stored step
-        # were completed meanwhile.
-        done = {int(m.parent.name.removeprefix("step")): m.stat().st_mtime for m in
-                (tmp_path / "checkpoints" / f"job-{job_id}").glob(f"step*/{MARKER}")}
-        during = sorted(step for step, mtime in done.items() if step > seen and mtime > stopped)
-        print(f"database away 30 s from step {seen}: checkpoints completed meanwhile {during}")
-        assert during, (seen, done)
+
+        def completed_meanwhile() -> list[int]:
+            """The checkpoints past the last stored step completed while the database was
+            away: the ranks train on, their reports wait for the database."""
+            done = {int(m.parent.name.removeprefix("step")): m.stat().st_mtime for m in
+                    (tmp_path / "checkpoints" / f"job-{job_id}").glob(f"step*/{MARKER}")}
+            return sorted(step for step, mtime in done.items() if step > seen and mtime > stopped)
+
+        def lease_lost() -> bool:
+            return "lease not renewed before it expired" in \
+                (tmp_path / "controller.log").read_text()
+
+        wait_for("a checkpoint completed and the lease lost while the database is away",
+                 lambda: bool(completed_meanwhile()) and lease_lost(), 240, up.log)
+        print(f"database away {time.time() - stopped:.0f} s from step {seen}: checkpoints"
+              f" completed meanwhile {completed_meanwhile()}")
         r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         pg.start()

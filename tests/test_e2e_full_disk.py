@@ -15,9 +15,10 @@ import pytest
 
 from service.rayhead import stop_recorded_head
 from tests.conftest import tiny_spec
+from tests.servers import free_port, wait_healthy
 from tests.smallfs import Filler, small_fs
-from tests.test_cli import free_port, wait_healthy
-from tests.test_e2e_detached import Up, last_step, wait_for
+from tests.up import Up, last_step
+from tests.waiting import wait_for
 from workers.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow

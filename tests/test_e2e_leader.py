@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from service.db import utcnow
 from service.jobs import submit
-from service.lease import CONTROLLER, Lease, Leases
 from service.rayhead import RayHead
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
+from service.store.lease import CONTROLLER, Lease, Leases
+from service.store.tables import utcnow
 from tests.conftest import tiny_spec
-from tests.test_e2e_detached import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,9 @@ def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over_after_k
         assert [e.data["to"] for e in events if e.kind == "state"] == [
             "QUEUED", "PLACING", "RUNNING", "SUCCEEDED"]
         assert sum(e.kind == "placement" for e in events) == 1
-        assert sum(e.kind == "reattach" for e in events) == 1
+        # Re-attached by the new leader; once more only if the lease changed hands again (a
+        # leader too slow to renew on a loaded machine): never placed or started twice.
+        assert sum(e.kind == "reattach" for e in events) >= 1
         for rank in (0, 1):  # every step of every rank, exactly once
             steps = [m.step for m in store.list_metrics(job_id=job_id, rank=rank)]
             assert steps == list(range(1, STEPS + 1)), (rank, steps)

@@ -18,10 +18,11 @@ import httpx
 import psutil
 import pytest
 
-from service.rayhead import answers, live_head
+from service.rayhead import UNUSED_OFF_ENV, answers, live_head
 from tests.conftest import tiny_spec
-from tests.test_cli import free_port, wait_healthy
-from tests.test_e2e_detached import ROOT, Up, wait_for
+from tests.servers import ROOT, free_port, wait_healthy
+from tests.up import Up
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ NODE_SERVERS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "da
 """The Ray processes of a head that listen (`ray start --head` adds its client server)."""
 
 
-def serving(pids: dict[int, str], servers: tuple[str, ...]) -> bool:
+def all_listening(pids: dict[int, str], servers: tuple[str, ...]) -> bool:
     """Whether each of `servers` and a Ray worker listen already (they start one by one)."""
     cmds = [cmd for _, _, cmd in listening(pids)]
     return (all(any(s in cmd for cmd in cmds) for s in servers)
@@ -79,6 +80,22 @@ def check_all_on_loopback(pids: dict[int, str]) -> None:
     sockets = listening(pids)
     exposed = [s for s in sockets if not loopback(s[0])]
     assert not exposed, "listening beyond loopback:\n" + "\n".join(map(str, exposed))
+
+
+def check_metrics_off(pids: dict[int, str]) -> None:
+    """Ray's metrics collection is off on the Ray that Trident starts (`UNUSED_OFF_ENV`): its
+    GCS and raylet run with the setting, and its dashboard agent runs no Prometheus exporter
+    (it writes -1 for that port into the session directory)."""
+    servers = [pid for pid, cmd in pids.items() if "gcs_server" in cmd or "/raylet" in cmd]
+    assert len(servers) >= 2, pids
+    for pid in servers:
+        env = psutil.Process(pid).environ()
+        assert {k: env.get(k) for k in UNUSED_OFF_ENV} == UNUSED_OFF_ENV, pids[pid]
+    gcs = next(pid for pid in servers if "gcs_server" in pids[pid])
+    log_dir = next(a.split("=", 1)[1] for a in psutil.Process(gcs).cmdline()
+                   if a.startswith("--log_dir="))
+    ports = list(Path(log_dir).parent.glob("metrics_export_port_*"))
+    assert ports and all(p.read_text().strip() == "-1" for p in ports), ports
 
 
 def submit_running_job(up: Up) -> int:
@@ -110,7 +127,7 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         # The controller is a Ray driver: it listens for Ray's calls once connected.
         servers = (*NODE_SERVERS, "ray.util.client.server", "service.daemon")
         wait_for("every server of the stack listening",
-                 lambda: serving(tree(up.proc.pid), servers), 180, up.log)
+                 lambda: all_listening(tree(up.proc.pid), servers), 180, up.log)
         head = live_head(tmp_path)
         job_id = submit_running_job(up)
         placement = up.get(f"/jobs/{job_id}/attempts")["items"][-1]["placement"]
@@ -119,9 +136,12 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         sockets = listening(pids)
         assert ("127.0.0.1", port) in [(a, p) for a, p, _ in sockets]  # the API
         check_all_on_loopback(pids)
+        check_metrics_off(pids)
         assert head is not None and head.startswith("127.0.0.1:"), head
         # The ranks are processes of the stack, and they listen: rank 0 its rendezvous store
         # on the master address (loopback: where Ray put rank 0), each its gloo sockets.
+        # Ranks at niceness 0 (`WORKER_NICENESS_ENV`), without a runtime environment.
+        assert all(r["nice"] == 0 for r in placement["ranks"]), placement
         ranks = {r["rank"]: r["pid"] for r in placement["ranks"]}
         assert set(ranks) == {0, 1} and set(ranks.values()) <= set(pids), (ranks, pids)
         master_addr, master_port = placement["master"].rsplit(":", 1)
@@ -145,9 +165,10 @@ def test_the_daemon_alone_starts_its_ray_on_loopback(tmp_path: Path) -> None:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for("the Ray of the daemon listening, with a worker",
-                 lambda: serving(tree(proc.pid), NODE_SERVERS), 180,
+                 lambda: all_listening(tree(proc.pid), NODE_SERVERS), 180,
                  lambda: (tmp_path / "daemon.log").read_text()[-4000:])
         check_all_on_loopback(tree(proc.pid))
+        check_metrics_off(tree(proc.pid))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

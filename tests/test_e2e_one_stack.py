@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from service.rayhead import answers, live_head, stop_recorded_head
-from tests.test_cli import free_port, wait_healthy
-from tests.test_e2e_detached import ROOT, Up
+from tests.servers import ROOT, free_port, wait_healthy
+from tests.up import Up
 
 pytestmark = pytest.mark.slow
 

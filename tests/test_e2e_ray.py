@@ -4,58 +4,22 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from fastapi.testclient import TestClient  # noqa: E402
 from sqlalchemy import update  # noqa: E402
 
-from api.app import create_app  # noqa: E402
 from service.controller import Controller  # noqa: E402
-from service.db import JobRow  # noqa: E402
-from service.settings import Settings  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
-from tests.conftest import authed_client, tiny_spec  # noqa: E402
+from service.store.tables import JobRow  # noqa: E402
+from tests.conftest import tiny_spec  # noqa: E402
+from tests.waiting import drive, drive_until  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    # "local": a new Ray of its own, never one that `ray start` left on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
-    store = Store(f"sqlite:///{tmp_path / 'e2e.db'}")
-    store.migrate()
-    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
-                            start_timeout_s=120, cancel_grace_s=5)
-    settings = Settings(data_dir=tmp_path, allow_faults=True)
-    with authed_client(create_app(settings, store=store), store) as client:
-        yield client, store, controller
-    controller.shutdown(stop_jobs=True)
-    store.close()
-
-
-def drive_until(controller: Controller, done: Callable[[], bool], timeout: float,
-                what: str) -> None:
-    """Step the controller until `done()` holds; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"{what} not reached after {timeout} s"
-        controller.step()
-        time.sleep(0.1)
 
 
 CANCEL_WITHIN_S = 5.0
@@ -77,13 +41,6 @@ def no_placement_groups_left(controller: Controller) -> bool:
     controller.step()  # reaps the last of them
     return not [pg for pg in ray.util.placement_group_table().values()
                 if pg["state"] != "REMOVED"]
-
-
-def drive(controller: Controller, store: Store, job_id: int, until: set[JobState],
-          timeout: float) -> JobState:
-    drive_until(controller, lambda: store.get_job(job_id=job_id).state in until, timeout,
-                f"job {job_id} in {sorted(until)}")
-    return store.get_job(job_id=job_id).state
 
 
 def test_tiny_zero2_job_trains_to_success(stack) -> None:

@@ -11,11 +11,11 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.healthcheck import check_api, check_controller, check_ray, main
-from service.db import utcnow
-from service.lease import CONTROLLER, Leases
 from service.settings import Settings
 from service.store import Store
-from tests.test_cli import free_port
+from service.store.lease import CONTROLLER, Leases
+from service.store.tables import utcnow
+from tests.servers import free_port
 
 
 def test_api_is_healthy_without_a_controller_but_not_without_its_database(

@@ -23,7 +23,9 @@ def test_freeze_moves_live_objects_out_of_every_generation(unfrozen):
     before = _Node()
     assert any(o is before for g in range(3) for o in gc.get_objects(generation=g))
     frozen = freeze_startup_objects()
-    assert frozen == gc.get_freeze_count() > 1000
+    # A frozen object still dies when its last reference goes (another thread of the test
+    # process may drop a few meanwhile): the count may only have shrunk, and barely.
+    assert frozen > 1000 and 0 <= frozen - gc.get_freeze_count() < 100
     assert not any(o is before for g in range(3) for o in gc.get_objects(generation=g))
     after = _Node()  # what requests create later is collected as before
     assert any(o is after for o in gc.get_objects(generation=0))
@@ -44,7 +46,8 @@ def test_the_controller_daemon_freezes_once_it_leads(unfrozen, tmp_path, monkeyp
 
     import service.daemon as daemon
     from service.settings import Settings
-    from tests.test_controller import FakeLauncher
+    from tests.fakes import FakeLauncher
+    from tests.waiting import wait_for
 
     monkeypatch.setattr(daemon, "connect_ray", lambda _settings: FakeLauncher([]))
     stop = threading.Event()
@@ -53,10 +56,8 @@ def test_the_controller_daemon_freezes_once_it_leads(unfrozen, tmp_path, monkeyp
         Settings(data_dir=tmp_path, poll_interval_s=0.05), stop)))
     t.start()
     try:
-        for _ in range(400):
-            if gc.get_freeze_count() or not t.is_alive():
-                break
-            stop.wait(0.05)
+        wait_for("the daemon's first pass", lambda: bool(gc.get_freeze_count())
+                 or not t.is_alive())
         assert gc.get_freeze_count() > 1000
     finally:
         stop.set()

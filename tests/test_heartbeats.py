@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from service.heartbeats import HeartbeatLog, HeartbeatThrottle, ages
 from service.jobs import submit
 from service.monitor.attempt import AttemptHealth
 from service.protocols import HeartbeatReport
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
+from service.store.heartbeats import HeartbeatLog, HeartbeatThrottle, ages
 from tests.conftest import tiny_spec
 
 
@@ -27,7 +27,7 @@ def started(store: Store) -> Any:
 
 class CountingLog(HeartbeatLog):
     def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
         self.writes: list[dict[int, float]] = []
 
     def record(self, *, job_id: int, attempt: int, seen: Any) -> None:
@@ -57,5 +57,5 @@ def test_polled_heartbeats_are_stored_on_the_controllers_clock(store: Store) -> 
     hb = HeartbeatReport(rank=0, step=3, phase="forward", time=5.0, age_s=0.0)
     health.polled({0: hb.model_copy(update={"age_s": 2.0}),
                    1: hb.model_copy(update={"rank": 1, "age_s": 0.5})}, received=1000.0)
-    seen = HeartbeatLog(store.engine).last_seen(job_id=job.id, attempt=1)
+    seen = HeartbeatLog(store).last_seen(job_id=job.id, attempt=1)
     assert {r: t.timestamp() for r, t in seen.items()} == pytest.approx({0: 998.0, 1: 999.5})

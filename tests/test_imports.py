@@ -128,3 +128,86 @@ def test_no_subpackage_is_left_and_entered_again() -> None:
     graph = by_subpackage(import_graph())
     found = cycles(graph)
     assert not found, "import loops: " + "; ".join(", ".join(_edges(graph, c)) for c in found)
+
+
+# --- persistence stays in service/store/ --------------------------------------------------
+
+STORE = "service.store"
+ROW_NAMES = {"Base", "EngineTx", "make_engine", "reads"}
+"""What `service.store.tables` keeps to the package beside its `...Row` classes (its
+constants, such as `NAME_MAX`, and `utcnow` may be read anywhere)."""
+
+
+def database_reaches(source: str) -> list[str]:
+    """Where a module outside `service.store` reaches the database itself: an import from
+    SQLAlchemy other than its exceptions (`sqlalchemy.exc`, which the API maps to a 503),
+    an `.engine` attribute, an ORM row or session helper of `service.store.tables`, or the
+    `migrations` package (which imports `service`, never the other way)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+            if node.module == f"{STORE}.tables":
+                found += [f"line {node.lineno}: {STORE}.tables.{a.name}" for a in node.names
+                          if a.name.endswith("Row") or a.name in ROW_NAMES]
+        for name in names:
+            if (name == "sqlalchemy" or name.startswith("sqlalchemy.")) and (
+                    name != "sqlalchemy.exc"):
+                found.append(f"line {node.lineno}: import {name}")
+            if name == "migrations" or name.startswith("migrations."):
+                found.append(f"line {node.lineno}: import {name}")
+        if isinstance(node, ast.Attribute) and node.attr == "engine":
+            found.append(f"line {node.lineno}: .engine")
+    return found
+
+
+def test_reaching_the_database_is_found() -> None:
+    assert database_reaches("from sqlalchemy.orm import sessionmaker") == [
+        "line 1: import sqlalchemy.orm"]
+    assert database_reaches("import sqlalchemy") == ["line 1: import sqlalchemy"]
+    assert database_reaches("x = HeartbeatLog(store.engine)") == ["line 1: .engine"]
+    assert database_reaches("from service.store.tables import JobRow, NAME_MAX") == [
+        "line 1: service.store.tables.JobRow"]
+    assert database_reaches("from migrations import env") == ["line 1: import migrations"]
+    assert database_reaches("from sqlalchemy.exc import DBAPIError\n"
+                            "from service.store.tables import NAME_MAX, utcnow\n"
+                            "from service.store import Store") == []
+
+
+def test_only_the_store_package_reaches_the_database() -> None:
+    """The engine, sessions and rows are `service.store`'s: the rest of the service, the API
+    and the workers call what the package hands out (`Store`, `HeartbeatLog(store)`, ...)."""
+    found = [f"{path.relative_to(ROOT)} {where}" for name, path in sorted(_modules().items())
+             if name != STORE and not name.startswith(f"{STORE}.")
+             for where in database_reaches(path.read_text())]
+    assert not found, "outside service/store/: " + "; ".join(found)
+
+
+# --- the API and the service stay out of the ranks' package ------------------------------
+
+RANKS = "workers"
+"""The service imports nothing of the ranks' package: the export runs the checkpoint converter
+as a process of its own (`python -m workers.hf_export`, from `service.export`), and
+`service.daemon` starts the launcher through `importlib` at run time, which no import
+statement names."""
+
+
+def _into_ranks(graph: Mapping[str, Iterable[str]], package: str) -> dict[str, set[str]]:
+    return {a: {b for b in targets if b == RANKS or b.startswith(RANKS + ".")}
+            for a, targets in graph.items() if a == package or a.startswith(package + ".")}
+
+
+def test_the_api_imports_nothing_of_the_ranks_package() -> None:
+    """api/ (routes, app, CLI, client) goes through service/ for what the ranks' package
+    does (the export: `service.export`): the ranks' code changes behind the service's
+    functions, never under a route."""
+    found = {a: sorted(b) for a, b in _into_ranks(import_graph(), "api").items() if b}
+    assert not found, f"api/ imports workers/: {found}"
+
+
+def test_the_service_imports_nothing_of_the_ranks_package() -> None:
+    found = {a: sorted(b) for a, b in _into_ranks(import_graph(), "service").items() if b}
+    assert not found, f"service/ imports workers/: {found}"

@@ -11,11 +11,11 @@ import pytest
 
 from service.controller import Controller
 from service.daemon import LeaderLoop, LeaseLost, retry_wait_s
-from service.lease import CONTROLLER, Leader, Leases, Role
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Fence, NotHolder, Store
-from tests.test_controller import FakeLauncher, submit
+from service.store.lease import CONTROLLER, Leader, Leases, Role
+from tests.fakes import FakeLauncher, submit
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -183,3 +183,65 @@ def test_a_leader_renews_after_connecting_and_stops_if_it_lost_the_lease_meanwhi
 def test_failed_passes_are_retried_with_backoff_bounded_by_a_third_of_the_lease() -> None:
     assert [retry_wait_s(n, 0.5, 15) for n in range(1, 6)] == [1, 2, 4, 5, 5]
     assert [retry_wait_s(n, 0.2, 3) for n in range(1, 4)] == [0.4, 0.8, 1.0]
+
+
+def _taken_over(store: Store) -> None:
+    """Another controller takes the lease from "old" (whose lease ran out meanwhile)."""
+    later = datetime.now(UTC) + timedelta(seconds=120)
+    assert Leader(store, duration_s=600, holder="new").acquire_or_renew(later) == Role.LEADER
+
+
+def test_a_controller_that_loses_the_lease_after_starting_an_attempt_launches_nothing(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attempt's row is written under the lease; the lease goes before the group is
+    started (readying the folder and the secrets took long): no group is started."""
+    job_id = submit(store)
+    assert Leader(store, duration_s=60, holder="old").acquire_or_renew() == Role.LEADER
+    launcher = FakeLauncher([[PollResult(state="running")]])
+    controller = Controller(store, launcher, checkpoint_root=tmp_path,
+                            fence=Fence(CONTROLLER, "old"))
+    started = store.start_attempt
+
+    def start_then_lose(**kw: object) -> object:
+        out = started(**kw)  # type: ignore[arg-type]
+        _taken_over(store)
+        return out
+
+    monkeypatch.setattr(store, "start_attempt", start_then_lose)
+    with pytest.raises(NotHolder, match="held by new, not old"):
+        controller.step()
+    assert launcher.groups == [] and launcher.started == []
+    # The attempt it wrote is the new leader's to settle (lost: no group of its own).
+    assert store.get_job(job_id=job_id).attempts == 1
+
+
+def test_a_starting_group_is_not_polled_once_the_lease_is_lost(store: Store,
+                                                               tmp_path: Path) -> None:
+    """A starting group's poll launches its ranks (after the rendezvous): a controller that
+    lost its lease between passes' renewal and the poll does not poll it."""
+    submit(store)
+    assert Leader(store, duration_s=60, holder="old").acquire_or_renew() == Role.LEADER
+    launcher = FakeLauncher([[PollResult(state="starting")]])
+    controller = Controller(store, launcher, checkpoint_root=tmp_path,
+                            fence=Fence(CONTROLLER, "old"))
+    controller.step()
+    controller.step()
+    assert launcher.groups[0].polls == 1
+    _taken_over(store)
+    with pytest.raises(NotHolder):
+        controller.step()
+    assert launcher.groups[0].polls == 1
+
+
+def test_a_cluster_probe_is_not_claimed_once_the_lease_is_lost(store: Store,
+                                                               tmp_path: Path) -> None:
+    probe = store.create_probe(scope="cluster", request={"ranks_per_node": 1, "max_bytes": 1024})
+    assert Leader(store, duration_s=60, holder="old").acquire_or_renew() == Role.LEADER
+    launcher = FakeLauncher([[PollResult(state="starting")]])
+    controller = Controller(store, launcher, checkpoint_root=tmp_path,
+                            fence=Fence(CONTROLLER, "old"))
+    _taken_over(store)
+    with pytest.raises(NotHolder):
+        controller.step()
+    assert launcher.groups == []
+    assert store.get_probe(probe_id=probe.id).status.value == "pending"

@@ -1,4 +1,4 @@
-"""The metrics path for large jobs (`service.metrics_ingest`), on SQLite and PostgreSQL: a
+"""The metrics path for large jobs (`service.store.metrics`), on SQLite and PostgreSQL: a
 job-level row per step merged over polls and repeats, per-rank rows kept for small jobs in full
 and for large ones sampled plus stragglers, retention, and the job page's newest steps."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from service import metrics_ingest as mi
-from service.metrics_ingest import MetricsIngest
 from service.spec import JobSpec
 from service.store import Store
+from service.store import metrics as mi
+from service.store.metrics import MetricsIngest
 from tests.conftest import stored_plan, tiny_spec
 
 
@@ -22,7 +22,8 @@ def _job(store: Store, world: int) -> int:
 def _rows(step: int, ranks: range, slow: dict[int, float] | None = None) -> list[dict]:
     slow = slow or {}
     return [{"rank": r, "step": step, "loss": 2.0 + step, "step_time_s": slow.get(r, 1.0),
-             "tokens_per_s": 1000.0 / slow.get(r, 1.0), "data": {"memory": {}}} for r in ranks]
+             "tokens_per_s": 1000.0 / slow.get(r, 1.0), "lr": 1e-3 / step,
+             "grad_norm": 0.5 * step, "data": {"memory": {}}} for r in ranks]
 
 
 def test_large_job_keeps_a_step_row_and_samples_ranks(store: Store) -> None:
@@ -44,6 +45,7 @@ def test_large_job_keeps_a_step_row_and_samples_ranks(store: Store) -> None:
     assert step.stragglers == 2
     assert step.tokens_per_s == pytest.approx(1000.0 / 9.0)
     assert step.loss == 3.0
+    assert (step.lr, step.grad_norm) == (1e-3, 0.5)  # the step's, once for all ranks
     stored = {m.rank for m in store.list_metrics(job_id=job, rank=None)}
     assert 0 in stored and 2777 in stored and 3000 in stored
     assert {r for r in range(world) if r % stride == 0} <= stored
@@ -66,6 +68,8 @@ def test_small_job_keeps_every_rank(store: Store) -> None:
     ing.record(job_id=job, attempt=1, world_size=8, rows=_rows(2, range(2, 8)))
     assert ing.list_steps(job_id=job)[1].ranks == 8
     assert store.latest_metric(job_id=job).step == 2  # existing callers still work
+    assert (store.latest_metric(job_id=job).lr, store.latest_metric(job_id=job).grad_norm) == (
+        5e-4, 1.0)
 
 
 def test_retention_and_downsampled_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from pydantic import ValidationError
 
 from service.monitor.hang import diagnose_hang
 from service.parallel import ParallelDims
 from service.protocols import HeartbeatReport
+from tests import forked
 from tests._monitor_dist import free_port
 from workers.comm_timer import CommTimer
 from workers.heartbeat import Heartbeat, dump_stacks
@@ -63,9 +63,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_sleeping_rank_is_named_within_timeout(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path)), daemon=True)
+    procs = [forked.process(ctx, _rank, (r, 2, port, str(tmp_path)), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()

@@ -23,7 +23,8 @@ COMM = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2.0}}}
 def rank_report(step: int = 1, rank: int = 0) -> StepReport:
     """What `workers.train` builds and the rank actor completes with its comm timer."""
     built = StepReport(rank=rank, step=step, loss=2.5, step_time_s=0.1, tokens_per_s=640.0,
-                       tp_rank=0, pp_rank=0, dp_rank=rank, attempt=1, resumed_from=0,
+                       lr=3e-4, grad_norm=1.5, tp_rank=0, pp_rank=0, dp_rank=rank, attempt=1,
+                       resumed_from=0,
                        memory=MemoryReport(params_bytes=10, grads_bytes=10, optimizer_bytes=20,
                                            activations_peak_bytes=5, process_peak_bytes=99,
                                            process_peak_source="rss_peak"))
@@ -35,11 +36,16 @@ def test_a_report_crosses_as_a_dict_and_is_stored_once_per_value():
     received = StepReport.model_validate(sent)  # what the controller validates
     row = received.row()
     assert {k: row[k] for k in METRIC_COLUMNS} == {
-        "rank": 0, "step": 1, "loss": 2.5, "step_time_s": 0.1, "tokens_per_s": 640.0}
+        "rank": 0, "step": 1, "loss": 2.5, "step_time_s": 0.1, "tokens_per_s": 640.0,
+        "lr": 3e-4, "grad_norm": 1.5}
     data = row["data"]
     assert set(data) == {"memory", "tp_rank", "pp_rank", "dp_rank", "attempt", "resumed_from",
                          "comm", "timed"}  # no column repeated, no step_s, None left out
     assert data["comm"] == COMM and data["memory"]["process_peak_bytes"] == 99
+    # an fp16 overflow's norm is infinite (DeepSpeed skips the step): stored as no norm
+    assert StepReport.model_validate({**sent, "grad_norm": float("inf")}).grad_norm is None
+    with pytest.raises(ValidationError, match="grad_norm"):
+        StepReport.model_validate({**sent, "grad_norm": -1.0})
 
 
 def test_custom_entrypoints_report_a_dict_with_their_own_values_under_custom():

@@ -72,7 +72,7 @@ def test_timer_attributes_collectives_by_dimension(tmp_path):
 
 
 def _deepspeed_rank(rank, world):
-    import deepspeed
+    from workers.deepspeed_import import deepspeed
 
     timer = CommTimer(rank, ParallelDims(dp=world), cuda=False)
     timer.install()  # before the engine: DeepSpeed caches some collectives when it is built
@@ -104,3 +104,37 @@ def test_timer_catches_deepspeed_zero2_collectives(tmp_path):
     assert s["dp"]["all_reduce"]["bytes"] >= full
     assert s["dp"]["all_gather"]["bytes"] == full
     assert s["dp"]["all_gather"]["time_s"] > 0
+
+
+def test_a_steps_communication_starts_with_the_step():
+    """What was counted before `step_started` (the engine's construction, the stop check,
+    an evaluation or a save between steps) is not the step's: a step's comm time is measured
+    over the same interval as its step time, so its share of the step is at most 1."""
+    timer = CommTimer(rank=0, dims=ParallelDims(dp=2), cuda=False)
+    timer.begin_step(1)
+    with timer.collective("dp", "all_gather", 4096):  # construction's broadcast, say
+        pass
+    timer.step_started(1)
+    with timer.collective("dp", "reduce_scatter", 1024):
+        pass
+    report = timer.step_report(1, 0.5)
+    assert set(report["comm"]["dp"]) == {"reduce_scatter"}, report
+    assert report["comm"]["dp"]["reduce_scatter"]["bytes"] == 1024 and timer.step == 1
+
+
+@pytest.mark.slow
+def test_the_built_in_trainer_starts_each_step_before_its_timed_work():
+    """`train_rank` calls `step_started(n)` once per step, in order, before step n's report,
+    on every rank."""
+    from service.spec import JobSpec
+    from tests.conftest import tiny_spec
+    from tests.workers_spawn import run_ranks
+
+    spec = JobSpec.model_validate(tiny_spec(train={
+        "steps": 3, "global_batch": 4, "micro_batch": 2, "precision": "fp32"}))
+    seen: list[tuple[int, str, int]] = []
+    run_ranks(spec, sequence=seen)
+    for rank in (0, 1):
+        assert [(k, s) for r, k, s in seen if r == rank] == [
+            ("start", 1), ("report", 1), ("start", 2), ("report", 2), ("start", 3),
+            ("report", 3)], seen

@@ -22,8 +22,7 @@ from service.raynode import NodeState, read_state, state_path, stop_node
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store
-from tests.test_cli import server  # noqa: F401  (fixture)
-from tests.test_controller import submit
+from tests.fakes import submit
 
 runner = CliRunner()
 

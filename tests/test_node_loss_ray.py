@@ -20,18 +20,10 @@ from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
+from tests.waiting import drive_until  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def drive(controller: Controller, done: Callable[[], bool], what: str,
-          timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"{what} not reached after {timeout_s} s"
-        controller.step()
-        time.sleep(0.2)
 
 
 def test_a_job_that_loses_a_node_waits_then_resumes_from_its_checkpoint(tmp_path: Path) -> None:
@@ -55,12 +47,12 @@ def test_a_job_that_loses_a_node_waits_then_resumes_from_its_checkpoint(tmp_path
         def trained(n: int) -> Callable[[], bool]:
             return lambda: any(m.step >= n for m in store.list_metrics(job_id=job_id))
 
-        drive(controller, trained(4), "step 4")
+        drive_until(controller, trained(4), 300, "step 4")
         placement = store.list_attempts(job_id=job_id)[0].placement["ranks"]
         assert len({r["node_id"] for r in placement}) == 2
         cluster.remove_node(nodes[0])
-        drive(controller, lambda: store.get_job(job_id=job_id).state == JobState.QUEUED,
-              "QUEUED after the node loss")
+        drive_until(controller, lambda: store.get_job(job_id=job_id).state == JobState.QUEUED,
+                    300, "QUEUED after the node loss")
         job = store.get_job(job_id=job_id)
         assert job.attempts == 1
         assert store.list_attempts(job_id=job_id)[0].status == AttemptStatus.FAILED
@@ -74,7 +66,8 @@ def test_a_job_that_loses_a_node_waits_then_resumes_from_its_checkpoint(tmp_path
 
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
-        drive(controller, lambda: store.get_job(job_id=job_id).state.terminal, "finished")
+        drive_until(controller, lambda: store.get_job(job_id=job_id).state.terminal, 300,
+                    "finished")
         job = store.get_job(job_id=job_id)
         assert job.state == JobState.SUCCEEDED, job.error
         assert job.attempts == 2

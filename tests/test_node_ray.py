@@ -21,8 +21,9 @@ from typer.testing import CliRunner
 from api.cli import app
 from service.raynode import alive, read_state
 from tests.conftest import tiny_spec
-from tests.test_cli import free_port, wait_healthy
-from tests.test_e2e_detached import Up, wait_for
+from tests.servers import free_port, wait_healthy
+from tests.up import Up
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

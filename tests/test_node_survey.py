@@ -7,6 +7,7 @@ from typing import Any
 
 from service.node_survey import NodeSurvey
 from service.store import Store
+from tests.waiting import wait_for
 
 
 class SlowInventory:
@@ -38,11 +39,12 @@ def test_the_first_inventory_is_taken_in_the_pass_and_later_ones_beside_it(
     assert launcher.calls == 2
     assert [n.node_id for n in sqlite_store.list_nodes()] == ["n0"]
     launcher.release.set()
-    for _ in range(200):
+
+    def stored_both() -> bool:
         survey.step()
-        if len(sqlite_store.list_nodes()) == 2:
-            break
-        launcher.started.wait(0.05)
+        return len(sqlite_store.list_nodes()) == 2
+
+    wait_for("the second inventory stored", stored_both)
     assert [(n.node_id, n.alive) for n in sqlite_store.list_nodes()] == [("n0", True),
                                                                          ("n1", True)]
     survey.close()
@@ -62,11 +64,12 @@ def test_a_failed_inventory_keeps_the_recorded_nodes(sqlite_store: Store) -> Non
     survey = NodeSurvey(sqlite_store, launcher, every_s=0.0)  # type: ignore[arg-type]
     survey.step()
     survey.step()
-    for _ in range(200):
+
+    def third_started() -> bool:
         survey.step()  # stores nothing from the failure, and starts the next one
-        if launcher.calls >= 3:
-            break
-        threading.Event().wait(0.01)
+        return launcher.calls >= 3
+
+    wait_for("a third inventory", third_started)
     assert launcher.calls >= 3
     assert [(n.node_id, n.alive) for n in sqlite_store.list_nodes()] == [("n0", True)]
     survey.close()

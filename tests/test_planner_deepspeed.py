@@ -103,8 +103,7 @@ def _free_port() -> int:
 
 
 def _measure(stage: int, precision: str, gas: int = 1) -> list[int]:
-    import torch.multiprocessing as mp
-
+    from tests import forked
     from tests._planner_ds_probe import worker
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
            "steps_per_print": 10_000,
@@ -115,10 +114,10 @@ def _measure(stage: int, precision: str, gas: int = 1) -> list[int]:
                                  "stage3_param_persistence_threshold": 0}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, cfg, DIMS, q)) for r in range(2)]
+    procs = [forked.process(ctx, worker, (r, 2, port, cfg, DIMS, q)) for r in range(2)]
     for p in procs:
         p.start()
     out = [q.get(timeout=600) for _ in procs]

@@ -12,19 +12,20 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from service.heartbeats import HeartbeatLog
 from service.jobs import submit
-from service.lease import CONTROLLER, Leases
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
+from service.store.heartbeats import HeartbeatLog
+from service.store.lease import CONTROLLER, Leases
 from tests.conftest import authed_client, tiny_spec
 
 
 def report(step: int, rank: int, *, peak: int, comm_s: float = 0.01) -> dict[str, Any]:
     return {"step": step, "rank": rank, "loss": 5.0 - step / 10, "step_time_s": 0.2 + rank / 100,
-            "tokens_per_s": 1000.0 * step, "data": {
+            "tokens_per_s": 1000.0 * step, "lr": 1e-3 / step, "grad_norm": 2.0 + step,
+            "data": {
                 "memory": {"process_peak_bytes": peak}, "bubble_s": bubble(step, rank),
                 "comm": {"dp": {"all_reduce": {"time_s": comm_s, "bytes": 4096.0,
                                                "calls": 2.0}}}, "timed": True}}
@@ -65,9 +66,9 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     store.transition(job_id=done.id, to=JobState.CANCELLED, message="x")
     Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30)
     Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30, last_pass_s=0.042)
-    HeartbeatLog(store.engine).record(job_id=running.id, attempt=1,
+    HeartbeatLog(store).record(job_id=running.id, attempt=1,
                                       seen={0: time.time() - 12.5, 1: time.time() - 0.5})
-    seen = HeartbeatLog(store.engine).last_seen(job_id=running.id, attempt=1)
+    seen = HeartbeatLog(store).last_seen(job_id=running.id, attempt=1)
 
     settings = Settings(data_dir=tmp_path, metrics_per_rank=per_rank)
     with authed_client(create_app(settings, store=store), store) as client:
@@ -101,6 +102,8 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
         pytest.approx((latest.step_time_s - pred) / pred)
     assert value(fams["trident_job_tokens_per_second"], job_id=job) == 3000.0
     assert value(fams["trident_job_loss"], job_id=job) == pytest.approx(4.7)
+    assert value(fams["trident_job_learning_rate"], job_id=job) == pytest.approx(1e-3 / 3)
+    assert value(fams["trident_job_grad_norm"], job_id=job) == pytest.approx(5.0)
     mfu_pred = running.plan.mfu
     assert value(fams["trident_job_mfu_ratio"], job_id=job) == pytest.approx(
         mfu_pred * 3000.0 / running.plan.tokens_per_s)
@@ -155,8 +158,8 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
 
 def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_path) -> None:
     from service.jobs import Submitter
+    from service.store.tracking_exports import Exports, Sink
     from service.tracking.config import TrackingConfig
-    from service.tracking.exports import Exports, Sink
 
     uri = "http://mlflow.test:5000"
     cfg = TrackingConfig(mlflow_uri=uri, mlflow_allowed=frozenset({uri}),

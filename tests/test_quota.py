@@ -10,7 +10,6 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from service.controller import Controller
-from service.identity import Identity
 from service.jobs import Submitter
 from service.jobs import submit as submit_job
 from service.protocols import NodeCapacity, PollResult
@@ -20,9 +19,10 @@ from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
+from service.store.identity import Identity
 from tests.conftest import tiny_spec, user_token
-from tests.test_controller import FakeLauncher
-from tests.test_scheduler import job as make_job
+from tests.fakes import FakeLauncher
+from tests.fakes import job as make_job
 
 BIG = [NodeCapacity("n0", 512, 64)]
 

@@ -210,7 +210,7 @@ def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: P
     from typer.testing import CliRunner
 
     from api.cli import app
-    from tests.test_cli import serving
+    from tests.servers import serving
 
     _, store, settings = app_store
     job_id, _ = started_job(store, settings)

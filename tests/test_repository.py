@@ -1,5 +1,6 @@
 """The repository's own promises: the README lists every `trident` command, pyproject.toml
-declares only package data that exists, and every test the documents cite by name exists."""
+declares only package data that exists, every test the documents cite by name exists, and
+every long module says why it is one thing."""
 
 from __future__ import annotations
 
@@ -68,3 +69,43 @@ def test_every_test_the_documents_cite_exists() -> None:
         if name not in defined[path]:
             missing.append(f"{doc} cites {path}::{name}")
     assert not missing, "tests cited that do not exist:\n" + "\n".join(missing)
+
+
+LONG_MODULE = 400
+"""Lines beyond which a module of service/, api/ or workers/ must say why it is one thing."""
+ONE_THING = re.compile(r"\bOne module(:| because\b)")
+"""The sentence of a long module's docstring that says why it is one thing and long:
+`One module because ...` or `One module: ...`."""
+
+
+def long_modules_unexplained(root: Path) -> list[str]:
+    """Modules of service/, api/, workers/ under `root` over `LONG_MODULE` lines whose module
+    docstring does not say why they are one thing (`ONE_THING`). Length is a smell, never a
+    reason to cut a docstring: split a module by what it is for, or say why it is one."""
+    found = []
+    for package in ("service", "api", "workers"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            lines = text.count("\n")
+            doc = ast.get_docstring(ast.parse(text, str(path))) or ""
+            if lines > LONG_MODULE and not ONE_THING.search(doc):
+                found.append(f"{path.relative_to(root)} ({lines} lines)")
+    return found
+
+
+def test_a_long_module_without_its_reason_is_found(tmp_path: Path) -> None:
+    (tmp_path / "service").mkdir()
+    body = "x = 1\n" * LONG_MODULE
+    (tmp_path / "service" / "long.py").write_text(f'"""Many things."""\n{body}')
+    (tmp_path / "service" / "short.py").write_text('"""Few things."""\nx = 1\n')
+    (tmp_path / "service" / "kept.py").write_text(
+        f'"""One thing.\n\nOne module because its parts share one state."""\n{body}')
+    (tmp_path / "service" / "colon.py").write_text(
+        f'"""One thing.\n\nOne module: one class."""\n{body}')
+    assert long_modules_unexplained(tmp_path) == [f"service/long.py ({LONG_MODULE + 1} lines)"]
+
+
+def test_every_long_module_says_why_it_is_one_thing() -> None:
+    found = long_modules_unexplained(ROOT)
+    assert not found, (f"over {LONG_MODULE} lines with no 'One module because ...' in the"
+                       f" docstring: split by responsibility or say why it is one: {found}")

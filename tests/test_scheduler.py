@@ -7,20 +7,11 @@ from datetime import UTC, datetime
 from service.protocols import NodeCapacity
 from service.scheduler import Bundle, admit, bundles, pack
 from service.spec import JobSpec
-from service.states import JobState
-from service.store import Job
-from tests.conftest import stored_plan, tiny_spec
+from tests.conftest import tiny_spec
+from tests.fakes import job
 
 NOW = datetime.now(UTC)
 SPEC = JobSpec.model_validate(tiny_spec())
-
-
-def job(job_id: int, *, world: int, tp: int = 1, cpus: float = 1, gpus: float = 0,
-        priority: int = 0) -> Job:
-    return Job(id=job_id, name=f"j{job_id}", owner="local", state=JobState.QUEUED,
-               priority=priority, spec=SPEC, plan=stored_plan(tp=tp, dp=world // tp),
-               world_size=world, cpus=cpus, gpus=gpus, cancel_requested=False, attempts=0,
-               error=None, created_at=NOW, updated_at=NOW, started_at=None, finished_at=None)
 
 
 def nodes(*caps: tuple[float, float]) -> list[NodeCapacity]:

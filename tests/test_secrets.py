@@ -19,7 +19,6 @@ from sqlalchemy import text
 
 from api.app import create_app
 from service import daemon
-from service.identity import Identity
 from service.rayhead import RayHead
 from service.secrets import (
     KEY_FILE,
@@ -32,6 +31,7 @@ from service.secrets import (
 from service.settings import Settings
 from service.spec import JobSpec
 from service.store import Store
+from service.store.identity import Identity
 from tests.conftest import tiny_spec
 
 VALUE = "hunter2-but-a-much-longer-api-key-0987"
@@ -198,7 +198,7 @@ def test_the_controller_gives_the_ranks_their_secrets_and_stores_none_from_them(
     from service.jobs import Submitter, submit
     from service.protocols import PollResult
     from service.states import JobState
-    from tests.test_controller import FakeLauncher
+    from tests.fakes import FakeLauncher
 
     box = SecretBox.of(None, tmp_path)
     spec = JobSpec.model_validate(tiny_spec(secrets={"API_KEY": VALUE}))

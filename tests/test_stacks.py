@@ -19,18 +19,18 @@ from service.controller import Controller
 from service.protocols import PollResult
 from service.settings import Settings
 from service.stack_collect import StackCollector, group_stacks
-from service.stack_requests import (
+from service.states import JobState
+from service.store import Store
+from service.store.stack_requests import (
     KEEP_PER_JOB,
     MAX_OPEN,
     StackRequests,
     StackStatus,
     TooManyOpen,
 )
-from service.states import JobState
-from service.store import Store
 from tests.conftest import authed_client
-from tests.test_cli import server  # noqa: F401  (fixture)
-from tests.test_controller import FakeGroup, FakeLauncher, submit
+from tests.fakes import FakeGroup, FakeLauncher, submit
+from tests.waiting import drive_until, wait_for
 
 LOOP = '  File "workers/train.py", line 90, in train_rank\n    loss = engine(batch)\n'
 WAIT = '  File "workers/comm_timer.py", line 40, in all_reduce\n    work.wait()\n'
@@ -99,22 +99,14 @@ def _exists(requests: StackRequests, job_id: int, request_id: int) -> bool:
         return False
 
 
-def drive(c: Controller, done: Any, what: str) -> None:
-    for _ in range(200):
-        c.step()
-        if done():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in 200 passes")
-
-
 def test_the_controller_answers_from_the_running_group_beside_its_loop(
         sqlite_store: Store, tmp_path: Path) -> None:
     store = sqlite_store
     launcher = FakeLauncher([[PollResult(state="running")]])
     c = Controller(store, launcher, checkpoint_root=tmp_path)
     job_id = submit(store)
-    drive(c, lambda: store.get_job(job_id=job_id).state == JobState.RUNNING, "RUNNING")
+    drive_until(c, lambda: store.get_job(job_id=job_id).state == JobState.RUNNING, 120,
+                "RUNNING")
     group: FakeGroup = launcher.groups[0]
     asked = threading.Event()
     release = threading.Event()
@@ -135,8 +127,8 @@ def test_the_controller_answers_from_the_running_group_beside_its_loop(
     assert group.polls == polls + 3  # the job is still watched every pass
     assert requests.get(job_id=job_id, request_id=req.id).status == StackStatus.RUNNING
     release.set()
-    drive(c, lambda: requests.get(job_id=job_id, request_id=req.id).status
-          == StackStatus.DONE, "answered")
+    drive_until(c, lambda: requests.get(job_id=job_id, request_id=req.id).status
+                == StackStatus.DONE, 120, "answered")
     done = requests.get(job_id=job_id, request_id=req.id)
     assert done.attempt == 1 and done.finished_at is not None
     assert done.result["threads"][0]["groups"] == [{"ranks": [0], "stack": LOOP},
@@ -158,11 +150,12 @@ def test_requests_that_cannot_be_answered_fail_with_the_reason(sqlite_store: Sto
     failing = requests.create(job_id=job_id, requested_by="admin")
     broken.thread_stacks = lambda *_: 1 / 0  # type: ignore[attr-defined]
     collector.step({job_id: (broken, 1)})  # type: ignore[dict-item]
-    for _ in range(100):
+
+    def answered() -> bool:
         collector.step({job_id: (broken, 1)})  # type: ignore[dict-item]
-        if collector.pending == 0:
-            break
-        time.sleep(0.02)
+        return collector.pending == 0
+
+    wait_for("the failed collection answered", answered)
     got = requests.get(job_id=job_id, request_id=failing.id)
     assert got.status == StackStatus.FAILED and "ZeroDivisionError" in (got.error or "")
 

@@ -10,10 +10,10 @@ pytest.importorskip("ray")
 from pydantic import TypeAdapter  # noqa: E402
 
 from api.cli_stacks import render  # noqa: E402
-from service.stack_requests import StackRequest  # noqa: E402
 from service.states import JobState  # noqa: E402
+from service.store.stack_requests import StackRequest  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
-from tests.test_e2e_ray import drive_until, local_ray, stack  # noqa: E402, F401
+from tests.waiting import drive_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,6 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import inspect, select, text, update
 
-from migrations import downgrade, upgrade
-from service.db import JobRow
 from service.hardware import get_profile
 from service.planner import StoredPlan, evaluate
 from service.planner.memory import MemoryBreakdown, stage_memory
@@ -20,6 +18,8 @@ from service.spec import JobSpec, ParallelSpec
 from service.spec_limits import recheck
 from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
+from service.store.schema import downgrade, upgrade
+from service.store.tables import JobRow
 from tests.conftest import stored_plan, tiny_spec
 
 
@@ -127,7 +127,8 @@ def test_a_spec_stored_before_a_newer_limit_reads_and_is_rechecked(store: Store)
     attempt) names each field it fails."""
     spec = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
     spec["resources"]["cpus_per_worker"] = 1e-9
-    spec["checkpoint"] = {"every_steps": 2, "dir": f"/ckpt/{'x' * 256}/line\nbreak"}
+    spec["checkpoint"] = {**spec["checkpoint"], "every_steps": 2,
+                          "dir": f"/ckpt/{'x' * 256}/line\nbreak"}
     with pytest.raises(ValidationError):
         JobSpec.model_validate(spec)  # what a submission of it is
     job_id = _job(store)

@@ -9,8 +9,6 @@ import os
 import re
 import signal
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,19 +17,11 @@ from api.app import create_app
 from service.settings import Settings
 from service.store import Store
 from service.supervisor import Supervisor
+from tests.servers import serving, wait_healthy
 from tests.smallfs import Filler, small_fs
-from tests.test_cli import serving, wait_healthy
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not {what} after {timeout_s} s")
 
 
 def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> None:
@@ -90,6 +80,7 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
     from types import SimpleNamespace
 
     import service.daemon as daemon
+    from service.rayhead import UNUSED_OFF_ENV, WORKER_NICENESS_ENV
 
     def ray_init(**_: object) -> None:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
@@ -98,9 +89,10 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
              "workers.group": SimpleNamespace(NAMESPACE="trident"),
              "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
-    # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV); undone after the test.
+    # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV), its metrics collection off
+    # (UNUSED_OFF_ENV); undone after the test.
     for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "DASHBOARD_METRIC_PORT",
-                 "AUTOSCALER_METRIC_PORT"):
+                 "AUTOSCALER_METRIC_PORT", *UNUSED_OFF_ENV, *WORKER_NICENESS_ENV):
         monkeypatch.setenv(name, "1")
 
     def ours(_signum: int, _frame: object) -> None:
@@ -111,6 +103,8 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
         assert daemon.connect_ray(Settings()) == "launcher"
         assert signal.getsignal(signal.SIGTERM) is ours
         assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+        assert {k: os.environ[k] for k in UNUSED_OFF_ENV} == UNUSED_OFF_ENV
+        assert {k: os.environ[k] for k in WORKER_NICENESS_ENV} == WORKER_NICENESS_ENV
     finally:
         signal.signal(signal.SIGTERM, before)
 

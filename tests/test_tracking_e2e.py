@@ -35,7 +35,7 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.tracking.config import TrackingConfig  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.test_cli import serving  # noqa: E402
+from tests.servers import serving  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow

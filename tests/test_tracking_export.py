@@ -15,61 +15,18 @@ import pytest
 
 from service.confine import mlflow_refusal
 from service.jobs import Submitter, submit
-from service.metrics_ingest import MetricsIngest
 from service.protocols import StepReport
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
+from service.store.metrics import MetricsIngest
+from service.store.tracking_exports import Export, Exports, Sink
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
-from service.tracking.exports import Export, Exports, Sink
-from service.tracking.scalars import StepScalars
-from service.tracking.sinks import TrackerDown, TrackerRefused
 from tests.conftest import tiny_spec
+from tests.fakes import FakeTracker
 
 URI = "http://mlflow.test:5000"
-
-
-class FakeTracker:
-    """Records what it is sent; `down` makes it not answer, `refuse` steps it refuses."""
-
-    kind = Sink.MLFLOW
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.steps: list[tuple[int, int, dict[str, float]]] = []
-        self.told: list[tuple[str, bool]] = []
-        self.opened = 0
-        self.down = False
-        self.refuse: set[int] = set()
-        self.block: threading.Event | None = None
-
-    def open(self, job: Job) -> tuple[str | None, str | None]:
-        self._answer()
-        self.opened += 1
-        return f"run-{job.id}", "1"
-
-    def discard(self, run_id: str) -> None:
-        raise AssertionError("no run is made twice here")
-
-    def send(self, job: Job, export: Export, steps: Sequence[StepScalars]) -> None:
-        self._answer()
-        if self.refuse & {s.step for s in steps}:
-            raise TrackerRefused("400 INVALID_PARAMETER_VALUE")
-        self.steps += [(s.attempt, s.step, s.values) for s in steps]
-
-    def tell(self, job: Job, export: Export, *, final: bool) -> None:
-        self._answer()
-        self.told.append((job.state.value, final))
-
-    def close(self) -> None:
-        pass
-
-    def _answer(self) -> None:
-        if self.block is not None:
-            self.block.wait(60)
-        if self.down:
-            raise TrackerDown("ConnectionRefusedError: [Errno 111] Connection refused")
 
 
 class Clock:

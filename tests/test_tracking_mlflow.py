@@ -16,14 +16,14 @@ import httpx
 import pytest
 
 from service.jobs import Submitter, submit
-from service.metrics_ingest import MetricsIngest
 from service.secrets import SecretBox
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
+from service.store.metrics import MetricsIngest
+from service.store.tracking_exports import Exports, Sink
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
-from service.tracking.exports import Exports, Sink
 from tests.conftest import tiny_spec
 
 mlflow = pytest.importorskip("mlflow")

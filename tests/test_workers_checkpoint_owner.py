@@ -11,21 +11,11 @@ import pytest
 
 from service.checkpoints import RECORD, RULE, CheckpointWriter, read_writer
 from service.spec import JobSpec
+from tests.smallfs import snapshot
 from tests.workers_spawn import run_ranks
 
 ALICE = CheckpointWriter(job_id=15, owner="alice")
 BOB = CheckpointWriter(job_id=16, owner="bob")
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file below `folder`: its size and modification time."""
-    out = {}
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            st = os.stat(os.path.join(dirpath, name))
-            out[os.path.relpath(os.path.join(dirpath, name), folder)] = (st.st_size,
-                                                                        st.st_mtime_ns)
-    return out
 
 
 @pytest.mark.slow

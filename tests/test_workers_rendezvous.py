@@ -84,10 +84,15 @@ def _listening_ranks(addr: str) -> dict[int, tuple[float, list[tuple[str, int]]]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["loopback", "node"])
-def test_a_groups_store_and_gloo_sockets_listen_on_the_master_address_only(where: str) -> None:
+def test_a_groups_store_and_gloo_sockets_listen_on_the_master_address_only(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     addr = LOOPBACK if where == "loopback" else NODE
     if addr is None:
         pytest.skip("this host has no address beyond loopback")
+    # The ranks inherit this process's environment: an earlier test of the same worker that
+    # met in-process leaves its interface there, and the rendezvous keeps what a job sets.
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
     ranks = _listening_ranks(addr)
     assert {r: value for r, (value, _) in ranks.items()} == {0: 4.0, 1: 4.0}
     # Rank 0 serves the store and gloo pairs; rank 1 its gloo pairs; none beyond the master's

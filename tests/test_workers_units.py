@@ -59,15 +59,19 @@ def test_tensor_parallel_shards_are_slices_of_the_unsharded_weights():
 def test_the_trainer_builds_exactly_the_parameters_the_planner_counts():
     llama_like = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=16,
                            activation="swiglu")  # no preset: RMSNorm, rotary, untied
-    for spec in (ModelSpec(preset="gpt-tiny"),
+    gpt_like = ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq_len=16)  # biases, tied
+    qwen2_like = llama_like.model_copy(update={"qkv_bias": True})  # biases on q, k, v only
+    for spec in (ModelSpec(preset="gpt-tiny"), qwen2_like,
                  ModelSpec(preset="gpt-tiny", activation="swiglu", kv_heads=2, ffn_hidden=96),
-                 llama_like):
+                 llama_like, gpt_like, ModelSpec(preset="gpt3-125m", layers=1, seq_len=64)):
         shape = ModelShape.from_spec(spec)
         model = GPT(shape, 0)
         assert sum(p.numel() for p in model.parameters()) == shape.total_params, spec
         assert parameter_count(shape) == shape.total_params
-        half = sum(p.numel() for p in GPT(shape, 0, _groups(2, 1)).parameters())
-        assert half == parameter_count(shape, tp=2)
+        for r in (0, 1):  # an odd vocabulary gives TP rank 0 one row more
+            half = sum(p.numel() for p in GPT(shape, 0, _groups(2, r)).parameters())
+            assert half == shape.rank_params(2, shape.layers, True, True, tp_rank=r)
+        assert parameter_count(shape, tp=2) == shape.rank_params(2, shape.layers, True, True)
     assert ModelShape.from_spec(ModelSpec(preset="gpt-tiny")).total_params == 232_576
 
 
@@ -79,14 +83,13 @@ def test_the_trainer_refuses_a_shape_it_would_build_differently_naming_the_trait
     from workers.model import check_buildable
 
     gpt = ModelShape.from_spec(ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq_len=16))
-    with pytest.raises(ValueError, match=r"no linear biases \(biases=True\)"):
-        GPT(gpt, 0)
-    with pytest.raises(ValueError, match=r"untied LM head \(tied=True\)"):
-        check_buildable(dataclasses.replace(gpt, biases=False))
+    check_buildable(gpt)  # GPT style: biases, tied head, learned positions
+    check_buildable(ModelShape.from_spec(ModelSpec(preset="gpt3-125m")))
     with pytest.raises(ValueError, match=r"not 'alibi'"):
         check_buildable(dataclasses.replace(CFG, positions="alibi"))
-    with pytest.raises(ValueError, match=r"biases=True"):
-        check_buildable(ModelShape.from_spec(ModelSpec(preset="gpt3-125m")))
+    with pytest.raises(ValueError, match=r"even head size"):
+        check_buildable(ModelShape.from_spec(ModelSpec(
+            layers=1, hidden=12, heads=4, vocab=16, seq_len=8, activation="swiglu")))
 
 
 def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
@@ -98,6 +101,29 @@ def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
         diagonal = torch.diagonal(scores[0, 0], offset)
         assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-5), offset
     assert torch.allclose(rotary(q).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+
+
+def test_rotary_is_bit_for_bit_the_explicit_pairs_forward_and_backward():
+    from workers.model import rotary
+
+    def pairs(x: torch.Tensor, base: float) -> torch.Tensor:  # the rotation written out
+        s, d = x.shape[-2], x.shape[-1]
+        inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angle = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for base in (10000.0, 500000.0):
+            x = torch.randn(2, 3, 11, 16, generator=gen).to(dtype).requires_grad_()
+            g = torch.randn(2, 3, 11, 16, generator=gen).to(dtype)
+            want = pairs(x, base)
+            got = rotary(x, base)
+            assert torch.equal(got, want), (dtype, base)
+            assert torch.equal(torch.autograd.grad(got, x, g)[0],
+                               torch.autograd.grad(want, x, g)[0]), (dtype, base)
 
 
 def test_gpt_with_gqa_and_swiglu_runs_forward_and_backward():
@@ -182,3 +208,34 @@ def test_parameters_partition_is_deepspeeds_own_balance():
     # The heavy embedding and head push blocks towards the middle stages.
     stages = shape.stages(3, 1, "parameters")
     assert [b - a for (a, b), in stages][1] >= max(b - a for (a, b), in stages)
+
+
+def test_each_rank_builds_the_parameters_the_plan_counts_for_its_stage_under_tp_and_pp():
+    # The plan's per-stage parameter bytes (fp32, ZeRO-0: 4 bytes per parameter held) are
+    # what every TP rank of that stage builds, embedding and vocabulary-split head included.
+    from service.planner import evaluate
+    from service.planner.stored import plan_json
+    from service.spec import JobSpec
+    from workers.model import build_layers
+
+    for model in ({"preset": "gpt-tiny"},
+                  {"layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "vocab": 202,
+                   "seq_len": 16, "activation": "swiglu"},
+                  {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}):
+        for tp in (1, 2, 4):
+            for pp in (1, 2):
+                spec = JobSpec(name="count", model=model, parallel={"tp": tp, "pp": pp},
+                               train={"precision": "fp32", "global_batch": 8})
+                shape = ModelShape.from_spec(spec.model)
+                plan = plan_json(evaluate(spec))
+                for stage, mem in enumerate(plan["memory_by_stage"]):
+                    (rng,) = mem["layers"]
+                    for r in range(tp):
+                        built = sum(p.numel() for layer in build_layers(
+                            shape, 0, _groups(tp, r), layer_range=tuple(rng)) for p in
+                            layer.parameters())
+                        largest = shape.rank_params(tp, rng[1] - rng[0], first=stage == 0,
+                                                    last=stage == pp - 1, pp=pp, tp_rank=r)
+                        assert built == largest, (model, tp, pp, stage, r)
+                        if shape.vocab % tp == 0 or r == 0:
+                            assert 4 * built == mem["params"], (model, tp, pp, stage, r)

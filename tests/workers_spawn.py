@@ -1,26 +1,20 @@
-"""Test helper: run `train_rank` on N local processes (gloo) and collect every rank's reports."""
+"""Test helper: run `train_rank` on N local processes (gloo) and collect every rank's reports.
+The processes are forked from a server that imported the trainer (`tests.forked`)."""
 
 from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import threading
 import time
 import traceback
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from service.checkpoints import CheckpointWriter
 from service.protocols import StepReport
 from service.spec import JobSpec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests import forked
+from tests.servers import free_port
 
 
 def _distinct_free_ports(n: int) -> list[int]:
@@ -34,7 +28,7 @@ def _distinct_free_ports(n: int) -> list[int]:
 
 def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: str | None,
                attempts: list[int | None], stop_ranks: list[int] | None, queue: Any,
-               writer: CheckpointWriter | None = None) -> None:
+               writer: CheckpointWriter | None = None, preempt: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -52,25 +46,32 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
         # stop step sets `stop` after that step's report.
         for attempt, stop_after in enumerate(attempts):
             stop = threading.Event()
+            save_now = threading.Event()
 
             def report(r: StepReport, attempt: int = attempt, stop_after=stop_after,
-                       stop: threading.Event = stop) -> None:
+                       stop: threading.Event = stop,
+                       save_now: threading.Event = save_now) -> None:
                 queue.put(("report", rank, attempt, r.model_dump()))
                 if stop_after is not None and r.step >= stop_after and \
                         (stop_ranks is None or rank in stop_ranks):
+                    if preempt:  # as `RankActor.preempt` does
+                        save_now.set()
                     stop.set()
 
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=ports[attempt],
                               checkpoint_dir=ckpt, plan=planned_row(spec, rank),
-                              attempt=attempt, writer=writer)
+                              attempt=attempt, writer=writer, save_now=save_now)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
+
+            def started(step: int, attempt: int = attempt) -> None:
+                queue.put(("start", rank, attempt, step))
 
             def run(ctx: RankContext = ctx, report=report, stop: threading.Event = stop,
                     failure: list[BaseException] = failure) -> None:
                 try:
-                    train_rank(spec, ctx, report, stop)
+                    train_rank(spec, ctx, report, stop, started)
                 except BaseException as exc:
                     failure.append(exc)
 
@@ -86,21 +87,26 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
 
 def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
               attempts: list[int | None] | None = None, stop_ranks: list[int] | None = None,
-              timeout: float = 240, writer: CheckpointWriter | None = None) -> list[list[dict]]:
+              timeout: float = 240, writer: CheckpointWriter | None = None,
+              preempt: bool = False,
+              sequence: list[tuple[int, str, int]] | None = None) -> list[list[dict]]:
     """Reports per attempt, in arrival order; raises with the traceback of a failed rank.
 
     `attempts` runs several attempts in the same processes; an attempt's number is the step
     after which `stop` is set (None: run to the end), on `stop_ranks` only if given. `writer`:
-    the job the checkpoint folder must belong to, as the controller gives it.
+    the job the checkpoint folder must belong to, as the controller gives it. `preempt`:
+    stopping an attempt also asks its ranks to save first, as a preemption does.
+    `sequence`, if given, receives `(rank, "start" or "report", step)` in each rank's order:
+    the trainer's `step_started` calls and its reports.
     """
     attempts = attempts or [None]
     world = spec.world_size
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()
     queue = ctx.Queue()
     ports = _distinct_free_ports(len(attempts))  # a fresh rendezvous port per attempt
-    procs = [ctx.Process(target=_rank_main,
-                         args=(spec.model_dump_json(exclude_unset=True), r, world, ports,
-                               checkpoint_dir, attempts, stop_ranks, queue, writer))
+    procs = [forked.process(ctx, _rank_main,
+                            (spec.model_dump_json(exclude_unset=True), r, world, ports,
+                             checkpoint_dir, attempts, stop_ranks, queue, writer, preempt))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -120,8 +126,13 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             if kind == "done":
                 done += 1
+            elif kind == "start":
+                if sequence is not None:
+                    sequence.append((rank, "start", payload))
             else:
                 out[attempt].append(payload)
+                if sequence is not None:
+                    sequence.append((rank, "report", payload["step"]))
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -28,11 +28,27 @@ from service.planner.stored import RankPlan
 from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
 
-RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+NICENESS_VAR = "RAY_worker_niceness"
+"""Ray's setting of its workers' niceness (`worker_niceness`), read from the environment."""
+
+RANK_RUNTIME_ENV = {"env_vars": {NICENESS_VAR: "0"}}
 """Ray starts its worker processes at niceness 15 (`worker_niceness`), as background work;
 a rank is the job's work: at 15 it loses the CPU to every other process of a shared node
 (`make bench` measured a CPU job at 0.42 of torchrun's speed on a loaded machine). Ray Jobs
-starts its drivers at 0 the same way."""
+starts its drivers at 0 the same way.
+
+Not needed on a Ray whose workers all start at 0 (`rank_runtime_env`): the Ray that Trident
+starts (`service.rayhead.WORKER_NICENESS_ENV`, set on its nodes and on the controller, its
+driver). There the ranks take no runtime environment: an actor with one waits for a worker
+process started for that environment, where one without takes a worker Ray started ahead
+(seconds of the time to a job's first step on a loaded machine)."""
+
+
+def rank_runtime_env() -> dict[str, dict[str, str]] | None:
+    """The ranks' runtime environment: none when this driver's Ray starts its workers at
+    niceness 0 already (its environment says so: the Ray that Trident starts), else
+    `RANK_RUNTIME_ENV`."""
+    return None if os.environ.get(NICENESS_VAR) == "0" else RANK_RUNTIME_ENV
 
 REPORT_BUFFER = 50_000
 """Reports a rank keeps unacknowledged (about 14 hours at a step a second); beyond that the
@@ -57,6 +73,7 @@ class RankActor:
         self._dropped = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._save_now = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._finished = False
@@ -91,7 +108,8 @@ class RankActor:
         ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
                           master_addr=master_addr, master_port=ports[0],
                           checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
-                          writer=CheckpointWriter.from_json(writer) if writer else None)
+                          writer=CheckpointWriter.from_json(writer) if writer else None,
+                          save_now=self._save_now)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:
@@ -158,9 +176,21 @@ class RankActor:
                           sample_every=spec.monitor.comm_sample_every)
         faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
 
+        # The built-in trainer says where each step's own work starts (`step_started`, just
+        # before the step's clock starts): the step's communication is counted from there, and
+        # an injected fault is armed there, so that a slow rank's stall falls inside its step
+        # (compute, as a slow GPU's would) rather than in the stop check between steps. A
+        # custom entrypoint has no such call: its faults are armed when the last step reports.
+        arm_at_report = bool(spec.entrypoint)
+
         def begin(step: int) -> None:
             timer.begin_step(step)
             self.heartbeat.beat(step, "forward")
+            if arm_at_report:
+                faults.begin(step)
+
+        def started(step: int) -> None:
+            timer.step_started(step)
             faults.begin(step)
 
         def report(r: StepReport) -> None:
@@ -175,7 +205,7 @@ class RankActor:
         faults.arm(timer)
         try:
             begin(1)
-            train_rank(spec, ctx, report, self._stop)
+            train_rank(spec, ctx, report, self._stop, started)
         finally:
             timer.uninstall()
 
@@ -219,4 +249,9 @@ class RankActor:
         return thread_stacks(work, max_bytes)
 
     def cancel(self) -> None:
+        self._stop.set()
+
+    def preempt(self) -> None:
+        """Save a checkpoint at the next step boundary, then stop (`RankContext.save_now`)."""
+        self._save_now.set()
         self._stop.set()

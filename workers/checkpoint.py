@@ -15,14 +15,23 @@ failed rank 0 removes the partial tag instead of marking it. Every rank gets the
 the newest complete tag stays the one to resume from, and training goes on: the next save is
 tried at its step.
 
+Retention (`checkpoint.keep_last`, `keep_every`): once a tag is complete, and only then, rank 0
+deletes the older tags the policy does not keep (`prune`), each marker first so that a tag
+half deleted is never taken for complete, and the partial tags older than it (what a crash in a
+save left). A crash during a save therefore never deletes the newest complete tag: nothing is
+deleted before its successor is marked. The new tag's size and the steps deleted go with the
+step's report (`StepReport.checkpoint_bytes`, `checkpoints_removed`), and the controller keeps
+the job's tags and their bytes (`service.store.checkpoints`).
+
 Called by `workers.train`; `newest_complete_step` also by custom entrypoints.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,23 +40,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from service.checkpoints import CheckpointRefused, CheckpointWriter, claim
-
-MARKER = "COMPLETE"
-_TAG = re.compile(r"^step(\d+)$")
-
-
-def tag(step: int) -> str:
-    return f"step{step}"
-
-
-def newest_complete_step(directory: str | None) -> int:
-    """The step of the newest complete checkpoint under `directory`, 0 when there is none."""
-    if not directory or not os.path.isdir(directory):
-        return 0
-    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := _TAG.match(name))
-             and os.path.exists(os.path.join(directory, name, MARKER))]
-    return max(steps, default=0)
+from service.checkpoints import (
+    MARKER,
+    TAG,
+    CheckpointRefused,
+    CheckpointWriter,
+    claim,
+    newest_complete_step,
+    retained,
+    tag,
+)
+from service.protocols import StepReport
+from service.spec import JobSpec
+from workers.tags import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes, written_by
 
 
 def agreed_resume_step(directory: str | None) -> int:
@@ -97,6 +102,10 @@ class Saved(NamedTuple):
     """The complete tag's directory (None: the save failed)."""
     error: str | None
     """Why the tag was not saved: each failing rank's first error (None: it was saved)."""
+    bytes: int | None = None
+    """The complete tag's size on disk as rank 0 sees it (None: not saved)."""
+    removed: tuple[int, ...] = ()
+    """The steps of the older tags deleted after it by the retention policy."""
 
 
 class _Held:
@@ -167,11 +176,19 @@ def _writes_held(engine: Any) -> Iterator[_Held]:
             del engine._copy_recovery_script  # the class's method again
 
 
-def save(engine, directory: str, step: int) -> Saved:
-    """Collective: every rank writes its part of tag step<N>; rank 0 then marks it complete,
-    or, when a write failed on any rank, removes what was written of it (see the module)."""
+def save(engine, directory: str, step: int, spec: JobSpec | None = None,
+         consumed_samples: int | None = None) -> Saved:
+    """Collective: every rank writes its part of tag step<N>; rank 0 then records the layout
+    that wrote it (`LAYOUT`), marks it complete and prunes the older tags by `spec`'s
+    retention policy (`prune`), or, when a write failed on any rank, removes what was
+    written of it (see the module). `consumed_samples`: the global samples read so far
+    (`workers.data`), kept with it."""
+    policy = spec.checkpoint if spec is not None else None
     held = _Held()
-    client_state = {"step": step, "data_position": step, "rng": _rng_state()}
+    client_state = {"step": step, "data_position": step, "rng": _rng_state(),
+                    "consumed_samples": consumed_samples,
+                    # what DeepSpeed's universal conversion asks of the client (no TP split)
+                    "universal_checkpoint_info": {}}
     if hasattr(engine, "checkpoint_engine"):  # DeepSpeed's, with collectives inside
         with _writes_held(engine) as held:
             engine.save_checkpoint(directory, tag=tag(step), client_state=client_state,
@@ -186,14 +203,69 @@ def save(engine, directory: str, step: int) -> Saved:
     if dist.get_rank() == 0:
         if failed is None:
             try:
+                if spec is not None:
+                    _write_layout(path, spec)
                 _mark_complete(path, step)
             except OSError as exc:
                 failed = f"rank 0: writing {path}/{MARKER}: {type(exc).__name__}: {exc}"
         if failed is not None:  # a partial tag: its space back, and never resumed from
             shutil.rmtree(path, ignore_errors=True)
-    outcome = [failed]
+    size = 0
+    removed: tuple[int, ...] = ()
+    if dist.get_rank() == 0 and failed is None:
+        size = tree_bytes(path)
+        removed = tuple(prune(directory, step, keep_last=policy.keep_last if policy else None,
+                              keep_every=policy.keep_every if policy else None))
+    outcome = [(failed, size, removed)]
     dist.broadcast_object_list(outcome, src=0)
-    return Saved(None, outcome[0]) if outcome[0] else Saved(path, None)
+    failed, size, removed = outcome[0]
+    return Saved(None, failed) if failed else Saved(path, None, size, removed)
+
+
+def saved_now(engine, directory: str, last: StepReport, spec: JobSpec,
+              consumed_samples: int | None) -> StepReport:
+    """Collective, when the job is preempted (`RankContext.save_now`): save the tag of the
+    steps done (`last`'s step) as `save` does; `last` again with the tag (the controller
+    stores the step once, and records the tag)."""
+    saved = save(engine, directory, last.step, spec, consumed_samples)
+    return last.model_copy(update={
+        "checkpoint": saved.path, "checkpoint_error": saved.error,
+        "checkpoint_bytes": saved.bytes, "checkpoints_removed": list(saved.removed) or None})
+
+
+def prune(directory: str, newest: int, *, keep_last: int | None,
+          keep_every: int | None) -> list[int]:
+    """Rank 0, once tag `newest` is complete: delete the complete tags older than it that the
+    policy does not keep (`service.checkpoints.retained`) and the partial ones older than it;
+    the complete tags' steps deleted. Nothing newer than `newest` is touched, nor anything at
+    all without `keep_last`. A tag's marker goes first: a deletion cut short leaves a partial
+    tag, never resumed from, deleted by the next prune."""
+    if keep_last is None:
+        return []
+    complete: list[int] = []
+    partial: list[int] = []
+    for name in os.listdir(directory):
+        m = TAG.match(name)
+        if m is None or int(m.group(1)) >= newest:
+            continue
+        done = os.path.exists(os.path.join(directory, name, MARKER))
+        (complete if done else partial).append(int(m.group(1)))
+    keep = retained([*complete, newest], keep_last=keep_last, keep_every=keep_every)
+    removed = []
+    for s in sorted(complete):
+        if s in keep:
+            continue
+        try:
+            os.remove(os.path.join(directory, tag(s), MARKER))
+        except OSError:
+            continue  # not deletable: it stays complete, and is tried again next time
+        shutil.rmtree(os.path.join(directory, tag(s)), ignore_errors=True)
+        shutil.rmtree(os.path.join(directory, tag(s) + UNIVERSAL), ignore_errors=True)
+        shutil.rmtree(os.path.join(directory, tag(s) + FULL), ignore_errors=True)
+        removed.append(s)
+    for s in partial:
+        shutil.rmtree(os.path.join(directory, tag(s)), ignore_errors=True)
+    return removed
 
 
 def _mark_complete(path: str, step: int) -> None:
@@ -204,11 +276,119 @@ def _mark_complete(path: str, step: int) -> None:
     os.replace(tmp, os.path.join(path, MARKER))
 
 
-def load(engine, directory: str, step: int) -> int:
+def _write_layout(path: str, spec: JobSpec) -> None:
+    tmp = os.path.join(path, LAYOUT + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(layout_of(spec), f)
+    os.replace(tmp, os.path.join(path, LAYOUT))
+
+
+def universal(directory: str, step: int) -> tuple[str, float]:
+    """Rank 0: tag `step` in DeepSpeed's universal form (`ds_to_universal`), converted into a
+    temporary folder and renamed, so that a conversion cut short is done again; cached: the
+    second call converts nothing. Its tag name, and the seconds the conversion took (0.0:
+    cached)."""
+    import time
+
+    from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+
+    name = tag(step) + UNIVERSAL
+    out = os.path.join(directory, name)
+    if os.path.isdir(out):
+        return name, 0.0
+    started = time.monotonic()
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    import sys
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder",
+                                os.path.join(directory, tag(step)), "--output_folder", tmp,
+                                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    try:
+        args = parse_arguments()
+    finally:
+        sys.argv = argv
+    main(args)
+    os.replace(tmp, out)
+    return name, time.monotonic() - started
+
+
+def dp_free(directory: str, step: int, wrote: dict[str, int], now: dict[str, int]) -> bool:
+    """Whether tag `step` loads as it is under `now`, another DP degree than `wrote`'s: ZeRO 0
+    on both sides, the same tp, pp and virtual stages, no optimizer shards in the tag (fp32 and
+    fp16 keep the whole optimizer in each model states file, which every DP replica reads)."""
+    if any(wrote.get(k) != now.get(k) for k in ("tp", "pp", "virtual_stages")) or \
+            wrote.get("zero") != 0 or now.get("zero") != 0:
+        return False
+    tagged = os.path.join(directory, tag(step))
+    return os.path.isdir(tagged) and not glob.glob(os.path.join(tagged, "*optim_states.pt"))
+
+
+def load(engine, directory: str, step: int, spec: JobSpec | None = None,
+         groups: Any = None) -> int:
     """Collective: restore the engine (weights, optimizer, ZeRO shards) and RNG; returns the
-    number of completed steps."""
-    path, client = engine.load_checkpoint(directory, tag=tag(step))
+    number of completed steps. A tag another layout wrote (`written_by`) is loaded from a
+    form converted once by rank 0 and kept beside it: DeepSpeed's universal form
+    (`universal`, with its `load_universal`) for a change of DP degree or ZeRO stage 1/2 with
+    tp = pp = 1 on both sides; otherwise the layout-free form (`workers.layout_free`), which
+    `groups` (this rank's `RankGroups`) slices for this rank."""
+    name = tag(step)
+    wrote = written_by(directory, step) if spec is not None else None
+    if spec is not None and wrote is not None and dp_free(directory, step, wrote,
+                                                          layout_of(spec)):
+        wrote = None  # the model states file holds the whole optimizer: loaded as it is
+    if spec is not None and wrote is not None and wrote != layout_of(spec):
+        now = layout_of(spec)
+        if all(x["tp"] == 1 and x["pp"] == 1 and x["zero"] in (1, 2)
+               and x.get("virtual_stages", 1) == 1 for x in (wrote, now)):
+            name = _converted(directory, step, universal)[0]
+            engine._config.load_universal_checkpoint = True  # DeepSpeed's own switch
+        else:
+            return _load_layout_free(engine, directory, step, spec, wrote, groups)
+    path, client = engine.load_checkpoint(directory, tag=name)
     if path is None:
         raise RuntimeError(f"checkpoint {directory}/{tag(step)} could not be loaded")
     _set_rng_state(client["rng"])
+    return int(client["data_position"])
+
+
+def _converted(directory: str, step: int, convert: Callable[..., Any], *args: Any) -> Any:
+    """Collective: `convert(directory, step, *args)` run by rank 0, its result on every rank;
+    its failure raised on every rank (a LayoutRefused as it is)."""
+    from workers.layout_free import LayoutRefused
+
+    out: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            out = [("ok", convert(directory, step, *args))]
+        except LayoutRefused as exc:
+            out = [("refused", str(exc))]
+        except Exception as exc:  # every rank raises it, not only rank 0
+            out = [("failed", f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(out, src=0)
+    kind, value = out[0]
+    if kind == "refused":
+        raise LayoutRefused(value)
+    if kind == "failed":
+        raise RuntimeError(f"converting {directory}/{tag(step)} for another layout failed:"
+                           f" {value}")
+    return value
+
+
+def _load_layout_free(engine, directory: str, step: int, spec: JobSpec,
+                      wrote: dict[str, int], groups: Any) -> int:
+    """Collective: tag `step`, written by `wrote`, through the layout-free form (`wrote` is
+    named in a refusal)."""
+    from service.planner.shape import ModelShape
+    from workers.layout_free import LayoutRefused, convert, load_into
+
+    now = layout_of(spec)
+    if now["tp"] > 1 and groups is None:
+        raise LayoutRefused("resuming under tp > 1 from another layout needs the rank's"
+                            " groups")
+    folder, _seconds, _bytes = _converted(directory, step, convert,
+                                          ModelShape.from_spec(spec.model).layers)
+    client = load_into(engine, folder, groups)
+    dist.barrier()
+    if client.get("rng") is not None:
+        _set_rng_state(client["rng"])  # rank 0's of the old layout
     return int(client["data_position"])

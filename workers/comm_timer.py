@@ -162,6 +162,15 @@ class CommTimer:
         self.step = step
         self._timing = not self.cuda or step % self.sample_every == 0
 
+    def step_started(self, step: int) -> None:
+        """The trainer's step `step` starts its own work now: what was counted since the last
+        report (the engine's construction before the first step, the stop check between
+        steps, an evaluation, a save) is not this step's and is dropped, so that a step's
+        communication is measured over the same interval as its `step_time_s`."""
+        self.step = step
+        self._stats = {}
+        self._events.clear()
+
     def _add(self, dim: str, op: str, nbytes: int, seconds: float) -> None:
         s = self._stats.setdefault(dim, {}).setdefault(op, [0.0, 0, 0])
         s[0] += seconds

@@ -36,7 +36,7 @@ from service.planner.stored import StoredPlan
 from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
-from workers.actor import RANK_RUNTIME_ENV, RankActor
+from workers.actor import RankActor, rank_runtime_env
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class RayWorkerGroup:
         try:
             for r in range(world_size):
                 self.actors.append(RankActor.options(  # type: ignore[attr-defined]
-                    num_cpus=cpus, num_gpus=gpus, runtime_env=RANK_RUNTIME_ENV,
+                    num_cpus=cpus, num_gpus=gpus, runtime_env=rank_runtime_env(),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=r // self.tp),
                     **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
@@ -266,6 +266,11 @@ class RayWorkerGroup:
     def cancel(self) -> None:
         for a in self.actors:
             a.cancel.remote()
+
+    def preempt(self) -> None:
+        """Ask every rank to checkpoint at the next step boundary and stop there."""
+        for a in self.actors:
+            a.preempt.remote()
 
     def shutdown(self, grace_s: float) -> None:
         """Ask ranks to stop, wait up to `grace_s` for their threads, then kill and release."""

@@ -11,8 +11,8 @@ ZeRO >= 2, CPU offload and bf16/fp16 are DeepSpeed-engine features that this pat
 offer; `check_supported` says so before anything starts.
 
 `InterleavedEngine` offers the few engine methods the trainer's loop and `workers.checkpoint`
-use (`train_batch`, `save_checkpoint`, `load_checkpoint`, `module`, `optimizer`, `destroy`), so
-the loop in `workers.train` is the same for every layout.
+use (`train_batch`, `eval_batch`, `save_checkpoint`, `load_checkpoint`, `module`, `optimizer`,
+`destroy`), so the loop in `workers.train` is the same for every layout.
 
 Called by `workers.train`.
 """
@@ -33,15 +33,19 @@ from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedul
 from service.parallel import Dim
 from service.planner.shape import ModelShape
 from service.spec import JobSpec
+from workers import hf_weights, recipe
 from workers.bubble import BubbleMeter
-from workers.model import build_layers, loss_fn, torch_checkpoint
+from workers.model import build_layers, building, loss_for, torch_checkpoint
 from workers.tp import RankGroups, dp_all_reduce, pp_broadcast
-
-ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 
 
 def check_supported(spec: JobSpec) -> None:
     p, t = spec.layout, spec.train
+    if ModelShape.from_spec(spec.model).tied:
+        raise NotImplementedError(
+            f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining,"
+            " which does not tie the LM head to the embedding across stages: a tied model"
+            " (GPT-2/GPT-3 style) needs virtual_stages 1")
     if p.zero > 1 or p.offload != "none" or t.precision != "fp32":
         raise NotImplementedError(
             f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining with"
@@ -64,11 +68,13 @@ class InterleavedEngine:
         p, t = spec.layout, spec.train
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
-        chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
-                                              checkpoint=torch_checkpoint,
-                                              sequence_parallel=p.sequence_parallel)).to(device)
-                  for rng in layers]
+        with building(device):  # each rank draws its shards on its device (fp32 only here)
+            chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
+                                                  checkpoint=torch_checkpoint,
+                                                  sequence_parallel=p.sequence_parallel))
+                      for rng in layers]
         self.module = nn.ModuleList(chunks)
+        hf_weights.load_init(self.module, spec, groups)  # init.from_hf: this rank's slices
         stage_ids = [k * p.pp + groups.pp_rank for k in range(p.virtual_stages)]
         self.has_first = 0 in stage_ids
         self.has_last = self.stages_total - 1 in stage_ids
@@ -78,15 +84,20 @@ class InterleavedEngine:
             for mod, sid in zip(chunks, stage_ids, strict=True)]
         self.micro_batches = t.global_batch // (t.micro_batch * p.dp)
         self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.micro_batches,
-                                                loss_fn=loss_fn)
+                                                loss_fn=loss_for(shape, groups))
+        recipe.mark_norm_owners(self.module, groups)
+        self.params = list(self.module.parameters())
+        self.grad_clip = t.grad_clip
+        self._grad_norm: float | None = None
+        param_groups = recipe.param_groups(self.module, t)
+        betas = (t.betas[0], t.betas[1])
         if p.zero == 1 and p.dp > 1:
             self.optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-                self.module.parameters(), optimizer_class=torch.optim.AdamW,
-                process_group=groups.dp, lr=t.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                weight_decay=0.0)
+                param_groups, optimizer_class=torch.optim.AdamW, process_group=groups.dp,
+                lr=t.lr, betas=betas, eps=t.eps, weight_decay=t.weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=t.lr,
-                                               betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+            self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=betas, eps=t.eps,
+                                               weight_decay=t.weight_decay)
         pp_ranks = groups.dims.group_of(self.rank, Dim.PP)
         self._last_stage_rank = pp_ranks[-1]
 
@@ -101,6 +112,8 @@ class InterleavedEngine:
         target = torch.cat(ys) if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
         self._average_gradients_over_dp()
+        self._grad_norm = recipe.global_grad_norm(self.params, self.groups)
+        recipe.clip_grads(self.params, self._grad_norm, self.grad_clip)
         self.optimizer.step()
         loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
         if self.has_last:
@@ -108,6 +121,24 @@ class InterleavedEngine:
             loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp
         with self.bubble.exchange("loss") if self.bubble else nullcontext():
             return pp_broadcast(loss, self._last_stage_rank, self.groups.pp)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient norm, before clipping (as DeepSpeed's engine)."""
+        return self._grad_norm
+    def eval_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The mean loss of this DP replica's micro-batches through the forward-only schedule,
+        averaged over DP, the same on every rank (as DeepSpeed's `eval_batch`)."""
+        xs, ys = zip(*data_iter, strict=True)
+        losses: list[torch.Tensor] = []
+        args = (torch.cat(xs),) if self.has_first else ()
+        target = torch.cat(ys) if self.has_last else None
+        with torch.no_grad():
+            self.schedule.eval(*args, target=target, losses=losses if self.has_last else None)
+        loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp
+        return pp_broadcast(loss, self._last_stage_rank, self.groups.pp)
 
     def _average_gradients_over_dp(self) -> None:
         dp = self.groups.dims.dp

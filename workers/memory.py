@@ -4,6 +4,10 @@
   the DeepSpeed engine holds (each storage counted once, so flat buffers and the parameter
   views into them are not counted twice). Taken right after the inner optimizer's step, when
   gradients, optimizer states and master weights all exist; with ZeRO this is the rank's shard.
+  ZeRO steps its inner optimizer once per parameter group (decayed / not decayed), giving
+  each group its fp32 gradient partition for that call only and freeing it after:
+  `ModelStateMeter` adds the gradients of the groups stepped earlier in the same step, so
+  that the reading counts every group's gradient, as with one group.
 - Activations: peak bytes of tensors saved for backward, through saved-tensor hooks
   (parameters saved by matmuls are excluded, they are counted as parameters).
 - Process: peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU.
@@ -88,6 +92,53 @@ def model_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
         for t in _tensors(state):
             add("optimizer", t)
     return out
+
+
+class ModelStateMeter:
+    """`model_state_bytes` of the last optimizer step, with every parameter group's gradient.
+
+    Reads after each call of the inner optimizer's `step` (a post-step hook). DeepSpeed's ZeRO
+    optimizers call it once per parameter group with `param_groups` narrowed to that group
+    (`_optimizer_step`), and free the group's gradient partition after its call: a reading
+    taken after the last call sees only the last group's. The meter remembers, per optimizer
+    parameter, the gradient bytes it held when its group stepped, and adds those freed since.
+    `read()` returns the step's bytes and starts the next step's tally.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: Any) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.inner = innermost_optimizer(optimizer)
+        self._stepped: dict[int, tuple[torch.Tensor, int]] = {}
+        self._latest: dict[str, int] = {}
+        self._freed = 0
+        self.inner.register_step_post_hook(self._after_step)
+
+    def _after_step(self, *_: Any) -> None:
+        seen: set[int] = set()
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ptr = _storage(p.grad)[0]
+                    if ptr not in seen:
+                        seen.add(ptr)
+                        # The gradient's own bytes: it may be a view of a larger buffer (a
+                        # reduction bucket), which the reading counts whole while it lives.
+                        self._stepped[id(p)] = (p, p.grad.numel() * p.grad.element_size())
+        self._latest = model_state_bytes(self.module, self.optimizer)
+        self._freed = sum(n for p, n in self._stepped.values() if p.grad is None)
+
+    def read(self) -> dict[str, int]:
+        """{"params", "grads", "optimizer"} bytes of the last step (empty before any)."""
+        out = dict(self._latest)
+        if out:
+            # The freed groups' gradients, unless the last reading still counted them: a
+            # group's gradient let go by its parameter may live on in a copy ZeRO keeps
+            # (seen on one rank of two under ZeRO-2), and is held once.
+            stepped = sum(n for _, n in self._stepped.values())
+            out["grads"] = max(out["grads"], min(out["grads"] + self._freed, stepped))
+        self._stepped.clear()
+        self._freed = 0
+        return out
 
 
 class ActivationMeter:

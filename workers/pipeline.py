@@ -17,12 +17,15 @@ Called by `workers.train`.
 
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, PipelineModule
+from workers.deepspeed_import import deepspeed  # noqa: F401  (first: DeepSpeed without MLflow)
+
+# isort: split
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from service.parallel import ParallelDims
 from service.planner.shape import ModelShape
-from workers.model import Block, Embedding, Head, Recompute, check_buildable, loss_fn
+from workers.model import Block, Embedding, Head, Recompute, check_buildable, loss_for
 from workers.tp import RankGroups
 
 
@@ -57,11 +60,18 @@ def build_pipeline(shape: ModelShape, seed: int, dims: ParallelDims, groups: Ran
     ranges, from the rank's row of the plan)."""
     check_buildable(shape)
     sp = sequence_parallel
-    specs = [LayerSpec(Embedding, shape, seed, groups, sp)]
+    if shape.tied:
+        # The head projects with the token embedding: DeepSpeed builds a copy of the matrix on
+        # the last stage, broadcasts the first stage's into it and sums their gradients.
+        specs: list[LayerSpec] = [TiedLayerSpec("tok", Embedding, shape, seed, groups, sp,
+                                                tied_weight_attr="tok")]
+    else:
+        specs = [LayerSpec(Embedding, shape, seed, groups, sp)]
     specs += [LayerSpec(Block, i, shape, seed, groups, recompute, None, sp)
               for i in range(shape.layers)]
-    specs.append(LayerSpec(Head, shape, seed, groups, sp))
+    specs.append(TiedLayerSpec("tok", Head, shape, seed, groups, sp, tied_weight_attr="tok")
+                 if shape.tied else LayerSpec(Head, shape, seed, groups, sp))
     topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
-    return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_fn,
+    return _PlannedPipe(layers=specs, topology=topo, loss_fn=loss_for(shape, groups),
                         planned_parts=layer_parts(stages, shape.layers),
                         activation_checkpoint_interval=0)

@@ -29,6 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from service.parallel import Dim, ParallelDims
+from workers.seeded_init import SeededInit
+
+TP_SPLIT = "tp_split"
+"""Attribute set (True) on a parameter split over the TP group: each TP rank holds a different
+part of it (`workers.recipe` counts it on every TP rank in the gradient norm)."""
+TIED_COPY = "tied_copy"
+"""Attribute set (True) on a pipeline's last-stage copy of a tied embedding matrix: DeepSpeed
+keeps it equal to the first stage's (`TiedLayerSpec`); the gradient norm counts it there."""
 
 
 @dataclass
@@ -130,11 +138,13 @@ def _observe(dim: str, op: str, x: torch.Tensor) -> AbstractContextManager[objec
     return _observer(dim, op, x.numel() * x.element_size())
 
 
-def tp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum `x` over the TP group in place (the one TP collective of the Megatron split)."""
+def tp_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None,
+                  op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum `x` over the TP group in place (the one TP collective of the Megatron split; the
+    vocabulary-parallel cross entropy also takes a max)."""
     if group is not None and dist.get_world_size(group) > 1:
         with _observe("tp", "all_reduce", x):
-            dist.all_reduce(x, group=group)
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -309,31 +319,42 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
 class ColumnParallelLinear(nn.Module):
     """y = x W_i^T with W split by output rows; the input is replicated over the TP group.
 
-    `full_weight` is the unsharded (out, in) matrix, drawn from the seed on every rank, so the
-    model is the same whatever the layout; each rank keeps rows [tp_rank*out/tp, ...), i.e.
-    whole heads of q/k/v and whole columns of the MLP's inner dimension.
+    Each rank draws only its rows [tp_rank*out/tp, ...) of the seeded weight `init`
+    (`workers.seeded_init`: the same numbers whatever the layout), i.e. whole heads of q/k/v
+    and whole columns of the MLP's inner dimension; the whole matrix never exists.
     """
 
-    def __init__(self, full_weight: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, init: SeededInit, out_features: int, in_features: int, tp_rank: int,
+                 tp_size: int, bias: bool = False) -> None:
         super().__init__()
-        out = full_weight.shape[0]
-        assert out % tp_size == 0, f"tp({tp_size}) does not divide out features({out})"
-        per = out // tp_size
-        self.weight = nn.Parameter(full_weight[tp_rank * per:(tp_rank + 1) * per].clone())
+        assert out_features % tp_size == 0, \
+            f"tp({tp_size}) does not divide out features({out_features})"
+        per = out_features // tp_size
+        self.weight = nn.Parameter(init.rows(tp_rank * per, (tp_rank + 1) * per, in_features))
+        setattr(self.weight, TP_SPLIT, True)
+        # The bias splits with the output rows (GPT-2 initialises biases to zero).
+        self.bias = nn.Parameter(torch.zeros(per)) if bias else None
+        if self.bias is not None:
+            setattr(self.bias, TP_SPLIT, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_i x_i W_i^T with W split by input columns; the caller all-reduces the sum."""
+    """y = sum_i x_i W_i^T with W split by input columns; the caller all-reduces the sum.
 
-    def __init__(self, full_weight: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+    Each rank draws only its columns of the seeded weight (drawn in its transpose's order, so
+    that a column range is contiguous in the draw: `workers.seeded_init`)."""
+
+    def __init__(self, init: SeededInit, out_features: int, in_features: int, tp_rank: int,
+                 tp_size: int) -> None:
         super().__init__()
-        inp = full_weight.shape[1]
-        assert inp % tp_size == 0, f"tp({tp_size}) does not divide in features({inp})"
-        per = inp // tp_size
-        self.weight = nn.Parameter(full_weight[:, tp_rank * per:(tp_rank + 1) * per].clone())
+        assert in_features % tp_size == 0, \
+            f"tp({tp_size}) does not divide in features({in_features})"
+        per = in_features // tp_size
+        self.weight = nn.Parameter(init.columns(out_features, tp_rank * per, (tp_rank + 1) * per))
+        setattr(self.weight, TP_SPLIT, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight)

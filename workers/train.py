@@ -12,12 +12,16 @@ actor gets the row of the stored plan from the controller's launcher; without a 
 trainer builds from that row and never works the split out again.
 
 `train_rank` reads top to bottom: set up torch.distributed and the TP/PP/DP groups, build the
-model (each weight drawn unsharded from the seed, then sliced: layout-invariant), parallelize
+model (each rank draws only its shards of the seeded weights: layout-invariant, and under
+ZeRO-3 partitioned over DP as each module is built: `construction`), parallelize
 (tensor parallel inside the layers, then activation checkpointing inside the blocks, then ZeRO
 wrapping last through `deepspeed.initialize`), resume, loop (report every optimizer step, save
 every `checkpoint.every_steps`: a save that fails is reported and the loop goes on), tear down.
 A spec with `entrypoint` runs that function instead of the built-in GPT loop, between the same
-set-up and tear-down.
+set-up and tear-down, with the same data (`workers.evaluation.open_data`,
+`TrainContext.data`). A preempted job's ranks (`RankContext.save_now`) save where they stop.
+One module because it is one rank's run read top to bottom; its parts (data, model, pipeline,
+checkpoints, memory) are modules of their own.
 """
 
 from __future__ import annotations
@@ -28,24 +32,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.constants import default_pg_timeout
 
+from service import ds_config
 from service.checkpoints import CheckpointWriter
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
 from service.protocols import MemoryReport, StepReport
 from service.spec import JobSpec
-from workers import checkpoint, data, memory, rendezvous
+from workers import checkpoint, data, evaluation, hf_weights, memory, recipe, rendezvous
 from workers.bubble import BubbleMeter
-from workers.model import GPT, Block, loss_fn
+from workers.deepspeed_import import deepspeed
+from workers.model import GPT, Block, building, loss_for
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 
 Report = Callable[[StepReport], None]
@@ -73,6 +78,9 @@ class RankContext:
     writer: CheckpointWriter | None = None
     """The job `checkpoint_dir` must belong to, checked before any rank resumes (None: not
     checked, as under torchrun)."""
+    save_now: threading.Event | None = None
+    """Set with `stop` when the job is preempted: the ranks save a checkpoint at the step
+    boundary where they stop (`_train_gpt`), so that its next attempt loses nothing."""
 
 
 def planned_row(spec: JobSpec, rank: int) -> RankPlan:
@@ -103,25 +111,37 @@ class TrainContext:
     plan: RankPlan
     """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
     attempt: int = 0
+    data: data.DataSource | None = None
+    """The job's data as the built-in trainer reads it (`workers.data`): `micro_batches(step)`
+    is this rank's DP replica's micro-batches of step `step` (0-based), `eval_micro_batches`
+    the validation ones, `progress(samples)` the tokens, epoch and per-corpus draws of the
+    consumed samples. Resuming from `resume_step`, the consumed samples are
+    `resume_step * train.global_batch`: pass them to `checkpoint.save(...,
+    consumed_samples=...)`."""
 
     def should_stop(self) -> bool:
         """Collective: whether any rank was asked to stop; call it on every rank each step."""
         return world_any(self.stop.is_set(), self.device)
 
 
-def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event) -> None:
+def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
+               step_started: Callable[[int], None] | None = None) -> None:
     """Set up torch.distributed, build the model, train spec.train.steps steps, report, tear
-    down. Exceptions propagate; `stop` ends the run cleanly between steps."""
+    down. Exceptions propagate; `stop` ends the run cleanly between steps. The built-in
+    trainer calls `step_started(step)` where a step's timed work begins (the rank actor's
+    communication timer starts the step there)."""
     device = _setup(spec, ctx)
     try:
         checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
         groups = build_groups(spec.layout.dims, ctx.rank)
         _check_row(ctx.plan, groups)
         ds_config = deepspeed_config(spec, device)
+        source = evaluation.open_data(spec, ctx.rank, groups, device)
         if spec.entrypoint:
-            _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop)
+            _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop, source)
         else:
-            _train_gpt(spec, ctx, device, groups, ds_config, report, stop)
+            _train_gpt(spec, ctx, device, groups, ds_config, report, stop, source,
+                       step_started)
     except BaseException:
         _teardown(wait_for_peers=False)  # peers may be gone: a barrier would hide the error
         raise
@@ -157,7 +177,8 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
     # it initialised. Its timeout and device binding are what DeepSpeed would have used.
     rendezvous.init_process_group(
         "nccl" if use_gpu else "gloo", rank=ctx.rank, world_size=ctx.world_size,
-        master_addr=ctx.master_addr, port=ctx.master_port, timeout=default_pg_timeout,
+        master_addr=ctx.master_addr, port=ctx.master_port,
+        timeout=deepspeed.constants.default_pg_timeout,
         device_id=torch.device("cuda", gpu) if use_gpu and ctx.world_size > 1 else None)
     deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
                                auto_mpi_discovery=False, verbose=False,
@@ -180,44 +201,17 @@ def _teardown(wait_for_peers: bool) -> None:
 
 
 def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[str, Any]:
-    """The DeepSpeed config of this layout: batch sizes, AdamW, precision, ZeRO over DP.
-
-    AdamW is torch's own, except with CPU offload on a GPU, where DeepSpeed's vectorised
-    DeepSpeedCPUAdam steps the offloaded states (on a CPU-only rank the states live in CPU
-    memory anyway, and torch's AdamW needs no compiled op).
-    """
-    p, t = spec.layout, spec.train
-    torch_adam = not (device is not None and device.type == "cuda" and p.offload != "none")
-    zero: dict[str, Any] = {"stage": p.zero}
-    if p.offload != "none":
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if p.offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu"}
-    return {
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": t.global_batch // (t.micro_batch * p.dp),
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                 "weight_decay": 0.0, "torch_adam": torch_adam}},
-        "zero_optimization": zero,
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 12},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,
-        # The pipeline engine may send 1/tp of each activation and all-gather it on receipt,
-        # which assumes activations replicated over TP; with sequence parallelism they are not.
-        "pipeline": {"pipe_partitioned": not p.sequence_parallel,
-                     "grad_partitioned": not p.sequence_parallel},
-    }
+    """The DeepSpeed config of this layout on `device` (`service.ds_config`, which `trident
+    plan --deepspeed-config` prints)."""
+    return ds_config.deepspeed_config(spec, cuda=device is not None and device.type == "cuda")
 
 
 # --- the built-in GPT trainer -------------------------------------------------------------------
 
 def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
-               ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
+               ds_config: dict[str, Any], report: Report, stop: threading.Event,
+               source: data.DataSource,
+               step_started: Callable[[int], None] | None = None) -> None:
     layout, t = spec.layout, spec.train
     shape = ModelShape.from_spec(spec.model)  # what the planner counted; built as it is
     if layout.sequence_parallel and shape.seq_len % layout.tp:
@@ -229,68 +223,74 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     # The pipeline's waits for neighbouring stages (none without a pipeline: a bubble of 0).
     bubble = BubbleMeter(cuda=device.type == "cuda",
                          sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
-    if layout.pp > 1 and layout.virtual_stages > 1:
-        # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
-        from workers.interleaved import InterleavedEngine
-        engine = InterleavedEngine(spec, shape, groups, ctx.plan.layers, device, bubble)
-    elif layout.pp > 1:
-        from workers.pipeline import build_pipeline
-        model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
-                               ctx.plan.stages, layout.sequence_parallel)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config)
-        assert bubble is not None
-        bubble.attach_deepspeed(engine)
-    else:
-        model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel).to(device)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config, mpu=DeepSpeedMpu(groups))
+    engine = build_engine(spec, shape, ctx.plan, device, groups, ds_config, bubble)
     _check_stage(engine.module, ctx.plan)
 
-    states: dict[str, int] = {}
     inner = memory.innermost_optimizer(engine.optimizer)
-    inner.register_step_post_hook(
-        lambda *_: states.update(memory.model_state_bytes(engine.module, engine.optimizer)))
+    if layout.virtual_stages == 1 and not layout.zero and t.precision == "fp32":
+        # DeepSpeed's fp32 path without ZeRO clips with a norm it keeps nowhere: clip here,
+        # by the same rule, where the engine then reads the norm (workers.recipe).
+        engine.clip_fp32_gradients = lambda: None  # type: ignore[union-attr,attr-defined]
+        recipe.clip_before_step(inner, list(engine.module.parameters()), groups, t.grad_clip)
+
+    state_meter = memory.ModelStateMeter(engine.module, engine.optimizer)
     acts = memory.ActivationMeter(engine.module)
 
     start = 0
     if ctx.checkpoint_dir:
         resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
         if resume:
-            start = checkpoint.load(engine, ctx.checkpoint_dir, resume)
+            start = checkpoint.load(engine, ctx.checkpoint_dir, resume, spec, groups)
 
     tokens_per_step = t.global_batch * shape.seq_len
+    last: StepReport | None = None
     for step in range(start, t.steps):
         # Every rank stops at the same step boundary, even when `stop` reached some ranks a
         # step later than others: a rank that left alone would leave its peers in a collective.
         if world_any(stop.is_set(), device):
+            if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
+                    ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
+                report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec,
+                                            source.progress(step * t.global_batch).samples))
             break
         if bubble is not None:
             bubble.begin_step(step + 1)
+        if step_started is not None:
+            step_started(step + 1)
         t0 = time.perf_counter()
-        batches = data.micro_batches(seed=t.seed, step=step, dp_rank=groups.dp_rank,
-                                     dp=layout.dp, global_batch=t.global_batch,
-                                     micro_batch=t.micro_batch, seq_len=shape.seq_len,
-                                     vocab=shape.vocab)
+        lr = t.lr_at(step + 1)
+        recipe.set_lr(engine.optimizer, lr)
+        batches = source.micro_batches(step)
         with acts.track():
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
             else:
-                loss = _train_step(engine, _to(batches, device), groups, layout.dp)
+                loss = _train_step(engine, _to(batches, device), groups, layout.dp,
+                                   loss_for(shape, groups))
         dt = time.perf_counter() - t0
         waited = bubble.end_step() if bubble is not None else 0.0
+        eval_loss = evaluation.evaluate(engine, source, layout.pp, groups, device,
+                                        loss_for(shape, groups)) \
+            if source.eval_due(step + 1, t.steps) else None
+        progress = source.progress((step + 1) * t.global_batch)
         saved = checkpoint.Saved(None, None)
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
             # A save the disk refuses is reported with the step; training goes on.
-            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1)
-        report(StepReport(
+            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1, spec,
+                                    consumed_samples=progress.samples)
+        states = state_meter.read()
+        last = StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
             step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            lr=lr, grad_norm=_grad_norm(engine),
             bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
             attempt=ctx.attempt, resumed_from=start, checkpoint=saved.path,
-            checkpoint_error=saved.error,
+            checkpoint_error=saved.error, checkpoint_bytes=saved.bytes,
+            checkpoints_removed=list(saved.removed) or None, eval_loss=eval_loss,
+            tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
+            first_sample=step * t.global_batch,
             memory=MemoryReport(
                 params_bytes=states.get("params", 0),
                 grads_bytes=states.get("grads", 0),
@@ -298,11 +298,68 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 activations_peak_bytes=acts.peak,
                 process_peak_bytes=memory.process_peak_bytes(device),
                 process_peak_source="cuda_max_allocated" if device.type == "cuda"
-                else "rss_peak")))
+                else "rss_peak"))
+        report(last)
     engine.destroy()
 
 
-def _train_step(engine, batches, groups: RankGroups, dp: int) -> float:
+def build_engine(spec: JobSpec, shape: ModelShape, row: RankPlan, device: torch.device,
+                 groups: RankGroups, ds_config: dict[str, Any],
+                 bubble: BubbleMeter | None = None) -> Any:
+    """This rank's stage of the model, built shard-only (`construction`) and wrapped in its
+    engine: DeepSpeed's (pp = 1, or its pipeline engine), or the interleaved one."""
+    layout, t = spec.layout, spec.train
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
+        from workers.interleaved import InterleavedEngine
+        return InterleavedEngine(spec, shape, groups, row.layers, device, bubble)
+    if layout.pp > 1:
+        from workers.pipeline import build_pipeline
+        with construction(spec, device, groups, ds_config):
+            model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
+                                   row.stages, layout.sequence_parallel)
+        hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
+        recipe.mark_norm_owners(model, groups)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                          model_parameters=recipe.param_groups(model, t))
+        if bubble is not None:
+            bubble.attach_deepspeed(engine)
+        return engine
+    with construction(spec, device, groups, ds_config):
+        model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel)
+    hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
+    recipe.mark_norm_owners(model, groups)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=DeepSpeedMpu(groups),
+                                      model_parameters=recipe.param_groups(model, t))
+    return engine
+
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextmanager
+def construction(spec: JobSpec, device: torch.device, groups: RankGroups,
+                 ds_config: dict[str, Any]) -> Iterator[None]:
+    """Build this rank's stage holding only what the rank keeps.
+
+    Every layer draws only its TP shard (`workers.seeded_init`), on `device`, in the dtype
+    DeepSpeed trains the parameters in (it would cast them to it: same numbers, half the
+    bytes of an fp32 build in 16-bit training). Under ZeRO-3, inside `deepspeed.zero.Init`
+    over the DP group: each module's parameters are partitioned as soon as the module is
+    built, so a rank holds its partition of what it built so far and one module's TP shard
+    (the largest: the embedding or an MLP matrix), never the stage. The engine then finds the
+    parameters partitioned (`deepspeed.initialize`).
+    """
+    with ExitStack() as stack:
+        stack.enter_context(building(device, PARAM_DTYPES[spec.train.precision]))
+        if spec.layout.zero == 3:
+            stack.enter_context(deepspeed.zero.Init(
+                config_dict_or_path=ds_config, mpu=DeepSpeedMpu(groups),
+                data_parallel_group=groups.dp, mem_efficient_linear=False))
+        yield
+
+
+def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn) -> float:
     """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
     the global-batch mean loss (mean over micro-batches, then over DP replicas)."""
     total = torch.zeros((), dtype=torch.float32)
@@ -319,6 +376,12 @@ def _train_step(engine, batches, groups: RankGroups, dp: int) -> float:
         dp_all_reduce(device_total, groups.dp)
         total = device_total.cpu() / dp
     return float(total)
+
+
+def _grad_norm(engine) -> float | None:
+    """The engine's global gradient norm of the last step, before clipping, as a float."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
 
 
 def _to(batches, device: torch.device):
@@ -343,7 +406,8 @@ def _check_stage(module: torch.nn.Module, row: RankPlan) -> None:
 # --- custom entrypoints -------------------------------------------------------------------------
 
 def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
-                    ds_config: dict[str, Any], report: Report, stop: threading.Event) -> None:
+                    ds_config: dict[str, Any], report: Report, stop: threading.Event,
+                    source: data.DataSource) -> None:
     assert spec.entrypoint is not None
     module_name, func_name = spec.entrypoint.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
@@ -352,7 +416,8 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       local_rank=ctx.local_rank, device=device, groups=groups,
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=lambda r: report(StepReport.model_validate(r)),
-                      resume_step=resume, stop=stop, plan=ctx.plan, attempt=ctx.attempt))
+                      resume_step=resume, stop=stop, plan=ctx.plan, attempt=ctx.attempt,
+                      data=source))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Query
 from api.auth import require
 from api.deps import JobDep, StoreDep
 from api.schemas import CommSteps, HangList, RanksGrid, Series
-from service.dashboard import MAX_POINTS, job_series
 from service.rank_status import rank_status
+from service.store.dashboard import MAX_POINTS, job_series
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 
@@ -22,7 +22,9 @@ def series(job: JobDep, store: StoreDep,
                "The most points per series: longer series keep each bucket's minimum and"
                " maximum of every series."))] = MAX_POINTS) -> dict[str, Any]:
     """Rank 0's loss, step time, tokens/s and MFU per step, downsampled on the server, with
-    the plan's predicted step time, tokens/s and MFU; `rows` is the number of steps stored."""
+    the plan's predicted step time, tokens/s and MFU; `rows` is the number of steps stored.
+    Beside them the validation loss and the recipe's learning rate and gradient norm, on the
+    steps that reported them."""
     return job_series(store, job, max_points)
 
 

@@ -12,8 +12,8 @@ from api.auth import Who, check_owner, identity_of, require
 from api.deps import INT32_MAX, INT64_MAX
 from api.routes.jobs import NAME_PATTERN
 from api.schemas import AuditList, NewToken, ProjectList, TokenList, UserList, WhoAmI
-from service.db import NAME_MAX
-from service.identity import (
+from service.store import NotFound
+from service.store.identity import (
     DEFAULT_PROJECT,
     AuditEntry,
     Conflict,
@@ -22,7 +22,7 @@ from service.identity import (
     Token,
     User,
 )
-from service.store import NotFound
+from service.store.tables import NAME_MAX
 
 router = APIRouter()
 
@@ -33,6 +33,8 @@ ProjectPath = Annotated[str, Path(min_length=1, max_length=NAME_MAX, pattern=NAM
                                   description="A project's name.")]
 TokenId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A token's id.")]
 Quota = Annotated[float, Field(ge=0, le=1_000_000)] | None
+MaxPriority = Annotated[int, Field(ge=-1000, le=1000)] | None
+"""A project's priority cap, within the range of `JobSpec.priority`."""
 
 
 class _Body(BaseModel):
@@ -179,6 +181,8 @@ class ProjectIn(_Body):
     """GPUs its running jobs may hold together (none: no limit)."""
     cpus: Quota = None
     """CPUs its running CPU-only jobs may hold together (none: no limit)."""
+    max_priority: MaxPriority = None
+    """The highest `priority` its members may give a job (none: no cap)."""
     members: Annotated[list[Name], Field(max_length=1000)] = Field(default_factory=list)
     """Users to add to it."""
 
@@ -188,6 +192,9 @@ class QuotaIn(_Body):
     """GPUs its running jobs may hold together (none: no limit)."""
     cpus: Quota = None
     """CPUs its running CPU-only jobs may hold together (none: no limit)."""
+    max_priority: MaxPriority = None
+    """The highest `priority` its members may give a job; a submission above it is a 403
+    (none: no cap; admins are not capped)."""
 
 
 class MemberIn(_Body):
@@ -202,7 +209,7 @@ _MANAGE = [Depends(require("projects:manage"))]
 def add_project(body: ProjectIn, identity: IdentityDep) -> Project:
     try:
         project = identity.create_project(name=body.name, gpu_quota=body.gpus,
-                                          cpu_quota=body.cpus)
+                                          cpu_quota=body.cpus, max_priority=body.max_priority)
         for user in body.members:
             project = identity.add_member(project=body.name, user=user)
     except Conflict as exc:
@@ -221,10 +228,12 @@ def list_projects(identity: IdentityDep) -> dict[str, list[Project]]:
 
 @router.put("/projects/{name}/quota", tags=["identity"], dependencies=_MANAGE)
 def set_quota(name: ProjectPath, body: QuotaIn, identity: IdentityDep) -> Project:
-    """Set (or, with none, lift) a project's quota; the scheduler applies it from its next
-    pass on."""
+    """Set (or, with none, lift) a project's quota and priority cap: the body is the whole
+    of them, a field left out is lifted. The scheduler applies the quota from its next pass
+    on; the cap applies to submissions from now on (jobs queued before keep theirs)."""
     try:
-        return identity.set_quota(name=name, gpu_quota=body.gpus, cpu_quota=body.cpus)
+        return identity.set_quota(name=name, gpu_quota=body.gpus, cpu_quota=body.cpus,
+                                  max_priority=body.max_priority)
     except NotFound as exc:
         raise _not_found(exc) from None
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.auth import Who, check_owner, identity_of, may, require
 from api.deps import (
@@ -18,6 +18,7 @@ from api.deps import (
     Offset,
     Rank,
     StoreDep,
+    read_hf_configs,
 )
 from api.schemas import (
     AttemptList,
@@ -31,18 +32,19 @@ from api.schemas import (
 )
 from service.compare import compare
 from service.confine import Confinement
-from service.dashboard import Sort, job_summary, jobs_page
-from service.db import NAME_MAX
-from service.identity import Principal
 from service.jobs import KeyReused, Submitter, submit_once
 from service.jobs import submit as submit_job
-from service.metrics_ingest import MetricsIngest
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
 from service.spec_limits import recheck
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
+from service.store.checkpoints import CheckpointIndex
+from service.store.dashboard import Sort, jobs_page, summary_of
+from service.store.identity import Principal
+from service.store.metrics import MetricsIngest
+from service.store.tables import NAME_MAX
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -77,7 +79,8 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
     settings = request.app.state.settings
     return Submitter(owner=who.name, project=project, confinement=Confinement(
         checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
-        entrypoint_modules=settings.entrypoint_prefixes, env_allow=settings.env_allowed,
+        entrypoint_modules=settings.entrypoint_prefixes, data_roots=settings.data_root_dirs,
+        env_allow=settings.env_allowed,
         admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
         tracking=request.app.state.tracking,
         box=request.app.state.box)
@@ -95,7 +98,7 @@ RECENT_STEPS = 1000
 
 
 @router.post("", status_code=201, response_model=JobOut,
-             dependencies=[Depends(require("jobs:submit"))],
+             dependencies=[Depends(require("jobs:submit")), Depends(read_hf_configs)],
              responses={200: {"model": JobOut, "description": "A retried submission (same"
                               " Idempotency-Key and spec): the job it created"},
                         409: {"description": "The Idempotency-Key was used with another spec"}})
@@ -115,13 +118,21 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
                           idempotency_key)
     if not created:
         response.status_code = 200
-    return job_out(store, job, who, summary=job_summary(store, job.id, new=created))
+    # The job in hand (not read again): a new one has no steps, only its queue position.
+    return job_out(store, job, who, summary=summary_of(store, job, new=created))
 
 
 def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
-           idempotency_key: str | None = None) -> tuple[Job, bool]:
+           idempotency_key: str | None = None, *, resume_ok: bool = False) -> tuple[Job, bool]:
     """Submit `spec` as `by`: the job, and whether this call created it; the refusals as
-    4xx naming the field."""
+    4xx naming the field. `resume_ok`: the resubmission route checked the spec's
+    `checkpoint.resume_from` (the caller may read that job, the tag is there)."""
+    if spec.checkpoint.resume_from is not None and not resume_ok:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "checkpoint", "resume_from"], "type": "value_error",
+             "msg": "set by POST /api/v1/jobs/{id}/resubmit with from_checkpoint only"
+             " (trident resubmit JOB --from-checkpoint)"}])
+    _check_priority(spec, request, by)
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
@@ -142,6 +153,27 @@ def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None
+
+
+def _check_priority(spec: JobSpec, request: Request, by: Submitter) -> None:
+    """A member's job keeps under its project's priority cap and is preemptible (403s
+    naming the field and the cap); an admin's is not capped."""
+    if by.confinement is not None and by.confinement.admin:
+        return
+    if not spec.preemptible:
+        raise HTTPException(status_code=403, detail="preemptible: only an admin may submit a"
+                            " job that is never preempted (preemptible: false)")
+    if by.project is None:
+        return
+    try:
+        cap = identity_of(request).get_project(name=by.project).max_priority
+    except NotFound:
+        return
+    if cap is not None and spec.priority > cap:
+        raise HTTPException(status_code=403, detail=(
+            f"priority: {spec.priority} is above project {by.project}'s cap (max_priority"
+            f" {cap}); an admin sets it with trident project quota {by.project}"
+            " --max-priority N"))
 
 
 _READ = [Depends(require("jobs:read"))]
@@ -181,10 +213,32 @@ def get_job(job: JobDep, store: StoreDep, who: Who) -> JobOut:
     of the jobs list (newest step, reason). Its `env` values only for its owner and admins
     (others get the names in `env_hidden`); its secrets by name only, to anyone."""
     # The newest steps only: a job's page costs the same after a day of training as after a
-    # minute (`service.metrics_ingest.MetricsIngest.recent_metrics`).
-    recent = MetricsIngest(store).recent_metrics(job_id=job.id, limit=RECENT_STEPS)
-    return job_out(store, job, who, predicted_vs_measured=compare(job.plan, recent),
-                   summary=job_summary(store, job.id))
+    # minute (`service.store.metrics.MetricsIngest.recent_metrics`).
+    return job_out(store, job, who, predicted_vs_measured=compared(store, job),
+                   summary=summary_of(store, job))
+
+
+_COMPARED: dict[int, tuple[tuple[Any, ...], Any, dict[str, Any]]] = {}
+
+
+def compared(store: Store, job: Job) -> dict[str, Any]:
+    """`compare(plan, newest steps)`, worked out again only when the job has a newer step
+    (one indexed statement says whether it has): a job page polled by a hundred viewers
+    every two seconds reads its 1,000 newest rows once per new step and process, not once
+    per request. Keyed by the newest row (its id and time) and the plan."""
+    ingest = MetricsIngest(store)
+    newest = ingest.newest(job_id=job.id)
+    key = (newest, id(job.plan))
+    found = _COMPARED.get(job.id)
+    if found is not None and found[0] == key and found[1] is job.plan:
+        return found[2]
+    recent = [] if newest is None else ingest.recent_metrics(job_id=job.id,
+                                                             limit=RECENT_STEPS)
+    out = compare(job.plan, recent)
+    if len(_COMPARED) >= 1024:
+        _COMPARED.clear()
+    _COMPARED[job.id] = (key, job.plan, out)
+    return out
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202,
@@ -199,26 +253,103 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
         moved = store.request_cancel(job_id=job.id)
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
-    return job_out(store, moved, who, summary=job_summary(store, moved.id))
+    return job_out(store, moved, who, summary=summary_of(store, moved))
+
+
+class ResubmitIn(BaseModel):
+    """What a resubmission changes (no body: the stored spec as it is)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    from_checkpoint: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
+    """Start from this job's checkpoint: 0 its newest tag, N its tag of step N (one that
+    `GET /jobs/{id}/checkpoints` lists). Anyone who may read the job may; its folder is only
+    read, the new job writes into a folder of its own. None: start afresh."""
+    set: Annotated[dict[Annotated[str, Field(min_length=1, max_length=200,
+                                             pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")],
+                        Any], Field(max_length=64)] = Field(default_factory=dict)
+    """Fields changed from the stored spec, by dotted name, as `--set` gives them:
+    `{"parallel.dp": 1, "train.steps": 200}` (64 at most)."""
 
 
 @router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
              dependencies=[Depends(require("jobs:resubmit"))])
-def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who) -> JobOut:
-    """Queue a new job with this job's stored spec, under its project (or the caller's
-    default), owned by the caller; checked as a new submission. Members resubmit only their
-    own jobs. The job's secrets go with it when its owner resubmits (an admin resubmitting
+def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who,
+             body: ResubmitIn | None = None) -> JobOut:
+    """Queue a new job with this job's stored spec (with the body's `set` applied), under
+    its project (or the caller's default), owned by the caller; checked as a new submission.
+    Members resubmit only their own jobs, except `from_checkpoint`: a new job from this
+    job's checkpoint, on any layout or cluster size `set` gives it, for anyone who may read
+    the job (its `checkpoint.dir` is not carried over: the new job writes into its own
+    folder). The job's secrets go with it when its owner resubmits (an admin resubmitting
     another user's job gets a job without them: they stay their owner's)."""
-    check_owner(who, "jobs:resubmit", job.owner)
+    body = body or ResubmitIn()
+    if body.from_checkpoint is None:
+        check_owner(who, "jobs:resubmit", job.owner)
+    else:
+        check_owner(who, "jobs:read", job.owner)
     try:  # stored before a limit it fails was added: refused as a new submission would be
         spec = recheck(job.spec)
     except ValidationError as exc:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    if body.set or body.from_checkpoint is not None:
+        spec = _changed(store, job, spec, body)
+    if (rf := spec.checkpoint.resume_from) is not None and rf.job != job.id:
+        source = _source(store, rf.job, "checkpoint.resume_from")  # carried over: still there
+        check_owner(who, "jobs:read", source.owner)
     if who.name == job.owner and (sealed := store.job_secrets(job_id=job.id)):
         spec = spec.with_secrets(request.app.state.box.open_all(sealed))
-    new, _ = _queue(store, spec, request, submitter(request, who, job.project))
-    return job_out(store, new, who, summary=job_summary(store, new.id, new=True))
+    new, _ = _queue(store, spec, request, submitter(request, who, job.project), resume_ok=True)
+    return job_out(store, new, who, summary=summary_of(store, new, new=True))
+
+
+def _source(store: Store, job_id: int, field: str) -> Job:
+    try:
+        return store.get_job(job_id=job_id)
+    except NotFound as exc:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", *field.split(".")], "msg": str(exc), "type": "value_error"}],
+        ) from None
+
+
+def _changed(store: Store, job: Job, spec: JobSpec, body: ResubmitIn) -> JobSpec:
+    """`spec` with the body's `set` applied and, with `from_checkpoint`, the tag it starts
+    from; 422s naming the field."""
+    raw = spec.model_dump(mode="json", exclude_unset=False)
+    if body.from_checkpoint is not None:
+        tags = [c.step for c in CheckpointIndex(store).list(job_id=job.id)]
+        step = body.from_checkpoint or (tags[-1] if tags else 0)
+        if step not in tags:
+            have = ", ".join(map(str, tags)) or "none"
+            raise HTTPException(status_code=422, detail=[
+                {"loc": ["body", "from_checkpoint"], "type": "value_error",
+                 "msg": f"job {job.id} has no checkpoint" + (f" of step {step}" if step else "")
+                 + f" (its tags: {have})"}])
+        raw["checkpoint"]["dir"] = None  # the source's folder: read, never written
+        raw["checkpoint"]["resume_from"] = {"job": job.id, "step": step}
+    for name, value in body.set.items():
+        node = raw
+        *parents, last = name.split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[last] = value
+    try:
+        return recheck(JobSpec.model_validate(raw))
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": _set_loc(e["loc"], body.set)}
+                                      for e in exc.errors()]) from None
+
+
+def _set_loc(loc: tuple[Any, ...], sets: dict[str, Any]) -> tuple[Any, ...]:
+    """Where an error of the changed spec is: `body.set.<field>` when a `set` made it."""
+    dotted = ".".join(str(p) for p in loc)
+    for name in sets:
+        if dotted == name or dotted.startswith(name + ".") or name.startswith(dotted + "."):
+            return ("body", "set", name)
+    return ("body", *loc)
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query
 
 from api.auth import require
-from api.deps import StoreDep
+from api.deps import StoreDep, read_hf_configs
 from api.schemas import LayoutSearch, PlanOut
 from service.planner import plan_command
 from service.planner.search import cpu_bound
@@ -19,7 +19,7 @@ router = APIRouter(tags=["plan"])
 
 # Unset fields stay out, so that the answer is the planner's JSON as it made it.
 @router.post("/plan", response_model=PlanOut | LayoutSearch, response_model_exclude_unset=True,
-             dependencies=[Depends(require("plan"))])
+             dependencies=[Depends(require("plan")), Depends(read_hf_configs)])
 def plan(spec: JobSpec, store: StoreDep,
          top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
     """Predicted memory and step time: for an explicit layout exactly that layout (even when

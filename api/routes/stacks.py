@@ -14,9 +14,9 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from api.auth import Who, check_owner, require
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.schemas import Refusal
-from service.stack_requests import StackRequest, StackRequests, TooManyOpen
 from service.states import JobState
 from service.store import NotFound
+from service.store.stack_requests import StackRequest, StackRequests, TooManyOpen
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

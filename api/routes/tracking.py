@@ -26,7 +26,7 @@ from api.schemas import (
 )
 from service.comparison import MAX_JOBS, comparison
 from service.store import Job, NotFound
-from service.tracking.exports import Export, Exports, Sink
+from service.store.tracking_exports import Export, Exports, Sink
 from service.tracking.tensorboard_sink import job_dir
 
 router = APIRouter(tags=["tracking"], dependencies=[Depends(require("jobs:read"))])

@@ -77,6 +77,11 @@
     {key: "step_time_s", title: "Step time", unit: "seconds per step", pred: "step_time_s", scale: 1},
     {key: "tokens_per_s", title: "Throughput", unit: "tokens per second", pred: "tokens_per_s", scale: 1},
     {key: "mfu", title: "MFU", unit: "model FLOPs utilisation (%)", pred: "mfu", scale: 100},
+    // The recipe, on the steps that reported it; the rate is drawn as the schedule gave it.
+    {key: "lr", title: "Learning rate", unit: "learning rate", pred: null, scale: 1,
+     x: "recipe_step", raw: true},
+    {key: "grad_norm", title: "Gradient norm", unit: "global norm before clipping", pred: null,
+     scale: 1, x: "recipe_step"},
   ];
   function chartSize() {
     const w = Math.max(320, (document.getElementById("charts").clientWidth || 1100) / (innerWidth > 1200 ? 2 : 1) - 24);
@@ -88,9 +93,17 @@
     return ys.map(y => (y === null ? null : (m = m === null ? y : a * m + (1 - a) * y)));
   }
   function chartData(c) {
-    const a = Number(document.getElementById("smooth").value);
-    const ys = smooth(series[c.key].map(v => (v === null ? null : v * c.scale)), a);
-    const data = [series.step, ys];
+    const a = c.raw ? 0 : Number(document.getElementById("smooth").value);
+    const ys = smooth((series[c.key] || []).map(v => (v === null ? null : v * c.scale)), a);
+    if (c.key === "loss" && series.eval_step && series.eval_step.length) {
+      // The validation loss beside the training loss, on the union of their steps.
+      const train = new Map(series.step.map((s, i) => [s, ys[i]]));
+      const valid = new Map(series.eval_step.map((s, i) => [s, series.eval_loss[i]]));
+      const xs = [...new Set([...series.step, ...series.eval_step])].sort((p, q) => p - q);
+      return [xs, xs.map(s => (train.has(s) ? train.get(s) : null)),
+              xs.map(s => (valid.has(s) ? valid.get(s) : null))];
+    }
+    const data = [series[c.x || "step"] || [], ys];
     if (c.pred && series.predicted[c.pred] !== null && series.predicted[c.pred] !== undefined) {
       data.push(series.step.map(() => series.predicted[c.pred] * c.scale));
     }
@@ -108,7 +121,11 @@
       box.appendChild(div);
       const data = chartData(c);
       const lines = [{}, {label: "measured", stroke: PALETTE[0], width: 1.5, spanGaps: true}];
-      if (data.length > 2) lines.push({label: "predicted", stroke: PALETTE[1], width: 2, dash: [6, 4]});
+      if (data.length > 2 && c.key === "loss") {
+        lines[1].label = "training";
+        lines.push({label: "validation", stroke: PALETTE[2], width: 2, spanGaps: true,
+                    points: {show: true, size: 6}});
+      } else if (data.length > 2) lines.push({label: "predicted", stroke: PALETTE[1], width: 2, dash: [6, 4]});
       charts[c.key] = new uPlot({
         ...chartSize(), series: lines,
         scales: {x: {time: false}, y: log ? {distr: 3} : {}},
@@ -127,6 +144,7 @@
       if (rebuild || !Object.keys(charts).length) buildCharts();
       else for (const c of CHARTS) {
         const data = chartData(c);
+        if (charts[c.key].series.length !== data.length) { buildCharts(); break; }  // a new curve
         charts[c.key].setData(data);
         document.getElementById("chart-" + c.key).dataset.points = String(data[0].length);
       }

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from service.heartbeats import HeartbeatLog, HeartbeatThrottle
 from service.monitor.hang import Diagnosis, diagnose_hang
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import annotate_expected, flag_slow_groups
@@ -24,6 +23,7 @@ from service.profiles import profile_for
 from service.protocols import HeartbeatReport, ProbeReport, StepReport
 from service.spec import JobSpec
 from service.store import Job, ProbeStatus, Store
+from service.store.heartbeats import HeartbeatLog, HeartbeatThrottle
 
 COMPUTE_WINDOW = 50
 """Compute times kept per rank for straggler detection (steps)."""
@@ -45,7 +45,7 @@ class AttemptHealth:
         self.probe_rows: list[dict[str, Any]] = []
         self.probe_ranks: set[int] = set()
         self.node_of_rank: dict[int, str] = {}
-        self.beats = HeartbeatThrottle(HeartbeatLog(store.engine), job.id, attempt)
+        self.beats = HeartbeatThrottle(HeartbeatLog(store), job.id, attempt)
         """The heartbeat times the API reads (`GET /metrics`, the ranks grid)."""
 
     def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from service.monitor.calibration import calibrate
 from service.protocols import Launcher, PollResult, WorkerGroup
-from service.store import ProbeStatus, Store
+from service.store import Fence, ProbeStatus, Store
 from service.teardown import Teardowns
 
 
@@ -34,8 +34,11 @@ class ClusterProbes:
     """The cluster probes this controller runs."""
 
     def __init__(self, store: Store, launcher: Launcher, *, start_timeout_s: float,
-                 poll_timeout_s: float, teardowns: Teardowns) -> None:
+                 poll_timeout_s: float, teardowns: Teardowns, fence: Fence | None = None) -> None:
         self.store = store
+        self.fence = fence
+        """The controller's lease: probes are claimed, and their groups (whose polls launch
+        the ranks) polled, only while it is held (NotHolder otherwise)."""
         self.launcher = launcher
         self.start_timeout_s = start_timeout_s
         self.teardowns = teardowns
@@ -44,7 +47,7 @@ class ClusterProbes:
 
     def step(self) -> None:
         """Start requested probes and turn finished ones into a profile."""
-        for p in self.store.claim_probes(scope="cluster"):
+        for p in self.store.claim_probes(scope="cluster", fence=self.fence):
             req = p.request
             try:
                 group = self.launcher.start_cluster_probe(
@@ -54,6 +57,8 @@ class ClusterProbes:
                 self._failed(p.id, repr(exc))
                 continue
             self.running[p.id] = _Probe(group=group, request=req, started=time.monotonic())
+        if self.running and self.fence is not None:
+            self.store.check_fence(self.fence)
         for probe_id, probe in list(self.running.items()):
             poll = probe.group.poll(self.poll_timeout_s)
             probe.reports.extend(poll.reports)

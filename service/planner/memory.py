@@ -177,16 +177,11 @@ def in_flight_micro_batches(sc: Scenario, stage: int) -> float:
 
 
 def _stage_params(shape: ModelShape, sc: Scenario, stage: int) -> float:
-    """Parameters on one rank of `stage` (its layers and end pieces, divided by tp)."""
-    p, t = sc.layout.pp, sc.layout.tp
-    n = sc.stage_blocks[stage] * shape.layer_params
-    if stage == 0:
-        n += shape.embedding_params
-    if stage == p - 1:
-        n += shape.head_params
-        if p > 1 and shape.tied:
-            n += shape.vocab * shape.hidden  # the last stage keeps its copy of the tied matrix
-    return n / t
+    """Parameters on one rank of `stage`: its blocks and end pieces as Megatron splits them
+    over tp (`ModelShape.rank_params`: the largest TP rank's, the built-in trainer's count)."""
+    p = sc.layout.pp
+    return float(shape.rank_params(sc.layout.tp, sc.stage_blocks[stage], first=stage == 0,
+                                   last=stage == p - 1, pp=p))
 
 
 def _largest_tensor_block(shape: ModelShape, t: int) -> float:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.hardware import GB, HardwareProfile, get_profile
+from service.parallel import layer_split_errors
 from service.planner.memory import MemoryBreakdown, memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
 from service.spec import JobSpec, ParallelSpec
-from service.spec_stack import layer_split_errors
 
 
 def gb(x: float) -> str:

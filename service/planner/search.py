@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -163,9 +163,12 @@ class SearchResult:
 
 def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
            world_size: int | None = None, zero_cfg: ZeroConfig | None = None,
-           gpus_per_node: int | None = None, budget: int = SEARCH_BUDGET) -> SearchResult:
+           gpus_per_node: int | None = None, budget: int = SEARCH_BUDGET,
+           only: Callable[[ParallelSpec], bool] | None = None) -> SearchResult:
     """Every valid layout of `world_size` ranks (default: the spec's), ranked; SearchTooLarge
-    when that would look at more than `budget` candidates."""
+    when that would look at more than `budget` candidates. `only`: the layout families (tp,
+    pp, dp, zero, offload) to consider at all (the others are left out, not rejected: an
+    elastic re-plan looks only at the layouts its checkpoint conversion reaches)."""
     prof = profile or get_profile(spec.target.gpu)
     shape = ModelShape.from_spec(spec.model)
     world = world_size or spec.world_size
@@ -196,6 +199,8 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
             for zero, offload in ZERO_OFFLOAD:
                 lay0 = ParallelSpec(tp=tp, pp=pp, dp=dp, zero=zero, offload=offload,
                                     recompute="full", sequence_parallel=tp > 1)
+                if only is not None and not only(lay0):
+                    continue
                 fam2 = fam | {"zero": zero, "offload": offload}
                 if zero >= 2 and pp > 1:
                     res.rejected.append(Rejection(

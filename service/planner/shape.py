@@ -42,6 +42,14 @@ class ModelShape:
     dropout: bool = True
     """Dropout after the embedding, on the attention probabilities and on both residual
     branches (GPT, BLOOM: its masks are activations); Llama has none (its presets)."""
+    rope_theta: float = 10000.0
+    """The base of rotary positions."""
+    qkv_bias: bool = False
+    """Biases on q, k and v only (Qwen2), when `biases` is off."""
+    gelu_tanh: bool = False
+    """The GELU MLP uses GELU's tanh approximation (GPT-2's `gelu_new`)."""
+    norm_eps: float | None = None
+    """The norms' epsilon (None: torch's default)."""
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> ModelShape:
@@ -54,18 +62,16 @@ class ModelShape:
             vocab=m.vocab, seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, swiglu=swiglu,
             biases=bool(traits.get("biases", not swiglu)),
             layer_norm=traits.get("norm", "rmsnorm" if swiglu else "layernorm") == "layernorm",
-            positions=cast(Positions, positions), tied=bool(traits.get("tied", not swiglu)),
-            dropout=bool(traits.get("dropout", not swiglu)))
+            positions=cast(Positions, positions),
+            tied=m.tied if m.tied is not None else bool(traits.get("tied", not swiglu)),
+            dropout=bool(traits.get("dropout", not swiglu)), rope_theta=m.rope_theta,
+            qkv_bias=m.qkv_bias, gelu_tanh=m.activation == "gelu_tanh", norm_eps=m.norm_eps)
 
     def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.model`) would build a model other than the one
         counted here, naming the traits; None when it builds exactly this one. Checked at
         submission for jobs without an `entrypoint`, and again by the trainer."""
         traits = []
-        if self.biases:
-            traits.append("no linear biases (biases=True)")
-        if self.tied:
-            traits.append("an untied LM head (tied=True)")
         if self.positions == "alibi":
             traits.append(f"learned or rotary positions, not {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
@@ -73,10 +79,8 @@ class ModelShape:
                           f" heads({self.heads}) = {self.head_dim}")
         if not traits:
             return None
-        return ("the built-in trainer builds " + " and ".join(traits) + "; GPT-style models"
-                " have biases and a tied head (activation 'gelu' without a preset, the gpt3-*"
-                " presets): use model.preset 'gpt-tiny' (its fields may be overridden) or an"
-                " entrypoint")
+        return ("the built-in trainer builds " + " and ".join(traits) + "; use an entrypoint"
+                " for this model")
 
     @property
     def activation(self) -> Literal["gelu", "swiglu"]:
@@ -95,7 +99,8 @@ class ModelShape:
         """Parameters of one block outside its matrices: the two norms and the biases."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
         norms = (4 if self.layer_norm else 2) * h
-        return norms + ((h + 2 * kv + h + f + h) if self.biases else 0)
+        return norms + ((h + 2 * kv + h + f + h) if self.biases else
+                        (h + 2 * kv) if self.qkv_bias else 0)
 
     @property
     def kv_dim(self) -> int:
@@ -121,6 +126,31 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    def rank_params(self, tp: int, blocks: int, first: bool, last: bool, pp: int = 1,
+                    tp_rank: int = 0) -> int:
+        """Parameters TP rank `tp_rank` of a pipeline stage holds (Megatron's split): the
+        blocks' matrices and column-parallel biases, the token embedding and the LM head
+        divided over tp (by vocabulary rows, the first `vocab % tp` ranks one row more);
+        norms, row-parallel biases and the position table whole on every rank. `first` /
+        `last`: the stage holds the embedding / the final norm and head (with pp > 1 a tied
+        head's stage keeps its own copy of the matrix)."""
+        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
+        norms = (4 if self.layer_norm else 2) * h
+        split_biases = (h + 2 * kv + (2 if self.swiglu else 1) * f) if self.biases else \
+            (h + 2 * kv) if self.qkv_bias else 0
+        whole_biases = 2 * h if self.biases else 0
+        block = self.layer_matmul_params() // tp + split_biases // tp + norms + whole_biases
+        base, extra = divmod(self.vocab, tp)
+        rows = (base + (1 if tp_rank < extra else 0)) * h
+        n = blocks * block
+        if first:
+            n += rows + (self.seq_len * h if self.learned_positions else 0)
+        if last:
+            n += (2 if self.layer_norm else 1) * h
+            if not self.tied or (pp > 1 and not first):
+                n += rows
+        return n
 
     def pipeline_weights(self) -> list[int]:
         """Parameters of [embedding, block 0 .. L-1, head] as a pipeline lays them out (a tied

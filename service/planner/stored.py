@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     GetCoreSchemaHandler,
     PrivateAttr,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidatorFunctionWrapHandler,
@@ -248,9 +249,12 @@ class StoredPlan(_View):
     """Plans stored before it was added have none."""
     tokens_per_s: Number
     mfu: Number | None = None
-    chosen_by: Literal["spec", "search"] = "spec"
-    """`search` when the layout was chosen for `parallel: auto` (then `search` summarises it)."""
+    chosen_by: Literal["spec", "search", "elastic"] = "spec"
+    """`search` when the layout was chosen for `parallel: auto` (then `search` summarises it);
+    `elastic` when an elastic re-plan chose it (`service.elastic`)."""
     _keys: tuple[str, ...] = PrivateAttr(default=())
+    _memory_json: dict[str, Any] | None = PrivateAttr(default=None)
+    _dumped: dict[tuple[Any, ...], dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -262,14 +266,30 @@ class StoredPlan(_View):
 
     @field_serializer("memory")
     def _memory_as_planned(self, memory: MemoryBreakdown) -> dict[str, Any]:
-        # With `other`, `total` and the allocator's views, as the planner writes it.
-        return memory.to_json()
+        # With `other`, `total` and the allocator's views, as the planner writes it; worked
+        # out once per plan (a job's plan is read, and answered, on every poll of its page).
+        if self._memory_json is None or memory is not self.memory:
+            self._memory_json = memory.to_json()
+        return self._memory_json
 
     @model_serializer(mode="wrap")
-    def _in_stored_key_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _in_stored_key_order(self, handler: SerializerFunctionWrapHandler,
+                             info: SerializationInfo) -> dict[str, Any]:
         # The typed fields would otherwise come first: keep the order the plan was stored in.
+        # Worked out once per plan and way of dumping it (a plan never changes, and a
+        # 4,096-rank plan is answered on every poll of its job's page and in every list). What
+        # it returns is read, never changed, by its callers (a copy at the top level only).
+        key = None
+        if info.include is None and info.exclude is None:
+            key = (info.mode, info.by_alias, info.exclude_unset, info.exclude_defaults,
+                   info.exclude_none, info.round_trip)
+            if (found := self._dumped.get(key)) is not None:
+                return dict(found)
         out: dict[str, Any] = handler(self)
-        return {k: out[k] for k in self._keys if k in out} | out
+        ordered = {k: out[k] for k in self._keys if k in out} | out
+        if key is not None:
+            self._dumped[key] = ordered
+        return ordered
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StoredPlan:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.spec import TrackingSpec, normal_uri
-from service.tracking.exports import Sink
+from service.store.tracking_exports import Sink
 
 if TYPE_CHECKING:
     from service.settings import Settings

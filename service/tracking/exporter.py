@@ -36,11 +36,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from service.db import utcnow
-from service.metrics_ingest import MetricsIngest
 from service.states import JobState
 from service.store import Job, NotFound, Store
-from service.tracking.exports import Export, Exports, Sink
+from service.store.metrics import MetricsIngest
+from service.store.tables import utcnow
+from service.store.tracking_exports import Export, Exports, Sink
 from service.tracking.scalars import first_rank_of_stages, scalars_of
 from service.tracking.sinks import TrackerDown, TrackerRefused, TrackerSink
 

@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from service.planner.stored import StoredPlan
-from service.views import Metric
+from service.store.views import Metric
 
 IDENTITY = frozenset({"attempt", "step", "rank", "tp_rank", "pp_rank", "dp_rank",
                       "resumed_from", "time"})

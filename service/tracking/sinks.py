@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from service.states import JobState
 from service.store import Job
-from service.tracking.exports import Export, Sink
+from service.store.tracking_exports import Export, Sink
 from service.tracking.scalars import StepScalars
 
 PARAM_VALUE_MAX = 6000
@@ -106,5 +106,5 @@ def tags(job: Job, public_url: str | None) -> dict[str, str]:
 RUN_STATUS = {JobState.QUEUED: "SCHEDULED", JobState.PLACING: "SCHEDULED",
               JobState.RUNNING: "RUNNING", JobState.RESTARTING: "RUNNING",
               JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED",
-              JobState.CANCELLED: "KILLED"}
+              JobState.CANCELLED: "KILLED", JobState.PREEMPTED: "RUNNING"}
 """A job's state as an MLflow run status."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from service.store import Job
-from service.tracking.exports import Export, Sink
+from service.store.tracking_exports import Export, Sink
 from service.tracking.scalars import StepScalars
 from service.tracking.sinks import TrackerDown
 

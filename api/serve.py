@@ -1,0 +1,95 @@
+"""Serving the API in several processes: `python -m api.serve` (the compose stack's `api`),
+and `trident up --api-workers N`.
+
+With N > 1, uvicorn starts N worker processes that share one listening socket (the kernel
+hands each connection to one of them); each builds the app from the environment
+(`api.app:app`) on the one database. Nothing a request relies on lives in one process's
+memory only: sessions are tokens in the database, a session's CSRF token is derived from
+its secret, an `Idempotency-Key` is a unique column, the stack-request limit (429) counts
+rows, a log stream reads the ranks' files, and a token a process trusts is dropped when
+another revokes it (`service.store.trusted_tokens.STAMP_FILE`). Each process keeps its own
+Prometheus request histogram (a scrape sees the process that answers it) and its own audit
+queue. The controller is not part of it: one leader, by its lease, whatever N is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+MAX_DEFAULT_WORKERS = 4
+HEALTHCHECK_TIMEOUT_S = 120
+"""How long uvicorn's supervisor waits for a worker's answer before it replaces it."""
+PARENT_ENV = "TRIDENT_API_PARENT_PID"
+"""Set by `trident up` for its API worker processes: a worker whose parent is gone (killed
+with -9) stops, instead of serving on as an orphan."""
+
+log = logging.getLogger(__name__)
+
+
+def default_workers() -> int:
+    """The machine's cores this process may use, at most `MAX_DEFAULT_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_WORKERS))
+
+
+def watch_parent() -> None:
+    """When `PARENT_ENV` names this process's parent: a thread that stops this process
+    (SIGTERM: uvicorn's graceful shutdown) once that parent is gone."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if not parent or os.getppid() != parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        log.warning("API worker %s: parent %s ended, stopping", os.getpid(), parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(host: str, port: int, workers: int, log_level: str = "warning") -> None:
+    """uvicorn with `workers` processes of `api.app:app` (settings from the environment)."""
+    import uvicorn
+
+    # uvicorn kills a worker that does not answer its supervisor's ping within the health
+    # check's time-out (5 s by default), and starts another: on a loaded machine a worker
+    # still importing the app misses it, and the workers are replaced forever.
+    uvicorn.run("api.app:app", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level, timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m api.serve", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--workers", type=int, default=0,
+        help="API processes (default: TRIDENT_API_WORKERS, else the machine's cores, at"
+        f" most {MAX_DEFAULT_WORKERS})")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    if not 0 <= args.workers <= 64:
+        ap.error("--workers: from 1 to 64 (0: the default)")
+    from api.cli_identity import open_database
+    from service.settings import Settings
+
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    # Once, here, before any worker starts: the schema brought up to date (and, but in
+    # prod, the first admin made), so that N workers never migrate at once.
+    open_database(settings)
+    workers = args.workers or settings.api_workers or default_workers()
+    serve(args.host, args.port, workers, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

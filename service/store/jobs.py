@@ -1,0 +1,380 @@
+"""The job store: jobs, attempts, events, per-rank metrics and a job's sealed secrets; with
+the cluster's records (probes, nodes, calibrated profiles: `service.store.cluster`, which
+`Store` inherits). `Store` owns the engine of the package that alone reads or writes the
+database (`service.store`); its other modules take a `Store`.
+
+Every function is keyword-only and runs in one transaction. `transition` is the single writer
+of job state: it checks the state machine and writes the event in the same transaction.
+Callers (API, controller) get the immutable views of `service.store.views` back, never ORM rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.planner.stored import StoredPlan
+from service.spec import JobSpec
+from service.states import JobState, TransitionError, check_transition
+from service.store.cluster import ClusterRecords
+from service.store.schema import upgrade
+from service.store.tables import (
+    AttemptRow,
+    EventRow,
+    JobRow,
+    JobSecretRow,
+    LeaseRow,
+    MetricRow,
+    StepMetricRow,
+    TrackingExportRow,
+    make_engine,
+    snapshot_reads,
+    utcnow,
+)
+from service.store.views import (
+    Attempt,
+    AttemptStatus,
+    CalibratedProfile,
+    Event,
+    Job,
+    Metric,
+    Node,
+    NotFound,
+    Probe,
+    ProbeStatus,
+    aware,
+)
+
+__all__ = ["Attempt", "AttemptStatus", "CalibratedProfile", "Event", "Fence", "Job", "KeyTaken",
+           "Metric", "Node", "NotFound", "NotHolder", "Probe", "ProbeStatus", "Store"]
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A lease (`service.store.lease`) the caller must still hold for a write to happen: checked in
+    the write's own transaction, so that a controller whose lease was taken while it was in
+    the middle of a pass cannot start an attempt that the new leader also starts."""
+
+    lease: str
+    holder: str
+
+
+class NotHolder(RuntimeError):
+    """The caller no longer holds its fence's lease: nothing was written."""
+
+
+class KeyTaken(Exception):
+    """A job with this idempotency key exists already (`job`, and the hash it was sent with)."""
+
+    def __init__(self, job: Job, request_hash: str | None) -> None:
+        super().__init__(f"idempotency key taken by job {job.id}")
+        self.job = job
+        self.request_hash = request_hash
+
+
+class Store(ClusterRecords):
+    """Owns an engine and a session factory; one instance per process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(snapshot_reads(self.engine), expire_on_commit=False)
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest Alembic revision."""
+        upgrade(self.url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def _rx(self) -> Iterator[Session]:
+        """A read-only transaction (`snapshot_reads`): no write lock on SQLite."""
+        with self._read_sessions.begin() as session:
+            yield session
+
+    def _check_fence(self, s: Session, fence: Fence) -> None:
+        # FOR SHARE: a controller taking the lease over (FOR UPDATE) waits for this write.
+        lease = s.execute(select(LeaseRow).where(LeaseRow.name == fence.lease)
+                          .with_for_update(read=True)).scalar()
+        expires = aware(lease.expires_at) if lease is not None else None
+        if lease is None or lease.holder != fence.holder or expires is None or expires <= utcnow():
+            holder = lease.holder if lease else "nobody"
+            raise NotHolder(f"the {fence.lease} lease is held by {holder}, not {fence.holder}")
+
+    def check_fence(self, fence: Fence) -> None:
+        """Raise NotHolder unless `fence`'s holder holds its lease now: for work that is not
+        a write of the store but must not happen under a lost lease (launching ranks)."""
+        with self._tx() as s:
+            self._check_fence(s, fence)
+
+    def _lock_job(self, s: Session, job_id: int) -> JobRow:
+        row = s.execute(select(JobRow).where(JobRow.id == job_id).with_for_update()).scalar()
+        if row is None:
+            raise NotFound(f"job {job_id} not found")
+        return row
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def create_job(self, *, name: str, spec: JobSpec, plan: StoredPlan,
+                   world_size: int, cpus: float, gpus: float, priority: int = 0,
+                   owner: str = "local", project: str | None = None,
+                   idempotency_key: str | None = None, request_hash: str | None = None,
+                   secrets: Mapping[str, bytes] | None = None,
+                   tracking: Mapping[str, str] | None = None) -> Job:
+        """Queue a new job. With an `idempotency_key` that a job of the same `owner` holds
+        already, nothing is created and KeyTaken carries that job (the unique index on owner
+        and key decides between concurrent submissions, so exactly one of them creates it).
+        `secrets`: the job's sealed secrets by name (`service.secrets`), stored apart from the
+        spec in the same transaction; `tracking`: the trackers its steps go to (sink ->
+        target, `service.store.tracking_exports`), each a cursor at the start."""
+        try:
+            with self._tx() as s:
+                row = JobRow(name=name, owner=owner, project=project,
+                             state=JobState.QUEUED.value, priority=priority,
+                             spec=spec.model_dump(mode="json"),
+                             plan=plan.to_json(), world_size=world_size, cpus=cpus, gpus=gpus,
+                             idempotency_key=idempotency_key, request_hash=request_hash)
+                s.add(row)
+                s.flush()
+                s.add(EventRow(job_id=row.id, kind="state", message="job queued",
+                               data={"to": JobState.QUEUED.value}))
+                s.add_all(JobSecretRow(job_id=row.id, name=k, sealed=v)
+                          for k, v in (secrets or {}).items())
+                s.add_all(TrackingExportRow(job_id=row.id, sink=sink, target=target,
+                                            attempt=0, step=0, exported=0, dropped=0,
+                                            done=False)
+                          for sink, target in (tracking or {}).items())
+                return Job.from_row(row)
+        except IntegrityError:
+            taken = (self.job_by_idempotency_key(owner=owner, key=idempotency_key)
+                     if idempotency_key else None)
+            if taken is None:
+                raise
+            raise KeyTaken(*taken) from None
+
+    def job_secrets(self, *, job_id: int) -> dict[str, bytes]:
+        """A job's sealed secrets by name: for the controller, which opens them for the
+        ranks' environment, and the owner's resubmission. Never for an answer."""
+        with self._tx() as s:
+            rows = s.execute(select(JobSecretRow).where(JobSecretRow.job_id == job_id)
+                             .order_by(JobSecretRow.name)).scalars()
+            return {r.name: r.sealed for r in rows}
+
+    def secret_names(self, *, job_ids: Sequence[int]) -> dict[int, list[str]]:
+        """The names (only) of the secrets of each of `job_ids` that has any."""
+        if not job_ids:
+            return {}
+        with self._rx() as s:
+            rows = s.execute(select(JobSecretRow.job_id, JobSecretRow.name)
+                             .where(JobSecretRow.job_id.in_(list(job_ids)))
+                             .order_by(JobSecretRow.job_id, JobSecretRow.name))
+            out: dict[int, list[str]] = {}
+            for job_id, name in rows:
+                out.setdefault(job_id, []).append(name)
+            return out
+
+    def job_by_idempotency_key(self, *, owner: str, key: str) -> tuple[Job, str | None] | None:
+        """The job `owner` submitted with `key`, and the hash of the request that created
+        it (other owners' jobs with that key are not found)."""
+        with self._tx() as s:
+            row = s.execute(select(JobRow).where(JobRow.owner == owner,
+                                                 JobRow.idempotency_key == key)).scalar()
+            return None if row is None else (Job.from_row(row), row.request_hash)
+
+    def get_job(self, *, job_id: int) -> Job:
+        with self._rx() as s:
+            row = s.get(JobRow, job_id)
+            if row is None:
+                raise NotFound(f"job {job_id} not found")
+            return Job.from_row(row)
+
+    def list_jobs(self, *, states: Sequence[JobState] | None = None, owner: str | None = None,
+                  project: str | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[Job], int]:
+        where: list[ColumnElement[bool]] = []
+        where += [JobRow.state.in_([st.value for st in states])] if states else []
+        where += [JobRow.owner == owner] if owner is not None else []
+        where += [JobRow.project == project] if project is not None else []
+        with self._tx() as s:
+            q = select(JobRow).where(*where).order_by(JobRow.id.desc()).limit(limit).offset(offset)
+            count = select(func.count()).select_from(JobRow).where(*where)
+            return ([Job.from_row(r) for r in s.execute(q).scalars()],
+                    int(s.execute(count).scalar_one()))
+
+    def queued_jobs(self, *, limit: int | None = None, offset: int = 0) -> list[Job]:
+        """Queued jobs in admission order: priority first, then age (a page of them)."""
+        with self._tx() as s:
+            rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value)
+                             .order_by(JobRow.priority.desc(), JobRow.id)
+                             .limit(limit).offset(offset)).scalars()
+            return [Job.from_row(r) for r in rows]
+
+    def active_jobs(self) -> list[Job]:
+        with self._tx() as s:
+            active = [st.value for st in JobState if st.active]
+            rows = s.execute(select(JobRow).where(JobRow.state.in_(active))
+                             .order_by(JobRow.id)).scalars()
+            return [Job.from_row(r) for r in rows]
+
+    def transition(self, *, job_id: int, to: JobState, message: str,
+                   expect: Sequence[JobState] | None = None, error: str | None = None,
+                   data: dict[str, Any] | None = None, attempt: int | None = None,
+                   unless_cancelled: bool = False) -> Job:
+        """Move a job to `to`, check that the move is allowed, and record the event.
+
+        `expect` guards against races: when the current state is not one of them, nothing
+        changes and TransitionError is raised. So does `unless_cancelled` when a cancel has
+        been requested (a job asked to stop never reports that it started).
+        """
+        with self._tx() as s:
+            row = self._lock_job(s, job_id)
+            current = JobState(row.state)
+            if expect is not None and current not in expect:
+                raise TransitionError(
+                    f"job {job_id} is {current}, expected one of {', '.join(expect)}")
+            if unless_cancelled and row.cancel_requested:
+                raise TransitionError(f"job {job_id}: cancel requested; not moved to {to}")
+            check_transition(current, to)
+            now = utcnow()
+            row.state = to.value
+            row.updated_at = now
+            if to == JobState.RUNNING and row.started_at is None:
+                row.started_at = now
+            if to.terminal:
+                row.finished_at = now
+            if current == JobState.PREEMPTED and to == JobState.QUEUED:
+                row.preemptions = (row.preemptions or 0) + 1  # its attempt spent no retry
+            if error is not None:
+                row.error = error
+            s.add(EventRow(job_id=job_id, attempt=attempt, kind="state", message=message,
+                           data={"from": current.value, "to": to.value, **(data or {})}))
+            return Job.from_row(row)
+
+    def request_cancel(self, *, job_id: int) -> Job:
+        """Flag a job for cancellation; a queued job is cancelled at once."""
+        with self._tx() as s:
+            row = self._lock_job(s, job_id)
+            current = JobState(row.state)
+            if current.terminal:
+                raise TransitionError(f"job {job_id} is already {current}")
+            if row.cancel_requested:
+                return Job.from_row(row)
+            row.cancel_requested = True
+            row.updated_at = utcnow()
+            s.add(EventRow(job_id=job_id, kind="cancel", message="cancel requested", data={}))
+            if current == JobState.QUEUED:
+                row.state = JobState.CANCELLED.value
+                row.finished_at = row.updated_at
+                s.add(EventRow(job_id=job_id, kind="state", message="cancelled while queued",
+                               data={"from": current.value, "to": JobState.CANCELLED.value}))
+            return Job.from_row(row)
+
+    # --- attempts ---------------------------------------------------------------------------
+
+    def start_attempt(self, *, job_id: int, fence: Fence | None = None) -> Job:
+        """Open the next attempt of a job; the job back, `attempts` being the new attempt's
+        number (1-based). With a `fence`, only while its holder holds that lease (NotHolder)."""
+        with self._tx() as s:
+            if fence is not None:
+                self._check_fence(s, fence)
+            row = self._lock_job(s, job_id)
+            row.attempts += 1
+            s.add(AttemptRow(job_id=job_id, number=row.attempts,
+                             status=AttemptStatus.RUNNING.value))
+            return Job.from_row(row)
+
+    def end_attempt(self, *, job_id: int, number: int, status: AttemptStatus,
+                    error: str | None = None) -> None:
+        with self._tx() as s:
+            s.execute(update(AttemptRow)
+                      .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
+                      .values(status=status.value, error=error, ended_at=utcnow()))
+
+    def set_placement(self, *, job_id: int, number: int, placement: dict[str, Any]) -> None:
+        with self._tx() as s:
+            s.execute(update(AttemptRow)
+                      .where(AttemptRow.job_id == job_id, AttemptRow.number == number)
+                      .values(placement=placement))
+
+    def list_attempts(self, *, job_id: int) -> list[Attempt]:
+        with self._tx() as s:
+            rows = s.execute(select(AttemptRow).where(AttemptRow.job_id == job_id)
+                             .order_by(AttemptRow.number)).scalars()
+            return [Attempt.from_row(r) for r in rows]
+
+    # --- events -----------------------------------------------------------------------------
+
+    def add_event(self, *, job_id: int, kind: str, message: str,
+                  data: dict[str, Any] | None = None, attempt: int | None = None) -> None:
+        with self._tx() as s:
+            s.add(EventRow(job_id=job_id, attempt=attempt, kind=kind, message=message,
+                           data=data or {}))
+
+    def list_events(self, *, job_id: int, after_id: int = 0, limit: int = 200) -> list[Event]:
+        # A read (`_rx`): a job page's poll must not queue behind a 4,096-rank step's write.
+        with self._rx() as s:
+            rows = s.execute(select(EventRow)
+                             .where(EventRow.job_id == job_id, EventRow.id > after_id)
+                             .order_by(EventRow.id).limit(limit)).scalars()
+            return [Event.from_row(r) for r in rows]
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Store per-step, per-rank reports (validated by the caller); a report sent again (never
+        acknowledged to its rank) is kept once: (job, attempt, step, rank) is unique."""
+        if not rows:
+            return
+        values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],
+                   "loss": r.get("loss"), "step_time_s": r["step_time_s"],
+                   "tokens_per_s": r["tokens_per_s"], "lr": r.get("lr"),
+                   "grad_norm": r.get("grad_norm"), "data": r.get("data") or {},
+                   "time": utcnow()} for r in rows]
+        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+        with self._tx() as s:
+            s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), values)
+
+    def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
+                     after_step: int = 0, limit: int = 10000) -> list[Metric]:
+        with self._tx() as s:
+            q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.step > after_step)
+            if rank is not None:
+                q = q.where(MetricRow.rank == rank)
+            if attempt is not None:
+                q = q.where(MetricRow.attempt == attempt)
+            q = q.order_by(MetricRow.attempt, MetricRow.step, MetricRow.rank).limit(limit)
+            return [Metric.from_row(r) for r in s.execute(q).scalars()]
+
+    def latest_eval(self, *, job_id: int) -> float | None:
+        """The validation loss of the job's newest step that evaluated (newest attempt first);
+        None when none did."""
+        with self._tx() as s:
+            return s.execute(select(StepMetricRow.eval_loss)
+                             .where(StepMetricRow.job_id == job_id,
+                                    StepMetricRow.eval_loss.is_not(None))
+                             .order_by(StepMetricRow.attempt.desc(), StepMetricRow.step.desc())
+                             .limit(1)).scalar()
+
+    def latest_metric(self, *, job_id: int, rank: int = 0) -> Metric | None:
+        """The newest step of the newest attempt of one rank."""
+        with self._tx() as s:
+            row = s.execute(select(MetricRow)
+                            .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
+                            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
+                            .limit(1)).scalar()
+            return Metric.from_row(row) if row is not None else None

@@ -1,0 +1,127 @@
+"""`trident stacks`: requests for a running job's Python stacks, and their answers.
+
+The API never calls Ray: `POST /jobs/{id}/stacks` stores a request here (pending), the
+controller's pass (`service.stack_collect`) asks every rank of the job's live group for its
+threads' stacks beside its loop, and stores the answer grouped (ranks with identical stacks
+together); `GET /jobs/{id}/stacks/{request_id}` reads it back. Everything is bounded: at most
+`MAX_OPEN` requests of a job wait at once, a job keeps its newest `KEEP_PER_JOB` requests,
+and `service.stack_collect` bounds the answer's size. This module keeps the queries of the
+`stack_requests` table (migration 0009, declared with every other table in
+`service.store.tables`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    delete,
+    func,
+    select,
+)
+
+from service.store.jobs import Store
+from service.store.tables import EngineTx, JobRow, StackRequestRow, utcnow
+from service.store.views import NotFound, aware
+
+MAX_OPEN = 4
+"""Requests of one job that may wait (pending or being collected) at once; one more is refused."""
+KEEP_PER_JOB = 20
+"""Requests kept per job: making one deletes the oldest answered ones beyond this."""
+
+
+class StackStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+OPEN = (StackStatus.PENDING.value, StackStatus.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class StackRequest:
+    id: int
+    job_id: int
+    attempt: int | None
+    status: StackStatus
+    requested_by: str | None
+    result: dict[str, Any]
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, r: StackRequestRow) -> StackRequest:
+        return cls(id=r.id, job_id=r.job_id, attempt=r.attempt, status=StackStatus(r.status),
+                   requested_by=r.requested_by, result=r.result or {}, error=r.error,
+                   created_at=aware(r.created_at) or r.created_at,
+                   finished_at=aware(r.finished_at))
+
+
+class TooManyOpen(Exception):
+    """The job already has `MAX_OPEN` requests waiting."""
+
+
+class StackRequests(EngineTx):
+    """The `stack_requests` table: made by the API, taken and answered by the controller."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store.engine)
+
+    def create(self, *, job_id: int, requested_by: str | None) -> StackRequest:
+        """A pending request; TooManyOpen when the job has `MAX_OPEN` waiting already. The
+        job's row is locked meanwhile, so two concurrent requests count each other."""
+        with self._tx() as s:
+            if s.execute(select(JobRow.id).where(JobRow.id == job_id)
+                         .with_for_update()).scalar() is None:
+                raise NotFound(f"job {job_id} not found")
+            waiting = s.execute(select(func.count()).select_from(StackRequestRow).where(
+                StackRequestRow.job_id == job_id, StackRequestRow.status.in_(OPEN))).scalar_one()
+            if waiting >= MAX_OPEN:
+                raise TooManyOpen(f"job {job_id} has {waiting} stack requests waiting (at most"
+                                  f" {MAX_OPEN}); wait for them to be answered")
+            old = s.execute(select(StackRequestRow.id).where(
+                StackRequestRow.job_id == job_id, StackRequestRow.status.not_in(OPEN))
+                .order_by(StackRequestRow.id.desc()).offset(KEEP_PER_JOB - 1)).scalars().all()
+            if old:
+                s.execute(delete(StackRequestRow).where(StackRequestRow.id.in_(old)))
+            row = StackRequestRow(job_id=job_id, status=StackStatus.PENDING.value,
+                                  requested_by=requested_by, result={})
+            s.add(row)
+            s.flush()
+            return StackRequest.from_row(row)
+
+    def get(self, *, job_id: int, request_id: int) -> StackRequest:
+        with self._tx() as s:
+            row = s.get(StackRequestRow, request_id)
+            if row is None or row.job_id != job_id:
+                raise NotFound(f"stack request {request_id} of job {job_id} not found")
+            return StackRequest.from_row(row)
+
+    def open(self) -> list[StackRequest]:
+        """Every request not answered yet, oldest first (few: `MAX_OPEN` per job)."""
+        with self._tx() as s:
+            rows = s.execute(select(StackRequestRow).where(StackRequestRow.status.in_(OPEN))
+                             .order_by(StackRequestRow.id)).scalars()
+            return [StackRequest.from_row(r) for r in rows]
+
+    def take(self, *, request_id: int, attempt: int) -> None:
+        """The controller is collecting the answer from `attempt`'s ranks."""
+        with self._tx() as s:
+            row = s.get(StackRequestRow, request_id)
+            if row is not None:
+                row.status, row.attempt = StackStatus.RUNNING.value, attempt
+
+    def finish(self, *, request_id: int, result: dict[str, Any] | None = None,
+               error: str | None = None) -> None:
+        """Answered (`result`), or failed (`error`)."""
+        with self._tx() as s:
+            row = s.get(StackRequestRow, request_id)
+            if row is not None:
+                row.status = (StackStatus.FAILED if error else StackStatus.DONE).value
+                row.result, row.error, row.finished_at = result or {}, error, utcnow()

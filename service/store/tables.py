@@ -1,0 +1,531 @@
+"""Database schema (SQLAlchemy 2) and engine set-up: every table is declared here, so that
+`migrations/env.py`'s `target_metadata` (Alembic's comparison, `tests/test_migrations_drift.py`)
+sees them all. Only the modules of `service.store` query these tables; `migrations/` creates
+them.
+
+One module because every table is declared in one place: Alembic's comparison reads this
+module's metadata and nothing else, and a foreign key or an index reads beside the table it
+refers to. With the engine set-up (`make_engine`, `reads`, `EngineTx`), which every query of
+the package goes through.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class StoredJSON(TypeDecorator[Any]):
+    """JSON that a process decodes once per distinct text: a job's spec and plan (several
+    KiB each, never changed once stored) are read on every poll of its page and for every
+    line of the jobs list. The decoded values are shared: nothing may change them in place
+    (nothing does; a new value is assigned, as SQLAlchemy's JSON needs anyway). On
+    PostgreSQL the driver decodes, and this changes nothing. The DDL is JSON's."""
+
+    impl = JSON
+    cache_ok = True
+    CACHE_MAX = 8192
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        inner = self.impl_instance.dialect_impl(dialect).result_processor(dialect, coltype)
+        if inner is None:
+            return None
+        cache: dict[str, Any] = {}
+
+        def process(value: Any) -> Any:
+            if not isinstance(value, str):
+                return inner(value)
+            found = cache.get(value)
+            if found is None:
+                found = inner(value)
+                if len(cache) >= self.CACHE_MAX:
+                    cache.clear()
+                cache[value] = found
+            return found
+
+        return process
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+IDEMPOTENCY_KEY_MAX = 255
+NAME_MAX = 64
+"""Longest user, token and project name."""
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    # An idempotency key is its owner's: the same key from two users is two jobs.
+    __table_args__ = (Index("ix_jobs_owner_idempotency_key", "owner", "idempotency_key",
+                            unique=True),
+                      Index("ix_jobs_owner", "owner"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner: Mapped[str] = mapped_column(String(128), default="local")
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    spec: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
+    plan: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
+    world_size: Mapped[int] = mapped_column(Integer)
+    cpus: Mapped[float] = mapped_column(Float)
+    gpus: Mapped[float] = mapped_column(Float)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(IDEMPOTENCY_KEY_MAX),
+                                                        nullable=True)
+    """The client's `Idempotency-Key` of the submission that created the job (unique per
+    owner)."""
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """SHA-256 of the submitted spec, to tell a retry from another request with that key."""
+    project: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    """The project the job was submitted under (NULL: submitted before projects existed)."""
+    waiting: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why a queued job is not admitted although it could fit (its project's quota)."""
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Attempts stopped for a job of higher priority (PREEMPTED -> QUEUED): they spend no
+    retry."""
+    elastic: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """An elastic job re-planned to another layout (`service.elastic`): the layout it was
+    submitted with and its moves up (NULL: never re-planned)."""
+
+
+class AttemptRow(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    placement: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class MetricRow(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "step", "rank"),
+        Index("ix_metrics_job_rank_step", "job_id", "rank", "step"),
+        # Covers the dashboard's charts: their bucketed min/max reads only this index.
+        Index("ix_metrics_series", "job_id", "rank", "step", "attempt", "loss", "step_time_s",
+              "tokens_per_s"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_time_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The learning rate the step ran at (None: a report without one)."""
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The global gradient norm before clipping (None: not finite, or not reported)."""
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ProbeRow(Base):
+    """A collective-bandwidth / matmul probe: of a job's groups, or of the whole cluster."""
+
+    __tablename__ = "probes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                               nullable=True, index=True)
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    results: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class NodeRow(Base):
+    """One node of the live cluster, as the controller last saw it."""
+
+    __tablename__ = "nodes"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    alive: Mapped[bool] = mapped_column(Boolean, default=True)
+    info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ProfileRow(Base):
+    """A hardware profile calibrated by a cluster probe; overrides the built-in one of its name."""
+
+    __tablename__ = "profiles"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    probe_id: Mapped[int | None] = mapped_column(ForeignKey("probes.id", ondelete="SET NULL"),
+                                                 nullable=True)
+    profile: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class LeaseRow(Base):
+    """A named lease: who holds it and until when (the controller's leadership)."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    epoch: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), default=1)
+    """Incremented whenever the lease changes hands: a fencing token."""
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_pass_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """How long the holder's previous controller pass took (written with each renewal), for
+    `GET /metrics`."""
+
+
+class UserRow(Base):
+    """A person (or service account) who calls the API with tokens; `role` says what they may do."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(NAME_MAX), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TokenRow(Base):
+    """An API token: only its SHA-256 is kept (`hash`, unique: a check is one index look-up)."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(NAME_MAX))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ProjectRow(Base):
+    """A project jobs are submitted under, with its quota of concurrently held resources."""
+
+    __tablename__ = "projects"
+
+    name: Mapped[str] = mapped_column(String(NAME_MAX), primary_key=True)
+    gpu_quota: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """GPUs its running jobs may hold together (NULL: no limit)."""
+    cpu_quota: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """CPUs its running CPU-only jobs may hold together (NULL: no limit)."""
+    max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The highest `priority` its members may give a job (NULL: no cap)."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class MembershipRow(Base):
+    """A user's membership of a project; the lowest id is the user's default project."""
+
+    __tablename__ = "memberships"
+    __table_args__ = (UniqueConstraint("user_id", "project"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    project: Mapped[str] = mapped_column(ForeignKey("projects.name", ondelete="CASCADE"))
+
+
+class AuditRow(Base):
+    """One mutating request: who, when, from where, what, and how it ended."""
+
+    __tablename__ = "audit"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    actor: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    """The user (NULL: the request was not authenticated)."""
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    method: Mapped[str] = mapped_column(String(8))
+    path: Mapped[str] = mapped_column(String(512))
+    action: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The authorization rule of the route (e.g. `jobs:cancel`)."""
+    status: Mapped[int] = mapped_column(Integer)
+
+
+class JobSecretRow(Base):
+    """A secret of a job (`JobSpec.secrets`), sealed with the server's key
+    (`service.secrets.SecretBox`): apart from the spec, never returned; the controller opens
+    it to give it to the ranks' environment."""
+
+    __tablename__ = "job_secrets"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class CheckpointRow(Base):
+    """A checkpoint tag of a job, as its rank 0 reported it (`service.store.checkpoints`):
+    its size and layout; `removed_at` once the retention policy deleted it."""
+
+    __tablename__ = "checkpoints"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    layout: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """The layout that wrote it (tp, pp, dp, zero, virtual stages, micro-batch)."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class TrackingExportRow(Base):
+    """How far a job's stored steps went to one tracker (`service.tracking`): the cursor
+    the exporter goes on from after an outage or a restart, and what it sent and dropped."""
+
+    __tablename__ = "tracking_exports"
+    __table_args__ = (Index("ix_tracking_exports_done", "done"),)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    sink: Mapped[str] = mapped_column(String(16), primary_key=True)
+    """`mlflow` or `tensorboard`."""
+    target: Mapped[str] = mapped_column(String(2048))
+    """The MLflow tracking URI, or `tensorboard` (the data directory's, `job-<id>/` in it)."""
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The job's MLflow run (None: not made yet)."""
+    experiment_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    """The cursor: the last (attempt, step) sent or dropped; the next batch starts after it."""
+    exported: Mapped[int] = mapped_column(Integer, default=0)
+    """Steps sent."""
+    dropped: Mapped[int] = mapped_column(Integer, default=0)
+    """Steps the tracker refused for good (counted, never sent again)."""
+    state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    """The job state the tracker was last told."""
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Every step of the ended job and its final state sent: nothing more to do."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The newest failure (an outage, a refusal), until a send succeeds."""
+    failing_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                           nullable=True)
+    """When the tracker stopped answering (None: it answers)."""
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class StepMetricRow(Base):
+    """One optimizer step of one attempt, over all of its ranks (migration 0008)."""
+
+    __tablename__ = "step_metrics"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    rank_bits: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_time_sum: Mapped[float] = mapped_column(Float)
+    step_time_sumsq: Mapped[float] = mapped_column(Float)
+    step_time_min: Mapped[float] = mapped_column(Float)
+    step_time_max: Mapped[float] = mapped_column(Float)
+    worst_rank: Mapped[int] = mapped_column(Integer)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    stragglers: Mapped[int] = mapped_column(Integer)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    lr: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The learning rate of the step (the same on every rank; migration 0015)."""
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The global gradient norm before clipping (the same on every rank; migration 0015)."""
+    eval_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Validation loss of the steps that evaluated (migration 0014; docs/data.md)."""
+    tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """Tokens the job had trained on after the step (migration 0014)."""
+    epoch: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Passes over the first training corpus after the step (migration 0014)."""
+
+
+class StackRequestRow(Base):
+    """One request for a job's stacks and, once collected, the answer (migration 0009)."""
+
+    __tablename__ = "stack_requests"
+    __table_args__ = (Index("ix_stack_requests_job", "job_id", "id"),
+                      Index("ix_stack_requests_status", "status"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The attempt whose ranks answered (set when the controller takes the request)."""
+    status: Mapped[str] = mapped_column(String(16))
+    requested_by: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """`service.stack_collect.group_stacks`: threads, each with its groups of ranks."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class RankHeartbeatRow(Base):
+    """One rank's last heartbeat in one attempt (migration 0010)."""
+
+    __tablename__ = "rank_heartbeats"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    """Wall time (UTC, the controller's clock) of the rank's last heartbeat."""
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps_json(value: Any) -> str:
+    """JSON columns' serializer: standard JSON, so a non-finite float (which PostgreSQL
+    refuses and other readers choke on) is stored as null instead of failing the write."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               json_serializer=dumps_json)
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # The driver's own transaction handling would BEGIN lazily (DEFERRED); we begin
+            # ourselves, below.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn: Any) -> None:
+            # IMMEDIATE takes the write lock up front, so a read-check-write transaction (a
+            # state transition) cannot interleave with another writer: SQLite's stand-in
+            # for PostgreSQL's SELECT ... FOR UPDATE. A read (`reads`) needs no lock.
+            read = conn.get_execution_options().get(_READ)
+            conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, json_serializer=dumps_json)
+
+
+_READ = "trident_read"
+
+
+def reads(engine: Engine) -> Engine:
+    """`engine` for single reads that every request makes (the token check): on PostgreSQL
+    outside a transaction (no BEGIN and COMMIT round trips), on SQLite without the write
+    lock."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(**{_READ: True})
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def snapshot_reads(engine: Engine) -> Engine:
+    """`engine` for read-only transactions of several statements (a page and its count, a
+    job and its summary): on SQLite a plain (deferred) BEGIN, so that readers in several API
+    processes and the controller's writes do not queue for the write lock (WAL readers see
+    one snapshot); on PostgreSQL the engine itself (a transaction: one snapshot)."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(**{_READ: True})
+    return engine
+
+
+class EngineTx:
+    """Transactions of its own on an engine: for the package's modules beside `Store` that
+    query their tables on its engine (identity, quota notes, heartbeats, stack requests, the
+    trackers' cursors)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(snapshot_reads(engine), expire_on_commit=False)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def _rx(self) -> Iterator[Session]:
+        """A read-only transaction (`snapshot_reads`): no write lock on SQLite."""
+        with self._read_sessions.begin() as session:
+            yield session

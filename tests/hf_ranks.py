@@ -1,0 +1,63 @@
+"""Test helper: a custom entrypoint that builds the job's engine with the built-in trainer's
+`build_engine` (shard-only construction, `init.from_hf`, `deepspeed.initialize`), optionally
+restores a checkpoint tag, and writes the whole vocabulary's logits of fixed tokens.
+
+Driven by the spec's `env`: `TRIDENT_TEST_OUT` the folder the logits go to (`logits.pt`, by
+the rank on the last stage with TP and DP rank 0; and `full.pt`, every full tensor as
+`workers.full_state.gather_full` joins them on rank 0), `TRIDENT_TEST_STEP` a tag to load from
+the job's checkpoint folder first. Used by tests/test_hf_models.py through `run_ranks`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from service.parallel import Dim
+from service.planner.shape import ModelShape
+from workers import checkpoint
+from workers.full_state import gather_full
+from workers.model import full_logits
+from workers.train import build_engine
+
+TOKENS_SEED = 7
+
+
+def tokens(vocab: int, seq_len: int) -> torch.Tensor:
+    """The fixed batch whose logits are compared."""
+    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(
+        TOKENS_SEED))
+
+
+def logits(ctx) -> None:
+    spec, groups, p = ctx.spec, ctx.groups, ctx.spec.layout
+    shape = ModelShape.from_spec(spec.model)
+    # The trainer's own build: shard-only construction, `init.from_hf`, deepspeed.initialize
+    engine = build_engine(spec, shape, ctx.plan, ctx.device, groups, ctx.ds_config)
+    if step := os.environ.get("TRIDENT_TEST_STEP"):
+        checkpoint.load(engine, ctx.checkpoint_dir, int(step), spec)
+    x = tokens(shape.vocab, shape.seq_len)
+    module = engine.module
+    module.eval()
+    with torch.no_grad():
+        if p.pp == 1:
+            out = module(x)
+        else:  # each stage runs its layers; activations go to the next stage by hand
+            pp_ranks = p.dims.group_of(groups.rank, Dim.PP)
+            h = x
+            if groups.pp_rank > 0:
+                h = torch.empty(x.shape[0], x.shape[1], shape.hidden)
+                dist.recv(h, src=pp_ranks[groups.pp_rank - 1])
+            h = module(h)
+            if groups.pp_rank < p.pp - 1:
+                dist.send(h.contiguous(), dst=pp_ranks[groups.pp_rank + 1])
+            out = h
+        if groups.pp_rank == p.pp - 1:
+            out = full_logits(out, groups)
+            if groups.tp_rank == 0 and groups.dp_rank == 0:
+                torch.save(out, os.path.join(os.environ["TRIDENT_TEST_OUT"], "logits.pt"))
+    full = gather_full(module, groups)  # collective: every rank
+    if groups.rank == 0:
+        torch.save(full, os.path.join(os.environ["TRIDENT_TEST_OUT"], "full.pt"))
+    engine.destroy()

@@ -1,0 +1,180 @@
+"""The `data` section of the spec: its bounds, the data roots, and every refusal of a corpus at
+submission as a 422 naming the field, the file and the reason (through the API)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from api.app import create_app
+from service.data_check import changed
+from service.settings import Settings
+from service.spec import CorpusRef, JobSpec
+from service.store import Store
+from tests.conftest import tiny_spec, user_token
+from tests.corpora import write_corpus
+
+VOCAB = 256  # gpt-tiny's
+NEED = 8 * 32 + 1  # global_batch * seq_len + 1 of tiny_spec
+
+
+def docs(n: int = 40, length: int = 50) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "corpora"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def client(sqlite_store: Store, tmp_path: Path, root: Path) -> Iterator[TestClient]:
+    s = Settings(data_dir=tmp_path / "data", data_roots=str(root))
+    with TestClient(create_app(s, store=sqlite_store)) as c:
+        c.headers["Authorization"] = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
+        yield c
+
+
+def submit(client: TestClient, **data: Any) -> Any:
+    return client.post("/api/v1/jobs", json=tiny_spec(data={"kind": "tokens", **data}))
+
+
+def refusal(r: Any) -> tuple[list[Any], str]:
+    assert r.status_code == 422, r.text
+    [d] = r.json()["detail"]
+    return d["loc"], d["msg"]
+
+
+def test_a_good_corpus_is_accepted_and_fingerprinted(client: TestClient, root: Path) -> None:
+    write_corpus(root / "web", docs())
+    r = submit(client, train=[{"path": str(root / "web"), "weight": 0.7}],
+               valid_fraction=0.25, eval_every=2)
+    assert r.status_code == 201, r.text
+    data = r.json()["spec"]["data"]
+    assert data["kind"] == "tokens" and data["train"][0]["weight"] == 0.7
+    ref = CorpusRef.model_validate(data["train"][0])
+    assert ref.fingerprint and ref.fingerprint.startswith("idx:")
+    assert changed(ref) is None
+    write_corpus(root / "web", docs(41))  # rewritten after submission
+    assert "changed after the job was submitted" in (changed(ref) or "")
+
+
+def test_synthetic_stays_the_default(client: TestClient) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec())
+    assert r.status_code == 201 and r.json()["spec"]["data"]["kind"] == "synthetic"
+
+
+@pytest.mark.parametrize(("data", "loc", "words"), [
+    ({"kind": "tokens"}, ["body", "data"], "kind 'tokens' needs at least one training corpus"),
+    ({"kind": "tokens", "train": [{"path": "rel/x"}]}, ["body", "data", "train", 0, "path"],
+     "is not an absolute path"),
+    ({"kind": "tokens", "train": [{"path": "/x", "weight": 0}]},
+     ["body", "data", "train", 0, "weight"], "greater than 0"),
+    ({"kind": "tokens", "train": [{"path": "/x"}], "valid": [{"path": "/y"}],
+      "valid_fraction": 0.1}, ["body", "data"], "not both"),
+    ({"kind": "tokens", "train": [{"path": "/x"}], "eval_every": 5}, ["body", "data"],
+     "needs validation data"),
+    ({"kind": "tokens", "train": [{"path": "/x"}], "valid_fraction": 0.6},
+     ["body", "data", "valid_fraction"], "less than or equal to 0.5"),
+    ({"kind": "synthetic", "train": [{"path": "/x"}]}, ["body", "data"],
+     "corpora are for kind 'tokens'"),
+    ({"kind": "tokens", "train": [{"path": "/x"}] * 65}, ["body", "data", "train"],
+     "at most 64"),
+])
+def test_the_data_section_is_bounded(client: TestClient, data: dict[str, Any],
+                                     loc: list[Any], words: str) -> None:
+    r = client.post("/api/v1/jobs", json=tiny_spec(data=data))
+    got_loc, msg = refusal(r)
+    assert got_loc[:len(loc)] == loc and words in msg, (got_loc, msg)
+
+
+def test_the_sample_order_is_bounded() -> None:
+    with pytest.raises(ValidationError, match=r"samples exceed the 2147483648"):
+        JobSpec.model_validate(tiny_spec(
+            train={"steps": 10_000_000, "global_batch": 1024, "micro_batch": 2},
+            data={"kind": "tokens", "train": [{"path": "/x"}]}))
+
+
+def test_corpora_lie_inside_the_data_roots(client: TestClient, root: Path,
+                                           tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write_corpus(outside / "c", docs())
+    (root / "link.idx").symlink_to(outside / "c.idx")
+    (root / "link.bin").symlink_to(outside / "c.bin")
+    for path in [str(outside / "c"), f"{root}/../outside/c", str(root / "link")]:
+        loc, msg = refusal(submit(client, train=[{"path": path}]))
+        assert loc == ["body", "data", "train", "0", "path"], loc
+        assert "outside the server's data roots (TRIDENT_DATA_ROOTS)" in msg
+        assert msg.endswith(str(root.resolve())), msg
+    write_corpus(root / "ok", docs())
+    loc, msg = refusal(submit(client, train=[{"path": str(root / "ok")}],
+                              valid=[{"path": str(outside / "c")}]))
+    assert loc == ["body", "data", "valid", "0", "path"] and "outside" in msg
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+
+
+def _corrupt(prefix: Path, what: str) -> None:
+    write_corpus(prefix, docs())
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    raw = idx.read_bytes()
+    if what == "missing idx":
+        idx.unlink()
+    elif what == "missing bin":
+        bin_.unlink()
+    elif what == "magic":
+        idx.write_bytes(b"NOTMEGA\x00\x00" + raw[9:])
+    elif what == "version":
+        idx.write_bytes(raw[:9] + struct.pack("<Q", 3) + raw[17:])
+    elif what == "idx size":
+        idx.write_bytes(raw[:-8])
+    elif what == "bin size":
+        bin_.write_bytes(bin_.read_bytes() + b"\x00\x00")
+    elif what == "vocab":
+        write_corpus(prefix, [*docs()[:-1], [1, 2, VOCAB]])
+    elif what == "few tokens":
+        write_corpus(prefix, docs(n=2))
+
+
+@pytest.mark.parametrize(("what", "file", "reason"), [
+    ("missing idx", ".idx", "no such file"),
+    ("missing bin", ".bin", "no such file"),
+    ("magic", ".idx", "wrong magic"),
+    ("version", ".idx", "wrong version 3: Megatron's indexed dataset is version 1"),
+    ("idx size", ".idx", "counts disagree with the file's size"),
+    ("bin size", ".bin", "counts disagree with the file's size"),
+    ("vocab", ".bin", f"token id {VOCAB} (first at token 1952) is at or above the model's"
+     f" vocabulary model.vocab({VOCAB})"),
+    ("few tokens", ".bin", f"too few tokens: it holds 100, one global batch needs"
+     f" train.global_batch(8) * model.seq_len(32) + 1 = {NEED}"),
+])
+def test_bad_corpora_are_refused_naming_file_and_reason(
+        client: TestClient, root: Path, what: str, file: str, reason: str) -> None:
+    prefix = root / "bad"
+    _corrupt(prefix, what)
+    loc, msg = refusal(submit(client, train=[{"path": str(prefix)}]))
+    assert loc == ["body", "data", "train", "0", "path"]
+    assert msg.startswith(f"{prefix}{file}: "), msg
+    assert reason in msg, msg
+
+
+def test_a_held_out_part_too_small_is_refused(client: TestClient, root: Path) -> None:
+    write_corpus(root / "c", docs(n=12))  # 600 tokens; 1 document held out holds 50
+    loc, msg = refusal(submit(client, train=[{"path": str(root / "c")}],
+                              valid_fraction=0.05))
+    assert loc == ["body", "data", "train", "0", "path"]
+    assert "its held-out part (valid_fraction 0.05) holds 50" in msg, msg
+    write_corpus(root / "v", docs(n=2))
+    loc, msg = refusal(submit(client, train=[{"path": str(root / "c")}],
+                              valid=[{"path": str(root / "v")}]))
+    assert loc == ["body", "data", "valid", "0", "path"] and "too few tokens" in msg

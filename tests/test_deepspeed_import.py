@@ -1,0 +1,82 @@
+"""DeepSpeed is imported without MLflow (`workers.deepspeed_import`): a rank's process does not
+pay for MLflow's import, which DeepSpeed's autotuner tries and Trident never uses, and MLflow
+stays importable afterwards for whoever wants it; and DeepSpeed's CPU shared-memory op is never
+built (a compile under a lock file that a killed rank leaves behind)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_ranks_imports_leave_mlflow_out_and_importable() -> None:
+    code = (
+        "import sys\n"
+        "import workers.train\n"
+        "print('mlflow' in sys.modules)\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "print(autotuner.has_mlflow)\n"
+        "import mlflow\n"
+        "print(mlflow.MlflowClient.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.splitlines()[-3:]
+    assert out == ["False", "False", "MlflowClient"], out
+
+
+def _deepspeed_at_top(tree: ast.Module) -> list[str]:
+    """The module-level imports that name DeepSpeed or the helper, in order."""
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [n for n in names if n.split(".")[0] == "deepspeed"
+                or n == "workers.deepspeed_import"]
+    return out
+
+
+def test_the_workers_modules_import_deepspeed_through_the_helper_first() -> None:
+    for path in sorted((ROOT / "workers").glob("*.py")):
+        seen = _deepspeed_at_top(ast.parse(path.read_text()))
+        if seen and path.name != "deepspeed_import.py":
+            assert seen[0] == "workers.deepspeed_import", (path.name, seen)
+
+
+def test_the_check_sees_a_direct_import() -> None:
+    tree = ast.parse("import os\nfrom deepspeed.pipe import PipelineModule\n"
+                     "from workers.deepspeed_import import deepspeed\n")
+    assert _deepspeed_at_top(tree) == ["deepspeed.pipe", "workers.deepspeed_import"]
+
+
+def test_a_cpu_ranks_deepspeed_backend_builds_no_shared_memory_op(tmp_path: Path) -> None:
+    """DeepSpeed's communication backend on a CPU rank comes up without its shared-memory
+    all-reduce: nothing is compiled into (or locked in) the torch extensions folder, and the
+    all-reduce is `torch.distributed`'s."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from workers.deepspeed_import import deepspeed\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
+        " rank=0, world_size=1)\n"
+        "deepspeed.init_distributed(dist_backend='gloo')\n"
+        "from deepspeed import comm\n"
+        "print(comm.comm.cdb.shm_comm_op is None)\n"
+        "x = torch.ones(4)\n"
+        "comm.inference_all_reduce(x)\n"
+        "print(x.tolist())\n")
+    extensions = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-2:] == ["True", "[1.0, 1.0, 1.0, 1.0]"], run.stdout
+    assert "built successfully" not in run.stdout
+    assert not extensions.exists() or not any(extensions.rglob("*shm*")), \
+        sorted(extensions.rglob("*"))

@@ -1,0 +1,144 @@
+"""End to end on real text through REST: Debian's license texts (on every machine of this kind)
+prepared with `trident data prepare` and the GPT-2 tokenizer, trained on 2 CPU ranks on a real
+local Ray; the validation loss (held-out documents) falls below the unigram entropy of the
+training tokens, which only a model that uses the context can do."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from service import corpus
+from service.data_check import held_out
+from service.states import JobState
+from tests.conftest import tiny_spec
+from tests.corpora import write_corpus
+from tests.waiting import drive
+
+pytestmark = pytest.mark.slow
+LICENSES = "/usr/share/common-licenses"
+STEPS = 120
+
+
+def unigram_entropy(prefix: str, valid_fraction: float) -> float:
+    """Entropy (nats) of the training part's token frequencies."""
+    c = corpus.Corpus(prefix)
+    docs = c.header.documents
+    first_valid = int(c.boundaries[docs - held_out(docs, valid_fraction)])
+    counts = np.bincount(np.asarray(c.tokens[:int(c.starts[first_valid])]))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.mark.skipif(not os.path.isdir(LICENSES), reason=f"no {LICENSES}")
+def test_real_text_trains_below_the_unigram_entropy(stack, tmp_path) -> None:
+    client, store, controller = stack
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for path in sorted(glob.glob(f"{LICENSES}/*")):
+        if os.path.isfile(path):
+            shutil.copyfile(path, texts / (os.path.basename(path) + ".txt"))
+    (tmp_path / "corpora").mkdir()
+    prefix = str(tmp_path / "corpora" / "licenses")
+    done = subprocess.run([sys.executable, "-m", "api.cli", "data", "prepare",
+                           *sorted(glob.glob(f"{texts}/*.txt")), "--tokenizer", "gpt2",
+                           "--out", prefix, "--workers", "2"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert " documents, " in done.stdout and "tokens/s (gpt2" in done.stdout
+    entropy = unigram_entropy(prefix, 0.1)
+
+    spec = tiny_spec(
+        model={"preset": "gpt-tiny", "layers": 2, "hidden": 64, "heads": 4, "vocab": 50257,
+               "seq_len": 32},
+        train={"steps": STEPS, "global_batch": 8, "micro_batch": 4, "precision": "fp32",
+               "lr": 0.005},
+        parallel={"tp": 1, "pp": 1, "dp": 2, "zero": 0}, monitor={"probe": False},
+        data={"kind": "tokens", "train": [{"path": prefix}], "valid_fraction": 0.1,
+              "eval_every": 40, "eval_batches": 2})
+    r = client.post("/api/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 900) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+
+    rows = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
+    evals = {m["step"]: m["eval_loss"] for m in rows if m["eval_loss"] is not None}
+    assert sorted(evals) == [40, 80, 120]
+    assert evals[120] < entropy, (evals, entropy)
+    assert rows[-1]["tokens"] == STEPS * 8 * 32
+    assert [m["first_sample"] for m in rows[:3]] == [0, 8, 16]
+    assert rows[-1]["drawn"] == {prefix: STEPS * 8} and rows[-1]["epoch"] > 0
+
+
+def _phrases(root) -> str:
+    """A small learnable corpus of gpt-tiny's vocabulary (256), under the data root."""
+    rng = np.random.default_rng(0)
+    phrases = [rng.integers(0, 255, 12).tolist() for _ in range(6)]
+    docs = [[t for _ in range(int(rng.integers(2, 8))) for t in phrases[int(rng.integers(6))]]
+            + [255] for _ in range(120)]
+    root.mkdir(exist_ok=True)
+    write_corpus(root / "phrases", docs)
+    return str(root / "phrases")
+
+
+def _resume_spec(prefix: str, **over: object) -> dict[str, object]:
+    return tiny_spec(
+        train={"steps": 8, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
+               "lr": 0.003},
+        parallel={"tp": 1, "pp": 1, "dp": 2, "zero": 1}, monitor={"probe": False},
+        checkpoint={"every_steps": 4},
+        data={"kind": "tokens", "train": [{"path": prefix}], "valid_fraction": 0.1,
+              "eval_every": 4, "eval_batches": 1}, **over)
+
+
+def _newest_rows(client, job_id: int) -> list[dict]:
+    """Rank 0's rows per step, the newest attempt's where a step ran twice."""
+    rows: dict[int, dict] = {}
+    for m in client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]:
+        if m["step"] not in rows or m["attempt"] > rows[m["step"]]["attempt"]:
+            rows[m["step"]] = m
+    return [rows[s] for s in sorted(rows)]
+
+
+def test_a_killed_rank_resumes_on_exactly_the_samples_of_the_straight_run(stack,
+                                                                          tmp_path) -> None:
+    client, store, controller = stack
+    prefix = _phrases(tmp_path / "corpora")
+    runs = []
+    for over in ({}, {"faults": [{"kind": "kill", "rank": 1, "step": 6}], "max_retries": 1}):
+        r = client.post("/api/v1/jobs", json=_resume_spec(prefix, **over))
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                     900) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+        runs.append(_newest_rows(client, job_id))
+    straight, resumed = runs
+    assert {m["attempt"] for m in resumed} == {1, 2}  # the kill cost an attempt
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert [m["first_sample"] for m in resumed] == [m["first_sample"] for m in straight]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]  # fp32: identical
+    assert [m["eval_loss"] for m in resumed] == [m["eval_loss"] for m in straight]
+    assert resumed[-1]["drawn"] == straight[-1]["drawn"] == {prefix: 64}
+
+
+def test_a_corpus_changed_after_submission_fails_the_job(stack, tmp_path) -> None:
+    client, store, controller = stack
+    prefix = _phrases(tmp_path / "corpora")
+    r = client.post("/api/v1/jobs", json=_resume_spec(prefix))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    with open(prefix + ".bin", "ab") as f:  # rewritten before it trains: sizes disagree
+        f.write(b"\x00\x00")
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 900) == JobState.FAILED
+    error = store.get_job(job_id=job_id).error or ""
+    assert f"{prefix}: the corpus changed after the job was submitted" in error, error
+    assert client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"] == []

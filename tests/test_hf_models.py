@@ -1,0 +1,292 @@
+"""Hugging Face models in and out (issue 22): a tiny Llama-style and a tiny GPT-2-style model
+made here with random weights and `save_pretrained`, started with `init.from_hf` under tp 1,
+tp 2 x pp 2 and dp 2 with ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4
+(fp32), and `workers.full_state.gather_full` gives back the file's tensors; after training,
+the checkpoint exported as a Hugging Face folder (files, route, `TridentClient`) is loaded by
+`transformers` and gives the logits of Trident's own evaluation of that checkpoint; the
+`trident export` command against a live API gives a folder of a tag's weights that
+`transformers` loads to the same logits as Trident's model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from api.app import create_app
+from api.client import TridentClient
+from service import hf_config
+from service.checkpoints import MARKER, default_folder, tag
+from service.planner.shape import ModelShape
+from service.settings import Settings
+from service.spec import JobSpec, ModelSpec
+from service.store import Store
+from tests.conftest import tiny_spec, user_token
+from tests.hf_ranks import tokens
+from tests.workers_spawn import run_ranks
+from workers.full_state import entries, gather_full
+from workers.hf_export import ExportRefused, export, zero3_module
+from workers.hf_weights import canonical_source, load_hf, load_init, open_checkpoint, save_hf
+from workers.model import GPT
+from workers.tags import LAYOUT, layout_of
+
+SEQ = 16
+TOL = 1e-4
+
+
+def llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=SEQ, rope_theta=5e5,
+        rms_norm_eps=1e-6, tie_word_embeddings=False))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    # 63 rows: the vocabulary splits unevenly over tp 2 (32 + 31 rows)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=63,
+                                      n_positions=SEQ, bos_token_id=0, eos_token_id=0))
+
+
+FAMILIES = {"llama": llama, "gpt2": gpt2}
+
+
+def saved(make: Any, where: Path) -> Path:
+    """A model of `make` with weights far from their init (random, not small), saved."""
+    torch.manual_seed(0)
+    model = make()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "norm" in name or "ln_" in name
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if norm and name.endswith("weight") else 0))
+    model.save_pretrained(where)
+    return where
+
+
+def hf_logits(folder: Path, vocab: int) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens(vocab, SEQ)).logits
+
+
+def job_spec(folder: Path, out: Path, parallel: dict, **over: Any) -> JobSpec:
+    dp = parallel.get("dp", 1)
+    raw = {"name": "hf", "model": {"hf_config": str(folder), "seq_len": SEQ},
+           "init": {"from_hf": str(folder)},
+           "train": {"steps": 1, "global_batch": 2 * dp, "micro_batch": 2, "precision": "fp32",
+                     "lr": 0.003, "grad_clip": 1.0},
+           "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, **parallel},
+           "resources": {"gpus_per_worker": 0, "cpus_per_worker": 0.5},
+           "entrypoint": "tests.hf_ranks:logits", "env": {"TRIDENT_TEST_OUT": str(out)},
+           **over}
+    with hf_config.reading(hf_config.local_reader):
+        return JobSpec.model_validate(raw)
+
+
+def _answer(r: httpx.Response) -> httpx.Response:
+    """The TestClient's answer as a plain httpx one (for `TridentClient`'s transport)."""
+    return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+
+LAYOUTS = [{"tp": 2, "pp": 2}, {"dp": 2, "zero": 3}]
+"""On gloo ranks (tp 1 runs in the test's process)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_trident_gives_transformers_logits_on_the_same_weights_under_every_layout(
+        family: str, tmp_path: Path) -> None:
+    folder = saved(FAMILIES[family], tmp_path / "hf")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    expected = hf_logits(folder, vocab)
+    spec = job_spec(folder, tmp_path, {})
+    shape = ModelShape.from_spec(spec.model)
+    names = sorted(e.name for e in entries(GPT(shape, 0)) if not e.copy)
+    source = canonical_source(shape, open_checkpoint(str(folder)))
+    model = GPT(shape, spec.train.seed).eval()  # tp 1: here, with the trainer's loader
+    load_init(model, spec, None)
+    with torch.no_grad():
+        assert (model(tokens(vocab, SEQ)) - expected).abs().max().item() < TOL
+
+    def same_as_file(full: dict[str, torch.Tensor]) -> None:
+        assert sorted(full) == names
+        for name, tensor in full.items():
+            whole = source(name)
+            assert whole is not None
+            assert torch.equal(tensor, whole[tuple(slice(0, n) for n in whole.shape)]), name
+
+    same_as_file(gather_full(model))
+    for parallel in LAYOUTS:
+        out = tmp_path / f"out-{'-'.join(map(str, parallel.values()))}"
+        out.mkdir()
+        run_ranks(job_spec(folder, out, parallel), timeout=600)
+        got = torch.load(out / "logits.pt")
+        assert got.shape == expected.shape
+        err = (got - expected).abs().max().item()
+        assert err < TOL, (family, parallel, err)
+        # gather_full joins the shards, stages and ZeRO-3 partitions back into the file's
+        same_as_file(torch.load(out / "full.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, parallel", [("llama", {"dp": 2, "zero": 2}),
+                                              ("gpt2", {"tp": 2, "pp": 2}),
+                                              ("gpt2", {"dp": 2, "zero": 3})])
+def test_a_trained_checkpoint_exports_to_a_model_transformers_loads(
+        family: str, parallel: dict, tmp_path: Path, sqlite_store: Store) -> None:
+    folder = saved(FAMILIES[family], tmp_path / "hf")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    steps = 10
+    train = job_spec(folder, out, parallel, entrypoint=None,
+                     checkpoint={"every_steps": steps})
+    train = train.model_copy(update={"train": train.train.model_copy(update={"steps": steps})})
+    rows = run_ranks(train, checkpoint_dir=str(ckpt), timeout=600)[0]
+    assert max(r["step"] for r in rows) == steps
+    # Trident's evaluation of the tag: the model rebuilt and the tag loaded, same layout
+    evaluate = job_spec(folder, out, parallel,
+                        env={"TRIDENT_TEST_OUT": str(out), "TRIDENT_TEST_STEP": str(steps)})
+    run_ranks(evaluate, checkpoint_dir=str(ckpt), timeout=600)
+    trident = torch.load(out / "logits.pt")
+    before = hf_logits(folder, vocab)
+    assert (trident - before).abs().max().item() > 1e-3  # the steps changed the model
+
+    shape = ModelShape.from_spec(train.model)
+    if parallel.get("zero") == 3:  # the partitions joined as DeepSpeed's zero_to_fp32 does
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        ours = zero3_module(str(ckpt / f"step{steps}"), 0, 2)
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=f"step{steps}")
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    files = export(str(ckpt), steps, shape, str(tmp_path / "export"), max_shard_bytes=40_000)
+    assert "model.safetensors.index.json" in files  # sharded above the size
+    err = (hf_logits(tmp_path / "export", vocab) - trident).abs().max().item()
+    assert err < TOL, (family, parallel, err)
+    with pytest.raises(ExportRefused, match="no checkpoint tag step3"):
+        export(str(ckpt), 3, shape, str(tmp_path / "nothing"))
+
+    if family == "llama":  # the route: a tar of the same folder, under the job's owner rules
+        settings = Settings(data_dir=tmp_path / "data", checkpoint_roots=str(tmp_path))
+        with TestClient(create_app(settings, store=sqlite_store)) as c:
+            alice = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
+            bob = f"Bearer {user_token(sqlite_store, 'bob', 'member')}"
+            body = train.model_dump(mode="json")
+            body["checkpoint"]["dir"] = str(tmp_path / "job")
+            r = c.post("/api/v1/jobs", json=body, headers={"Authorization": alice})
+            assert r.status_code == 201, r.text
+            job = r.json()["id"]
+            shutil.copytree(ckpt / f"step{steps}", tmp_path / "job" / f"step{steps}")
+            url = f"/api/v1/jobs/{job}/export?step={steps}"
+            assert c.get(url, headers={"Authorization": bob}).status_code == 403
+            r = c.get(f"/api/v1/jobs/{job}/export?step=3", headers={"Authorization": alice})
+            assert r.status_code == 404, r.text
+            through = httpx.MockTransport(lambda q: _answer(c.request(
+                q.method, str(q.url), content=q.read(), headers=dict(q.headers))))
+            with TridentClient("http://testserver", token=alice.removeprefix("Bearer "),
+                               transport=through) as client:  # the CLI's client
+                top = Path(client.export(job, tmp_path / "via-api", step=steps))
+            assert sorted(p.name for p in top.iterdir()) == ["config.json",
+                                                            "model.safetensors"]
+            err = (hf_logits(top, vocab) - trident).abs().max().item()
+            assert err < TOL, err
+
+
+def test_trident_export_writes_a_folder_transformers_loads(live: Any, tmp_path: Path) -> None:
+    # The command itself, against a live API: a job's tag (written here as a tp 1, pp 1
+    # DeepSpeed tag holds it: the whole module's state dict) comes back as a folder whose
+    # logits under transformers are Trident's own model's.
+    spec = tmp_path / "llama.yaml"
+    spec.write_text(json.dumps({
+        "name": "export-cli", "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2,
+                                        "vocab": 64, "seq_len": SEQ, "activation": "swiglu"},
+        "train": {"steps": 3, "global_batch": 2, "micro_batch": 2, "precision": "fp32"},
+        "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0},
+        "resources": {"gpus_per_worker": 0, "cpus_per_worker": 1}}))
+    r = live.cli("submit", str(spec), "--detach")
+    assert r.exit_code == 0, r.output
+    job = live.store.get_job(job_id=int(r.stdout.strip()))
+    shape = ModelShape.from_spec(job.spec.model)
+    model = GPT(shape, 7).eval()
+    folder = default_folder(live.settings.checkpoint_root, job.id) / tag(3)
+    folder.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, folder / "mp_rank_00_model_states.pt")
+    (folder / LAYOUT).write_text(json.dumps(layout_of(job.spec)))
+    (folder / MARKER).write_text("3\n")
+
+    out = tmp_path / "exported"
+    r = live.cli("export", str(job.id), "--out", str(out))  # the newest complete tag
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == f"job {job.id}: {out}"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with torch.no_grad():
+        ours = model(tokens(shape.vocab, SEQ))
+    assert (hf_logits(out, shape.vocab) - ours).abs().max().item() < TOL
+
+    r = live.cli("export", str(job.id), "--out", str(out))
+    assert r.exit_code != 0 and "exists already" in r.output, r.output
+    r = live.cli("export", str(job.id), "--step", "4", "--out", str(tmp_path / "none"))
+    assert r.exit_code != 0 and "no complete checkpoint tag of step 4" in r.output, r.output
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_sharded_folder_loads_back_and_a_wrong_shape_is_named(tmp_path: Path) -> None:
+    # Qwen2's q/k/v biases, through save_hf's shards and model.safetensors.index.json
+    spec = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, vocab=40, seq_len=8,
+                     activation="swiglu", qkv_bias=True)
+    shape = ModelShape.from_spec(spec)
+    full = gather_full(GPT(shape, 1))
+    written = save_hf(shape, full, str(tmp_path / "q"), max_shard_bytes=10_000)
+    assert len(written) > 3 and written[-1] == "model.safetensors.index.json"
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen2"
+    model = GPT(shape, 2)
+    load_hf(model, shape, str(tmp_path / "q"))
+    again = gather_full(model)
+    assert all(torch.equal(again[k], full[k]) for k in full)
+    other = ModelShape.from_spec(spec.model_copy(update={"vocab": 41}))
+    with pytest.raises(ValueError, match=r"embed\.tok: the source's shape \[40, 32\]"):
+        load_hf(GPT(other, 0), other, str(tmp_path / "q"))
+
+
+def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
+        tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No complete tag: 404; a tag whose layout is unknown or interleaved: 409 naming it
+    (`service.export` through `workers.hf_export`), with no temporary folder left."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    settings = Settings(data_dir=tmp_path / "data", checkpoint_roots=str(tmp_path))
+    with TestClient(create_app(settings, store=sqlite_store)) as c:
+        c.headers["Authorization"] = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
+        r = c.post("/api/v1/jobs", json=tiny_spec(checkpoint={"dir": str(tmp_path / "job")}))
+        assert r.status_code == 201, r.text
+        job = r.json()["id"]
+        r = c.get(f"/api/v1/jobs/{job}/export")
+        assert r.status_code == 404 and "no complete checkpoint tag yet" in r.text, r.text
+        for step, layout in [(4, {"tp": 1, "pp": 2, "dp": 1, "zero": 0, "virtual_stages": 2}),
+                             (8, None)]:
+            path = tmp_path / "job" / f"step{step}"
+            path.mkdir(parents=True)
+            if layout:
+                (path / LAYOUT).write_text(json.dumps(layout))
+            (path / MARKER).write_text(f"{step}\n")
+        r = c.get(f"/api/v1/jobs/{job}/export")  # the newest: step 8
+        assert r.status_code == 409 and "unknown" in r.text, r.text
+        r = c.get(f"/api/v1/jobs/{job}/export?step=4")
+        assert r.status_code == 409 and "interleaved stages" in r.text, r.text
+        assert c.get(f"/api/v1/jobs/{job}/export?step=6").status_code == 404
+    assert list(scratch.iterdir()) == []

@@ -1,0 +1,82 @@
+"""Layout-free resume: a tag written under one layout resumes under another through
+DeepSpeed's universal form (per parameter: fp32 weights, both Adam moments, step), converted
+once by rank 0 and kept beside the tag; the losses go on as if the layout had not changed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.spec import JobSpec
+from tests.conftest import tiny_spec
+from tests.workers_spawn import losses, run_ranks
+from workers.checkpoint import FULL, LAYOUT, UNIVERSAL
+
+pytestmark = pytest.mark.slow
+
+
+def spec(steps: int, **parallel: Any) -> JobSpec:
+    return JobSpec.model_validate(tiny_spec(
+        parallel=parallel, train={"steps": steps, "global_batch": 8, "micro_batch": 2,
+                                  "lr": 1e-3, "precision": "fp32",
+                                  # the schedule of the whole run in both halves of it
+                                  "decay_steps": 8},
+        checkpoint={"every_steps": 4}))
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"dp": 2, "zero": 1}, {"dp": 1, "zero": 1}),
+    ({"dp": 2, "zero": 2}, {"dp": 1, "zero": 1}),
+    ({"dp": 2, "zero": 0}, {"dp": 1, "zero": 0}),
+], ids=["dp2-to-dp1", "zero2-dp2-to-zero1-dp1", "zero0-dp2-to-dp1"])
+def test_a_tag_resumes_under_another_layout_with_the_same_losses(
+        tmp_path: Path, before: dict[str, Any], after: dict[str, Any]) -> None:
+    (first,) = run_ranks(spec(4, **before), checkpoint_dir=str(tmp_path))
+    assert (tmp_path / "step4" / LAYOUT).exists()
+    started = time.monotonic()
+    (second,) = run_ranks(spec(8, **after), checkpoint_dir=str(tmp_path))
+    took = time.monotonic() - started
+    (whole,) = run_ranks(spec(8, **before))
+    assert {r["resumed_from"] for r in second} == {4}
+    if before["zero"]:
+        assert (tmp_path / f"step4{UNIVERSAL}" / "zero").is_dir()  # converted once, kept
+    else:  # ZeRO 0 (fp32): the whole optimizer is in the model states file, read as it is
+        assert not (tmp_path / f"step4{UNIVERSAL}").exists()
+    assert losses(first) == losses(whole)[:4]
+    got, want = losses(second), losses(whole)[4:]
+    assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want, strict=True)), (
+        got, want, took)
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"dp": 2, "zero": 3}, {"tp": 2, "dp": 1, "zero": 1}),
+    ({"pp": 2, "dp": 1, "zero": 1}, {"dp": 2, "zero": 1}),
+    ({"tp": 2, "dp": 1, "zero": 1}, {"pp": 2, "dp": 1, "zero": 1}),
+    ({"tp": 2, "dp": 1, "zero": 0}, {"dp": 2, "zero": 0}),
+    ({"pp": 2, "dp": 1, "zero": 1}, {"dp": 2, "zero": 3}),
+    ({"tp": 2, "dp": 1, "zero": 1}, {"pp": 2, "dp": 1, "zero": 0, "virtual_stages": 2}),
+    ({"pp": 2, "dp": 1, "zero": 0}, {"tp": 2, "dp": 1, "zero": 1}),
+    # optimizer offload on either side (CPU ranks: torch's AdamW on the host-side partitions)
+    ({"dp": 2, "zero": 2, "offload": "optimizer"}, {"tp": 2, "dp": 1, "zero": 1}),
+    ({"tp": 2, "dp": 1, "zero": 1}, {"dp": 2, "zero": 3, "offload": "optimizer+params"}),
+], ids=["zero3-dp2-to-tp2", "pp2-to-dp2", "tp2-to-pp2", "tp2-zero0-to-dp2", "pp2-to-zero3-dp2",
+        "tp2-to-interleaved", "pp2-zero0-to-tp2", "zero2-offload-to-tp2",
+        "tp2-to-zero3-offload"])
+def test_a_tag_resumes_under_another_model_split_through_the_layout_free_form(
+        tmp_path: Path, before: dict[str, Any], after: dict[str, Any]) -> None:
+    """TP, PP and ZeRO-3 changes: the tag's fp32 weights, both Adam moments and Adam's step,
+    joined into full tensors once (`step4.full`), sliced for the new layout's ranks."""
+    (first,) = run_ranks(spec(4, **before), checkpoint_dir=str(tmp_path))
+    (second,) = run_ranks(spec(8, **after), checkpoint_dir=str(tmp_path))
+    (whole,) = run_ranks(spec(8, **before))
+    assert {r["resumed_from"] for r in second} == {4}
+    assert (tmp_path / f"step4{FULL}" / "fp32.safetensors").is_file()  # converted, kept
+    assert [r["first_sample"] for r in second if r["rank"] == 0] == [  # the same samples
+        r["first_sample"] for r in whole if r["rank"] == 0][4:]
+    assert losses(first) == losses(whole)[:4]
+    got, want = losses(second), losses(whole)[4:]
+    assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want, strict=True)), (
+        got, want)

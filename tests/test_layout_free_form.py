@@ -1,0 +1,95 @@
+"""The layout-free form's conversion without ranks (`workers.layout_free`): DeepSpeed's
+parameter names to canonical ones, a ZeRO-3 tag's partitions joined, and the tags it refuses
+by name (as the export does, each in its own words). The losses across layouts are
+tests/test_layout_free.py's (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.checkpoints import ExportRefused
+from service.planner.shape import ModelShape
+from service.spec import ModelSpec
+from workers.checkpoint import LAYOUT, tag
+from workers.hf_export import consolidate
+from workers.layout_free import FULL, LayoutRefused, canonical, convert
+
+
+def test_deepspeed_names_map_to_canonical_ones() -> None:
+    assert canonical("layers.0.tok", 0, 1, 4) == "embed.tok"
+    assert canonical("layers.2.q.weight", 0, 1, 4) == "layers.1.q.weight"
+    assert canonical("layers.5.weight", 0, 1, 4) == "head.weight"
+    assert canonical("3.up.bias", 1, 2, 4) == "layers.2.up.bias"  # a pipeline's flat index
+    assert canonical("tied_modules.tok.tok", 0, 2, 4) == "embed.tok"
+    assert canonical("tied_modules.tok.tok", 1, 2, 4) is None  # the head's copy
+    assert canonical("tied_modules.tok.ln.weight", 1, 2, 4) == "head.ln.weight"
+
+
+def _tag(folder: Path, step: int, **layout: int) -> Path:
+    path = folder / tag(step)
+    path.mkdir(parents=True)
+    (path / LAYOUT).write_text(json.dumps(
+        {"tp": 1, "pp": 1, "dp": 1, "zero": 1, "virtual_stages": 1} | layout))
+    return path
+
+
+def test_tags_the_form_cannot_carry_are_refused_by_name(tmp_path: Path) -> None:
+    _tag(tmp_path, 4, pp=2, virtual_stages=2)
+    with pytest.raises(LayoutRefused, match="interleaved stages"):
+        convert(str(tmp_path), 4, layers=4)
+    assert not (tmp_path / f"step4{FULL}").exists()
+    (tmp_path / "step8").mkdir()  # no layout recorded
+    with pytest.raises(LayoutRefused, match="unknown"):
+        convert(str(tmp_path), 8, layers=4)
+
+
+def test_the_export_and_the_conversion_refuse_the_same_tags_each_in_its_own_words(
+        tmp_path: Path) -> None:
+    """One check (`workers.tags.flat_layout`), each caller's exception and reason."""
+    _tag(tmp_path, 4, pp=2, virtual_stages=2)
+    (tmp_path / "step8").mkdir()
+    shape = ModelShape.from_spec(ModelSpec(layers=2, hidden=32, heads=4, vocab=40, seq_len=8))
+    with pytest.raises(LayoutRefused, match="interleaved stages.*pipelining's, not converted"):
+        convert(str(tmp_path), 4, layers=2)
+    with pytest.raises(ExportRefused, match="interleaved stages.*not exported yet"):
+        consolidate(str(tmp_path), 4, shape)
+    with pytest.raises(LayoutRefused, match="step8: no trident-layout.json.*unknown"):
+        convert(str(tmp_path), 8, layers=2)
+    with pytest.raises(ExportRefused, match="step8: no trident-layout.json.*unknown"):
+        consolidate(str(tmp_path), 8, shape)
+
+
+def test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path: Path) -> None:
+    """Two DP ranks; each parameter ceil(numel / 2) elements of each rank's flat group."""
+    path = _tag(tmp_path, 4, dp=2, zero=3)
+    shapes = {"layers.0.pos": torch.Size([3]), "layers.1.ln1.weight": torch.Size([2, 2])}
+    full = {k: torch.arange(s.numel(), dtype=torch.float32).view(s) + 10 * i
+            for i, (k, s) in enumerate(shapes.items())}
+    for d in range(2):
+        parts = []
+        for t in full.values():
+            flat = torch.cat([t.reshape(-1), torch.zeros(1)])  # padded to an even length
+            per = -(-t.numel() // 2)
+            parts.append(flat[d * per:(d + 1) * per])
+        flat = torch.cat(parts)
+        torch.save({"optimizer_state_dict": {
+            "fp32_flat_groups": [flat],
+            "optimizer_state_dict": {"state": {0: {"step": torch.tensor(4.0),
+                                                   "exp_avg": flat * 2,
+                                                   "exp_avg_sq": flat * 3}}}}},
+                   path / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        torch.save({"param_shapes": [shapes], "step": 4, "data_position": 4, "rng": None},
+                   path / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
+    out, took, size = convert(str(tmp_path), 4, layers=4)
+    from safetensors.torch import load_file
+    got = load_file(str(Path(out) / "exp_avg.safetensors"))
+    assert set(got) == {"embed.pos", "layers.0.ln1.weight"}
+    assert torch.equal(got["embed.pos"], full["layers.0.pos"] * 2)
+    assert torch.equal(load_file(str(Path(out) / "fp32.safetensors"))["layers.0.ln1.weight"],
+                       full["layers.1.ln1.weight"])
+    assert size > 0 and took >= 0
+    assert convert(str(tmp_path), 4, layers=4)[1] == 0.0  # cached

@@ -1,0 +1,71 @@
+"""`trident up` as a user runs it, in a process (and session) of its own, and what the tests
+that kill, restart and outage it read of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.servers import ROOT
+
+
+class Up:
+    """`trident up` as a user runs it, in its own process (and session)."""
+
+    def __init__(self, data_dir: Path, port: int, env: dict[str, str],
+                 *args: str) -> None:
+        self.data_dir = data_dir
+        self.server = f"http://127.0.0.1:{port}"
+        self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port), *args],
+            env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
+            stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        parts = []
+        for name in ("controller.log", "ray-head.log"):
+            path = self.data_dir / name
+            if path.exists():
+                parts.append(f"--- {name}\n" + path.read_text()[-6000:])
+        return "\n".join(parts)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The bootstrap admin's token, from the file `trident up` wrote on its first start."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin.token').read_text().strip()}"}
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = httpx.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
+                      timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def controller_pid(self) -> int:
+        return int(self.get("/healthz")["controller"]["holder"].split(":")[1])
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(90)
+        self.out.close()
+        return Path(self.out.name).read_text()
+
+
+def last_step(up: Up, job_id: int) -> int:
+    items = up.get(f"/jobs/{job_id}/metrics", after_step=0)["items"]
+    return max((m["step"] for m in items), default=0)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,59 @@
+"""DeepSpeed, imported once per process without the MLflow import it does not need.
+
+`import deepspeed` reaches `deepspeed.autotuning.autotuner`, which tries `import mlflow` at
+import time to log autotuning runs. Trident never runs DeepSpeed's autotuner, but MLflow is
+installed beside it (Trident's own tracking sink, `service.tracking.mlflow_sink`), and importing
+it costs every rank process about 3 s of CPU on this kind of machine: half of DeepSpeed's
+import (measured with `python -X importtime`, 6.3 s of user time against 3.3 s). Here MLflow is
+hidden for the length of DeepSpeed's import only (a `None` entry in `sys.modules` makes
+`import mlflow` raise `ImportError`, which the autotuner catches), then the entry is removed:
+anything that imports MLflow afterwards (Trident's sink, a user's entrypoint) gets it as usual.
+
+DeepSpeed's shared-memory all-reduce for CPU ranks (`deepspeed_shm_comm`) is switched off here.
+DeepSpeed builds it the first time a process initialises its communication backend: a C++
+extension compiled with the machine's compiler into `~/.cache/torch_extensions`, under a lock
+file that torch waits on without a deadline. It serves only `inference_all_reduce` (inference
+and AutoTP's inference layers; training goes through `torch.distributed`'s all-reduce), yet
+every CPU rank paid for the build (tens of seconds on a fresh machine) and a rank killed while
+building (kill -9, a cancelled job, a test's time-out) left the lock behind, so that every
+later rank on the machine hung in `deepspeed.initialize`. With the op marked unavailable,
+DeepSpeed's own fallback (`TorchBackend.shm_comm_op` is None) is taken.
+
+Trident's modules take DeepSpeed from here (`from workers.deepspeed_import import deepspeed`)
+and reach its submodules as attributes, so that whichever of them a process imports first, the
+import goes through this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+
+def _import_deepspeed() -> ModuleType:
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        return importlib.import_module("deepspeed")
+    finally:
+        if hide and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+
+
+SHM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's name for its CPU shared-memory all-reduce op (`ShareMemCommBuilder.NAME`)."""
+
+
+def _without_shm_op(ds: ModuleType) -> None:
+    """Mark the shared-memory op unavailable: `deepspeed.comm.torch.build_shm_op` then returns
+    None instead of compiling and loading it."""
+    compatible = ds.ops.__compatible_ops__  # probed once per process, then kept
+    compatible[SHM_OP] = False
+
+
+deepspeed = _import_deepspeed()
+_without_shm_op(deepspeed)

@@ -1,0 +1,72 @@
+"""A job's checkpoint tags on disk as the ranks' readers name things: the layout file a tag
+carries, the converted forms kept beside it (`step<N>.universal/`, `step<N>.full/`) and a
+tree's bytes. The tags' own names (`step<N>/`) and the newest complete one are
+`service.checkpoints`' (the API reads them too).
+
+Apart from `workers.checkpoint` (which writes and loads tags) so that the converters
+(`workers.layout_free`) and the export (`workers.hf_export`) read tags without importing
+the trainer's save and load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+
+from service.checkpoints import tag
+from service.spec import JobSpec
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under `path` (what it holds on disk, to within block rounding)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+LAYOUT = "trident-layout.json"
+"""Beside a tag's shards: the layout that wrote it (`tp`, `pp`, `dp`, `zero`, `virtual_stages`),
+so that a resume under another layout knows to go through the universal form."""
+FULL = ".full"
+"""`step<N>.full/`: the tag in the layout-free form (`workers.layout_free`), converted once on
+the first resume under a layout DeepSpeed's universal form does not carry, and kept (deleted
+with its tag)."""
+UNIVERSAL = ".universal"
+"""`step<N>.universal/`: the tag in DeepSpeed's universal form (per parameter: fp32 weights,
+both Adam moments, step), converted once on the first resume under another layout and kept
+(deleted with its tag)."""
+
+
+def layout_of(spec: JobSpec) -> dict[str, int]:
+    p = spec.layout
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero,
+            "virtual_stages": p.virtual_stages}
+
+
+def written_by(directory: str, step: int) -> dict[str, int] | None:
+    """The layout that wrote tag `step` (None: a tag saved before layouts were recorded)."""
+    try:
+        with open(os.path.join(directory, tag(step), LAYOUT)) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def flat_layout(directory: str, step: int, refused: Callable[[str], Exception],
+                interleaved: str) -> dict[str, int]:
+    """The layout that wrote tag `step` when it is known and has no interleaved stages, the
+    one check of the readers of a tag's DeepSpeed files (the export, the layout-free
+    conversion): otherwise `refused(why)` is raised, `why` naming the tag and, for
+    interleaved stages, ending with `interleaved` (what the caller does not do with them)."""
+    layout = written_by(directory, step)
+    path = os.path.join(directory, tag(step))
+    if layout is None:
+        raise refused(f"{path}: no {LAYOUT}: the layout that wrote it is unknown")
+    if layout.get("virtual_stages", 1) > 1:
+        raise refused(f"{path} was written with interleaved stages ({layout}): {interleaved}")
+    return layout
