@@ -41,12 +41,13 @@ def test_loopback_tells_the_addresses_apart() -> None:
 
 
 def tree(pid: int) -> dict[int, str]:
-    """Process `pid` and all its descendants: pid -> command line (or name)."""
+    """Process `pid` and all its descendants: pid -> whole command line (or name). Never cut:
+    a checkout at a long path puts a Ray worker's `default_worker.py` far into its line."""
     root = psutil.Process(pid)
     out = {}
     for p in [root, *root.children(recursive=True)]:
         try:
-            out[p.pid] = " ".join(p.cmdline())[:160] or p.name()
+            out[p.pid] = " ".join(p.cmdline()) or p.name()
         except psutil.Error:
             continue
     return out
@@ -94,8 +95,16 @@ def check_metrics_off(pids: dict[int, str]) -> None:
     gcs = next(pid for pid in servers if "gcs_server" in pids[pid])
     log_dir = next(a.split("=", 1)[1] for a in psutil.Process(gcs).cmdline()
                    if a.startswith("--log_dir="))
-    ports = list(Path(log_dir).parent.glob("metrics_export_port_*"))
-    assert ports and all(p.read_text().strip() == "-1" for p in ports), ports
+    session = Path(log_dir).parent
+
+    def exporter_port_written() -> bool:
+        # The dashboard agent writes it once it has started, after it listens.
+        ports = list(session.glob("metrics_export_port_*"))
+        return bool(ports) and all(p.read_text().strip() for p in ports)
+
+    wait_for("the dashboard agent writing its exporter's port", exporter_port_written, 60)
+    ports = list(session.glob("metrics_export_port_*"))
+    assert all(p.read_text().strip() == "-1" for p in ports), ports
 
 
 def submit_running_job(up: Up) -> int:
