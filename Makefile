@@ -41,10 +41,12 @@ demo: install
 # fixtures, its Ray or its `trident up`, stay in one process): the multi-process tests mostly
 # wait on their processes, so two of them share two cores well. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
+# `.ci/run` passes -v, so that a run cut short still names every test that ended.
+TEST_FLAGS ?= -q
 
 test: install
 	bash .ci/start-postgres.sh
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest $(TEST_FLAGS) -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
