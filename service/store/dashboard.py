@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import BindParameter, and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.states import JobState
@@ -104,18 +104,46 @@ def one_line(text: str, width: int = 200) -> str:
     return line if len(line) <= width else line[:width - 3] + "..."
 
 
+# The statements every jobs page and job detail runs, built once per process (building and
+# keying a statement cost as much CPU as running it); the ids are bound per call.
+_IDS: BindParameter[list[int]] = bindparam("ids", expanding=True)
+_NEWEST_ROW = (select(MetricRow.id).where(MetricRow.job_id == JobRow.id, MetricRow.rank == 0)
+               .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1)
+               .correlate(JobRow).scalar_subquery())
+# First each job's newest row id (an index seek per job), then those rows: PostgreSQL plans
+# the two steps as one `IN` over a correlated subquery poorly (a scan).
+_NEWEST_IDS = select(_NEWEST_ROW).where(JobRow.id.in_(_IDS))
+_ROWS_BY_ID = select(MetricRow).where(MetricRow.id.in_(_IDS))
+_NEWEST_OF_ONE = (select(MetricRow).where(MetricRow.job_id == bindparam("job_id"),
+                                          MetricRow.rank == 0)
+                  .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1))
+_QUEUED = JobRow.state == JobState.QUEUED.value
+_ME = select(JobRow.priority, JobRow.id).where(JobRow.id == bindparam("job_id")).subquery()
+_AHEAD = select(func.count()).select_from(JobRow).join(_ME, or_(
+    JobRow.priority > _ME.c.priority,
+    and_(JobRow.priority == _ME.c.priority, JobRow.id < _ME.c.id))).where(_QUEUED)
+_LINE = select(JobRow.id, func.row_number().over(
+    order_by=(JobRow.priority.desc(), JobRow.id)).label("position")).where(_QUEUED).subquery()
+_POSITIONS = select(_LINE.c.id, _LINE.c.position).where(_LINE.c.id.in_(_IDS))
+_NEWEST_EVAL = (select(StepMetricRow.eval_loss)
+                .where(StepMetricRow.job_id == JobRow.id, StepMetricRow.eval_loss.is_not(None))
+                .order_by(StepMetricRow.attempt.desc(), StepMetricRow.step.desc()).limit(1)
+                .correlate(JobRow).scalar_subquery())
+_EVALS = select(JobRow.id, _NEWEST_EVAL).where(JobRow.id.in_(_IDS))
+_BY_STATE = select(JobRow.state, func.count()).group_by(JobRow.state)
+
+
 def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
-    """Rank 0's newest step of each job, in two queries (an index seek per job)."""
+    """Rank 0's newest step of each job, in two queries (an index seek per job); one
+    job's (its detail) in one."""
     if not job_ids:
         return {}
-    # First each job's newest row id (an index seek per job), then those rows: PostgreSQL
-    # plans the two steps as one `IN` over a correlated subquery poorly (a scan).
-    newest = (select(MetricRow.id).where(MetricRow.job_id == JobRow.id, MetricRow.rank == 0)
-              .order_by(MetricRow.step.desc(), MetricRow.attempt.desc()).limit(1)
-              .correlate(JobRow).scalar_subquery())
-    ids = [i for i in s.execute(select(newest).where(JobRow.id.in_(job_ids))).scalars()
+    if len(job_ids) == 1:
+        row = s.execute(_NEWEST_OF_ONE, {"job_id": job_ids[0]}).scalar()
+        return {} if row is None else {row.job_id: Metric.from_row(row)}
+    ids = [i for i in s.connection().execute(_NEWEST_IDS, {"ids": list(job_ids)}).scalars()
            if i is not None]
-    rows = s.execute(select(MetricRow).where(MetricRow.id.in_(ids))).scalars()
+    rows = s.execute(_ROWS_BY_ID, {"ids": ids}).scalars()
     return {r.job_id: Metric.from_row(r) for r in rows}
 
 
@@ -126,16 +154,10 @@ def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
     in the database."""
     if not job_ids:
         return {}
-    queued = JobRow.state == JobState.QUEUED.value
     if len(job_ids) == 1:
-        me = select(JobRow.priority, JobRow.id).where(JobRow.id == job_ids[0]).subquery()
-        ahead = s.execute(select(func.count()).select_from(JobRow).join(me, or_(
-            JobRow.priority > me.c.priority,
-            and_(JobRow.priority == me.c.priority, JobRow.id < me.c.id))).where(queued))
+        ahead = s.connection().execute(_AHEAD, {"job_id": job_ids[0]})
         return {job_ids[0]: int(ahead.scalar_one()) + 1}
-    order = func.row_number().over(order_by=(JobRow.priority.desc(), JobRow.id))
-    line = select(JobRow.id, order.label("position")).where(queued).subquery()
-    rows = s.execute(select(line.c.id, line.c.position).where(line.c.id.in_(job_ids)))
+    rows = s.connection().execute(_POSITIONS, {"ids": list(job_ids)})
     return {job_id: int(n) for job_id, n in rows}
 
 
@@ -158,9 +180,11 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
         order.append(JobRow.id.desc())
     with _session(store).begin() as s:
         total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
-        rows = s.execute(select(JobRow).where(*conds).order_by(*order)
-                         .limit(limit).offset(offset)).scalars().all()
-        return _summaries(s, rows), int(total)
+        # Plain rows, not ORM objects (nothing is written back): a page of 50 built 50
+        # tracked instances for nothing.
+        rows = s.connection().execute(select(JobRow.__table__).where(*conds).order_by(*order)
+                                      .limit(limit).offset(offset)).all()
+        return _summaries(s, rows), int(total)  # type: ignore[arg-type]  # JobRow's names
 
 
 def _summaries(s: Session, rows: Sequence[JobRow], *, steps: bool = True
@@ -186,12 +210,7 @@ def _latest_evals(s: Session, job_ids: Sequence[int]) -> dict[int, float]:
     from each job's newest step to the newest that evaluated: `data.eval_every` rows)."""
     if not job_ids:
         return {}
-    newest = (select(StepMetricRow.eval_loss)
-              .where(StepMetricRow.job_id == JobRow.id, StepMetricRow.eval_loss.is_not(None))
-              .order_by(StepMetricRow.attempt.desc(), StepMetricRow.step.desc()).limit(1)
-              .correlate(JobRow).scalar_subquery())
-    return {i: float(v) for i, v in s.execute(select(JobRow.id, newest)
-                                               .where(JobRow.id.in_(job_ids)))
+    return {i: float(v) for i, v in s.connection().execute(_EVALS, {"ids": list(job_ids)})
             if v is not None}
 
 
@@ -224,7 +243,7 @@ def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
 def count_by_state(store: Store) -> dict[JobState, int]:
     """Jobs per state, every state present (zero when none)."""
     with _session(store).begin() as s:
-        got = dict(s.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all())
+        got = dict(s.connection().execute(_BY_STATE).all())
     return {st: int(got.get(st.value, 0)) for st in JobState}
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy import ColumnElement, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -36,6 +36,7 @@ from service.store.tables import (
     StepMetricRow,
     TrackingExportRow,
     make_engine,
+    reads,
     snapshot_reads,
     utcnow,
 )
@@ -79,6 +80,12 @@ class KeyTaken(Exception):
         self.job = job
         self.request_hash = request_hash
 
+_SECRET_NAMES = (select(JobSecretRow.job_id, JobSecretRow.name)
+                 .where(JobSecretRow.job_id.in_(bindparam("ids", expanding=True)))
+                 .order_by(JobSecretRow.job_id, JobSecretRow.name))
+_JOB = select(JobRow.__table__).where(JobRow.id == bindparam("job_id"))
+"""Every job page and list reads them: built once per process."""
+
 
 class Store(ClusterRecords):
     """Owns an engine and a session factory; one instance per process."""
@@ -88,6 +95,7 @@ class Store(ClusterRecords):
         self.engine: Engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(snapshot_reads(self.engine), expire_on_commit=False)
+        self._reads = reads(self.engine)
 
     def migrate(self) -> None:
         """Bring the schema to the newest Alembic revision."""
@@ -180,9 +188,7 @@ class Store(ClusterRecords):
         if not job_ids:
             return {}
         with self._rx() as s:
-            rows = s.execute(select(JobSecretRow.job_id, JobSecretRow.name)
-                             .where(JobSecretRow.job_id.in_(list(job_ids)))
-                             .order_by(JobSecretRow.job_id, JobSecretRow.name))
+            rows = s.connection().execute(_SECRET_NAMES, {"ids": list(job_ids)})
             out: dict[int, list[str]] = {}
             for job_id, name in rows:
                 out.setdefault(job_id, []).append(name)
@@ -197,11 +203,12 @@ class Store(ClusterRecords):
             return None if row is None else (Job.from_row(row), row.request_hash)
 
     def get_job(self, *, job_id: int) -> Job:
-        with self._rx() as s:
-            row = s.get(JobRow, job_id)
-            if row is None:
-                raise NotFound(f"job {job_id} not found")
-            return Job.from_row(row)
+        """One job: one statement outside a transaction (every request on a job reads it)."""
+        with self._reads.connect() as c:
+            row = c.execute(_JOB, {"job_id": job_id}).first()
+        if row is None:
+            raise NotFound(f"job {job_id} not found")
+        return Job.from_row(row)  # type: ignore[arg-type]  # a row with JobRow's names
 
     def list_jobs(self, *, states: Sequence[JobState] | None = None, owner: str | None = None,
                   project: str | None = None, limit: int = 50,

@@ -37,6 +37,7 @@ from typing import Any
 
 from sqlalchemy import (
     and_,
+    bindparam,
     delete,
     or_,
     select,
@@ -60,6 +61,12 @@ KEEP_EVERY = 100
 """Beyond `RETAIN_STEPS`, the per-rank rows of every this-many-th step are kept."""
 COMPACT_EVERY = 1_000
 """Retention runs when a job's step passes a multiple of this."""
+
+
+_NEWEST = (select(MetricRow.attempt, MetricRow.step, MetricRow.id, MetricRow.time)
+           .where(MetricRow.job_id == bindparam("job_id"), MetricRow.rank == bindparam("rank"))
+           .order_by(MetricRow.attempt.desc(), MetricRow.step.desc()).limit(1))
+"""`MetricsIngest.newest`, which every poll of a job's page runs: built once per process."""
 
 
 @dataclass(frozen=True)
@@ -232,11 +239,7 @@ class MetricsIngest:
         """(attempt, step, row id, time) of the row `recent_metrics` would end with: what
         says that a job's comparison with its plan is still the one worked out before."""
         with self._reads.begin() as s:
-            row = s.execute(select(MetricRow.attempt, MetricRow.step, MetricRow.id,
-                                   MetricRow.time)
-                            .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
-                            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
-                            .limit(1)).first()
+            row = s.connection().execute(_NEWEST, {"job_id": job_id, "rank": rank}).first()
         return None if row is None else (row[0], row[1], row[2], row[3])
 
     def recent_metrics(self, *, job_id: int, rank: int = 0, limit: int = 1000) -> list[Metric]:
