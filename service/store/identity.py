@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, or_, select
+from sqlalchemy import bindparam, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -127,6 +127,11 @@ _AUTH = (select(TokenRow.id, TokenRow.name, TokenRow.revoked_at, TokenRow.expire
                 UserRow.id.label("user_id"), UserRow.name.label("user"), UserRow.role,
                 UserRow.disabled)
          .join(UserRow, TokenRow.user_id == UserRow.id))
+
+_USER = (select(UserRow.id, UserRow.name, UserRow.role, UserRow.disabled, UserRow.created_at,
+                MembershipRow.project)
+         .outerjoin(MembershipRow, MembershipRow.user_id == UserRow.id)
+         .where(UserRow.name == bindparam("name")).order_by(MembershipRow.id))
 
 
 class Identity(EngineTx):
@@ -265,8 +270,16 @@ class Identity(EngineTx):
             raise Conflict(f"a user named {name!r} exists already") from None
 
     def get_user(self, *, name: str) -> User:
-        with self._rx() as s:
-            return self._user(s, self._user_row(s, name))
+        """One user and its projects (every submission reads them): one statement, built
+        once per process, outside a transaction (`service.store.tables.reads`)."""
+        with self._reads.connect() as c:
+            rows = c.execute(_USER, {"name": name}).all()
+        if not rows:
+            raise NotFound(f"user {name!r} not found")
+        u = rows[0]
+        return User(id=u.id, name=u.name, role=u.role, disabled=u.disabled,
+                    projects=[r.project for r in rows if r.project is not None],
+                    created_at=aware(u.created_at) or utcnow())
 
     def list_users(self) -> list[User]:
         with self._tx() as s:
