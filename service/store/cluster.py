@@ -12,15 +12,24 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from service.store.tables import NodeRow, ProbeRow, ProfileRow, utcnow
 from service.store.views import CalibratedProfile, Node, NotFound, Probe, ProbeStatus
 
+_NODES = select(NodeRow.__table__).order_by(NodeRow.node_id)
+_PROFILE = select(ProfileRow.__table__).where(ProfileRow.name == bindparam("name"))
+# Every submission reads the nodes and its profile: one statement each, built once per
+# process, outside a transaction (`service.store.tables.reads`).
+
 
 class ClusterRecords:
-    """Probes, nodes and calibrated profiles; `Store` supplies `_tx`."""
+    """Probes, nodes and calibrated profiles; `Store` supplies `_tx` and `_reads`."""
+
+    _reads: Engine
+    """Single reads outside a transaction (`service.store.tables.reads`)."""
 
     def _tx(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
@@ -95,9 +104,9 @@ class ClusterRecords:
                 row.updated_at = utcnow()
 
     def list_nodes(self) -> list[Node]:
-        with self._tx() as s:
-            rows = s.execute(select(NodeRow).order_by(NodeRow.node_id)).scalars()
-            return [Node.from_row(r) for r in rows]
+        with self._reads.connect() as c:
+            rows = c.execute(_NODES).all()
+        return [Node.from_row(r) for r in rows]  # type: ignore[arg-type]  # same names
 
     def save_profile(self, *, name: str, profile: dict[str, Any],
                      probe_id: int | None = None) -> None:
@@ -112,6 +121,6 @@ class ClusterRecords:
 
     def get_profile(self, *, name: str) -> CalibratedProfile | None:
         """The calibrated profile stored under `name`, if a probe has made one."""
-        with self._tx() as s:
-            row = s.get(ProfileRow, name)
-            return None if row is None else CalibratedProfile.from_row(row)
+        with self._reads.connect() as c:
+            row = c.execute(_PROFILE, {"name": name}).first()
+        return None if row is None else CalibratedProfile.from_row(row)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -61,7 +61,8 @@ def _utc(t: datetime) -> datetime:
 
 
 _READ = select(LeaseRow.name, LeaseRow.holder, LeaseRow.epoch, LeaseRow.acquired_at,
-               LeaseRow.renewed_at, LeaseRow.expires_at, LeaseRow.last_pass_s)
+               LeaseRow.renewed_at, LeaseRow.expires_at, LeaseRow.last_pass_s
+               ).where(LeaseRow.name == bindparam("name"))
 
 
 class Leases:
@@ -116,7 +117,7 @@ class Leases:
         """The lease as it is: one statement, without a transaction's write lock (every
         `/healthz` reads it)."""
         with self._reads.connect() as c:
-            row = c.execute(_READ.where(LeaseRow.name == name)).first()
+            row = c.execute(_READ, {"name": name}).first()
         if row is None:
             return None
         return Lease(name=row.name, holder=row.holder, epoch=row.epoch,
