@@ -17,7 +17,13 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 from service.hardware import HardwareProfile
 from service.planner.stored import StoredPlan
@@ -90,14 +96,18 @@ class Job(BaseModel):
         """Attempts stopped to move to a larger layout (elastic `scale_up`): no retry spent."""
         return int((self.elastic or {}).get("moves_up", 0))
 
-    @field_validator("spec", mode="before")
+    @field_validator("spec", mode="wrap")
     @classmethod
-    def _read_as_stored(cls, value: Any, info: ValidationInfo) -> Any:
+    def _read_as_stored(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                        info: ValidationInfo) -> Any:
         """A spec stored before a limit it fails was added still reads (the controller
-        refuses to start it, `service.spec_limits.recheck`)."""
+        refuses to start it, `service.spec_limits.recheck`). A `JobSpec` is taken as it is:
+        it was validated when made (its model checks ran then; an answer's `JobOut` is built
+        from a job's validated spec, and ran them again for each job of a page)."""
         if isinstance(value, JobSpec):
             return value
-        return JobSpec.model_validate(value, context={**(info.context or {}), STORED: True})
+        return handler(JobSpec.model_validate(value,
+                                              context={**(info.context or {}), STORED: True}))
 
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
