@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from fastapi.responses import JSONResponse
 
@@ -23,17 +22,6 @@ from service.store.tables import utcnow
 
 log = logging.getLogger(__name__)
 
-_LEASES: WeakKeyDictionary[Store, Leases] = WeakKeyDictionary()
-"""Each store's `Leases`, made once (its engines and session factory) rather than on every
-probe."""
-
-
-def _leases(store: Store) -> Leases:
-    found = _LEASES.get(store)
-    if found is None:
-        found = _LEASES[store] = Leases(store)
-    return found
-
 
 def health(store: Store, settings: Settings | None = None) -> JSONResponse:
     """200 `ok` when the database answers and a controller holds an unexpired lease; else 503
@@ -42,7 +30,7 @@ def health(store: Store, settings: Settings | None = None) -> JSONResponse:
     disk = {} if settings is None else {
         "data_dir": usage(settings.data_dir, settings.data_dir_min_free)}
     try:
-        lease = _leases(store).read(name=CONTROLLER)
+        lease = Leases.of(store).read(name=CONTROLLER)
     except Exception as exc:  # any failure to read is the database's
         log.warning("healthz: the database does not answer: %s", exc)
         return JSONResponse(status_code=503, content={

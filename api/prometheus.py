@@ -112,7 +112,7 @@ class StoreCollector(Collector):
         yield from fams.values()
 
     def _controller(self, store: Store) -> Iterator[Metric]:
-        lease = Leases(store).read(name=CONTROLLER)
+        lease = Leases.of(store).read(name=CONTROLLER)
         g = _g("trident_controller_pass_duration_seconds",
                "Duration of the lease holder's previous controller pass.", [])
         if lease is not None and lease.last_pass_s is not None:

@@ -217,11 +217,14 @@ class Store(ClusterRecords):
         where += [JobRow.state.in_([st.value for st in states])] if states else []
         where += [JobRow.owner == owner] if owner is not None else []
         where += [JobRow.project == project] if project is not None else []
-        with self._tx() as s:
-            q = select(JobRow).where(*where).order_by(JobRow.id.desc()).limit(limit).offset(offset)
+        # A read (`_rx`, one snapshot for the page and its count): no write lock; plain rows.
+        with self._rx() as s:
+            c = s.connection()
+            q = (select(JobRow.__table__).where(*where).order_by(JobRow.id.desc())
+                 .limit(limit).offset(offset))
             count = select(func.count()).select_from(JobRow).where(*where)
-            return ([Job.from_row(r) for r in s.execute(q).scalars()],
-                    int(s.execute(count).scalar_one()))
+            return ([Job.from_row(r) for r in c.execute(q)],  # type: ignore[arg-type]
+                    int(c.execute(count).scalar_one()))
 
     def queued_jobs(self, *, limit: int | None = None, offset: int = 0) -> list[Job]:
         """Queued jobs in admission order: priority first, then age (a page of them)."""

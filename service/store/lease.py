@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
+from weakref import WeakKeyDictionary
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
@@ -72,6 +73,15 @@ class Leases:
         self._sessions = sessionmaker(store.engine, expire_on_commit=False)
         self._reads = reads(store.engine)
 
+    @classmethod
+    def of(cls, store: Store) -> Leases:
+        """`store`'s Leases, made once (its engines and session factory): every `/healthz`
+        and every scrape of `/metrics` reads the lease."""
+        found = _OF.get(store)
+        if found is None:
+            found = _OF[store] = cls(store)
+        return found
+
     def acquire(self, *, name: str, holder: str, duration_s: float,
                 now: datetime | None = None,
                 last_pass_s: float | None = None) -> tuple[bool, Lease | None]:
@@ -123,6 +133,9 @@ class Leases:
         return Lease(name=row.name, holder=row.holder, epoch=row.epoch,
                      acquired_at=_utc(row.acquired_at), renewed_at=_utc(row.renewed_at),
                      expires_at=_utc(row.expires_at), last_pass_s=row.last_pass_s)
+
+
+_OF: WeakKeyDictionary[Store, Leases] = WeakKeyDictionary()
 
 
 class Role(StrEnum):
