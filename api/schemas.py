@@ -99,7 +99,8 @@ class JobOut(Job):
                 extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
                              reported_at=m.time, lr=m.lr, grad_norm=m.grad_norm,
                              tokens=m.data.get("tokens"), epoch=m.data.get("epoch"))
-        return cls(**dict(job), predicted_vs_measured=predicted_vs_measured, **extra)
+        # The fields as they are (`dict(job)` walked pydantic's iterator, once per job).
+        return cls(**job.__dict__, predicted_vs_measured=predicted_vs_measured, **extra)
 
 
 class JobList(BaseModel):

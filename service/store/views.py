@@ -24,6 +24,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     field_validator,
 )
+from sqlalchemy import Row
 
 from service.hardware import HardwareProfile
 from service.planner.stored import StoredPlan
@@ -111,6 +112,24 @@ class Job(BaseModel):
 
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
+        """The job of a row: an ORM `JobRow`, or a plain row of the jobs table (`Row`), whose
+        job a process keeps while the row stays equal, every column (a job page polled by
+        many viewers reads the same rows again; a Job is frozen, and no code changes what it
+        holds)."""
+        if not isinstance(row, Row):
+            return cls._of_row(row)
+        key = tuple(row)
+        found = _JOBS.get(row.id)
+        if found is not None and found[0] == key:
+            return found[1]
+        job = cls._of_row(row)  # type: ignore[arg-type]  # a row with JobRow's names
+        if len(_JOBS) >= PARSED_MAX:
+            _JOBS.clear()
+        _JOBS[row.id] = (key, job)
+        return job
+
+    @classmethod
+    def _of_row(cls, row: JobRow) -> Job:
         spec, plan = _parsed(row)
         return cls.model_construct(
             id=row.id, name=row.name, owner=row.owner, project=row.project,
@@ -124,6 +143,8 @@ class Job(BaseModel):
             started_at=aware(row.started_at), finished_at=aware(row.finished_at))
 
 
+_JOBS: dict[int, tuple[tuple[Any, ...], Job]] = {}
+"""Each job's plain row (every column) and its Job (`Job.from_row`), at most `PARSED_MAX`."""
 _PARSED: dict[int, tuple[dict[str, Any], dict[str, Any], JobSpec, StoredPlan]] = {}
 PARSED_MAX = 4096
 """Jobs whose validated spec and plan a process keeps (`_parsed`)."""
