@@ -31,8 +31,10 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    cast,
     create_engine,
     event,
+    type_coerce,
 )
 from sqlalchemy.engine import Dialect, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -47,17 +49,21 @@ class StoredJSON(TypeDecorator[Any]):
     """JSON that a process decodes once per distinct text: a job's spec and plan (several
     KiB each, never changed once stored) are read on every poll of its page and for every
     line of the jobs list. The decoded values are shared: nothing may change them in place
-    (nothing does; a new value is assigned, as SQLAlchemy's JSON needs anyway). On
-    PostgreSQL the driver decodes, and this changes nothing. The DDL is JSON's."""
+    (nothing does; a new value is assigned, as SQLAlchemy's JSON needs anyway). It is read
+    as text (`column_expression`): PostgreSQL's driver would otherwise decode it on every
+    read. The DDL is JSON's."""
 
     impl = JSON
     cache_ok = True
     CACHE_MAX = 8192
 
+    def column_expression(self, colexpr: Any) -> Any:
+        return type_coerce(cast(colexpr, Text), self)
+
     def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
-        inner = self.impl_instance.dialect_impl(dialect).result_processor(dialect, coltype)
-        if inner is None:
-            return None
+        processor = self.impl_instance.dialect_impl(dialect).result_processor(dialect,
+                                                                              coltype)
+        inner: Any = processor or getattr(dialect, "_json_deserializer", None) or json.loads
         cache: dict[str, Any] = {}
 
         def process(value: Any) -> Any:
