@@ -35,8 +35,11 @@ from sqlalchemy import (
     event,
 )
 from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
+
+from service.store.dbcheck import header_sound, sqlite_path
 
 
 def utcnow() -> datetime:
@@ -475,6 +478,15 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
+
+        path = sqlite_path(url)
+
+        @event.listens_for(engine, "checkout")
+        def _header(_dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+            # A connection opened before the header was damaged reads on from its cache and
+            # never sees it: discard it; the new one meets the damage (`dbcheck`).
+            if path is not None and not header_sound(path):
+                raise DisconnectionError(f"the header of {path} is not SQLite's")
 
         @event.listens_for(engine, "begin")
         def _begin(conn: Any) -> None:
