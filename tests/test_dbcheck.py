@@ -26,6 +26,7 @@ from service.store.dbcheck import Unreadable, check, describe, readable
 from tests.conftest import user_token
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
 from tests.servers import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,8 +146,8 @@ def test_every_kind_of_route_answers_503_naming_the_damage(tmp_path: Path) -> No
 
 def test_a_header_damaged_under_a_serving_app_is_a_503_on_every_route(tmp_path: Path) -> None:
     """The app's pooled connections were opened before the header was overwritten, and SQLite
-    would let them read on from what they hold: each checkout looks at the header, so every
-    kind of route, and healthz, meets the damage as a new connection does."""
+    would let them read on from what they hold: a checkout looks at the header (once a second
+    at most), so every kind of route, and healthz, meets the damage as a new connection does."""
     db = tmp_path / "trident.db"
     [job_id, *_] = fill_jobs(db, 20)
     store = Store(f"sqlite:///{db}")
@@ -158,6 +159,9 @@ def test_a_header_damaged_under_a_serving_app_is_a_503_on_every_route(tmp_path: 
                 assert c.get(path).status_code == 200, path  # connections now in the pool
             damage_header(db)
             assert malformed(db) == "file is not a database"
+            # The header is looked at once a second at most (HEADER_CHECK_EVERY_S).
+            wait_for("a 503 once the header is looked at again",
+                     lambda: c.get("/api/v1/jobs").status_code == 503, 30)
             for path in ("/api/v1/jobs", f"/api/v1/jobs/{job_id}", "/api/v1/whoami"):
                 r = c.get(path)
                 assert r.status_code == 503, (path, r.status_code, r.text)

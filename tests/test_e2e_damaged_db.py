@@ -20,6 +20,7 @@ from service.rayhead import answers, live_head
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
 from tests.servers import ROOT, free_port, wait_healthy
 from tests.up import Up, alive
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +71,15 @@ def test_damage_under_a_running_stack_is_503_and_sigterm_stops_what_it_started(
             damage_pages(db, pages)
             what = "database disk image is malformed"
         assert what in malformed(db)
-        for path in ("/api/v1/jobs", f"/api/v1/jobs/{job_id}", "/", f"/jobs/{job_id}",
-                     "/metrics"):
+        paths = ("/api/v1/jobs", f"/api/v1/jobs/{job_id}", "/", f"/jobs/{job_id}", "/metrics")
+
+        def every_path_503() -> bool:
+            # Each API process looks at the header once a second at most.
+            return all(httpx.get(up.server + path, headers=up.auth, timeout=30).status_code
+                       == 503 for path in paths)
+
+        wait_for("every route answering 503", every_path_503, 60)
+        for path in paths:
             r = httpx.get(up.server + path, headers=up.auth, timeout=30)
             assert r.status_code == 503, (path, r.status_code, r.text[:300])
             assert f"database is damaged (DatabaseError: {what})" in r.text, (path, r.text[:300])
