@@ -81,6 +81,10 @@ PIDS: dict[str, int] = {}
 """The server process of each address `trident_server` started."""
 
 
+URLS: dict[str, str] = {}
+"""The database URL of each server `trident_server` started, by address."""
+
+
 def server_cpu_s(api: str) -> float:
     """User and system CPU seconds the server at `api` has used so far: its process and,
     with several API workers, theirs (the processes alive now)."""
@@ -346,88 +350,3 @@ def _report(sec: Section, results: dict[str, dict[int, list[tuple[list[float], f
                 f"{fmt_s(used['whoami_s'])} (whoami)")
     sec.row("Ray Jobs: submit to RUNNING, idle cluster", fmt_dist(fig["ray_submit_to_running"]),
             "entrypoint `sleep 3`; Trident's is in the orchestration comparison")
-
-
-# --- server CPU per request: the budgets ---------------------------------------------------
-
-BUDGETS_S = {"healthz": 0.3e-3, "job detail": 1e-3, "job list": 3e-3,
-             "submit sqlite": 3e-3, "submit postgres": 4e-3}
-"""Server CPU per request (issue 25): `/healthz`, an authenticated job detail, a jobs list
-page (50 jobs), a submission on SQLite and on PostgreSQL."""
-
-
-def _metrics(api: str, job_id: int, steps: int, world: int = 8) -> None:
-    """`steps` steps of `world` ranks of job `job_id`, written as the controller writes them
-    (`MetricsIngest.record`), straight into the server's database."""
-    import random
-
-    from bench.scale import _reports
-    from service.protocols import StepReport
-    from service.store import Store
-    from service.store.metrics import MetricsIngest
-
-    store = Store(URLS[api])
-    try:
-        ing = MetricsIngest(store)
-        rng = random.Random(0)
-        for step in range(1, steps + 1):
-            rows = [StepReport.model_validate(x).row() for x in _reports(world, step, rng)]
-            ing.record(job_id=job_id, attempt=1, world_size=world, rows=rows)
-    finally:
-        store.close()
-
-
-URLS: dict[str, str] = {}
-"""The database URL of each server `trident_server` started, by address."""
-
-
-def budgets(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite", "postgres")) -> None:
-    """Server CPU per request of the common routes, one client, one API process: the
-    process's CPU time (user + system, `psutil`) over n requests after a warm-up, so that
-    other work on a shared machine counts only through caches, and the load average with
-    each figure."""
-    n = 100 if quick else 400
-    fig: dict[str, Any] = {}
-    for db in dbs:
-        with trident_server(db) as api:
-            per = _per_route(api, n)
-        fig[db] = {k: {"cpu_s": v, "load_avg": la} for k, (v, la) in per.items()}
-        for name, (v, la) in per.items():
-            budget = BUDGETS_S.get(f"{name} {db}" if name == "submit" else name)
-            sec.row(f"{db}: {name}", fmt_s(v), f"server CPU per request over {n}, load"
-                    f" average {la:.1f} on {os.cpu_count()} cores" + (
-                        f"; budget {fmt_s(budget)}" if budget else ""))
-            if budget is not None:
-                sec.goal(f"{db}: {name} CPU per request (s)", v, f"<= {budget:g}",
-                         v <= budget)
-    sec.figures.update(fig)
-
-
-def _per_route(api: str, n: int) -> dict[str, tuple[float, float]]:
-    """(server CPU seconds per request, load average meanwhile) of each common route."""
-    import httpx
-
-    c = httpx.Client(base_url=api, timeout=30, headers=TOKENS[api])
-    load0 = os.getloadavg()[0]
-    submit_s = cpu_per_request(api, lambda: _created(c.post("/api/v1/jobs", json=TINY)), n)
-    per = {"submit": (submit_s, (load0 + os.getloadavg()[0]) / 2)}
-    job_id = c.get("/api/v1/jobs", params={"limit": 1}).json()["items"][0]["id"]
-    _metrics(api, job_id, 200)
-    routes = {
-        "healthz": lambda: c.get("/api/v1/healthz"),
-        "whoami": lambda: c.get("/api/v1/whoami"),
-        "job detail": lambda: c.get(f"/api/v1/jobs/{job_id}"),
-        "job list": lambda: c.get("/api/v1/jobs", params={"limit": 50}),
-        "job events": lambda: c.get(f"/api/v1/jobs/{job_id}/events"),
-        "metrics series": lambda: c.get(f"/api/v1/jobs/{job_id}/series"),
-        "/metrics": lambda: c.get("/metrics"),
-    }
-    for name, call in routes.items():
-        l0 = os.getloadavg()[0]
-        per[name] = (cpu_per_request(api, call, n), (l0 + os.getloadavg()[0]) / 2)
-    c.close()
-    return per
-
-
-def _created(r: Any) -> None:
-    assert r.status_code == 201, r.text[:300]

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]], None]]]:
     from bench import (
+        api_cpu,
         control_plane,
         models_hf,
         orchestration,
@@ -41,7 +42,7 @@ def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]
         "orchestration": ("Orchestration cost: Trident against torchrun", orchestration.run),
         "control_plane": ("Control plane: Trident's submit against Ray Jobs", control_plane.run),
         "api_cpu": ("Control plane: server CPU per request of the common routes",
-                    control_plane.budgets),
+                    api_cpu.budgets),
         "viewers": ("Control plane: 100 dashboard viewers, 8 submitters and a 4,096-rank"
                     " job; 8 x 50 submissions", viewers.run),
         "scale": ("Store and controller at scale; ingest of a 4,096-rank job", scale.run),

@@ -26,7 +26,7 @@ to save and stop, watched while they do, and requeued). An elastic job that lost
 and waited `wait_s` for them is re-planned onto what is free, and with `scale_up` moved back
 when the room returns (`service.elastic` decides and words it; here its stored layout is
 changed, and a move up asks its ranks to save and stop). One module because it is one pass
-(about 700 lines), each of whose parts hands its work to the modules named here.
+(about 800 lines), each of whose parts hands its work to the modules named here.
 """
 
 from __future__ import annotations

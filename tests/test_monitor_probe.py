@@ -53,8 +53,10 @@ def test_budgeted_counts():
 
     # No budget: the full counts, whatever the first call took.
     assert _budgeted(5.0, 64 << 20, 20, 3, None) == (2, _iters_for(64 << 20, 20))
-    # A slow point: no further warm-up, one timed call.
-    assert _budgeted(0.2, 64 << 20, 20, 3, 0.05) == (0, 1)
+    # A slow point: its first call is the measurement, nothing more.
+    assert _budgeted(0.2, 64 << 20, 20, 3, 0.05) == (0, 0)
+    # One call more fits: no further warm-up, one timed call.
+    assert _budgeted(0.04, 16 << 20, 20, 3, 0.05) == (0, 1)
     # A fast point: warm-up and the full count fit.
     assert _budgeted(1e-5, 4 << 10, 20, 3, 0.05) == (2, 20)
     # In between: what fits.

@@ -250,19 +250,38 @@ def test_the_secret_is_in_the_ranks_environment_and_nowhere_else(scenario: Scena
     scenario.answers.append(("POST cancel", r.text))
     # Every GET route of the API, every page.
     app = create_app(scenario.settings, store=scenario.store)
+    status: dict[str, int] = {}
     for method, path, _ in api_routes(app):
         url = path.replace("{job_id}", str(job_id))
         if method != "GET" or "{" in url:  # another kind of id: a probe's, a request's
             continue
         url += f"?jobs={job_id}&jobs={again}" if path.endswith("/compare") else ""
         r = scenario.get(url)
+        status[path] = r.status_code
         assert r.status_code in (200, 404, 503), (url, r.status_code, r.text[:300])
+    # The routes that hold what a leak would show answered (a refusal would grep clean).
+    for path in ("/api/v1/jobs", "/api/v1/jobs/{job_id}", "/api/v1/jobs/{job_id}/events",
+                 "/api/v1/jobs/{job_id}/metrics", "/api/v1/jobs/{job_id}/logs",
+                 "/api/v1/jobs/{job_id}/attempts", "/api/v1/jobs/{job_id}/series",
+                 "/api/v1/jobs/{job_id}/tracking", "/api/v1/audit", "/api/v1/compare"):
+        assert status.get(path) == 200, (path, status.get(path), sorted(status))
     for page in ("/", "/ui/jobs/rows", f"/jobs/{job_id}", f"/plan?job={job_id}", "/queue",
                  "/cluster", f"/compare?jobs={job_id}&jobs={again}",
                  f"/jobs/{job_id}/logs/rank-0.log", f"/jobs/{job_id}/logs/rank-1.log"):
         assert scenario.get(page).status_code == 200, page
-    scenario.get("/api/v1/audit?limit=1000")
-    scenario.get(f"/api/v1/jobs/{job_id}/logs?rank=0&rank=1")
+    # The audit log: it holds the submit, the resubmit and the cancel.
+    r = scenario.get("/api/v1/audit?limit=1000")
+    assert r.status_code == 200, r.text
+    audited = {(a["method"], a["path"], a["status"]) for a in r.json()["items"]}
+    assert {("POST", "/api/v1/jobs", 201), ("POST", f"/api/v1/jobs/{job_id}/resubmit", 201),
+            ("POST", f"/api/v1/jobs/{again}/cancel", 202)} <= audited, audited
+    # The rank logs through the API: both ranks' output, where a leak would be.
+    r = scenario.get(f"/api/v1/jobs/{job_id}/logs?rank=0&rank=1")
+    assert r.status_code == 200, r.text
+    chunks = {c["rank"]: c["text"] for c in r.json()["ranks"]}
+    assert set(chunks) == {0, 1}
+    for rank, text in chunks.items():
+        assert f"tracked rank {rank}: its secret is in its environment" in text, text[-500:]
     assert len(scenario.answers) > 30
     for what, text in scenario.answers:
         assert SECRET not in text, f"the secret is in {what}"

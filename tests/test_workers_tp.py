@@ -48,12 +48,13 @@ def _rank(rank: int, port: int, sequence_parallel: bool, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _run(sequence_parallel: bool) -> dict:
+def _run(sequence_parallel: bool, rank_fn=None) -> dict:
+    """Two forked ranks of `rank_fn` (default `_rank`): what they put in the shared dict."""
     ctx = forked.context()
     with ctx.Manager() as manager:
         out = manager.dict()
         port = free_port()
-        procs = [forked.process(ctx, _rank, (r, port, sequence_parallel, out))
+        procs = [forked.process(ctx, rank_fn or _rank, (r, port, sequence_parallel, out))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -129,18 +130,7 @@ def test_vocabulary_parallel_embedding_head_and_loss_match_the_unsharded_ones(
         sequence_parallel):
     from workers.model import Embedding, Head, loss_for
 
-    ctx = forked.context()
-    with ctx.Manager() as manager:
-        shared = manager.dict()
-        port = free_port()
-        procs = [forked.process(ctx, _vocab_rank, (r, port, sequence_parallel, shared))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0
-        out = dict(shared)
+    out = _run(sequence_parallel, _vocab_rank)
     emb, head = Embedding(CFG, 3), Head(CFG, 3)
     tokens, labels = _tokens()
     loss = loss_for(CFG, None)(head(emb(tokens)), labels)

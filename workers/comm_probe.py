@@ -58,21 +58,25 @@ def _iters_for(nbytes: int, iters: int) -> int:
 
 JOB_PROBE_POINT_S = 0.05
 """A job's probe before training spends about this long on each (op, size) point beyond its
-first call: on gloo a 64 MiB collective takes a tenth of a second or more, and twenty of
-them at each of nine sizes and three ops held the first step back by 10 s. `trident probe`
-keeps the full iteration counts."""
+first call (a point whose first call took longer is timed by that call): on gloo a 64 MiB
+collective takes a tenth of a second or more, and twenty of them at each of nine sizes and
+three ops held the first step back by 10 s. `trident probe` keeps the full iteration counts."""
 
 
 def _budgeted(first_s: float, nbytes: int, iters: int, warmup: int,
               point_s: float | None) -> tuple[int, int]:
     """(further warm-up calls, timed calls) for a point whose first call took `first_s` (the
-    slowest rank's, so that every rank agrees): within `point_s` when one is given, at least
-    one timed call."""
+    slowest rank's, so that every rank agrees): within `point_s` when one is given. A point
+    whose first call alone took the budget is timed by that call: (0, 0). Its links are warm
+    from the smaller sizes before it, and a second call would double the probe's longest
+    points (on gloo, 64 MiB collectives of a tenth of a second or more)."""
     k = _iters_for(nbytes, iters)
     if point_s is None:
         return warmup - 1, k
     calls = int(point_s / max(first_s, 1e-9))
-    return min(warmup - 1, max(0, calls - 1)), max(1, min(k, calls))
+    if calls == 0:
+        return 0, 0
+    return min(warmup - 1, calls - 1), min(k, calls)
 
 
 def _op_fn(op: str, nbytes: int, n: int, group: Any, device: torch.device,
@@ -119,6 +123,8 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
             fn = _op_fn(op, nbytes, n, group, device, use_list)
             if heartbeat is not None:
                 heartbeat.entering(op, dim or None, ranks)
+            if point_s is not None:  # the first call may be the measurement: start together
+                dist.barrier(group=group)
             t0 = time.perf_counter()
             try:
                 fn()
@@ -134,19 +140,22 @@ def probe_group(group: Any, ranks: Sequence[int], *, dim: str = "",
             if point_s is not None:  # every rank must run the same calls
                 first = _slowest(first, group, device)
             more, k = _budgeted(first, nbytes, iters, warmup, point_s)
-            for _ in range(more):
-                fn()
-            dist.barrier(group=group)
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            _sync(device)
-            elapsed = _slowest((time.perf_counter() - t0) / k, group, device)
+            if k == 0:
+                elapsed = first  # the slowest rank's already
+            else:
+                for _ in range(more):
+                    fn()
+                dist.barrier(group=group)
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    fn()
+                _sync(device)
+                elapsed = _slowest((time.perf_counter() - t0) / k, group, device)
             if heartbeat is not None:
                 heartbeat.left()
             if me == ranks[0]:
-                row = _row(dim, ranks, op, nbytes, elapsed, k)
+                row = _row(dim, ranks, op, nbytes, elapsed, max(k, 1))
                 if use_list:
                     row["impl"] = "list"
                 rows.append(row)
@@ -188,26 +197,30 @@ def probe_pair(src: int, dst: int, *, sizes: Iterable[int] = DEFAULT_SIZES, iter
         t0 = time.perf_counter()
         once()
         _sync(device)
-        counts = torch.tensor(_budgeted(time.perf_counter() - t0, nbytes, iters, warmup,
-                                        point_s), dtype=torch.int64)
+        first = time.perf_counter() - t0
+        counts = torch.tensor(_budgeted(first, nbytes, iters, warmup, point_s),
+                              dtype=torch.int64)
         if point_s is not None:  # the sender's counts, so both sides run the same calls
             if me == src:
                 dist.send(counts, dst=peer)
             else:
                 dist.recv(counts, src=peer)
         more, k = (int(x) for x in counts.tolist())
-        for _ in range(more):
-            once()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            once()
-        _sync(device)
-        one_way = (time.perf_counter() - t0) / k / 2
+        if k == 0:
+            one_way = first / 2  # the sender's first round trip was the measurement
+        else:
+            for _ in range(more):
+                once()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                once()
+            _sync(device)
+            one_way = (time.perf_counter() - t0) / k / 2
         if heartbeat is not None:
             heartbeat.left()
         if me == src:
-            rows.append(_row(dim, [src, dst], "send_recv", nbytes, one_way, k))
+            rows.append(_row(dim, [src, dst], "send_recv", nbytes, one_way, max(k, 1)))
     return rows
 
 

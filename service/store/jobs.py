@@ -10,8 +10,7 @@ Callers (API, controller) get the immutable views of `service.store.views` back,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ from sqlalchemy import ColumnElement, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
@@ -28,6 +27,7 @@ from service.store.cluster import ClusterRecords
 from service.store.schema import upgrade
 from service.store.tables import (
     AttemptRow,
+    EngineTx,
     EventRow,
     JobRow,
     JobSecretRow,
@@ -37,7 +37,6 @@ from service.store.tables import (
     TrackingExportRow,
     make_engine,
     reads,
-    snapshot_reads,
     utcnow,
 )
 from service.store.views import (
@@ -87,14 +86,13 @@ _JOB = select(JobRow.__table__).where(JobRow.id == bindparam("job_id"))
 """Every job page and list reads them: built once per process."""
 
 
-class Store(ClusterRecords):
-    """Owns an engine and a session factory; one instance per process."""
+class Store(EngineTx, ClusterRecords):
+    """Owns an engine and its transactions (`EngineTx`); one instance per process."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine: Engine = make_engine(url)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._read_sessions = sessionmaker(snapshot_reads(self.engine), expire_on_commit=False)
+        super().__init__(self.engine)
         self._reads = reads(self.engine)
 
     def migrate(self) -> None:
@@ -103,17 +101,6 @@ class Store(ClusterRecords):
 
     def close(self) -> None:
         self.engine.dispose()
-
-    @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
-
-    @contextmanager
-    def _rx(self) -> Iterator[Session]:
-        """A read-only transaction (`snapshot_reads`): no write lock on SQLite."""
-        with self._read_sessions.begin() as session:
-            yield session
 
     def _check_fence(self, s: Session, fence: Fence) -> None:
         # FOR SHARE: a controller taking the lease over (FOR UPDATE) waits for this write.
