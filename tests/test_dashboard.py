@@ -20,7 +20,8 @@ from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
-from service.store.dashboard import job_series, jobs_page, queue
+from service.store.charts import job_series
+from service.store.dashboard import jobs_page, queue
 from service.store.heartbeats import HeartbeatLog
 from tests.conftest import authed_client, tiny_spec
 

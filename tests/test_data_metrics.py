@@ -15,7 +15,7 @@ from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
-from service.store.dashboard import job_series
+from service.store.charts import job_series
 from service.store.metrics import MetricsIngest
 from tests.conftest import authed_client, tiny_spec
 

@@ -11,7 +11,7 @@ from api.auth import require
 from api.deps import JobDep, StoreDep
 from api.schemas import CommSteps, HangList, RanksGrid, Series
 from service.rank_status import rank_status
-from service.store.dashboard import MAX_POINTS, job_series
+from service.store.charts import MAX_POINTS, job_series
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 

@@ -2,9 +2,8 @@
 store, in as few queries as possible.
 
 The jobs list pages in SQL (filters, sort, offset) and reads each listed job's newest step by
-an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts read four
-columns of its rank-0 rows, bucketed in the database (min/max per bucket) when long, so a
-100,000-step job sends at most `MAX_POINTS` points per series.
+an index seek, so a page costs the same with 10 or 10,000 jobs. A job's charts are read by
+`service.store.charts`.
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.states import JobState
 from service.store.jobs import Job, Metric, Store
-from service.store.tables import AttemptRow, EventRow, JobRow, MetricRow, StepMetricRow
-
-MAX_POINTS = 2000
-"""The most points of one chart series the server sends."""
+from service.store.tables import EventRow, JobRow, MetricRow, StepMetricRow
 
 SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,
          "created": JobRow.created_at, "priority": JobRow.priority}
@@ -40,7 +36,7 @@ class Sort(StrEnum):
     priority = "priority"
 
 
-def _session(store: Store) -> sessionmaker[Session]:
+def read_sessions(store: Store) -> sessionmaker[Session]:
     """Read-only transactions on the store (`service.store.tables.snapshot_reads`)."""
     return store._read_sessions
 
@@ -178,7 +174,7 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
     order: list[Any] = [col.desc() if desc else col.asc()]
     if sort != "id":
         order.append(JobRow.id.desc())
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
         # Plain rows, not ORM objects (nothing is written back): a page of 50 built 50
         # tracked instances for nothing.
@@ -216,14 +212,14 @@ def _latest_evals(s: Session, job_ids: Sequence[int]) -> dict[int, float]:
 
 def summary_of(store: Store, job: Job, *, new: bool = False) -> JobSummary:
     """`job_summary` of a job just read or written (its row is not read again)."""
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         return _summaries_of(s, [job], steps=not new)[0]
 
 
 def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
     """One job's line of the jobs list (`GET /jobs/{id}` carries it too); `new`: a job just
     queued (a submission's answer), which has no steps to look up."""
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         return _summaries(s, s.execute(select(JobRow).where(JobRow.id == job_id))
                           .scalars().all(), steps=not new)[0]
 
@@ -231,7 +227,7 @@ def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
 def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
     """The first `limit` queued jobs in admission order (priority, then age), with position
     and reason, and how many are queued."""
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         q = select(JobRow).where(JobRow.state == JobState.QUEUED.value)
         total = s.execute(select(func.count()).select_from(q.subquery())).scalar_one()
         rows = s.execute(q.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)).scalars()
@@ -242,7 +238,7 @@ def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:
 
 def count_by_state(store: Store) -> dict[JobState, int]:
     """Jobs per state, every state present (zero when none)."""
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         got = dict(s.connection().execute(_BY_STATE).all())
     return {st: int(got.get(st.value, 0)) for st in JobState}
 
@@ -274,127 +270,12 @@ def measured_bubble_ratio(store: Store, job_id: int, attempt: int, step: int,
     return sum(shares) / len(shares)
 
 
-# --- charts ------------------------------------------------------------------------------------
-
-def _kept_steps(s: Session, job_id: int) -> tuple[Any, int, int, int]:
-    """Which rank-0 rows a chart shows: each attempt's steps below the first step of any later
-    attempt (a restarted job redoes the steps after its checkpoint: the newest values count).
-    Returns the condition, the lowest and highest step, and the number of steps kept."""
-    numbers = s.execute(select(AttemptRow.number).where(AttemptRow.job_id == job_id)
-                        .order_by(AttemptRow.number.desc())).scalars().all()
-    conds, bound, lo, hi, n = [], None, None, None, 0
-    for attempt in numbers:
-        # Two seeks of the (job, attempt, step, rank) unique index.
-        q = select(MetricRow.step).where(MetricRow.job_id == job_id,
-                                         MetricRow.attempt == attempt, MetricRow.rank == 0)
-        first = s.execute(q.order_by(MetricRow.step).limit(1)).scalar()
-        last = s.execute(q.order_by(MetricRow.step.desc()).limit(1)).scalar()
-        if first is None or last is None:
-            continue
-        top = last if bound is None else min(last, bound - 1)
-        if top >= first:
-            conds.append(and_(MetricRow.attempt == attempt, MetricRow.step <= top))
-            lo = first if lo is None else min(lo, first)
-            hi = top if hi is None else max(hi, top)
-            n += top - first + 1
-        bound = first if bound is None else min(bound, first)
-    return or_(*conds) if conds else None, lo or 0, hi or 0, n
-
-
-def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str, Any]:
-    """Rank 0's loss, step time, tokens/s and MFU per step, with the plan's predictions, the
-    validation loss of the steps that evaluated (`eval_step`, `eval_loss`), and the recipe's
-    learning rate and global gradient norm before clipping (`recipe_step`, `lr`, `grad_norm`:
-    the steps that reported them, thinned as the validation loss is).
-
-    Up to `max_points` steps come as they are. Longer series are bucketed in the database
-    (`max_points / 2` buckets of consecutive steps): each bucket gives two points, its first
-    step with every series' minimum and its last step with every series' maximum, so spikes
-    and dips survive however long the job ran; a bucket is narrower than a pixel of a chart,
-    so the order of minimum and maximum inside it is not drawn. `rows`: the steps shown."""
-    plan = job.plan
-    mfu_pred = plan.mfu
-    mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
-    out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
-                           "tokens_per_s": [], "mfu": [], "predicted": {
-                               "step_time_s": plan.time.step_s,
-                               "tokens_per_s": plan.tokens_per_s, "mfu": mfu_pred}}
-    m = MetricRow
-    with _session(store).begin() as s:
-        kept, lo, hi, n = _kept_steps(s, job.id)
-        if kept is None:
-            return out
-        where = (m.job_id == job.id, m.rank == 0, kept)
-        if n <= max_points:
-            exact = s.execute(select(m.step, m.loss, m.step_time_s, m.tokens_per_s)
-                              .where(*where).order_by(m.step)).all()
-            points = [(r[0], r[1], r[2], r[3]) for r in exact]
-        else:
-            width = -(-(hi - lo + 1) // (max_points // 2))
-            bucket = ((m.step - lo) // width).label("bucket")
-            rows = s.execute(select(bucket, func.min(m.step), func.max(m.step), func.min(m.loss),
-                                    func.max(m.loss), func.min(m.step_time_s),
-                                    func.max(m.step_time_s), func.min(m.tokens_per_s),
-                                    func.max(m.tokens_per_s))
-                             .where(*where).group_by(bucket).order_by(bucket)).all()
-            points = []
-            for _, first, last, lo_l, hi_l, lo_t, hi_t, lo_k, hi_k in rows:
-                points.append((first, lo_l, lo_t, lo_k))
-                if last != first:
-                    points.append((last, hi_l, hi_t, hi_k))
-    out["rows"] = n
-    out["step"] = [int(p[0]) for p in points]
-    out["loss"] = [None if p[1] is None else float(p[1]) for p in points]
-    out["step_time_s"] = [float(p[2]) for p in points]
-    out["tokens_per_s"] = [float(p[3]) for p in points]
-    out["mfu"] = [float(p[3]) * mfu_per_token for p in points]
-    out["eval_step"], out["eval_loss"] = _eval_points(store, job.id, max_points)
-    out["recipe_step"], out["lr"], out["grad_norm"] = _recipe_points(store, job.id, max_points)
-    return out
-
-
-def _thinned(steps: list[int], max_points: int) -> list[int]:
-    """At most `max_points` of `steps`, evenly spaced."""
-    if len(steps) > max_points:
-        steps = steps[::-(-len(steps) // max_points)]
-    return steps
-
-
-def _recipe_points(store: Store, job_id: int, max_points: int
-                   ) -> tuple[list[int], list[float], list[float | None]]:
-    """The steps that reported a learning rate, their rate and gradient norm (the newest
-    attempt's where a step ran twice; the norm None where the trainer gave none)."""
-    sm = StepMetricRow
-    with _session(store).begin() as s:
-        rows = s.execute(select(sm.step, sm.lr, sm.grad_norm)
-                         .where(sm.job_id == job_id, sm.lr.is_not(None))
-                         .order_by(sm.step, sm.attempt)).all()
-    by_step = {int(step): (float(lr), None if norm is None else float(norm))
-               for step, lr, norm in rows if lr is not None}  # the newest attempt last
-    steps = _thinned(sorted(by_step), max_points)
-    return steps, [by_step[st][0] for st in steps], [by_step[st][1] for st in steps]
-
-
-def _eval_points(store: Store, job_id: int, max_points: int) -> tuple[list[int], list[float]]:
-    """The steps that evaluated and their validation loss (the newest attempt's where a step
-    ran twice), at most `max_points` of them (evenly thinned)."""
-    sm = StepMetricRow
-    with _session(store).begin() as s:
-        rows = s.execute(select(sm.step, sm.eval_loss)
-                         .where(sm.job_id == job_id, sm.eval_loss.is_not(None))
-                         .order_by(sm.step, sm.attempt)).all()
-    by_step = {int(step): float(loss) for step, loss in rows  # the newest attempt last
-               if loss is not None}
-    steps = _thinned(sorted(by_step), max_points)
-    return steps, [by_step[st] for st in steps]
-
-
 def marked_ranks(store: Store, *, job_id: int,
                  attempt: int | None) -> tuple[set[int], set[int]]:
     """The attempt's stragglers and the ranks its hang diagnoses say never arrived."""
     stragglers: set[int] = set()
     waited_for: set[int] = set()
-    with _session(store).begin() as s:
+    with read_sessions(store).begin() as s:
         for ev in s.execute(select(EventRow).where(
                 EventRow.job_id == job_id, EventRow.attempt == attempt,
                 EventRow.kind.in_(["straggler", "hang"]))).scalars():
