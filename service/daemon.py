@@ -221,12 +221,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
                 loop.controller.shutdown(stop_jobs=settings.stop_jobs and stop.is_set())
             try:
                 leader.release()  # the standby need not wait for the lease to expire
-            except Exception as exc:
-                if damaged(exc):  # one line, as every pass that failed on it
-                    log.error("releasing the lease failed (%s); it expires by itself",
-                              describe(settings.db_url, exc))
-                else:
-                    log.exception("releasing the lease failed; it expires by itself")
+            except Exception:
+                log.exception("releasing the lease failed; it expires by itself")
         store.close()
         log.info("controller %s stopped", leader.holder)
     return status

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -38,11 +37,8 @@ from sqlalchemy import (
     type_coerce,
 )
 from sqlalchemy.engine import Dialect, Engine
-from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
-
-from service.store.dbcheck import header_sound, sqlite_path
 
 
 def utcnow() -> datetime:
@@ -469,11 +465,6 @@ def dumps_json(value: Any) -> str:
         return json.dumps(_finite(value), allow_nan=False)
 
 
-HEADER_CHECK_EVERY_S = 1.0
-"""How often an engine's SQLite checkouts look at the file's header (`dbcheck.header_sound`):
-a header damaged under a running process is a 503 within this long."""
-
-
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):
@@ -490,22 +481,6 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
-
-        path = sqlite_path(url)
-        checked = [-HEADER_CHECK_EVERY_S]  # when the header was last found sound
-
-        @event.listens_for(engine, "checkout")
-        def _header(_dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-            # A connection opened before the header was damaged reads on from its cache and
-            # never sees it: discard it; the new one meets the damage (`dbcheck`). Once a
-            # second at most (a new connection costs more than a request's own work); once
-            # damaged, at every checkout, so that each pooled connection is discarded.
-            now = time.monotonic()
-            if path is None or now - checked[0] < HEADER_CHECK_EVERY_S:
-                return
-            if not header_sound(path):
-                raise DisconnectionError(f"the header of {path} is not SQLite's")
-            checked[0] = now
 
         @event.listens_for(engine, "begin")
         def _begin(conn: Any) -> None:
