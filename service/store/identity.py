@@ -28,7 +28,6 @@ from service.store.tables import (
     ProjectRow,
     TokenRow,
     UserRow,
-    reads,
     utcnow,
 )
 from service.store.trusted_tokens import TrustedTokens
@@ -143,7 +142,6 @@ class Identity(EngineTx):
 
     def __init__(self, store: Store, stamp: Path | None = None) -> None:
         super().__init__(store.engine)
-        self._reads = reads(store.engine)
         self._trusted: TrustedTokens[Principal] = TrustedTokens(stamp)
 
     # --- tokens -----------------------------------------------------------------------------

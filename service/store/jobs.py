@@ -36,7 +36,6 @@ from service.store.tables import (
     StepMetricRow,
     TrackingExportRow,
     make_engine,
-    reads,
     utcnow,
 )
 from service.store.views import (
@@ -93,7 +92,6 @@ class Store(EngineTx, ClusterRecords):
         self.url = url
         self.engine: Engine = make_engine(url)
         super().__init__(self.engine)
-        self._reads = reads(self.engine)
 
     def migrate(self) -> None:
         """Bring the schema to the newest Alembic revision."""

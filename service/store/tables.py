@@ -519,11 +519,12 @@ def snapshot_reads(engine: Engine) -> Engine:
 class EngineTx:
     """Transactions of its own on an engine: for the package's modules beside `Store` that
     query their tables on its engine (identity, quota notes, heartbeats, stack requests, the
-    trackers' cursors)."""
+    trackers' cursors); `_reads` for their single reads outside a transaction (`reads`)."""
 
     def __init__(self, engine: Engine) -> None:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(snapshot_reads(engine), expire_on_commit=False)
+        self._reads = reads(engine)
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
