@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,17 +217,26 @@ def test_status_watch_prints_each_refresh(stack: tuple[str, dict[str, int]]) -> 
     assert len(docs) == 2 and all(d["total"] == 4 for d in docs)
 
 
+STACKS_ON_USR1 = ("import faulthandler, runpy, signal, sys;"
+                  " faulthandler.register(signal.SIGUSR1, all_threads=True);"
+                  " sys.argv[0] = 'trident'; runpy.run_module('api.cli', run_name='__main__')")
+"""`python -m api.cli`, which also writes every thread's stack to stderr at SIGUSR1."""
+
+
 def tty_run(url: str, *args: str, interrupt_at: str | None = None,
             timeout: float = 60) -> str:
     """`trident ARGS` on a pseudo-terminal (what a person sees): its raw output. With
-    `interrupt_at`, Ctrl-C (SIGINT) once the output shows that text; it must exit 0."""
+    `interrupt_at`, Ctrl-C (SIGINT) once the output shows that text; it must exit 0. A
+    command still running 10 s after it is pressed again, as a person would (once: one that
+    outlives both fails), after a warning in the test report shows its stacks."""
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args, "--server", url],
+    proc = subprocess.Popen([sys.executable, "-c", STACKS_ON_USR1, *args, "--server", url],
                             stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout
+    interrupted_at: float | None = None
     try:
         while True:
             assert time.monotonic() < deadline, f"no exit in {timeout} s: {b''.join(chunks)!r}"
@@ -239,7 +249,15 @@ def tty_run(url: str, *args: str, interrupt_at: str | None = None,
             chunks.append(data)
             if interrupt_at is not None and interrupt_at.encode() in b"".join(chunks):
                 proc.send_signal(signal.SIGINT)
-                interrupt_at = None
+                interrupt_at, interrupted_at = None, time.monotonic()
+            elif interrupted_at is not None and time.monotonic() - interrupted_at > 10:
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+                stacks = os.read(master, 1 << 20).decode(errors="replace")
+                warnings.warn(f"a Ctrl-C of `trident {' '.join(args)}` was lost; its stacks"
+                              f" 10 s later:\n{stacks}", stacklevel=2)
+                proc.send_signal(signal.SIGINT)
+                interrupted_at = None
         assert proc.wait(timeout=10) == 0, b"".join(chunks)
     finally:
         os.close(master)
