@@ -19,6 +19,19 @@ building (kill -9, a cancelled job, a test's time-out) left the lock behind, so 
 later rank on the machine hung in `deepspeed.initialize`. With the op marked unavailable,
 DeepSpeed's own fallback (`TorchBackend.shm_comm_op` is None) is taken.
 
+DeepSpeed's Muon optimizer is stood in for, too. Whatever optimizer a job uses, DeepSpeed's
+engine and its ZeRO optimizers look for Muon: `is_zero_supported_optimizer` and the ZeRO
+optimizers import `deepspeed.runtime.zero.muon.muon_optimizer` to check whether the optimizer
+is a `MuonWithAuxAdam`, and ZeRO 1-2's gradient epilogue and ZeRO 3 import `muon_update` from
+`original_muon` before they check whether a parameter uses it. `original_muon`'s kernels are
+decorated with `torch.compile` at import, which imports torch's inductor: about 1.5 s of CPU
+in every rank's first steps on this kind of machine, a quarter of all that a tiny job's rank
+spends (sampled with py-spy). Trident never configures Muon (its optimizer is AdamW:
+`service.ds_config`), so both modules are replaced by stand-ins: `MuonWithAuxAdam` is a class
+that no optimizer is an instance of, so every such check is False as it is for the real class,
+and `muon_update`/`adam_update` raise if ever called (only a parameter of a Muon optimizer
+reaches them). A process that imported the real modules before this one keeps them.
+
 Trident's modules take DeepSpeed from here (`from workers.deepspeed_import import deepspeed`)
 and reach its submodules as attributes, so that whichever of them a process imports first, the
 import goes through this module.
@@ -55,5 +68,34 @@ def _without_shm_op(ds: ModuleType) -> None:
     compatible[SHM_OP] = False
 
 
+MUON = "deepspeed.runtime.zero.muon"
+"""DeepSpeed's package of its Muon optimizer: `muon_optimizer` (`MuonWithAuxAdam`) and
+`original_muon` (its compiled kernels, `muon_update`, `adam_update`)."""
+
+
+class NoMuon:
+    """Stands for DeepSpeed's `MuonWithAuxAdam` in a process that never builds one."""
+
+
+def _no_muon_update(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("DeepSpeed's Muon is not available in Trident's ranks"
+                       " (workers.deepspeed_import)")
+
+
+def _without_muon() -> None:
+    """Put modules without Muon's kernels where DeepSpeed's engine looks for Muon."""
+    names = {"muon_optimizer": {"MuonWithAuxAdam": NoMuon},
+             "original_muon": {"MuonWithAuxAdam": NoMuon, "muon_update": _no_muon_update,
+                               "adam_update": _no_muon_update}}
+    for name, attrs in names.items():
+        full = f"{MUON}.{name}"
+        if full not in sys.modules:
+            stand_in = ModuleType(full, "DeepSpeed's Muon, never used by Trident's ranks"
+                                        " (workers.deepspeed_import).")
+            stand_in.__dict__.update(attrs)
+            sys.modules[full] = stand_in
+
+
 deepspeed = _import_deepspeed()
 _without_shm_op(deepspeed)
+_without_muon()
