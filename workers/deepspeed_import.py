@@ -84,9 +84,10 @@ def _no_muon_update(*args: object, **kwargs: object) -> None:
 
 def _without_muon() -> None:
     """Put modules without Muon's kernels where DeepSpeed's engine looks for Muon."""
-    names = {"muon_optimizer": {"MuonWithAuxAdam": NoMuon},
-             "original_muon": {"MuonWithAuxAdam": NoMuon, "muon_update": _no_muon_update,
-                               "adam_update": _no_muon_update}}
+    names: dict[str, dict[str, object]] = {
+        "muon_optimizer": {"MuonWithAuxAdam": NoMuon},
+        "original_muon": {"MuonWithAuxAdam": NoMuon, "muon_update": _no_muon_update,
+                          "adam_update": _no_muon_update}}
     for name, attrs in names.items():
         full = f"{MUON}.{name}"
         if full not in sys.modules:
