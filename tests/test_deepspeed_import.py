@@ -1,7 +1,8 @@
 """DeepSpeed is imported without MLflow (`workers.deepspeed_import`): a rank's process does not
 pay for MLflow's import, which DeepSpeed's autotuner tries and Trident never uses, and MLflow
 stays importable afterwards for whoever wants it; and DeepSpeed's CPU shared-memory op is never
-built (a compile under a lock file that a killed rank leaves behind)."""
+built (a compile under a lock file that a killed rank leaves behind); and DeepSpeed's Muon
+modules are stand-ins, so that no rank imports torch's inductor for kernels it never runs."""
 
 from __future__ import annotations
 
@@ -80,3 +81,42 @@ def test_a_cpu_ranks_deepspeed_backend_builds_no_shared_memory_op(tmp_path: Path
     assert "built successfully" not in run.stdout
     assert not extensions.exists() or not any(extensions.rglob("*shm*")), \
         sorted(extensions.rglob("*"))
+
+
+def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path) -> None:
+    """ZeRO 1-3 engines check for DeepSpeed's Muon in `initialize` and in every step; on a rank
+    they find the stand-ins, so torch's inductor compiler (`torch._inductor.compile_fx`, which
+    Muon's `torch.compile`d kernels import; with the real modules it is imported by
+    `initialize`) is never imported, and the steps train as before (the loss falls)."""
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "from workers.deepspeed_import import deepspeed\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
+        " rank=0, world_size=1)\n"
+        "for stage in (1, 2, 3):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))\n"
+        "    cfg = {'train_batch_size': 4, 'zero_optimization': {'stage': stage},\n"
+        "           'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}}}\n"
+        "    engine, *_ = deepspeed.initialize(model=model, config=cfg,\n"
+        "                                      model_parameters=model.parameters())\n"
+        "    x, y = torch.randn(4, 8), torch.randn(4, 1)\n"
+        "    losses = []\n"
+        "    for _ in range(5):\n"
+        "        loss = torch.nn.functional.mse_loss(engine(x), y)\n"
+        "        engine.backward(loss)\n"
+        "        engine.step()\n"
+        "        losses.append(loss.item())\n"
+        "    print(stage, losses[-1] < losses[0])\n"
+        "print('torch._inductor.compile_fx' in sys.modules)\n"
+        "from deepspeed.runtime.zero.muon import original_muon\n"
+        "print(original_muon.__doc__)\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0",
+           "WORLD_SIZE": "1"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-5:] == [
+        "1 True", "2 True", "3 True", "False",
+        "DeepSpeed's Muon, never used by Trident's ranks (workers.deepspeed_import)."], \
+        run.stdout[-3000:]
