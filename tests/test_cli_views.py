@@ -223,6 +223,21 @@ STACKS_ON_USR1 = ("import faulthandler, runpy, signal, sys;"
 """`python -m api.cli`, which also writes every thread's stack to stderr at SIGUSR1."""
 
 
+def as_a_shell_starts_it() -> None:
+    """In the child, before `exec`: Ctrl-C at its default and not blocked, whatever the test
+    process inherited or set up (dispositions set to ignore and blocked signals outlive
+    `exec`; a pytest worker that ran other tests first may have either)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def signal_state(pid: int | str) -> str:
+    """The blocked, ignored and caught signals of process `pid` (or "self"), as masks."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return " ".join(ln.replace("\t", "") for ln in status if ln[:6] in ("SigBlk", "SigIgn",
+                                                                       "SigCgt"))
+
+
 def tty_run(url: str, *args: str, interrupt_at: str | None = None,
             timeout: float = 60) -> str:
     """`trident ARGS` on a pseudo-terminal (what a person sees): its raw output. With
@@ -232,7 +247,8 @@ def tty_run(url: str, *args: str, interrupt_at: str | None = None,
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-c", STACKS_ON_USR1, *args, "--server", url],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT)
+                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
+                            preexec_fn=as_a_shell_starts_it)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout
@@ -251,11 +267,12 @@ def tty_run(url: str, *args: str, interrupt_at: str | None = None,
                 proc.send_signal(signal.SIGINT)
                 interrupt_at, interrupted_at = None, time.monotonic()
             elif interrupted_at is not None and time.monotonic() - interrupted_at > 10:
+                state = f"command: {signal_state(proc.pid)}; test: {signal_state('self')}"
                 proc.send_signal(signal.SIGUSR1)
                 time.sleep(1)
                 stacks = os.read(master, 1 << 20).decode(errors="replace")
-                warnings.warn(f"a Ctrl-C of `trident {' '.join(args)}` was lost; its stacks"
-                              f" 10 s later:\n{stacks}", stacklevel=2)
+                warnings.warn(f"a Ctrl-C of `trident {' '.join(args)}` was lost ({state});"
+                              f" its stacks 10 s later:\n{stacks}", stacklevel=2)
                 proc.send_signal(signal.SIGINT)
                 interrupted_at = None
         assert proc.wait(timeout=10) == 0, b"".join(chunks)
