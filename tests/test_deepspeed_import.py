@@ -97,7 +97,7 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
         "    torch.manual_seed(0)\n"
         "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))\n"
         "    cfg = {'train_batch_size': 4, 'zero_optimization': {'stage': stage},\n"
-        "           'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}}}\n"
+        "           'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01, 'torch_adam': True}}}\n"
         "    engine, *_ = deepspeed.initialize(model=model, config=cfg,\n"
         "                                      model_parameters=model.parameters())\n"
         "    x, y = torch.randn(4, 8), torch.randn(4, 1)\n"
@@ -111,8 +111,11 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
         "print('torch._inductor.compile_fx' in sys.modules)\n"
         "from deepspeed.runtime.zero.muon import original_muon\n"
         "print(original_muon.__doc__)\n")
+    # torch's AdamW, as Trident's CPU ranks use (`service.ds_config`): DeepSpeed's own would
+    # compile its fused op into the extensions folder first.
+    extensions = tmp_path / "torch_extensions"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0",
-           "WORLD_SIZE": "1"}
+           "WORLD_SIZE": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -120,3 +123,4 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
         "1 True", "2 True", "3 True", "False",
         "DeepSpeed's Muon, never used by Trident's ranks (workers.deepspeed_import)."], \
         run.stdout[-3000:]
+    assert not extensions.exists(), sorted(extensions.rglob("*"))
