@@ -24,9 +24,10 @@ engine and its ZeRO optimizers look for Muon: `is_zero_supported_optimizer` and 
 optimizers import `deepspeed.runtime.zero.muon.muon_optimizer` to check whether the optimizer
 is a `MuonWithAuxAdam`, and ZeRO 1-2's gradient epilogue and ZeRO 3 import `muon_update` from
 `original_muon` before they check whether a parameter uses it. `original_muon`'s kernels are
-decorated with `torch.compile` at import, which imports torch's inductor: about 1.5 s of CPU
-in every rank's first steps on this kind of machine, a quarter of all that a tiny job's rank
-spends (sampled with py-spy). Trident never configures Muon (its optimizer is AdamW:
+decorated with `torch.compile` at import, which imports torch's inductor compiler: about 1.7 s
+of CPU per rank on this kind of machine, a fifth of all that a rank of the tiny ZeRO-2 job
+spends (7.2 s against 8.9 s, the mean of four ranks; found with py-spy). Trident never
+configures Muon (its optimizer is AdamW:
 `service.ds_config`), so both modules are replaced by stand-ins: `MuonWithAuxAdam` is a class
 that no optimizer is an instance of, so every such check is False as it is for the real class,
 and `muon_update`/`adam_update` raise if ever called (only a parameter of a Muon optimizer
