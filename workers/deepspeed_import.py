@@ -27,11 +27,11 @@ is a `MuonWithAuxAdam`, and ZeRO 1-2's gradient epilogue and ZeRO 3 import `muon
 decorated with `torch.compile` at import, which imports torch's inductor compiler: about 1.7 s
 of CPU per rank on this kind of machine, a fifth of all that a rank of the tiny ZeRO-2 job
 spends (7.2 s against 8.9 s, the mean of four ranks; found with py-spy). Trident never
-configures Muon (its optimizer is AdamW:
-`service.ds_config`), so both modules are replaced by stand-ins: `MuonWithAuxAdam` is a class
-that no optimizer is an instance of, so every such check is False as it is for the real class,
-and `muon_update`/`adam_update` raise if ever called (only a parameter of a Muon optimizer
-reaches them). A process that imported the real modules before this one keeps them.
+configures Muon (its optimizer is AdamW: `service.ds_config`), so both modules are replaced by
+stand-ins: `MuonWithAuxAdam` is a class that no optimizer is an instance of, so every such
+check is False as it is for the real class, and `muon_update`/`adam_update` raise if ever
+called (only a parameter of a Muon optimizer reaches them). A process that imported the real
+modules before this one keeps them.
 
 Trident's modules take DeepSpeed from here (`from workers.deepspeed_import import deepspeed`)
 and reach its submodules as attributes, so that whichever of them a process imports first, the
