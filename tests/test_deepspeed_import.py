@@ -57,28 +57,36 @@ def test_the_check_sees_a_direct_import() -> None:
     assert _deepspeed_at_top(tree) == ["deepspeed.pipe", "workers.deepspeed_import"]
 
 
+def one_cpu_rank(tmp_path: Path, body: str, **env: str) -> tuple[str, Path]:
+    """Run `body` as rank 0 of 1 (gloo, DeepSpeed on the CPU, DeepSpeed taken from the helper)
+    in a process of its own, with an extensions folder of the test's: its stdout, and that
+    folder (absent unless something was compiled)."""
+    code = ("import sys, torch, torch.distributed as dist\n"
+            "from workers.deepspeed_import import deepspeed\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
+            " rank=0, world_size=1)\n" + body)
+    extensions = tmp_path / "torch_extensions"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions),
+                              "DS_ACCELERATOR": "cpu", **env})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout, extensions
+
+
 def test_a_cpu_ranks_deepspeed_backend_builds_no_shared_memory_op(tmp_path: Path) -> None:
     """DeepSpeed's communication backend on a CPU rank comes up without its shared-memory
     all-reduce: nothing is compiled into (or locked in) the torch extensions folder, and the
     all-reduce is `torch.distributed`'s."""
-    code = (
-        "import torch, torch.distributed as dist\n"
-        "from workers.deepspeed_import import deepspeed\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
-        " rank=0, world_size=1)\n"
+    out, extensions = one_cpu_rank(tmp_path, (
         "deepspeed.init_distributed(dist_backend='gloo')\n"
         "from deepspeed import comm\n"
         "print(comm.comm.cdb.shm_comm_op is None)\n"
         "x = torch.ones(4)\n"
         "comm.inference_all_reduce(x)\n"
-        "print(x.tolist())\n")
-    extensions = tmp_path / "torch_extensions"
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.splitlines()[-2:] == ["True", "[1.0, 1.0, 1.0, 1.0]"], run.stdout
-    assert "built successfully" not in run.stdout
+        "print(x.tolist())\n"))
+    assert out.splitlines()[-2:] == ["True", "[1.0, 1.0, 1.0, 1.0]"], out
+    assert "built successfully" not in out
     assert not extensions.exists() or not any(extensions.rglob("*shm*")), \
         sorted(extensions.rglob("*"))
 
@@ -88,11 +96,9 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
     they find the stand-ins, so torch's inductor compiler (`torch._inductor.compile_fx`, which
     Muon's `torch.compile`d kernels import; with the real modules it is imported by
     `initialize`) is never imported, and the steps train as before (the loss falls)."""
-    code = (
-        "import sys, torch, torch.distributed as dist\n"
-        "from workers.deepspeed_import import deepspeed\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
-        " rank=0, world_size=1)\n"
+    # torch's AdamW, as Trident's CPU ranks use (`service.ds_config`): DeepSpeed's own would
+    # compile its fused op into the extensions folder first.
+    out, extensions = one_cpu_rank(tmp_path, (
         "for stage in (1, 2, 3):\n"
         "    torch.manual_seed(0)\n"
         "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))\n"
@@ -110,17 +116,9 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
         "    print(stage, losses[-1] < losses[0])\n"
         "print('torch._inductor.compile_fx' in sys.modules)\n"
         "from deepspeed.runtime.zero.muon import original_muon\n"
-        "print(original_muon.__doc__)\n")
-    # torch's AdamW, as Trident's CPU ranks use (`service.ds_config`): DeepSpeed's own would
-    # compile its fused op into the extensions folder first.
-    extensions = tmp_path / "torch_extensions"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0",
-           "WORLD_SIZE": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.splitlines()[-5:] == [
+        "print(original_muon.__doc__)\n"), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    assert out.splitlines()[-5:] == [
         "1 True", "2 True", "3 True", "False",
         "DeepSpeed's Muon, never used by Trident's ranks (workers.deepspeed_import)."], \
-        run.stdout[-3000:]
+        out[-3000:]
     assert not extensions.exists(), sorted(extensions.rglob("*"))
