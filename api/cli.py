@@ -69,7 +69,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     import uvicorn
 
     from api.app import create_app
-    from api.serve import PARENT_ENV, default_workers, serve
+    from api.serve import PARENT_ENV, default_workers, reserve_port, serve
     from service.heap import freeze_startup_objects
     from service.settings import Settings
 
@@ -95,6 +95,11 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         fail(str(exc))
     except OSError as exc:  # a read-only or foreign directory
         fail(f"cannot lock data dir {settings.data_dir}: {exc.strerror or exc}")
+    try:  # the API's port is checked, and kept from the Ray head's servers, until it serves
+        reserved = reserve_port(host, port)
+    except OSError as exc:
+        fail(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}; stop what holds"
+             " it, or give this one another --port")
     open_database(settings)
     from service.rayhead import RayHead
     from service.supervisor import Supervisor
@@ -122,6 +127,7 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     workers = api_workers or default_workers()
     typer.echo(f"API: {workers} process(es)")
     controller.start()
+    reserved.close()  # the API binds it now
     try:
         if workers > 1:
             # Processes of their own sharing the port (`api.serve`), each building the app

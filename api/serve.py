@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -54,6 +55,24 @@ def watch_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The API's address, bound (not listening) by this process until it serves: `trident up`
+    holds it while it starts the Ray head, whose servers take free ports (`service.rayhead`)
+    and would otherwise be handed the one just checked to be free. Raises `OSError` when the
+    address is in use or cannot be bound, before anything is started. SO_REUSEADDR, as
+    uvicorn sets it: a port a stopped server left in TIME_WAIT is free."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def serve(host: str, port: int, workers: int, log_level: str = "warning") -> None:

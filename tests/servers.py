@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,12 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 """The repository's root."""
 
 
-def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True) -> None:
+def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True,
+                 proc: subprocess.Popen | None = None,
+                 log: Callable[[], str] = lambda: "") -> None:
     """Poll until the API answers 200 (the database answers and a controller holds the
     lease), or, with `controller=False` (an API without a controller), until the database
-    answers; a deadline, not a count, so that slow starts are fine."""
+    answers; a deadline, not a count, so that slow starts are fine. Fails at once if `proc`
+    (the server's process) ends first; a failure ends with `log()`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{url}: its process exited ({proc.returncode}) before it"
+                                 f" was healthy\n{log()}")
         try:
             r = httpx.get(url + "/api/v1/healthz")
             if r.status_code == 200 or (not controller and r.json().get("database") == "ok"):
@@ -36,7 +42,7 @@ def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True) ->
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
+    raise AssertionError(f"{url} not healthy after {timeout_s} s\n{log()}")
 
 
 def free_port() -> int:

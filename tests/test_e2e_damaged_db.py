@@ -17,7 +17,7 @@ import pytest
 
 from service.rayhead import answers, live_head
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
-from tests.servers import ROOT, free_port, wait_healthy
+from tests.servers import ROOT, free_port
 from tests.up import Up, alive
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_damage_under_a_running_stack_is_503_and_sigterm_stops_what_it_started(
     pages = table_pages(db, "jobs")
     up = Up(tmp_path, free_port(), {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"})
     try:
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         head = live_head(tmp_path)
         assert head is not None
         started = psutil.Process(up.proc.pid).children(recursive=True)

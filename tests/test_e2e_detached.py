@@ -17,7 +17,7 @@ import pytest
 from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
-from tests.servers import free_port, wait_healthy
+from tests.servers import free_port
 from tests.up import Up, alive, last_step
 from tests.waiting import wait_for
 from workers.checkpoint import MARKER
@@ -66,7 +66,7 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
     port = free_port()
     up = Up(tmp_path, port, env)
     try:
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         job_id = submit_long_job(up)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
 
@@ -88,7 +88,7 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
         time.sleep(2)
         assert live_head(tmp_path), "the Ray head ended with trident up"
         up = Up(tmp_path, port, env)  # started again by hand, on the same data directory
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         wait_for("SUCCEEDED", lambda: up.get(f"/jobs/{job_id}")["state"] in (
             "SUCCEEDED", "FAILED"), 300, up.log)
         check_outcome(up, job_id, reattached=2)
@@ -110,7 +110,7 @@ def test_sigterm_to_trident_up_leaves_jobs_training_and_stop_jobs_stops_them(
     port = free_port()
     up = Up(tmp_path, port, env)
     try:
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         job_id = submit_long_job(up, steps=100_000)  # it trains until stopped
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
         [attempt] = up.get(f"/jobs/{job_id}/attempts")["items"]
@@ -127,7 +127,7 @@ def test_sigterm_to_trident_up_leaves_jobs_training_and_stop_jobs_stops_them(
         assert live_head(tmp_path) and all(alive(p) for p in pids)
 
         up = Up(tmp_path, port, env, "--stop-jobs")
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         wait_for("re-attached", lambda: any(
             e["kind"] == "reattach" for e in up.get(f"/jobs/{job_id}/events")["items"]),
             120, up.log)
@@ -152,7 +152,7 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
     pg.start()
     up = Up(tmp_path, free_port(), {**env, "TRIDENT_DATABASE_URL": pg.url})
     try:
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         job_id = submit_long_job(up)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
         seen = last_step(up, job_id)

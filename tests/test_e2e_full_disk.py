@@ -15,7 +15,7 @@ import pytest
 
 from service.rayhead import stop_recorded_head
 from tests.conftest import tiny_spec
-from tests.servers import free_port, wait_healthy
+from tests.servers import free_port
 from tests.smallfs import Filler, small_fs
 from tests.up import Up, last_step
 from tests.waiting import wait_for
@@ -57,7 +57,7 @@ def test_a_full_data_dir_costs_a_checkpoint_and_the_stack_recovers_by_itself(
         filler = Filler(data / "filler")
         began = time.monotonic()
         try:
-            wait_healthy(up.server, timeout_s=180)
+            up.wait_healthy()
             first_holder = healthz(up)["controller"]["holder"]
             spec = tiny_spec(train={"steps": 100_000, "global_batch": 8, "micro_batch": 2,
                                     "precision": "fp32", "lr": 0.003},

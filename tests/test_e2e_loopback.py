@@ -20,7 +20,7 @@ import pytest
 
 from service.rayhead import UNUSED_OFF_ENV, answers, live_head
 from tests.conftest import tiny_spec
-from tests.servers import ROOT, free_port, wait_healthy
+from tests.servers import ROOT, free_port
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -131,7 +131,7 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
             "--stop-jobs")
     head = None
     try:
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         controller = up.controller_pid()
         # The controller is a Ray driver: it listens for Ray's calls once connected.
         servers = (*NODE_SERVERS, "ray.util.client.server", "service.daemon")

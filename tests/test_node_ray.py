@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from api.cli import app
 from service.raynode import alive, read_state
 from tests.conftest import tiny_spec
-from tests.servers import free_port, wait_healthy
+from tests.servers import free_port
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -88,7 +88,7 @@ def test_a_job_runs_across_two_nodes_started_by_trident_node(
             "TRIDENT_RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token), "TRIDENT_ALLOW_FAULTS": "1",
             "PYTHONPATH": str(ROOT)})
-        wait_healthy(up.server, timeout_s=180)
+        up.wait_healthy()
         u = up  # for the closures below
         wait_for("two nodes in the inventory", lambda: len(
             [n for n in u.get("/cluster")["nodes"] if n["alive"]]) == 2, 120, u.log)

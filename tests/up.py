@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from tests.servers import ROOT
+from tests.servers import ROOT, wait_healthy
 
 
 class Up:
@@ -29,12 +29,18 @@ class Up:
             stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
-        parts = []
+        """The tails of `trident up`'s own output, its controller's log and its head's."""
+        self.out.flush()
+        parts = [f"--- trident up\n{Path(self.out.name).read_text()[-3000:]}"]
         for name in ("controller.log", "ray-head.log"):
             path = self.data_dir / name
             if path.exists():
                 parts.append(f"--- {name}\n" + path.read_text()[-6000:])
         return "\n".join(parts)
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        """Until the stack answers healthy; at once a failure if `trident up` exits first."""
+        wait_healthy(self.server, timeout_s, proc=self.proc, log=self.log)
 
     @property
     def auth(self) -> dict[str, str]:
