@@ -212,12 +212,13 @@ def test_cancel_is_done_in_one_pass_and_stops_the_workers(stack) -> None:
 
 
 def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) -> None:
-    """Four training jobs (8 ranks of 0.25 CPU on the 2-CPU cluster), cancelled together:
-    all are CANCELLED by the next pass, and their groups are all released."""
+    """Four training jobs (a rank each, of 0.5 CPU on the 2-CPU cluster), cancelled together:
+    all are CANCELLED by the next pass, and their groups are all released. One rank a job:
+    what is counted is jobs and groups, and each rank is seconds of CPU to start."""
     client, store, controller = stack
     spec = tiny_spec(train={"steps": 100000, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32"}, monitor={"probe": False},
-                     resources={"gpus_per_worker": 0, "cpus_per_worker": 0.25})
+                     parallel={"tp": 1, "pp": 1, "dp": 1, "zero": 2})
     jobs = [client.post("/api/v1/jobs", json=spec).json()["id"] for _ in range(4)]
     drive_until(controller, lambda: all(store.list_metrics(job_id=j) for j in jobs), 600,
                 "a finished step of each of the four jobs")
