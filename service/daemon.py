@@ -70,11 +70,11 @@ def connect_ray(settings: Settings) -> object:
     group = importlib.import_module("workers.group")
     launcher = importlib.import_module("workers.launcher")
     if settings.ray_address:
-        ray.init(address=settings.ray_address, namespace=group.NAMESPACE, log_to_driver=True)
+        ray.init(address=settings.ray_address, namespace=group.NAMESPACE, log_to_driver=False)
     else:
         # "local": a Ray of its own, not whichever cluster `ray start` last left on this host.
         ray.init(address="local", include_dashboard=False, namespace=group.NAMESPACE,
-                 log_to_driver=True)
+                 log_to_driver=False)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
     return launcher.RayLauncher(  # type: ignore[no-any-return]

@@ -52,6 +52,16 @@ Trident starts (`trident up`'s head and the daemon's own) and its drivers, never
 named by `TRIDENT_RAY_ADDRESS`, whose metrics are its operator's."""
 
 
+NO_LOG_MONITOR = "--include-log-monitor=false"
+"""`ray start`'s flag that leaves out the node's log monitor, which Trident does not use (on
+every node it starts, head and workers: `service.raynode`). Ray's log monitor tails every worker's output files and publishes their lines
+to the drivers (`log_to_driver`), polling the node's log directory as long as the node runs:
+0.7 % of a core beside a training job of two ranks, a seventh of what Trident's processes and
+Ray's take beside its ranks. A rank's output goes to its rank log instead (its file
+descriptors are redirected: `workers.ranklog`), and the controller, Ray's driver, does not ask
+for the lines (`service.daemon`)."""
+
+
 WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
 """Ray's workers at niceness 0, not Ray's 15: a rank is the job's work, not background work
 (`workers.actor.RANK_RUNTIME_ENV`). Set on the Ray that Trident starts and its drivers (the
@@ -116,6 +126,7 @@ class RayHead:
         # second Ray on this host (another stack's) would find them taken.
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                 f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+                NO_LOG_MONITOR,
                 "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
                 f"--dashboard-agent-listen-port={_free_port()}"]
         # Its processes run jobs: without the server's secrets (`service.secrets`).

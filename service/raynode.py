@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from service.rayhead import NO_LOG_MONITOR
+
 READY = "Ray runtime started"
 """What `ray start` prints once the node runs (head or worker)."""
 
@@ -83,6 +85,7 @@ def ray_start_argv(*, head: bool, address: str, num_cpus: int, num_gpus: int,
     joins the head at `address`."""
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--disable-usage-stats",
+            NO_LOG_MONITOR,
             "--labels=" + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))]
     if head:
         argv += ["--head", f"--port={address.rpartition(':')[2]}", "--include-dashboard=false"]

@@ -146,6 +146,8 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         assert ("127.0.0.1", port) in [(a, p) for a, p, _ in sockets]  # the API
         check_all_on_loopback(pids)
         check_metrics_off(pids)
+        # No log monitor (`service.rayhead.NO_LOG_MONITOR`): the ranks write rank logs.
+        assert not [c for c in pids.values() if "log_monitor" in c], pids
         assert head is not None and head.startswith("127.0.0.1:"), head
         # The ranks are processes of the stack, and they listen: rank 0 its rendezvous store
         # on the master address (loopback: where Ray put rank 0), each its gloo sockets.

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.rayhead import UNUSED_OFF_ENV, WORKER_NICENESS_ENV, RayHead
+from service.rayhead import NO_LOG_MONITOR, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, RayHead
+from service.raynode import ray_start_argv
 from workers.actor import NICENESS_VAR, RANK_RUNTIME_ENV, rank_runtime_env
 
 
@@ -24,6 +25,15 @@ def test_the_head_and_its_driver_run_with_metrics_off_and_workers_at_niceness_0(
     assert {k: head.supervisor.env.get(k) for k in wanted} == wanted
     argv = head.supervisor.argv
     assert "--include-dashboard=false" in argv and "--disable-usage-stats" in argv
+    assert NO_LOG_MONITOR in argv
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_nodes_that_trident_node_start_starts_run_no_log_monitor(head: bool) -> None:
+    argv = ray_start_argv(head=head, address="127.0.0.1:6379", num_cpus=1, num_gpus=0,
+                          labels={}, node_ip=None, temp_dir=None)
+    assert NO_LOG_MONITOR in argv
+    assert ("--include-dashboard=false" in argv) == head
 
 
 def test_ranks_take_a_runtime_environment_only_where_workers_start_niced(
