@@ -54,12 +54,12 @@ named by `TRIDENT_RAY_ADDRESS`, whose metrics are its operator's."""
 
 NO_LOG_MONITOR = "--include-log-monitor=false"
 """`ray start`'s flag that leaves out the node's log monitor, which Trident does not use (on
-every node it starts, head and workers: `service.raynode`). Ray's log monitor tails every worker's output files and publishes their lines
-to the drivers (`log_to_driver`), polling the node's log directory as long as the node runs:
-0.7 % of a core beside a training job of two ranks, a seventh of what Trident's processes and
-Ray's take beside its ranks. A rank's output goes to its rank log instead (its file
-descriptors are redirected: `workers.ranklog`), and the controller, Ray's driver, does not ask
-for the lines (`service.daemon`)."""
+every node it starts, head and workers: `service.raynode`). Ray's log monitor tails every
+worker's output files and publishes their lines to the drivers (`log_to_driver`), polling the
+node's log directory as long as the node runs: 0.7 % of a core beside a training job of two
+ranks, a seventh of what Trident's processes and Ray's take beside its ranks. A rank's output
+goes to its rank log instead (its file descriptors are redirected: `workers.ranklog`), and
+the controller, Ray's driver, does not ask for the lines (`service.daemon`)."""
 
 
 WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
