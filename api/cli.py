@@ -59,10 +59,11 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
     controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
-    at a time: a second one on it exits, naming the pid that holds it. A database it cannot
-    read is one line (which, what is wrong, how to restore it) and exit status 1, before
-    anything starts. --api-workers N runs N API processes on the one port and database
-    (sessions, idempotency, log streams work across them); the controller stays one.
+    at a time: a second one on it exits, naming the pid that holds it. A --port in use is one
+    line, before anything starts. A database it cannot read is one line (which, what is
+    wrong, how to restore it) and exit status 1, before anything starts. --api-workers N
+    runs N API processes on the one port and database (sessions, idempotency, log streams
+    work across them); the controller stays one.
 
     Example: trident up --port 8000
     """
