@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import free_port
+from tests.servers import HTTP, free_port
 
 START_TIMEOUT_S = 180.0
 """A loaded 2-core machine takes seconds to start it; this is far beyond need."""
@@ -45,7 +45,7 @@ class MlflowServer:
                 raise RuntimeError(f"mlflow server exited ({self.proc.returncode}); see"
                                    f" {self.folder / 'server.log'}")
             try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                if HTTP.get(f"{self.uri}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

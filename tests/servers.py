@@ -22,6 +22,13 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 """The repository's root."""
 
+HTTP = httpx.Client(timeout=5)
+"""The tests' own HTTP client, one per test process, with `httpx.get`'s 5 s timeout: each
+`httpx.get` (`post`, ...) builds a client and with it an SSL context, about 20 ms of CPU here,
+which a loop polling a server 10 to 20 times a second paid on every poll (a fifth to two fifths
+of a core while it waited). Its idle connections to a server that has since ended are dropped
+when next picked, so a stack restarted on the same port is reached anew."""
+
 
 def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True,
                  proc: subprocess.Popen | None = None,
@@ -36,7 +43,7 @@ def wait_healthy(url: str, timeout_s: float = 60, *, controller: bool = True,
             raise AssertionError(f"{url}: its process exited ({proc.returncode}) before it"
                                  f" was healthy\n{log()}")
         try:
-            r = httpx.get(url + "/api/v1/healthz")
+            r = HTTP.get(url + "/api/v1/healthz")
             if r.status_code == 200 or (not controller and r.json().get("database") == "ok"):
                 return
         except (httpx.HTTPError, ValueError):

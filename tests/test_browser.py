@@ -28,7 +28,7 @@ from service.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.servers import serving  # noqa: E402
+from tests.servers import HTTP, serving  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ AUTH: dict[str, str] = {}
 
 
 def get(url: str, **kw: Any) -> httpx.Response:
-    return httpx.get(url, timeout=HTTP_TIMEOUT_S, headers=AUTH, **kw)
+    return HTTP.get(url, timeout=HTTP_TIMEOUT_S, headers=AUTH, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +117,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                                    env={"TRIDENT_TEST_GO": str(go)},
                                                    # it waits for its test without a heartbeat
                                                    monitor={"hang_timeout_s": 3600}))]:
-                r = httpx.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
+                r = HTTP.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
                                headers=AUTH)
                 assert r.status_code == 201, r.text
                 jobs[name] = r.json()["id"]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from service.settings import Settings
-from tests.servers import ROOT, admin_headers, free_port, wait_healthy
+from tests.servers import HTTP, ROOT, admin_headers, free_port, wait_healthy
 
 runner = CliRunner()
 
@@ -102,14 +102,14 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
                             server])
     assert r.exit_code == 0, r.output
-    jobs = httpx.get(server + "/api/v1/jobs", headers=admin_headers(tmp_path)).json()
+    jobs = HTTP.get(server + "/api/v1/jobs", headers=admin_headers(tmp_path)).json()
     assert jobs["total"] == 1 and int(r.output.strip()) == jobs["items"][0]["id"]
     assert len(keys) == 2 and keys[0] == keys[1]
     # Another invocation is another job, under another key.
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
                             server])
     assert r.exit_code == 0 and len(set(keys)) == 2
-    assert httpx.get(server + "/api/v1/jobs",
+    assert HTTP.get(server + "/api/v1/jobs",
                      headers=admin_headers(tmp_path)).json()["total"] == 2
 
 
@@ -137,7 +137,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stdout + done.stderr + log
         assert "SUCCEEDED" in done.stdout and "step    30/30" in done.stdout
         assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
-        page = httpx.get(server + "/", headers=admin_headers(tmp_path)).text
+        page = HTTP.get(server + "/", headers=admin_headers(tmp_path)).text
         assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
     finally:
         up.terminate()

@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 
 import click
-import httpx
 import pytest
 import typer
 
@@ -22,7 +21,7 @@ from service.states import JobState
 from service.store import Store
 from tests.cli_stack import Live, runner
 from tests.conftest import user_token
-from tests.servers import free_port
+from tests.servers import HTTP, free_port
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -262,6 +261,6 @@ def test_the_api_rejects_bad_log_queries(live: Live) -> None:
                           ({"since_time": "yesterday"}, "since_time"),
                           ({"rank": [0] * 1025}, "rank"), ({"rank": 2}, "rank"),
                           ({"timestamps": "maybe"}, "timestamps")):
-        r = httpx.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params=params, headers=h)
+        r = HTTP.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params=params, headers=h)
         assert r.status_code == 422, (params, r.text)
         assert r.json()["detail"][0]["loc"][:2] == ["query", field], r.text

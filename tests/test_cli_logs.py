@@ -10,13 +10,13 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.ranklogs import attempt_log_dir
 from service.states import JobState
 from tests.cli_stack import TINY, Live, finish, spawn
 from tests.conftest import user_token
+from tests.servers import HTTP
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def test_logs_select_ranks_stages_lines_and_times(live: Live) -> None:
     # Over REST, a time without a zone is UTC, and unix seconds work too.
     naive = datetime.fromtimestamp(T0 + 150, UTC).replace(tzinfo=None).isoformat()
     for when in (naive, str(T0 + 150)):
-        body = httpx.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params={
+        body = HTTP.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params={
             "rank": 0, "since_time": when}, headers={
             "Authorization": f"Bearer {user_token(live.store)}"}).json()
         assert body["ranks"][0]["text"] == "r0 line 3\nr0 line 4\n", (when, body)

@@ -21,6 +21,7 @@ from service.store.metrics import MetricsIngest
 from service.tracking.config import TrackingConfig
 from tests.cli_stack import Live
 from tests.conftest import tiny_spec
+from tests.servers import HTTP
 
 
 def test_differences_name_each_field_whose_values_differ() -> None:
@@ -114,17 +115,16 @@ def test_tensorboard_prints_the_directories(live: Live, monkeypatch: pytest.Monk
 
 
 def test_the_jobs_page_offers_a_comparison_and_the_page_loads(live: Live) -> None:
-    import httpx
 
     a = trained(live.store, name="a", lr=0.001, steps=2)
     b = trained(live.store, name="b", lr=0.01, steps=2)
     token = {"Authorization": f"Bearer {_token()}"}
-    page = httpx.get(f"{live.url}/", headers=token).text
+    page = HTTP.get(f"{live.url}/", headers=token).text
     assert 'id="compare-selected"' in page
-    r = httpx.get(f"{live.url}/compare?jobs={a.id}&jobs={b.id}", headers=token)
+    r = HTTP.get(f"{live.url}/compare?jobs={a.id}&jobs={b.id}", headers=token)
     assert r.status_code == 200 and f'data-jobs="{a.id},{b.id}"' in r.text
-    assert httpx.get(f"{live.url}/compare?jobs={a.id}", headers=token).status_code == 422
-    assert httpx.get(f"{live.url}/compare?jobs={a.id}&jobs=999",
+    assert HTTP.get(f"{live.url}/compare?jobs={a.id}", headers=token).status_code == 422
+    assert HTTP.get(f"{live.url}/compare?jobs={a.id}&jobs=999",
                      headers=token).status_code == 404
 
 
@@ -160,7 +160,7 @@ def test_tensorboard_serve_starts_tensorboard_on_loopback_on_the_jobs_files(live
         while True:
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5)
+                r = HTTP.get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5)
                 if r.status_code == 200 and "loss" in r.text:
                     break
             except httpx.HTTPError:

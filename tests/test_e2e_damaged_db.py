@@ -11,13 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from service.rayhead import answers, live_head
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
-from tests.servers import ROOT, free_port
+from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up, alive
 
 pytestmark = pytest.mark.slow
@@ -64,7 +63,7 @@ def test_damage_under_a_running_stack_is_503_and_sigterm_stops_what_it_started(
         assert "malformed" in malformed(db)
         for path in ("/api/v1/jobs", f"/api/v1/jobs/{job_id}", "/", f"/jobs/{job_id}",
                      "/metrics"):
-            r = httpx.get(up.server + path, headers=up.auth, timeout=30)
+            r = HTTP.get(up.server + path, headers=up.auth, timeout=30)
             assert r.status_code == 503, (path, r.status_code, r.text[:300])
             assert "database is damaged (DatabaseError: database disk image is malformed)" \
                 in r.text, (path, r.text[:300])

@@ -9,13 +9,12 @@ import re
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from service.rayhead import stop_recorded_head
 from tests.conftest import tiny_spec
-from tests.servers import free_port
+from tests.servers import HTTP, free_port
 from tests.smallfs import Filler, small_fs
 from tests.up import Up, last_step
 from tests.waiting import wait_for
@@ -28,7 +27,7 @@ ENV = {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2", "TRIDENT_ALLOW_
 
 
 def healthz(up: Up) -> dict:
-    return httpx.get(f"{up.server}/api/v1/healthz", timeout=10).json()
+    return HTTP.get(f"{up.server}/api/v1/healthz", timeout=10).json()
 
 
 def daemon_pid(up: Up) -> int | None:
@@ -64,7 +63,7 @@ def test_a_full_data_dir_costs_a_checkpoint_and_the_stack_recovers_by_itself(
                              monitor={"probe": False}, checkpoint={"every_steps": 10},
                              # at least 0.2 s a step: a save every 2 s or more
                              faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
-            r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+            r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
             assert r.status_code == 201, r.text
             job_id = int(r.json()["id"])
             ckpt = data / "checkpoints" / f"job-{job_id}"
@@ -126,10 +125,10 @@ def test_a_full_data_dir_costs_a_checkpoint_and_the_stack_recovers_by_itself(
                 (data / "controller.log").read_text()) is not None, 60, up.log)
 
             # New jobs are admitted and run.
-            r = httpx.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
+            r = HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
                            timeout=30)
             assert r.status_code == 202, r.text
-            r = httpx.post(f"{up.server}/api/v1/jobs", json=tiny_spec(
+            r = HTTP.post(f"{up.server}/api/v1/jobs", json=tiny_spec(
                 train={"steps": 3, "global_batch": 8, "micro_batch": 2,
                        "precision": "fp32", "lr": 0.003}, monitor={"probe": False}),
                 headers=up.auth, timeout=30)

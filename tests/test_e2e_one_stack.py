@@ -13,11 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.rayhead import answers, live_head, stop_recorded_head
-from tests.servers import ROOT, free_port
+from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up
 
 pytestmark = pytest.mark.slow
@@ -28,7 +27,7 @@ def test_a_second_trident_up_on_a_data_dir_in_use_exits_and_leaves_the_first_alo
     first = Up(tmp_path, free_port(), {})
     try:
         first.wait_healthy()
-        holder = httpx.get(f"{first.server}/api/v1/healthz").json()["controller"]["holder"]
+        holder = HTTP.get(f"{first.server}/api/v1/healthz").json()["controller"]["holder"]
         head = json.loads((tmp_path / "ray" / "head.json").read_text())
 
         second = subprocess.run(
@@ -42,7 +41,7 @@ def test_a_second_trident_up_on_a_data_dir_in_use_exits_and_leaves_the_first_alo
             f" {first.proc.pid}); stop it, or give this one another --data-dir\n")
 
         # The first is untouched: the same controller leads, the same Ray head answers.
-        r = httpx.get(f"{first.server}/api/v1/healthz")
+        r = HTTP.get(f"{first.server}/api/v1/healthz")
         assert r.status_code == 200 and r.json()["controller"]["holder"] == holder
         assert json.loads((tmp_path / "ray" / "head.json").read_text()) == head
         assert live_head(tmp_path) == head["address"]

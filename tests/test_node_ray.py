@@ -13,7 +13,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from typer.testing import CliRunner
@@ -21,7 +20,7 @@ from typer.testing import CliRunner
 from api.cli import app
 from service.raynode import alive, read_state
 from tests.conftest import tiny_spec
-from tests.servers import free_port
+from tests.servers import HTTP, free_port
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -103,7 +102,7 @@ def test_a_job_runs_across_two_nodes_started_by_trident_node(
                                 "precision": "fp32"}, monitor={"probe": False},
                          resources={"gpus_per_worker": 0, "cpus_per_worker": 1},
                          faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
-        res = httpx.post(f"{u.server}/api/v1/jobs", json=spec, headers=u.auth, timeout=30)
+        res = HTTP.post(f"{u.server}/api/v1/jobs", json=spec, headers=u.auth, timeout=30)
         assert res.status_code == 201, res.text
         job_id = res.json()["id"]
         wait_for("training", lambda: any(m["step"] >= 2 for m in u.get(

@@ -11,13 +11,11 @@ import signal
 import sys
 from pathlib import Path
 
-import httpx
-
 from api.app import create_app
 from service.settings import Settings
 from service.store import Store
 from service.supervisor import Supervisor
-from tests.servers import serving, wait_healthy
+from tests.servers import HTTP, serving, wait_healthy
 from tests.smallfs import Filler, small_fs
 from tests.waiting import wait_for
 
@@ -28,7 +26,7 @@ def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> 
     url = f"sqlite:///{tmp_path / 'trident.db'}"
     Store(url).migrate()
     with serving(create_app(Settings(data_dir=tmp_path, database_url=url))) as server:
-        assert httpx.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
+        assert HTTP.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
 
         log = tmp_path / "controller.log"
         started: list[int] = []
@@ -38,14 +36,14 @@ def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> 
         sup.start()
         try:
             wait_healthy(server)
-            first = httpx.get(server + "/api/v1/healthz").json()["controller"]["holder"]
+            first = HTTP.get(server + "/api/v1/healthz").json()["controller"]["holder"]
             assert first.split(":")[1] == str(started[0])
             os.kill(started[0], signal.SIGKILL)
             wait_for("restarted", lambda: len(started) == 2)
             assert started[1] != started[0] and sup.exits == [-signal.SIGKILL]
 
             def new_holder() -> bool:
-                r = httpx.get(server + "/api/v1/healthz")
+                r = HTTP.get(server + "/api/v1/healthz")
                 return r.status_code == 200 and r.json()["controller"]["holder"] != first
 
             wait_for("healthy under the new controller", new_holder)

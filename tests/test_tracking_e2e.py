@@ -35,7 +35,7 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.tracking.config import TrackingConfig  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.servers import serving  # noqa: E402
+from tests.servers import HTTP, serving  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ class Scenario:
     logs: list[str] = field(default_factory=list)
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        r = httpx.get(self.url + path, headers=self.headers, timeout=60, **kw)
+        r = HTTP.get(self.url + path, headers=self.headers, timeout=60, **kw)
         self.answers.append((path, r.text))
         return r
 
@@ -124,7 +124,7 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
                              env={"TRIDENT_TEST_GO": str(go), "TRIDENT_TEST_SECRET_SHA256":
                                   hashlib.sha256(SECRET.encode()).hexdigest()},
                              monitor={"probe": False})
-            r = httpx.post(f"{url}/api/v1/jobs", json=spec, headers=headers, timeout=60)
+            r = HTTP.post(f"{url}/api/v1/jobs", json=spec, headers=headers, timeout=60)
             assert r.status_code == 201, r.text
             sc.answers.append(("POST /jobs", r.text))
             job_id = r.json()["id"]
@@ -238,13 +238,13 @@ def test_the_secret_is_in_the_ranks_environment_and_nowhere_else(scenario: Scena
     assert job["state"] == "SUCCEEDED" and job["secrets"] == ["TRIDENT_TEST_SECRET"]
     assert "TRIDENT_TEST_SECRET" not in job["spec"]["env"] and "secrets" not in job["spec"]
     # The owner resubmits: the new job has the secret too, and its answer does not show it.
-    r = httpx.post(f"{scenario.url}/api/v1/jobs/{job_id}/resubmit", headers=scenario.headers,
+    r = HTTP.post(f"{scenario.url}/api/v1/jobs/{job_id}/resubmit", headers=scenario.headers,
                    timeout=60)
     assert r.status_code == 201, r.text
     scenario.answers.append(("POST resubmit", r.text))
     again = r.json()["id"]
     assert r.json()["secrets"] == ["TRIDENT_TEST_SECRET"]
-    r = httpx.post(f"{scenario.url}/api/v1/jobs/{again}/cancel", headers=scenario.headers,
+    r = HTTP.post(f"{scenario.url}/api/v1/jobs/{again}/cancel", headers=scenario.headers,
                    timeout=60)
     assert r.status_code == 202, r.text
     scenario.answers.append(("POST cancel", r.text))
