@@ -11,13 +11,12 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
-from tests.servers import free_port
+from tests.servers import HTTP, free_port
 from tests.up import Up, alive, last_step
 from tests.waiting import wait_for
 from workers.checkpoint import MARKER
@@ -41,7 +40,7 @@ def submit_long_job(up: Up, steps: int = STEPS) -> int:
                      checkpoint={"every_steps": 20},
                      # Every step takes at least 0.2 s, so that the job outlasts the kills.
                      faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
-    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
     assert r.status_code == 201, r.text
     return int(r.json()["id"])
 
@@ -64,7 +63,7 @@ def check_outcome(up: Up, job_id: int, reattached: int) -> None:
 def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
         tmp_path: Path, env: dict[str, str]) -> None:
     port = free_port()
-    up = Up(tmp_path, port, env)
+    up = Up(tmp_path, port, env, api_workers=0)  # the default: its processes end with it
     try:
         up.wait_healthy()
         job_id = submit_long_job(up)
@@ -87,7 +86,9 @@ def test_jobs_train_on_through_kill_9_of_the_controller_and_of_trident_up(
         up.stop()
         time.sleep(2)
         assert live_head(tmp_path), "the Ray head ended with trident up"
-        up = Up(tmp_path, port, env)  # started again by hand, on the same data directory
+        # Started again by hand, on the same data directory and port, which the killed
+        # one's API processes no longer hold.
+        up = Up(tmp_path, port, env, api_workers=0)
         up.wait_healthy()
         wait_for("SUCCEEDED", lambda: up.get(f"/jobs/{job_id}")["state"] in (
             "SUCCEEDED", "FAILED"), 300, up.log)
@@ -158,7 +159,7 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
         seen = last_step(up, job_id)
         pg.stop()
         stopped = time.time()
-        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
+        r = HTTP.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
 
         def completed_meanwhile() -> list[int]:
@@ -176,10 +177,10 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
                  lambda: bool(completed_meanwhile()) and lease_lost(), 240, up.log)
         print(f"database away {time.time() - stopped:.0f} s from step {seen}: checkpoints"
               f" completed meanwhile {completed_meanwhile()}")
-        r = httpx.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
+        r = HTTP.get(f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
         pg.start()
-        wait_for("SUCCEEDED", lambda: httpx.get(
+        wait_for("SUCCEEDED", lambda: HTTP.get(
             f"{up.server}/api/v1/jobs/{job_id}", headers=up.auth, timeout=30
         ).json().get("state") in (
             "SUCCEEDED", "FAILED"), 300, up.log)

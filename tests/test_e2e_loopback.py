@@ -14,13 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from service.rayhead import UNUSED_OFF_ENV, answers, live_head
 from tests.conftest import tiny_spec
-from tests.servers import ROOT, free_port
+from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -111,7 +110,7 @@ def submit_running_job(up: Up) -> int:
     """A 2-rank job long enough to be checked while it trains (`--stop-jobs` ends it)."""
     spec = tiny_spec(train={"steps": 100_000, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32", "lr": 0.003}, monitor={"probe": False})
-    r = httpx.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
     assert r.status_code == 201, r.text
     job_id = int(r.json()["id"])
 
@@ -127,8 +126,9 @@ def submit_running_job(up: Up) -> int:
 def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: Path) -> None:
     port = free_port()
     # --stop-jobs: the job and the Ray head end with `trident up`, even when a check fails.
+    # Its API processes as a user's start makes them (the machine's cores).
     up = Up(tmp_path, port, {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"},
-            "--stop-jobs")
+            "--stop-jobs", api_workers=0)
     head = None
     try:
         up.wait_healthy()

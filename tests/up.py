@@ -10,21 +10,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from tests.servers import ROOT, wait_healthy
+from tests.servers import HTTP, ROOT, wait_healthy
 
 
 class Up:
     """`trident up` as a user runs it, in its own process (and session)."""
 
     def __init__(self, data_dir: Path, port: int, env: dict[str, str],
-                 *args: str) -> None:
+                 *args: str, api_workers: int = 1) -> None:
+        """`trident up --port PORT --api-workers API_WORKERS ARGS` on `data_dir`, with `env`
+        added to the test's environment. One API process unless asked (0: `trident up`'s
+        default, the machine's cores): the tests of what the API's processes do run two
+        (`tests/test_api_workers.py`) and so does the `kill -9` of `trident up`, whose API
+        processes must end with it; every further process costs the others' CPU."""
         self.data_dir = data_dir
         self.server = f"http://127.0.0.1:{port}"
         self.out = (data_dir / f"up-{time.monotonic_ns()}.out").open("w")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port), *args],
+            [str(Path(sys.executable).parent / "trident"), "up", "--port", str(port),
+             "--api-workers", str(api_workers), *args],
             env={**os.environ, "TRIDENT_DATA_DIR": str(data_dir), **env}, cwd=ROOT,
             stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -48,7 +52,7 @@ class Up:
         return {"Authorization": f"Bearer {(self.data_dir / 'admin.token').read_text().strip()}"}
 
     def get(self, path: str, **params: Any) -> Any:
-        r = httpx.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
+        r = HTTP.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
                       timeout=10)
         r.raise_for_status()
         return r.json()
