@@ -79,8 +79,15 @@ def sqlite_store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
+SMALL_PROBE = {"probe_max_bytes": 64 << 10}
+"""The monitor of `tiny_spec`: the bandwidth probe runs, on messages of up to 64 KiB. The
+default's, up to 64 MiB, cost a few CPU-seconds per job (tens with 8 ranks) in tests that do not
+read it; the monitor's tests, and the demo job run as a user runs it, probe in full."""
+
+
 def tiny_spec(**over: object) -> dict[str, object]:
-    """The demo job's spec as JSON, with top-level overrides."""
+    """The demo job's spec as JSON, with a small probe (`SMALL_PROBE`), and top-level
+    overrides (a `monitor` given replaces it whole)."""
     spec: dict[str, object] = {
         "name": "tiny",
         "model": {"preset": "gpt-tiny"},
@@ -88,6 +95,7 @@ def tiny_spec(**over: object) -> dict[str, object]:
                   "lr": 0.003},
         "parallel": {"tp": 1, "pp": 1, "dp": 2, "zero": 2},
         "resources": {"gpus_per_worker": 0, "cpus_per_worker": 0.5},
+        "monitor": dict(SMALL_PROBE),
     }
     spec.update(over)
     return spec
