@@ -18,7 +18,7 @@ from api.app import create_app
 from api.cli import app
 from service.settings import Settings
 from service.store import Store
-from tests.conftest import user_token
+from tests.conftest import migrated_sqlite, user_token
 from tests.servers import ROOT, serving
 
 runner = CliRunner()
@@ -35,8 +35,7 @@ class Live:
 
 
 def live_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
-    store = Store(f"sqlite:///{tmp_path / 'cli.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "cli.db"))
     settings = Settings(data_dir=tmp_path)
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,15 +51,83 @@ def pg_url() -> Iterator[str]:
         yield url
 
 
+@functools.cache
+def _migrated_template() -> Path:
+    """A SQLite database migrated to the newest revision, once per test process."""
+    template = Path(tempfile.mkdtemp(prefix="trident-migrated-")) / "template.db"
+    made = Store(f"sqlite:///{template}")
+    made.migrate()
+    made.close()  # the last connection: its write-ahead log is folded into the file
+    return template
+
+
+def migrated_sqlite(path: Path) -> str:
+    """The URL of a SQLite database at `path` that is at the newest revision: a copy of one
+    migrated once per test process (Alembic's 18 revisions cost 50 to 200 ms of CPU each time,
+    and several hundred tests start from a migrated store). The revisions themselves run on
+    empty databases in `test_migrations_drift` and `test_store`."""
+    shutil.copyfile(_migrated_template(), path)
+    return f"sqlite:///{path}"
+
+
+def _empty_pg(url: str) -> None:
+    """Empty the database at `url` for the next test: its tables truncated (identities
+    restarted) while its schema is the newest revision's, else the schema dropped (a test
+    that took it back, or that failed half way), for the next `Store.migrate` to remake."""
+    from service.store.tables import Base
+
+    engine = create_engine(url)
+    try:
+        with engine.begin() as c:
+            tables = set(c.execute(text(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars())
+            at_head = tables == {*Base.metadata.tables, "alembic_version"} and \
+                c.execute(text("SELECT version_num FROM alembic_version")).scalars().all() \
+                == [_pg_head()]
+            if at_head:
+                names = ", ".join(f'"{t}"' for t in sorted(Base.metadata.tables))
+                c.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+            else:
+                c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+
+
+@functools.cache
+def _pg_head() -> str:
+    """The newest revision of `migrations/`."""
+    from alembic.script import ScriptDirectory
+
+    from service.store.schema import MIGRATIONS
+
+    return str(ScriptDirectory(str(MIGRATIONS)).get_current_head())
+
+
+@pytest.fixture(scope="session")
+def pg_store_url() -> Iterator[str]:
+    """The session's PostgreSQL database of the `store` fixture: migrated by its first test,
+    emptied (`_empty_pg`) after each."""
+    with scratch_pg_database(f"trident_store_{uuid.uuid4().hex[:10]}") as url:
+        yield url
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database on SQLite (a file of the test's own) and on PostgreSQL. Empty, for the tests
+    of the migrations themselves; at the newest revision with no rows where the test takes the
+    `store` fixture too (a copy of a migrated file; the session's migrated database,
+    emptied after each test)."""
+    migrated = "store" in request.fixturenames
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'trident.db'}"
+        path = tmp_path / "trident.db"
+        yield migrated_sqlite(path) if migrated else f"sqlite:///{path}"
         return
-    url: str = request.getfixturevalue("pg_url")
+    url: str = request.getfixturevalue("pg_store_url" if migrated else "pg_url")
     yield url
-    # Each test starts from an empty schema.
-    engine = create_engine(url)
+    if migrated:
+        _empty_pg(url)
+        return
+    engine = create_engine(url)  # each test of the migrations starts from an empty schema
     with engine.begin() as c:
         c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
     engine.dispose()
@@ -65,7 +136,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def store(db_url: str) -> Iterator[Store]:
     s = Store(db_url)
-    s.migrate()
+    s.migrate()  # nothing to do but in the session's first PostgreSQL test
     yield s
     s.close()
 
@@ -73,8 +144,7 @@ def store(db_url: str) -> Iterator[Store]:
 @pytest.fixture
 def sqlite_store(tmp_path: Path) -> Iterator[Store]:
     """A migrated store on a SQLite file of its own (the controller tests)."""
-    s = Store(f"sqlite:///{tmp_path / 'c.db'}")
-    s.migrate()
+    s = Store(migrated_sqlite(tmp_path / "c.db"))
     yield s
     s.close()
 
@@ -173,8 +243,7 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     from service.settings import Settings
     from workers.launcher import RayLauncher
 
-    store = Store(f"sqlite:///{tmp_path / 'e2e.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "e2e.db"))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
                             start_timeout_s=120, cancel_grace_s=5)
     settings = Settings(data_dir=tmp_path, allow_faults=True)
