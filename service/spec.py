@@ -386,7 +386,8 @@ class MonitorSpec(_Strict):
     probe: bool = True
     """Probe every TP group, DP group and PP pair's bandwidth before training."""
     probe_max_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 20
-    """Largest probe message (sizes run from 1 KiB in powers of 4 up to this)."""
+    """Largest probe message: the job's probe runs the largest of `trident probe`'s sizes (1
+    KiB in powers of 4) up to this, and every other one below it."""
     hang_timeout_s: Annotated[float, Field(ge=1, le=86400)] = 300.0
     """A job with no rank making progress for this long is hung: diagnosed and stopped."""
     comm_sample_every: Annotated[int, Field(ge=1, le=100000)] = 10

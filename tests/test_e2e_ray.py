@@ -17,6 +17,7 @@ from service.store import AttemptStatus, Store  # noqa: E402
 from service.store.tables import JobRow  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.waiting import drive, drive_until  # noqa: E402
+from workers.comm_probe import job_sizes  # noqa: E402
 from workers.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,7 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= ops
     assert all(row["group"] == [0, 1] and row["busbw"] > 0 for row in comm["probe"])
     assert max(row["bytes"] for row in comm["probe"]) == 64 << 10
+    assert {row["bytes"] for row in comm["probe"]} == set(job_sizes(64 << 10))
     # Predicted next to measured, on the `cpu` profile. How close the step times come depends
     # on the machine's load: `python bench/bench_cpu_trainer.py --demo` prints that ratio.
     # The bytes of the model states do not depend on load.

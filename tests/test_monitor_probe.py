@@ -5,7 +5,7 @@ import pytest
 from service.monitor.bandwidth import busbw_factor
 from service.parallel import ParallelDims
 from tests._monitor_dist import run_ranks
-from workers.comm_probe import DEFAULT_SIZES, pp_pairs, probe_layout
+from workers.comm_probe import DEFAULT_SIZES, job_sizes, pp_pairs, probe_layout
 
 SIZES = [4 << 10, 256 << 10]
 
@@ -14,6 +14,15 @@ def test_default_sizes_and_pairs():
     assert DEFAULT_SIZES[0] == 1 << 10 and DEFAULT_SIZES[-1] == 64 << 20
     assert all(b == 4 * a for a, b in zip(DEFAULT_SIZES, DEFAULT_SIZES[1:], strict=False))
     assert pp_pairs(ParallelDims(tp=2, pp=3)) == [(0, 2), (2, 4), (1, 3), (3, 5)]
+
+
+def test_a_jobs_probe_runs_the_largest_size_and_every_other_one_below_it():
+    KiB, MiB = 1 << 10, 1 << 20
+    assert job_sizes(64 * MiB) == [KiB, 16 * KiB, 256 * KiB, 4 * MiB, 64 * MiB]
+    assert job_sizes(100 * MiB) == job_sizes(64 * MiB)
+    assert job_sizes(64 * KiB) == [4 * KiB, 64 * KiB]  # the largest is always probed
+    assert job_sizes(5000) == [4 * KiB]
+    assert job_sizes(KiB) == [KiB]
 
 
 def _probe_rank(rank, world):

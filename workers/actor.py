@@ -148,7 +148,7 @@ class RankActor:
         import torch.distributed as dist
 
         from workers import rendezvous
-        from workers.comm_probe import DEFAULT_SIZES, JOB_PROBE_POINT_S, probe_layout
+        from workers.comm_probe import JOB_PROBE_POINT_S, job_sizes, probe_layout
         from workers.nccl_env import pg_timeout
 
         on_gpu = torch.cuda.is_available()
@@ -159,8 +159,8 @@ class RankActor:
                                       world_size=self.world_size, master_addr=master_addr,
                                       port=port, timeout=pg_timeout(spec.monitor.hang_timeout_s))
         try:
-            sizes = [s for s in DEFAULT_SIZES if s <= spec.monitor.probe_max_bytes]
-            rows = probe_layout(spec.layout.dims, self.rank, sizes=sizes,
+            rows = probe_layout(spec.layout.dims, self.rank,
+                                sizes=job_sizes(spec.monitor.probe_max_bytes),
                                 point_s=JOB_PROBE_POINT_S, heartbeat=self.heartbeat)
             dist.barrier()
         finally:

@@ -63,6 +63,18 @@ collective takes a tenth of a second or more, and twenty of them at each of nine
 three ops held the first step back by 10 s. `trident probe` keeps the full iteration counts."""
 
 
+def job_sizes(max_bytes: int) -> list[int]:
+    """The message sizes of a job's probe before training: those of `trident probe`
+    (`DEFAULT_SIZES`) up to `max_bytes`, the largest and every other one below it (a factor
+    of 16 apart: 1 KiB, 16 KiB, 256 KiB, 4 MiB, 64 MiB by default). They still span the
+    latency-bound and the bandwidth-bound ends, and the group is judged at the largest
+    (`service.monitor.probe`); each size is three collectives, each a barrier and a
+    slowest-rank reduction besides its own calls, and the nine sizes of `trident probe` held
+    the first step back by 1.5 s on two CPU ranks (gloo, 64 MiB: `docs/benchmarks.md`)."""
+    sizes = [s for s in DEFAULT_SIZES if s <= max_bytes]
+    return sorted(sizes[::-2])
+
+
 def _budgeted(first_s: float, nbytes: int, iters: int, warmup: int,
               point_s: float | None) -> tuple[int, int]:
     """(further warm-up calls, timed calls) for a point whose first call took `first_s` (the
