@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -38,6 +39,27 @@ log = logging.getLogger("trident.supervisor")
 NOTICE_EVERY_S = 5.0
 """While the process runs, how often lines the log's disk refused are said again, once it
 takes them."""
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """`proc`'s exit status, or None while it still runs after `timeout_s`. Blocks on a
+    pidfd, which the kernel makes readable when the process ends: `Popen.wait` with a timeout
+    asks every 50 ms instead, 20 wake-ups a second for each supervised process for as long as
+    the stack runs. Where there are no pidfds (not Linux), `Popen.wait` it is."""
+    if (code := proc.poll()) is not None:
+        return code
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+    finally:
+        os.close(fd)
+    return proc.wait() if ready else None
 
 
 class Supervisor:
@@ -168,13 +190,9 @@ class Supervisor:
                 self.on_start(proc.pid)
             except Exception:  # e.g. the terminal's file is on the full disk too
                 log.exception("%s pid %s: on_start failed", self.name, proc.pid)
-        while True:
-            try:
-                code = proc.wait(NOTICE_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                if self.refused.count:  # say what the disk refused as soon as it can
-                    self._note("")
+        while (code := wait_exit(proc, NOTICE_EVERY_S)) is None:
+            if self.refused.count:  # say what the disk refused as soon as it can
+                self._note("")
         ran = time.monotonic() - began
         if self._stop.is_set():
             return None

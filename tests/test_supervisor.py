@@ -8,13 +8,15 @@ import errno
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from api.app import create_app
 from service.settings import Settings
 from service.store import Store
-from service.supervisor import Supervisor
+from service.supervisor import Supervisor, wait_exit
 from tests.servers import HTTP, serving, wait_healthy
 from tests.smallfs import Filler, small_fs
 from tests.waiting import wait_for
@@ -70,6 +72,18 @@ def test_backoff_doubles_up_to_its_bound(tmp_path: Path) -> None:
              if "restarting in" in line]
     assert waits[:4] == ["0.05 s", "0.1 s", "0.2 s", "0.2 s"]
     assert set(sup.exits) == {7}
+
+
+def test_the_wait_for_a_supervised_process_ends_with_it_not_at_its_timeout() -> None:
+    """`wait_exit` blocks on the process's pidfd: it returns the status as the process ends
+    (not when the timeout runs out, nor at a poll after it), and None while it runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5);"
+                             " sys.exit(3)"])
+    assert wait_exit(proc, 0.05) is None  # still running
+    began = time.monotonic()
+    assert wait_exit(proc, 120) == 3
+    assert time.monotonic() - began < 60  # the end, not the timeout, ended the wait
+    assert wait_exit(proc, 120) == 3  # reaped already: at once
 
 
 def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> None:
