@@ -64,9 +64,10 @@ def ray_worker(cmd: str) -> bool:
     return (cmd.startswith("ray::") and "Agent" not in cmd) or "default_worker.py" in cmd
 
 
-NODE_SERVERS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "dashboard.py",
-                "monitor.py")
-"""The Ray processes of a head that listen (`ray start --head` adds its client server)."""
+NODE_SERVERS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "dashboard.py")
+"""The Ray processes of a head that listen: `ray start --head` adds its client server, and
+the daemon's own Ray (`ray.init`) its autoscaler monitor, which `trident up`'s head leaves
+out (`service.rayhead.NO_AUTOSCALER_MONITOR`)."""
 
 
 def all_listening(pids: dict[int, str], servers: tuple[str, ...]) -> bool:
@@ -148,6 +149,8 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         check_metrics_off(pids)
         # No log monitor (`service.rayhead.NO_LOG_MONITOR`): the ranks write rank logs.
         assert not [c for c in pids.values() if "log_monitor" in c], pids
+        # Nor an autoscaler monitor (`service.rayhead.NO_AUTOSCALER_MONITOR`).
+        assert not [c for c in pids.values() if "autoscaler/_private/monitor.py" in c], pids
         assert head is not None and head.startswith("127.0.0.1:"), head
         # The ranks are processes of the stack, and they listen: rank 0 its rendezvous store
         # on the master address (loopback: where Ray put rank 0), each its gloo sockets.
@@ -176,7 +179,7 @@ def test_the_daemon_alone_starts_its_ray_on_loopback(tmp_path: Path) -> None:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for("the Ray of the daemon listening, with a worker",
-                 lambda: all_listening(tree(proc.pid), NODE_SERVERS), 180,
+                 lambda: all_listening(tree(proc.pid), (*NODE_SERVERS, "monitor.py")), 180,
                  lambda: (tmp_path / "daemon.log").read_text()[-4000:])
         check_all_on_loopback(tree(proc.pid))
         check_metrics_off(tree(proc.pid))

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from service.rayhead import NO_LOG_MONITOR, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, RayHead
+from service.rayhead import (
+    NO_AUTOSCALER_MONITOR,
+    NO_LOG_MONITOR,
+    UNUSED_OFF_ENV,
+    WORKER_NICENESS_ENV,
+    RayHead,
+)
 from service.raynode import ray_start_argv
 from workers.actor import NICENESS_VAR, RANK_RUNTIME_ENV, rank_runtime_env
 
@@ -25,7 +31,7 @@ def test_the_head_and_its_driver_run_with_metrics_off_and_workers_at_niceness_0(
     assert {k: head.supervisor.env.get(k) for k in wanted} == wanted
     argv = head.supervisor.argv
     assert "--include-dashboard=false" in argv and "--disable-usage-stats" in argv
-    assert NO_LOG_MONITOR in argv
+    assert NO_LOG_MONITOR in argv and NO_AUTOSCALER_MONITOR in argv
 
 
 @pytest.mark.parametrize("head", [True, False])
@@ -34,6 +40,7 @@ def test_nodes_that_trident_node_start_starts_run_no_log_monitor(head: bool) -> 
                           labels={}, node_ip=None, temp_dir=None)
     assert NO_LOG_MONITOR in argv
     assert ("--include-dashboard=false" in argv) == head
+    assert NO_AUTOSCALER_MONITOR not in argv  # an operator's `ray status` reads it
 
 
 def test_ranks_take_a_runtime_environment_only_where_workers_start_niced(
