@@ -45,7 +45,9 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
     """`proc`'s exit status, or None while it still runs after `timeout_s`. Blocks on a
     pidfd, which the kernel makes readable when the process ends: `Popen.wait` with a timeout
     asks every 50 ms instead, 20 wake-ups a second for each supervised process for as long as
-    the stack runs. Where there are no pidfds (not Linux), `Popen.wait` it is."""
+    the stack runs. Where there are no pidfds (not Linux), `Popen.wait` it is. `poll(2)`, not
+    `select(2)`: a descriptor numbered 1024 or above, in a process with many files open, is
+    out of `select`'s range."""
     if (code := proc.poll()) is not None:
         return code
     try:
@@ -56,7 +58,9 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
         except subprocess.TimeoutExpired:
             return None
     try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN)
+        ready = waiter.poll(timeout_s * 1000)
     finally:
         os.close(fd)
     return proc.wait() if ready else None

@@ -86,6 +86,29 @@ def test_the_wait_for_a_supervised_process_ends_with_it_not_at_its_timeout() -> 
     assert wait_exit(proc, 120) == 3  # reaped already: at once
 
 
+def test_the_wait_works_in_a_process_with_over_a_thousand_files_open() -> None:
+    """The pidfd gets the lowest free number: past 1023 when that many files are open, out of
+    `select`'s range (`wait_exit` polls it instead)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    held: list[int] = []
+    try:
+        while len(held) < 1100 and (not held or held[-1] < 1100):
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert held[-1] >= 1024, held[-1]
+        proc = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.3);"
+                                 " sys.exit(5)"])  # running still when the wait begins
+        assert wait_exit(proc, 120) == 5
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> None:
     """ray.init installs a bare `sys.exit` for SIGTERM; the daemon's own handler (which logs
     and stops cleanly) must still be the one that runs."""
