@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 from service.planner import StoredPlan
 from service.store import Store
@@ -70,27 +70,36 @@ def migrated_sqlite(path: Path) -> str:
     return f"sqlite:///{path}"
 
 
-def _empty_pg(url: str) -> None:
-    """Empty the database at `url` for the next test: its tables truncated (identities
-    restarted) while its schema is the newest revision's, else the schema dropped (a test
-    that took it back, or that failed half way), for the next `Store.migrate` to remake."""
+def _empty_pg(url: str, *, keep_schema: bool) -> None:
+    """Empty the database at `url` for the next test. With `keep_schema`, its tables are
+    truncated (identities restarted) while its schema is the newest revision's; otherwise, or
+    when it is not (a test that took it back, or that failed half way), the schema is dropped,
+    for the next `Store.migrate` (or test of the migrations) to make again."""
     from service.store.tables import Base
 
     engine = create_engine(url)
     try:
         with engine.begin() as c:
-            tables = set(c.execute(text(
-                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars())
-            at_head = tables == {*Base.metadata.tables, "alembic_version"} and \
-                c.execute(text("SELECT version_num FROM alembic_version")).scalars().all() \
-                == [_pg_head()]
-            if at_head:
+            if keep_schema and _at_head(c):
                 names = ", ".join(f'"{t}"' for t in sorted(Base.metadata.tables))
                 c.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
             else:
                 c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
     finally:
         engine.dispose()
+
+
+def _at_head(c: Connection) -> bool:
+    """Whether the PostgreSQL schema on `c` holds exactly the tables of the newest revision
+    and says that it is at it."""
+    from service.store.tables import Base
+
+    tables = set(c.execute(text(
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars())
+    if tables != {*Base.metadata.tables, "alembic_version"}:
+        return False
+    versions = c.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    return versions == [_pg_head()]
 
 
 @functools.cache
@@ -124,13 +133,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url: str = request.getfixturevalue("pg_store_url" if migrated else "pg_url")
     yield url
-    if migrated:
-        _empty_pg(url)
-        return
-    engine = create_engine(url)  # each test of the migrations starts from an empty schema
-    with engine.begin() as c:
-        c.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-    engine.dispose()
+    # The next test starts from empty tables (a store's) or an empty schema (the migrations').
+    _empty_pg(url, keep_schema=migrated)
 
 
 @pytest.fixture
