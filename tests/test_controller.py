@@ -17,6 +17,7 @@ from service.states import JobState
 from service.store import AttemptStatus, ProbeStatus, Store
 from service.store.tables import JobRow
 from tests.fakes import FakeLauncher, make, step_report, stopped, submit
+from tests.waiting import DEADLINE_S, drive
 
 
 def test_happy_path_records_metrics_and_succeeds(sqlite_store: Store, tmp_path: Path) -> None:
@@ -76,8 +77,9 @@ def test_failure_with_retries_restarts_a_new_attempt(sqlite_store: Store, tmp_pa
                              [PollResult(state="running"), PollResult(state="succeeded")]])
     job_id = submit(sqlite_store, max_retries=1)
     c = make(sqlite_store, launcher, tmp_path)
-    for _ in range(6):
-        c.step()
+    # The failed attempt's group is stopped on a thread beside the loop; the next attempt
+    # starts once it is gone, a pass or more later.
+    drive(c, sqlite_store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, DEADLINE_S)
     job = sqlite_store.get_job(job_id=job_id)
     assert job.state == JobState.SUCCEEDED and job.attempts == 2
     states = [e.data["to"] for e in sqlite_store.list_events(job_id=job_id) if e.kind == "state"]

@@ -13,6 +13,7 @@ from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Store
 from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
+from tests.waiting import DEADLINE_S, drive
 
 
 def running(*steps: int, acks: dict[int, int] | None = None) -> PollResult:
@@ -140,8 +141,11 @@ def test_a_job_that_lost_its_node_waits_queued_until_the_cluster_has_room(
     launcher.cpus = 1  # a node is gone with its ranks: one CPU is left
     c.step()
     assert sqlite_store.get_job(job_id=job_id).state == JobState.RESTARTING
+    # Requeued once its group is stopped (on a thread beside the loop), then kept queued:
+    # never failed as impossible, for it ran here and the cluster may grow back.
+    drive(c, sqlite_store, job_id, {JobState.QUEUED, JobState.FAILED}, DEADLINE_S)
     for _ in range(3):
-        c.step()  # never failed as impossible: it ran here, the cluster may grow back
+        c.step()
     job = sqlite_store.get_job(job_id=job_id)
     assert job.state == JobState.QUEUED and len(launcher.groups) == 1
     waiting = [e for e in sqlite_store.list_events(job_id=job_id)
