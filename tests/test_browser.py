@@ -118,7 +118,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                                    # it waits for its test without a heartbeat
                                                    monitor={"hang_timeout_s": 3600}))]:
                 r = HTTP.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
-                               headers=AUTH)
+                              headers=AUTH)
                 assert r.status_code == 201, r.text
                 jobs[name] = r.json()["id"]
             yield Live(url, store, jobs, token, go)

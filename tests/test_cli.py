@@ -110,7 +110,7 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                             server])
     assert r.exit_code == 0 and len(set(keys)) == 2
     assert HTTP.get(server + "/api/v1/jobs",
-                     headers=admin_headers(tmp_path)).json()["total"] == 2
+                    headers=admin_headers(tmp_path)).json()["total"] == 2
 
 
 def test_unreachable_server_is_a_clear_error() -> None:

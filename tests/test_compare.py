@@ -115,7 +115,6 @@ def test_tensorboard_prints_the_directories(live: Live, monkeypatch: pytest.Monk
 
 
 def test_the_jobs_page_offers_a_comparison_and_the_page_loads(live: Live) -> None:
-
     a = trained(live.store, name="a", lr=0.001, steps=2)
     b = trained(live.store, name="b", lr=0.01, steps=2)
     token = {"Authorization": f"Bearer {_token()}"}
@@ -125,7 +124,7 @@ def test_the_jobs_page_offers_a_comparison_and_the_page_loads(live: Live) -> Non
     assert r.status_code == 200 and f'data-jobs="{a.id},{b.id}"' in r.text
     assert HTTP.get(f"{live.url}/compare?jobs={a.id}", headers=token).status_code == 422
     assert HTTP.get(f"{live.url}/compare?jobs={a.id}&jobs=999",
-                     headers=token).status_code == 404
+                    headers=token).status_code == 404
 
 
 def _token() -> Any:

@@ -126,7 +126,7 @@ def test_a_full_data_dir_costs_a_checkpoint_and_the_stack_recovers_by_itself(
 
             # New jobs are admitted and run.
             r = HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
-                           timeout=30)
+                          timeout=30)
             assert r.status_code == 202, r.text
             r = HTTP.post(f"{up.server}/api/v1/jobs", json=tiny_spec(
                 train={"steps": 3, "global_batch": 8, "micro_batch": 2,

@@ -239,13 +239,13 @@ def test_the_secret_is_in_the_ranks_environment_and_nowhere_else(scenario: Scena
     assert "TRIDENT_TEST_SECRET" not in job["spec"]["env"] and "secrets" not in job["spec"]
     # The owner resubmits: the new job has the secret too, and its answer does not show it.
     r = HTTP.post(f"{scenario.url}/api/v1/jobs/{job_id}/resubmit", headers=scenario.headers,
-                   timeout=60)
+                  timeout=60)
     assert r.status_code == 201, r.text
     scenario.answers.append(("POST resubmit", r.text))
     again = r.json()["id"]
     assert r.json()["secrets"] == ["TRIDENT_TEST_SECRET"]
     r = HTTP.post(f"{scenario.url}/api/v1/jobs/{again}/cancel", headers=scenario.headers,
-                   timeout=60)
+                  timeout=60)
     assert r.status_code == 202, r.text
     scenario.answers.append(("POST cancel", r.text))
     # Every GET route of the API, every page.

@@ -53,7 +53,7 @@ class Up:
 
     def get(self, path: str, **params: Any) -> Any:
         r = HTTP.get(f"{self.server}/api/v1{path}", params=params, headers=self.auth,
-                      timeout=10)
+                     timeout=10)
         r.raise_for_status()
         return r.json()
 
