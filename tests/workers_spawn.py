@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import random
+import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from service.checkpoints import CheckpointWriter
@@ -16,14 +19,42 @@ from service.spec import JobSpec
 from tests import forked
 from tests.servers import free_port
 
+RENDEZVOUS_LOW = 20000
+"""The lowest rendezvous port drawn (`_rendezvous_ports`): above Ray's worker ports
+(10002-19999 by default)."""
 
-def _distinct_free_ports(n: int) -> list[int]:
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 by default on Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _rendezvous_ports(n: int) -> list[int]:
+    """`n` distinct ports, free now, one per attempt, drawn below the kernel's ephemeral range
+    where it leaves room. A later attempt listens on its port many seconds after the ranks
+    start; a port of the ephemeral range (every connect, every bind to port 0 on the machine
+    draws from it) could be another process's by then, and was (EADDRINUSE at attempt 2
+    while the other xdist worker ran). Below it, only a port that some process asks for by
+    number can be taken."""
+    low, high = RENDEZVOUS_LOW, _ephemeral_low()
     ports: list[int] = []
     while len(ports) < n:
-        port = free_port()
-        if port not in ports:
+        port = random.randrange(low, high) if high - low >= 1000 else free_port()
+        if port not in ports and _free(port):
             ports.append(port)
     return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: str | None,
@@ -103,7 +134,7 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     world = spec.world_size
     ctx = forked.context()
     queue = ctx.Queue()
-    ports = _distinct_free_ports(len(attempts))  # a fresh rendezvous port per attempt
+    ports = _rendezvous_ports(len(attempts))  # a fresh rendezvous port per attempt
     procs = [forked.process(ctx, _rank_main,
                             (spec.model_dump_json(exclude_unset=True), r, world, ports,
                              checkpoint_dir, attempts, stop_ranks, queue, writer, preempt))
