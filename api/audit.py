@@ -5,10 +5,13 @@ projects, dashboard log-in and out), recorded with who, when, from where and the
 `Audit` is an ASGI middleware, outermost, so that refusals (401, 403, 413, 422) are recorded
 too. It reads who asked from the request state the authentication dependency fills in, and
 hands the entry, once the response is sent, to `AuditWriter`: one thread that writes the
-entries waiting in its queue in one transaction. So no request waits for an audit write (a
-submit's latency stays that of the submit), and a burst of requests costs one commit, not
-one each. `GET /api/v1/audit` flushes the queue first, so it lists every request answered
-before it; only entries still queued when the process is killed are lost.
+entries waiting in its queue in one transaction, `LINGER_S` after the first of them came. So
+no request waits for an audit write (a submit's latency stays that of the submit), and a
+burst of requests costs one commit every `LINGER_S`, not one each: on SQLite every commit
+takes the database's one write lock, which a burst of submissions to several API processes
+queues for. `GET /api/v1/audit` flushes the queue first (without lingering), so it lists
+every request answered before it; only entries still queued when the process is killed (at
+most `LINGER_S` of them) are lost.
 """
 
 from __future__ import annotations
@@ -29,13 +32,20 @@ SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 _STOP = object()
 
 
+LINGER_S = 0.1
+"""How long the audit writer lets entries gather after the first before it writes them."""
+
+
 class AuditWriter:
     """Writes queued audit entries from a thread of its own, a batch per transaction."""
 
-    def __init__(self, identity: Identity, batch: int = 500) -> None:
+    def __init__(self, identity: Identity, batch: int = 500, linger_s: float = LINGER_S
+                 ) -> None:
         self.identity = identity
         self.batch = batch
+        self.linger_s = linger_s
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._hurry = threading.Event()
         self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
         self._thread.start()
 
@@ -43,16 +53,24 @@ class AuditWriter:
         self._queue.put(entry)
 
     def flush(self) -> None:
-        """Return once every entry queued so far is written (or its write failed)."""
+        """Return once every entry queued so far is written (or its write failed), without
+        waiting for the batch to linger."""
+        self._hurry.set()
         self._queue.join()
 
     def close(self) -> None:
         self._queue.put(_STOP)
+        self._hurry.set()
         self._thread.join(30)
 
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
+            if items[0] is not _STOP:
+                self._hurry.wait(self.linger_s)
+            # Cleared before the batch is taken: what a flush after this waits for is in
+            # this batch or, set again, makes the next one go without lingering.
+            self._hurry.clear()
             while len(items) < self.batch:
                 try:
                     items.append(self._queue.get_nowait())

@@ -311,3 +311,43 @@ def test_a_token_trusted_by_one_process_is_dropped_when_another_revokes_it(
     one.set_disabled(name="bob")
     with pytest.raises(AuthError, match="disabled"):
         two.authenticate(other)
+
+
+def test_the_audit_writer_gathers_a_burst_into_one_transaction_and_flushes_at_once(
+        store: Store) -> None:
+    """Entries that come within `linger_s` of the first are written together (one commit,
+    one take of SQLite's write lock, for a burst of requests); `flush` writes what is queued
+    without waiting for the linger; `close` writes the rest."""
+    import time
+
+    from api.audit import AuditWriter
+
+    class Counting(Identity):
+        def __init__(self, store: Store) -> None:
+            super().__init__(store)
+            self.batches: list[int] = []
+
+        def record_many(self, entries: list[dict]) -> None:
+            self.batches.append(len(entries))
+            super().record_many(entries)
+
+    def entry(i: int) -> dict:
+        return {"time": utcnow(), "actor": "admin", "client": "c", "method": "POST",
+                "path": f"/p/{i}", "action": "x", "status": 201}
+
+    ident = Counting(store)
+    writer = AuditWriter(ident, linger_s=0.5)
+    try:
+        for i in range(20):
+            writer.put(entry(i))
+        time.sleep(1.0)
+        assert ident.batches == [20]  # one transaction for the burst
+        t0 = time.monotonic()
+        writer.put(entry(20))
+        writer.flush()  # lists every request answered before it, at once
+        assert time.monotonic() - t0 < 0.4 and ident.batches == [20, 1]
+        writer.put(entry(21))
+    finally:
+        writer.close()
+    assert ident.batches == [20, 1, 1]
+    assert [e.path for e in ident.list_audit(limit=100)] == [f"/p/{i}" for i in range(22)]
