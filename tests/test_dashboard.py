@@ -345,3 +345,32 @@ def test_series_carry_the_recipe_and_the_job_page_its_deepspeed_config(client: A
     assert shown is not None
     spec = store.get_job(job_id=job_id).spec
     assert json.loads(html.unescape(shown.group(1))) == deepspeed_config(spec)
+
+
+def test_a_jobs_detail_follows_each_new_step_and_attempt(client: Any) -> None:
+    """`GET /jobs/{id}` reads the job, its line, rank 0's newest row and its secrets' names
+    in one snapshot (`job_page`) and works out the comparison with the plan again only when
+    that newest row changed: each new step, and a new attempt, shows in the next answer."""
+    from service.store.metrics import MetricsIngest
+
+    c, store = client
+    job_id = started(store)
+    ingest = MetricsIngest(store)
+    first = c.get(f"/api/v1/jobs/{job_id}").json()
+    assert first["step"] is None and first["predicted_vs_measured"]["steps_measured"] == 0
+    assert first["secrets"] == [] and first["reason"] is None
+    ingest.record(job_id=job_id, attempt=1, world_size=2, rows=[
+        row(s, rank=r, step_time_s=0.5) for s in range(1, 6) for r in (0, 1)])
+    got = c.get(f"/api/v1/jobs/{job_id}").json()
+    assert got["step"] == 5 and got["predicted_vs_measured"]["step_s"]["measured"] == 0.5
+    ingest.record(job_id=job_id, attempt=1, world_size=2, rows=[
+        row(s, rank=r, step_time_s=2.0) for s in range(6, 16) for r in (0, 1)])
+    got = c.get(f"/api/v1/jobs/{job_id}").json()
+    assert got["step"] == 15 and got["predicted_vs_measured"]["step_s"]["measured"] == 2.0
+    store.start_attempt(job_id=job_id)  # a restart: only the newest attempt is compared
+    ingest.record(job_id=job_id, attempt=2, world_size=2, rows=[
+        row(s, rank=r, step_time_s=1.0) for s in (15, 16) for r in (0, 1)])
+    got = c.get(f"/api/v1/jobs/{job_id}").json()
+    assert got["predicted_vs_measured"]["step_s"]["measured"] == 1.0
+    assert got["predicted_vs_measured"]["steps_measured"] == 2
+    assert c.get("/api/v1/jobs/999999").status_code == 404

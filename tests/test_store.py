@@ -38,6 +38,37 @@ def test_create_writes_queued_and_an_event(store: Store) -> None:
     assert [e.data["to"] for e in store.list_events(job_id=job_id)] == ["QUEUED"]
 
 
+def test_the_job_create_returns_is_the_job_read_back(store: Store) -> None:
+    """`create_job` answers with the job it wrote (no second read): equal to what any reader
+    gets, its NULL columns NULL (not JSON's null), its secrets and tracker cursors written in
+    the same transaction, the secrets' names in code point order on either database."""
+    from service.store.tracking_exports import Exports, Sink
+
+    made = store.create_job(
+        name="j", spec=JobSpec.model_validate(tiny_spec()), plan=stored_plan(dp=2),
+        world_size=2, cpus=1.0, gpus=0.0, priority=3, owner="alice", project="vision",
+        idempotency_key="k", request_hash="h",
+        secrets={"b_key": b"sealed-b", "B_KEY": b"sealed-B", "a": b"sealed-a"},
+        tracking={"tensorboard": "/runs/j"})
+    read = store.get_job(job_id=made.id)
+    assert made == read and made.spec == read.spec and made.plan == read.plan
+    assert (made.state, made.priority, made.owner, made.project) == (
+        JobState.QUEUED, 3, "alice", "vision")
+    assert made.created_at == read.created_at and made.created_at.tzinfo is not None
+    with store.engine.connect() as c:
+        nulls = c.execute(text("SELECT elastic IS NULL, waiting IS NULL, error IS NULL,"
+                               " started_at IS NULL FROM jobs WHERE id = :i"),
+                          {"i": made.id}).one()
+    assert all(nulls), nulls
+    assert store.job_secrets(job_id=made.id) == {
+        "B_KEY": b"sealed-B", "a": b"sealed-a", "b_key": b"sealed-b"}
+    assert store.secret_names(job_ids=[made.id]) == {made.id: ["B_KEY", "a", "b_key"]}
+    [cursor] = Exports(store).of_job(job_id=made.id)
+    assert (cursor.sink, cursor.target, cursor.step, cursor.done) == (
+        Sink.TENSORBOARD, "/runs/j", 0, False)
+    assert [e.message for e in store.list_events(job_id=made.id)] == ["job queued"]
+
+
 def test_transition_checks_the_state_machine_and_records_the_event(store: Store) -> None:
     job_id = _job(store)
     store.transition(job_id=job_id, to=JobState.PLACING, message="admitted")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import require
-from api.deps import JobDep, StoreDep
+from api.deps import JobDep, JobId, StoreDep, job_of
 from api.schemas import CommSteps, HangList, RanksGrid, Series
 from service.rank_status import rank_status
 from service.store.charts import MAX_POINTS, job_series
@@ -17,15 +18,16 @@ router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require(
 
 
 @router.get("/{job_id}/series", response_model=Series)
-def series(job: JobDep, store: StoreDep,
-           max_points: Annotated[int, Query(ge=10, le=MAX_POINTS, description=(
-               "The most points per series: longer series keep each bucket's minimum and"
-               " maximum of every series."))] = MAX_POINTS) -> dict[str, Any]:
+async def series(job_id: JobId, store: StoreDep,
+                 max_points: Annotated[int, Query(ge=10, le=MAX_POINTS, description=(
+                     "The most points per series: longer series keep each bucket's minimum"
+                     " and maximum of every series."))] = MAX_POINTS) -> dict[str, Any]:
     """Rank 0's loss, step time, tokens/s and MFU per step, downsampled on the server, with
     the plan's predicted step time, tokens/s and MFU; `rows` is the number of steps stored.
     Beside them the validation loss and the recipe's learning rate and gradient norm, on the
     steps that reported them."""
-    return job_series(store, job, max_points)
+    return await run_in_threadpool(
+        lambda: job_series(store, job_of(store, job_id), max_points))
 
 
 @router.get("/{job_id}/ranks", response_model=RanksGrid)

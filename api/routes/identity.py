@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import Who, check_owner, identity_of, require
 from api.deps import INT32_MAX, INT64_MAX
@@ -41,7 +42,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
-def _identity(request: Request) -> Identity:
+async def _identity(request: Request) -> Identity:
     return identity_of(request)
 
 
@@ -60,9 +61,9 @@ def _conflict(exc: Conflict) -> HTTPException:
 
 @router.get("/whoami", response_model=WhoAmI, tags=["identity"],
             dependencies=[Depends(require("self"))])
-def whoami(who: Who, identity: IdentityDep) -> dict[str, object]:
+async def whoami(who: Who, identity: IdentityDep) -> dict[str, object]:
     """The caller: user, role, projects (the default first) and the token used."""
-    user = identity.get_user(name=who.name)
+    user = await run_in_threadpool(identity.get_user, name=who.name)
     return {"user": who.name, "role": who.role, "projects": user.projects,
             "token": {"id": who.token_id, "name": who.token_name}}
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import Who, check_owner, identity_of, may, require
 from api.deps import (
@@ -15,9 +17,11 @@ from api.deps import (
     EventAfter,
     IdempotencyKey,
     JobDep,
+    JobId,
     Offset,
     Rank,
     StoreDep,
+    job_of,
     read_hf_configs,
 )
 from api.schemas import (
@@ -41,9 +45,9 @@ from service.spec_limits import recheck
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
 from service.store.checkpoints import CheckpointIndex
-from service.store.dashboard import Sort, jobs_page, summary_of
+from service.store.dashboard import Sort, job_page, jobs_page, summary_of
 from service.store.identity import Principal
-from service.store.metrics import MetricsIngest
+from service.store.metrics import MetricsIngest, Newest
 from service.store.tables import NAME_MAX
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -86,10 +90,13 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
         box=request.app.state.box)
 
 
-def job_out(store: Store, job: Job, who: Principal, **kw: Any) -> JobOut:
+def job_out(store: Store, job: Job, who: Principal, *, secrets: list[str] | None = None,
+            **kw: Any) -> JobOut:
     """`job` as `who` may read it: `env` values for its owner and admins only
-    (`jobs:env`), its secrets by name."""
-    names = store.secret_names(job_ids=[job.id]).get(job.id, [])
+    (`jobs:env`), its secrets by name (`secrets`: the names, known already; read
+    otherwise)."""
+    names = (secrets if secrets is not None
+             else store.secret_names(job_ids=[job.id]).get(job.id, []))
     return JobOut.of(job, shows_env=may(who, "jobs:env", job.owner), secrets=names, **kw)
 
 
@@ -102,8 +109,9 @@ RECENT_STEPS = 1000
              responses={200: {"model": JobOut, "description": "A retried submission (same"
                               " Idempotency-Key and spec): the job it created"},
                         409: {"description": "The Idempotency-Key was used with another spec"}})
-def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response, who: Who,
-           idempotency_key: IdempotencyKey = None, project: ProjectName = None) -> JobOut:
+async def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
+                 who: Who, idempotency_key: IdempotencyKey = None,
+                 project: ProjectName = None) -> JobOut:
     """Validate and plan a job, then queue it, owned by the caller, under `project`. For
     `parallel: auto` the stored spec carries the layout the search chose (the plan says
     `chosen_by: search`). With an `Idempotency-Key` a retry is safe: it returns the first
@@ -114,12 +122,20 @@ def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
     submits, and `tracking.mlflow` must be an MLflow server this server allows. `secrets`
     are write-only: stored apart from the spec, sealed, never in an answer (their names are,
     in `secrets`)."""
+    return await run_in_threadpool(_submitted, spec, store, request, response, who,
+                                   idempotency_key, project)
+
+
+def _submitted(spec: JobSpec, store: Store, request: Request, response: Response, who: Principal,
+               idempotency_key: str | None, project: str | None) -> JobOut:
     job, created = _queue(store, spec, request, submitter(request, who, project),
                           idempotency_key)
     if not created:
         response.status_code = 200
-    # The job in hand (not read again): a new one has no steps, only its queue position.
-    return job_out(store, job, who, summary=summary_of(store, job, new=created))
+    # The job in hand (not read again): a new one has no steps, only its queue position,
+    # and the secrets this request carried.
+    return job_out(store, job, who, summary=summary_of(store, job, new=created),
+                   secrets=sorted(spec.secrets) if created else None)
 
 
 def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
@@ -180,7 +196,7 @@ _READ = [Depends(require("jobs:read"))]
 
 
 @router.get("", response_model=JobList, dependencies=_READ)
-def list_jobs(store: StoreDep, who: Who,
+async def list_jobs(store: StoreDep, who: Who,
               state: Annotated[list[JobState] | None, Query()] = None,
               owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
                                                  description="Only this user's jobs.")] = None,
@@ -198,9 +214,14 @@ def list_jobs(store: StoreDep, who: Who,
     several states. Each carries its newest step, loss, measured step time, restarts and
     the reason it waits or failed (one query for the page's steps, none per job); `env`
     values only where the caller may read them (its own jobs; an admin's: all)."""
-    items, total = jobs_page(store, states=state or (), owner=owner or "",
-                             project=project or "", name=name or "", sort=sort.value,
-                             desc=desc, limit=limit, offset=offset)
+    return await run_in_threadpool(_page, store, who, state or (), owner or "",
+                                   project or "", name or "", sort, desc, limit, offset)
+
+
+def _page(store: Store, who: Principal, states: Sequence[JobState], owner: str, project: str,
+          name: str, sort: Sort, desc: bool, limit: int, offset: int) -> JobList:
+    items, total = jobs_page(store, states=states, owner=owner, project=project, name=name,
+                             sort=sort.value, desc=desc, limit=limit, offset=offset)
     names = store.secret_names(job_ids=[it.job.id for it in items])
     return JobList(items=[JobOut.of(it.job, summary=it, secrets=names.get(it.job.id),
                                     shows_env=may(who, "jobs:env", it.job.owner))
@@ -208,26 +229,34 @@ def list_jobs(store: StoreDep, who: Who,
 
 
 @router.get("/{job_id}", response_model=JobOut, dependencies=_READ)
-def get_job(job: JobDep, store: StoreDep, who: Who) -> JobOut:
+async def get_job(job_id: JobId, store: StoreDep, who: Who) -> JobOut:
     """A job with its plan, the plan's predictions next to what was measured, and its line
     of the jobs list (newest step, reason). Its `env` values only for its owner and admins
     (others get the names in `env_hidden`); its secrets by name only, to anyone."""
+    return await run_in_threadpool(_detail, store, job_id, who)
+
+
+def _detail(store: Store, job_id: int, who: Principal) -> JobOut:
+    try:
+        page = job_page(store, job_id)
+    except NotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
     # The newest steps only: a job's page costs the same after a day of training as after a
     # minute (`service.store.metrics.MetricsIngest.recent_metrics`).
-    return job_out(store, job, who, predicted_vs_measured=compared(store, job),
-                   summary=summary_of(store, job))
+    return job_out(store, page.job, who, secrets=page.secrets, summary=page.summary,
+                   predicted_vs_measured=compared(store, page.job, page.newest))
 
 
 _COMPARED: dict[int, tuple[tuple[Any, ...], Any, dict[str, Any]]] = {}
 
 
-def compared(store: Store, job: Job) -> dict[str, Any]:
+def compared(store: Store, job: Job, newest: Newest | None) -> dict[str, Any]:
     """`compare(plan, newest steps)`, worked out again only when the job has a newer step
-    (one indexed statement says whether it has): a job page polled by a hundred viewers
-    every two seconds reads its 1,000 newest rows once per new step and process, not once
-    per request. Keyed by the newest row (its id and time) and the plan."""
+    (`newest`, rank 0's newest row, which the page read with the job, says whether it has):
+    a job page polled by a hundred viewers every two seconds reads its 1,000 newest rows
+    once per new step and process, not once per request. Keyed by the newest row (its id
+    and time) and the plan."""
     ingest = MetricsIngest(store)
-    newest = ingest.newest(job_id=job.id)
     key = (newest, id(job.plan))
     found = _COMPARED.get(job.id)
     if found is not None and found[0] == key and found[1] is job.plan:
@@ -353,11 +382,15 @@ def _set_loc(loc: tuple[Any, ...], sets: dict[str, Any]) -> tuple[Any, ...]:
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)
-def events(job: JobDep, store: StoreDep,
-           after: EventAfter = 0,
-           limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
+async def events(job_id: JobId, store: StoreDep,
+                 after: EventAfter = 0,
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> EventList:
     """A job's events after event id `after`, oldest first."""
-    return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
+    def read() -> EventList:
+        job = job_of(store, job_id)
+        return EventList(items=store.list_events(job_id=job.id, after_id=after, limit=limit))
+
+    return await run_in_threadpool(read)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList, dependencies=_READ)

@@ -23,7 +23,7 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 StackRequestId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A stack request's id.")]
 
 
-def _requests(request: Request, store: StoreDep) -> StackRequests:
+async def _requests(request: Request, store: StoreDep) -> StackRequests:
     """The app's `StackRequests` on its store (made once)."""
     found: StackRequests | None = getattr(request.app.state, "stack_requests", None)
     if found is None:

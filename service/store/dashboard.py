@@ -14,10 +14,12 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import BindParameter, and_, bindparam, func, or_, select
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.states import JobState
-from service.store.jobs import Job, Metric, Store
+from service.store.jobs import Job, Metric, Store, job_in, secret_names_in
+from service.store.metrics import Newest, newest_in
 from service.store.tables import EventRow, JobRow, MetricRow, StepMetricRow
 
 SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,
@@ -39,6 +41,13 @@ class Sort(StrEnum):
 def read_sessions(store: Store) -> sessionmaker[Session]:
     """Read-only transactions on the store (`service.store.tables.snapshot_reads`)."""
     return store._read_sessions
+
+
+def snapshot(store: Store) -> Engine:
+    """Read-only transactions of plain statements on a connection (`snapshot(store).begin()`,
+    `service.store.tables.snapshot_reads`): what the jobs list and a job's detail read in,
+    without an ORM session's bookkeeping."""
+    return store._snapshot
 
 
 @dataclass(frozen=True)
@@ -129,21 +138,21 @@ _EVALS = select(JobRow.id, _NEWEST_EVAL).where(JobRow.id.in_(_IDS))
 _BY_STATE = select(JobRow.state, func.count()).group_by(JobRow.state)
 
 
-def _latest(s: Session, job_ids: Sequence[int]) -> dict[int, Metric]:
+def _latest(c: Connection, job_ids: Sequence[int]) -> dict[int, Metric]:
     """Rank 0's newest step of each job, in two queries (an index seek per job); one
     job's (its detail) in one."""
     if not job_ids:
         return {}
     if len(job_ids) == 1:
-        row = s.execute(_NEWEST_OF_ONE, {"job_id": job_ids[0]}).scalar()
-        return {} if row is None else {row.job_id: Metric.from_row(row)}
-    ids = [i for i in s.connection().execute(_NEWEST_IDS, {"ids": list(job_ids)}).scalars()
+        row = c.execute(_NEWEST_OF_ONE, {"job_id": job_ids[0]}).first()
+        return {} if row is None else {row.job_id: Metric.from_row(row)}  # type: ignore[arg-type]
+    ids = [i for i in c.execute(_NEWEST_IDS, {"ids": list(job_ids)}).scalars()
            if i is not None]
-    rows = s.execute(_ROWS_BY_ID, {"ids": ids}).scalars()
-    return {r.job_id: Metric.from_row(r) for r in rows}
+    rows = c.execute(_ROWS_BY_ID, {"ids": ids})
+    return {r.job_id: Metric.from_row(r) for r in rows}  # type: ignore[arg-type]
 
 
-def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
+def _queue_positions(c: Connection, job_ids: Sequence[int]) -> dict[int, int]:
     """The queued jobs' positions (1-based) in admission order, priority then age, in one
     query that returns only theirs: one job's is a count of the queued jobs ahead of it
     (a submission's answer, a job's detail); a page's come from one numbering of the queue
@@ -151,9 +160,9 @@ def _queue_positions(s: Session, job_ids: Sequence[int]) -> dict[int, int]:
     if not job_ids:
         return {}
     if len(job_ids) == 1:
-        ahead = s.connection().execute(_AHEAD, {"job_id": job_ids[0]})
+        ahead = c.execute(_AHEAD, {"job_id": job_ids[0]})
         return {job_ids[0]: int(ahead.scalar_one()) + 1}
-    rows = s.connection().execute(_POSITIONS, {"ids": list(job_ids)})
+    rows = c.execute(_POSITIONS, {"ids": list(job_ids)})
     return {job_id: int(n) for job_id, n in rows}
 
 
@@ -174,54 +183,80 @@ def jobs_page(store: Store, *, states: Sequence[JobState] = (), name: str = "",
     order: list[Any] = [col.desc() if desc else col.asc()]
     if sort != "id":
         order.append(JobRow.id.desc())
-    with read_sessions(store).begin() as s:
-        total = s.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
+    with snapshot(store).begin() as c:
+        total = c.execute(select(func.count()).select_from(JobRow).where(*conds)).scalar_one()
         # Plain rows, not ORM objects (nothing is written back): a page of 50 built 50
         # tracked instances for nothing.
-        rows = s.connection().execute(select(JobRow.__table__).where(*conds).order_by(*order)
-                                      .limit(limit).offset(offset)).all()
-        return _summaries(s, rows), int(total)  # type: ignore[arg-type]  # JobRow's names
+        rows = c.execute(select(JobRow.__table__).where(*conds).order_by(*order)
+                         .limit(limit).offset(offset)).all()
+        return _summaries(c, rows), int(total)  # type: ignore[arg-type]  # JobRow's names
 
 
-def _summaries(s: Session, rows: Sequence[JobRow], *, steps: bool = True
+def _summaries(c: Connection, rows: Sequence[JobRow], *, steps: bool = True
                ) -> list[JobSummary]:
     """The summaries of `rows`: their newest steps in one query (unless `steps` is False: a
     job just queued has none), and queue positions (one more query, only when one of them
     is queued)."""
-    return _summaries_of(s, [Job.from_row(r) for r in rows], steps=steps)
+    return _summaries_of(c, [Job.from_row(r) for r in rows], steps=steps)
 
 
-def _summaries_of(s: Session, jobs: Sequence[Job], *, steps: bool = True
+def _summaries_of(c: Connection, jobs: Sequence[Job], *, steps: bool = True
                   ) -> list[JobSummary]:
-    positions = _queue_positions(s, [j.id for j in jobs if j.state == JobState.QUEUED])
-    latest = _latest(s, [j.id for j in jobs]) if steps else {}
-    evals = _latest_evals(s, [j.id for j in jobs if j.spec.data.eval_every]) if steps else {}
+    positions = _queue_positions(c, [j.id for j in jobs if j.state == JobState.QUEUED])
+    latest = _latest(c, [j.id for j in jobs]) if steps else {}
+    evals = _latest_evals(c, [j.id for j in jobs if j.spec.data.eval_every]) if steps else {}
     return [JobSummary(job=j, latest=latest.get(j.id), total_steps=j.spec.train.steps,
                        queue_position=positions.get(j.id), eval_loss=evals.get(j.id))
             for j in jobs]
 
 
-def _latest_evals(s: Session, job_ids: Sequence[int]) -> dict[int, float]:
+def _latest_evals(c: Connection, job_ids: Sequence[int]) -> dict[int, float]:
     """The newest validation loss of each job that evaluates, in one query (a walk back
     from each job's newest step to the newest that evaluated: `data.eval_every` rows)."""
     if not job_ids:
         return {}
-    return {i: float(v) for i, v in s.connection().execute(_EVALS, {"ids": list(job_ids)})
+    return {i: float(v) for i, v in c.execute(_EVALS, {"ids": list(job_ids)})
             if v is not None}
 
 
 def summary_of(store: Store, job: Job, *, new: bool = False) -> JobSummary:
-    """`job_summary` of a job just read or written (its row is not read again)."""
-    with read_sessions(store).begin() as s:
-        return _summaries_of(s, [job], steps=not new)[0]
+    """`job_summary` of a job just read or written (its row is not read again). A new job's
+    is its queue position only: one statement, outside a transaction."""
+    with (store._reads.connect() if new else snapshot(store).begin()) as c:
+        return _summaries_of(c, [job], steps=not new)[0]
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """What a job's detail reads from the store, in one read-only transaction."""
+
+    job: Job
+    summary: JobSummary
+    newest: Newest | None
+    """Rank 0's newest row in its newest attempt (`service.store.metrics.newest_in`):
+    whether the comparison with the plan worked out before still holds."""
+    secrets: list[str]
+    """Its secrets' names (`Store.secret_names`)."""
+
+
+def job_page(store: Store, job_id: int) -> JobPage:
+    """A job's detail (`GET /jobs/{id}`, which every viewer of its page polls): the job, its
+    line of the jobs list, rank 0's newest row and its secrets' names on one connection in
+    one snapshot, not a connection and a transaction each. NotFound if there is no such
+    job."""
+    with snapshot(store).begin() as c:
+        job = job_in(c, job_id)
+        return JobPage(job=job, summary=_summaries_of(c, [job])[0],
+                       newest=newest_in(c, job_id),
+                       secrets=secret_names_in(c, [job_id]).get(job_id, []))
 
 
 def job_summary(store: Store, job_id: int, *, new: bool = False) -> JobSummary:
     """One job's line of the jobs list (`GET /jobs/{id}` carries it too); `new`: a job just
     queued (a submission's answer), which has no steps to look up."""
-    with read_sessions(store).begin() as s:
-        return _summaries(s, s.execute(select(JobRow).where(JobRow.id == job_id))
-                          .scalars().all(), steps=not new)[0]
+    with snapshot(store).begin() as c:
+        return _summaries(c, c.execute(select(JobRow.__table__).where(JobRow.id == job_id))
+                          .all(), steps=not new)[0]  # type: ignore[arg-type]
 
 
 def queue(store: Store, limit: int = 200) -> tuple[list[JobSummary], int]:

@@ -151,6 +151,12 @@ class Identity(EngineTx):
         forgets the tokens it trusted (`TrustedTokens.changed`)."""
         self._trusted.changed()
 
+    def trusted(self, token: str) -> Principal | None:
+        """The principal of a token this process trusts now (`authenticate` without its
+        read): no I/O but one `stat`, so an async caller may ask on its event loop and go to
+        a thread for `authenticate` only when this is None."""
+        return self._trusted.get(hash_token(token))
+
     def authenticate(self, token: str) -> Principal:
         """The principal of a token; AuthError saying what is wrong with it otherwise. Every
         request pays for it: one statement (`service.store.tables.reads`), or none when this

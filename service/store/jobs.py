@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, bindparam, func, select, update
+from sqlalchemy import ColumnElement, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -82,6 +82,59 @@ _SECRET_NAMES = (select(JobSecretRow.job_id, JobSecretRow.name)
                  .where(JobSecretRow.job_id.in_(bindparam("ids", expanding=True)))
                  .order_by(JobSecretRow.job_id, JobSecretRow.name))
 _JOB = select(JobRow.__table__).where(JobRow.id == bindparam("job_id"))
+_INSERT_JOB = insert(JobRow).returning(JobRow.id)
+_INSERT_EVENT = insert(EventRow)
+_INSERT_SECRET = insert(JobSecretRow)
+_INSERT_TRACKING = insert(TrackingExportRow)
+
+
+def job_in(c: Connection, job_id: int) -> Job:
+    """Job `job_id` read on `c` (`Store.get_job`; a job's page reads it in the transaction
+    of its other reads); NotFound if there is none."""
+    row = c.execute(_JOB, {"job_id": job_id}).first()
+    if row is None:
+        raise NotFound(f"job {job_id} not found")
+    return Job.from_row(row)  # type: ignore[arg-type]  # a row with JobRow's names
+
+
+def secret_names_in(c: Connection, job_ids: Sequence[int]) -> dict[int, list[str]]:
+    """`Store.secret_names`, read on `c`."""
+    out: dict[int, list[str]] = {}
+    for job_id, name in c.execute(_SECRET_NAMES, {"ids": list(job_ids)}):
+        out.setdefault(job_id, []).append(name)
+    for names in out.values():
+        names.sort()
+    return out
+
+
+@dataclass(frozen=True)
+class _NewJobRow:
+    """The row `Store.create_job` inserted, as `Job.from_row` reads a row: what it wrote,
+    the columns it left NULL as None."""
+
+    id: int
+    name: str
+    owner: str
+    project: str | None
+    state: str
+    priority: int
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    world_size: int
+    cpus: float
+    gpus: float
+    cancel_requested: bool
+    attempts: int
+    preemptions: int
+    created_at: Any
+    updated_at: Any
+    idempotency_key: str | None
+    request_hash: str | None
+    error: str | None = None
+    started_at: Any = None
+    finished_at: Any = None
+    waiting: str | None = None
+    elastic: dict[str, Any] | None = None
 """Every job page and list reads them: built once per process."""
 
 
@@ -135,24 +188,31 @@ class Store(EngineTx, ClusterRecords):
         `secrets`: the job's sealed secrets by name (`service.secrets`), stored apart from the
         spec in the same transaction; `tracking`: the trackers its steps go to (sink ->
         target, `service.store.tracking_exports`), each a cursor at the start."""
+        now = utcnow()
+        values: dict[str, Any] = dict(
+            name=name, owner=owner, project=project, state=JobState.QUEUED.value,
+            priority=priority, spec=spec.model_dump(mode="json"), plan=plan.to_json(),
+            world_size=world_size, cpus=cpus, gpus=gpus, cancel_requested=False, attempts=0,
+            preemptions=0, created_at=now, updated_at=now, idempotency_key=idempotency_key,
+            request_hash=request_hash)
+        # Core inserts, not ORM objects: a submission's unit of work (flush, identity map,
+        # commit bookkeeping) cost more CPU than its statements. NULL columns are left out
+        # (a JSON column given None would store JSON's null, not NULL).
         try:
-            with self._tx() as s:
-                row = JobRow(name=name, owner=owner, project=project,
-                             state=JobState.QUEUED.value, priority=priority,
-                             spec=spec.model_dump(mode="json"),
-                             plan=plan.to_json(), world_size=world_size, cpus=cpus, gpus=gpus,
-                             idempotency_key=idempotency_key, request_hash=request_hash)
-                s.add(row)
-                s.flush()
-                s.add(EventRow(job_id=row.id, kind="state", message="job queued",
-                               data={"to": JobState.QUEUED.value}))
-                s.add_all(JobSecretRow(job_id=row.id, name=k, sealed=v)
-                          for k, v in (secrets or {}).items())
-                s.add_all(TrackingExportRow(job_id=row.id, sink=sink, target=target,
-                                            attempt=0, step=0, exported=0, dropped=0,
-                                            done=False)
-                          for sink, target in (tracking or {}).items())
-                return Job.from_row(row)
+            with self.engine.begin() as c:
+                job_id = c.execute(_INSERT_JOB, values).scalar_one()
+                c.execute(_INSERT_EVENT, {"job_id": job_id, "time": now, "kind": "state",
+                                          "message": "job queued",
+                                          "data": {"to": JobState.QUEUED.value}})
+                if secrets:
+                    c.execute(_INSERT_SECRET, [{"job_id": job_id, "name": k, "sealed": v}
+                                               for k, v in secrets.items()])
+                if tracking:
+                    c.execute(_INSERT_TRACKING, [
+                        {"job_id": job_id, "sink": sink, "target": target, "attempt": 0,
+                         "step": 0, "exported": 0, "dropped": 0, "done": False}
+                        for sink, target in tracking.items()])
+            return Job.from_row(_NewJobRow(id=job_id, **values))  # type: ignore[arg-type]
         except IntegrityError:
             taken = (self.job_by_idempotency_key(owner=owner, key=idempotency_key)
                      if idempotency_key else None)
@@ -169,15 +229,13 @@ class Store(EngineTx, ClusterRecords):
             return {r.name: r.sealed for r in rows}
 
     def secret_names(self, *, job_ids: Sequence[int]) -> dict[int, list[str]]:
-        """The names (only) of the secrets of each of `job_ids` that has any."""
+        """The names (only) of the secrets of each of `job_ids` that has any, each job's in
+        code point order (as a submission's answer lists them, whatever the database's
+        collation). One statement outside a transaction (`service.store.tables.reads`)."""
         if not job_ids:
             return {}
-        with self._rx() as s:
-            rows = s.connection().execute(_SECRET_NAMES, {"ids": list(job_ids)})
-            out: dict[int, list[str]] = {}
-            for job_id, name in rows:
-                out.setdefault(job_id, []).append(name)
-            return out
+        with self._reads.connect() as c:
+            return secret_names_in(c, job_ids)
 
     def job_by_idempotency_key(self, *, owner: str, key: str) -> tuple[Job, str | None] | None:
         """The job `owner` submitted with `key`, and the hash of the request that created
@@ -190,10 +248,7 @@ class Store(EngineTx, ClusterRecords):
     def get_job(self, *, job_id: int) -> Job:
         """One job: one statement outside a transaction (every request on a job reads it)."""
         with self._reads.connect() as c:
-            row = c.execute(_JOB, {"job_id": job_id}).first()
-        if row is None:
-            raise NotFound(f"job {job_id} not found")
-        return Job.from_row(row)  # type: ignore[arg-type]  # a row with JobRow's names
+            return job_in(c, job_id)
 
     def list_jobs(self, *, states: Sequence[JobState] | None = None, owner: str | None = None,
                   project: str | None = None, limit: int = 50,

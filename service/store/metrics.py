@@ -43,6 +43,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.store.jobs import Metric, Store
@@ -66,7 +67,20 @@ COMPACT_EVERY = 1_000
 _NEWEST = (select(MetricRow.attempt, MetricRow.step, MetricRow.id, MetricRow.time)
            .where(MetricRow.job_id == bindparam("job_id"), MetricRow.rank == bindparam("rank"))
            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc()).limit(1))
-"""`MetricsIngest.newest`, which every poll of a job's page runs: built once per process."""
+"""`newest_in`, which every poll of a job's page runs: built once per process."""
+
+
+Newest = tuple[int, int, int, datetime]
+"""(attempt, step, row id, time) of a rank's newest row in its newest attempt: the row
+`MetricsIngest.recent_metrics` would end with."""
+
+
+def newest_in(c: Connection, job_id: int, rank: int = 0) -> Newest | None:
+    """Rank `rank`'s `Newest` row of job `job_id`, read on `c`: what says that a job's
+    comparison with its plan is still the one worked out before (a job's page reads it with
+    the job, `service.store.dashboard.job_page`)."""
+    row = c.execute(_NEWEST, {"job_id": job_id, "rank": rank}).first()
+    return None if row is None else (row[0], row[1], row[2], row[3])
 
 
 @dataclass(frozen=True)
@@ -234,13 +248,6 @@ class MetricsIngest:
                 q = q.where(StepMetricRow.step % every == 0)
             q = q.order_by(StepMetricRow.attempt, StepMetricRow.step).limit(limit)
             return [StepMetric.from_row(r) for r in s.execute(q).scalars()]
-
-    def newest(self, *, job_id: int, rank: int = 0) -> tuple[int, int, int, datetime] | None:
-        """(attempt, step, row id, time) of the row `recent_metrics` would end with: what
-        says that a job's comparison with its plan is still the one worked out before."""
-        with self._reads.begin() as s:
-            row = s.connection().execute(_NEWEST, {"job_id": job_id, "rank": rank}).first()
-        return None if row is None else (row[0], row[1], row[2], row[3])
 
     def recent_metrics(self, *, job_id: int, rank: int = 0, limit: int = 1000) -> list[Metric]:
         """The newest `limit` steps of one rank in its newest attempt, oldest first: what a

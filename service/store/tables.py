@@ -556,11 +556,14 @@ def snapshot_reads(engine: Engine) -> Engine:
 class EngineTx:
     """Transactions of its own on an engine: for the package's modules beside `Store` that
     query their tables on its engine (identity, quota notes, heartbeats, stack requests, the
-    trackers' cursors); `_reads` for their single reads outside a transaction (`reads`)."""
+    trackers' cursors); `_reads` for their single reads outside a transaction (`reads`);
+    `_snapshot` for read-only transactions of several plain statements on a connection
+    (`snapshot_reads`), which the hot pages use: no ORM session's bookkeeping per request."""
 
     def __init__(self, engine: Engine) -> None:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
-        self._read_sessions = sessionmaker(snapshot_reads(engine), expire_on_commit=False)
+        self._snapshot = snapshot_reads(engine)
+        self._read_sessions = sessionmaker(self._snapshot, expire_on_commit=False)
         self._reads = reads(engine)
 
     @contextmanager
