@@ -41,6 +41,7 @@ from api.routes import (
     jobs,
     logs,
     plan,
+    resubmit,
     stacks,
     tracking,
 )
@@ -185,6 +186,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         return health(request.app.state.store, request.app.state.settings)
 
     v1.include_router(jobs.router)
+    v1.include_router(resubmit.router)
     v1.include_router(checkpoints.router)
     v1.include_router(logs.router)
     v1.include_router(dashboard.router)

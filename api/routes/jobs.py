@@ -1,4 +1,5 @@
-"""Job routes under /api/v1/jobs: submit, list, inspect, cancel, events, metrics."""
+"""Job routes under /api/v1/jobs: submit, list, inspect, cancel, events, metrics (a
+resubmission: `api.routes.resubmit`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Who, check_owner, identity_of, may, require
@@ -41,10 +40,8 @@ from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
-from service.spec_limits import recheck
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
-from service.store.checkpoints import CheckpointIndex
 from service.store.dashboard import Sort, job_page, jobs_page, summary_of
 from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
@@ -128,8 +125,8 @@ async def submit(spec: JobSpec, store: StoreDep, request: Request, response: Res
 
 def _submitted(spec: JobSpec, store: Store, request: Request, response: Response, who: Principal,
                idempotency_key: str | None, project: str | None) -> JobOut:
-    job, created = _queue(store, spec, request, submitter(request, who, project),
-                          idempotency_key)
+    job, created = queue_job(store, spec, request, submitter(request, who, project),
+                             idempotency_key)
     if not created:
         response.status_code = 200
     # The job in hand (not read again): a new one has no steps, only its queue position,
@@ -138,8 +135,9 @@ def _submitted(spec: JobSpec, store: Store, request: Request, response: Response
                    secrets=sorted(spec.secrets) if created else None)
 
 
-def _queue(store: Store, spec: JobSpec, request: Request, by: Submitter,
-           idempotency_key: str | None = None, *, resume_ok: bool = False) -> tuple[Job, bool]:
+def queue_job(store: Store, spec: JobSpec, request: Request, by: Submitter,
+              idempotency_key: str | None = None, *, resume_ok: bool = False
+              ) -> tuple[Job, bool]:
     """Submit `spec` as `by`: the job, and whether this call created it; the refusals as
     4xx naming the field. `resume_ok`: the resubmission route checked the spec's
     `checkpoint.resume_from` (the caller may read that job, the tag is there)."""
@@ -196,20 +194,19 @@ _READ = [Depends(require("jobs:read"))]
 
 
 @router.get("", response_model=JobList, dependencies=_READ)
-async def list_jobs(store: StoreDep, who: Who,
-              state: Annotated[list[JobState] | None, Query()] = None,
-              owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
-                                                 description="Only this user's jobs.")] = None,
-              project: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
-                                                   description="Only this project's jobs.")]
-              = None,
-              name: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
-                                                description="Jobs whose name contains this.")]
-              = None,
-              sort: Annotated[Sort, Query(description="The column to sort by.")] = Sort.id,
-              desc: Annotated[bool, Query(description="Descending (default).")] = True,
-              limit: Annotated[int, Query(ge=1, le=500)] = 50,
-              offset: Offset = 0) -> JobList:
+async def list_jobs(
+        store: StoreDep, who: Who,
+        state: Annotated[list[JobState] | None, Query()] = None,
+        owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                           description="Only this user's jobs.")] = None,
+        project: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                             description="Only this project's jobs.")] = None,
+        name: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX,
+                                          description="Jobs whose name contains this.")] = None,
+        sort: Annotated[Sort, Query(description="The column to sort by.")] = Sort.id,
+        desc: Annotated[bool, Query(description="Descending (default).")] = True,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Offset = 0) -> JobList:
     """Jobs, newest first unless `sort`/`desc` say otherwise; `state` may repeat to select
     several states. Each carries its newest step, loss, measured step time, restarts and
     the reason it waits or failed (one query for the page's steps, none per job); `env`
@@ -283,102 +280,6 @@ def cancel(job: JobDep, store: StoreDep, who: Who) -> JobOut:
     except TransitionError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
     return job_out(store, moved, who, summary=summary_of(store, moved))
-
-
-class ResubmitIn(BaseModel):
-    """What a resubmission changes (no body: the stored spec as it is)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    from_checkpoint: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
-    """Start from this job's checkpoint: 0 its newest tag, N its tag of step N (one that
-    `GET /jobs/{id}/checkpoints` lists). Anyone who may read the job may; its folder is only
-    read, the new job writes into a folder of its own. None: start afresh."""
-    set: Annotated[dict[Annotated[str, Field(min_length=1, max_length=200,
-                                             pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")],
-                        Any], Field(max_length=64)] = Field(default_factory=dict)
-    """Fields changed from the stored spec, by dotted name, as `--set` gives them:
-    `{"parallel.dp": 1, "train.steps": 200}` (64 at most)."""
-
-
-@router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
-             dependencies=[Depends(require("jobs:resubmit"))])
-def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who,
-             body: ResubmitIn | None = None) -> JobOut:
-    """Queue a new job with this job's stored spec (with the body's `set` applied), under
-    its project (or the caller's default), owned by the caller; checked as a new submission.
-    Members resubmit only their own jobs, except `from_checkpoint`: a new job from this
-    job's checkpoint, on any layout or cluster size `set` gives it, for anyone who may read
-    the job (its `checkpoint.dir` is not carried over: the new job writes into its own
-    folder). The job's secrets go with it when its owner resubmits (an admin resubmitting
-    another user's job gets a job without them: they stay their owner's)."""
-    body = body or ResubmitIn()
-    if body.from_checkpoint is None:
-        check_owner(who, "jobs:resubmit", job.owner)
-    else:
-        check_owner(who, "jobs:read", job.owner)
-    try:  # stored before a limit it fails was added: refused as a new submission would be
-        spec = recheck(job.spec)
-    except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    if body.set or body.from_checkpoint is not None:
-        spec = _changed(store, job, spec, body)
-    if (rf := spec.checkpoint.resume_from) is not None and rf.job != job.id:
-        source = _source(store, rf.job, "checkpoint.resume_from")  # carried over: still there
-        check_owner(who, "jobs:read", source.owner)
-    if who.name == job.owner and (sealed := store.job_secrets(job_id=job.id)):
-        spec = spec.with_secrets(request.app.state.box.open_all(sealed))
-    new, _ = _queue(store, spec, request, submitter(request, who, job.project), resume_ok=True)
-    return job_out(store, new, who, summary=summary_of(store, new, new=True))
-
-
-def _source(store: Store, job_id: int, field: str) -> Job:
-    try:
-        return store.get_job(job_id=job_id)
-    except NotFound as exc:
-        raise HTTPException(status_code=422, detail=[
-            {"loc": ["body", *field.split(".")], "msg": str(exc), "type": "value_error"}],
-        ) from None
-
-
-def _changed(store: Store, job: Job, spec: JobSpec, body: ResubmitIn) -> JobSpec:
-    """`spec` with the body's `set` applied and, with `from_checkpoint`, the tag it starts
-    from; 422s naming the field."""
-    raw = spec.model_dump(mode="json", exclude_unset=False)
-    if body.from_checkpoint is not None:
-        tags = [c.step for c in CheckpointIndex(store).list(job_id=job.id)]
-        step = body.from_checkpoint or (tags[-1] if tags else 0)
-        if step not in tags:
-            have = ", ".join(map(str, tags)) or "none"
-            raise HTTPException(status_code=422, detail=[
-                {"loc": ["body", "from_checkpoint"], "type": "value_error",
-                 "msg": f"job {job.id} has no checkpoint" + (f" of step {step}" if step else "")
-                 + f" (its tags: {have})"}])
-        raw["checkpoint"]["dir"] = None  # the source's folder: read, never written
-        raw["checkpoint"]["resume_from"] = {"job": job.id, "step": step}
-    for name, value in body.set.items():
-        node = raw
-        *parents, last = name.split(".")
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                node[p] = {}
-            node = node[p]
-        node[last] = value
-    try:
-        return recheck(JobSpec.model_validate(raw))
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": _set_loc(e["loc"], body.set)}
-                                      for e in exc.errors()]) from None
-
-
-def _set_loc(loc: tuple[Any, ...], sets: dict[str, Any]) -> tuple[Any, ...]:
-    """Where an error of the changed spec is: `body.set.<field>` when a `set` made it."""
-    dotted = ".".join(str(p) for p in loc)
-    for name in sets:
-        if dotted == name or dotted.startswith(name + ".") or name.startswith(dotted + "."):
-            return ("body", "set", name)
-    return ("body", *loc)
 
 
 @router.get("/{job_id}/events", response_model=EventList, dependencies=_READ)

@@ -1,6 +1,6 @@
-"""The job store: jobs, attempts, events, per-rank metrics and a job's sealed secrets; with
-the cluster's records (probes, nodes, calibrated profiles: `service.store.cluster`, which
-`Store` inherits). `Store` owns the engine of the package that alone reads or writes the
+"""The job store: jobs, attempts and a job's sealed secrets; with a job's run records
+(events, per-rank metrics: `service.store.records`) and the cluster's records (probes, nodes,
+calibrated profiles: `service.store.cluster`), which `Store` inherits. `Store` owns the engine of the package that alone reads or writes the
 database (`service.store`); its other modules take a `Store`.
 
 Every function is keyword-only and runs in one transaction. `transition` is the single writer
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import ColumnElement, bindparam, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -24,6 +23,7 @@ from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.states import JobState, TransitionError, check_transition
 from service.store.cluster import ClusterRecords
+from service.store.records import RunRecords
 from service.store.schema import upgrade
 from service.store.tables import (
     AttemptRow,
@@ -32,8 +32,6 @@ from service.store.tables import (
     JobRow,
     JobSecretRow,
     LeaseRow,
-    MetricRow,
-    StepMetricRow,
     TrackingExportRow,
     make_engine,
     utcnow,
@@ -82,10 +80,12 @@ _SECRET_NAMES = (select(JobSecretRow.job_id, JobSecretRow.name)
                  .where(JobSecretRow.job_id.in_(bindparam("ids", expanding=True)))
                  .order_by(JobSecretRow.job_id, JobSecretRow.name))
 _JOB = select(JobRow.__table__).where(JobRow.id == bindparam("job_id"))
+"""Every job page and list reads them: built once per process."""
 _INSERT_JOB = insert(JobRow).returning(JobRow.id)
 _INSERT_EVENT = insert(EventRow)
 _INSERT_SECRET = insert(JobSecretRow)
 _INSERT_TRACKING = insert(TrackingExportRow)
+"""A submission's statements (`Store.create_job`), built once per process."""
 
 
 def job_in(c: Connection, job_id: int) -> Job:
@@ -135,10 +135,9 @@ class _NewJobRow:
     finished_at: Any = None
     waiting: str | None = None
     elastic: dict[str, Any] | None = None
-"""Every job page and list reads them: built once per process."""
 
 
-class Store(EngineTx, ClusterRecords):
+class Store(EngineTx, ClusterRecords, RunRecords):
     """Owns an engine and its transactions (`EngineTx`); one instance per process."""
 
     def __init__(self, url: str) -> None:
@@ -196,8 +195,8 @@ class Store(EngineTx, ClusterRecords):
             preemptions=0, created_at=now, updated_at=now, idempotency_key=idempotency_key,
             request_hash=request_hash)
         # Core inserts, not ORM objects: a submission's unit of work (flush, identity map,
-        # commit bookkeeping) cost more CPU than its statements. NULL columns are left out
-        # (a JSON column given None would store JSON's null, not NULL).
+        # commit bookkeeping) cost more CPU than its statements. The JSON columns left NULL
+        # are left out (given None, a JSON column would store JSON's null, not NULL).
         try:
             with self.engine.begin() as c:
                 job_id = c.execute(_INSERT_JOB, values).scalar_one()
@@ -366,65 +365,3 @@ class Store(EngineTx, ClusterRecords):
             rows = s.execute(select(AttemptRow).where(AttemptRow.job_id == job_id)
                              .order_by(AttemptRow.number)).scalars()
             return [Attempt.from_row(r) for r in rows]
-
-    # --- events -----------------------------------------------------------------------------
-
-    def add_event(self, *, job_id: int, kind: str, message: str,
-                  data: dict[str, Any] | None = None, attempt: int | None = None) -> None:
-        with self._tx() as s:
-            s.add(EventRow(job_id=job_id, attempt=attempt, kind=kind, message=message,
-                           data=data or {}))
-
-    def list_events(self, *, job_id: int, after_id: int = 0, limit: int = 200) -> list[Event]:
-        # A read (`_rx`): a job page's poll must not queue behind a 4,096-rank step's write.
-        with self._rx() as s:
-            rows = s.execute(select(EventRow)
-                             .where(EventRow.job_id == job_id, EventRow.id > after_id)
-                             .order_by(EventRow.id).limit(limit)).scalars()
-            return [Event.from_row(r) for r in rows]
-
-    # --- metrics ----------------------------------------------------------------------------
-
-    def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
-        """Store per-step, per-rank reports (validated by the caller); a report sent again (never
-        acknowledged to its rank) is kept once: (job, attempt, step, rank) is unique."""
-        if not rows:
-            return
-        values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],
-                   "loss": r.get("loss"), "step_time_s": r["step_time_s"],
-                   "tokens_per_s": r["tokens_per_s"], "lr": r.get("lr"),
-                   "grad_norm": r.get("grad_norm"), "data": r.get("data") or {},
-                   "time": utcnow()} for r in rows]
-        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
-        with self._tx() as s:
-            s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), values)
-
-    def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
-                     after_step: int = 0, limit: int = 10000) -> list[Metric]:
-        with self._tx() as s:
-            q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.step > after_step)
-            if rank is not None:
-                q = q.where(MetricRow.rank == rank)
-            if attempt is not None:
-                q = q.where(MetricRow.attempt == attempt)
-            q = q.order_by(MetricRow.attempt, MetricRow.step, MetricRow.rank).limit(limit)
-            return [Metric.from_row(r) for r in s.execute(q).scalars()]
-
-    def latest_eval(self, *, job_id: int) -> float | None:
-        """The validation loss of the job's newest step that evaluated (newest attempt first);
-        None when none did."""
-        with self._tx() as s:
-            return s.execute(select(StepMetricRow.eval_loss)
-                             .where(StepMetricRow.job_id == job_id,
-                                    StepMetricRow.eval_loss.is_not(None))
-                             .order_by(StepMetricRow.attempt.desc(), StepMetricRow.step.desc())
-                             .limit(1)).scalar()
-
-    def latest_metric(self, *, job_id: int, rank: int = 0) -> Metric | None:
-        """The newest step of the newest attempt of one rank."""
-        with self._tx() as s:
-            row = s.execute(select(MetricRow)
-                            .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
-                            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
-                            .limit(1)).scalar()
-            return Metric.from_row(row) if row is not None else None

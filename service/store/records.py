@@ -1,0 +1,97 @@
+"""A job's run records: its events (state changes, placements, failures, hangs) and the
+per-rank metrics its ranks report, as `Store` writes and reads them.
+
+`RunRecords` is a part of `Store` (`service.store.jobs`), which inherits its methods and gives
+them its engine and transactions, as `ClusterRecords` (`service.store.cluster`) is: callers
+keep calling `store.list_events(...)`. The metrics of a large job, their sampling and their
+per-step rows are `service.store.metrics`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from service.store.tables import EventRow, MetricRow, StepMetricRow, utcnow
+from service.store.views import Event, Metric
+
+
+class RunRecords:
+    """Events and per-rank metrics; `Store` supplies `engine`, `_tx` and `_rx`."""
+
+    engine: Engine
+
+    def _tx(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError
+
+    def _rx(self) -> AbstractContextManager[Session]:
+        """A read-only transaction (`service.store.tables.EngineTx._rx`)."""
+        raise NotImplementedError
+
+    # --- events -----------------------------------------------------------------------------
+
+    def add_event(self, *, job_id: int, kind: str, message: str,
+                  data: dict[str, Any] | None = None, attempt: int | None = None) -> None:
+        with self._tx() as s:
+            s.add(EventRow(job_id=job_id, attempt=attempt, kind=kind, message=message,
+                           data=data or {}))
+
+    def list_events(self, *, job_id: int, after_id: int = 0, limit: int = 200) -> list[Event]:
+        # A read (`_rx`): a job page's poll must not queue behind a 4,096-rank step's write.
+        with self._rx() as s:
+            rows = s.execute(select(EventRow)
+                             .where(EventRow.job_id == job_id, EventRow.id > after_id)
+                             .order_by(EventRow.id).limit(limit)).scalars()
+            return [Event.from_row(r) for r in rows]
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Store per-step, per-rank reports (validated by the caller); a report sent again (never
+        acknowledged to its rank) is kept once: (job, attempt, step, rank) is unique."""
+        if not rows:
+            return
+        values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],
+                   "loss": r.get("loss"), "step_time_s": r["step_time_s"],
+                   "tokens_per_s": r["tokens_per_s"], "lr": r.get("lr"),
+                   "grad_norm": r.get("grad_norm"), "data": r.get("data") or {},
+                   "time": utcnow()} for r in rows]
+        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+        with self._tx() as s:
+            s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), values)
+
+    def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
+                     after_step: int = 0, limit: int = 10000) -> list[Metric]:
+        with self._tx() as s:
+            q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.step > after_step)
+            if rank is not None:
+                q = q.where(MetricRow.rank == rank)
+            if attempt is not None:
+                q = q.where(MetricRow.attempt == attempt)
+            q = q.order_by(MetricRow.attempt, MetricRow.step, MetricRow.rank).limit(limit)
+            return [Metric.from_row(r) for r in s.execute(q).scalars()]
+
+    def latest_eval(self, *, job_id: int) -> float | None:
+        """The validation loss of the job's newest step that evaluated (newest attempt first);
+        None when none did."""
+        with self._tx() as s:
+            return s.execute(select(StepMetricRow.eval_loss)
+                             .where(StepMetricRow.job_id == job_id,
+                                    StepMetricRow.eval_loss.is_not(None))
+                             .order_by(StepMetricRow.attempt.desc(), StepMetricRow.step.desc())
+                             .limit(1)).scalar()
+
+    def latest_metric(self, *, job_id: int, rank: int = 0) -> Metric | None:
+        """The newest step of the newest attempt of one rank."""
+        with self._tx() as s:
+            row = s.execute(select(MetricRow)
+                            .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
+                            .order_by(MetricRow.attempt.desc(), MetricRow.step.desc())
+                            .limit(1)).scalar()
+            return Metric.from_row(row) if row is not None else None
