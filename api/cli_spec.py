@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from api.cli_common import fail
 from service import hf_config
 from service.spec import JobSpec
-from service.specfile import load_yaml
+from service.specfile import load_yaml, set_field
 
 FIELD_PREFIX = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*): (.*)$", re.S)
 """A spec check across fields says which field it refuses first: `parallel.tp: tp(3) ...`."""
@@ -108,13 +108,7 @@ def apply_sets(raw: dict[str, Any], sets: list[str]) -> dict[str, Any]:
             value = load_yaml(text) if text.strip() else ""
         except yaml.YAMLError:
             fail(f"--set {field}: {text!r} is not a YAML value")
-        node = raw
-        *parents, last = field.split(".")
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                node[p] = {}
-            node = node[p]
-        node[last] = value
+        set_field(raw, field, value)
     return raw
 
 

@@ -24,3 +24,16 @@ SpecLoader.add_implicit_resolver(
 def load_yaml(text: str | IO[str]) -> Any:
     """The document in `text`, read safely with `SpecLoader`."""
     return yaml.load(text, Loader=SpecLoader)  # a SafeLoader subclass
+
+
+def set_field(raw: dict[str, Any], field: str, value: Any) -> None:
+    """Set dotted `field` (`train.steps`) of a spec's raw mapping to `value`, making the
+    mappings on the way (a field that held something else, such as `parallel: auto`,
+    becomes a mapping): what `trident submit --set` and a resubmission's `set` do."""
+    node = raw
+    *parents, last = field.split(".")
+    for p in parents:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[last] = value

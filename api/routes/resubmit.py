@@ -16,6 +16,7 @@ from api.routes.jobs import job_out, queue_job, submitter
 from api.schemas import JobOut
 from service.spec import JobSpec
 from service.spec_limits import recheck
+from service.specfile import set_field
 from service.store import Job, NotFound, Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.dashboard import summary_of
@@ -97,13 +98,7 @@ def _changed(store: Store, job: Job, spec: JobSpec, body: ResubmitIn) -> JobSpec
         raw["checkpoint"]["dir"] = None  # the source's folder: read, never written
         raw["checkpoint"]["resume_from"] = {"job": job.id, "step": step}
     for name, value in body.set.items():
-        node = raw
-        *parents, last = name.split(".")
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                node[p] = {}
-            node = node[p]
-        node[last] = value
+        set_field(raw, name, value)
     try:
         return recheck(JobSpec.model_validate(raw))
     except ValidationError as exc:

@@ -1,7 +1,8 @@
 """The job store: jobs, attempts and a job's sealed secrets; with a job's run records
 (events, per-rank metrics: `service.store.records`) and the cluster's records (probes, nodes,
-calibrated profiles: `service.store.cluster`), which `Store` inherits. `Store` owns the engine of the package that alone reads or writes the
-database (`service.store`); its other modules take a `Store`.
+calibrated profiles: `service.store.cluster`), which `Store` inherits. `Store` owns the
+engine of the package that alone reads or writes the database (`service.store`); its other
+modules take a `Store`.
 
 Every function is keyword-only and runs in one transaction. `transition` is the single writer
 of job state: it checks the state machine and writes the event in the same transaction.
