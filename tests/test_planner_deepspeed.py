@@ -14,13 +14,12 @@ bytes of every live tensor at the peak of model states.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from service.planner import ZeroConfig, evaluate
 from service.planner.memory import HOST_BUFFER_FACTOR
 from service.spec import JobSpec, ParallelSpec
+from tests.servers import free_port
 
 ds_zero = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
 ds_zero3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
@@ -96,12 +95,6 @@ DIMS = {"layers": 2, "hidden": 256, "vocab": 1024, "seq": 64}
 BUCKET = 100_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _measure(stage: int, precision: str, gas: int = 1) -> list[int]:
     from tests import forked
     from tests._planner_ds_probe import worker
@@ -116,7 +109,7 @@ def _measure(stage: int, precision: str, gas: int = 1) -> list[int]:
         cfg["bf16"] = {"enabled": True}
     ctx = forked.context()
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [forked.process(ctx, worker, (r, 2, port, cfg, DIMS, q)) for r in range(2)]
     for p in procs:
         p.start()
