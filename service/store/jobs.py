@@ -108,36 +108,6 @@ def secret_names_in(c: Connection, job_ids: Sequence[int]) -> dict[int, list[str
     return out
 
 
-@dataclass(frozen=True)
-class _NewJobRow:
-    """The row `Store.create_job` inserted, as `Job.from_row` reads a row: what it wrote,
-    the columns it left NULL as None."""
-
-    id: int
-    name: str
-    owner: str
-    project: str | None
-    state: str
-    priority: int
-    spec: dict[str, Any]
-    plan: dict[str, Any]
-    world_size: int
-    cpus: float
-    gpus: float
-    cancel_requested: bool
-    attempts: int
-    preemptions: int
-    created_at: Any
-    updated_at: Any
-    idempotency_key: str | None
-    request_hash: str | None
-    error: str | None = None
-    started_at: Any = None
-    finished_at: Any = None
-    waiting: str | None = None
-    elastic: dict[str, Any] | None = None
-
-
 class Store(EngineTx, ClusterRecords, RunRecords):
     """Owns an engine and its transactions (`EngineTx`); one instance per process."""
 
@@ -212,7 +182,9 @@ class Store(EngineTx, ClusterRecords, RunRecords):
                         {"job_id": job_id, "sink": sink, "target": target, "attempt": 0,
                          "step": 0, "exported": 0, "dropped": 0, "done": False}
                         for sink, target in tracking.items()])
-            return Job.from_row(_NewJobRow(id=job_id, **values))  # type: ignore[arg-type]
+            # The row as inserted, not read back: an ORM object that no session holds (the
+            # columns left out read None).
+            return Job.from_row(JobRow(id=job_id, **values))
         except IntegrityError:
             taken = (self.job_by_idempotency_key(owner=owner, key=idempotency_key)
                      if idempotency_key else None)
