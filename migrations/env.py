@@ -5,7 +5,8 @@ from __future__ import annotations
 from alembic import context
 
 from service.settings import Settings
-from service.store.tables import Base, make_engine
+from service.store.engine import make_engine
+from service.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -476,28 +476,28 @@ def test_a_sqlite_writer_waits_for_the_write_lock_by_trying_again(
     import sqlite3
     import time
 
-    from service.store import tables
+    from service.store import engine
 
     path = tmp_path / "w.db"
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     holder.execute("PRAGMA journal_mode=WAL")
     holder.execute("CREATE TABLE t (x INTEGER)")
-    waiter = sqlite3.connect(path, isolation_level=None, timeout=tables.SQLITE_BUSY_S)
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=engine.SQLITE_BUSY_S)
     holder.execute("BEGIN IMMEDIATE")
     holder.execute("INSERT INTO t VALUES (1)")
     release = threading.Timer(0.3, holder.execute, args=("COMMIT",))
     release.start()
-    tables.begin_immediate(waiter)  # waits for the holder's commit, then holds the lock
+    engine.begin_immediate(waiter)  # waits for the holder's commit, then holds the lock
     waiter.execute("INSERT INTO t VALUES (2)")
     waiter.execute("COMMIT")
     assert [r[0] for r in waiter.execute("SELECT x FROM t ORDER BY x")] == [1, 2]
     assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
     # A holder that keeps the lock past the deadline: the waiter fails as SQLite would.
-    monkeypatch.setattr(tables, "SQLITE_BUSY_S", 0.2)
+    monkeypatch.setattr(engine, "SQLITE_BUSY_S", 0.2)
     holder.execute("BEGIN IMMEDIATE")
     t0 = time.monotonic()
     with pytest.raises(sqlite3.OperationalError, match="locked"):
-        tables.begin_immediate(waiter)
+        engine.begin_immediate(waiter)
     assert time.monotonic() - t0 >= 0.15
     holder.execute("ROLLBACK")
     assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == 200

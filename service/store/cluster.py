@@ -22,14 +22,14 @@ from service.store.views import CalibratedProfile, Node, NotFound, Probe, ProbeS
 _NODES = select(NodeRow.__table__).order_by(NodeRow.node_id)
 _PROFILE = select(ProfileRow.__table__).where(ProfileRow.name == bindparam("name"))
 # Every submission reads the nodes and its profile: one statement each, built once per
-# process, outside a transaction (`service.store.tables.reads`).
+# process, outside a transaction (`service.store.engine.reads`).
 
 
 class ClusterRecords:
     """Probes, nodes and calibrated profiles; `Store` supplies `_tx` and `_reads`."""
 
     _reads: Engine
-    """Single reads outside a transaction (`service.store.tables.reads`)."""
+    """Single reads outside a transaction (`service.store.engine.reads`)."""
 
     def _tx(self) -> AbstractContextManager[Session]:
         raise NotImplementedError

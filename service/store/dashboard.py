@@ -39,13 +39,13 @@ class Sort(StrEnum):
 
 
 def read_sessions(store: Store) -> sessionmaker[Session]:
-    """Read-only transactions on the store (`service.store.tables.snapshot_reads`)."""
+    """Read-only transactions on the store (`service.store.engine.snapshot_reads`)."""
     return store._read_sessions
 
 
 def snapshot(store: Store) -> Engine:
     """Read-only transactions of plain statements on a connection (`snapshot(store).begin()`,
-    `service.store.tables.snapshot_reads`): what the jobs list and a job's detail read in,
+    `service.store.engine.snapshot_reads`): what the jobs list and a job's detail read in,
     without an ORM session's bookkeeping."""
     return store._snapshot
 

@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from service.store.engine import EngineTx
 from service.store.jobs import Store
-from service.store.tables import EngineTx, RankHeartbeatRow
+from service.store.tables import RankHeartbeatRow
 from service.store.views import aware
 
 WRITE_EVERY_S = 1.0

@@ -20,10 +20,10 @@ from sqlalchemy import bindparam, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.store.engine import EngineTx
 from service.store.jobs import NotFound, Store
 from service.store.tables import (
     AuditRow,
-    EngineTx,
     MembershipRow,
     ProjectRow,
     TokenRow,
@@ -159,7 +159,7 @@ class Identity(EngineTx):
 
     def authenticate(self, token: str) -> Principal:
         """The principal of a token; AuthError saying what is wrong with it otherwise. Every
-        request pays for it: one statement (`service.store.tables.reads`), or none when this
+        request pays for it: one statement (`service.store.engine.reads`), or none when this
         process checked the same token less than `AUTH_CACHE_S` ago and nothing that
         decides it changed since (`changed`); an expiry is checked on every request."""
         key = hash_token(token)
@@ -275,7 +275,7 @@ class Identity(EngineTx):
 
     def get_user(self, *, name: str) -> User:
         """One user and its projects (every submission reads them): one statement, built
-        once per process, outside a transaction (`service.store.tables.reads`)."""
+        once per process, outside a transaction (`service.store.engine.reads`)."""
         with self._reads.connect() as c:
             rows = c.execute(_USER, {"name": name}).all()
         if not rows:

@@ -24,17 +24,16 @@ from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.states import JobState, TransitionError, check_transition
 from service.store.cluster import ClusterRecords
+from service.store.engine import EngineTx, make_engine
 from service.store.records import RunRecords
 from service.store.schema import upgrade
 from service.store.tables import (
     AttemptRow,
-    EngineTx,
     EventRow,
     JobRow,
     JobSecretRow,
     LeaseRow,
     TrackingExportRow,
-    make_engine,
     utcnow,
 )
 from service.store.views import (
@@ -203,7 +202,7 @@ class Store(EngineTx, ClusterRecords, RunRecords):
     def secret_names(self, *, job_ids: Sequence[int]) -> dict[int, list[str]]:
         """The names (only) of the secrets of each of `job_ids` that has any, each job's in
         code point order (as a submission's answer lists them, whatever the database's
-        collation). One statement outside a transaction (`service.store.tables.reads`)."""
+        collation). One statement outside a transaction (`service.store.engine.reads`)."""
         if not job_ids:
             return {}
         with self._reads.connect() as c:

@@ -25,8 +25,9 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from service.store.engine import reads
 from service.store.jobs import Store
-from service.store.tables import LeaseRow, reads, utcnow
+from service.store.tables import LeaseRow, utcnow
 from service.store.views import aware
 
 CONTROLLER = "controller"

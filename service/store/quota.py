@@ -13,8 +13,9 @@ from typing import Any
 from sqlalchemy import select
 
 from service.states import JobState
+from service.store.engine import EngineTx
 from service.store.jobs import Store
-from service.store.tables import EngineTx, EventRow, JobRow, utcnow
+from service.store.tables import EventRow, JobRow, utcnow
 
 
 class QuotaNotes(EngineTx):

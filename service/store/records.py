@@ -31,7 +31,7 @@ class RunRecords:
         raise NotImplementedError
 
     def _rx(self) -> AbstractContextManager[Session]:
-        """A read-only transaction (`service.store.tables.EngineTx._rx`)."""
+        """A read-only transaction (`service.store.engine.EngineTx._rx`)."""
         raise NotImplementedError
 
     # --- events -----------------------------------------------------------------------------

@@ -23,8 +23,9 @@ from sqlalchemy import (
     select,
 )
 
+from service.store.engine import EngineTx
 from service.store.jobs import Store
-from service.store.tables import EngineTx, JobRow, StackRequestRow, utcnow
+from service.store.tables import JobRow, StackRequestRow, utcnow
 from service.store.views import NotFound, aware
 
 MAX_OPEN = 4

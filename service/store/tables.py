@@ -1,22 +1,16 @@
-"""Database schema (SQLAlchemy 2) and engine set-up: every table is declared here, so that
-`migrations/env.py`'s `target_metadata` (Alembic's comparison, `tests/test_migrations_drift.py`)
-sees them all. Only the modules of `service.store` query these tables; `migrations/` creates
-them.
+"""Database schema (SQLAlchemy 2): every table is declared here, so that `migrations/env.py`'s
+`target_metadata` (Alembic's comparison, `tests/test_migrations_drift.py`) sees them all. Only
+the modules of `service.store` query these tables; `migrations/` creates them. The engines
+and transactions they are queried through are `service.store.engine`'s.
 
 One module because every table is declared in one place: Alembic's comparison reads this
 module's metadata and nothing else, and a foreign key or an index reads beside the table it
-refers to. With the engine set-up (`make_engine`, `reads`, `EngineTx`), which every query of
-the package goes through.
+refers to.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import sqlite3
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,12 +28,10 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     cast,
-    create_engine,
-    event,
     type_coerce,
 )
-from sqlalchemy.engine import Dialect, Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 
@@ -446,133 +438,3 @@ class RankHeartbeatRow(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     """Wall time (UTC, the controller's clock) of the rank's last heartbeat."""
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def dumps_json(value: Any) -> str:
-    """JSON columns' serializer: standard JSON, so a non-finite float (which PostgreSQL
-    refuses and other readers choke on) is stored as null instead of failing the write."""
-    try:
-        return json.dumps(value, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(value), allow_nan=False)
-
-
-SQLITE_BUSY_S = 30.0
-"""How long a SQLite statement waits for a lock another connection holds before it fails."""
-_POLL_S = (0.001, 0.004)
-"""`begin_immediate`'s first and longest wait between two tries for the write lock."""
-
-
-def begin_immediate(dbapi_conn: sqlite3.Connection) -> None:
-    """BEGIN IMMEDIATE on a SQLite connection, waiting for the writer that holds the lock by
-    trying again every 1 to 4 ms, for up to `SQLITE_BUSY_S`. SQLite's own busy handler
-    (the connection's timeout, which every other statement keeps) sleeps 1, 2, 5, 10, 15,
-    20, 25, 25, 25, 50, 50 and then 100 ms between its tries: among many short writers (a
-    burst of submissions to several API processes, each process's audit writer, the
-    controller) a waiter that lost a few rounds slept through dozens of free moments, and a
-    submission's p99 was a few hundred milliseconds where its median was ten."""
-    dbapi_conn.execute("PRAGMA busy_timeout = 0")
-    try:
-        deadline, wait = time.monotonic() + SQLITE_BUSY_S, _POLL_S[0]
-        while True:
-            try:
-                dbapi_conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                # SQLITE_BUSY ("database is locked"); anything else is not ours to retry.
-                if "locked" not in str(exc) or time.monotonic() + wait > deadline:
-                    raise
-            time.sleep(wait)
-            wait = min(wait * 2, _POLL_S[1])
-    finally:
-        dbapi_conn.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_S * 1000)}")
-
-
-def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, foreign keys, a busy timeout and a quick
-    writer's lock (`begin_immediate`)."""
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False,
-                                                  "timeout": SQLITE_BUSY_S},
-                               json_serializer=dumps_json)
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # The driver's own transaction handling would BEGIN lazily (DEFERRED); we begin
-            # ourselves, below.
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _begin(conn: Any) -> None:
-            # IMMEDIATE takes the write lock up front, so a read-check-write transaction (a
-            # state transition) cannot interleave with another writer: SQLite's stand-in
-            # for PostgreSQL's SELECT ... FOR UPDATE. A read (`reads`) needs no lock.
-            if conn.get_execution_options().get(_READ):
-                conn.exec_driver_sql("BEGIN")
-            else:
-                begin_immediate(conn.connection.dbapi_connection)
-
-        return engine
-    return create_engine(url, pool_pre_ping=True, json_serializer=dumps_json)
-
-
-_READ = "trident_read"
-
-
-def reads(engine: Engine) -> Engine:
-    """`engine` for single reads that every request makes (the token check): on PostgreSQL
-    outside a transaction (no BEGIN and COMMIT round trips), on SQLite without the write
-    lock."""
-    if engine.dialect.name == "sqlite":
-        return engine.execution_options(**{_READ: True})
-    return engine.execution_options(isolation_level="AUTOCOMMIT")
-
-
-def snapshot_reads(engine: Engine) -> Engine:
-    """`engine` for read-only transactions of several statements (a page and its count, a
-    job and its summary): on SQLite a plain (deferred) BEGIN, so that readers in several API
-    processes and the controller's writes do not queue for the write lock (WAL readers see
-    one snapshot); on PostgreSQL the engine itself (a transaction: one snapshot)."""
-    if engine.dialect.name == "sqlite":
-        return engine.execution_options(**{_READ: True})
-    return engine
-
-
-class EngineTx:
-    """Transactions of its own on an engine: for the package's modules beside `Store` that
-    query their tables on its engine (identity, quota notes, heartbeats, stack requests, the
-    trackers' cursors); `_reads` for their single reads outside a transaction (`reads`);
-    `_snapshot` for read-only transactions of several plain statements on a connection
-    (`snapshot_reads`), which the hot pages use: no ORM session's bookkeeping per request."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
-        self._snapshot = snapshot_reads(engine)
-        self._read_sessions = sessionmaker(self._snapshot, expire_on_commit=False)
-        self._reads = reads(engine)
-
-    @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
-
-    @contextmanager
-    def _rx(self) -> Iterator[Session]:
-        """A read-only transaction (`snapshot_reads`): no write lock on SQLite."""
-        with self._read_sessions.begin() as session:
-            yield session

@@ -17,8 +17,9 @@ from enum import StrEnum
 
 from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 
+from service.store.engine import EngineTx
 from service.store.jobs import Store
-from service.store.tables import EngineTx, JobRow, TrackingExportRow, utcnow
+from service.store.tables import JobRow, TrackingExportRow, utcnow
 from service.store.views import aware
 
 
