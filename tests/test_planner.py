@@ -353,3 +353,29 @@ def test_micro_batches_stop_at_the_largest_a_spec_accepts(
 def test_175b_on_1024_gpus_fits_the_search_budget() -> None:
     res = search(job("gpt3-175b", nodes=128, gb=1536))
     assert res.best is not None and res.work <= res.budget
+
+
+def test_the_cpu_bound_counts_the_search_not_the_garbage_collections_in_its_thread() -> None:
+    """A full garbage collection walks every object of the process: in a large process it
+    takes longer than the API's bound, and a small search in whose thread one ran was
+    refused. The collection's CPU time moves the deadline; the search's own work does not."""
+    import gc
+    import time
+
+    from service.planner.search import SearchOutOfTime, cpu_bound
+
+    small = JobSpec.model_validate({
+        "name": "small", "model": {"preset": "gpt-tiny"}, "train": {"global_batch": 8},
+        "parallel": "auto", "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}})
+    heap = [[i] for i in range(1_000_000)]
+    with cpu_bound(0.02):
+        start = time.thread_time()
+        gc.collect()
+        assert time.thread_time() - start > 0.02  # the collection alone spent the bound
+        assert search(small).best is not None
+    del heap
+    with cpu_bound(0.02), pytest.raises(SearchOutOfTime, match="0.02 s of CPU"):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:  # the thread's own work still counts
+            pass
+        search(small)

@@ -16,6 +16,7 @@ instead of taking seconds of a request.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -62,16 +63,44 @@ API_SEARCH_CPU_S = 0.5
 """CPU seconds of layout search one API request may spend (`cpu_bound`); `trident plan` and
 `trident capacity` run locally without it."""
 
-_BOUND: ContextVar[tuple[float, float] | None] = ContextVar("search_cpu_bound", default=None)
-"""(this thread's CPU-time deadline, the bound in seconds) inside `cpu_bound`."""
+@dataclass
+class _Bound:
+    """This thread's CPU-time deadline inside `cpu_bound`, the bound in seconds, and the
+    thread's CPU time when a garbage collection it runs began (None outside one)."""
+
+    deadline: float
+    seconds: float
+    collecting_since: float | None = None
+
+
+_BOUND: ContextVar[_Bound | None] = ContextVar("search_cpu_bound", default=None)
+
+
+def _discount_collections(phase: str, info: dict[str, int]) -> None:
+    """A `gc.callbacks` hook: a garbage collection that runs in a bounded search's thread
+    moves the deadline by the CPU time it took. A full collection walks every object of the
+    process (0.2 s for a process that imported torch and transformers, more in a larger
+    one): it is not the search's work, and without this a 15 ms search could be refused."""
+    bound = _BOUND.get()
+    if bound is None:
+        return
+    if phase == "start":
+        bound.collecting_since = time.thread_time()
+    elif bound.collecting_since is not None:
+        bound.deadline += time.thread_time() - bound.collecting_since
+        bound.collecting_since = None
+
+
+gc.callbacks.append(_discount_collections)
 
 
 @contextmanager
 def cpu_bound(seconds: float = API_SEARCH_CPU_S) -> Iterator[None]:
     """Searches run inside stop with SearchTooLarge once this thread has spent `seconds` of
     CPU time in them: the API's bound on a request (CPU time, not wall time, so that a busy
-    machine does not change which requests are refused)."""
-    token = _BOUND.set((time.thread_time() + seconds, seconds))
+    machine does not change which requests are refused; garbage collections the thread runs
+    meanwhile do not count, `_discount_collections`)."""
+    token = _BOUND.set(_Bound(deadline=time.thread_time() + seconds, seconds=seconds))
     try:
         yield
     finally:
@@ -107,9 +136,9 @@ class SearchResult:
         """Count one candidate; SearchTooLarge once the budget (or the CPU bound) is spent."""
         self.work += 1
         bound = _BOUND.get() if self.work % 64 == 0 else None
-        if bound is not None and time.thread_time() > bound[0]:
+        if bound is not None and time.thread_time() > bound.deadline:
             raise SearchOutOfTime(
-                f"the layout search of {self.world_size} ranks used the {bound[1]:g} s of CPU"
+                f"the layout search of {self.world_size} ranks used the {bound.seconds:g} s of CPU"
                 f" a request may spend, after {self.work} candidates; give an explicit"
                 " parallel layout, or run `trident plan SPEC` locally (no such bound)")
         if self.work > self.budget:
