@@ -465,39 +465,3 @@ def store_has_key(s: Store, job_id: int) -> str | None:
     with s.engine.begin() as c:
         return c.execute(text("SELECT idempotency_key FROM jobs WHERE id = :i"),
                          {"i": job_id}).scalar_one()
-
-
-def test_a_sqlite_writer_waits_for_the_write_lock_by_trying_again(
-        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`begin_immediate` takes the write lock as soon as its holder lets go (it tries again
-    every few milliseconds instead of SQLite's busy handler, whose sleeps grow to 100 ms),
-    fails as SQLite would once `SQLITE_BUSY_S` is spent, and leaves the connection's busy
-    timeout as it was for the statements after it."""
-    import sqlite3
-    import time
-
-    from service.store import engine
-
-    path = tmp_path / "w.db"
-    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    holder.execute("PRAGMA journal_mode=WAL")
-    holder.execute("CREATE TABLE t (x INTEGER)")
-    waiter = sqlite3.connect(path, isolation_level=None, timeout=engine.SQLITE_BUSY_S)
-    holder.execute("BEGIN IMMEDIATE")
-    holder.execute("INSERT INTO t VALUES (1)")
-    release = threading.Timer(0.3, holder.execute, args=("COMMIT",))
-    release.start()
-    engine.begin_immediate(waiter)  # waits for the holder's commit, then holds the lock
-    waiter.execute("INSERT INTO t VALUES (2)")
-    waiter.execute("COMMIT")
-    assert [r[0] for r in waiter.execute("SELECT x FROM t ORDER BY x")] == [1, 2]
-    assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
-    # A holder that keeps the lock past the deadline: the waiter fails as SQLite would.
-    monkeypatch.setattr(engine, "SQLITE_BUSY_S", 0.2)
-    holder.execute("BEGIN IMMEDIATE")
-    t0 = time.monotonic()
-    with pytest.raises(sqlite3.OperationalError, match="locked"):
-        engine.begin_immediate(waiter)
-    assert time.monotonic() - t0 >= 0.15
-    holder.execute("ROLLBACK")
-    assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == 200

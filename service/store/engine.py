@@ -1,7 +1,8 @@
 """The store's engines and transactions: `make_engine` (SQLite's WAL, foreign keys, busy
-timeout and quick writer's lock; PostgreSQL's pre-ping), the JSON columns' serializer, the
-engines for reads (`reads`, `snapshot_reads`) and `EngineTx`, the transactions every module
-of `service.store` queries the tables of `service.store.tables` through.
+timeout, a line for the process's writers and a quick writer's lock; PostgreSQL's
+pre-ping), the JSON columns' serializer, the engines for reads (`reads`, `snapshot_reads`)
+and `EngineTx`, the transactions every module of `service.store` queries the tables of
+`service.store.tables` through.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,12 +71,78 @@ def begin_immediate(dbapi_conn: sqlite3.Connection) -> None:
         dbapi_conn.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_S * 1000)}")
 
 
+class _Writers:
+    """An engine's writers in one process, in line for SQLite's write lock one at a time.
+
+    Without it every thread of an API process that wants to write tries `BEGIN IMMEDIATE`
+    every 1 to 4 ms while another holds the lock, each try a thread woken to take the GIL
+    from the ones working: one API process with 8 submissions in flight spent 5.0-5.5 ms of
+    CPU on each, against 3.0-3.3 ms one at a time (4.0-4.4 ms in line). In line, a waiting
+    thread sleeps until the writer before it has committed and is woken once;
+    `begin_immediate` still decides between processes (other API processes, the
+    controller)."""
+
+    def __init__(self) -> None:
+        self._line = threading.Lock()
+
+    def begin(self, dbapi_conn: _Connection) -> None:
+        """Take this process's turn, then SQLite's write lock (`begin_immediate`); the turn
+        passes on when `dbapi_conn` commits, rolls back or closes. Either wait fails after
+        `SQLITE_BUSY_S` as SQLite would ("database is locked"): a write that a thread opens
+        inside its own other write fails so, as it did when it waited for SQLite alone."""
+        if not self._line.acquire(timeout=SQLITE_BUSY_S):
+            raise sqlite3.OperationalError(
+                f"database is locked: this process's writer before held it {SQLITE_BUSY_S:g} s")
+        dbapi_conn.turn = self
+        try:
+            begin_immediate(dbapi_conn)
+        except BaseException:
+            dbapi_conn.pass_turn()
+            raise
+
+    def release(self) -> None:
+        self._line.release()
+
+
+class _Connection(sqlite3.Connection):
+    """A SQLite connection that passes its process's turn to write (`_Writers`) on when its
+    transaction ends."""
+
+    turn: _Writers | None = None
+
+    def pass_turn(self) -> None:
+        turn, self.turn = self.turn, None
+        if turn is not None:
+            turn.release()
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        finally:
+            self.pass_turn()
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        finally:
+            self.pass_turn()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.pass_turn()
+
+
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, foreign keys, a busy timeout and a quick
-    writer's lock (`begin_immediate`)."""
+    """An engine for `url`; SQLite gets WAL, foreign keys, a busy timeout, and writers that
+    wait in line in the process (`_Writers`) and take the write lock quickly
+    (`begin_immediate`)."""
     if url.startswith("sqlite"):
+        writers = _Writers()
         engine = create_engine(url, connect_args={"check_same_thread": False,
-                                                  "timeout": SQLITE_BUSY_S},
+                                                  "timeout": SQLITE_BUSY_S,
+                                                  "factory": _Connection},
                                json_serializer=dumps_json)
 
         @event.listens_for(engine, "connect")
@@ -96,7 +164,7 @@ def make_engine(url: str) -> Engine:
             if conn.get_execution_options().get(_READ):
                 conn.exec_driver_sql("BEGIN")
             else:
-                begin_immediate(conn.connection.dbapi_connection)
+                writers.begin(conn.connection.dbapi_connection)
 
         return engine
     return create_engine(url, pool_pre_ping=True, json_serializer=dumps_json)
