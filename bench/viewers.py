@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from bench.control_plane import TINY, TOKENS, URLS, clients, server_cpu_s, trident_server
+from bench.control_plane import TINY, TOKENS, URLS, clients, connected, server_cpu_s, trident_server
 from bench.harness import Section, dist, fmt_s
 
 VIEWERS = 100
@@ -135,7 +135,7 @@ def submissions(api: str, per_client: int = 50, n: int = SUBMITTERS) -> dict[str
     import httpx
 
     def make() -> Any:
-        return httpx.Client(base_url=api, timeout=60, headers=TOKENS[api])
+        return connected(httpx.Client(base_url=api, timeout=60, headers=TOKENS[api]))
 
     def submit(c: Any) -> None:
         r = c.post("/api/v1/jobs", json=TINY)
