@@ -76,8 +76,8 @@ class _Writers:
 
     Without it every thread of an API process that wants to write tries `BEGIN IMMEDIATE`
     every 1 to 4 ms while another holds the lock, each try a thread woken to take the GIL
-    from the ones working: one API process with 8 submissions in flight spent 5.0-5.5 ms of
-    CPU on each, against 2.9-3.3 ms one at a time (4.0-4.4 ms in line). In line, a waiting
+    from the ones working: one API process with 8 submissions in flight spent 5.0-5.9 ms of
+    CPU on each, against 2.9-3.9 ms one at a time (4.0-4.8 ms in line). In line, a waiting
     thread sleeps until the writer before it has committed and is woken once;
     `begin_immediate` still decides between processes (other API processes, the
     controller)."""
