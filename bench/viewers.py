@@ -188,17 +188,29 @@ def viewers(api: str, seconds: float, n_viewers: int = VIEWERS) -> dict[str, Any
     return out
 
 
-def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite",)) -> None:
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite",), *,
+        workers: int | None = None, parts: tuple[str, ...] = ("submissions", "viewers")) -> None:
+    """Both parts on SQLite with the default API processes (`workers` None), or with
+    `workers` of them; `parts`: the parts to run (`python -m bench.viewers --only`)."""
     del dbs  # the issue's figures are on SQLite, the default workers
     from api.serve import default_workers
 
-    workers = default_workers()
+    workers = workers or default_workers()
     seconds = 15.0 if quick else 60.0
-    with trident_server("sqlite", workers=0 if workers > 1 else 1) as api:
-        s = submissions(api, per_client=10 if quick else 50)
-    with trident_server("sqlite", workers=0 if workers > 1 else 1) as api:
-        v = viewers(api, seconds, 30 if quick else VIEWERS)
-    sec.figures.update({"workers": workers, "submissions": s, "viewers": v})
+    sec.figures["workers"] = workers
+    if "submissions" in parts:
+        with trident_server("sqlite", workers=workers) as api:
+            s = submissions(api, per_client=10 if quick else 50)
+        sec.figures["submissions"] = s
+        _submission_rows(sec, s, workers, quick)
+    if "viewers" in parts:
+        with trident_server("sqlite", workers=workers) as api:
+            v = viewers(api, seconds, 30 if quick else VIEWERS)
+        sec.figures["viewers"] = v
+        _viewer_rows(sec, v, workers)
+
+
+def _submission_rows(sec: Section, s: dict[str, Any], workers: int, quick: bool) -> None:
     lat = s["latency"]
     sec.row(f"{SUBMITTERS} clients x {10 if quick else 50} submissions, {workers} API"
             " process(es), SQLite", f"{s['per_s']:.0f}/s",
@@ -209,6 +221,9 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ("sqlite",)) -> None:
              s["per_s"] >= SUBMIT_RATE_GOAL)
     sec.goal("submission p99 (s)", lat["p99"], f"<= {SUBMIT_P99_GOAL_S:g}",
              lat["p99"] <= SUBMIT_P99_GOAL_S)
+
+
+def _viewer_rows(sec: Section, v: dict[str, Any], workers: int) -> None:
     vw = v["viewer"]
     for kind in ("job", "events", "series", "all"):
         d = vw[kind]
@@ -231,9 +246,17 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="API processes (default: `python -m api.serve`'s, the machine's cores,"
+                    " at most 4)")
+    ap.add_argument("--only", choices=("submissions", "viewers"), action="append",
+                    help="run this part only (repeat for both)")
     args = ap.parse_args()
+    if args.workers is not None and args.workers < 1:
+        ap.error("--workers: at least 1")
     sec = Section("viewers", "viewers")
-    run(sec, args.quick)
+    run(sec, args.quick, workers=args.workers,
+        parts=tuple(args.only or ("submissions", "viewers")))
     print(json.dumps(sec.figures, indent=1, default=str))
     for row in sec.rows:
         print(" | ".join(row))
