@@ -313,6 +313,29 @@ def test_a_token_trusted_by_one_process_is_dropped_when_another_revokes_it(
         two.authenticate(other)
 
 
+def test_a_principal_carries_its_projects_and_a_new_membership_reaches_every_process(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    """A submission reads the member's projects from the principal its token check made (no
+    read of its own); a membership added in one process replaces the stamp file, so another
+    process that trusted the token reads the user's projects again on its next request, and
+    the member may submit under the new project at once."""
+    from service.store.trusted_tokens import STAMP_FILE
+
+    secret = user_token(sqlite_store, name="ann", role="member", projects=("default",))
+    one = Identity(sqlite_store, stamp=tmp_path / STAMP_FILE)
+    two = Identity(sqlite_store, stamp=tmp_path / STAMP_FILE)
+    one.create_project(name="vision")
+    assert two.authenticate(secret).projects == ("default",)
+    one.add_member(project="vision", user="ann")
+    assert two.trusted(secret) is None  # the change reached the other process
+    assert two.authenticate(secret).projects == ("default", "vision")  # the default first
+    one.add_member(project="vision", user="ann")  # a member already: nothing changes
+    assert two.trusted(secret) is not None
+    assert one.authenticate(user_token(sqlite_store, name="root")).projects == ("default",)
+    assert one.authenticate(user_token(sqlite_store, name="loner", role="admin",
+                                       projects=())).projects == ()
+
+
 def test_the_audit_writer_gathers_a_burst_into_one_transaction_and_flushes_at_once(
         store: Store) -> None:
     """Entries that come within `linger_s` of the first wait for it and are written together

@@ -59,9 +59,9 @@ ProjectName = Annotated[str | None, Query(
 
 def submitter(request: Request, who: Principal, project: str | None) -> Submitter:
     """The job's owner and project, and the limits its spec must keep. A member submits only
-    under a project of theirs; an admin under any."""
+    under a project of theirs (`who.projects`, read with the token); an admin under any."""
     identity = identity_of(request)
-    mine = identity.get_user(name=who.name).projects
+    mine = list(who.projects)
     if project is None:
         if not mine and who.role != "admin":
             raise HTTPException(status_code=403, detail=f"jobs:submit: {who.name} belongs to"

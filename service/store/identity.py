@@ -59,13 +59,16 @@ def new_token() -> str:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is from: the user and the token it carried."""
+    """Who a request is from: the user and the token it carried, and the user's projects
+    when the token was checked (the default, the first it joined, first; a membership added
+    since makes every process check its tokens again, `Identity.add_member`)."""
 
     user_id: int
     name: str
     role: str
     token_id: int
     token_name: str
+    projects: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,10 @@ def _token(row: TokenRow, user: str) -> Token:
 
 _AUTH = (select(TokenRow.id, TokenRow.name, TokenRow.revoked_at, TokenRow.expires_at,
                 UserRow.id.label("user_id"), UserRow.name.label("user"), UserRow.role,
-                UserRow.disabled)
-         .join(UserRow, TokenRow.user_id == UserRow.id))
+                UserRow.disabled, MembershipRow.project)
+         .join(UserRow, TokenRow.user_id == UserRow.id)
+         .outerjoin(MembershipRow, MembershipRow.user_id == UserRow.id)
+         .order_by(MembershipRow.id))
 
 _USER = (select(UserRow.id, UserRow.name, UserRow.role, UserRow.disabled, UserRow.created_at,
                 MembershipRow.project)
@@ -147,8 +152,9 @@ class Identity(EngineTx):
     # --- tokens -----------------------------------------------------------------------------
 
     def changed(self) -> None:
-        """Who may authenticate changed (a token revoked, a user disabled): every process
-        forgets the tokens it trusted (`TrustedTokens.changed`)."""
+        """Who may authenticate, or what a principal carries, changed (a token revoked, a
+        user disabled, a member added to a project): every process forgets the tokens it
+        trusted (`TrustedTokens.changed`)."""
         self._trusted.changed()
 
     def trusted(self, token: str) -> Principal | None:
@@ -173,9 +179,10 @@ class Identity(EngineTx):
 
     def _check(self, key: str) -> tuple[Principal, datetime | None]:
         with self._reads.connect() as c:
-            found = c.execute(_AUTH.where(TokenRow.hash == key)).first()
-        if found is None:
+            rows = c.execute(_AUTH.where(TokenRow.hash == key)).all()  # one per project
+        if not rows:
             raise AuthError("unknown token: it was never issued by this server")
+        found = rows[0]
         if found.revoked_at is not None:
             raise AuthError(f"token {found.name!r} of {found.user} was revoked at"
                             f" {aware(found.revoked_at):%Y-%m-%d %H:%M:%S} UTC")
@@ -186,7 +193,9 @@ class Identity(EngineTx):
         if found.disabled:
             raise AuthError(f"user {found.user} is disabled")
         return Principal(user_id=found.user_id, name=found.user, role=found.role,
-                         token_id=found.id, token_name=found.name), expires
+                         token_id=found.id, token_name=found.name,
+                         projects=tuple(r.project for r in rows if r.project is not None)
+                         ), expires
 
     def create_token(self, *, user: str, name: str,
                      expires_in: timedelta | None = None) -> tuple[str, Token]:
@@ -351,7 +360,10 @@ class Identity(EngineTx):
             return self._project(s, row)
 
     def add_member(self, *, project: str, user: str) -> Project:
-        """Add `user` to `project` (already a member: nothing changes)."""
+        """Add `user` to `project` (already a member: nothing changes). The tokens every
+        process trusts are checked again (`changed`): a principal carries its user's
+        projects, which a submission reads."""
+        added = False
         with self._tx() as s:
             row = s.get(ProjectRow, project)
             if row is None:
@@ -362,7 +374,11 @@ class Identity(EngineTx):
                          ).first() is None:
                 s.add(MembershipRow(user_id=u.id, project=project))
                 s.flush()
-            return self._project(s, row)
+                added = True
+            out = self._project(s, row)
+        if added:
+            self.changed()
+        return out
 
     def quotas(self) -> dict[str, tuple[float | None, float | None]]:
         """(GPU quota, CPU quota) of every project that has one."""

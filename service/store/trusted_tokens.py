@@ -3,9 +3,10 @@
 
 A token checked less than `AUTH_CACHE_S` ago is trusted if nothing that decides it changed
 since: this process's count of changes, and the stamp file (`STAMP_FILE` in the data
-directory) that any process replaces when it revokes a token or disables a user; every
-process on the host sees the new file on its next request (one `stat`). An expiry is checked
-on every request all the same.
+directory) that any process replaces when it revokes a token, disables a user or adds a
+member to a project (a principal carries its user's projects); every process on the host
+sees the new file on its next request (one `stat`). An expiry is checked on every request
+all the same.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ AUTH_CACHE_S = 5.0
 process without a shared stamp file keeps working there."""
 AUTH_CACHE_MAX = 10_000
 STAMP_FILE = ".identity-changed"
-"""In the data directory: replaced whenever a token is revoked or a user disabled, so that
-every API process on the host drops the tokens it trusted (`Identity.changed`)."""
+"""In the data directory: replaced whenever a token is revoked, a user disabled or a member
+added to a project, so that every API process on the host drops the tokens it trusted
+(`Identity.changed`)."""
 
 Generation = tuple[int, int, int]
 
