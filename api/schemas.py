@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.planner.stored import PlannedLayout, StoredPlan
 from service.ranklogs import Chunk
 from service.store import Attempt, Event, Job, Metric, Node, Probe
+from service.store.audit_log import AuditEntry
 from service.store.dashboard import JobSummary
-from service.store.identity import AuditEntry, Project, Token, User
+from service.store.identity import Project, Token, User
 from service.store.stack_requests import StackRequest
 
 Number = int | float

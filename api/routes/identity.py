@@ -14,9 +14,9 @@ from api.deps import INT32_MAX, INT64_MAX
 from api.routes.jobs import NAME_PATTERN
 from api.schemas import AuditList, NewToken, ProjectList, TokenList, UserList, WhoAmI
 from service.store import NotFound
+from service.store.audit_log import AuditEntry
 from service.store.identity import (
     DEFAULT_PROJECT,
-    AuditEntry,
     Conflict,
     Identity,
     Project,

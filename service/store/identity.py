@@ -1,4 +1,5 @@
-"""Users, API tokens, projects and the audit log: who is asking, and what they asked for.
+"""Users, API tokens and projects: who is asking (the audit log of what they asked for is
+`service.store.audit_log`'s).
 
 A token is 32 random bytes (URL-safe text, prefixed `trd_`), shown once and stored only as its
 SHA-256. Tokens are high-entropy, so a plain hash (no salt, no slow KDF) cannot be reversed
@@ -14,16 +15,14 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import bindparam, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.store.engine import EngineTx
+from service.store.audit_log import AuditLog
 from service.store.jobs import NotFound, Store
 from service.store.tables import (
-    AuditRow,
     MembershipRow,
     ProjectRow,
     TokenRow,
@@ -107,18 +106,6 @@ class Project:
     capped)."""
 
 
-@dataclass(frozen=True)
-class AuditEntry:
-    id: int
-    time: datetime
-    actor: str | None
-    client: str | None
-    method: str
-    path: str
-    action: str | None
-    status: int
-
-
 def _token(row: TokenRow, user: str) -> Token:
     return Token(id=row.id, user=user, name=row.name, created_at=aware(row.created_at)
                  or utcnow(), expires_at=aware(row.expires_at),
@@ -138,8 +125,9 @@ _USER = (select(UserRow.id, UserRow.name, UserRow.role, UserRow.disabled, UserRo
          .where(UserRow.name == bindparam("name")).order_by(MembershipRow.id))
 
 
-class Identity(EngineTx):
-    """Users, tokens, projects and audit on the store's database (its engine).
+class Identity(AuditLog):
+    """Users, tokens and projects on the store's database (its engine), and its audit log
+    (`AuditLog`).
 
     `stamp`: a file that every process serving the same database on this host shares (the
     data directory's `STAMP_FILE`); a change to who may authenticate replaces it, and the
@@ -387,26 +375,3 @@ class Identity(EngineTx):
                              .where((ProjectRow.gpu_quota.is_not(None))
                                     | (ProjectRow.cpu_quota.is_not(None)))).all()
             return {name: (gpus, cpus) for name, gpus, cpus in rows}
-
-    # --- audit ------------------------------------------------------------------------------
-
-    def record_many(self, entries: list[dict[str, Any]]) -> None:
-        """Audit rows (`actor`, `client`, `method`, `path`, `action`, `status`), in one
-        transaction."""
-        with self._tx() as s:
-            s.add_all(AuditRow(actor=e["actor"], client=(e["client"] or "")[:64] or None,
-                               method=e["method"][:8], path=e["path"][:512],
-                               action=e["action"], status=e["status"], time=e.get("time")
-                               or utcnow()) for e in entries)
-
-    def list_audit(self, *, actor: str | None = None, after_id: int = 0,
-                   limit: int = 200) -> list[AuditEntry]:
-        """Audit entries after `after_id`, oldest first."""
-        with self._tx() as s:
-            q = select(AuditRow).where(AuditRow.id > after_id)
-            if actor is not None:
-                q = q.where(AuditRow.actor == actor)
-            rows = s.execute(q.order_by(AuditRow.id).limit(limit)).scalars()
-            return [AuditEntry(id=r.id, time=aware(r.time) or utcnow(), actor=r.actor,
-                               client=r.client, method=r.method, path=r.path, action=r.action,
-                               status=r.status) for r in rows]
