@@ -86,14 +86,19 @@ NAME_MAX = 64
 class JobRow(Base):
     __tablename__ = "jobs"
     # An idempotency key is its owner's: the same key from two users is two jobs.
+    # `ix_jobs_queue` leads with the state, so it serves every filter by state; with the
+    # priority and the id in it, the queue's order and a job's place in it (a count of the
+    # queued jobs ahead, `service.store.dashboard`) are read from the index alone, never
+    # from the jobs' rows.
     __table_args__ = (Index("ix_jobs_owner_idempotency_key", "owner", "idempotency_key",
                             unique=True),
-                      Index("ix_jobs_owner", "owner"))
+                      Index("ix_jobs_owner", "owner"),
+                      Index("ix_jobs_queue", "state", "priority", "id"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
     owner: Mapped[str] = mapped_column(String(128), default="local")
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[str] = mapped_column(String(16))
     priority: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
     plan: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
