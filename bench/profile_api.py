@@ -131,9 +131,11 @@ class Caller:
         return stop
 
 
-def setup(data_dir: Path) -> tuple[Caller, Callable[[], None], dict[str, str], int]:
+def setup(data_dir: Path, queued: int = 0
+          ) -> tuple[Caller, Callable[[], None], dict[str, str], int]:
     """The app on a fresh SQLite store in `data_dir`, started; a job with 200 steps of
-    metrics on 2 ranks; the admin's header."""
+    metrics on 2 ranks; the admin's header. With `queued`, that many more jobs queued ahead
+    of the routes' own (`lengthen_queue`)."""
     from api.app import create_app
     from bench.scale import _reports
     from service.protocols import StepReport
@@ -153,12 +155,30 @@ def setup(data_dir: Path) -> tuple[Caller, Callable[[], None], dict[str, str], i
     job_id = json.loads(out)["id"]
     import random
 
+    lengthen_queue(app.state.store, queued)
     ing = MetricsIngest(app.state.store)
     rng = random.Random(0)
     for step in range(1, 201):
         rows = [StepReport.model_validate(x).row() for x in _reports(2, step, rng)]
         ing.record(job_id=job_id, attempt=1, world_size=2, rows=rows)
     return call, stop, headers, job_id
+
+
+def lengthen_queue(store: Any, n: int) -> None:
+    """`n` more queued jobs, copies of the first one's row at a higher priority: a queue as
+    long as a sweep of `n` submissions leaves, all of it ahead of the routes' job and of each
+    new submission."""
+    if n <= 0:
+        return
+    from sqlalchemy import insert, select
+
+    from service.store.tables import JobRow
+
+    t = JobRow.__table__
+    with store.engine.begin() as c:
+        row = dict(c.execute(select(t).order_by(t.c.id).limit(1)).mappings().one())
+        del row["id"]
+        c.execute(insert(t), [{**row, "priority": row["priority"] + 1}] * n)
 
 
 def routes(job_id: int) -> dict[str, tuple[str, str, bool, bytes]]:
@@ -212,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="functions listed per profile")
     ap.add_argument("--route", action="append", help="only these routes (repeat)")
     ap.add_argument("--no-profile", action="store_true", help="CPU per request only")
+    ap.add_argument("--queued", type=int, default=0,
+                    help="jobs queued ahead of the routes' own (a long queue)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="trident-profile-") as tmp, inline_threadpool():
-        call, stop, headers, job_id = setup(Path(tmp))
+        call, stop, headers, job_id = setup(Path(tmp), args.queued)
         try:
             table = routes(job_id)
             names = args.route or list(table)
