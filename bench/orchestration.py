@@ -1,5 +1,9 @@
-"""What orchestration costs: the same trainer and spec under `torchrun -m workers.train` and
-under Trident (API, controller, Ray actors, monitor on), alternated (A B B A ...).
+"""What orchestration costs: the same trainer and spec under `torchrun -m workers.train`,
+under Trident (API, controller, Ray actors, monitor on), and in two plain Ray actors with
+nothing of Trident around them (`bench/_ray_ranks.py`), running the trainer in their own
+processes or each in a child process, alternated (A B C D D C B A ...): the plain-Ray sides
+split Trident's cost into Ray's own, and Ray's into its head and its runtime inside a rank's
+process.
 
 Two specs, two CPU ranks each: `tiny` (the demo's model) and `medium` (a step takes about
 0.5 s on this kind of machine). Per run: the steady-state step time (median of rank 0's steps
@@ -27,7 +31,7 @@ from typing import Any
 
 from bench.auth import token_file_headers
 from bench.control_plane import _port, _stop, _wait_http
-from bench.harness import Section, alternate, dist, fmt_dist, fmt_s
+from bench.harness import Section, dist, fmt_dist, fmt_s
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3
@@ -77,6 +81,25 @@ def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         raise RuntimeError(f"torchrun exited {rc} after {len(steps)} steps")
     return {"first_step_s": first, "step_s": _steady(steps), "steps": len(steps),
             "wall_s": time.perf_counter() - t0}
+
+
+def plain_ray(spec: dict[str, Any], work: Path, mode: str = "inproc") -> dict[str, Any]:
+    """The same trainer and spec in two plain Ray actors on a Ray head of their own
+    (`bench/_ray_ranks.py`), in the actors' processes (`inproc`) or in a child process of
+    each (`child`): Ray's cost to the ranks without Trident. Steady-state step only (its time
+    to first step includes starting that head)."""
+    path = work / f"{spec['name']}.json"
+    path.write_text(json.dumps(spec))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "_ray_ranks.py"), mode,
+                          str(path), str(_port())], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         start_new_session=True)
+    steps = [json.loads(line)["step_time_s"] for line in out.stdout.splitlines()
+             if line.startswith("{") and '"step"' in line]
+    if out.returncode != 0 or not steps:
+        raise RuntimeError(f"plain Ray ({mode}) exited {out.returncode} after {len(steps)}"
+                           f" steps: {out.stderr[-2000:]}")
+    return {"step_s": _steady(steps), "steps": len(steps)}
 
 
 def _steady(xs: list[float]) -> float:
@@ -169,30 +192,32 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
     stack = Stack(work)
     try:
         stack.wait()
-        reps = 1 if quick else 4  # ABBA twice: each side's median of four runs
+        reps = 1 if quick else 4  # each side's median of four runs
         for name, spec in specs(quick).items():
             tr: list[dict[str, Any]] = []
             td: list[dict[str, Any]] = []
-
-            def a(spec: dict[str, Any] = spec, tr: list[dict[str, Any]] = tr) -> float:
-                tr.append(torchrun(spec, work))
-                return float(tr[-1]["step_s"])
-
-            def b(spec: dict[str, Any] = spec, td: list[dict[str, Any]] = td) -> float:
-                td.append(stack.run(spec))
-                return float(td[-1]["step_s"])
-
-            alternate(a, b, reps)
-            _report(sec, name, tr, td)
+            rr: list[dict[str, Any]] = []
+            rc: list[dict[str, Any]] = []
+            sides = [lambda spec=spec, tr=tr: tr.append(torchrun(spec, work)),
+                     lambda spec=spec, td=td: td.append(stack.run(spec)),
+                     lambda spec=spec, rr=rr: rr.append(plain_ray(spec, work)),
+                     lambda spec=spec, rc=rc: rc.append(plain_ray(spec, work, "child"))]
+            for i in range(reps):  # A B C D, D C B A: load drift falls on all alike
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    side()
+            _report(sec, name, tr, td, rr, rc)
     finally:
         stack.stop()
 
 
-def _report(sec: Section, name: str, tr: list[dict[str, Any]],
-            td: list[dict[str, Any]]) -> None:
+def _report(sec: Section, name: str, tr: list[dict[str, Any]], td: list[dict[str, Any]],
+            rr: list[dict[str, Any]], rc: list[dict[str, Any]]) -> None:
     import statistics
 
     speed = [x["step_s"] / y["step_s"] for x, y in zip(tr, td, strict=True)]
+    ray_speed = [x["step_s"] / y["step_s"] for x, y in zip(tr, rr, strict=True)]
+    over_ray = [x["step_s"] / y["step_s"] for x, y in zip(rr, td, strict=True)]
+    child_speed = [x["step_s"] / y["step_s"] for x, y in zip(tr, rc, strict=True)]
     tr_first = dist([x["first_step_s"] for x in tr])
     td_first = dist([y["first_step_s"] for y in td])
     extra = td_first["median"] - tr_first["median"]
@@ -200,6 +225,9 @@ def _report(sec: Section, name: str, tr: list[dict[str, Any]],
     stage_med = {s: statistics.median(y["stages"].get(s, 0.0) for y in td) for s in stage_names}
     to_running = [y["submit_to_running_s"] for y in td if y["submit_to_running_s"] is not None]
     sec.figures[name] = {"torchrun": tr, "trident": td, "speed_ratio": dist(speed),
+                         "plain_ray": rr, "plain_ray_speed_ratio": dist(ray_speed),
+                         "trident_over_plain_ray": dist(over_ray),
+                         "ray_child": rc, "ray_child_speed_ratio": dist(child_speed),
                          "first_step": {"torchrun": tr_first, "trident": td_first,
                                         "extra_s": extra, "stages": stage_med},
                          "submit_to_running": dist(to_running)}
@@ -207,6 +235,14 @@ def _report(sec: Section, name: str, tr: list[dict[str, Any]],
             f"{statistics.median(speed):.3f}",
             f"step torchrun {fmt_dist(dist([x['step_s'] for x in tr]))}; Trident "
             f"{fmt_dist(dist([y['step_s'] for y in td]))}; pairs {len(speed)}")
+    sec.row(f"{name}: steady-state speed, plain Ray actors / torchrun",
+            f"{statistics.median(ray_speed):.3f}",
+            f"step {fmt_dist(dist([y['step_s'] for y in rr]))}; Trident / plain Ray"
+            f" {statistics.median(over_ray):.3f} (what Trident adds to Ray's cost)")
+    sec.row(f"{name}: steady-state speed, plain Ray actors each starting its rank as a child"
+            " process / torchrun", f"{statistics.median(child_speed):.3f}",
+            f"step {fmt_dist(dist([y['step_s'] for y in rc]))}: Ray's head beside the ranks,"
+            " no Ray inside their processes")
     sec.row(f"{name}: time to first step", f"Trident +{extra:.1f} s",
             f"torchrun {fmt_dist(tr_first)}; Trident {fmt_dist(td_first)}; stages: "
             + ", ".join(f"{s} {fmt_s(v)}" for s, v in stage_med.items()))
