@@ -59,9 +59,21 @@ def specs(quick: bool) -> dict[str, dict[str, Any]]:
     return {"tiny": tiny} if quick else {"tiny": tiny, "medium": medium}
 
 
-def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+def _spec_file(spec: dict[str, Any], work: Path) -> Path:
     path = work / f"{spec['name']}.json"
     path.write_text(json.dumps(spec))
+    return path
+
+
+def _step_time(line: str) -> float | None:
+    """The step time of a step line the trainer's rank 0 prints, None for any other line."""
+    if line.startswith("{") and '"step"' in line:
+        return float(json.loads(line)["step_time_s"])
+    return None
+
+
+def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    path = _spec_file(spec, work)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(_port()), "-m", "workers.train", "--spec", str(path)]
     t0 = time.perf_counter()
@@ -72,10 +84,10 @@ def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     steps: list[float] = []
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("{") and '"step"' in line:
+        if (step := _step_time(line)) is not None:
             if first is None:
                 first = time.perf_counter() - t0
-            steps.append(json.loads(line)["step_time_s"])
+            steps.append(step)
     rc = proc.wait(600)
     if rc != 0 or first is None:
         raise RuntimeError(f"torchrun exited {rc} after {len(steps)} steps")
@@ -88,14 +100,13 @@ def plain_ray(spec: dict[str, Any], work: Path, mode: str = "inproc") -> dict[st
     (`bench/_ray_ranks.py`), in the actors' processes (`inproc`) or in a child process of
     each (`child`): Ray's cost to the ranks without Trident. Steady-state step only (its time
     to first step includes starting that head)."""
-    path = work / f"{spec['name']}.json"
-    path.write_text(json.dumps(spec))
+    path = _spec_file(spec, work)
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "_ray_ranks.py"), mode,
                           str(path), str(_port())], cwd=ROOT, capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          start_new_session=True)
-    steps = [json.loads(line)["step_time_s"] for line in out.stdout.splitlines()
-             if line.startswith("{") and '"step"' in line]
+    steps = [step for line in out.stdout.splitlines()
+             if (step := _step_time(line)) is not None]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"plain Ray ({mode}) exited {out.returncode} after {len(steps)}"
                            f" steps: {out.stderr[-2000:]}")
