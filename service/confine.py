@@ -12,9 +12,10 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
 - `model.hf_config` and `init.from_hf` (a Hugging Face config and checkpoint the job reads)
   must resolve, after `..` and symlinks, inside one of the checkpoint roots.
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
-- `env` may not set variables that change how the worker process itself loads (the dynamic
-  loader's, the interpreter's, the shell's start-up files), unless they are in
-  `TRIDENT_ENV_ALLOW` or an admin submits; NCCL_*, TORCH_*, CUDA_* and other names pass.
+- `env` and `secrets` (both go into the ranks' environment) may not set variables that change
+  how the worker process itself loads (the dynamic loader's, the interpreter's, the shell's
+  start-up files), unless they are in `TRIDENT_ENV_ALLOW` or an admin submits; NCCL_*,
+  TORCH_*, CUDA_* and other names pass.
 - `tracking.mlflow` must be an MLflow server the server allows (`TRIDENT_MLFLOW_URIS`, or
   `TRIDENT_MLFLOW_URI`): the exporter sends the server's own tracker credentials with every
   request (`service.tracking`), so a URI of the user's choosing would hand them over.
@@ -23,6 +24,7 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +70,8 @@ class Confinement:
                     raise SpecError(f"data.{name}.{i}.path", why)
         if spec.entrypoint is not None:
             self._entrypoint(spec.entrypoint)
-        self._env(spec.env)
+        for name, variables in (("env", spec.env), ("secrets", spec.secrets)):
+            self._env(name, variables)
         if (why := mlflow_refusal(spec.tracking.mlflow, self.mlflow_uris)) is not None:
             raise SpecError("tracking.mlflow", why)
 
@@ -86,13 +89,15 @@ class Confinement:
                             f" server allows (TRIDENT_ENTRYPOINT_MODULES):"
                             f" {', '.join(self.entrypoint_modules)}")
 
-    def _env(self, env: dict[str, str]) -> None:
+    def _env(self, field: str, names: Iterable[str]) -> None:
+        """The deny-list for the variables a job's ranks get, from `env` or `secrets` (both
+        end up in the same environment): a SpecError naming `field`."""
         if self.admin:
             return
-        denied = sorted(k for k in env if k not in self.env_allow
+        denied = sorted(k for k in names if k not in self.env_allow
                         and (k.startswith(DENIED_ENV_PREFIXES) or k in DENIED_ENV_NAMES))
         if denied:
-            raise SpecError("env", f"{', '.join(denied)} would change how the worker process"
+            raise SpecError(field, f"{', '.join(denied)} would change how the worker process"
                             " itself loads (LD_*, DYLD_*, PYTHON*, PATH, ...); only an admin may"
                             " set them, or allow them for everyone with TRIDENT_ENV_ALLOW")
 

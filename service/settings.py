@@ -84,8 +84,9 @@ class Settings(BaseSettings):
     """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
     `examples.custom_entrypoint:train`); empty allows any module."""
     env_allow: str = ""
-    """Comma-separated variable names that a spec's `env` may set although they change how
-    the worker process loads (`LD_PRELOAD`, `PYTHONPATH`, ...); admins may always set them."""
+    """Comma-separated variable names that a spec's `env` or `secrets` may set although they
+    change how the worker process loads (`LD_PRELOAD`, `PYTHONPATH`, ...); admins may always
+    set them."""
     session_hours: float = Field(default=12.0, gt=0, le=24 * 30)
     """How long a dashboard log-in lasts."""
     public_url: str = ""

@@ -553,9 +553,10 @@ class JobSpec(_Strict):
                   Annotated[SecretStr, Field(max_length=SECRET_MAX_CHARS)]] = Field(
         {}, exclude=True, json_schema_extra=_SECRETS)
     """Environment variables for every rank whose values are secret (tracker tokens, keys):
-    write-only. Stored apart from the spec, encrypted (`service.secrets`), never returned by
-    any route, page, event or export (their names are), given to the ranks' environment only.
-    A dump of the spec leaves them out (`secret_values` reads them)."""
+    write-only; no LD_*, PYTHON*, PATH (admins), as in `env`. Stored apart from the spec,
+    encrypted (`service.secrets`), never returned by any route, page, event or export (their
+    names are), given to the ranks' environment only. A dump of the spec leaves them out
+    (`secret_values` reads them)."""
     tracking: TrackingSpec = TrackingSpec()
     """Where the job's metrics go: MLflow, TensorBoard files (`docs/tracking.md`)."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0

@@ -164,6 +164,30 @@ def test_loader_variables_are_refused_to_members(client: TestClient, name: str) 
     assert "only an admin may set them" in msg and "TRIDENT_ENV_ALLOW" in msg
 
 
+def test_secrets_are_held_to_the_same_deny_list_as_env(
+        client: TestClient, store: Store, tmp_path: Path, roots: tuple[Path, Path]) -> None:
+    """Secrets reach the same environment as `env`: a member may not set loader variables
+    through them either; an admin may, and so may a name the server allows."""
+    value = "/tmp/evil-site-packages"
+    r = client.post("/api/v1/jobs", json=tiny_spec(
+        secrets={"PYTHONPATH": value, "LD_DEBUG": "all-of-it", "HF_TOKEN": "hf_abcdefgh"}))
+    loc, msg = refusal(r)
+    assert loc == ["body", "secrets"]
+    assert msg.startswith("LD_DEBUG, PYTHONPATH would change how the worker process itself")
+    assert "only an admin may set them" in msg and value not in r.text
+    assert client.get("/api/v1/jobs").json()["total"] == 0
+    admin = {"Authorization": f"Bearer {user_token(store)}"}
+    assert client.post("/api/v1/jobs", json=tiny_spec(secrets={"PYTHONPATH": value}),
+                       headers=admin).status_code == 201
+    with make_client(store, tmp_path, roots[0], env_allow="PYTHONPATH") as c:
+        c.headers["Authorization"] = client.headers["Authorization"]
+        assert c.post("/api/v1/jobs", json=tiny_spec(
+            secrets={"PYTHONPATH": value})).status_code == 201
+        loc, msg = refusal(c.post("/api/v1/jobs", json=tiny_spec(
+            secrets={"LD_PRELOAD": "/x/y/z.so"})))
+        assert loc == ["body", "secrets"] and msg.startswith("LD_PRELOAD would change")
+
+
 def test_ordinary_variables_pass_and_an_admin_may_allow_loader_ones(
         client: TestClient, store: Store, tmp_path: Path, roots: tuple[Path, Path]) -> None:
     ok = {"NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",

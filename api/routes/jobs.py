@@ -115,10 +115,10 @@ async def submit(spec: JobSpec, store: StoreDep, request: Request, response: Res
     submission's job. `checkpoint.dir` must be a folder of the job's own inside the server's
     checkpoint roots (not a root itself, not in the data directory but under its
     `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules,
-    `env` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless an admin
-    submits, and `tracking.mlflow` must be an MLflow server this server allows. `secrets`
-    are write-only: stored apart from the spec, sealed, never in an answer (their names are,
-    in `secrets`)."""
+    `env` and `secrets` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless
+    an admin submits, and `tracking.mlflow` must be an MLflow server this server allows.
+    `secrets` are write-only: stored apart from the spec, sealed, never in an answer (their
+    names are, in `secrets`)."""
     return await run_in_threadpool(_submitted, spec, store, request, response, who,
                                    idempotency_key, project)
 
