@@ -178,12 +178,21 @@ def may(who: Principal, name: str, owner: str) -> bool:
     return who.role in rule.roles or (who.role in rule.own and owner == who.name)
 
 
-def check_owner(who: Principal, name: str, owner: str) -> None:
-    """A 403 unless `who` may act on something `owner` owns under rule `name`."""
+def check_owner(who: Principal, name: str, owner: str, why: str = "") -> None:
+    """A 403 unless `who` may act on something `owner` owns under rule `name`; `why`, when the
+    route is not the rule's own, says what needs the rule."""
     rule = RULES[name]
     if may(who, name, owner):
         return
-    raise HTTPException(status_code=403, detail=rule.refusal(who) + f"; this belongs to {owner}")
+    raise HTTPException(status_code=403, detail=rule.refusal(who) + f"; this belongs to {owner}"
+                        + (f" ({why})" if why else ""))
+
+
+def check_weights(who: Principal, owner: str, why: str = "") -> None:
+    """A 403 unless `who` may take the weights of a job `owner` owns (rule `jobs:export`):
+    exporting them, or starting a new job from its checkpoint, which hands the new job's
+    owner the same weights (`api.routes.resubmit`)."""
+    check_owner(who, "jobs:export", owner, why)
 
 
 def rule_of(route: Any) -> Rule | None:

@@ -286,8 +286,8 @@ def resubmit(job_id: Annotated[int, typer.Argument(min=1, help="The job.")],
                  min=1, help="With --from-checkpoint: the tag's step (default: the newest).",
                  show_default=False)] = None,
              from_checkpoint: Annotated[bool, typer.Option(
-                 "--from-checkpoint", help="Start from the job's checkpoint (any job you may"
-                 " read), on the layout --set gives it.")] = False,
+                 "--from-checkpoint", help="Start from the job's checkpoint (any job whose"
+                 " weights you may export), on the layout --set gives it.")] = False,
              sets: SetOpt = None,
              detach: Annotated[bool, typer.Option(
                  "--detach", "-d", help="Print the new job's id and return at once.")] = False,

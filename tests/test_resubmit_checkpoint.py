@@ -1,8 +1,9 @@
 """Continuing elsewhere: `POST /api/v1/jobs/{id}/resubmit` with `from_checkpoint` and `set`
 (and `trident resubmit JOB --from-checkpoint [STEP] --set ...`) makes a new job, owned by a
-caller who may read the source, that starts from the source's tag: the controller seeds the
-new job's own folder with it (hard links), the ranks resume there with the losses the source
-would have had."""
+caller who may export the source's weights (its owner, an admin), that starts from the
+source's tag: the controller seeds the new job's own folder with it (hard links), the ranks
+resume there with the losses the source would have had. Another member gets a 403, and no
+`env` value of the source they may not read."""
 
 from __future__ import annotations
 
@@ -60,25 +61,25 @@ def auth(store: Store, name: str, role: str = "member") -> dict[str, str]:
     return {"Authorization": f"Bearer {user_token(store, name, role)}"}
 
 
-def test_a_reader_resubmits_from_a_checkpoint_on_another_layout(store: Store, tmp_path: Path,
-                                                                api: TestClient) -> None:
+def test_the_owner_resubmits_from_a_checkpoint_on_another_layout(store: Store, tmp_path: Path,
+                                                                  api: TestClient) -> None:
     source = _source(store, tmp_path / "checkpoints")
-    user_token(store, "alice", "member")
+    alice = auth(store, "alice")
     bob = auth(store, "bob")
-    r = api.post(f"/api/v1/jobs/{source}/resubmit", headers=bob,
+    r = api.post(f"/api/v1/jobs/{source}/resubmit", headers=alice,
                  json={"from_checkpoint": 0, "set": {"parallel.dp": 1, "parallel.zero": 1,
                                                      "train.steps": 8}})
     assert r.status_code == 201, r.text
     new = store.get_job(job_id=r.json()["id"])
-    assert new.owner == "bob" and new.world_size == 1 and new.spec.train.steps == 8
+    assert new.owner == "alice" and new.world_size == 1 and new.spec.train.steps == 8
     assert new.spec.checkpoint.resume_from is not None
     assert new.spec.checkpoint.resume_from.model_dump() == {"job": source, "step": 4}
     assert new.spec.checkpoint.dir is None
-    r = api.post(f"/api/v1/jobs/{source}/resubmit", headers=bob, json={"from_checkpoint": 2})
+    r = api.post(f"/api/v1/jobs/{source}/resubmit", headers=alice, json={"from_checkpoint": 2})
     assert r.status_code == 201
     assert store.get_job(job_id=r.json()["id"]).spec.checkpoint.resume_from.step == 2  # type: ignore[union-attr]
 
-    def refused(body: Any, headers: dict[str, str] = bob) -> tuple[int, Any]:
+    def refused(body: Any, headers: dict[str, str] = alice) -> tuple[int, Any]:
         got = api.post(f"/api/v1/jobs/{source}/resubmit", headers=headers, json=body)
         return got.status_code, got.json()["detail"]
 
@@ -95,7 +96,7 @@ def test_a_reader_resubmits_from_a_checkpoint_on_another_layout(store: Store, tm
     assert code == 422 and detail[0]["loc"] == ["body", "from_checkpoint"]
     code, _ = refused({"from_checkpoint": 0}, auth(store, "vic", "viewer"))
     assert code == 403
-    code, detail = refused(None)  # a plain resubmission of another's job: owners only
+    code, detail = refused(None, bob)  # a plain resubmission of another's job: owners only
     assert code == 403 and "jobs:resubmit" in detail
     # The folder a job starts from is the resubmission's to name, never a submission's.
     r = api.post("/api/v1/jobs", headers=bob, json=tiny_spec(
@@ -105,9 +106,55 @@ def test_a_reader_resubmits_from_a_checkpoint_on_another_layout(store: Store, tm
     # A job with no tag: nothing to start from.
     bare = submit(store, JobSpec.model_validate(tiny_spec()),
                   by=Submitter(owner="alice", project="default")).id
-    got = api.post(f"/api/v1/jobs/{bare}/resubmit", headers=bob, json={"from_checkpoint": 0})
+    got = api.post(f"/api/v1/jobs/{bare}/resubmit", headers=alice, json={"from_checkpoint": 0})
     assert got.status_code == 422
     assert got.json()["detail"][0]["msg"] == f"job {bare} has no checkpoint (its tags: none)"
+
+
+HIDDEN = "alice-private-entity-42"
+"""An `env` value of alice's source job: hers and the admins' to read."""
+
+
+def test_starting_from_another_owners_checkpoint_needs_the_rights_an_export_needs(
+        store: Store, tmp_path: Path, api: TestClient) -> None:
+    """Carol, a member of alice's project, may read alice's job but not export it: she may not
+    start a job from its checkpoint either, by `from_checkpoint` or by resubmitting a job of
+    hers that names alice's in `checkpoint.resume_from`; alice and an admin may. No answer
+    carol gets, nor any job stored for her, holds alice's hidden `env` value."""
+    source = _source(store, tmp_path / "checkpoints", env={"WANDB_ENTITY": HIDDEN})
+    alice, carol, admin = auth(store, "alice"), auth(store, "carol"), auth(store, "root", "admin")
+    export = api.get(f"/api/v1/jobs/{source}/export", headers=carol)
+    assert export.status_code == 403 and export.json()["detail"].startswith("jobs:export:")
+
+    def resubmit(body: Any, headers: dict[str, str], job: int = source) -> Any:
+        return api.post(f"/api/v1/jobs/{job}/resubmit", headers=headers, json=body)
+
+    r = resubmit({"from_checkpoint": 0}, carol)
+    assert r.status_code == 403 and HIDDEN not in r.text
+    assert r.json()["detail"] == (
+        "jobs:export: admins export any job's weights, members only their own jobs' (you are"
+        " carol, member); this belongs to alice (starting a job from its checkpoint hands you"
+        " its weights, as an export does)")
+    r = resubmit(None, carol)  # without a checkpoint: alice's to resubmit
+    assert r.status_code == 403 and r.json()["detail"].startswith("jobs:resubmit:")
+    assert HIDDEN not in r.text
+    # A job of carol's that names alice's tag (as this route made them before) is refused too.
+    hers = submit(store, JobSpec.model_validate(tiny_spec(
+        name="hers", checkpoint={"resume_from": {"job": source, "step": 4}})),
+        by=Submitter(owner="carol", project="default")).id
+    r = resubmit(None, carol, hers)
+    assert r.status_code == 403 and r.json()["detail"].startswith("jobs:export:")
+    assert "this belongs to alice" in r.json()["detail"]
+    assert store.list_jobs(owner="carol")[1] == 1  # nothing new stored for her
+    for who, name in ((alice, "alice"), (admin, "root")):
+        r = resubmit({"from_checkpoint": 4}, who)
+        assert r.status_code == 201, r.text
+        new = store.get_job(job_id=r.json()["id"])
+        assert new.owner == name and new.spec.env == {"WANDB_ENTITY": HIDDEN}  # both read it
+        assert new.spec.checkpoint.resume_from is not None
+        assert new.spec.checkpoint.resume_from.model_dump() == {"job": source, "step": 4}
+    r = resubmit(None, admin, hers)  # an admin may take any job's weights
+    assert r.status_code == 201, r.text
 
 
 def test_the_controller_seeds_the_new_jobs_own_folder_and_never_writes_the_source(
@@ -173,14 +220,14 @@ def test_ranks_started_from_a_seeded_tag_train_on_as_the_source_would_have(
 def test_the_cli_resubmits_from_a_checkpoint(store: Store, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     source = _source(store, tmp_path / "checkpoints")
-    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store, "bob", "member"))
+    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store, "alice", "member"))
     runner = CliRunner()
     with serving(create_app(Settings(data_dir=tmp_path), store=store)) as url:
         r = runner.invoke(cli_app, ["resubmit", str(source), "--from-checkpoint", "2",
                                     "--set", "train.steps=9", "-d", "--server", url])
         assert r.exit_code == 0, r.output
         new = store.get_job(job_id=int(r.output.strip()))
-        assert new.owner == "bob" and new.spec.train.steps == 9
+        assert new.owner == "alice" and new.spec.train.steps == 9
         assert new.spec.checkpoint.resume_from is not None
         assert new.spec.checkpoint.resume_from.step == 2
         r = runner.invoke(cli_app, ["resubmit", str(source), "2", "--server", url])

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from api.auth import Who, check_owner, require
+from api.auth import Who, check_weights, require
 from api.deps import JobDep, StoreDep
 from api.schemas import CheckpointList, CheckpointOut, Refusal
 from service.checkpoints import ExportRefused, default_folder
@@ -57,7 +57,7 @@ def export_job(job: JobDep, request: Request, who: Who,
     pipeline stages and ZeRO-3 partitions are joined (`service.export`, which runs
     `workers.hf_export`). The job's weights are its owner's: admins export any job, members
     their own. The folder is written on the server's disk, then sent and deleted."""
-    check_owner(who, "jobs:export", job.owner)
+    check_weights(who, job.owner)
     settings = request.app.state.settings
     folder = job.spec.checkpoint.dir or str(default_folder(settings.checkpoint_root, job.id))
     try:
