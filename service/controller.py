@@ -63,7 +63,7 @@ from service.preemption import Victim, asked_message, choose, holds, preempting_
 from service.profiles import profile_for
 from service.protocols import Launcher, NodeCapacity, PollResult, WorkerGroup
 from service.quota import Quota, held
-from service.scheduler import admit, bundles, pack, unplaceable
+from service.scheduler import admit, bundles, pack, taken, unplaceable
 from service.secrets import JobSecrets, SecretBox, SecretsUnreadable, redact
 from service.spec import JobSpec
 from service.spec_limits import recheck
@@ -218,6 +218,8 @@ class Controller:
         for td in self.teardowns.reap():
             self._stopped(td)
         active = self.store.active_jobs()
+        keeping: list[Job] = []  # RESTARTING, the last group still stopping: admission
+        # keeps their room (`_admit`)
         for job in active:
             if job.cancel_requested and job.id in self.running:
                 self._cancel(job, self.running[job.id], result)
@@ -236,12 +238,14 @@ class Controller:
                 # resources: the next attempt starts once they are gone.
                 if not self.teardowns.busy(("job", job.id)):
                     self._restart(job, result)
+                else:
+                    keeping.append(job)
             else:
                 self._orphaned(job, result)
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
         self._elastic_down()
-        self._admit(result, active)
+        self._admit(result, active, keeping)
         self._elastic_up(active)
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
@@ -298,12 +302,15 @@ class Controller:
 
     # --- admission and placement ----------------------------------------------------------------
 
-    def _admit(self, result: StepResult, active: list[Job]) -> None:
+    def _admit(self, result: StepResult, active: list[Job], keeping: list[Job]) -> None:
         """Admit from the head of the queue, read a page (`ADMIT_PAGE`) at a time: admission
         stops at the first job that does not fit, so a long queue costs a pass no more than
         its head. Jobs over their project's quota wait without blocking the others. The next
         page is read only while every job of a page was impossible or waiting for its quota
-        (the free capacity is then as it was); one that admitted continues in the next pass."""
+        (the free capacity is then as it was); one that admitted continues in the next pass.
+        The `keeping` restarting jobs keep their room from the jobs behind them by priority
+        (`service.scheduler.admit`); one admission stops at preempts nothing: its old group's
+        room is coming back (`_restart` requeues it, to preempt, if that room is gone)."""
         self.blocked = None
         quotas = {p: Quota(gpus, cpus) for p, (gpus, cpus) in self.identity.quotas().items()}
         holding = held(self.store.active_jobs()) if quotas else None
@@ -313,7 +320,7 @@ class Controller:
             if not queued:
                 return
             adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
-                        quotas=quotas, holding=holding)
+                        quotas=quotas, holding=holding, restarting=keeping)
             for job, why in adm.impossible:
                 if job.attempts:  # it ran here: the cluster shrank, and may grow back
                     offset += 1  # stays queued, ahead of the next page
@@ -334,7 +341,8 @@ class Controller:
             skipped = len(adm.impossible) + len(adm.waiting)
             if adm.admitted or skipped < len(queued) or len(queued) < ADMIT_PAGE:
                 self.blocked = adm.blocked.id if adm.blocked is not None else None
-                if adm.blocked is not None and not adm.admitted:
+                restart = adm.blocked is not None and adm.blocked.state == JobState.RESTARTING
+                if adm.blocked is not None and not adm.admitted and not restart:
                     self._preempt(adm.blocked, active, result)
                 return
 
@@ -560,25 +568,33 @@ class Controller:
             log.info("job %s: %s", job.id, exc)
 
     def _restart(self, job: Job, result: StepResult) -> None:
-        """The next attempt, from the checkpoint; or, when the cluster no longer has room for
-        it (it lost a node), back to the queue until it has. An elastic job waits there for
-        free room (not for the cluster's), to be re-planned after `wait_s`."""
-        why = unplaceable(job, self.launcher.total_capacity())
-        elastic = job.spec.elastic
-        if why is None and elastic is not None and \
-                pack(bundles(job), self.launcher.free_capacity()) is None:
-            why = f"the free room holds {fitting_ranks(job.spec, self.launcher.free_capacity())}" \
-                f" of its {job.world_size} ranks"
-        if why is None:
+        """The next attempt, from the checkpoint, into free room only (a group started
+        without room would wait out `start_timeout_s` and spend a retry); else back to the
+        queue, by its priority, where admission places it when there is room (preempting
+        jobs of lower priority if it may). When the cluster no longer has room for it (it
+        lost a node) it waits there until it has; an elastic job waits for free room, to be
+        re-planned after `wait_s`."""
+        lost = unplaceable(job, self.launcher.total_capacity())
+        free = self.launcher.free_capacity()
+        if lost is None and pack(bundles(job), free) is not None:
             self._place(job, result)
-        elif elastic is not None:
+            return
+        why = lost or f"the free room holds {fitting_ranks(job.spec, free)} of its" \
+            f" {job.world_size} ranks"
+        elastic = job.spec.elastic
+        if elastic is not None:
             self._move(job, JobState.QUEUED, f"waiting for room: {why}; elastic: when the room"
                        f" is not back within wait_s ({elastic.wait_s:g} s) it is re-planned onto"
                        " what is free and resumes from its checkpoint", result)
-        else:
+        elif lost is not None:
             self._move(job, JobState.QUEUED, f"waiting for the cluster: it no longer has room"
                        f" for this job ({why}); it resumes from its checkpoint when it has",
                        result)
+        else:
+            self._move(job, JobState.QUEUED, f"waiting for room: {why}; it keeps its priority"
+                       f" ({job.priority}) in the queue and resumes from its checkpoint when"
+                       " there is room (a job of lower priority may be preempted for it),"
+                       " without spending a retry", result)
 
     def _place(self, job: Job, result: StepResult) -> None:
         """Start the next attempt of a PLACING (or RESTARTING) job: the stored spec is the
@@ -810,13 +826,7 @@ def _taken(free: list[NodeCapacity], job: Replan) -> list[NodeCapacity]:
     """The free room once `job`'s ranks are placed in it (first fit, as admission packs)."""
     items = bundles(job)
     where = pack(items, free)
-    if where is None:
-        return free
-    out = [[n.cpus, n.gpus] for n in free]
-    for b, n in zip(items, where, strict=True):
-        out[n][0] -= b.cpus
-        out[n][1] -= b.gpus
-    return [NodeCapacity(n.node_id, c, g) for n, (c, g) in zip(free, out, strict=True)]
+    return free if where is None else taken(free, items, where)
 
 
 def _given_back(free: list[NodeCapacity],

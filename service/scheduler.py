@@ -9,6 +9,12 @@ reported as impossible instead of blocking the queue. A job whose project's quot
 (`service.quota`) it would pass waits, with the reason, and does not block the jobs of other
 projects behind it: within quota, priority then age decide.
 
+A RESTARTING job whose last group is still being stopped keeps its claim: admission takes it
+in its place by priority and age and keeps its room free of the jobs behind it
+(`Admission.reserved`), or stops at it when its room is not free yet, so a job of lower
+priority admitted while the old group's resources come back never takes the room the
+restart needs. The controller places it once the old group is gone (`Controller._restart`).
+
 Preemption (`preemption_victims`): the job admission stopped at (`Admission.blocked`) may take
 the room of running jobs of strictly lower priority that are preemptible, the fewest GPU-hours
 lost first (GPUs held times the time since their newest checkpoint; then CPU-hours, then the
@@ -73,6 +79,17 @@ def pack(items: list[Bundle], nodes: list[NodeCapacity]) -> list[int] | None:
     return where
 
 
+def taken(free: list[NodeCapacity], items: list[Bundle],
+          where: list[int]) -> list[NodeCapacity]:
+    """The free room once `items` are placed on the nodes `where` says (`pack`'s answer)."""
+    used = [[0.0, 0.0] for _ in free]
+    for b, n in zip(items, where, strict=True):
+        used[n][0] += b.cpus
+        used[n][1] += b.gpus
+    return [NodeCapacity(node.node_id, node.cpus - u[0], node.gpus - u[1])
+            for node, u in zip(free, used, strict=True)]
+
+
 @dataclass(frozen=True)
 class Admission:
     admitted: list[Job]
@@ -80,43 +97,49 @@ class Admission:
     waiting: list[tuple[Job, str]] = field(default_factory=list)
     """Jobs over their project's quota, and why."""
     blocked: Job | None = None
-    """The job admission stopped at: it fits the cluster and its quota, not the free room."""
+    """The job admission stopped at: it fits the cluster and its quota, not the free room
+    (a restarting job, when its old group's room is not free yet)."""
+    reserved: list[Job] = field(default_factory=list)
+    """Restarting jobs whose room admission kept free for them."""
 
 
 def admit(queued: list[Job], free: list[NodeCapacity], total: list[NodeCapacity],
-          quotas: Quotas | None = None, holding: Held | None = None) -> Admission:
+          quotas: Quotas | None = None, holding: Held | None = None,
+          restarting: Sequence[Job] = ()) -> Admission:
     """Choose the queued jobs (already in priority order) that start now, within their
-    projects' `quotas`, given what every project's active jobs hold (`holding`)."""
+    projects' `quotas`, given what every project's active jobs hold (`holding`). The
+    `restarting` jobs (their old groups still stopping; within their quota already, as
+    active jobs) take their place by priority and age: their room is reserved, never
+    admitted."""
     remaining = list(free)
     admitted: list[Job] = []
+    reserved: list[Job] = []
     impossible: list[tuple[Job, str]] = []
     waiting: list[tuple[Job, str]] = []
     holding = {p: dict(h) for p, h in (holding or {}).items()}
     blocked: Job | None = None
-    for job in queued:
+    held = {j.id for j in restarting}
+    for job in sorted([*queued, *restarting], key=lambda j: (-j.priority, j.id)):
         items = bundles(job)
         if pack(items, total) is None:
-            impossible.append((job, _why_impossible(job, items, total)))
+            if job.id not in held:  # a restart the cluster lost the room of: the controller's
+                impossible.append((job, _why_impossible(job, items, total)))
             continue
-        if (why := over_quota(job, holding, quotas or {})) is not None:
+        if job.id not in held and (why := over_quota(job, holding, quotas or {})) is not None:
             waiting.append((job, why))
             continue
         where = pack(items, remaining)
         if where is None:
             blocked = job
             break
-        admitted.append(job)
-        take(holding, job)
-        used: dict[int, list[float]] = {}
-        for b, n in zip(items, where, strict=True):
-            acc = used.setdefault(n, [0.0, 0.0])
-            acc[0] += b.cpus
-            acc[1] += b.gpus
-        remaining = [NodeCapacity(node.node_id, node.cpus - used.get(i, [0, 0])[0],
-                                  node.gpus - used.get(i, [0, 0])[1])
-                     for i, node in enumerate(remaining)]
+        if job.id in held:
+            reserved.append(job)
+        else:
+            admitted.append(job)
+            take(holding, job)
+        remaining = taken(remaining, items, where)
     return Admission(admitted=admitted, impossible=impossible, waiting=waiting,
-                     blocked=blocked)
+                     blocked=blocked, reserved=reserved)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class FakeGroup:
     poll_threads: list[str] = field(default_factory=list)
     stack_threads: list[str] = field(default_factory=list)
     preempted: bool = False
+    stopping: bool = False
+    """`shutdown` was called (it may still be blocked on `release`)."""
 
     def poll(self, timeout_s: float) -> PollResult:
         self.polls += 1
@@ -64,6 +66,7 @@ class FakeGroup:
         self.cancelled = True
 
     def shutdown(self, grace_s: float) -> None:
+        self.stopping = True
         if self.release is not None:
             assert self.release.wait(60), "shutdown never released"
         self.shut = True
@@ -125,11 +128,16 @@ class FakeLauncher:
 
 
 class FakeRoomLauncher(FakeLauncher):
-    """A one-node fake whose free room is what its live groups leave (preemption's tests)."""
+    """A one-node fake whose free room is what its live groups leave (preemption's tests).
+    With `freed_early`, a group's room is free once its shutdown began, before the teardown
+    ends (as Ray frees a placement group before the controller reaps its teardown)."""
+
+    freed_early = False
 
     def free_capacity(self) -> list[NodeCapacity]:
         used = sum(s["spec"].resources.cpus_per_worker * s["spec"].world_size
-                   for s, g in zip(self.started, self.groups, strict=True) if not g.shut)
+                   for s, g in zip(self.started, self.groups, strict=True)
+                   if not g.shut and not (self.freed_early and g.stopping))
         return [NodeCapacity("n0", self.cpus - used, 0)]
 
 

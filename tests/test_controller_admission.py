@@ -1,8 +1,11 @@
 """Admission reads the queue a page at a time (`Controller._admit`): a long queue costs a pass
-no more than its head, and no job is skipped or admitted out of order."""
+no more than its head, and no job is skipped or admitted out of order. A restarting job keeps
+its room while its old group is stopped, or goes back to the queue by its priority (and
+preempts) when that room is gone, instead of starting where there is no room."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,8 +13,20 @@ import pytest
 from service import controller as controller_mod
 from service.protocols import PollResult
 from service.states import JobState
-from service.store import Store
-from tests.fakes import FakeLauncher, make, submit
+from service.store import AttemptStatus, Store
+from tests.fakes import FakeLauncher, FakeRoomLauncher, make, submit
+from tests.waiting import drive
+
+PLACED = {"ranks": [{"rank": 0, "node_id": "n0"}, {"rank": 1, "node_id": "n0"}]}
+
+
+def runs() -> list[PollResult]:
+    return [PollResult(state="running", placement=PLACED)] + [PollResult(state="running")] * 50
+
+
+def fails() -> list[PollResult]:
+    return [PollResult(state="running", placement=PLACED),
+            PollResult(state="failed", error="boom")]
 
 
 def _pages(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int | None, int]]:
@@ -56,3 +71,75 @@ def test_impossible_jobs_fill_a_page_and_the_next_page_is_admitted(
         JobState.PLACING, JobState.PLACING, JobState.QUEUED]
     c.step()
     assert sqlite_store.get_job(job_id=fits[2]).state == JobState.PLACING
+
+
+def _stopping_slowly(cpus: float, scripts: list[list[PollResult]]) -> FakeRoomLauncher:
+    """One node whose groups' room is free as soon as they begin to stop, while their
+    teardowns (beside the loop) wait for `release`: the gap a restarting job waits out."""
+    launcher = FakeRoomLauncher(scripts, cpus=cpus)
+    launcher.freed_early = True
+    launcher.release = threading.Event()
+    return launcher
+
+
+def _no_start_timeout(store: Store, job_id: int) -> None:
+    errors = [a.error or "" for a in store.list_attempts(job_id=job_id)]
+    assert not any("did not start" in e for e in errors), errors
+
+
+def test_a_restarting_job_keeps_its_room_from_a_job_of_lower_priority(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    launcher = _stopping_slowly(1, [fails(), runs(), runs()])  # room for one job
+    high = submit(sqlite_store, name="high", priority=5, max_retries=2)
+    c = make(sqlite_store, launcher, tmp_path, poll_timeout_s=0)
+    c.step(), c.step(), c.step()  # placed, running, failed: its group is being stopped
+    assert sqlite_store.get_job(job_id=high).state == JobState.RESTARTING
+    low = submit(sqlite_store, name="low", priority=0)
+    c.step()  # the old group's room is free already, the teardown not done: it is high's
+    assert sqlite_store.get_job(job_id=low).state == JobState.QUEUED
+    assert c.teardowns.busy(("job", high)) and launcher.free_capacity()[0].cpus == 1
+    assert launcher.release is not None
+    launcher.release.set()
+    assert c.teardowns.wait(30)
+    c.step()  # high restarts into its room, the retry of its failure only
+    c.step()
+    job = sqlite_store.get_job(job_id=high)
+    assert job.state == JobState.RUNNING and job.attempts == 2
+    assert sqlite_store.get_job(job_id=low).state == JobState.QUEUED
+    assert [s["spec"].name for s in launcher.started] == ["high", "high"]
+    _no_start_timeout(sqlite_store, high)
+
+
+def test_a_restart_without_room_goes_back_to_the_queue_by_its_priority_and_preempts(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    # Two jobs' room: high (5) and low (0) run; high fails, and while its group stops, top
+    # (9) takes its room, as a job of higher priority may. high cannot be placed in the free
+    # room then: it is queued ahead of low's priority and preempts low, spending no retry.
+    launcher = _stopping_slowly(2, [fails(), runs(), runs(), runs()])
+    high = submit(sqlite_store, name="high", priority=5, max_retries=1)
+    low = submit(sqlite_store, name="low", priority=0)
+    c = make(sqlite_store, launcher, tmp_path, poll_timeout_s=0)
+    c.step(), c.step(), c.step()
+    assert sqlite_store.get_job(job_id=high).state == JobState.RESTARTING
+    top = submit(sqlite_store, name="top", priority=9)
+    c.step()
+    assert sqlite_store.get_job(job_id=top).state == JobState.PLACING
+    assert not launcher.groups[1].preempted  # high's room was coming back: nothing preempted
+    assert launcher.release is not None
+    launcher.release.set()
+    assert c.teardowns.wait(30)
+    c.step()  # high: no free room; queued by its priority, and low is asked to stop
+    job = sqlite_store.get_job(job_id=high)
+    assert job.state == JobState.QUEUED and job.priority == 5 and job.attempts == 1
+    [requeued] = [e for e in sqlite_store.list_events(job_id=high)
+                  if e.kind == "state" and e.message.startswith("waiting for room")]
+    assert requeued.data["to"] == "QUEUED" and "keeps its priority (5)" in requeued.message
+    assert launcher.groups[1].preempted
+    assert sqlite_store.get_job(job_id=low).state == JobState.PREEMPTED
+    drive(c, sqlite_store, high, {JobState.RUNNING, JobState.FAILED}, timeout=60)
+    job = sqlite_store.get_job(job_id=high)
+    assert job.state == JobState.RUNNING and job.attempts == 2
+    assert [a.status for a in sqlite_store.list_attempts(job_id=high)] == [
+        AttemptStatus.FAILED, AttemptStatus.RUNNING]
+    assert [s["spec"].name for s in launcher.started] == ["high", "low", "top", "high"]
+    _no_start_timeout(sqlite_store, high)

@@ -50,3 +50,17 @@ def test_jobs_that_can_never_fit_are_reported_not_blocking() -> None:
     assert [j.id for j in adm.admitted] == [2]
     (bad, why), = adm.impossible
     assert bad.id == 1 and "16 GPUs" in why and "the cluster has 16 CPUs and 8 GPUs" in why
+
+
+def test_a_restarting_job_keeps_its_room_by_its_priority() -> None:
+    free = nodes((4, 0))
+    restarting = [job(2, world=2, priority=5)]
+    queued = [job(1, world=2, priority=9), job(3, world=1, priority=0), job(4, world=1)]
+    adm = admit(queued, free, free, restarting=restarting)
+    # job 1 (higher) goes first; job 2's room is kept, never admitted; jobs 3 and 4 get the rest
+    # (none of job 2's).
+    assert [j.id for j in adm.admitted] == [1] and [j.id for j in adm.reserved] == [2]
+    assert adm.blocked is not None and adm.blocked.id == 3
+    # Its room not free yet (its old group holds it): admission stops at it.
+    adm = admit([job(3, world=1)], nodes((1, 0)), free, restarting=restarting)
+    assert not adm.admitted and adm.blocked is not None and adm.blocked.id == 2
