@@ -13,14 +13,20 @@ number is a 422 naming the parameter instead of a database overflow.
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
+import anyio
+import anyio.to_thread
 from fastapi import Depends, Header, HTTPException, Path, Query, Request
 
 from service import hf_config
+from service.checkpoints import CheckpointPlaces
+from service.specfiles import FileRefused
 from service.store import Job, NotFound, Store
 from service.store.tables import IDEMPOTENCY_KEY_MAX
 
+T = TypeVar("T")
 INT32_MAX = 2**31 - 1
 """The largest value of an INTEGER column (job and probe ids, attempts, steps, ranks)."""
 INT64_MAX = 2**63 - 1
@@ -45,11 +51,56 @@ IdempotencyKey = Annotated[str | None, Header(
 
 
 async def read_hf_configs(request: Request) -> None:
-    """Let the spec in this request's body read `model.hf_config` inside the server's
-    checkpoint roots only (`service.hf_config.confined_reader`). Async, so that the reader is
-    installed in the context FastAPI then validates the body in; a route lists it after its
-    access check, so that no file is read for a caller who may not submit."""
-    hf_config.install(hf_config.confined_reader(request.app.state.settings.checkpoint_root_dirs))
+    """Read the `model.hf_config` that the spec in this request's body names, before FastAPI
+    validates the body (on the event loop, where no file is read): in a thread, within
+    `TRIDENT_SPEC_FILE_READ_S`, a regular file of at most `TRIDENT_SPEC_FILE_MAX_BYTES`, where
+    a job may read a checkpoint folder (`service.hf_config.confined_reader`); a 422 naming
+    the field when it cannot be. The config read is installed for the validation
+    (`service.hf_config.prepared`). Async, so that it is installed in the context FastAPI
+    then validates the body in; a route lists it after its access check, so that no file is
+    read for a caller who may not submit."""
+    settings = request.app.state.settings
+    path = hf_config.wanted(await _body_model(request))
+    found: dict[str, dict[str, Any] | ValueError] = {}
+    if path is not None:
+        places = CheckpointPlaces(settings.checkpoint_root_dirs, settings.data_dir)
+        reader = hf_config.confined_reader(places.read_refusal, settings.spec_file_max_bytes,
+                                           "TRIDENT_SPEC_FILE_MAX_BYTES")
+        try:
+            found[path] = await off_loop(request, path, reader)
+        except ValueError as exc:
+            raise HTTPException(status_code=422, detail=[
+                {"loc": ["body", "model", "hf_config"], "msg": str(exc),
+                 "type": "value_error"}]) from None
+    hf_config.install(hf_config.prepared(found))
+
+
+async def _body_model(request: Request) -> Any:
+    """The `model` of the request's JSON body (parsed already: FastAPI read it before the
+    dependencies); None when there is none."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body.get("model") if isinstance(body, dict) else None
+
+
+async def off_loop(request: Request, path: str, read: Callable[[str], T]) -> T:
+    """`read(path)` in a thread of the app's own (`TRIDENT_SPEC_FILE_READERS` at once), the
+    request awaiting it while others go on; FileRefused when it has not returned within
+    `TRIDENT_SPEC_FILE_READ_S` (the thread is left to finish: a hung mount's `stat` cannot be
+    interrupted)."""
+    settings = request.app.state.settings
+    state = request.app.state
+    if getattr(state, "file_readers", None) is None:
+        state.file_readers = anyio.CapacityLimiter(settings.spec_file_readers)
+    try:
+        with anyio.fail_after(settings.spec_file_read_s):
+            return await anyio.to_thread.run_sync(read, path, limiter=state.file_readers,
+                                                  abandon_on_cancel=True)
+    except TimeoutError:
+        raise FileRefused(f"{path}: not read within {settings.spec_file_read_s:g} s"
+                          " (TRIDENT_SPEC_FILE_READ_S); is its file system answering?") from None
 
 
 async def get_store(request: Request) -> Store:

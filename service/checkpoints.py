@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.specfiles import FileRefused, read_regular
+
 if TYPE_CHECKING:
     from service.store.views import Job
 
@@ -103,16 +105,18 @@ def read_writer(folder: str | Path) -> CheckpointWriter | None:
     cannot be read."""
     path = Path(folder) / RECORD
     try:
-        with open(path, "rb") as f:
-            raw = f.read(RECORD_MAX_BYTES + 1)
+        raw = read_regular(str(path), RECORD_MAX_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except FileRefused as exc:
+        raise ValueError(f"its record {RECORD} is not one Trident wrote ({exc})") from None
     except OSError as exc:
         raise ValueError(f"its record {RECORD} cannot be read ({exc.strerror})") from None
     try:
-        if len(raw) > RECORD_MAX_BYTES:
-            raise ValueError(f"it is larger than {RECORD_MAX_BYTES} bytes")
         return CheckpointWriter.from_json(json.loads(raw))
+    except RecursionError:
+        raise ValueError(f"its record {RECORD} is not one Trident wrote (JSON nested too"
+                         " deep)") from None
     except ValueError as exc:  # JSON's errors are ValueErrors too
         raise ValueError(f"its record {RECORD} is not one Trident wrote ({exc})") from None
 
@@ -186,9 +190,10 @@ class CheckpointPlaces:
     """`Settings.checkpoint_root_dirs`."""
     data_dir: Path | None = None
 
-    def refusal(self, raw: str) -> str | None:
+    def refusal(self, raw: str, *, root_ok: bool = False) -> str | None:
         """Why `raw` may not be a job's checkpoint folder, naming the rule; None when it may.
-        Paths resolve through `..` and every symlink of the part that exists."""
+        Paths resolve through `..` and every symlink of the part that exists. `root_ok`: a
+        checkpoint root itself may be (a folder read, not written: `read_refusal`)."""
         roots = [os.path.realpath(r) for r in self.roots]
         allowed = ", ".join(roots)
         if not os.path.isabs(raw):
@@ -200,7 +205,7 @@ class CheckpointPlaces:
                     f" {allowed}")
         if self.data_dir is not None and (why := self._data_dir_refusal(raw, real)):
             return why
-        if real in roots:
+        if real in roots and not root_ok:
             return (f"{raw!r} is the checkpoint root {real} itself, where every job's folder"
                     f" is: {RULE}, below it")
         return None
@@ -225,6 +230,15 @@ class CheckpointPlaces:
                         f" {RULE} (leave checkpoint.dir unset for the job's own default"
                         " folder)")
         return None
+
+    def read_refusal(self, raw: str) -> str | None:
+        """Why a job may not read the folder `raw` (`init.from_hf`, the folder of
+        `model.hf_config`): where its checkpoint folder could not be either (outside the
+        roots, the data directory or what Trident keeps there, a folder recorded as a job's,
+        checkpoints of unknown origin), though a root itself may be read. None when it may:
+        a job reads another job's weights only through an export of a job its owner may
+        read."""
+        return self.refusal(raw, root_ok=True) or self.taken(raw)
 
     def taken(self, raw: str) -> str | None:
         """Why a new job may not have `raw` (inside the roots): it, or a folder that holds

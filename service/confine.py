@@ -10,7 +10,10 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
   `..` and symlinks, inside one of the data roots (`TRIDENT_DATA_ROOTS`, default the data
   directory): a job reads no file the server's operator did not put in a data root.
 - `model.hf_config` and `init.from_hf` (a Hugging Face config and checkpoint the job reads)
-  must resolve, after `..` and symlinks, inside one of the checkpoint roots.
+  must be where a job's checkpoint folder may be, though a root itself may be read
+  (`CheckpointPlaces.read_refusal`): inside one of the checkpoint roots, not the data
+  directory nor anything Trident keeps there, not a folder recorded as a job's. Checked here,
+  at submission, as `checkpoint.dir` is (the API read the config with the same rule).
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
 - `env` and `secrets` (both go into the ranks' environment) may not set variables that change
   how the worker process itself loads (the dynamic loader's, the interpreter's, the shell's
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.checkpoints import CheckpointPlaces
-from service.hf_config import within_roots
+from service.hf_config import folder_of
 from service.spec import JobSpec, SpecError, normal_uri
 
 DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
@@ -60,9 +63,10 @@ class Confinement:
         """Raise SpecError for the first field that reaches outside the job."""
         if spec.checkpoint.dir is not None:
             self._checkpoint_dir(spec.checkpoint.dir)
-        for name, path in (("model.hf_config", spec.model.hf_config),
-                           ("init.from_hf", spec.init.from_hf)):
-            if path is not None and (why := within_roots(path, self.checkpoint_roots)):
+        places = CheckpointPlaces(self.checkpoint_roots, self.data_dir)
+        for name, folder in (("model.hf_config", spec.model.hf_config),
+                             ("init.from_hf", spec.init.from_hf)):
+            if folder is not None and (why := places.read_refusal(folder_of(folder))):
                 raise SpecError(name, why)
         for name in ("train", "valid"):
             for i, ref in enumerate(getattr(spec.data, name)):

@@ -14,9 +14,14 @@ activation other than the family's, GPT-2's attention variants (`scale_attn_by_i
 
 The spec field `model.hf_config: PATH` reads a config through `read_fields`, with the reader
 the caller installs (`reading`): the API's submission route reads inside the server's
-checkpoint roots only (`confined_reader`), the CLI reads the local file; with no reader
-installed a spec naming a config without its dimensions is refused (a worker re-validating a
-stored spec never reads: the stored spec holds the dimensions read at submission).
+checkpoint roots only, where a job's checkpoint folder may be read (`confined_reader`: not the
+data directory, not another job's folder), off its event loop and within a time limit, before
+the body is validated (`api.deps.read_hf_configs`, which installs the config it read:
+`prepared`); the CLI reads the local file. Only a regular file is read, of at most
+`TRIDENT_SPEC_FILE_MAX_BYTES` (`service.specfiles`), and JSON nested deeper than Python's parser
+goes is refused as any other malformed config is. With no reader installed a spec naming a
+config without its dimensions is refused (a worker re-validating a stored spec never reads:
+the stored spec holds the dimensions read at submission).
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any
 
+from service.specfiles import read_regular
+
 MAX_CONFIG_BYTES = 1 << 20
-"""The largest `config.json` read (1 MiB; real ones are a few KiB)."""
+"""The largest `config.json` read by default (1 MiB; real ones are a few KiB): the API's is
+`TRIDENT_SPEC_FILE_MAX_BYTES`."""
+DIMENSIONS = ("layers", "hidden", "heads", "vocab")
+"""A model's fields without which its `hf_config` is read."""
 
 Reader = Callable[[str], dict[str, Any]]
 """`reader(path)`: the parsed config at `path`, or ValueError saying why not."""
@@ -53,48 +62,71 @@ def install(reader: Reader) -> None:
     _READER.set(reader)
 
 
-def _parse(path: str) -> dict[str, Any]:
+def wanted(model: Any) -> str | None:
+    """The `config.json` that validating the model fields `model` (a spec's `model`, as
+    given) reads: its `hf_config` when a dimension is missing; None when nothing is read."""
+    if not isinstance(model, dict) or not isinstance(model.get("hf_config"), str):
+        return None
+    if all(k in model for k in DIMENSIONS):
+        return None
+    return config_path(model["hf_config"])
+
+
+def config_path(raw: str) -> str:
+    """`raw`, a `config.json` or a folder holding one: the file."""
+    return raw if raw.endswith(".json") else os.path.join(raw, "config.json")
+
+
+def _parse(path: str, max_bytes: int = MAX_CONFIG_BYTES, limit_name: str = "") -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = read_regular(path, max_bytes, limit_name)
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config.json")
     try:
         config = json.loads(raw)
     except ValueError:
         raise ValueError(f"{path}: not JSON") from None
+    except RecursionError:  # "[[[[..." a million deep: the parser's limit, not a 500
+        raise ValueError(f"{path}: JSON nested deeper than the parser reads; not a"
+                         " config.json") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a JSON object")
     return config
 
 
 def local_reader(path: str) -> dict[str, Any]:
-    """Any local file (the CLI: the user's own files)."""
+    """Any local regular file (the CLI: the user's own files)."""
     return _parse(path)
 
 
-def within_roots(path: str, roots: list[Path]) -> str | None:
-    """Why `path` may not be read on a server whose checkpoint roots are `roots` (it resolves,
-    after `..` and symlinks, outside them); None when it lies inside one."""
-    real_roots = [os.path.realpath(r) for r in roots]
-    allowed = ", ".join(real_roots) or "none"
-    if not os.path.isabs(path):
-        return f"{path!r} is not an absolute path inside the server's checkpoint roots: {allowed}"
-    real = os.path.realpath(path)
-    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in real_roots):
-        return (f"{path!r} resolves to {real}, outside the server's checkpoint roots"
-                f" (TRIDENT_CHECKPOINT_ROOTS): {allowed}")
-    return None
+def folder_of(path: str) -> str:
+    """The folder a `model.hf_config` reads from (`path`, or the folder of its `.json`)."""
+    return os.path.dirname(path) if path.endswith(".json") else path
 
 
-def confined_reader(roots: list[Path]) -> Reader:
-    """A reader of configs inside `roots` only (the server's checkpoint roots)."""
+def confined_reader(refusal: Callable[[str], str | None], max_bytes: int = MAX_CONFIG_BYTES,
+                    limit_name: str = "") -> Reader:
+    """A reader of configs in the folders a job may read (`refusal(folder)`: why not; the
+    API's is `service.checkpoints.CheckpointPlaces.read_refusal`: inside the server's
+    checkpoint roots, not the data directory, not another job's folder), of at most
+    `max_bytes` (`limit_name`: the setting that says so)."""
     def read(path: str) -> dict[str, Any]:
-        if why := within_roots(path, roots):
+        if why := refusal(folder_of(path)):
             raise ValueError(why)
-        return _parse(path)
+        return _parse(path, max_bytes, limit_name)
+    return read
+
+
+def prepared(found: dict[str, dict[str, Any] | ValueError]) -> Reader:
+    """A reader that reads nothing: the configs `found` holds by path (each one read
+    already, or why it could not be); a path it lacks is refused."""
+    def read(path: str) -> dict[str, Any]:
+        got = found.get(path)
+        if got is None:
+            raise ValueError(f"{path}: not read at submission")
+        if isinstance(got, ValueError):
+            raise got
+        return got
     return read
 
 
@@ -106,8 +138,7 @@ def read_fields(path: str, seq_len: Any = None) -> dict[str, Any]:
         raise ValueError("hf_config: no config can be read here; submit the spec to the"
                          " server (which reads it inside its checkpoint roots) or give the"
                          " dimensions")
-    if not path.endswith(".json"):
-        path = os.path.join(path, "config.json")
+    path = config_path(path)
     try:
         return model_fields(reader(path), seq_len if isinstance(seq_len, int) else None)
     except HfConfigError as exc:

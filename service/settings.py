@@ -80,6 +80,19 @@ class Settings(BaseSettings):
     data_roots: str = ""
     """Comma-separated directories a spec's corpora (`data.train`, `data.valid`) must resolve
     inside, `.idx` and `.bin` alike (after `..` and symlinks); empty means `data_dir` alone."""
+    spec_file_max_bytes: int = Field(default=1 << 20, ge=4 << 10, le=64 << 20)
+    """The largest file a spec names that the API reads at submission (`model.hf_config`'s
+    `config.json`, 1 MiB; real ones are a few KiB): a larger one, or one that is not a
+    regular file (a FIFO, a device), is a 422 naming the field."""
+    spec_file_read_s: float = Field(default=5.0, gt=0, le=300)
+    """How long the API waits for a file a spec names (`model.hf_config`) to be read, in a
+    thread off its event loop while other requests go on: a read that takes longer (a hung
+    network mount) is a 422 naming the field."""
+    spec_file_readers: int = Field(default=4, ge=1, le=64)
+    """Files a spec names that one API process reads at once (a read past
+    `spec_file_read_s` keeps its thread until the file system answers: this bounds the
+    threads a hung mount holds; a submission that finds none free within
+    `spec_file_read_s` is refused the same way)."""
     entrypoint_modules: str = ""
     """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
     `examples.custom_entrypoint:train`); empty allows any module."""

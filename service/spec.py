@@ -145,9 +145,8 @@ class ModelSpec(_Strict):
         preset = data.get("preset") if isinstance(data, dict) else None
         if not isinstance(data, dict) or not isinstance(preset, str | None):
             return data  # a validated ModelSpec, or a wrong type for pydantic to name
-        if isinstance(data.get("hf_config"), str) and \
-                any(k not in data for k in ("layers", "hidden", "heads", "vocab")):
-            from service.hf_config import read_fields
+        from service.hf_config import read_fields, wanted
+        if wanted(data) is not None:
             data = {**read_fields(data["hf_config"], data.get("seq_len")), **data}
         if isinstance(preset, str) and preset not in PRESETS:
             # Refused here, at the field, so that the missing dimensions are not reported too.

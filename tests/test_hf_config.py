@@ -24,6 +24,7 @@ from transformers import (
 
 from api.app import create_app
 from service import hf_config
+from service.checkpoints import CheckpointPlaces
 from service.hf_config import HfConfigError, model_fields
 from service.planner.shape import ModelShape
 from service.settings import Settings
@@ -127,7 +128,8 @@ def test_the_spec_field_reads_a_config_only_through_an_installed_reader(tmp_path
     assert (m.layers, m.hidden, m.kv_heads, m.seq_len, m.activation) == (2, 64, 2, 16, "swiglu")
     # The stored spec holds the dimensions: validated again, nothing is read.
     assert ModelSpec.model_validate(m.model_dump()) == m
-    with hf_config.reading(hf_config.confined_reader([tmp_path / "elsewhere"])), \
+    with hf_config.reading(hf_config.confined_reader(
+            CheckpointPlaces([tmp_path / "elsewhere"]).read_refusal)), \
             pytest.raises(ValidationError, match="outside the server's checkpoint roots"):
         ModelSpec(hf_config=str(path))
 
