@@ -4,10 +4,12 @@ The work runs on a thread so that the actor always answers `poll`, `cancel` and 
 even in the middle of a long step or a stuck collective. Training actors are detached and
 named (`workers.group`), so they train on while no controller is there; their reports wait in
 a bounded buffer until a controller acknowledges that it stored them (`poll(ack)`), so a
-controller that restarts and re-attaches misses none. Around the trainer the actor puts
-the health monitor: a heartbeat, the collective timer (installed before DeepSpeed builds its
-communication backend) and, before training, a bandwidth probe of the rank's TP, DP and PP
-groups on a process group of its own. Created by `workers.group.RayWorkerGroup`.
+controller that restarts and re-attaches misses none, and each checkpoint tag a rank saves
+carries them (`service.tag_steps`), so an attempt that ends before they are polled loses none
+of the steps its tags hold. Around the trainer the actor puts the health monitor: a
+heartbeat, the collective timer (installed before DeepSpeed builds its communication backend)
+and, before training, a bandwidth probe of the rank's TP, DP and PP groups on a process group
+of its own. Created by `workers.group.RayWorkerGroup`.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class RankActor:
                           master_addr=master_addr, master_port=ports[0],
                           checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
                           writer=CheckpointWriter.from_json(writer) if writer else None,
-                          save_now=self._save_now)
+                          save_now=self._save_now, pending=self._unacknowledged)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:
@@ -217,6 +219,13 @@ class RankActor:
             while len(self._reports) > REPORT_BUFFER:
                 self._reports.popleft()
                 self._dropped += 1
+
+    def _unacknowledged(self) -> list[dict[str, Any]]:
+        """The step reports held until the controller acknowledges them: each tag this rank
+        saves carries them (`workers.train.steps_writer`), so that an attempt that ends before
+        they are polled loses none of the steps its tags hold."""
+        with self._lock:
+            return [r for _, r in self._reports if r.get("kind") == "step"]
 
     def poll(self, ack: int = 0) -> dict[str, Any]:
         """Forget the reports up to `ack` (stored by the controller) and send the rest, each

@@ -4,9 +4,10 @@ complete one; before any rank resumes, rank 0 makes the folder the job's own (`c
 
 Layout: `<dir>/step<N>/` is one DeepSpeed tag (model and ZeRO shards of every rank, written by
 the engine) plus a `COMPLETE` marker that rank 0 writes (atomically: a temporary file renamed)
-once every rank has finished writing. A tag without the marker (a rank died mid-save) is ignored
-on resume. The data position is the step itself (see `workers.data`); it is stored with the RNG
-states in DeepSpeed's client state.
+once every rank has finished writing, each rank's step reports not acknowledged yet among
+what it wrote (`trident-steps/`, `service.tag_steps`). A tag without the marker (a rank died
+mid-save) is ignored on resume. The data position is the step itself (see `workers.data`); it
+is stored with the RNG states in DeepSpeed's client state.
 
 A save the disk refuses (full, a quota, an I/O error) costs that tag only: each rank's writes
 are made with their errors held (`_writes_held`), so a rank whose write failed still goes
@@ -52,6 +53,7 @@ from service.checkpoints import (
 )
 from service.protocols import StepReport
 from service.spec import JobSpec
+from service.tag_steps import STEPS_DIR
 from workers.tags import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes, written_by
 
 
@@ -177,12 +179,14 @@ def _writes_held(engine: Any) -> Iterator[_Held]:
 
 
 def save(engine, directory: str, step: int, spec: JobSpec | None = None,
-         consumed_samples: int | None = None) -> Saved:
+         consumed_samples: int | None = None,
+         steps: Callable[[str], None] | None = None) -> Saved:
     """Collective: every rank writes its part of tag step<N>; rank 0 then records the layout
     that wrote it (`LAYOUT`), marks it complete and prunes the older tags by `spec`'s
     retention policy (`prune`), or, when a write failed on any rank, removes what was
     written of it (see the module). `consumed_samples`: the global samples read so far
-    (`workers.data`), kept with it."""
+    (`workers.data`), kept with it. `steps`: writes this rank's unacknowledged step reports
+    into the tag (given its path; `service.tag_steps`), before it is marked complete."""
     policy = spec.checkpoint if spec is not None else None
     held = _Held()
     client_state = {"step": step, "data_position": step, "rng": _rng_state(),
@@ -196,10 +200,12 @@ def save(engine, directory: str, step: int, spec: JobSpec | None = None,
     else:  # workers.interleaved: one file per rank, no collective inside
         held.run(os.path.join(directory, tag(step)), engine.save_checkpoint, directory,
                  tag=tag(step), client_state=client_state)
+    path = os.path.join(directory, tag(step))
+    if steps is not None:  # shared with the shards' errors below: marked only once written
+        held.run(os.path.join(path, STEPS_DIR), steps, path)
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, held.error)
     failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e) or None
-    path = os.path.join(directory, tag(step))
     if dist.get_rank() == 0:
         if failed is None:
             try:
@@ -223,11 +229,12 @@ def save(engine, directory: str, step: int, spec: JobSpec | None = None,
 
 
 def saved_now(engine, directory: str, last: StepReport, spec: JobSpec,
-              consumed_samples: int | None) -> StepReport:
+              consumed_samples: int | None,
+              steps: Callable[[str], None] | None = None) -> StepReport:
     """Collective, when the job is preempted (`RankContext.save_now`): save the tag of the
     steps done (`last`'s step) as `save` does; `last` again with the tag (the controller
     stores the step once, and records the tag)."""
-    saved = save(engine, directory, last.step, spec, consumed_samples)
+    saved = save(engine, directory, last.step, spec, consumed_samples, steps)
     return last.model_copy(update={
         "checkpoint": saved.path, "checkpoint_error": saved.error,
         "checkpoint_bytes": saved.bytes, "checkpoints_removed": list(saved.removed) or None})

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from service import ds_config
+from service import ds_config, tag_steps
 from service.checkpoints import CheckpointWriter
 from service.planner import evaluate
 from service.planner.shape import ModelShape
@@ -81,6 +81,27 @@ class RankContext:
     save_now: threading.Event | None = None
     """Set with `stop` when the job is preempted: the ranks save a checkpoint at the step
     boundary where they stop (`_train_gpt`), so that its next attempt loses nothing."""
+    pending: Callable[[], list[dict[str, Any]]] | None = None
+    """The step reports this rank holds that the controller has not acknowledged
+    (`workers.actor`): each tag the rank saves carries them (`steps_writer`); None without a
+    controller."""
+
+
+def steps_writer(ctx: RankContext, *saving: StepReport) -> Callable[[str], None] | None:
+    """What `checkpoint.save` writes into each tag of this rank (`service.tag_steps`): its
+    unacknowledged step reports and `saving`, the report of the step being saved (reported
+    once the tag is complete); None without a controller."""
+    pending = ctx.pending
+    if pending is None:
+        return None
+
+    def write(path: str) -> None:
+        tag_steps.write(path, job_id=ctx.writer.job_id if ctx.writer else None,
+                                attempt=ctx.attempt, world_size=ctx.world_size,
+                                rank=ctx.rank,
+                                reports=[*pending(), *(r.model_dump() for r in saving)])
+
+    return write
 
 
 def planned_row(spec: JobSpec, rank: int) -> RankPlan:
@@ -251,7 +272,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
                     ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
                 report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec,
-                                            source.progress(step * t.global_batch).samples))
+                                            source.progress(step * t.global_batch).samples,
+                                            steps_writer(ctx)))
             break
         if bubble is not None:
             bubble.begin_step(step + 1)
@@ -273,12 +295,6 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                                         loss_for(shape, groups)) \
             if source.eval_due(step + 1, t.steps) else None
         progress = source.progress((step + 1) * t.global_batch)
-        saved = checkpoint.Saved(None, None)
-        if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
-                (step + 1) % spec.checkpoint.every_steps == 0:
-            # A save the disk refuses is reported with the step; training goes on.
-            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1, spec,
-                                    consumed_samples=progress.samples)
         states = state_meter.read()
         last = StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
@@ -286,9 +302,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             lr=lr, grad_norm=_grad_norm(engine),
             bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
-            attempt=ctx.attempt, resumed_from=start, checkpoint=saved.path,
-            checkpoint_error=saved.error, checkpoint_bytes=saved.bytes,
-            checkpoints_removed=list(saved.removed) or None, eval_loss=eval_loss,
+            attempt=ctx.attempt, resumed_from=start, eval_loss=eval_loss,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=step * t.global_batch,
             memory=MemoryReport(
@@ -299,6 +313,17 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 process_peak_bytes=memory.process_peak_bytes(device),
                 process_peak_source="cuda_max_allocated" if device.type == "cuda"
                 else "rss_peak"))
+        if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
+                (step + 1) % spec.checkpoint.every_steps == 0:
+            # A save the disk refuses is reported with the step; training goes on. The tag
+            # carries this step's report too: it is reported only after the save.
+            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1, spec,
+                                    consumed_samples=progress.samples,
+                                    steps=steps_writer(ctx, last))
+            last = last.model_copy(update={
+                "checkpoint": saved.path, "checkpoint_error": saved.error,
+                "checkpoint_bytes": saved.bytes,
+                "checkpoints_removed": list(saved.removed) or None})
         report(last)
     engine.destroy()
 
