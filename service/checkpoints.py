@@ -22,6 +22,7 @@ only into a folder of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -65,9 +66,26 @@ def newest_complete_step(directory: str | Path | None) -> int:
     """The step of the newest complete checkpoint under `directory`, 0 when there is none."""
     if not directory or not os.path.isdir(directory):
         return 0
-    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := TAG.match(name))
-             and os.path.exists(os.path.join(directory, name, MARKER))]
-    return max(steps, default=0)
+    return max(complete_steps(directory), default=0)
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """The steps of the complete tags under `directory`, oldest first (none when it does not
+    exist); OSError when it cannot be listed."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(directory) if (m := TAG.match(name))
+                  and os.path.exists(os.path.join(directory, name, MARKER)))
+
+
+def tree_bytes(path: str | Path) -> int:
+    """Bytes of the files under `path` (what it holds on disk, to within block rounding)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,11 @@ from them (`service.secrets`).
 Groups outlive the controller: a controller that starts re-attaches to the live group of each
 PLACING or RUNNING job (no retry used; the ranks send again what was not stored, which the
 store takes once) and, after its first pass, stops every group on the cluster that belongs to
-no active attempt. Reports are acknowledged to the ranks only once they are stored.
+no active attempt. Reports are acknowledged to the ranks only once they are stored. Behind
+that, each checkpoint tag carries its ranks' reports not acknowledged yet: the job's folder is
+read (`service.tag_recovery`) in a controller's first pass, after each group is stopped and
+before each attempt starts, so a tag's steps are stored however its attempt ended, and the
+tags its predecessor never heard of are indexed.
 
 Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
@@ -76,6 +80,7 @@ from service.store.identity import Identity
 from service.store.metrics import MetricsIngest
 from service.store.quota import QuotaNotes
 from service.store.stack_requests import StackRequests
+from service.tag_recovery import recover
 from service.teardown import Teardown, Teardowns
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
@@ -156,7 +161,7 @@ class Controller:
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
                  places: CheckpointPlaces | None = None, box: SecretBox | None = None,
                  tracking: TrackingConfig | None = None,
-                 preempt_grace_s: float = 300.0) -> None:
+                 preempt_grace_s: float = 300.0, tag_steps_max_bytes: int = 64 << 20) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -193,6 +198,10 @@ class Controller:
                                  settle_s=cancel_grace_s + 30) if tracking is not None else None
         """Sends the stored steps to MLflow and TensorBoard files, beside the loop."""
         self._swept = False
+        self._read_folders = False
+        """Whether the first pass read the active jobs' checkpoint folders (`_recover`)."""
+        self.tag_steps_max_bytes = tag_steps_max_bytes
+        """The most bytes read of one rank's file of step reports in a tag."""
         self.preempt_grace_s = preempt_grace_s
         """How long a preempted job's ranks get to save their checkpoint and stop."""
         self.victims: dict[int, Victim] = {}
@@ -218,6 +227,11 @@ class Controller:
         for td in self.teardowns.reap():
             self._stopped(td)
         active = self.store.active_jobs()
+        if not self._read_folders:  # what the controller before this one never heard of
+            for job in active:
+                if job.attempts:
+                    self._recover(job)
+            self._read_folders = True
         keeping: list[Job] = []  # RESTARTING, the last group still stopping: admission
         # keeps their room (`_admit`)
         for job in active:
@@ -611,6 +625,7 @@ class Controller:
             folder = self.folders.claim(CheckpointWriter.of(job), spec.checkpoint.dir)
             if spec.checkpoint.resume_from is not None:
                 self._seed(job, attempt, spec, folder)
+            self._recover(job)  # no attempt resumes from a tag whose steps are not stored
             secrets = self.secrets.open(job.id)
         except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
             self._fail_attempt(job, attempt, f"not started: {exc}", result,
@@ -653,6 +668,15 @@ class Controller:
                                  f" {how} into its own folder in {done.seconds:.2f} s",
                                  data={"source_job": source.id, "step": done.step,
                                        "bytes": done.bytes, "linked": done.linked})
+
+    def _recover(self, job: Job) -> None:
+        """Store what the job's checkpoint folder holds that the store lacks: its tags in the
+        index, the step reports they carry (`service.tag_recovery`). Not read when the folder
+        is not the job's."""
+        named = job.spec.checkpoint.dir
+        if self.folders.refusal(CheckpointWriter.of(job), named) is None:
+            recover(self.store, self.ingest, job=job, folder=self.folders.folder(job.id, named),
+                    max_bytes=self.tag_steps_max_bytes)
 
     def _orphaned(self, job: Job, result: StepResult) -> None:
         """An active job with no group here: the controller restarted. Its group may still
@@ -800,6 +824,8 @@ class Controller:
             store_poll(self.store, self.ingest, job_id=key_id, attempt=td.attempt,
                        world_size=job.world_size, poll=td.final, health=None,
                        redact=self.secrets.redactor(key_id))
+        if td.attempt is not None:  # its ranks are gone: what their tags hold is stored
+            self._recover(self.store.get_job(job_id=key_id))
         self.store.add_event(
             job_id=key_id, attempt=td.attempt, kind="warning" if td.error else "teardown",
             message=f"stopping the worker group failed after {td.seconds:.1f} s: {td.error}"

@@ -168,7 +168,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           start_timeout_s=settings.start_timeout_s,
                           cancel_grace_s=settings.cancel_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
-                          tracking=TrackingConfig.of(settings))
+                          tracking=TrackingConfig.of(settings),
+                          tag_steps_max_bytes=settings.tag_steps_max_bytes)
 
     loop = LeaderLoop(leader, make_controller)
     # Renewed every pass: the longest wait is a third of the lease (as `retry_wait_s`).

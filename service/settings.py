@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`),
     with their time index (`.log.times`, `.log.times.1`) counted in; held while the disk
     refuses writes too (`workers.ranklog`)."""
+    tag_steps_max_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 34)
+    """The most bytes the controller reads of one rank's step reports in a checkpoint tag
+    (`<tag>/trident-steps/rank<r>.json`, 64 MiB: about 50,000 reports, as many as a rank
+    holds unacknowledged); a larger file is passed over with an event (docs/checkpoints.md)."""
     data_dir_min_free: float = Field(default=0.05, ge=0, le=1)
     """`GET /api/v1/healthz` names the data directory `nearly full` when less than this
     fraction of its filesystem is free (default 0.05: 5 %). A full disk costs a checkpoint

@@ -1,7 +1,7 @@
 """A job's checkpoint tags on disk as the ranks' readers name things: the layout file a tag
-carries, the converted forms kept beside it (`step<N>.universal/`, `step<N>.full/`) and a
-tree's bytes. The tags' own names (`step<N>/`) and the newest complete one are
-`service.checkpoints`' (the API reads them too).
+carries and the converted forms kept beside it (`step<N>.universal/`, `step<N>.full/`). The
+tags' own names (`step<N>/`), the newest complete one and a tree's bytes (`tree_bytes`, here
+for the converters) are `service.checkpoints`' (the API and the controller read them too).
 
 Apart from `workers.checkpoint` (which writes and loads tags) so that the converters
 (`workers.layout_free`) and the export (`workers.hf_export`) read tags without importing
@@ -10,24 +10,13 @@ the trainer's save and load.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
 
 from service.checkpoints import tag
+from service.checkpoints import tree_bytes as tree_bytes  # the converters' name for it
 from service.spec import JobSpec
-
-
-def tree_bytes(path: str) -> int:
-    """Bytes of the files under `path` (what it holds on disk, to within block rounding)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):  # gone meanwhile
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
-
 
 LAYOUT = "trident-layout.json"
 """Beside a tag's shards: the layout that wrote it (`tp`, `pp`, `dp`, `zero`, `virtual_stages`),

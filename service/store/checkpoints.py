@@ -5,7 +5,9 @@ Rank 0 reports with a step's report the tag it completed (`StepReport.checkpoint
 `checkpoint_bytes`) and the older tags it deleted then (`checkpoints_removed`, by the policy
 `checkpoint.keep_last` / `keep_every`, see `workers.checkpoint.prune`); the controller stores
 both here (`service.worker_reports`). A report sent again (a poll not acknowledged) writes the
-same row again. The bytes on disk of a job are the sum over its tags not removed: what
+same row again. The tags of a folder that no stored report named (rank 0's report died with
+its attempt), and those deleted unreported, are added and marked removed from the disk
+(`service.tag_recovery`). The bytes on disk of a job are the sum over its tags not removed: what
 `trident checkpoints JOB`, `GET /api/v1/jobs/{id}/checkpoints` and `describe` show.
 """
 
@@ -16,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.store.jobs import Store
 from service.store.tables import CheckpointRow, utcnow
@@ -66,11 +68,12 @@ class CheckpointIndex:
                 row.attempt, row.bytes, row.layout = attempt, size, layout
                 row.created_at, row.removed_at = utcnow(), None
             if removed:
-                s.execute(update(CheckpointRow)
-                          .where(CheckpointRow.job_id == job_id,
-                                 CheckpointRow.step.in_(removed),
-                                 CheckpointRow.removed_at.is_(None))
-                          .values(removed_at=utcnow()))
+                _remove(s, job_id, removed)
+
+    def gone(self, *, job_id: int, steps: list[int]) -> None:
+        """The tags of `steps` are no longer on disk (`service.tag_recovery`): removed."""
+        with self._sessions.begin() as s:
+            _remove(s, job_id, steps)
 
     def list(self, *, job_id: int, removed: bool = False) -> list[Checkpoint]:
         """The job's tags by step (with `removed`, the deleted ones too)."""
@@ -87,3 +90,10 @@ class CheckpointIndex:
                               .where(CheckpointRow.job_id == job_id,
                                      CheckpointRow.removed_at.is_(None))).scalar()
             return int(total or 0)
+
+
+def _remove(s: Session, job_id: int, steps: list[int]) -> None:
+    s.execute(update(CheckpointRow)
+              .where(CheckpointRow.job_id == job_id, CheckpointRow.step.in_(steps),
+                     CheckpointRow.removed_at.is_(None))
+              .values(removed_at=utcnow()))

@@ -225,6 +225,14 @@ class MetricsIngest:
                 bits.to_bytes((world_size + 7) // 8, "little")
             row.time = now
 
+    def whole(self, *, job_id: int, attempt: int, step: int) -> bool:
+        """Whether every rank's report of the step is stored (`service.tag_recovery`)."""
+        with self._sessions.begin() as s:
+            return s.execute(select(StepMetricRow.step).where(
+                StepMetricRow.job_id == job_id, StepMetricRow.attempt == attempt,
+                StepMetricRow.step == step, StepMetricRow.rank_bits.is_(None))).first() \
+                is not None
+
     def compact(self, *, job_id: int, attempt: int, before_step: int) -> int:
         """Retention: drop the per-rank rows (rank 0's aside) of steps before `before_step`,
         except every `KEEP_EVERY`-th step's. Returns how many rows went."""

@@ -1,0 +1,161 @@
+"""A checkpoint tag carries its ranks' step reports not acknowledged yet (`service.tag_steps`),
+and the controller stores them and indexes the tags it finds on disk (`service.tag_recovery`):
+once, under the attempt that ran the steps, whatever the store had already. The ranks writing
+them, and a node's death on real Ray, are in test_tag_steps_ray.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from service.checkpoints import MARKER, default_folder, tag
+from service.protocols import PollResult
+from service.states import JobState
+from service.store import Store
+from service.store.checkpoints import CheckpointIndex
+from service.store.metrics import MetricsIngest
+from service.tag_recovery import recover
+from service.tag_steps import write
+from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
+
+
+def _tag(folder: Path, step: int, *, job_id: int | None, attempt: int,
+         reports: dict[int, list[int]], complete: bool = True) -> Path:
+    """Tag `step` as the ranks save it: a shard, each rank's unacknowledged reports (`reports`:
+    rank -> steps), the marker last."""
+    path = folder / tag(step)
+    path.mkdir(parents=True)
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    for rank, steps in reports.items():
+        write(path, job_id=job_id, attempt=attempt, world_size=2, rank=rank,
+              reports=[step_report(rank, s, 5.0 - s / 10) for s in steps])
+    if complete:
+        (path / MARKER).write_text(f"{step}\n")
+    return path
+
+
+def _stored(store: Store, job_id: int) -> list[tuple[int, int, int]]:
+    """(attempt, step, rank) of every per-rank row stored."""
+    return [(m.attempt, m.step, m.rank) for m in store.list_metrics(job_id=job_id, rank=None)]
+
+
+def test_a_tags_reports_are_stored_once_under_the_attempt_that_ran_them(
+        store: Store, tmp_path: Path) -> None:
+    job_id = submit(store)
+    job = store.start_attempt(job_id=job_id)
+    ingest = MetricsIngest(store)
+    # Steps 1-2 were polled and stored; the ranks then trained to step 6 and saved its tag,
+    # each rank still holding step 2 (its acknowledgement not yet polled) to 6.
+    ingest.record(job_id=job_id, attempt=1, world_size=2,
+                  rows=[{**step_report(r, s, 1.0), "data": {}} for s in (1, 2) for r in (0, 1)])
+    folder = tmp_path / "ckpt"
+    _tag(folder, 6, job_id=job_id, attempt=1, reports={0: [2, 3, 4, 5, 6], 1: [2, 3, 4, 5, 6]})
+    _tag(folder, 8, job_id=job_id, attempt=1, reports={0: [7, 8]}, complete=False)  # cut short
+    (folder / tag(6) / "trident-steps" / "rank5.json").write_text('{"job_id": ' + str(job_id)
+                                                                  + ', "reports": 3}')
+
+    got = recover(store, ingest, job=job, folder=str(folder), max_bytes=1 << 20)
+
+    assert got.steps == {6: [2, 3, 4, 5, 6]}
+    assert _stored(store, job_id) == [(1, s, r) for s in range(1, 7) for r in (0, 1)]
+    steps = ingest.list_steps(job_id=job_id)
+    assert [(s.attempt, s.step, s.ranks) for s in steps] == [(1, s, 2) for s in range(1, 7)]
+    assert [s.loss for s in steps][2:] == [5.0 - s / 10 for s in range(3, 7)]
+    assert len(got.skipped) == 1 and "rank5.json" in got.skipped[0]
+    said = [e for e in store.list_events(job_id=job_id) if e.kind == "checkpoint"]
+    assert len(said) == 1 and "step6 (steps 2-6)" in said[0].message
+
+    # Read again (a later attempt's start, another controller): nothing is stored twice.
+    again = recover(store, ingest, job=job, folder=str(folder), max_bytes=1 << 20)
+    assert again.steps == {} and again.indexed == []
+    assert _stored(store, job_id) == [(1, s, r) for s in range(1, 7) for r in (0, 1)]
+    assert len([e for e in store.list_events(job_id=job_id) if e.kind == "checkpoint"]) == 1
+
+
+def test_reports_of_another_job_too_large_or_not_regular_files_are_passed_over(
+        store: Store, tmp_path: Path) -> None:
+    job_id = submit(store)
+    job = store.start_attempt(job_id=job_id)
+    folder = tmp_path / "ckpt"
+    path = _tag(folder, 3, job_id=job_id + 1, attempt=1, reports={0: [1, 2, 3]})  # copied in
+    os.mkfifo(path / "trident-steps" / "rank1.json")  # would block a reader that waits
+    _tag(folder, 6, job_id=job_id, attempt=1, reports={0: [4, 5, 6], 1: list(range(1, 300))})
+    done = threading.Event()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        out["got"] = recover(store, MetricsIngest(store), job=job, folder=str(folder),
+                             max_bytes=4096)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(30), "a FIFO among a tag's reports held the reader"
+    got = out["got"]
+    assert got.steps == {6: [4, 5, 6]}  # rank 1's file was too large; tag 3 is another job's
+    assert _stored(store, job_id) == [(1, s, 0) for s in (4, 5, 6)]
+    assert any("rank1.json" in s and "larger than 4096" in s for s in got.skipped)
+    assert any("rank1.json" in s and "not a regular file" in s for s in got.skipped)
+
+
+def running(*steps: int, rank: int = 0) -> PollResult:
+    return PollResult(state="running", reports=[step_report(rank, s, 1.0) for s in steps],
+                      acks={rank: len(steps)} if steps else {})
+
+
+def test_a_new_controller_indexes_the_tags_it_finds_on_disk_and_stores_their_steps(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    """The controller is killed while the job runs: rank 0 had reported tag 3, then saved tag
+    6 (and deleted tag 3 by retention) without a poll; the ranks are gone with it."""
+    store = sqlite_store
+    launcher = FakeLauncher([[running(1, 2), running()], [running()]])
+    job_id = submit(store, max_retries=2, train={"steps": 20, "global_batch": 8,
+                                                   "micro_batch": 2, "precision": "fp32"})
+    c = make(store, launcher, tmp_path)
+    c.step(), c.step()
+    assert store.get_job(job_id=job_id).state == JobState.RUNNING
+    CheckpointIndex(store).saved(job_id=job_id, attempt=1, step=3, size=10, layout={})
+    folder = default_folder(tmp_path, job_id)
+    _tag(folder, 6, job_id=job_id, attempt=1, reports={0: [3, 4, 5, 6], 1: [1, 2, 3, 4, 5, 6]})
+    c.shutdown()  # as after a kill -9: the group is gone
+    del launcher.live[(job_id, 1)]
+
+    fresh = make(store, launcher, tmp_path)
+    fresh.step()
+    listed = CheckpointIndex(store).list(job_id=job_id, removed=True)
+    assert [(t.step, t.attempt, t.removed_at is not None) for t in listed] == [
+        (3, 1, True), (6, 1, False)]
+    assert listed[1].bytes == sum(f.stat().st_size for f in (folder / tag(6)).rglob("*")
+                                  if f.is_file())
+    steps = fresh.ingest.list_steps(job_id=job_id, attempt=1)
+    assert [(s.step, s.ranks) for s in steps] == [(s, 2) for s in range(1, 7)]
+    fresh.step()  # the next attempt resumes from tag 6, every step of which is stored
+    assert launcher.groups[-1].starts["attempt"] == 2
+
+
+def test_the_tag_an_attempt_resumes_from_is_read_before_it_starts(sqlite_store: Store,
+                                                                  tmp_path: Path) -> None:
+    """A node's death fails the attempt after the ranks saved tag 4 past the last poll: the
+    steps are stored before the next attempt's group is started."""
+    store = sqlite_store
+    failed = PollResult(state="failed", error="rank 1: actor died", failed_ranks=[1])
+    launcher = FakeLauncher([[running(1), failed], [running()]])
+    job_id = submit(store, max_retries=2)
+    c = make(store, launcher, tmp_path)
+    c.step(), c.step()
+    folder = default_folder(tmp_path, job_id)  # claimed by the controller for attempt 1
+    seen: dict[str, Any] = {}
+    start = launcher.start
+
+    def starting(**kw: Any) -> FakeGroup:
+        seen["steps"] = [(s.attempt, s.step) for s in c.ingest.list_steps(job_id=job_id)]
+        return start(**kw)
+
+    launcher.start = starting  # type: ignore[method-assign]
+    _tag(folder, 4, job_id=job_id, attempt=1, reports={0: [2, 3, 4], 1: [1, 2, 3, 4]})
+    c.step()
+    assert c.teardowns.wait(30)
+    while len(launcher.groups) < 2:
+        c.step()
+    assert seen["steps"] == [(1, s) for s in range(1, 5)]
