@@ -32,6 +32,8 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 import torch
@@ -127,7 +129,9 @@ def consolidate(directory: str, step: int, shape: ModelShape) -> dict[str, torch
     for name, parts in shards.items():
         if len(parts) != tp:
             raise ExportRefused(f"{path}: {name} has {len(parts)} TP shards, not tp({tp})")
-        full[name] = join_shards(name, parts).clone()
+        # No copy: one TP shard is the tag's own tensor, mapped from its file, and several
+        # are joined into a new one (`write_safetensors` writes either as it is).
+        full[name] = join_shards(name, parts)
     return full
 
 
@@ -145,6 +149,18 @@ def export(directory: str, step: int, shape: ModelShape, out: str,
         raise ExportRefused(str(exc)) from exc
 
 
+def _end_with(parent: int) -> None:
+    """A thread that ends this process (exit status 4) once `parent` is gone: an API process
+    killed mid-export takes its conversion with it, and with it the export slot's lock
+    (`service.export`) that this process inherited."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(4)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m workers.hf_export DIRECTORY STEP OUT --shape JSON`: `export` in a process of
     its own, as the API's export route runs it (`service.export`), so that the server never
@@ -156,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--shape", required=True, help="the model's ModelShape fields as JSON")
     ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    ap.add_argument("--parent", type=int, default=0,
+                    help="end when this process (the API's) is no longer this one's parent")
     args = ap.parse_args(argv)
+    if args.parent:
+        _end_with(args.parent)
     fields = {f.name for f in dataclasses.fields(ModelShape)}
     shape = ModelShape(**{k: v for k, v in json.loads(args.shape).items() if k in fields})
     try:
