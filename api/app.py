@@ -47,6 +47,7 @@ from api.routes import (
 )
 from api.schemas import Health
 from api.serve import watch_parent
+from service.export import EXPORTS, sweep
 from service.heap import freeze_startup_objects
 from service.secrets import SecretBox
 from service.settings import Settings
@@ -139,6 +140,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         except ValueError as exc:  # a message without the key's value
             raise RuntimeError(f"refusing to start: TRIDENT_SECRETS_KEY: {exc}") from None
         app.state.tracking = TrackingConfig.of(settings)
+        if swept := sweep(settings.data_dir):  # exports a killed process left behind
+            log.warning("removed %d stale export folder(s) under %s: %s", len(swept),
+                        settings.data_dir / EXPORTS, ", ".join(swept))
         app.state.audit = AuditWriter(app.state.identity)
         if own:
             watch_parent()  # a worker of `trident up --api-workers N` ends with it

@@ -74,8 +74,12 @@ def export(job_id: Annotated[int, typer.Argument(help="The job.", min=1)],
     """
     if out.exists():
         fail(f"--out {out}: exists already; give a new folder")
-    with connect(server) as client:
-        written = client.export(job_id, out, step=step, format=format.value)
+    try:
+        with connect(server) as client:
+            written = client.export(job_id, out, step=step, format=format.value)
+    except OSError as exc:  # the folder (or the one it is made in) cannot be written
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out) else ""
+        fail(f"--out {out}: {exc.strerror or exc}{where}")
     typer.echo(f"job {job_id}: {written}")
 
 

@@ -17,6 +17,7 @@ follows; its methods are one per route, in the order of the API's route modules.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import time
@@ -421,28 +422,40 @@ class TridentClient:
         """Write a job's checkpoint tag (`step`, default the newest) as a Hugging Face model
         folder `out` (`config.json`, safetensors: `GET /jobs/{id}/export`, a tar streamed to
         a temporary file beside `out`, then unpacked); `out` must not exist yet. The
-        folder's path."""
+        folder's path. `OSError` when `out` cannot be written (`FileExistsError` when it
+        exists); `ConnectionFailed` when the answer breaks off."""
         import tarfile
         import tempfile
 
         target = os.path.abspath(os.fspath(out))
         if os.path.exists(target):
-            raise FileExistsError(f"{target} exists already; give a new folder")
+            raise FileExistsError(errno.EEXIST, "exists already; give a new folder", target)
         parent = os.path.dirname(target)
-        os.makedirs(parent, exist_ok=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except FileExistsError:  # a file on the way
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
         with tempfile.TemporaryDirectory(dir=parent, prefix=".trident-export-") as work:
             archive = os.path.join(work, "export.tar")
-            with self._http.stream("GET", f"/jobs/{job_id}/export",
-                                   params=_query(step=step, format=format),
-                                   timeout=httpx.Timeout(30, read=None)) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    raise _refusal(resp, self)
-                with open(archive, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
-            with tarfile.open(archive) as tar:
-                tar.extractall(os.path.join(work, "x"), filter="data")
+            try:
+                with self._http.stream("GET", f"/jobs/{job_id}/export",
+                                       params=_query(step=step, format=format),
+                                       timeout=httpx.Timeout(30, read=None)) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        raise _refusal(resp, self)
+                    with open(archive, "wb") as f:
+                        for chunk in resp.iter_bytes():
+                            f.write(chunk)
+            except httpx.HTTPError as exc:
+                raise ConnectionFailed(self.server, f"the export of job {job_id} broke off:"
+                                       f" {exc or type(exc).__name__}") from None
+            try:
+                with tarfile.open(archive) as tar:
+                    tar.extractall(os.path.join(work, "x"), filter="data")
+            except tarfile.TarError as exc:
+                raise NotTridentAPI(self.server, f"the export of job {job_id} is no whole"
+                                    f" tar: {exc}") from None
             [top] = os.listdir(os.path.join(work, "x"))
             os.replace(os.path.join(work, "x", top), target)
         return target

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     """`GET /api/v1/healthz` names the data directory `nearly full` when less than this
     fraction of its filesystem is free (default 0.05: 5 %). A full disk costs a checkpoint
     save and the log lines it refuses, not the control plane, but it costs them."""
+    export_max_concurrent: int = Field(default=2, ge=1, le=64)
+    """How many exports (`GET /api/v1/jobs/{id}/export`, `trident export`) run at once, over
+    every API process of the data directory; one more is refused with 429 and `Retry-After`.
+    Each writes the model's Hugging Face folder under `data_dir/exports/` (about the size of
+    its weights, deleted once sent) and its conversion maps the tag's files (about the size
+    of its weights in memory, most of it the files' pages)."""
     metrics_per_rank: bool = True
     """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
     active job); turn off for very large jobs."""

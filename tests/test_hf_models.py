@@ -265,7 +265,8 @@ def test_a_sharded_folder_loads_back_and_a_wrong_shape_is_named(tmp_path: Path) 
 def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
         tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """No complete tag: 404; a tag whose layout is unknown or interleaved: 409 naming it
-    (`service.export` through `workers.hf_export`), with no temporary folder left."""
+    (`service.export` through `workers.hf_export`), with no folder left in the system's
+    temporary directory nor in the data directory's exports (only the slots' lock files)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
@@ -290,3 +291,4 @@ def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
         assert r.status_code == 409 and "interleaved stages" in r.text, r.text
         assert c.get(f"/api/v1/jobs/{job}/export?step=6").status_code == 404
     assert list(scratch.iterdir()) == []
+    assert [p.name for p in (tmp_path / "data" / "exports").iterdir()] == ["slot-0.lock"]
