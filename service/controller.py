@@ -24,9 +24,11 @@ tags its predecessor never heard of are indexed.
 Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
 the job's checkpoint folder is made its own (`service.checkpoints`); a folder that is another
-job's fails the job without a retry too. A queued job that cannot be placed may preempt
-running jobs of lower priority (`service.preemption` chooses and words it; here they are asked
-to save and stop, watched while they do, and requeued). An elastic job that lost its ranks
+job's fails the job without a retry too. A group whose ranks all finished ends SUCCEEDED
+unless its last losses were all NaN or infinite (`_succeed`: FAILED, without a retry). A
+queued job that cannot be placed may preempt running jobs of lower priority
+(`service.preemption` chooses and words it; here they are asked to save and stop, watched
+while they do, and requeued). An elastic job that lost its ranks
 and waited `wait_s` for them is re-planned onto what is free, and with `scale_up` moved back
 when the room returns (`service.elastic` decides and words it; here its stored layout is
 changed, and a move up asks its ranks to save and stop). One module because it is one pass
@@ -161,7 +163,8 @@ class Controller:
                  shutdown_timeout_s: float = 20.0, fence: Fence | None = None,
                  places: CheckpointPlaces | None = None, box: SecretBox | None = None,
                  tracking: TrackingConfig | None = None,
-                 preempt_grace_s: float = 300.0, tag_steps_max_bytes: int = 64 << 20) -> None:
+                 preempt_grace_s: float = 300.0, tag_steps_max_bytes: int = 64 << 20,
+                 nonfinite_loss_steps: int = 10) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -204,6 +207,8 @@ class Controller:
         """The most bytes read of one rank's file of step reports in a tag."""
         self.preempt_grace_s = preempt_grace_s
         """How long a preempted job's ranks get to save their checkpoint and stop."""
+        self.nonfinite_loss_steps = nonfinite_loss_steps
+        """A job whose last this many losses were not finite does not succeed (`_succeed`)."""
         self.victims: dict[int, Victim] = {}
         """Preempted jobs whose room is not given back yet: no other preemption starts."""
         self.elastic_moves = ElasticMoves(store)
@@ -397,8 +402,7 @@ class Controller:
         victim = self.victims.get(job.id)
         late = victim is None or time.monotonic() - victim.asked > self.preempt_grace_s
         if poll.state == "succeeded":
-            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
-                         f"all ranks finished {run.spec.train.steps} steps", result)
+            self._succeed(job, run, result)
         elif poll.state in ("stopped", "failed") or late:
             self._teardown(job.id, run)
             why = {"stopped": "its ranks saved and stopped",
@@ -542,8 +546,7 @@ class Controller:
         late = time.monotonic() - move.asked > self.preempt_grace_s
         if poll.state == "succeeded":
             self.moving.pop(job.id)
-            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
-                         f"all ranks finished {run.spec.train.steps} steps", result)
+            self._succeed(job, run, result)
             return
         if poll.state == "failed":
             self.moving.pop(job.id)
@@ -750,8 +753,7 @@ class Controller:
             self._fail_attempt(job, run.attempt, f"worker group did not start within"
                                f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
         elif poll.state == "succeeded":
-            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
-                         f"all ranks finished {run.spec.train.steps} steps", result)
+            self._succeed(job, run, result)
         elif poll.state == "failed":
             self._teardown(job.id, run)
             detail = run.redact(poll.error or "a rank failed")
@@ -787,6 +789,32 @@ class Controller:
         self._teardown(job.id, run, drain=drain)
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
         self._move(job, to, message, result, attempt=run.attempt)
+
+    def _succeed(self, job: Job, run: _Running, result: StepResult) -> None:
+        """Every rank finished: SUCCEEDED, unless its last losses were not finite
+        (`_diverged`): FAILED then, without a retry (a restart would resume from the
+        checkpoints that hold those weights)."""
+        why = self._diverged(job.id)
+        if why is None:
+            self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
+                         f"all ranks finished {run.spec.train.steps} steps", result)
+            return
+        self._teardown(job.id, run)
+        self._fail_attempt(job, run.attempt, why, result, retry=False)
+
+    def _diverged(self, job_id: int) -> str | None:
+        """Why the job's last `nonfinite_loss_steps` losses (rank 0's, of its newest attempt;
+        all of them when it ran fewer steps) say it did not succeed: every one NaN or
+        infinite. None when any was finite, or none was reported."""
+        n = self.nonfinite_loss_steps
+        last = self.ingest.recent_metrics(job_id=job_id, rank=0, limit=n)
+        if not last or not all(m.loss is None and m.data.get("loss_nonfinite") for m in last):
+            return None
+        steps = f"step {last[0].step}" if len(last) == 1 else \
+            f"steps {last[0].step}-{last[-1].step}"
+        return (f"the last {len(last)} losses ({steps} of attempt {last[0].attempt}) were not"
+                " finite (NaN or infinite): the weights diverged or were damaged, and so are"
+                f" the checkpoints saved since; not a success (nonfinite_loss_steps {n})")
 
     def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult, *,
                       retry: bool = True) -> None:

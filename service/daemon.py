@@ -166,6 +166,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           places=CheckpointPlaces(settings.checkpoint_root_dirs,
                                                   settings.data_dir),
                           start_timeout_s=settings.start_timeout_s,
+                          nonfinite_loss_steps=settings.nonfinite_loss_steps,
                           cancel_grace_s=settings.cancel_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
                           tracking=TrackingConfig.of(settings),

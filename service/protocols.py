@@ -83,7 +83,12 @@ class StepReport(BaseModel):
     step: int = Field(ge=1, le=10_000_000)
     """1-based optimizer step."""
     loss: float | None = None
-    """Mean loss over the global batch; the same value on every rank (None: not finite)."""
+    """Mean loss over the global batch; the same value on every rank (None: not finite, or
+    not reported)."""
+    loss_nonfinite: bool | None = None
+    """True when the loss was NaN or infinite (stored as None): set on validation, so that a
+    diverged step is told from one that reported no loss (the controller's rule on a job
+    whose last losses were not finite: `Settings.nonfinite_loss_steps`)."""
     step_time_s: float = Field(ge=0, le=86400)
     """Wall time of this rank's optimizer step."""
     tokens_per_s: float = Field(ge=0)
@@ -151,6 +156,14 @@ class StepReport(BaseModel):
         if isinstance(v, float) and not math.isfinite(v):
             return None
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _note_nonfinite_loss(cls, data: Any) -> Any:
+        loss = data.get("loss") if isinstance(data, dict) else None
+        if isinstance(loss, float) and not math.isfinite(loss):
+            return {**data, "loss_nonfinite": True}
+        return data
 
     @field_validator("loss", "eval_loss")
     @classmethod

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     """How long workers get to stop by themselves before they are killed."""
     start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """How long a worker group may take to claim resources and rendezvous."""
+    nonfinite_loss_steps: int = Field(default=10, ge=1, le=1_000_000)
+    """A job whose ranks finish but whose last this many step losses (or every loss of its
+    last attempt, when it ran fewer steps) were NaN or infinite ends FAILED, not SUCCEEDED:
+    its weights diverged or were damaged, and the checkpoints it saved hold them."""
     lease_s: float = Field(default=15.0, gt=0, le=600)
     """How long the controller's lease lasts unrenewed: a standby controller (or the one
     `trident up` restarts) takes over at most this long after the leader dies. The leader

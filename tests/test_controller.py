@@ -314,3 +314,25 @@ def test_a_pass_leaves_the_rank_rows_of_running_jobs_unread(sqlite_store: Store,
     assert all(g.polls >= 4 for g in launcher.groups)
     with pytest.raises(ValidationError):  # they would not have validated
         sqlite_store.get_job(job_id=ids[0]).plan.rank_layout[0]
+
+
+@pytest.mark.parametrize(("losses", "ends"), [
+    ([1.0, float("nan"), float("inf"), float("nan")], JobState.FAILED),  # the last 3
+    ([float("nan"), float("nan"), 2.0], JobState.SUCCEEDED),  # recovered: the last is finite
+    ([float("nan"), 1.0, float("nan"), float("nan")], JobState.SUCCEEDED),  # 1 of the last 3
+    ([None, None, None], JobState.SUCCEEDED),  # no loss reported (a custom entrypoint's)
+], ids=["last-3-nan", "finite-last", "one-finite-in-window", "no-loss"])
+def test_a_job_whose_last_losses_are_not_finite_does_not_succeed(
+        sqlite_store: Store, tmp_path: Path, losses: list[float | None], ends: JobState) -> None:
+    reports = [step_report(0, s, 0.0) | {"loss": loss} for s, loss in enumerate(losses, 1)]
+    launcher = FakeLauncher([[PollResult(state="running", reports=reports),
+                              PollResult(state="succeeded")]], cpus=1)
+    job_id = submit(sqlite_store, parallel={"dp": 1})
+    c = make(sqlite_store, launcher, tmp_path, nonfinite_loss_steps=3)
+    assert drive(c, sqlite_store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 DEADLINE_S) == ends
+    error = sqlite_store.get_job(job_id=job_id).error
+    if ends == JobState.FAILED:
+        assert error is not None and error.startswith(
+            f"the last 3 losses (steps 2-{len(losses)} of attempt 1) were not finite")
+        assert "nonfinite_loss_steps 3" in error
