@@ -10,15 +10,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from api.app import create_app
 from service.checkpoints import MARKER, default_folder, tag
 from service.protocols import PollResult
+from service.settings import Settings
 from service.states import JobState
 from service.store import Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.metrics import MetricsIngest
 from service.tag_recovery import recover
 from service.tag_steps import write
+from tests.conftest import authed_client
 from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
+from tests.waiting import DEADLINE_S, drive_until
 
 
 def _tag(folder: Path, step: int, *, job_id: int | None, attempt: int,
@@ -104,10 +110,13 @@ def running(*steps: int, rank: int = 0) -> PollResult:
                       acks={rank: len(steps)} if steps else {})
 
 
+@pytest.mark.parametrize("state", [JobState.RUNNING, JobState.PREEMPTED])
 def test_a_new_controller_indexes_the_tags_it_finds_on_disk_and_stores_their_steps(
-        sqlite_store: Store, tmp_path: Path) -> None:
-    """The controller is killed while the job runs: rank 0 had reported tag 3, then saved tag
-    6 (and deleted tag 3 by retention) without a poll; the ranks are gone with it."""
+        sqlite_store: Store, tmp_path: Path, state: JobState) -> None:
+    """The controller is killed while the job runs, or while it is being preempted: rank 0
+    had reported tag 3, then saved tag 6 (and deleted tag 3 by retention) without a poll; the
+    ranks are gone with it. The tags are listed as they are on disk (the API reads the index),
+    every step of tag 6 is stored, and the job resumes from it."""
     store = sqlite_store
     launcher = FakeLauncher([[running(1, 2), running()], [running()]])
     job_id = submit(store, max_retries=2, train={"steps": 20, "global_batch": 8,
@@ -118,19 +127,24 @@ def test_a_new_controller_indexes_the_tags_it_finds_on_disk_and_stores_their_ste
     CheckpointIndex(store).saved(job_id=job_id, attempt=1, step=3, size=10, layout={})
     folder = default_folder(tmp_path, job_id)
     _tag(folder, 6, job_id=job_id, attempt=1, reports={0: [3, 4, 5, 6], 1: [1, 2, 3, 4, 5, 6]})
+    if state == JobState.PREEMPTED:
+        store.transition(job_id=job_id, to=state, message="preempted", attempt=1)
     c.shutdown()  # as after a kill -9: the group is gone
     del launcher.live[(job_id, 1)]
 
     fresh = make(store, launcher, tmp_path)
     fresh.step()
-    listed = CheckpointIndex(store).list(job_id=job_id, removed=True)
-    assert [(t.step, t.attempt, t.removed_at is not None) for t in listed] == [
-        (3, 1, True), (6, 1, False)]
-    assert listed[1].bytes == sum(f.stat().st_size for f in (folder / tag(6)).rglob("*")
-                                  if f.is_file())
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as api:
+        listed = api.get(f"/api/v1/jobs/{job_id}/checkpoints").json()
+    assert [(t["step"], t["attempt"]) for t in listed["items"]] == [(6, 1)]
+    assert listed["bytes_on_disk"] == sum(f.stat().st_size for f in (folder / tag(6)).rglob("*")
+                                          if f.is_file())
+    removed = CheckpointIndex(store).list(job_id=job_id, removed=True)
+    assert [(t.step, t.removed_at is not None) for t in removed] == [(3, True), (6, False)]
     steps = fresh.ingest.list_steps(job_id=job_id, attempt=1)
     assert [(s.step, s.ranks) for s in steps] == [(s, 2) for s in range(1, 7)]
-    fresh.step()  # the next attempt resumes from tag 6, every step of which is stored
+    drive_until(fresh, lambda: len(launcher.groups) == 2, DEADLINE_S,  # resumes from tag 6
+                "attempt 2 started")
     assert launcher.groups[-1].starts["attempt"] == 2
 
 
@@ -156,6 +170,5 @@ def test_the_tag_an_attempt_resumes_from_is_read_before_it_starts(sqlite_store: 
     _tag(folder, 4, job_id=job_id, attempt=1, reports={0: [2, 3, 4], 1: [1, 2, 3, 4]})
     c.step()
     assert c.teardowns.wait(30)
-    while len(launcher.groups) < 2:
-        c.step()
+    drive_until(c, lambda: len(launcher.groups) == 2, DEADLINE_S, "attempt 2 started")
     assert seen["steps"] == [(1, s) for s in range(1, 5)]
