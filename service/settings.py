@@ -65,8 +65,9 @@ class Settings(BaseSettings):
     refuses writes too (`workers.ranklog`)."""
     tag_steps_max_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 34)
     """The most bytes the controller reads of one rank's step reports in a checkpoint tag
-    (`<tag>/trident-steps/rank<r>.json`, 64 MiB: about 50,000 reports, as many as a rank
-    holds unacknowledged); a larger file is passed over with an event (docs/checkpoints.md)."""
+    (`<tag>/trident-steps/rank<r>.json`; 64 MiB holds a rank's whole buffer, 50,000 reports,
+    at 0.7 to 1.0 KB a report as a dp2 job's measured); a larger file is passed over with a
+    warning in the controller's log (docs/checkpoints.md)."""
     data_dir_min_free: float = Field(default=0.05, ge=0, le=1)
     """`GET /api/v1/healthz` names the data directory `nearly full` when less than this
     fraction of its filesystem is free (default 0.05: 5 %). A full disk costs a checkpoint
