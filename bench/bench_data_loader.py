@@ -2,8 +2,8 @@
 
 1. Writes a corpus of `--gb` GiB (default 2.1) of uint16 tokens in Megatron's indexed dataset
    layout (documents of 200 to 4,000 tokens), in `--dir` (default a temporary folder).
-2. Builds the job's global sample order once (rank 0's work at start: `workers.sample_order`)
-   and times it.
+2. Builds the job's global sample order once (rank 0's work at start: `workers.sample_order`),
+   into a sample-order cache in the same folder, and times it.
 3. Reads the micro-batches of one DP rank of a GPT-3 125M job (seq_len 2048, global batch 512,
    dp 8: 64 samples a step) step after step through `workers.data.TokenSource`, the trainer's
    own path, and reports its tokens per second against the tokens per second the planner
@@ -25,9 +25,11 @@ import os
 import struct
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+from service.order_cache import OrderCache, ServerData
 from service.planner import evaluate
 from service.spec import JobSpec
 from workers import data, sample_order
@@ -100,10 +102,11 @@ def main() -> None:
     t0 = time.perf_counter()
     parts = [sample_order.Part(prefix, None)]
     samples = args.steps * GLOBAL_BATCH
-    sample_order.build(parts, spec.train.seed, SEQ_LEN, samples)
+    server = ServerData(OrderCache.of(Path(folder), 1 << 40, 1 << 40), data_roots=(folder,))
+    sample_order.build(server.orders, "bench", parts, spec.train.seed, SEQ_LEN, samples).close()
     print(f"sample order: {samples} samples built in {time.perf_counter() - t0:.1f} s")
     anon0, file0 = rss()
-    source = data.open_source(spec, dp_rank=3, rank=0)
+    source = data.open_source(spec, dp_rank=3, rank=0, server=server, user="bench")
     steps, read = 0, 0
     marks = []
     t0, c0 = time.perf_counter(), time.process_time()

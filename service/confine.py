@@ -14,6 +14,9 @@ the server's settings and the submitter's role; each refusal is a SpecError nami
   (`CheckpointPlaces.read_refusal`): inside one of the checkpoint roots, not the data
   directory nor anything Trident keeps there, not a folder recorded as a job's. Checked here,
   at submission, as `checkpoint.dir` is (the API read the config with the same rule).
+- a `tokens` job's sample order must fit the per-user bound of the sample-order cache
+  (`TRIDENT_ORDER_CACHE_USER_BYTES`, `service.order_cache`) by the bytes any order of its
+  samples takes at least; the rank that builds it checks its exact size again.
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
 - `env` and `secrets` (both go into the ranks' environment) may not set variables that change
   how the worker process itself loads (the dynamic loader's, the interpreter's, the shell's
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from service.checkpoints import CheckpointPlaces
 from service.hf_config import folder_of
+from service.order_cache import user_refusal
 from service.spec import JobSpec, SpecError, normal_uri
 
 DENIED_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON")
@@ -58,6 +62,9 @@ class Confinement:
     admin: bool = False
     mlflow_uris: frozenset[str] = frozenset()
     """The MLflow servers a spec may name (normalised: `service.spec.normal_uri`)."""
+    order_cache_user_bytes: int | None = None
+    """The per-user bound of the sample-order cache (`Settings.order_cache_user_bytes`;
+    None: not checked here)."""
 
     def check(self, spec: JobSpec) -> None:
         """Raise SpecError for the first field that reaches outside the job."""
@@ -72,6 +79,7 @@ class Confinement:
             for i, ref in enumerate(getattr(spec.data, name)):
                 if why := data_refusal(ref.path, self.data_roots):
                     raise SpecError(f"data.{name}.{i}.path", why)
+        self._order_cache(spec)
         if spec.entrypoint is not None:
             self._entrypoint(spec.entrypoint)
         for name, variables in (("env", spec.env), ("secrets", spec.secrets)):
@@ -83,6 +91,16 @@ class Confinement:
         places = CheckpointPlaces(self.checkpoint_roots, self.data_dir)
         if why := places.refusal(raw) or places.taken(raw):
             raise SpecError("checkpoint.dir", why)
+
+    def _order_cache(self, spec: JobSpec) -> None:
+        d, t = spec.data, spec.train
+        if d.kind != "tokens" or self.order_cache_user_bytes is None:
+            return
+        samples = t.steps * t.global_batch
+        if d.valid or d.valid_fraction:
+            samples += d.eval_batches * t.global_batch
+        if why := user_refusal(samples, self.order_cache_user_bytes):
+            raise SpecError("train.steps", why)
 
     def _entrypoint(self, entrypoint: str) -> None:
         if not self.entrypoint_modules:

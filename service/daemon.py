@@ -29,6 +29,7 @@ from service.checkpoints import CheckpointPlaces
 from service.controller import Controller, StepResult
 from service.diskfull import tolerate_full_disk
 from service.heap import freeze_startup_objects
+from service.order_cache import ServerData
 from service.pace import Pace
 from service.rayhead import LOOPBACK_ENV, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, metric_ports
 from service.secrets import SecretBox, forget_server_secrets
@@ -78,7 +79,8 @@ def connect_ray(settings: Settings) -> object:
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
     return launcher.RayLauncher(  # type: ignore[no-any-return]
-        log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes)
+        log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes,
+        server=ServerData.of(settings))
 
 
 def retry_wait_s(failures: int, poll_interval_s: float, lease_s: float) -> float:

@@ -78,6 +78,16 @@ class Settings(BaseSettings):
     Each writes the model's Hugging Face folder under `data_dir/exports/` (about the size of
     its weights, deleted once sent) and its conversion maps the tag's files (about the size
     of its weights in memory, most of it the files' pages)."""
+    order_cache_user_bytes: int = Field(default=4 << 30, ge=1 << 20, le=1 << 50)
+    """The most bytes of the sample-order cache (`<data_dir>/sample-orders/`, the index of
+    each `tokens` job's global sample order, about 30 bytes a sample) that one user's jobs may
+    hold (4 GiB): a user's least recently used entries that no running job reads make room
+    first; a job whose order would still pass it is refused, at submission when its order
+    alone is bigger (`service.order_cache`)."""
+    order_cache_bytes: int = Field(default=16 << 30, ge=1 << 20, le=1 << 50)
+    """The most bytes the whole sample-order cache may hold (16 GiB): past it, the least
+    recently used entries that no running job reads are deleted; a build that would still
+    pass it is refused."""
     metrics_per_rank: bool = True
     """Whether `GET /metrics` has per-rank series (`trident_rank_*`: one per rank of every
     active job); turn off for very large jobs."""

@@ -420,7 +420,7 @@ MAX_CORPORA = 64
 """Most corpora in `data.train` (and in `data.valid`)."""
 MAX_DATA_SAMPLES = 1 << 31
 """Most samples a `tokens` job's sample order may hold: train.steps * train.global_batch (its
-cached index costs 16 bytes a sample, built once by one process; `workers.data`)."""
+cached index costs about 30 bytes a sample, built once by one process; `workers.data`)."""
 
 
 class CorpusRef(_Strict):

@@ -244,13 +244,15 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     Ray, with faults allowed: what the Ray end-to-end tests drive one pass at a time."""
     from api.app import create_app
     from service.controller import Controller
+    from service.order_cache import ServerData
     from service.settings import Settings
     from workers.launcher import RayLauncher
 
     store = Store(migrated_sqlite(tmp_path / "e2e.db"))
-    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
-                            start_timeout_s=120, cancel_grace_s=5)
     settings = Settings(data_dir=tmp_path, allow_faults=True)
+    controller = Controller(store, RayLauncher(server=ServerData.of(settings)),
+                            checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
+                            cancel_grace_s=5)
     with authed_client(create_app(settings, store=store), store) as client:
         yield client, store, controller
     controller.shutdown(stop_jobs=True)

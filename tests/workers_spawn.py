@@ -7,6 +7,7 @@ import os
 import queue as queue_mod
 import random
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -14,11 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from service.checkpoints import CheckpointWriter
+from service.order_cache import OrderCache, ServerData
 from service.protocols import StepReport
 from service.spec import JobSpec
 from tests import forked
 from tests.servers import free_port
 
+TEST_SERVER = ServerData(
+    OrderCache(Path(tempfile.gettempdir()) / f"trident-test-orders-{os.getuid()}",
+               user_bytes=1 << 30, total_bytes=2 << 30), data_roots=("/",))
+"""The data rules of ranks run without a controller: a sample-order cache shared by the test
+runs of this user (bounded: its least recently used orders go), corpora anywhere."""
 RENDEZVOUS_LOW = 20000
 """The lowest rendezvous port drawn (`_rendezvous_ports`): above Ray's worker ports
 (10002-19999 by default)."""
@@ -59,7 +66,8 @@ def _free(port: int) -> bool:
 
 def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: str | None,
                attempts: list[int | None], stop_ranks: list[int] | None, queue: Any,
-               writer: CheckpointWriter | None = None, preempt: bool = False) -> None:
+               writer: CheckpointWriter | None = None, preempt: bool = False,
+               server: ServerData | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -92,7 +100,8 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=ports[attempt],
                               checkpoint_dir=ckpt, plan=planned_row(spec, rank),
-                              attempt=attempt, writer=writer, save_now=save_now)
+                              attempt=attempt, writer=writer, save_now=save_now,
+                              server=server or TEST_SERVER)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
 
@@ -120,7 +129,8 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
               attempts: list[int | None] | None = None, stop_ranks: list[int] | None = None,
               timeout: float = 240, writer: CheckpointWriter | None = None,
               preempt: bool = False,
-              sequence: list[tuple[int, str, int]] | None = None) -> list[list[dict]]:
+              sequence: list[tuple[int, str, int]] | None = None,
+              server: ServerData | None = None) -> list[list[dict]]:
     """Reports per attempt, in arrival order; raises with the traceback of a failed rank.
 
     `attempts` runs several attempts in the same processes; an attempt's number is the step
@@ -128,7 +138,8 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     the job the checkpoint folder must belong to, as the controller gives it. `preempt`:
     stopping an attempt also asks its ranks to save first, as a preemption does.
     `sequence`, if given, receives `(rank, "start" or "report", step)` in each rank's order:
-    the trainer's `step_started` calls and its reports.
+    the trainer's `step_started` calls and its reports. `server`: the data rules the ranks
+    get (default `TEST_SERVER`).
     """
     attempts = attempts or [None]
     world = spec.world_size
@@ -137,7 +148,8 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     ports = _rendezvous_ports(len(attempts))  # a fresh rendezvous port per attempt
     procs = [forked.process(ctx, _rank_main,
                             (spec.model_dump_json(exclude_unset=True), r, world, ports,
-                             checkpoint_dir, attempts, stop_ranks, queue, writer, preempt))
+                             checkpoint_dir, attempts, stop_ranks, queue, writer, preempt,
+                             server))
              for r in range(world)]
     for p in procs:
         p.start()

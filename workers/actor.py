@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from service.checkpoints import CheckpointWriter
+from service.order_cache import ServerData
 from service.planner.stored import RankPlan
 from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
@@ -96,12 +97,14 @@ class RankActor:
     def start(self, spec: JobSpec, plan: RankPlan, master_addr: str, ports: list[int],
               local_rank: int, checkpoint_dir: str | None, attempt: int,
               log: tuple[str, int] | None = None,
-              writer: dict[str, Any] | None = None) -> None:
+              writer: dict[str, Any] | None = None,
+              server: dict[str, Any] | None = None) -> None:
         """Probe (if asked), then train, on a thread: the job's stored spec and this rank's
         row of its stored plan, as the controller's launcher sends them; `ports`: [training,
         probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`);
         `writer`: the job the checkpoint folder must belong to
-        (`service.checkpoints.CheckpointWriter`)."""
+        (`service.checkpoints.CheckpointWriter`); `server`: the server's data rules
+        (`service.order_cache.ServerData`)."""
         from workers.ranklog import capture
         from workers.train import RankContext, train_rank
 
@@ -111,7 +114,8 @@ class RankActor:
                           master_addr=master_addr, master_port=ports[0],
                           checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
                           writer=CheckpointWriter.from_json(writer) if writer else None,
-                          save_now=self._save_now, pending=self._unacknowledged)
+                          save_now=self._save_now, pending=self._unacknowledged,
+                          server=ServerData.from_json(server) if server else None)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:

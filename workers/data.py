@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.order_cache import ServerData
 from service.spec import JobSpec
 
 NOISE = 0.1
@@ -198,10 +199,13 @@ def _parts(spec: JobSpec) -> tuple[list, list]:
 
 def open_source(spec: JobSpec, dp_rank: int, rank: int,
                 share: Callable[[str | None], str | None] = lambda e: e,
-                barrier: Callable[[], None] = lambda: None) -> DataSource:
+                barrier: Callable[[], None] = lambda: None,
+                server: ServerData | None = None, user: str = "") -> DataSource:
     """This rank's `DataSource` for `spec`. For corpora, rank 0 checks that none changed since
-    submission and builds the sample orders (once: they are cached); `share` broadcasts its
-    error (None: none) to every rank, which all raise it, and `barrier` waits for the build."""
+    submission and builds the sample orders into the server's cache (`server`; None: the one
+    this environment's settings name) for `user`'s job (once: they are cached); `share`
+    broadcasts its error (None: none) to every rank, which all raise it, and `barrier` waits
+    for the build."""
     t, d, m = spec.train, spec.data, spec.model
     layout = spec.layout
     common = dict(seed=t.seed, seq_len=m.seq_len, vocab=m.vocab, global_batch=t.global_batch,
@@ -211,43 +215,54 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
         return DataSource(**common)  # type: ignore[arg-type]
     from workers import sample_order
 
+    server = server or ServerData.from_settings()
     train, valid = _parts(spec)
     samples, eval_samples = t.steps * t.global_batch, d.eval_batches * t.global_batch
-    error = None
+    error: str | None = None
+    built: list[Any] = []
     if rank == 0:
-        error = _build(spec, train, valid, samples, eval_samples)
+        error, built = _build(spec, server, user, train, valid, samples, eval_samples)
     error = share(error)
     if error is not None:
         raise DataChanged(error)
     barrier()
-    return TokenSource(
-        **common,  # type: ignore[arg-type]
-        train_order=sample_order.open_order(train, t.seed, m.seq_len, samples),
-        valid_order=sample_order.open_order(valid, t.seed + 1, m.seq_len, eval_samples)
-        if valid else None,
-        paths=[r.path for r in d.train])
+    if built:
+        train_order = built[0]
+        valid_order = built[1] if valid else None
+    else:
+        cache = server.orders
+        train_order = sample_order.open_order(cache, train, t.seed, m.seq_len, samples)
+        valid_order = sample_order.open_order(cache, valid, t.seed + 1, m.seq_len,
+                                              eval_samples) if valid else None
+    return TokenSource(**common,  # type: ignore[arg-type]
+                       train_order=train_order, valid_order=valid_order,
+                       paths=[p.prefix for p in train_order.parts])
 
 
 class DataChanged(RuntimeError):
     """A corpus changed after submission, or its sample order could not be built."""
 
 
-def _build(spec: JobSpec, train: list, valid: list, samples: int,
-           eval_samples: int) -> str | None:
+def _build(spec: JobSpec, server: ServerData, user: str, train: list, valid: list,
+           samples: int, eval_samples: int) -> tuple[str | None, list]:
+    """Rank 0: the error that stops every rank (None: none), and the orders it built."""
     from service import corpus
     from service.data_check import changed
+    from service.order_cache import CacheRefused
     from workers import sample_order
 
     for ref in [*spec.data.train, *spec.data.valid]:
         if why := changed(ref):
-            return why
+            return why, []
     try:
         for ref in [*spec.data.train, *spec.data.valid]:
             if ref.fingerprint is None:  # not submitted through the API (torchrun, tests)
                 corpus.check(ref.path, spec.model.vocab)
-        sample_order.build(train, spec.train.seed, spec.model.seq_len, samples)
+        t, seq_len = spec.train, spec.model.seq_len
+        built = [sample_order.build(server.orders, user, train, t.seed, seq_len, samples)]
         if valid:
-            sample_order.build(valid, spec.train.seed + 1, spec.model.seq_len, eval_samples)
-    except (corpus.CorpusError, OSError) as exc:
-        return f"data: {exc}"
-    return None
+            built.append(sample_order.build(server.orders, user, valid, t.seed + 1, seq_len,
+                                            eval_samples))
+    except (corpus.CorpusError, CacheRefused, OSError) as exc:
+        return f"data: {exc}", []
+    return None, built

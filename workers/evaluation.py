@@ -8,17 +8,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from service.order_cache import ServerData
 from service.spec import JobSpec
 from workers import data
 from workers.tp import RankGroups, dp_all_reduce
 from workers.vocab import LossFn
 
 
-def open_data(spec: JobSpec, rank: int, groups: RankGroups,
-              device: torch.device) -> data.DataSource:
+def open_data(spec: JobSpec, rank: int, groups: RankGroups, device: torch.device,
+              server: ServerData | None = None, user: str = "") -> data.DataSource:
     """This rank's data source (`workers.data`): for corpora, rank 0 builds the sample order
-    once while the others wait, and an error there (a corpus changed since submission) is
-    raised on every rank."""
+    once (into `server`'s cache, for `user`'s job) while the others wait, and an error there
+    (a corpus changed since submission, the cache's bound) is raised on every rank."""
     def share(error: str | None) -> str | None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return error
@@ -30,7 +31,7 @@ def open_data(spec: JobSpec, rank: int, groups: RankGroups,
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
 
-    return data.open_source(spec, groups.dp_rank, rank, share, barrier)
+    return data.open_source(spec, groups.dp_rank, rank, share, barrier, server, user)
 
 
 def evaluate(engine, source: data.DataSource, pp: int, groups: RankGroups,

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from service.checkpoints import CheckpointWriter
+from service.order_cache import ServerData
 from service.planner.stored import StoredPlan
 from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
@@ -299,23 +300,27 @@ class RayWorkerGroup:
 
 def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_dir: str | None,
                  log: tuple[str, int] | None, writer: CheckpointWriter | None = None,
+                 server: ServerData | None = None,
                  ) -> Callable[[Any, int, list[dict[str, Any]], int], Any]:
     """How a job's group starts each rank once its ranks met (`RayWorkerGroup`'s `launch`):
     with the job's stored spec and the rank's row of its stored plan (`StoredPlan.rank_plan`:
-    its stage, layers and groups); `writer`: the job the checkpoint folder must belong to."""
+    its stage, layers and groups); `writer`: the job the checkpoint folder must belong to;
+    `server`: the server's data rules (its sample-order cache and data roots)."""
     writer_json = writer.to_json() if writer is not None else None
+    server_json = server.to_json() if server is not None else None
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start.remote(spec, plan.rank_plan(rank), infos[0]["ip"],
                                   infos[0]["free_ports"], local_rank, checkpoint_dir, attempt,
-                                  log, writer_json)
+                                  log, writer_json, server_json)
 
     return launch
 
 
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                 checkpoint_dir: str | None, writer: CheckpointWriter | None = None,
-                log: tuple[str, int] | None = None) -> RayWorkerGroup:
+                log: tuple[str, int] | None = None,
+                server: ServerData | None = None) -> RayWorkerGroup:
     """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
     `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
@@ -326,7 +331,7 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                           env=rank_env({**spec.env, **spec.secret_values()}, cpus, gpus),
                           detached=True,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
-                                              writer=writer,
+                                              writer=writer, server=server,
                                               checkpoint_dir=checkpoint_dir, log=log))
 
 

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.checkpoints import CheckpointWriter
 from service.node_labels import node_facts
+from service.order_cache import ServerData
 from service.planner.stored import StoredPlan
 from service.protocols import NodeCapacity
 from service.ranklogs import attempt_log_dir
@@ -52,11 +53,15 @@ def _node_inventory() -> dict[str, Any]:
 class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
-    def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20) -> None:
-        """`log_root`: where rank logs go (`Settings.log_root`; none: not captured)."""
+    def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20,
+                 server: ServerData | None = None) -> None:
+        """`log_root`: where rank logs go (`Settings.log_root`; none: not captured);
+        `server`: the server's data rules the ranks keep (its sample-order cache and data
+        roots; none: those of the ranks' environment)."""
         self._placing: list[RayWorkerGroup] = []
         self.log_root = log_root
         self.log_max_bytes = log_max_bytes
+        self.server = server
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None,
@@ -65,7 +70,7 @@ class RayLauncher:
         claimed (placement group, ranks) when this raises."""
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
                             checkpoint_dir=checkpoint_dir, writer=writer,
-                            log=self._rank_log(job_id, attempt))
+                            log=self._rank_log(job_id, attempt), server=self.server)
         self._placing.append(group)
         return group
 
@@ -90,7 +95,8 @@ class RayLauncher:
                                    launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                                        checkpoint_dir=checkpoint_dir,
                                                        writer=writer,
-                                                       log=self._rank_log(job_id, attempt)))
+                                                       log=self._rank_log(job_id, attempt),
+                                                       server=self.server))
             # Until it is placed its actors cannot answer: nothing was started on them.
             placed = bool(ray.wait([group.pg.ready()], timeout=0.5)[0])
             started = ray.get([a.started.remote() for a in group.actors],

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from service import ds_config, tag_steps
 from service.checkpoints import CheckpointWriter
+from service.order_cache import ServerData
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
@@ -85,6 +86,9 @@ class RankContext:
     """The step reports this rank holds that the controller has not acknowledged
     (`workers.actor`): each tag the rank saves carries them (`steps_writer`); None without a
     controller."""
+    server: ServerData | None = None
+    """The server's data rules: its sample-order cache and data roots (None: those of this
+    environment's `TRIDENT_*` settings, as under torchrun)."""
 
 
 def steps_writer(ctx: RankContext, *saving: StepReport) -> Callable[[str], None] | None:
@@ -157,7 +161,8 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
         groups = build_groups(spec.layout.dims, ctx.rank)
         _check_row(ctx.plan, groups)
         ds_config = deepspeed_config(spec, device)
-        source = evaluation.open_data(spec, ctx.rank, groups, device)
+        source = evaluation.open_data(spec, ctx.rank, groups, device, ctx.server,
+                                      ctx.writer.owner if ctx.writer else "")
         if spec.entrypoint:
             _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop, source)
         else:

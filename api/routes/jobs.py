@@ -81,7 +81,7 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
     return Submitter(owner=who.name, project=project, confinement=Confinement(
         checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, data_roots=settings.data_root_dirs,
-        env_allow=settings.env_allowed,
+        env_allow=settings.env_allowed, order_cache_user_bytes=settings.order_cache_user_bytes,
         admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
         tracking=request.app.state.tracking,
         box=request.app.state.box)
