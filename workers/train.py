@@ -143,6 +143,10 @@ class TrainContext:
     consumed samples. Resuming from `resume_step`, the consumed samples are
     `resume_step * train.global_batch`: pass them to `checkpoint.save(...,
     consumed_samples=...)`."""
+    save_steps: Callable[[str], None] | None = None
+    """Pass it to `checkpoint.save(..., steps=...)`: each tag then carries this rank's step
+    reports the controller has not acknowledged (report a step before saving it), stored
+    should the attempt end before they are polled (`service.tag_steps`)."""
 
     def should_stop(self) -> bool:
         """Collective: whether any rank was asked to stop; call it on every rank each step."""
@@ -447,7 +451,7 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=lambda r: report(StepReport.model_validate(r)),
                       resume_step=resume, stop=stop, plan=ctx.plan, attempt=ctx.attempt,
-                      data=source))
+                      data=source, save_steps=steps_writer(ctx)))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------
