@@ -69,8 +69,9 @@ from service.preemption import Victim, asked_message, choose, holds, preempting_
 from service.profiles import profile_for
 from service.protocols import Launcher, NodeCapacity, PollResult, WorkerGroup
 from service.quota import Quota, held
+from service.redaction import redact
 from service.scheduler import admit, bundles, pack, taken, unplaceable
-from service.secrets import JobSecrets, SecretBox, SecretsUnreadable, redact
+from service.secrets import JobSecrets, SecretBox, SecretsUnreadable
 from service.spec import JobSpec
 from service.spec_limits import recheck
 from service.stack_collect import StackCollector

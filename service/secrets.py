@@ -5,8 +5,9 @@ A job's secrets are write-only. `service.jobs.submit` seals each value with the 
 the sealed values in a table of their own (`job_secrets`), apart from the spec: a copy of the
 database, a backup or a query of the spec holds no secret in clear. Only the controller opens
 them, when it starts an attempt, and hands them to the ranks' environment; what the control
-plane stores from the ranks (errors, events) passes through `redact` first. No route, page,
-event, export or tracker carries a value; the API shows their names.
+plane stores from the ranks (errors, events) passes through `redact` first
+(`service.redaction`), and so does what the ranks write to their logs (`workers.ranklog`).
+No route, page, event, export or tracker carries a value; the API shows their names.
 
 The key: `TRIDENT_SECRETS_KEY` (a Fernet key, `SecretBox.new_key()`), or else a key file the
 server makes once in its data directory (`secrets.key`, mode 600). The API (which seals) and
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
 
+from service.redaction import redact
 from service.store import Store
 
 KEY_FILE = "secrets.key"
@@ -37,10 +39,6 @@ SERVER_SECRETS = ("TRIDENT_MLFLOW_TOKEN", "TRIDENT_MLFLOW_USERNAME", "TRIDENT_ML
                   "MLFLOW_TRACKING_PASSWORD")
 """The server's secrets in its environment (its own, and MLflow's if an operator set them):
 never passed on to a process that runs jobs."""
-
-REDACT_MIN_CHARS = 6
-"""Values shorter than this are not searched for in text (they would garble it)."""
-
 
 class SecretsUnreadable(RuntimeError):
     """A sealed secret this server's key cannot open (another key sealed it)."""
@@ -141,14 +139,6 @@ class JobSecrets:
             except SecretsUnreadable:  # its ranks never got them either
                 known = {}
         return partial(redact, secrets=dict(known))
-
-
-def redact(text: str, secrets: Mapping[str, str]) -> str:
-    """`text` with every secret value (of at least `REDACT_MIN_CHARS`) replaced by its name."""
-    for name, value in sorted(secrets.items(), key=lambda kv: -len(kv[1])):
-        if len(value) >= REDACT_MIN_CHARS and value in text:
-            text = text.replace(value, f"[secret {name}]")
-    return text
 
 
 def forget_server_secrets(env: MutableMapping[str, str] = os.environ) -> None:

@@ -20,12 +20,12 @@ from sqlalchemy import text
 from api.app import create_app
 from service import daemon
 from service.rayhead import RayHead
+from service.redaction import redact
 from service.secrets import (
     KEY_FILE,
     SERVER_SECRETS,
     SecretBox,
     SecretsUnreadable,
-    redact,
     without_server_secrets,
 )
 from service.settings import Settings
