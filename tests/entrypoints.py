@@ -10,6 +10,19 @@ def explode(ctx: Any) -> None:
         raise RuntimeError("rank 1 exploded on purpose")
 
 
+def leaky(ctx: Any) -> None:
+    """Prints its secret TRIDENT_TEST_SECRET to stdout and stderr, as a library that names
+    what it could not reach does, then fails with it in its exception: what the rank logs
+    and the job's error must hold redacted."""
+    import os
+    import sys
+
+    value = os.environ["TRIDENT_TEST_SECRET"]
+    print(f"leaky rank {ctx.rank} stdout: connecting with {value}", flush=True)
+    print(f"leaky rank {ctx.rank} stderr: retrying {value}", file=sys.stderr, flush=True)
+    raise ConnectionError(f"Unable to find address for: {value}")
+
+
 def chatty(ctx: Any) -> None:
     """Print a line and report a step every 0.2 s until asked to stop (or 1,500 steps): a
     job that is running, with live output, for as long as a test needs one."""

@@ -21,16 +21,20 @@ from service.settings import Settings
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Store
-from tests.conftest import authed_client, tiny_spec, user_token
+from tests.conftest import authed_client, migrated_sqlite, tiny_spec, user_token
 from tests.smallfs import small_fs
+from tests.waiting import drive, wait_for
+from workers.ranklog import secret_names_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20,
-             check_s: float | None = None) -> subprocess.CompletedProcess:
+             check_s: float | None = None, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
     """A child process that captures its output as rank 1, then runs `body`; with `check_s`,
-    its watcher looks that often (the body may call `log.look()` itself)."""
+    its watcher looks that often (the body may call `log.look()` itself); `env`: more of its
+    environment (a job's secrets, as the launcher gives them)."""
     code = textwrap.dedent(f"""
         import os, sys
         import workers.ranklog
@@ -39,7 +43,7 @@ def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20,
         log = workers.ranklog.capture({str(log_dir)!r}, 1, {max_bytes})
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})
+                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def test_prints_os_writes_and_tracebacks_reach_the_file(tmp_path: Path) -> None:
@@ -58,6 +62,122 @@ def test_prints_os_writes_and_tracebacks_reach_the_file(tmp_path: Path) -> None:
         assert line in text
     c = read_chunk(tmp_path, 1, 0, 1 << 20)
     assert c.text == text and c.next == c.size == len(text.encode()) and c.skipped == 0
+
+
+SECRET = "tr1dent-rank-log-" + "Qw7sZp3K"
+"""A job's secret as its rank's environment holds it; grepped for in what the log holds."""
+SECRET_ENV = {"TOKEN": SECRET, "SHORT": "abc", **secret_names_env(["TOKEN", "SHORT"])}
+"""The rank's environment as the launcher makes it for a job with two secrets (`SHORT` is
+below `REDACT_MIN_CHARS`: never searched for)."""
+
+
+def test_a_secrets_value_is_redacted_from_every_stream_of_the_rank(app_store) -> None:
+    """Whatever writes it (print, stderr, a raw fd, a child process, two writes that cut it,
+    a library's exception), the rank log holds `[secret TOKEN]`, not the value, and so do the
+    log route's answers to a viewer. The rest of the output is as written, bytes that are not
+    UTF-8 included."""
+    client, store, settings = app_store
+    job_id, d = started_job(store, settings)
+    out = run_rank(d, """
+        import time
+        v = os.environ["TOKEN"]
+        print("token=" + v)
+        print("on stderr: " + v, file=sys.stderr)
+        os.write(1, ("fd 1 " + v + "\\n").encode())
+        os.system('echo "a child: $TOKEN"')
+        sys.stdout.write("cut " + v[:7])
+        time.sleep(0.3)  # the rest comes later: the pump has read the first part alone
+        sys.stdout.write(v[7:] + " across two writes; short secret abc; ünïcode\\n")
+        os.write(2, b"raw \\xff\\xfe bytes\\n")
+        raise ConnectionError("Unable to find address for: " + v)
+    """, env=SECRET_ENV)
+    assert out.returncode == 1 and out.stdout == "" and out.stderr == ""
+    data = (d / "rank-1.log").read_bytes()
+    assert SECRET.encode() not in data and SECRET[:12].encode() not in data
+    text = data.decode("utf-8", "replace")
+    for line in ("token=[secret TOKEN]", "on stderr: [secret TOKEN]", "fd 1 [secret TOKEN]",
+                 "a child: [secret TOKEN]",
+                 "cut [secret TOKEN] across two writes; short secret abc; ünïcode",
+                 "ConnectionError: Unable to find address for: [secret TOKEN]"):
+        assert line + "\n" in text, (line, text)
+    assert b"raw \xff\xfe bytes\n" in data
+    viewer = {"Authorization": f"Bearer {user_token(store, 'vic', 'viewer')}"}
+    with client:
+        r = client.get(f"/api/v1/jobs/{job_id}/logs", params={"rank": 1}, headers=viewer)
+        assert r.status_code == 200, r.text
+        assert "Unable to find address for: [secret TOKEN]" in r.text and SECRET not in r.text
+
+
+@pytest.mark.slow
+def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
+        local_ray: None, tmp_path: Path) -> None:
+    """A real job on Ray (two ranks, the controller's launcher) whose entrypoint prints its
+    secret to stdout and stderr and fails with it in a library's words: the rank logs on
+    disk and as the log route serves them to a viewer hold `[secret NAME]`, as the job's
+    error does."""
+    from service.controller import Controller
+    from service.secrets import SecretBox
+    from workers.launcher import RayLauncher
+
+    settings = Settings(data_dir=tmp_path, entrypoint_modules="tests.entrypoints")
+    store = Store(migrated_sqlite(tmp_path / "ray.db"))
+    controller = Controller(store, RayLauncher(log_root=settings.log_root,
+                                               log_max_bytes=settings.rank_log_max_bytes),
+                            checkpoint_root=settings.checkpoint_root, start_timeout_s=120,
+                            box=SecretBox.of(None, tmp_path))
+    member = {"Authorization": f"Bearer {user_token(store, 'alice', 'member')}"}
+    viewer = {"Authorization": f"Bearer {user_token(store, 'vic', 'viewer')}"}
+    try:
+        with TestClient(create_app(settings, store=store)) as client:
+            r = client.post("/api/v1/jobs", headers=member, json=tiny_spec(
+                name="leaky", entrypoint="tests.entrypoints:leaky", monitor={"probe": False},
+                secrets={"TRIDENT_TEST_SECRET": SECRET}))
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            assert drive(controller, store, job_id, {JobState.FAILED, JobState.SUCCEEDED},
+                         240) == JobState.FAILED
+            error = store.get_job(job_id=job_id).error or ""
+            assert "[secret TRIDENT_TEST_SECRET]" in error and SECRET not in error
+
+            def served() -> str:
+                r = client.get(f"/api/v1/jobs/{job_id}/logs", headers=viewer,
+                               params={"rank": [0, 1]})
+                assert r.status_code == 200, r.text
+                return "".join(c["text"] for c in r.json()["ranks"])
+
+            said = [f"leaky rank {rank} {stream}" for rank in (0, 1)
+                    for stream in ("stdout: connecting with", "stderr: retrying")]
+            wait_for("both ranks' lines and tracebacks served", lambda: all(
+                f"{line} [secret TRIDENT_TEST_SECRET]" in served() for line in said)
+                and served().count("ConnectionError: Unable to find address for: [secret"
+                                   " TRIDENT_TEST_SECRET]") == 2, 60, served)
+            assert SECRET not in served()
+    finally:
+        controller.shutdown(stop_jobs=True)
+        store.close()
+    logs = [p for p in settings.log_root.rglob("*") if p.is_file()]
+    assert any(p.name == "rank-1.log" for p in logs)
+    assert not [p for p in logs if SECRET.encode() in p.read_bytes()]
+
+
+def test_a_redacted_log_keeps_its_cap_and_offsets(tmp_path: Path) -> None:
+    """Through the pump, rotation moves its writes to the new file as it moves fds 1 and 2."""
+    out = run_rank(tmp_path, """
+        import time
+        for i in range(30):
+            print(f"line {i:02d} ".ljust(39, "."))
+        deadline = time.monotonic() + 30
+        while log.path.stat().st_size < 1200 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the pump writes it
+        assert log.rotate_if_full()
+        print("after " + os.environ["TOKEN"])
+    """, max_bytes=2000, check_s=3600, env=SECRET_ENV)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "rank-1.log.1").stat().st_size == 1200
+    c = read_chunk(tmp_path, 1, 0, 1 << 20)
+    assert c.skipped == 0 and c.size == c.next == 1200 + len("after [secret TOKEN]\n")
+    assert c.text == "".join(f"line {i:02d} ".ljust(39, ".") + "\n" for i in range(30)) + (
+        "after [secret TOKEN]\n")
 
 
 def test_the_cap_keeps_the_newest_output_and_offsets_survive_rotations(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from service.protocols import GroupState, HeartbeatReport, PollResult
 from service.spec import JobSpec
 from workers import nccl_env
 from workers.actor import RankActor, rank_runtime_env
+from workers.ranklog import secret_names_env
 
 log = logging.getLogger(__name__)
 
@@ -327,8 +328,10 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
                           # The job's secrets reach the ranks' environment only: the
-                          # spec each rank is sent (`train_launch`, a dump) carries none.
-                          env=rank_env({**spec.env, **spec.secret_values()}, cpus, gpus),
+                          # spec each rank is sent (`train_launch`, a dump) carries none;
+                          # their names tell the rank logs what to redact.
+                          env=rank_env({**spec.env, **spec.secret_values(),
+                                        **secret_names_env(spec.secrets)}, cpus, gpus),
                           detached=True,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                               writer=writer, server=server,
