@@ -9,7 +9,9 @@ with it on SIGTERM. It acts only while it holds the controller's lease
 once the leader stops renewing. A leader that finds the lease taken stops at once, without
 touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
 A database it cannot read (`service.store.dbcheck`) is one line in its log, at start (it exits with
-DATABASE_UNREADABLE) and for every pass that fails on a damaged one.
+DATABASE_UNREADABLE) and for every pass that fails on a damaged one; a database that is away
+(a server stopped or unreachable) is one line when a pass first finds it away and one when a
+pass succeeds again (`Outage`), not a traceback per failed pass.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from service.rayhead import LOOPBACK_ENV, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, m
 from service.secrets import SecretBox, forget_server_secrets
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
-from service.store.dbcheck import Unreadable, check, damaged, describe, readable
+from service.store.dbcheck import Unreadable, away, check, damaged, describe, readable
 from service.store.lease import CONTROLLER, Leader, Role
 from service.tracking.config import TrackingConfig
 
@@ -88,6 +90,32 @@ def retry_wait_s(failures: int, poll_interval_s: float, lease_s: float) -> float
     away): doubling from twice the poll interval, and never over a third of the lease, so
     that the lease is still renewed when the database is back within it."""
     return min(poll_interval_s * 2 ** failures, lease_s / 3)
+
+
+class Outage:
+    """The database away, as the controller's log says it: one line when a pass first fails
+    on it (which database, the error, what to check), nothing for each pass that fails after
+    it while it stays away, and one line when a pass succeeds again (how long it was away,
+    how many passes failed)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.since: float | None = None
+        self.failed = 0
+
+    def away(self, exc: BaseException, wait_s: float) -> None:
+        self.failed += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            log.error("database away: %s; the controller retries with backoff (next in %g s)"
+                      " and says when it is back", describe(self.url, exc), wait_s)
+
+    def back(self) -> None:
+        if self.since is None:
+            return
+        log.warning("database back after %.1f s (%d controller pass(es) failed meanwhile)",
+                    time.monotonic() - self.since, self.failed)
+        self.since, self.failed = None, 0
 
 
 class LeaderLoop:
@@ -183,6 +211,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
     parent = int(os.environ.get("TRIDENT_PARENT_PID", "0"))
     status = 0
     failures = 0
+    outage = Outage(settings.db_url)
     frozen = False
     try:
         while not stop.is_set():
@@ -201,7 +230,9 @@ def run(settings: Settings, stop: threading.Event) -> int:
             except Exception as exc:  # one bad pass must not end the daemon
                 failures += 1
                 wait = retry_wait_s(failures, settings.poll_interval_s, settings.lease_s)
-                if damaged(exc):  # the same line every pass, not a traceback every pass
+                if away(exc):  # one line per outage
+                    outage.away(exc, wait)
+                elif damaged(exc):  # the same line every pass, not a traceback every pass
                     log.error("controller pass failed (%d in a row): %s; retrying in %g s",
                               failures, describe(settings.db_url, exc), wait)
                 else:
@@ -215,6 +246,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
                     break
                 stop.wait(wait)
                 continue
+            outage.back()
             failures = 0
             stop.wait(loop.wait_s(pace, settings.poll_interval_s))
     finally:

@@ -223,3 +223,59 @@ def test_the_daemon_logs_a_damaged_database_in_one_line_per_failed_pass(
         assert record.exc_info is None, record  # no traceback
         assert f"the database {tmp_path / 'trident.db'} is damaged (DatabaseError: database" \
             " disk image is malformed)" in record.getMessage()
+
+
+@pytest.mark.postgres
+def test_the_daemon_logs_each_postgres_outage_in_one_line_and_says_when_it_is_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+    import time
+
+    import service.daemon as daemon
+    from tests._private_pg import PrivatePostgres
+    from tests.fakes import FakeLauncher
+
+    monkeypatch.setattr(daemon, "connect_ray", lambda _settings: FakeLauncher([]))
+    caplog.set_level("INFO", logger="trident.controller")
+
+    def lines(text: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if text in r.getMessage()]
+
+    def until(what: str, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(lines(what)) < count:
+            assert t.is_alive() and time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+
+    pg = PrivatePostgres()
+    pg.start()
+    stop = threading.Event()
+    status: list[int] = []
+    t = threading.Thread(target=lambda: status.append(daemon.run(
+        Settings(data_dir=tmp_path, database_url=pg.url, poll_interval_s=0.05, lease_s=600),
+        stop)))
+    t.start()
+    try:
+        until("acting as the controller", 1)
+        for outage in (1, 2):
+            pg.stop()
+            until("database away", outage)
+            time.sleep(3)  # passes fail meanwhile: 0.1 s, 0.2 s, 0.4 s, ... apart
+            pg.start()
+            until("database back", outage)
+    finally:
+        stop.set()
+        t.join(30)
+        pg.close()
+    assert status == [0], caplog.text
+    away, back = lines("database away"), lines("database back")
+    assert len(away) == 2 and len(back) == 2, caplog.text
+    for record in away:
+        assert record.exc_info is None and record.levelname == "ERROR", record
+        assert "cannot reach the database" in record.getMessage(), record.getMessage()
+    for record in back:
+        failed = int(record.getMessage().split("(")[1].split()[0])
+        assert failed >= 4, record.getMessage()  # the passes that failed said nothing more
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+    assert not lines("controller pass failed"), caplog.text
