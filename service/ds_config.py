@@ -11,7 +11,12 @@ the like, which tune how DeepSpeed moves bytes, not what is trained or where. A 
 decides (batch sizes, ZeRO stage, offload, precision, optimizer, schedule, clipping, the
 pipeline) is accepted only with the value the spec gives it, and otherwise refused naming the
 key and the spec field that decides it (`section_errors`); any other key is refused with the
-allow list.
+allow list. An allowed key's value is one DeepSpeed takes (`VALUES`): what its ZeRO config
+model (`deepspeed.runtime.zero.config.DeepSpeedZeroConfig`, pydantic) accepts, and for the top
+level what `deepspeed.runtime.config` reads without failing, so that a value the ranks would
+refuse at `deepspeed.initialize` (or fail on at their first step) is a 422 at submission.
+The service does not import deepspeed: the rules are written here, and
+tests/test_ds_config.py holds them against DeepSpeed's own.
 
 Imported by `service.spec` (checks), `service.planner` (the printed config) and
 `workers.train` (the ranks' config).
@@ -50,6 +55,75 @@ DECIDED: dict[str, str] = {
     "zero_optimization.offload_param": "parallel.offload",
 }
 """Keys the spec decides, and the spec fields that decide them."""
+
+
+def _boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def _whole(least: int) -> Any:
+    """A whole number of at least `least` (DeepSpeed's `int` with `ge`/`gt`; `5e8`, a whole
+    float, as pydantic takes it)."""
+    def check(v: Any) -> str | None:
+        whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if isinstance(v, bool) or not whole or v < least:
+            return f"must be a whole number of at least {least}"
+        return None
+    return check
+
+
+def _positive(v: Any) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+        return "must be a number above 0"
+    return None
+
+
+def _dtype(v: Any) -> str | None:
+    if v is None or (isinstance(v, str) and v.lower() in ("fp16", "bf16", "fp32")):
+        return None
+    return "must be fp16, bf16, fp32 or null"
+
+
+def _steps(v: Any) -> str | None:
+    return None if v is None else _whole(1)(v)
+
+
+def _optional_boolean(v: Any) -> str | None:
+    return None if v is None else _boolean(v)
+
+
+VALUES: dict[str, Any] = {
+    # top level: deepspeed.runtime.config reads these without a check of its own, and the
+    # engine divides by the factor and takes the step count modulo the print interval
+    "communication_data_type": _dtype, "seq_parallel_communication_data_type": _dtype,
+    "prescale_gradients": _boolean, "gradient_predivide_factor": _positive,
+    "wall_clock_breakdown": _boolean, "memory_breakdown": _boolean, "dump_state": _boolean,
+    "steps_per_print": _steps,
+    # zero_optimization: DeepSpeedZeroConfig's fields (bool; int with ge=0, reduce_bucket_size
+    # gt=0; overlap_comm Optional[bool])
+    "zero_optimization.allgather_partitions": _boolean,
+    "zero_optimization.allgather_bucket_size": _whole(0),
+    "zero_optimization.overlap_comm": _optional_boolean,
+    "zero_optimization.reduce_scatter": _boolean,
+    "zero_optimization.reduce_bucket_size": _whole(1),
+    "zero_optimization.contiguous_gradients": _boolean,
+    "zero_optimization.round_robin_gradients": _boolean,
+    "zero_optimization.stage3_max_live_parameters": _whole(0),
+    "zero_optimization.stage3_max_reuse_distance": _whole(0),
+    "zero_optimization.stage3_prefetch_bucket_size": _whole(0),
+    "zero_optimization.stage3_param_persistence_threshold": _whole(0),
+    "zero_optimization.sub_group_size": _whole(0),
+    "zero_optimization.use_multi_rank_bucket_allreduce": _boolean,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _boolean,
+}
+"""Each allowed key's check: None when DeepSpeed takes the value, else why not."""
+
+
+def value_refusal(key: str, value: Any) -> str | None:
+    """Why DeepSpeed would refuse `value` for the allowed key `key` (dotted under
+    `zero_optimization`), or None."""
+    why = VALUES[key](value)
+    return None if why is None else f"{key}={str(value)[:80]} {why}"
 MAX_KEYS = 64
 """Most keys a `deepspeed:` section may hold, counted at every depth."""
 MAX_DEPTH = 3
@@ -154,11 +228,15 @@ def section_errors(spec: JobSpec) -> list[tuple[str, str]]:
                             name, v, base["zero_optimization"].get(sub))))
                 elif sub not in ALLOWED_ZERO:
                     errs.append((f"deepspeed.{name}", _not_allowed(name, ALLOWED_ZERO)))
+                elif why := value_refusal(name, v):
+                    errs.append((f"deepspeed.{name}", why))
         elif key in DECIDED:
             if not explicit or not _agrees(value, base.get(key)):
                 errs.append((field, _contradiction(key, value, base.get(key))))
         elif key not in ALLOWED:
             errs.append((field, _not_allowed(key, ALLOWED | {"zero_optimization"})))
+        elif why := value_refusal(key, value):
+            errs.append((field, why))
     return errs
 
 

@@ -90,3 +90,61 @@ def test_allowed_keys_reach_deepspeed_and_the_printed_config_is_the_ranks(tmp_pa
     assert ranks["config"] == printed
     assert ranks["engine"] == {"reduce_bucket_size": 12345678, "overlap_comm": True,
                                "communication_data_type": "torch.float32"}
+
+
+PROBES = [True, False, None, 0, 1, -1, 5e8, 12345678, 2.5, float("nan"), "fp16", "BF16",
+          "int8", "true", "7", [1], 10**12]
+"""Values a user might write for any key: DeepSpeed's own checks and Trident's are held
+against each other on each."""
+
+
+def test_every_value_trident_lets_through_is_one_deepspeed_takes() -> None:
+    # Trident's rules (service.ds_config.VALUES, the service imports no deepspeed) against
+    # DeepSpeed's own: its ZeRO config model, and its reading of the communication dtypes.
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from service.ds_config import ALLOWED_ZERO, value_refusal
+
+    def deepspeed_takes(key: str, value: object) -> bool:
+        try:
+            if key.startswith("zero_optimization."):
+                DeepSpeedZeroConfig(**{key.split(".", 1)[1]: value})
+            else:
+                get_communication_data_type({key: value}, key, None)
+        except Exception:
+            return False
+        return True
+
+    keys = [f"zero_optimization.{k}" for k in sorted(ALLOWED_ZERO)] + [
+        "communication_data_type", "seq_parallel_communication_data_type"]
+    for key in keys:
+        ours = {repr(v): value_refusal(key, v) is None for v in PROBES}
+        theirs = {repr(v): deepspeed_takes(key, v) for v in PROBES}
+        assert [v for v in ours if ours[v] and not theirs[v]] == [], key  # never looser
+        assert any(ours.values()) and not all(theirs.values()), (key, theirs)
+
+
+@pytest.mark.parametrize("section, field, why", [
+    ({"zero_optimization": {"reduce_bucket_size": 0}},
+     ["deepspeed", "zero_optimization", "reduce_bucket_size"], "a whole number of at least 1"),
+    ({"zero_optimization": {"allgather_bucket_size": -5}},
+     ["deepspeed", "zero_optimization", "allgather_bucket_size"], "at least 0"),
+    ({"zero_optimization": {"overlap_comm": "yes please"}},
+     ["deepspeed", "zero_optimization", "overlap_comm"], "must be true or false"),
+    ({"communication_data_type": "int8"}, ["deepspeed", "communication_data_type"],
+     "fp16, bf16, fp32 or null"),
+    ({"gradient_predivide_factor": 0}, ["deepspeed", "gradient_predivide_factor"],
+     "a number above 0"),
+    ({"steps_per_print": 0}, ["deepspeed", "steps_per_print"], "at least 1"),
+])
+def test_a_value_deepspeed_refuses_is_a_422_naming_the_key(
+        store: Store, tmp_path, section: dict, field: list[str], why: str) -> None:
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as client:
+        r = client.post("/api/v1/jobs", json=tiny_spec(deepspeed=section))
+        assert r.status_code == 422, r.text
+        [d] = r.json()["detail"]
+        assert d["loc"] == ["body", *field] and why in d["msg"], d
+        good = {"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": None},
+                "communication_data_type": "bf16", "steps_per_print": 10}
+        assert client.post("/api/v1/jobs", json=tiny_spec(deepspeed=good)).status_code == 201
