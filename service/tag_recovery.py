@@ -68,6 +68,9 @@ def recover(store: Store, ingest: MetricsIngest, *, job: Job, folder: str,
     for step in reversed(on_disk):
         files, skipped = read(f"{folder}/{tag(step)}", job_id=job.id, max_bytes=max_bytes)
         out.skipped += skipped
+        # A tag saved again by a later attempt (of another world size: files it did not
+        # overwrite) is that attempt's.
+        files = [f for f in files if f.attempt == max(g.attempt for g in files)]
         carried[step] = files
         if not files or _stored(ingest, job.id, step, files):
             break

@@ -172,3 +172,20 @@ def test_the_tag_an_attempt_resumes_from_is_read_before_it_starts(sqlite_store: 
     assert c.teardowns.wait(30)
     drive_until(c, lambda: len(launcher.groups) == 2, DEADLINE_S, "attempt 2 started")
     assert seen["steps"] == [(1, s) for s in range(1, 5)]
+
+
+def test_a_tag_saved_again_by_a_later_attempt_is_that_attempts(store: Store,
+                                                               tmp_path: Path) -> None:
+    """Attempt 2 (one rank fewer) saved tag 4 again over attempt 1's: rank 1's file of attempt
+    1 is left there, and is not taken for attempt 2's."""
+    job_id = submit(store)
+    store.start_attempt(job_id=job_id)
+    job = store.start_attempt(job_id=job_id)
+    folder = tmp_path / "ckpt"
+    path = _tag(folder, 4, job_id=job_id, attempt=1, reports={0: [3, 4], 1: [3, 4]})
+    write(path, job_id=job_id, attempt=2, world_size=1, rank=0,
+          reports=[step_report(0, s, 1.0) for s in (3, 4)])
+    got = recover(store, MetricsIngest(store), job=job, folder=str(folder), max_bytes=1 << 20)
+    assert got.steps == {4: [3, 4]}
+    assert _stored(store, job_id) == [(2, 3, 0), (2, 4, 0)]
+    assert [(t.step, t.attempt) for t in CheckpointIndex(store).list(job_id=job_id)] == [(4, 2)]
