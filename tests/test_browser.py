@@ -6,6 +6,7 @@ the module. Each test saves a screenshot of its page under var/screenshots/.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -107,7 +108,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         with serving(create_app(settings, store=store)) as url:
             jobs = {}
             go = settings.data_dir / "flaky-go"
-            for name, spec in [("tiny", tiny_spec(name="browser-tiny")),
+            # tiny's rate is small, as real ones are: its chart's ticks are 5e-5 apart
+            small_lr = {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
+                        "lr": 3e-4, "warmup_steps": 3}
+            for name, spec in [("tiny", tiny_spec(name="browser-tiny", train=small_lr)),
                                ("chatty", tiny_spec(name="browser-chatty",
                                                     entrypoint="tests.entrypoints:chatty")),
                                ("explode", tiny_spec(name="browser-explode",
@@ -161,6 +165,8 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
     for key in ("loss", "step_time_s", "tokens_per_s", "mfu", "lr", "grad_norm"):
         expect(page.locator(f"#chart-{key}")).to_have_attribute("data-points", "6")
         expect(page.locator(f"#chart-{key} canvas")).to_have_count(1)
+    for key in ("loss", "lr", "grad_norm"):
+        tick_labels_read_as_their_ticks(page, f"#chart-{key}")
     # uPlot itself holds the six steps: its legend shows the values under the cursor.
     expect(page.locator("#series-info")).to_have_text("6 steps stored, 6 points drawn per series")
     page.locator(".tabs a[data-tab=ranks]").click()
@@ -171,6 +177,18 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
     assert steps
     page.locator(".tabs a[data-tab=comm]").click()
     expect(page.locator("#comm-bars .bar")).to_have_count(1 + len(steps))
+
+
+def tick_labels_read_as_their_ticks(page: Page, chart: str) -> None:
+    """The y axis's labels as drawn (`yTicks` leaves them on the chart's box): each reads as
+    its tick's value (to a thousandth of it), no two alike."""
+    expect(page.locator(chart)).to_have_attribute("data-ticks", re.compile(r"\[\["))
+    ticks = json.loads(page.locator(chart).get_attribute("data-ticks") or "[]")
+    assert len(ticks) >= 2, ticks
+    labels = [label for _, label in ticks]
+    assert len(set(labels)) == len(labels), (chart, ticks)
+    for tick, label in ticks:
+        assert abs(float(label) - tick) <= 1e-3 * max(abs(tick), 1e-12), (chart, ticks)
 
 
 def test_jobs_table_lists_the_jobs_and_filters(live: Live, page: Page) -> None:
@@ -297,6 +315,14 @@ def test_the_comparison_page_overlays_the_jobs_and_lists_what_differs(live: Live
     page.check("input[name=x-axis][value=elapsed_s]")  # by wall time: the same two curves
     expect(page.locator("#chart-loss")).to_have_attribute("data-series", "2")
     expect(page.locator("#chart-loss .u-axis").first).to_be_visible()
+    tick_labels_read_as_their_ticks(page, "#chart-loss")
+    # On a narrower window the tables scroll in their boxes: the page does not.
+    page.set_viewport_size({"width": 900, "height": 1000})
+    page.reload()
+    expect(page.locator("#run-rows tr[data-job]")).to_have_count(2)
+    widths = page.evaluate("[document.documentElement.scrollWidth, innerWidth,"
+                           " document.querySelector('#runs').scrollWidth]")
+    assert widths[0] <= widths[1] < widths[2], widths  # the table is wider than the page
 
 
 _CONTRAST = """el => {

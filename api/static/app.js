@@ -33,6 +33,35 @@ function fmtSecs(s) {
   return s < 1 ? (s * 1000).toPrecision(3) + " ms" : s.toPrecision(3) + " s";
 }
 
+// A chart's tick label: as many decimals as the ticks' spacing `incr` has, in exponent form
+// below 0.001 and from a million up (uPlot's own labels keep at most three decimals: the
+// learning rate's ticks, 1e-4 apart, all read 0).
+function decimals(x) {
+  const s = Math.abs(x).toPrecision(6);
+  return s.includes(".") ? s.replace(/0+$/, "").split(".")[1].length : 0;
+}
+function tickText(v, incr) {
+  const a = Math.abs(v);
+  if (a < incr * 1e-6) return "0";
+  if (a < 1e-3 || a >= 1e6) {
+    const e = Math.floor(Math.log10(a) + 1e-9);
+    return v.toExponential(Math.min(6, decimals(incr / 10 ** e))).replace("e+", "e");
+  }
+  return v.toFixed(Math.min(12, decimals(incr)));
+}
+
+// uPlot's `values` of a y axis, with tickText; the labels drawn, with their ticks, are left in
+// `el.dataset.ticks` (JSON [[tick, label], ...]) for whoever reads the page. On a log scale
+// the ticks are not evenly spaced: each is labelled to its own first digit.
+function yTicks(el) {
+  return (u, splits, axisIdx, space, incr) => {
+    const log = u.scales[u.axes[axisIdx].scale || "y"].distr === 3;
+    const labels = splits.map(v => tickText(v, log ? Math.abs(v) || 1 : incr));
+    el.dataset.ticks = JSON.stringify(splits.map((v, i) => [v, labels[i]]));
+    return labels;
+  };
+}
+
 async function getJSON(url, opts) {
   const r = await fetch(url, opts);
   if (!r.ok) {

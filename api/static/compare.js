@@ -77,7 +77,7 @@
       charts[key] = new uPlot({
         ...chartSize(), series,
         scales: {x: {time: false}, y: log ? {distr: 3} : {}},
-        axes: [{label: axis === "step" ? "step" : "seconds since the job started"}, {label: key, size: 70}],
+        axes: [{label: axis === "step" ? "step" : "seconds since the job started"}, {label: key, size: 70, values: yTicks(div)}],
         cursor: {drag: {x: true, y: false}},
       }, data, div);
     }

@@ -129,7 +129,7 @@
       charts[c.key] = new uPlot({
         ...chartSize(), series: lines,
         scales: {x: {time: false}, y: log ? {distr: 3} : {}},
-        axes: [{label: "step"}, {label: c.unit, size: 70}],
+        axes: [{label: "step"}, {label: c.unit, size: 70, values: yTicks(div)}],
         cursor: {drag: {x: true, y: false}},
       }, data, div);
       div.dataset.points = String(data[0].length);
