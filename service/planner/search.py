@@ -65,12 +65,20 @@ API_SEARCH_CPU_S = 0.5
 
 @dataclass
 class _Bound:
-    """This thread's CPU-time deadline inside `cpu_bound`, the bound in seconds, and the
-    thread's CPU time when a garbage collection it runs began (None outside one)."""
+    """This thread's CPU-time deadline inside `cpu_bound` (None until its first search
+    charges a candidate), the bound in seconds, and the thread's CPU time when a garbage
+    collection it runs began (None outside one)."""
 
-    deadline: float
     seconds: float
+    deadline: float | None = None
     collecting_since: float | None = None
+
+    def passed(self) -> bool:
+        """Whether the searches have spent the bound; the first call starts the clock."""
+        now = time.thread_time()
+        if self.deadline is None:
+            self.deadline = now + self.seconds
+        return now > self.deadline
 
 
 _BOUND: ContextVar[_Bound | None] = ContextVar("search_cpu_bound", default=None)
@@ -87,7 +95,8 @@ def _discount_collections(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
         bound.collecting_since = time.thread_time()
     elif bound.collecting_since is not None:
-        bound.deadline += time.thread_time() - bound.collecting_since
+        if bound.deadline is not None:
+            bound.deadline += time.thread_time() - bound.collecting_since
         bound.collecting_since = None
 
 
@@ -99,8 +108,10 @@ def cpu_bound(seconds: float = API_SEARCH_CPU_S) -> Iterator[None]:
     """Searches run inside stop with SearchTooLarge once this thread has spent `seconds` of
     CPU time in them: the API's bound on a request (CPU time, not wall time, so that a busy
     machine does not change which requests are refused; garbage collections the thread runs
-    meanwhile do not count, `_discount_collections`)."""
-    token = _BOUND.set(_Bound(deadline=time.thread_time() + seconds, seconds=seconds))
+    meanwhile do not count, `_discount_collections`). The clock starts at the first candidate
+    a search charges, not on entry: what the request does before its search (the submission's
+    corpus check, `service.data_check`) is not the search's."""
+    token = _BOUND.set(_Bound(seconds=seconds))
     try:
         yield
     finally:
@@ -135,8 +146,8 @@ class SearchResult:
     def charge(self, spec: JobSpec) -> None:
         """Count one candidate; SearchTooLarge once the budget (or the CPU bound) is spent."""
         self.work += 1
-        bound = _BOUND.get() if self.work % 64 == 0 else None
-        if bound is not None and time.thread_time() > bound.deadline:
+        bound = _BOUND.get() if self.work % 64 in (0, 1) else None
+        if bound is not None and bound.passed():
             raise SearchOutOfTime(
                 f"the layout search of {self.world_size} ranks used the {bound.seconds:g} s of CPU"
                 f" a request may spend, after {self.work} candidates; give an explicit"
