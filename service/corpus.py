@@ -15,7 +15,10 @@ It reads them with this module rather than Megatron's `IndexedDataset` because t
 `megatron.core` imported (seconds, and the whole GPU model stack) in the API process that checks
 every `.idx` at submission, and it stops on a bad file with a bare assertion; here every check
 names its file and reason (`CorpusError`). Both directions are tested against Megatron itself
-(tests/test_corpus.py). The index is memory-mapped; the tokens a rank trains on are read with
+(tests/test_corpus.py). The checks (`read_header`, `check`) read both files in bounded chunks
+with `pread`, regular files only: what the API spends on a submission's corpus does not grow
+with its sequences or tokens. A rank's index is memory-mapped; the tokens it trains on are
+read with
 `pread` (as Megatron's `_FileBinReader` does with `mmap=False`), so that neither a rank's
 anonymous nor its file-backed resident memory grows with the corpus: a mapping of the `.bin`
 would count every page the kernel maps around each read (fault-around) as the rank's, gigabytes
@@ -26,10 +29,14 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+from service.specfiles import FileRefused, open_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -40,8 +47,11 @@ DTYPES: dict[int, type[np.number]] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: n
 """Megatron's `DType` codes."""
 TOKEN_DTYPES = (1, 3, 4, 5, 8)
 """The codes a token corpus may use (integers; Megatron writes uint16 or int32)."""
-SCAN_CHUNK = 16 << 20
-"""Tokens read at once when scanning a `.bin` for its largest token id."""
+SCAN_CHUNK = 4 << 20
+"""Tokens read at once when scanning a `.bin` for its largest token id (at most 32 MiB)."""
+CHECK_CHUNK = 1 << 18
+"""Sequences (or document boundaries) of an `.idx` read at once when checking it: a few MiB,
+however many sequences the corpus has."""
 
 
 class CorpusError(ValueError):
@@ -85,21 +95,43 @@ class Header:
 
 
 def read_header(prefix: str) -> Header:
-    """The header of corpus `prefix`, after checking that both files exist, the magic, version
-    and dtype are Megatron's, the `.idx` holds exactly its arrays, the document boundaries run
-    from 0 to the sequence count without going back, the byte offsets are those of the lengths
-    and the `.bin` holds exactly the tokens the lengths count. CorpusError otherwise."""
+    """The header of corpus `prefix`, after checking that both files exist and are regular
+    files, the magic, version and dtype are Megatron's, the `.idx` holds exactly its arrays,
+    the document boundaries run from 0 to the sequence count without going back, the byte
+    offsets are those of the lengths and the `.bin` holds exactly the tokens the lengths count.
+    CorpusError otherwise. The arrays are read `CHECK_CHUNK` sequences at a time: the memory
+    it takes does not grow with the corpus (the API checks every `.idx` of a submission)."""
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for path in (ipath, bpath):
         if not os.path.isfile(path):
             raise CorpusError(path, "no such file" if not os.path.lexists(path)
                               else "not a regular file")
     try:
-        idx_bytes, bin_bytes = os.path.getsize(ipath), os.path.getsize(bpath)
-        with open(ipath, "rb") as f:
-            head = f.read(HEADER_BYTES)
+        bin_bytes = os.path.getsize(bpath)
+        with _opened(ipath) as fd:
+            idx_bytes = os.fstat(fd).st_size
+            return _checked(prefix, fd, idx_bytes, bin_bytes)
     except OSError as exc:
         raise CorpusError(ipath, f"cannot be read ({exc.strerror})") from None
+
+
+@contextmanager
+def _opened(path: str) -> Iterator[int]:
+    """A descriptor of the regular file `path` (CorpusError when it is none: a FIFO would
+    make its reader wait for a writer)."""
+    try:
+        fd = open_regular(path)
+    except FileRefused:
+        raise CorpusError(path, "not a regular file") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _checked(prefix: str, fd: int, idx_bytes: int, bin_bytes: int) -> Header:
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    head = os.pread(fd, HEADER_BYTES, 0)
     if len(head) < HEADER_BYTES or head[:9] != MAGIC:
         raise CorpusError(ipath, f"wrong magic {head[:9]!r}: not a Megatron indexed dataset"
                           f" index (expected {MAGIC!r})")
@@ -119,30 +151,86 @@ def read_header(prefix: str) -> Header:
                           f" {idx_bytes}")
     if d < 1:
         raise CorpusError(ipath, "no document boundaries (a Megatron index holds at least 0)")
-    arrays = _arrays(ipath, n, d)
-    lengths, pointers, docs = arrays
-    if docs[0] != 0 or docs[-1] != n or (d > 1 and bool(np.any(np.diff(docs) < 0))):
-        raise CorpusError(ipath, f"document boundaries must run from 0 to the sequence count"
-                          f" {n} without going back; they run from {int(docs[0])} to"
-                          f" {int(docs[-1])}")
-    if n and bool(np.any(lengths < 0)):
-        raise CorpusError(ipath, "a sequence length is negative")
+    _check_boundaries(ipath, fd, n, d)
     size = np.dtype(DTYPES[code]).itemsize
-    tokens = int(lengths.sum(dtype=np.int64))
-    if n:
-        want = np.zeros(n, dtype=np.int64)
-        np.cumsum(lengths[:-1].astype(np.int64) * size, out=want[1:])
-        if not np.array_equal(want, pointers):
-            first = int(np.argmax(want != pointers))
-            raise CorpusError(ipath, f"the byte offset of sequence {first} is"
-                              f" {int(pointers[first])}, its preceding lengths put it at"
-                              f" {int(want[first])}")
+    tokens = _check_offsets(ipath, fd, n, size)
     if bin_bytes != tokens * size:
         raise CorpusError(bpath, f"counts disagree with the file's size: the index counts"
                           f" {tokens} tokens of {size} bytes = {tokens * size} bytes, the file"
                           f" has {bin_bytes}")
     return Header(prefix=prefix, dtype_code=code, sequences=n, documents=d - 1, tokens=tokens,
                   idx_bytes=idx_bytes, bin_bytes=bin_bytes)
+
+
+def _read(path: str, fd: int, dtype: type[np.number], offset: int, count: int) -> np.ndarray:
+    """`count` items of `dtype` at byte `offset` of the open file `fd`."""
+    want = count * np.dtype(dtype).itemsize
+    raw = os.pread(fd, want, offset)
+    if len(raw) != want:
+        raise CorpusError(path, "shorter than its header says: it changed while being read")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _check_boundaries(ipath: str, fd: int, n: int, d: int) -> None:
+    """The `d` document boundaries run from 0 to `n` without going back (read in chunks)."""
+    base = HEADER_BYTES + 12 * n
+    first = int(_read(ipath, fd, np.int64, base, 1)[0])
+    last = int(_read(ipath, fd, np.int64, base + 8 * (d - 1), 1)[0])
+    back = False
+    prev = first
+    for start in range(0, d, CHECK_CHUNK):
+        docs = _read(ipath, fd, np.int64, base + 8 * start, min(CHECK_CHUNK, d - start))
+        if docs[0] < prev or bool(np.any(docs[1:] < docs[:-1])):
+            back = True
+            break
+        prev = int(docs[-1])
+    if first != 0 or last != n or back:
+        raise CorpusError(ipath, f"document boundaries must run from 0 to the sequence count"
+                          f" {n} without going back; they run from {first} to {last}")
+
+
+def _check_offsets(ipath: str, fd: int, n: int, size: int) -> int:
+    """The tokens the `n` sequence lengths count, after checking that none is negative and
+    that each byte offset is the sum of the lengths before it (read in chunks)."""
+    tokens = 0
+    for start in range(0, n, CHECK_CHUNK):
+        count = min(CHECK_CHUNK, n - start)
+        lengths = _read(ipath, fd, np.int32, HEADER_BYTES + 4 * start, count)
+        if bool(np.any(lengths < 0)):
+            raise CorpusError(ipath, "a sequence length is negative")
+        pointers = _read(ipath, fd, np.int64, HEADER_BYTES + 4 * n + 8 * start, count)
+        want = np.empty(count, dtype=np.int64)
+        want[0] = tokens * size
+        np.cumsum(lengths[:-1].astype(np.int64) * size, out=want[1:])
+        want[1:] += tokens * size
+        if not np.array_equal(want, pointers):
+            first = int(np.argmax(want != pointers))
+            raise CorpusError(ipath, f"the byte offset of sequence {start + first} is"
+                              f" {int(pointers[first])}, its preceding lengths put it at"
+                              f" {int(want[first])}")
+        tokens += int(lengths.sum(dtype=np.int64))
+    return tokens
+
+
+def tokens_from(header: Header, first_seq: int) -> int:
+    """Tokens of the sequences from `first_seq` to the end of corpus `header` (read in chunks
+    of its `.idx`)."""
+    ipath, n = idx_path(header.prefix), header.sequences
+    total = 0
+    with _opened(ipath) as fd:
+        for start in range(first_seq, n, CHECK_CHUNK):
+            lengths = _read(ipath, fd, np.int32, HEADER_BYTES + 4 * start,
+                            min(CHECK_CHUNK, n - start))
+            total += int(lengths.sum(dtype=np.int64))
+    return total
+
+
+def boundary(header: Header, document: int) -> int:
+    """The first sequence of document `document` of corpus `header`."""
+    ipath = idx_path(header.prefix)
+    with _opened(ipath) as fd:
+        offset = HEADER_BYTES + 12 * header.sequences + 8 * document
+        return int(_read(ipath, fd, np.int64, offset, 1)[0])
 
 
 def _arrays(ipath: str, n: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,30 +243,36 @@ def _arrays(ipath: str, n: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return lengths, pointers, docs
 
 
+def _bin_chunks(header: Header) -> Iterator[tuple[int, np.ndarray]]:
+    """(first token, tokens) of the corpus's `.bin`, `SCAN_CHUNK` tokens at a time, read into
+    one buffer (no mapping: the pages read do not stay the reader's)."""
+    path = bin_path(header.prefix)
+    buf = np.empty(min(SCAN_CHUNK, header.tokens), dtype=header.dtype)
+    size = buf.itemsize
+    with _opened(path) as fd:
+        for start in range(0, header.tokens, SCAN_CHUNK):
+            chunk = buf[:min(SCAN_CHUNK, header.tokens - start)]
+            view = chunk.data.cast("B")
+            got = os.preadv(fd, [view], start * size)
+            if got != len(view):
+                raise CorpusError(path, "shorter than its index says: it changed while being"
+                                  " read")
+            yield start, chunk
+
+
 def max_token(header: Header) -> int:
     """The largest token id in the corpus's `.bin` (-1 when it holds none), read in chunks of
     `SCAN_CHUNK` tokens so that memory stays bounded."""
-    if not header.tokens:
-        return -1
-    data = np.memmap(bin_path(header.prefix), dtype=header.dtype, mode="r",
-                     shape=(header.tokens,))
-    top = -1
-    for start in range(0, header.tokens, SCAN_CHUNK):
-        top = max(top, int(data[start:start + SCAN_CHUNK].max()))
-    del data
-    return top
+    return max((int(chunk.max()) for _, chunk in _bin_chunks(header)), default=-1)
 
 
 def check(prefix: str, vocab: int) -> Header:
     """`read_header`, then CorpusError when a token id is at or above `vocab`, or is negative.
-    The `.bin` is scanned unless its dtype cannot hold an id that large."""
+    The `.bin` is scanned (in chunks) unless its dtype cannot hold an id that large."""
     header = read_header(prefix)
     if header.dtype_code in (1, 8) and (255 if header.dtype_code == 1 else 65535) < vocab:
         return header  # every id the dtype can hold is inside the vocabulary
-    data = np.memmap(bin_path(prefix), dtype=header.dtype, mode="r", shape=(header.tokens,)) \
-        if header.tokens else np.zeros(0, header.dtype)
-    for start in range(0, header.tokens, SCAN_CHUNK):
-        chunk = data[start:start + SCAN_CHUNK]
+    for start, chunk in _bin_chunks(header):
         top, low = int(chunk.max()), int(chunk.min())
         if top >= vocab:
             where = start + int(np.argmax(chunk >= vocab))

@@ -66,6 +66,21 @@ def hold(data_dir: Path) -> Held:
     return Held(path, fd)
 
 
+def try_lock(path: Path) -> int | None:
+    """An exclusive `flock` on `path` (made if missing, mode 600; a slot of a bounded kind of
+    work: exports, corpus checks): its descriptor, or None when another holds it. The kernel
+    drops it with its last descriptor, or its process."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return None
+    return fd
+
+
 def holder(data_dir: Path) -> int | None:
     """The pid written in the data directory's lock file, if any."""
     try:

@@ -19,8 +19,6 @@ so does the next export that takes its slot.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import re
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.checkpoints import MARKER, ExportRefused, newest_complete_step, tag
+from service.datadir import try_lock
 from service.planner.shape import ModelShape
 
 EXPORT_SHARD_BYTES = 5 * 2**30
@@ -74,27 +73,13 @@ class Slot:
             self.fd = -1
 
 
-def _try_lock(path: Path) -> int | None:
-    """An exclusive `flock` on `path` (made if missing): its descriptor, or None when another
-    holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        return None
-    return fd
-
-
 def take_slot(data_dir: Path, limit: int) -> Slot:
     """The first free of `limit` export slots, its folder made empty; ExportsBusy when
     every one is held."""
     root = data_dir / EXPORTS
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     for i in range(limit):
-        fd = _try_lock(root / f"slot-{i}.lock")
+        fd = try_lock(root / f"slot-{i}.lock")
         if fd is None:
             continue
         work = root / f"slot-{i}"
@@ -122,7 +107,7 @@ def sweep(data_dir: Path) -> list[str]:
         if name.endswith(".lock"):
             continue
         m = _SLOT.fullmatch(name)
-        fd = _try_lock(root / f"{name}.lock") if m else None
+        fd = try_lock(root / f"{name}.lock") if m else None
         if m and fd is None:
             continue  # an export in progress in another API process
         try:

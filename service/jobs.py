@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 
 from service.confine import Confinement
-from service.data_check import check_data
+from service.data_check import CheckSlots, check_data
 from service.hardware import HardwareProfile
 from service.planner import plan_job
 from service.planner.shape import ModelShape
@@ -88,6 +88,8 @@ class Submitter:
     """The server's trackers: which the job goes to, and which MLflow servers it may name."""
     box: SecretBox | None = None
     """Seals the spec's `secrets` for the store (None: a spec with secrets is refused)."""
+    checks: CheckSlots | None = None
+    """How many corpus checks may run at once (None: no bound; the API's are its settings)."""
 
 
 def submit_once(store: Store, spec: JobSpec, key: str,
@@ -124,7 +126,8 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
     by = by or Submitter()
     if by.confinement is not None:
         by.confinement.check(spec)
-    spec = check_data(spec)  # after confinement: no file outside the data roots is read
+    # After confinement: no file outside the data roots is read.
+    spec = check_data(spec, by.checks, by.owner)
     if spec.secrets and by.box is None:
         raise SpecError("secrets", "this server keeps no secrets")
     sealed = by.box.seal_all(spec.secret_values()) if by.box is not None else {}

@@ -118,6 +118,15 @@ class Settings(BaseSettings):
     `spec_file_read_s` keeps its thread until the file system answers: this bounds the
     threads a hung mount holds; a submission that finds none free within
     `spec_file_read_s` is refused the same way)."""
+    data_checks: int = Field(default=4, ge=1, le=256)
+    """Corpus checks (a submission's `data.train` and `data.valid` read at submission,
+    `service.data_check`) the server runs at once, across its API processes; a submission
+    that finds none free within `data_check_wait_s` is a 503."""
+    data_checks_per_user: int = Field(default=2, ge=1, le=256)
+    """Corpus checks one user's submissions run at once; a submission that finds none of its
+    user's free within `data_check_wait_s` is a 429."""
+    data_check_wait_s: float = Field(default=10.0, ge=0, le=600)
+    """How long a submission waits for a corpus check slot (its user's, then the server's)."""
     entrypoint_modules: str = ""
     """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
     `examples.custom_entrypoint:train`); empty allows any module."""

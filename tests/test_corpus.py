@@ -169,3 +169,28 @@ def test_cli_prepare_and_inspect(tmp_path):
     assert r.exit_code != 0 and "nope.idx: no such file" in r.output
     r = CliRunner().invoke(app, ["data", "prepare", str(tmp_path / "a.md"), "--out", prefix])
     assert r.exit_code != 0 and "a.md: no such file" in r.output
+
+
+def test_the_header_checks_hold_across_chunks(tmp_path, monkeypatch):
+    """`read_header` reads the `.idx` `CHECK_CHUNK` sequences at a time: a fault in a later
+    chunk, or across two, is found as in the first."""
+    from tests.corpora import write_corpus
+
+    monkeypatch.setattr(corpus, "CHECK_CHUNK", 4)
+    prefix = tmp_path / "c"
+    write_corpus(prefix, [[i % 7] * (i + 1) for i in range(10)])
+    good = (tmp_path / "c.idx").read_bytes()
+    h = corpus.read_header(str(prefix))
+    assert (h.sequences, h.documents, h.tokens) == (10, 10, 55)
+    assert corpus.tokens_from(h, 6) == 7 + 8 + 9 + 10 and corpus.boundary(h, 6) == 6
+
+    def refused(offset: int, value: bytes) -> str:
+        (tmp_path / "c.idx").write_bytes(good[:offset] + value + good[offset + len(value):])
+        with pytest.raises(corpus.CorpusError) as err:
+            corpus.read_header(str(prefix))
+        return err.value.reason
+
+    lengths, pointers, bounds = 34, 34 + 4 * 10, 34 + 12 * 10
+    assert refused(lengths + 4 * 9, struct.pack("<i", -1)) == "a sequence length is negative"
+    assert "the byte offset of sequence 7 is 1" in refused(pointers + 8 * 7, struct.pack("<q", 1))
+    assert "without going back" in refused(bounds + 8 * 4, struct.pack("<q", 2))  # 2nd chunk

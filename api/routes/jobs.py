@@ -35,6 +35,7 @@ from api.schemas import (
 )
 from service.compare import compare
 from service.confine import Confinement
+from service.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.jobs import KeyReused, Submitter, submit_once
 from service.jobs import submit as submit_job
 from service.monitor.comm import comm_view
@@ -84,7 +85,9 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
         env_allow=settings.env_allowed, order_cache_user_bytes=settings.order_cache_user_bytes,
         admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
         tracking=request.app.state.tracking,
-        box=request.app.state.box)
+        box=request.app.state.box, checks=CheckSlots(
+            folder=settings.data_dir / CHECK_SLOTS, total=settings.data_checks,
+            per_user=settings.data_checks_per_user, wait_s=settings.data_check_wait_s))
 
 
 def job_out(store: Store, job: Job, who: Principal, *, secrets: list[str] | None = None,
@@ -97,6 +100,15 @@ def job_out(store: Store, job: Job, who: Principal, *, secrets: list[str] | None
     return JobOut.of(job, shows_env=may(who, "jobs:env", job.owner), secrets=names, **kw)
 
 
+CHECKS_BUSY: dict[int | str, dict[str, Any]] = {
+    429: {"model": Refusal, "description": "Every corpus check of the caller's was under way"
+          " (TRIDENT_DATA_CHECKS_PER_USER) for TRIDENT_DATA_CHECK_WAIT_S; Retry-After"},
+    503: {"model": Refusal, "description": "The database is unavailable or damaged (as on"
+          " every route), or every corpus check of the server's was under way"
+          " (TRIDENT_DATA_CHECKS) for TRIDENT_DATA_CHECK_WAIT_S; Retry-After"}}
+"""A submission's answers when it waited for a corpus check slot in vain
+(`service.data_check.CheckSlots`)."""
+
 RECENT_STEPS = 1000
 """A job's page compares the plan with rank 0's newest this-many steps (newest attempt)."""
 
@@ -105,7 +117,8 @@ RECENT_STEPS = 1000
              dependencies=[Depends(require("jobs:submit")), Depends(read_hf_configs)],
              responses={200: {"model": JobOut, "description": "A retried submission (same"
                               " Idempotency-Key and spec): the job it created"},
-                        409: {"description": "The Idempotency-Key was used with another spec"}})
+                        409: {"description": "The Idempotency-Key was used with another spec"},
+                        **CHECKS_BUSY})
 async def submit(spec: JobSpec, store: StoreDep, request: Request, response: Response,
                  who: Who, idempotency_key: IdempotencyKey = None,
                  project: ProjectName = None) -> JobOut:
@@ -156,6 +169,9 @@ def queue_job(store: Store, spec: JobSpec, request: Request, by: Submitter,
             if idempotency_key is None:
                 return submit_job(store, spec, by=by), True
             return submit_once(store, spec, idempotency_key, by)
+    except ChecksBusy as exc:
+        raise HTTPException(status_code=exc.status, detail=exc.message,
+                            headers={"Retry-After": "5"}) from None
     except KeyReused as exc:
         raise HTTPException(status_code=409, detail=[
             {"loc": ["header", "idempotency-key"], "msg": str(exc), "type": "value_error"}],

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.auth import Who, check_owner, check_weights, may, require
 from api.deps import JobDep, StoreDep
-from api.routes.jobs import job_out, queue_job, submitter
+from api.routes.jobs import CHECKS_BUSY, job_out, queue_job, submitter
 from api.schemas import JobOut
 from service.spec import JobSpec
 from service.spec_limits import recheck
@@ -46,7 +46,7 @@ class ResubmitIn(BaseModel):
 
 
 @router.post("/{job_id}/resubmit", response_model=JobOut, status_code=201,
-             dependencies=[Depends(require("jobs:resubmit"))])
+             dependencies=[Depends(require("jobs:resubmit"))], responses=CHECKS_BUSY)
 def resubmit(job: JobDep, store: StoreDep, request: Request, who: Who,
              body: ResubmitIn | None = None) -> JobOut:
     """Queue a new job with this job's stored spec (with the body's `set` applied), under
