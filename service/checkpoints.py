@@ -23,6 +23,7 @@ only into a folder of its own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -323,7 +324,80 @@ def retained(steps: list[int] | set[int], *, keep_last: int | None,
 
 
 MARKER = "COMPLETE"
-"""The file that makes a tag complete (`workers.checkpoint`): written last, by rank 0."""
+"""The file that makes a tag complete (`workers.checkpoint`): written last, by rank 0. It
+holds the tag's step and every other file's size and SHA-256 (`marker_text`); a marker of
+before checksums holds the step alone."""
+DAMAGED = MARKER + ".damaged"
+"""What a tag's marker is renamed to when its files no longer match it: the tag is partial
+from then on (never resumed from, pruned as a partial tag), its record kept to look at."""
+MARKER_MAX_BYTES = 64 << 20
+"""The most bytes of a marker read (some 100 bytes per file of the tag)."""
+CHUNK = 1 << 20
+"""Bytes read at a time when a file is hashed: memory stays bounded whatever its size."""
+
+Digests = dict[str, tuple[int, str]]
+"""A tag's files by path inside it: (bytes, SHA-256 in hex)."""
+
+
+def file_digest(path: str | Path) -> tuple[int, str]:
+    """(bytes, SHA-256 in hex) of the file, read `CHUNK` bytes at a time."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def tag_files(tag_path: str | Path) -> list[str]:
+    """Every file of a tag, by path inside it, its marker aside."""
+    out = []
+    for root, _dirs, files in os.walk(tag_path):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), tag_path)
+            if rel not in (MARKER, MARKER + ".tmp", DAMAGED):
+                out.append(rel)
+    return sorted(out)
+
+
+def marker_text(step: int, digests: Digests) -> str:
+    """A marker's content: the step and each file's size and SHA-256 (`recorded` reads it)."""
+    files = {rel: {"bytes": n, "sha256": d} for rel, (n, d) in sorted(digests.items())}
+    return json.dumps({"step": step, "files": files}) + "\n"
+
+
+def recorded(tag_path: str | Path) -> Digests | None:
+    """The files and checksums tag's marker records; None for a marker of before checksums
+    (the step alone: such a tag loads unchecked). ValueError when the marker cannot be read
+    or is not one Trident wrote."""
+    path = os.path.join(tag_path, MARKER)
+    try:
+        raw = read_regular(path, MARKER_MAX_BYTES)
+        data = json.loads(raw)
+    except (OSError, FileRefused, ValueError, RecursionError) as exc:
+        raise ValueError(f"its {MARKER} marker cannot be read ({exc})") from None
+    if type(data) is int:
+        return None
+    try:
+        return {str(rel): (int(f["bytes"]), str(f["sha256"])) for rel, f in data["files"].items()}
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise ValueError(f"its {MARKER} marker is not one Trident wrote") from None
+
+
+def mismatch(tag_path: str | Path, rel: str, size: int, digest: str) -> str | None:
+    """How file `rel` of a tag differs from what its marker records; None when it is the
+    same (its size first: a file cut short is told without reading it)."""
+    path = os.path.join(tag_path, rel)
+    try:
+        now = os.stat(path).st_size
+        if now != size:
+            return f"{rel} has {now} bytes, {size} recorded"
+        if file_digest(path)[1] != digest:
+            return f"{rel}: its SHA-256 differs from the one recorded ({size} bytes)"
+    except OSError as exc:
+        return f"{rel} cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -375,7 +449,7 @@ def seed(folder: str | Path, source_folder: str | Path, source: CheckpointWriter
         if src.is_dir():
             dst.mkdir(parents=True, exist_ok=True)
             continue
-        if src.name == MARKER:
+        if src.relative_to(tag).as_posix() in (MARKER, DAMAGED):
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -387,8 +461,8 @@ def seed(folder: str | Path, source_folder: str | Path, source: CheckpointWriter
         size += src.stat().st_size
     tmp.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, target)
-    marker = target / (MARKER + ".tmp")
-    marker.write_text(f"{step}\n")
+    marker = target / (MARKER + ".tmp")  # the source's, checksums and all: the same files
+    marker.write_bytes(read_regular(str(tag / MARKER), MARKER_MAX_BYTES))
     os.replace(marker, target / MARKER)
     return Seeded(step=step, files=files, bytes=size, linked=linked,
                   seconds=time.monotonic() - started)

@@ -106,6 +106,11 @@ class StepReport(BaseModel):
     """The worker group's attempt number as the rank knows it."""
     resumed_from: int | None = Field(default=None, ge=0)
     """Step of the checkpoint this attempt resumed from (0: started fresh)."""
+    resume_skipped: list[Annotated[str, Field(max_length=2000)]] | None = Field(
+        default=None, max_length=1000)
+    """With an attempt's first step: the newer complete tags it did not resume from because
+    their files no longer match their checksums, each `step <N>: why`
+    (`workers.checkpoint.agreed_resume`)."""
     checkpoint: str | None = None
     """Directory of the checkpoint saved after this step, if any."""
     checkpoint_error: str | None = Field(default=None, max_length=4000)

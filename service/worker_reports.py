@@ -1,6 +1,7 @@
 """What a worker group's poll brought, stored: its step reports (validated, through
 `MetricsIngest`), its probe reports (to the attempt's health), its events, and a `checkpoint`
-event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`), and each
+event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`) and each
+damaged one they did not resume from (`StepReport.resume_skipped`), and each
 tag rank 0 completed or deleted into the job's checkpoint index (`service.store.checkpoints`).
 
 The controller calls `store_poll` for every poll of a group it watches, and once more for the
@@ -35,6 +36,7 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
     goes through `redact` (the job's secrets out, `service.secrets.redact`)."""
     rows: list[dict[str, Any]] = []
     failed_saves: list[StepReport] = []
+    damaged: list[StepReport] = []
     saves: list[StepReport] = []
     for raw in poll.reports:
         try:
@@ -46,6 +48,8 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
             rows.append(report.row())
             if report.checkpoint_error and report.rank == 0:  # every rank says the same
                 failed_saves.append(report)
+            if report.resume_skipped and report.rank == 0:
+                damaged.append(report)
             if report.checkpoint and report.checkpoint_bytes is not None and report.rank == 0:
                 saves.append(report)
             if health is not None:
@@ -69,6 +73,14 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                         f" {redact(report.checkpoint_error or '')}",
                         data={"step": report.step,
                               "error": redact(report.checkpoint_error or "")})
+    for report in damaged:
+        for why in report.resume_skipped or []:
+            store.add_event(job_id=job_id, attempt=attempt, kind="checkpoint",
+                            message=f"not resumed from the checkpoint of {redact(why)}; its"
+                            f" files no longer match the checksums recorded when it was saved:"
+                            f" resumed from step {report.resumed_from} instead (0: from the"
+                            " start), and that tag is no longer complete",
+                            data={"damaged": redact(why), "resumed_from": report.resumed_from})
     if saves:
         index = CheckpointIndex(store)
         layout = store.get_job(job_id=job_id).plan.layout.model_dump(mode="json")

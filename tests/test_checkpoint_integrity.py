@@ -1,7 +1,10 @@
 """Damaged checkpoints and non-finite runs are not successes, on real DeepSpeed ranks (gloo,
-the worker path of a Ray rank, `tests.workers_spawn`): a job whose weights are NaN (a
-Hugging Face folder through `init.from_hf`) trains to its last step with every loss NaN, and
-the controller ends it FAILED, naming the losses, where it used to end SUCCEEDED."""
+the worker path of a Ray rank, `tests.workers_spawn`): every file of a tag has its size and
+SHA-256 in the tag's `COMPLETE` marker; a tag with a shard overwritten after it was saved is
+not resumed from (the one before is, and the job gets a `checkpoint` event naming the file),
+while a tag of before checksums still loads; a job whose weights are NaN (a Hugging Face
+folder through `init.from_hf`) trains to its last step with every loss NaN, and the
+controller ends it FAILED, naming the losses, where it used to end SUCCEEDED."""
 
 from __future__ import annotations
 
@@ -12,16 +15,78 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from service import hf_config
+from service.checkpoints import DAMAGED, MARKER, file_digest, recorded, tag_files
 from service.jobs import submit as submit_job
 from service.protocols import PollResult
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import AttemptStatus, Store
+from service.store.metrics import MetricsIngest
+from service.worker_reports import store_poll
 from tests.fakes import FakeLauncher, make
 from tests.waiting import drive
 from tests.workers_spawn import run_ranks
 
 SEQ = 16
+
+
+def dp2(steps: int) -> JobSpec:
+    return JobSpec(name="sums", model={"preset": "gpt-tiny"}, parallel={"dp": 2, "zero": 2},
+                   train={"steps": steps, "global_batch": 8, "micro_batch": 2,
+                          "precision": "fp32"},
+                   checkpoint={"every_steps": 2})
+
+
+def overwrite_middle(path: Path) -> None:
+    """Bytes in the middle of the file replaced by as many others: its size stays."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        old = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+@pytest.mark.slow
+def test_a_tag_whose_shard_was_overwritten_is_not_resumed_from(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(dp2(4), checkpoint_dir=str(ckpt))
+    step4 = ckpt / "step4"
+    sums = recorded(step4)
+    assert sums is not None and set(sums) == set(tag_files(step4))
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert sums[shard] == file_digest(step4 / shard)
+    overwrite_middle(step4 / shard)
+
+    (reports,) = run_ranks(dp2(6), checkpoint_dir=str(ckpt))
+    first = min((r for r in reports if r["rank"] == 0), key=lambda r: r["step"])
+    assert first["step"] == 3 and first["resumed_from"] == 2
+    assert first["resume_skipped"] == [
+        f"step 4: {shard}: its SHA-256 differs from the one recorded"
+        f" ({sums[shard][0]} bytes)"]
+    # Passed over, it was a partial tag, which the run saved anew at its step 4.
+    assert (step4 / DAMAGED).exists() and recorded(step4) != sums
+
+    # What the controller stores of that report: an event naming the tag and the file.
+    job_id = submit_job(sqlite_store, dp2(6)).id
+    store_poll(sqlite_store, MetricsIngest(sqlite_store), job_id=job_id, attempt=1,
+               world_size=2, poll=PollResult(state="running", reports=reports), health=None)
+    [event] = [e for e in sqlite_store.list_events(job_id=job_id) if e.kind == "checkpoint"]
+    assert event.message.startswith(f"not resumed from the checkpoint of step 4: {shard}")
+    assert "resumed from step 2 instead" in event.message
+    assert event.data == {"damaged": first["resume_skipped"][0], "resumed_from": 2}
+
+
+@pytest.mark.slow
+def test_a_tag_of_before_checksums_still_loads(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(dp2(4), checkpoint_dir=str(ckpt))
+    (ckpt / "step4" / MARKER).write_text("4\n")  # the marker as it was: the step alone
+    assert recorded(ckpt / "step4") is None
+    (reports,) = run_ranks(dp2(6), checkpoint_dir=str(ckpt))
+    first = min((r for r in reports if r["rank"] == 0), key=lambda r: r["step"])
+    assert first["resumed_from"] == 4 and first["resume_skipped"] is None
 
 
 def nan_llama(where: Path) -> Path:

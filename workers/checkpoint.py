@@ -29,6 +29,7 @@ Called by `workers.train`; `newest_complete_step` also by custom entrypoints.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -42,14 +43,23 @@ import torch
 import torch.distributed as dist
 
 from service.checkpoints import (
+    DAMAGED,
     MARKER,
     TAG,
     CheckpointRefused,
     CheckpointWriter,
     claim,
-    newest_complete_step,
+    complete_steps,
+    file_digest,
+    marker_text,
+    mismatch,
+    recorded,
     retained,
     tag,
+    tag_files,
+)
+from service.checkpoints import (
+    newest_complete_step as newest_complete_step,  # for custom entrypoints
 )
 from service.protocols import StepReport
 from service.spec import JobSpec
@@ -57,11 +67,65 @@ from service.tag_steps import STEPS_DIR
 from workers.tags import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes, written_by
 
 
+class Resume(NamedTuple):
+    """The tag every rank resumes from, and the newer ones skipped as damaged."""
+
+    step: int
+    """0: none, the job starts fresh."""
+    skipped: list[str]
+    """`step <N>: why` of each newer complete tag whose files no longer match its marker."""
+
+
 def agreed_resume_step(directory: str | None) -> int:
-    """`newest_complete_step` as rank 0 sees it, so every rank loads the same tag."""
-    step = [newest_complete_step(directory) if dist.get_rank() == 0 else 0]
-    dist.broadcast_object_list(step, src=0)
-    return int(step[0])
+    """`agreed_resume`'s step (custom entrypoints)."""
+    return agreed_resume(directory).step
+
+
+def agreed_resume(directory: str | None) -> Resume:
+    """Collective: the newest complete tag whose files match their sizes and SHA-256 as its
+    marker records them (a tag of before checksums is taken as it is), the same on every
+    rank. Rank 0 names each candidate and its files; every rank checks a share of them (the
+    hashing spread over the ranks, `CHUNK` bytes at a time); a tag any rank finds damaged is
+    skipped for the one before, and rank 0 renames its marker (`DAMAGED`), so that it is a
+    partial tag from then on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    skipped: list[str] = []
+    below: int | None = None
+    while True:
+        pick: list[Any] = [_candidate(directory, below) if rank == 0 else None]
+        dist.broadcast_object_list(pick, src=0)
+        step, files, unreadable = pick[0]
+        if step == 0 or (files is None and unreadable is None):
+            return Resume(step, skipped)
+        assert directory is not None
+        path = os.path.join(directory, tag(step))
+        bad = unreadable or next((m for rel, n, d in (files or [])[rank::world]
+                                  if (m := mismatch(path, rel, n, d))), None)
+        found: list[str | None] = [None] * world
+        dist.all_gather_object(found, bad)
+        why = next((b for b in found if b), None)
+        if why is None:
+            return Resume(step, skipped)
+        skipped.append(f"step {step}: {why}")
+        if rank == 0:
+            with contextlib.suppress(OSError):  # unrenamed, it is still passed over below
+                os.replace(os.path.join(path, MARKER), os.path.join(path, DAMAGED))
+        below = step
+
+
+def _candidate(directory: str | None,
+               below: int | None) -> tuple[int, list[tuple[str, int, str]] | None, str | None]:
+    """Rank 0: the newest complete tag below `below` (0: none), its recorded files (None: a
+    marker of before checksums), or why its marker cannot be read."""
+    steps = [s for s in complete_steps(directory) if below is None or s < below] \
+        if directory else []
+    if not steps:
+        return 0, None, None
+    try:
+        files = recorded(os.path.join(directory or "", tag(steps[-1])))
+    except ValueError as exc:
+        return steps[-1], None, str(exc)
+    return steps[-1], None if files is None else [(r, n, d) for r, (n, d) in files.items()], None
 
 
 def claim_folder(directory: str | None, writer: CheckpointWriter | None) -> None:
@@ -111,10 +175,16 @@ class Saved(NamedTuple):
 
 
 class _Held:
-    """The first error of a rank's checkpoint writes, held instead of raised."""
+    """The first error of a rank's checkpoint writes, held instead of raised; and the size and
+    SHA-256 of each file it wrote through the engine, hashed by the rank that wrote it (while
+    it is in the page cache) for the tag's marker."""
 
     def __init__(self) -> None:
         self.error: str | None = None
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    def digest(self, path: str) -> None:
+        self.digests[path] = file_digest(path)
 
     def run(self, path: str, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """`write(*args, **kwargs)`, which writes `path`."""
@@ -148,6 +218,7 @@ class _HeldEngine:
 
     def save(self, state_dict: Any, path: str) -> None:
         self._held.run(path, self._engine.save, state_dict, path)
+        self._held.run(path, self._held.digest, path)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         self._held.run(path, self._engine.makedirs, path, exist_ok=exist_ok)
@@ -203,15 +274,16 @@ def save(engine, directory: str, step: int, spec: JobSpec | None = None,
     path = os.path.join(directory, tag(step))
     if steps is not None:  # shared with the shards' errors below: marked only once written
         held.run(os.path.join(path, STEPS_DIR), steps, path)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, held.error)
-    failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e) or None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (held.error, held.digests))
+    failed = "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e) or None
     if dist.get_rank() == 0:
         if failed is None:
             try:
                 if spec is not None:
                     _write_layout(path, spec)
-                _mark_complete(path, step)
+                _mark_complete(path, step, {p: d for _, hashed in gathered
+                                            for p, d in hashed.items()})
             except OSError as exc:
                 failed = f"rank 0: writing {path}/{MARKER}: {type(exc).__name__}: {exc}"
         if failed is not None:  # a partial tag: its space back, and never resumed from
@@ -275,11 +347,15 @@ def prune(directory: str, newest: int, *, keep_last: int | None,
     return removed
 
 
-def _mark_complete(path: str, step: int) -> None:
-    """Write the marker whole or not at all: an empty one must not make a tag complete."""
+def _mark_complete(path: str, step: int, hashed: dict[str, tuple[int, str]]) -> None:
+    """Write the marker whole or not at all (an empty one must not make a tag complete), with
+    every file of the tag and its size and SHA-256: those the ranks `hashed` as they wrote
+    them, the others (the layout, the step reports, a layout's own files) hashed here."""
+    digests = {rel: hashed.get(os.path.join(path, rel)) or file_digest(os.path.join(path, rel))
+               for rel in tag_files(path)}
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w") as f:
-        f.write(f"{step}\n")
+        f.write(marker_text(step, digests))
     os.replace(tmp, os.path.join(path, MARKER))
 
 

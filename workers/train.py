@@ -267,10 +267,12 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     acts = memory.ActivationMeter(engine.module)
 
     start = 0
+    skipped: list[str] | None = None  # damaged tags passed over: said with the first step
     if ctx.checkpoint_dir:
-        resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
-        if resume:
-            start = checkpoint.load(engine, ctx.checkpoint_dir, resume, spec, groups)
+        resume = checkpoint.agreed_resume(ctx.checkpoint_dir)
+        skipped = resume.skipped or None
+        if resume.step:
+            start = checkpoint.load(engine, ctx.checkpoint_dir, resume.step, spec, groups)
 
     tokens_per_step = t.global_batch * shape.seq_len
     last: StepReport | None = None
@@ -312,6 +314,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
             attempt=ctx.attempt, resumed_from=start, eval_loss=eval_loss,
+            resume_skipped=skipped if step == start else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=step * t.global_batch,
             memory=MemoryReport(
@@ -445,13 +448,21 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
     assert spec.entrypoint is not None
     module_name, func_name = spec.entrypoint.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    resume = checkpoint.agreed_resume_step(ctx.checkpoint_dir)
+    resume = checkpoint.agreed_resume(ctx.checkpoint_dir)
+    unsaid = list(resume.skipped)  # the damaged tags passed over go with its first report
+
+    def first_says(r: StepReport | dict[str, Any]) -> None:
+        step = StepReport.model_validate(r)
+        if unsaid:
+            step = step.model_copy(update={"resume_skipped": unsaid[:]})
+            unsaid.clear()
+        report(step)
+
     func(TrainContext(spec=spec, rank=ctx.rank, world_size=ctx.world_size,
                       local_rank=ctx.local_rank, device=device, groups=groups,
                       ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
-                      report=lambda r: report(StepReport.model_validate(r)),
-                      resume_step=resume, stop=stop, plan=ctx.plan, attempt=ctx.attempt,
-                      data=source, save_steps=steps_writer(ctx)))
+                      report=first_says, resume_step=resume.step, stop=stop, plan=ctx.plan,
+                      attempt=ctx.attempt, data=source, save_steps=steps_writer(ctx)))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------
