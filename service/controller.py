@@ -96,6 +96,11 @@ HANG_STACKS_S = 10.0
 ADMIT_PAGE = 64
 """Queued jobs read per page by admission (see `Controller._admit`)."""
 
+RESTART_SETTLE_S = 5.0
+"""How long after its old group stopped a restarting job whose room does not show free yet
+keeps its claim before it is requeued: Ray gives a removed placement group's resources back a
+moment later, so the job is neither requeued nor preempts on that stale view."""
+
 ELASTIC_SCAN = 256
 """Queued jobs that ran before a pass looks at for elastic re-plans
 (`Controller._elastic_down`)."""
@@ -223,6 +228,9 @@ class Controller:
         when it changed (a search of the planner each)."""
         self.down_judged: dict[int, tuple[tuple[str, float, float], ...]] = {}
         """Likewise, the free room a queued elastic job was last found no layout for."""
+        self.stopped_at: dict[int, float] = {}
+        """When each job's last group was seen stopped (`time.monotonic()`), until its restart
+        is placed or requeued (`_restart`)."""
         self.blocked: int | None = None
         """The queued job admission stopped at in this pass: no move up takes its room."""
 
@@ -256,12 +264,12 @@ class Controller:
             elif job.state == JobState.RESTARTING:
                 # The last attempt's ranks may still hold the checkpoint directory and their
                 # resources: the next attempt starts once they are gone.
-                if not self.teardowns.busy(("job", job.id)):
-                    self._restart(job, result)
-                else:
+                if self.teardowns.busy(("job", job.id)) or not self._restart(job, result):
                     keeping.append(job)
             else:
                 self._orphaned(job, result)
+        kept = {j.id for j in keeping}  # the others restarted, requeued or ended
+        self.stopped_at = {j: t for j, t in self.stopped_at.items() if j in kept}
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
         self._elastic_down()
@@ -585,18 +593,23 @@ class Controller:
         except TransitionError as exc:  # cancelled meanwhile: it ends where it is
             log.info("job %s: %s", job.id, exc)
 
-    def _restart(self, job: Job, result: StepResult) -> None:
+    def _restart(self, job: Job, result: StepResult) -> bool:
         """The next attempt, from the checkpoint, into free room only (a group started
         without room would wait out `start_timeout_s` and spend a retry); else back to the
         queue, by its priority, where admission places it when there is room (preempting
         jobs of lower priority if it may). When the cluster no longer has room for it (it
         lost a node) it waits there until it has; an elastic job waits for free room, to be
-        re-planned after `wait_s`."""
+        re-planned after `wait_s`. False: it keeps its claim a moment longer, its old group
+        stopped less than `RESTART_SETTLE_S` ago (its room may not show free yet)."""
         lost = unplaceable(job, self.launcher.total_capacity())
         free = self.launcher.free_capacity()
         if lost is None and pack(bundles(job), free) is not None:
             self._place(job, result)
-            return
+            return True
+        since = self.stopped_at.pop(job.id, None)
+        if lost is None and since is not None and time.monotonic() - since < RESTART_SETTLE_S:
+            self.stopped_at[job.id] = since
+            return False
         why = lost or f"the free room holds {fitting_ranks(job.spec, free)} of its" \
             f" {job.world_size} ranks"
         elastic = job.spec.elastic
@@ -613,6 +626,7 @@ class Controller:
                        f" ({job.priority}) in the queue and resumes from its checkpoint when"
                        " there is room (a job of lower priority may be preempted for it),"
                        " without spending a retry", result)
+        return True
 
     def _place(self, job: Job, result: StepResult) -> None:
         """Start the next attempt of a PLACING (or RESTARTING) job: the stored spec is the
@@ -846,6 +860,7 @@ class Controller:
             log.warning("%s %s: stopping its worker group failed: %s", kind, key_id, td.error)
         if kind != "job":
             return
+        self.stopped_at[key_id] = time.monotonic()
         if td.stacks:
             record_stacks(self.store, key_id, td.attempt, td.stacks)
         if td.final is not None and td.attempt is not None:

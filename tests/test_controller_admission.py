@@ -111,7 +111,7 @@ def test_a_restarting_job_keeps_its_room_from_a_job_of_lower_priority(
 
 
 def test_a_restart_without_room_goes_back_to_the_queue_by_its_priority_and_preempts(
-        sqlite_store: Store, tmp_path: Path) -> None:
+        sqlite_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two jobs' room: high (5) and low (0) run; high fails, and while its group stops, top
     # (9) takes its room, as a job of higher priority may. high cannot be placed in the free
     # room then: it is queued ahead of low's priority and preempts low, spending no retry.
@@ -128,6 +128,10 @@ def test_a_restart_without_room_goes_back_to_the_queue_by_its_priority_and_preem
     assert launcher.release is not None
     launcher.release.set()
     assert c.teardowns.wait(30)
+    c.step()  # its group just stopped: its claim holds a moment (Ray frees room late)
+    assert sqlite_store.get_job(job_id=high).state == JobState.RESTARTING
+    assert not launcher.groups[1].preempted
+    monkeypatch.setattr(controller_mod, "RESTART_SETTLE_S", 0.0)  # that moment is over
     c.step()  # high: no free room; queued by its priority, and low is asked to stop
     job = sqlite_store.get_job(job_id=high)
     assert job.state == JobState.QUEUED and job.priority == 5 and job.attempts == 1
