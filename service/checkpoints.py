@@ -14,6 +14,10 @@ another job's. Callers:
   (a folder that became another job's is not retried);
 - rank 0, before any rank resumes (`workers.checkpoint.claim_folder`): `claim` again.
 
+What a tag's `COMPLETE` marker holds, its files' sizes and SHA-256, is written and read here
+(`marker_text`, `recorded`, `mismatch`, hashing `CHUNK` bytes at a time) for the ranks, which
+write it when they save a tag and check it before they resume (`workers.checkpoint`).
+
 `refusal` is the one check of whose a folder is. Starting a job from another job's checkpoint
 (a `--from-checkpoint` to come) would read that job's folder, never write it: its record names
 the job, so the API can ask whether the caller may read that job, while the new job writes

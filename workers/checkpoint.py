@@ -9,6 +9,12 @@ what it wrote (`trident-steps/`, `service.tag_steps`). A tag without the marker 
 mid-save) is ignored on resume. The data position is the step itself (see `workers.data`); it
 is stored with the RNG states in DeepSpeed's client state.
 
+The marker records every file of the tag with its size and SHA-256 (each rank hashes what it
+wrote, rank 0 the rest: `_Held`, `_mark_complete`), and a tag is resumed from only when its
+files still match (`agreed_resume`, the ranks checking a share each): a damaged one is passed
+over for the one before and its marker renamed, so that it is partial from then on. A marker
+of before checksums (the step alone) is taken as it is.
+
 A save the disk refuses (full, a quota, an I/O error) costs that tag only: each rank's writes
 are made with their errors held (`_writes_held`), so a rank whose write failed still goes
 through the save's collectives with its peers; then the ranks share their errors, and when any
@@ -24,7 +30,8 @@ deleted before its successor is marked. The new tag's size and the steps deleted
 step's report (`StepReport.checkpoint_bytes`, `checkpoints_removed`), and the controller keeps
 the job's tags and their bytes (`service.store.checkpoints`).
 
-Called by `workers.train`; `newest_complete_step` also by custom entrypoints.
+Called by `workers.train`; `agreed_resume_step` and `newest_complete_step` also by custom
+entrypoints.
 """
 
 from __future__ import annotations
