@@ -52,6 +52,7 @@ from service.checkpoints import (
     JobFolders,
     seed,
 )
+from service.data_check import changed_corpus
 from service.elastic import (
     ElasticState,
     Replan,
@@ -773,11 +774,13 @@ class Controller:
             self._teardown(job.id, run)
             detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
-            # A folder that is another job's now (rank 0 refused it) stays so: no retry.
-            theirs = self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
+            # A folder that is another job's now (rank 0 refused it) stays so, and a corpus
+            # replaced since submission stays replaced: no retry.
+            final = (self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
+                     or changed_corpus(run.spec))
             self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}"
-                               + (f"\nnot retried: {theirs}" if theirs else ""), result,
-                               retry=theirs is None)
+                               + (f"\nnot retried: {final}" if final else ""), result,
+                               retry=final is None)
 
     def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
         n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,

@@ -300,6 +300,11 @@ class Corpus:
         if fd is not None:
             os.close(fd)
 
+    def bin_stat(self) -> os.stat_result:
+        """The status of the `.bin` this object reads (opened once, whatever its path names
+        since)."""
+        return os.fstat(self._fd)
+
     @cached_property
     def tokens(self) -> np.ndarray:
         """Every token, memory-mapped (for scans: `inspect`, tests; training reads `get`)."""

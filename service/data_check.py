@@ -14,10 +14,14 @@ at most `TRIDENT_DATA_CHECKS` checks run at once on the server, `TRIDENT_DATA_CH
 of them for one user (`CheckSlots`: lock files every API process shares); a submission that
 finds no slot within `TRIDENT_DATA_CHECK_WAIT_S` is refused (`ChecksBusy`: a 429 or a 503).
 
-The stored spec then carries each corpus's `fingerprint` (sizes and modification times of
-both files): a rank that finds another fingerprint before it builds its sample order
-(`workers.data`) fails the job saying which file changed, rather than train on a corpus nobody
-checked.
+The stored spec then carries each corpus's `fingerprint` (size, modification time, inode and
+status-change time of both files, as they resolve): rank 0, before it reads them, resolves
+the paths against the data roots again and compares the fingerprint (`workers.data`), and
+every rank compares the `.bin` it opened (`workers.sample_order`), so that a file replaced
+since (by a symlink to a file outside the roots with the same size and modification time
+included: its inode and status-change time differ) fails the job saying which file changed,
+rather than train on a corpus nobody checked. The controller does not retry such an attempt
+(`changed_corpus`).
 """
 
 from __future__ import annotations
@@ -35,13 +39,25 @@ from service.datadir import try_lock
 from service.spec import CorpusRef, JobSpec, SpecError
 
 
+def file_print(ext: str, st: os.stat_result) -> str:
+    """`<ext>:<bytes>:<mtime_ns>:<inode>:<ctime_ns>` of one file of a corpus: the status-change
+    time cannot be set back by its owner, so a file replaced by another of the same size and
+    modification time still differs."""
+    return f"{ext}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+
+
 def fingerprint(prefix: str) -> str:
-    """`idx:<bytes>:<mtime_ns>,bin:<bytes>:<mtime_ns>` of corpus `prefix`."""
-    parts = []
-    for ext in ("idx", "bin"):
-        st = os.stat(f"{prefix}.{ext}")
-        parts.append(f"{ext}:{st.st_size}:{st.st_mtime_ns}")
-    return ",".join(parts)
+    """`file_print` of corpus `prefix`'s `.idx`, then of its `.bin`, comma-separated (through
+    symlinks: of the files read)."""
+    return ",".join(file_print(ext, os.stat(f"{prefix}.{ext}")) for ext in ("idx", "bin"))
+
+
+def _comparable(now: str, then: str) -> str:
+    """`now` cut to the fields `then` has (a spec stored before the fingerprint had inodes
+    and status-change times carries sizes and modification times only)."""
+    fields = [len(p.split(":")) for p in then.split(",")]
+    return ",".join(":".join(p.split(":")[:n]) for p, n in zip(now.split(","), fields,
+                                                                 strict=False))
 
 
 def changed(ref: CorpusRef) -> str | None:
@@ -53,9 +69,31 @@ def changed(ref: CorpusRef) -> str | None:
         now = fingerprint(ref.path)
     except OSError as exc:
         return f"{ref.path}: {exc.strerror} since the job was submitted"
-    if now != ref.fingerprint:
-        return (f"{ref.path}: the corpus changed after the job was submitted (was"
-                f" {ref.fingerprint}, now {now}); resubmit to check it again")
+    return _differs(ref.path, ref.fingerprint, _comparable(now, ref.fingerprint))
+
+
+def opened_changed(prefix: str, fp: str | None, opened: os.stat_result) -> str | None:
+    """Why the `.bin` a rank opened (its `fstat`) is not the one of corpus `prefix`'s
+    fingerprint `fp` (None: not fingerprinted)."""
+    if fp is None:
+        return None
+    then = fp.split(",")[-1]
+    return _differs(prefix, then, _comparable(file_print("bin", opened), then))
+
+
+def _differs(prefix: str, then: str, now: str) -> str | None:
+    if now == then:
+        return None
+    return (f"{prefix}: the corpus changed after the job was submitted (was {then}, now"
+            f" {now}); resubmit to check it again")
+
+
+def changed_corpus(spec: JobSpec) -> str | None:
+    """Why one of `spec`'s corpora is not the one checked at submission (the first; None when
+    none changed): the controller does not retry an attempt that failed on it."""
+    for ref in [*spec.data.train, *spec.data.valid]:
+        if why := changed(ref):
+            return why
     return None
 
 

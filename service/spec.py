@@ -432,9 +432,9 @@ class CorpusRef(_Strict):
     weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
     """Its share of the blend, relative to the others' (normalised to sum to 1)."""
     fingerprint: Annotated[str, Field(max_length=256)] | None = None
-    """Set by the server at submission (sizes and modification times of both files,
-    `service.data_check`); a submitted value is replaced. A rank that finds the corpus changed
-    since fails the job, naming the file."""
+    """Set by the server at submission (size, modification time, inode and status-change
+    time of both files, `service.data_check`); a submitted value is replaced. A rank that
+    finds the corpus changed since fails the job, naming the file, without a retry."""
 
     @field_validator("path")
     @classmethod

@@ -3,6 +3,7 @@ submission as a 422 naming the field, the file and the reason (through the API).
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from api.app import create_app
-from service.data_check import changed
+from service.data_check import changed, fingerprint
 from service.settings import Settings
 from service.spec import CorpusRef, JobSpec
 from service.store import Store
@@ -67,6 +68,25 @@ def test_a_good_corpus_is_accepted_and_fingerprinted(client: TestClient, root: P
     assert changed(ref) is None
     write_corpus(root / "web", docs(41))  # rewritten after submission
     assert "changed after the job was submitted" in (changed(ref) or "")
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_a_change(root: Path) -> None:
+    """Another file of the same size and modification time in the `.bin`'s place (here a
+    hard link to a copy, so no symlink is involved): its inode and status-change time
+    differ from the fingerprint's; a spec stored with the older fingerprint (sizes and
+    times only) still compares."""
+    write_corpus(root / "web", docs())
+    ref = CorpusRef(path=str(root / "web"), fingerprint=fingerprint(str(root / "web")))
+    old = os.stat(root / "web.bin")
+    copy = root / "copy.bin"
+    copy.write_bytes(bytes(old.st_size))
+    os.utime(copy, ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(copy, root / "web.bin")
+    now = os.stat(root / "web.bin")
+    assert (now.st_size, now.st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    assert "changed after the job was submitted" in (changed(ref) or "")
+    sizes_and_times = ",".join(":".join(p.split(":")[:3]) for p in ref.fingerprint.split(","))
+    assert changed(ref.model_copy(update={"fingerprint": sizes_and_times})) is None
 
 
 def test_synthetic_stays_the_default(client: TestClient) -> None:

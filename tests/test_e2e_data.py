@@ -142,3 +142,34 @@ def test_a_corpus_changed_after_submission_fails_the_job(stack, tmp_path) -> Non
     error = store.get_job(job_id=job_id).error or ""
     assert f"{prefix}: the corpus changed after the job was submitted" in error, error
     assert client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"] == []
+
+
+def test_a_bin_replaced_by_a_symlink_outside_the_roots_never_trains(
+        stack, tmp_path, tmp_path_factory) -> None:
+    """The `.bin` swapped after submission for a symlink to a file outside the data roots
+    (the stack's data directory) with the same size and modification time: rank 0 resolves
+    the paths again and refuses it, and the controller does not retry."""
+    client, store, controller = stack
+    prefix = _phrases(tmp_path / "corpora")
+    r = client.post("/api/v1/jobs", json=_resume_spec(prefix, max_retries=2))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    original = os.stat(prefix + ".bin")
+    outside = tmp_path_factory.mktemp("outside") / "secret.bin"
+    outside.write_bytes(bytes(original.st_size))  # other tokens, the same size
+    os.utime(outside, ns=(original.st_atime_ns, original.st_mtime_ns))
+    os.remove(prefix + ".bin")
+    os.symlink(outside, prefix + ".bin")
+    swapped = os.stat(prefix + ".bin")
+    assert (swapped.st_size, swapped.st_mtime_ns) == (original.st_size, original.st_mtime_ns)
+
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 900) == JobState.FAILED
+    job = store.get_job(job_id=job_id)
+    error = job.error or ""
+    assert f"{prefix}.bin' resolves to {outside.resolve()}, outside the server's data roots" \
+        in error, error
+    assert "not retried: " in error and "the corpus changed after the job was submitted" \
+        in error, error
+    assert len(store.list_attempts(job_id=job_id)) == 1
+    assert client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"] == []

@@ -151,3 +151,29 @@ def test_the_per_user_bound_refuses_at_submission(client: TestClient, tmp_path: 
     assert "per-user bound TRIDENT_ORDER_CACHE_USER_BYTES (1.0 MiB)" in d["msg"], d
     spec["train"]["steps"] = 100  # type: ignore[index]
     assert client.post("/api/v1/jobs", json=spec).status_code == 201
+
+
+def test_a_rank_refuses_a_bin_replaced_after_rank_0_checked_it(big: str, tmp_path: Path) -> None:
+    """Rank 0 built the order; the `.bin` is replaced (same size and modification time)
+    before another rank opens it: that rank refuses it rather than read another file."""
+    import shutil
+
+    from service.data_check import fingerprint
+    from service.spec import CorpusRef
+
+    prefix = str(tmp_path / "web")
+    for ext in (".idx", ".bin"):
+        shutil.copyfile(big + ext, prefix + ext)
+    spec = job(prefix).model_copy()
+    ref = CorpusRef(path=prefix, fingerprint=fingerprint(prefix))
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train": [ref]})})
+    s = server(tmp_path)
+    open_source(spec, dp_rank=0, rank=0, server=s, user="alice")
+    old = os.stat(prefix + ".bin")
+    other = tmp_path / "other.bin"
+    other.write_bytes(bytes(old.st_size))
+    os.utime(other, ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(other, prefix + ".bin")
+    with pytest.raises(ValueError, match=r"web\.bin: the corpus changed after the job was"
+                       r" submitted"):
+        open_source(spec, dp_rank=1, rank=1, server=s, user="alice")

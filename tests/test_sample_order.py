@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from service.corpus import Corpus
+from service.data_check import fingerprint
 from service.order_cache import OrderCache
 from tests.corpora import write_corpus
 from workers import sample_order
@@ -50,6 +51,11 @@ def test_the_helpers_are_megatrons_own() -> None:
     assert np.array_equal(blend([0.5, 0.3, 0.2], 100)[0], which)
 
 
+def _part(prefix: Path | str, weight: float = 1.0, **kw: object) -> Part:
+    """A part of corpus `prefix` fingerprinted as submission does."""
+    return Part(str(prefix), fingerprint(str(prefix)), weight, **kw)  # type: ignore[arg-type]
+
+
 def _stream(corpus_docs: list[list[int]], doc_index: np.ndarray) -> list[int]:
     return [t for d in doc_index for t in corpus_docs[int(d)]]
 
@@ -68,7 +74,7 @@ def test_samples_are_windows_of_the_shuffled_epochs(tmp_path: Path, cache: Order
     a, b = _docs(30, 1), _docs(12, 2)
     write_corpus(tmp_path / "a", a)
     write_corpus(tmp_path / "b", b)
-    parts = [Part(str(tmp_path / "a"), "fa", 3.0), Part(str(tmp_path / "b"), "fb", 1.0)]
+    parts = [_part(tmp_path / "a", 3.0), _part(tmp_path / "b", 1.0)]
     seq_len, samples = 16, 400  # several epochs of b
     order = build(cache, "alice", parts, seed=7, seq_len=seq_len, samples=samples)
     assert str(order.folder).startswith(str(cache.root))
@@ -101,7 +107,7 @@ def test_the_windows_are_megatrons(tmp_path: Path, cache: OrderCache) -> None:
 
     docs = _docs(25, 3)
     write_corpus(tmp_path / "a", docs)
-    parts = [Part(str(tmp_path / "a"), "f")]
+    parts = [_part(tmp_path / "a")]
     seq_len, samples = 8, 500
     order = build(cache, "alice", parts, 5, seq_len, samples)
     tokens = sum(map(len, docs))
@@ -125,7 +131,7 @@ def test_a_sample_does_not_depend_on_how_many_a_job_takes(tmp_path: Path,
                                                           cache: OrderCache) -> None:
     write_corpus(tmp_path / "a", _docs(30, 1))
     write_corpus(tmp_path / "b", _docs(12, 2))
-    parts = [Part(str(tmp_path / "a"), "fa", 2.0), Part(str(tmp_path / "b"), "fb")]
+    parts = [_part(tmp_path / "a", 2.0), _part(tmp_path / "b")]
     short = build(cache, "alice", parts, 3, 16, 40)
     long = build(cache, "alice", parts, 3, 16, 600)  # several epochs of both
     assert short.folder != long.folder
@@ -137,8 +143,8 @@ def test_one_corpus_listed_twice_is_indexed_once(tmp_path: Path, cache: OrderCac
     write_corpus(tmp_path / "a", _docs(30, 1))
     write_corpus(tmp_path / "b", _docs(12, 2))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    listed = [Part(a, "fa", 1.0), Part(b, "fb", 1.0), Part(a, "fa", 2.0)]
-    once = [Part(a, "fa", 3.0), Part(b, "fb", 1.0)]
+    listed = [_part(a, 1.0), _part(b, 1.0), _part(a, 2.0)]
+    once = [_part(a, 3.0), _part(b, 1.0)]
     twice = build(cache, "alice", listed, 1, 16, 100)
     assert [p.prefix for p in twice.parts] == [a, b]
     assert twice.drawn(100) == [75, 25]
@@ -149,7 +155,10 @@ def test_one_corpus_listed_twice_is_indexed_once(tmp_path: Path, cache: OrderCac
 def test_the_order_is_built_once_and_depends_on_its_inputs(tmp_path: Path,
                                                            cache: OrderCache) -> None:
     write_corpus(tmp_path / "a", _docs(30, 1))
-    parts = [Part(str(tmp_path / "a"), "f1")]
+    parts = [_part(tmp_path / "a")]
+    rewritten = tmp_path / "again" / "a"  # the same tokens in another corpus
+    rewritten.parent.mkdir()
+    write_corpus(rewritten, _docs(30, 1))
     first = build(cache, "alice", parts, 1, 16, 50).folder
     stamp = os.stat(first / "which.npy").st_mtime_ns
     assert build(cache, "alice", parts, 1, 16, 50).folder == first
@@ -157,7 +166,7 @@ def test_the_order_is_built_once_and_depends_on_its_inputs(tmp_path: Path,
     others = {build(cache, "alice", parts, 2, 16, 50).folder,
               build(cache, "alice", parts, 1, 8, 50).folder,
               build(cache, "alice", parts, 1, 16, 60).folder,
-              build(cache, "alice", [Part(str(tmp_path / "a"), "f2")], 1, 16, 50).folder}
+              build(cache, "alice", [_part(rewritten)], 1, 16, 50).folder}
     assert first not in others and len(others) == 4
     again = open_order(cache, parts, 1, 16, 50)
     same = open_order(cache, parts, 1, 16, 50)
@@ -170,8 +179,8 @@ def test_the_order_is_built_once_and_depends_on_its_inputs(tmp_path: Path,
 def test_held_out_documents_never_train(tmp_path: Path, cache: OrderCache) -> None:
     docs = [[i] * 20 for i in range(20)]  # document i is made of token i
     write_corpus(tmp_path / "a", docs)
-    train = [Part(str(tmp_path / "a"), "f", held_out=0.25, side="train")]
-    valid = [Part(str(tmp_path / "a"), "f", held_out=0.25, side="valid")]
+    train = [_part(tmp_path / "a", held_out=0.25, side="train")]
+    valid = [_part(tmp_path / "a", held_out=0.25, side="valid")]
     build(cache, "alice", train, 1, 8, 100)
     build(cache, "alice", valid, 1, 8, 20)
     seen_train = {t for j in range(100) for t in open_order(cache, train, 1, 8, 100).tokens(j)}

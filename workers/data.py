@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -201,11 +202,12 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
                 share: Callable[[str | None], str | None] = lambda e: e,
                 barrier: Callable[[], None] = lambda: None,
                 server: ServerData | None = None, user: str = "") -> DataSource:
-    """This rank's `DataSource` for `spec`. For corpora, rank 0 checks that none changed since
-    submission and builds the sample orders into the server's cache (`server`; None: the one
-    this environment's settings name) for `user`'s job (once: they are cached); `share`
-    broadcasts its error (None: none) to every rank, which all raise it, and `barrier` waits
-    for the build."""
+    """This rank's `DataSource` for `spec`. For corpora, rank 0 resolves them against the
+    server's data roots again, checks that none changed since submission (their fingerprints:
+    a file replaced by another of the same size and time included) and builds the sample
+    orders into the server's cache (`server`; None: the one this environment's settings name)
+    for `user`'s job (once: they are cached); `share` broadcasts its error (None: none) to
+    every rank, which all raise it, and `barrier` waits for the build."""
     t, d, m = spec.train, spec.data, spec.model
     layout = spec.layout
     common = dict(seed=t.seed, seq_len=m.seq_len, vocab=m.vocab, global_batch=t.global_batch,
@@ -247,13 +249,19 @@ def _build(spec: JobSpec, server: ServerData, user: str, train: list, valid: lis
            samples: int, eval_samples: int) -> tuple[str | None, list]:
     """Rank 0: the error that stops every rank (None: none), and the orders it built."""
     from service import corpus
-    from service.data_check import changed
+    from service.confine import data_refusal
+    from service.data_check import changed_corpus
     from service.order_cache import CacheRefused
     from workers import sample_order
 
+    roots = [Path(r) for r in server.data_roots]
     for ref in [*spec.data.train, *spec.data.valid]:
-        if why := changed(ref):
-            return why, []
+        # As submitted corpora were checked (a spec run without the API has no fingerprint):
+        # a path may lead elsewhere now, through a symlink put in since.
+        if ref.fingerprint is not None and (why := data_refusal(ref.path, roots)):
+            return f"data: {why}", []
+    if why := changed_corpus(spec):
+        return why, []
     try:
         for ref in [*spec.data.train, *spec.data.valid]:
             if ref.fingerprint is None:  # not submitted through the API (torchrun, tests)

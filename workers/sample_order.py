@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from service import corpus
-from service.data_check import fingerprint, held_out
+from service.data_check import fingerprint, held_out, opened_changed
 from service.order_cache import OrderCache
 
 FORMAT = 2
@@ -243,6 +243,16 @@ def build(cache: OrderCache, user: str, parts: list[Part], seed: int, seq_len: i
     return Order(cache, name, parts, seq_len, cache.admit(name, user, sizes, write))
 
 
+def _opened(part: Part) -> corpus.Corpus:
+    """`part`'s corpus, opened: CorpusError when the `.bin` opened is not the file of its
+    fingerprint (replaced since rank 0 checked it)."""
+    c = corpus.Corpus(part.prefix)
+    if why := opened_changed(part.prefix, part.fingerprint, c.bin_stat()):
+        raise corpus.CorpusError(corpus.bin_path(part.prefix), why.removeprefix(
+            f"{part.prefix}: "))
+    return c
+
+
 class Order:
     """A built order, memory-mapped and pinned in the cache (`OrderCache.pin`) while open:
     global sample j's tokens, and where they came from."""
@@ -256,7 +266,7 @@ class Order:
         self.which, self.window, self.offset, self.ptr, self.seqs = (load(n) for n in ARRAYS)
         self.per_epoch = [float(x) for x in
                           json.loads((self.folder / "order.json").read_text())["per_epoch"]]
-        self.corpora = [corpus.Corpus(p.prefix) for p in self.parts]
+        self.corpora = [_opened(p) for p in self.parts]
 
     def close(self) -> None:
         """Let the cache delete the entry again (its arrays stay mapped here)."""
