@@ -21,7 +21,7 @@ import pytest
 
 from api.app import create_app
 from service import corpus
-from service.data_check import CHECK_SLOTS, CheckSlots
+from service.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
@@ -187,3 +187,32 @@ def test_a_slow_data_check_does_not_spend_the_search_budget(
         r = httpx.post(f"{url}/api/v1/jobs", json=spec, headers=headers, timeout=60)
     assert r.status_code == 201, r.text
     assert r.json()["plan"]["chosen_by"] == "search"
+
+
+HOLDER = """
+import sys
+from pathlib import Path
+from service.data_check import CheckSlots
+with CheckSlots(Path(sys.argv[1]), total=1, per_user=1, wait_s=0).held("carol"):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_the_server_bound_holds_across_processes(tmp_path: Path) -> None:
+    """A slot held by another process (another API process of the server) is taken; it is
+    free again once that process ends, however it ends."""
+    folder = tmp_path / CHECK_SLOTS
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        slots = CheckSlots(folder, total=1, per_user=1, wait_s=0.2)
+        with pytest.raises(ChecksBusy) as busy, slots.held("alice"):
+            pass
+        assert busy.value.status == 503 and "TRIDENT_DATA_CHECKS" in busy.value.message
+    finally:
+        holder.kill()
+        holder.wait(30)
+    with slots.held("alice"):
+        pass
