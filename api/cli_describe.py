@@ -24,6 +24,7 @@ from api.cli_format import (
     clock,
     columns,
     dump,
+    loss_text,
     seconds_between,
     secs,
     size,
@@ -229,7 +230,7 @@ def text(d: Description) -> str:
         c = d.checkpoints
         field("Checkpoints", f"{c.tags} tag(s), newest step {c.newest_step},"
               f" {size(c.bytes_on_disk)} on disk")
-    loss = "-" if r.loss is None else f"{r.loss:.4g}"
+    loss = loss_text(r)
     field("Progress", f"step {'-' if r.step is None else r.step}/"
           f"{r.total_steps or '-'}, loss {loss}, last report {ago(r.reported_at)}")
     lr = "-" if r.lr is None else f"{r.lr:.3g}"

@@ -129,6 +129,8 @@ class JobRow(BaseModel):
     step: int | None
     total_steps: int | None
     loss: float | None
+    loss_nonfinite: bool = False
+    """The loss at `step` was NaN or infinite (`loss` is None)."""
     lr: float | None = None
     """The learning rate of `step`."""
     grad_norm: float | None = None
@@ -153,12 +155,23 @@ class JobRow(BaseModel):
             layout=j.plan.layout.label, ranks=j.world_size, priority=j.priority,
             submitted=j.created_at, started=j.started_at, finished=j.finished_at,
             duration_s=seconds_between(j.started_at, j.finished_at), step=j.step,
-            total_steps=j.total_steps, loss=j.loss, lr=j.lr, grad_norm=j.grad_norm,
+            total_steps=j.total_steps, loss=j.loss, loss_nonfinite=j.loss_nonfinite, lr=j.lr,
+            grad_norm=j.grad_norm,
             eval_loss=j.eval_loss, tokens=j.tokens, epoch=j.epoch,
             step_s_predicted=j.plan.time.step_s,
             step_s_measured=j.step_time_s, reported_at=j.reported_at, attempts=j.attempts,
             restarts=j.restarts, queue_position=j.queue_position, reason=j.reason,
             error=j.error)
+
+
+NONFINITE = "NaN/inf"
+"""A loss that was NaN or infinite, as the CLI and the dashboard print it."""
+
+
+def loss_text(r: JobRow) -> str:
+    """The loss at the job's newest step: `NaN/inf` when it was not finite, `-` when none
+    was reported."""
+    return NONFINITE if r.loss_nonfinite else "-" if r.loss is None else f"{r.loss:.4g}"
 
 
 def refresh(render: Callable[[], str], *, count: int, interval: float,

@@ -56,6 +56,8 @@ class JobOut(Job):
     """`train.steps` of its spec."""
     loss: float | None = None
     """The loss at `step`."""
+    loss_nonfinite: bool = False
+    """True when the loss at `step` was NaN or infinite (`loss` is then null)."""
     lr: float | None = None
     """The learning rate `step` ran at (the schedule's)."""
     grad_norm: float | None = None
@@ -98,6 +100,7 @@ class JobOut(Job):
                          eval_loss=summary.eval_loss)
             if (m := summary.latest) is not None:
                 extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
+                             loss_nonfinite=bool(m.data.get("loss_nonfinite")),
                              reported_at=m.time, lr=m.lr, grad_norm=m.grad_norm,
                              tokens=m.data.get("tokens"), epoch=m.data.get("epoch"))
         # The fields as they are (`dict(job)` walked pydantic's iterator, once per job).
@@ -125,6 +128,8 @@ class MetricOut(BaseModel):
     step: int
     rank: int
     loss: float | None
+    loss_nonfinite: bool = False
+    """True when the loss was NaN or infinite (`loss` is then null)."""
     step_time_s: float
     tokens_per_s: float
     lr: float | None = None
@@ -148,7 +153,8 @@ class MetricOut(BaseModel):
     def of(cls, m: Metric) -> MetricOut:
         d = m.data
         return cls(attempt=m.attempt, step=m.step, rank=m.rank, loss=m.loss,
-                   step_time_s=m.step_time_s, tokens_per_s=m.tokens_per_s, lr=m.lr,
+                   loss_nonfinite=bool(d.get("loss_nonfinite")), step_time_s=m.step_time_s,
+                   tokens_per_s=m.tokens_per_s, lr=m.lr,
                    grad_norm=m.grad_norm, memory=d.get("memory", {}), time=m.time,
                    eval_loss=d.get("eval_loss"), tokens=d.get("tokens"), epoch=d.get("epoch"),
                    first_sample=d.get("first_sample"), drawn=d.get("drawn"))

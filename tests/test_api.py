@@ -39,7 +39,8 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
     assert list(body) == ["id", "name", "owner", "project", "state", "priority", "spec", "plan",
                           "world_size", "cancel_requested", "attempts", "error", "created_at",
                           "updated_at", "started_at", "finished_at", "waiting", "preemptions",
-                          "predicted_vs_measured", "step", "total_steps", "loss", "lr",
+                          "predicted_vs_measured", "step", "total_steps", "loss",
+                          "loss_nonfinite", "lr",
                           "grad_norm", "eval_loss", "tokens", "epoch", "step_time_s",
                           "reported_at", "restarts", "queue_position", "reason", "secrets",
                           "env_hidden"]

@@ -34,7 +34,7 @@ from service.store import Store
 from service.store.heartbeats import HeartbeatLog
 from service.store.views import AttemptStatus
 from tests.conftest import tiny_spec
-from tests.servers import serving
+from tests.servers import HTTP, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -171,8 +171,8 @@ def test_status_columns_filters_sorts_and_formats(stack: tuple[str, dict[str, in
     r = next(i for i in doc["items"] if i["id"] == ids["running"])
     assert list(r) == ["id", "name", "owner", "project", "state", "layout", "ranks",
                        "priority", "submitted", "started", "finished", "duration_s", "step",
-                       "total_steps", "loss", "lr", "grad_norm", "eval_loss", "tokens",
-                       "epoch", "step_s_predicted", "step_s_measured", "reported_at",
+                       "total_steps", "loss", "loss_nonfinite", "lr", "grad_norm", "eval_loss",
+                       "tokens", "epoch", "step_s_predicted", "step_s_measured", "reported_at",
                        "attempts", "restarts", "queue_position", "reason", "error"]
     assert (r["step"], r["total_steps"], r["restarts"], r["attempts"]) == (3, 6, 1, 2)
     assert r["loss"] == pytest.approx(4.7) and r["step_s_measured"] == 0.5
@@ -362,3 +362,43 @@ def test_help_carries_an_example() -> None:
     for cmd in ("status", "describe", "top"):
         r = runner.invoke(app, [cmd, "--help"])
         assert r.exit_code == 0 and "Example: trident " + cmd in r.output, r.output
+
+
+def test_a_job_whose_losses_were_not_finite_says_so_wherever_its_loss_is_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A job whose every loss was NaN, run by the controller (reports through its ingestion,
+    # a fake launcher): FAILED, and its last loss reads NaN/inf in `trident status`,
+    # `describe`, the API and the dashboard's jobs table, not a blank like a job that
+    # reported no loss, nor a number.
+    from service.protocols import PollResult
+    from tests.fakes import FakeLauncher, make, step_report
+    from tests.fakes import submit as submit_spec
+    from tests.waiting import DEADLINE_S, drive
+
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
+    settings = Settings(data_dir=tmp_path)
+    with serving(create_app(settings)) as url:
+        store = Store(settings.db_url)
+        try:
+            reports = [step_report(0, s, float("nan")) for s in (1, 2, 3)]
+            launcher = FakeLauncher([[PollResult(state="running", reports=reports),
+                                      PollResult(state="succeeded")]], cpus=1)
+            job_id = submit_spec(store, name="diverged", parallel={"dp": 1})
+            c = make(store, launcher, tmp_path, nonfinite_loss_steps=3)
+            assert drive(c, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                         DEADLINE_S) == JobState.FAILED
+            c.shutdown()
+        finally:
+            store.close()
+        [line] = [ln for ln in cli(url, "status").splitlines() if ln.startswith(str(job_id))]
+        assert " 3/6 " in line and " NaN/inf " in line and "FAILED" in line, line
+        assert "step 3/6, loss NaN/inf," in cli(url, "describe", str(job_id))
+        got = json.loads(cli(url, "status", str(job_id), "-o", "json"))
+        assert got["loss"] is None and got["loss_nonfinite"] is True, got
+        token = (tmp_path / "admin.token").read_text().strip()
+        rows = HTTP.get(f"{url}/ui/jobs/rows", headers={"Authorization": f"Bearer {token}"})
+        assert rows.status_code == 200, rows.text
+        assert '<span class="nonfinite" title="the loss of this step was NaN or infinite">' \
+            'NaN/inf</span>' in rows.text

@@ -36,6 +36,10 @@
       st.textContent = j.state;
       st.className = "state " + j.state;
       document.getElementById("job-attempts").textContent = j.attempts;
+      // A NaN or infinite loss says so (its value is null), never as a number or a blank.
+      const loss = document.getElementById("job-loss");
+      loss.textContent = j.loss_nonfinite ? "NaN/inf" : j.loss === null || j.loss === undefined ? "-" : Number(j.loss).toPrecision(4);
+      loss.className = j.loss_nonfinite ? "nonfinite" : "";
       if (loaded.logs) followLogs(j.attempts);
       const err = document.getElementById("job-error");
       err.hidden = !j.error;
