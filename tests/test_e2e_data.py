@@ -16,6 +16,7 @@ import pytest
 
 from service import corpus
 from service.data_check import held_out
+from service.order_cache import OrderCache, ServerData
 from service.states import JobState
 from tests.conftest import tiny_spec
 from tests.corpora import write_corpus
@@ -173,3 +174,36 @@ def test_a_bin_replaced_by_a_symlink_outside_the_roots_never_trains(
         in error, error
     assert len(store.list_attempts(job_id=job_id)) == 1
     assert client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"] == []
+
+
+def test_a_job_listing_one_corpus_64_times_caches_only_its_samples(stack, tmp_path) -> None:
+    """On the live stack: a 2-step job that lists one corpus 64 times writes one sample order,
+    no larger on disk than the per-user bound (64 KiB: 16 samples), under the data directory
+    and nothing beside the corpus; the same job again reads it instead of writing another."""
+    client, store, controller = stack
+    prefix = _phrases(tmp_path / "corpora")
+    before = sorted(os.listdir(tmp_path / "corpora"))
+    cache = OrderCache.of(tmp_path, user_bytes=64 << 10, total_bytes=1 << 20)
+    controller.launcher.server = ServerData(cache, data_roots=(str(tmp_path),))
+    spec = tiny_spec(
+        train={"steps": 2, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        parallel={"tp": 1, "pp": 1, "dp": 2, "zero": 1}, monitor={"probe": False},
+        data={"kind": "tokens", "train": [{"path": prefix}] * 64})
+    written = []
+    for _ in range(2):
+        r = client.post("/api/v1/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                     900) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+        assert client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"][-1]["drawn"] \
+            == {prefix: 16}
+        entries = [e for e in os.listdir(cache.root) if not e.startswith(".")]
+        assert len(entries) == 1, entries
+        written.append({f: os.stat(cache.root / entries[0] / f).st_ino
+                        for f in os.listdir(cache.root / entries[0])})
+        used = sum(os.stat(os.path.join(d, f)).st_blocks * 512
+                   for d, _, files in os.walk(cache.root) for f in files)
+        assert 0 < used <= cache.user_bytes, used
+    assert written[0] == written[1]  # read again, not rewritten
+    assert sorted(os.listdir(tmp_path / "corpora")) == before
