@@ -130,6 +130,18 @@ def test_the_per_user_bound_refuses_when_the_rank_builds(big: str, tmp_path: Pat
     assert len(entries(s)) == 2
 
 
+def test_a_rank_on_a_host_without_the_shared_cache_builds_the_same_order(
+        big: str, tmp_path: Path) -> None:
+    """Rank 1 on a host whose data directory is not rank 0's (not shared storage) finds no
+    order there: it builds the same one into its host's cache instead of failing."""
+    head, other = server(tmp_path / "head"), server(tmp_path / "other")
+    first = open_source(job(big, listed=2), dp_rank=0, rank=0, server=head, user="alice")
+    second = open_source(job(big, listed=2), dp_rank=1, rank=1, server=other, user="alice")
+    assert entries(head) == entries(other) and len(entries(other)) == 1
+    assert [second.sample(j).tolist() for j in range(16)] == \
+        [first.sample(j).tolist() for j in range(16)]
+
+
 @pytest.fixture
 def client(sqlite_store: Store, tmp_path: Path) -> Iterator[TestClient]:
     s = Settings(data_dir=tmp_path / "data", data_roots=str(tmp_path),

@@ -231,11 +231,11 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
     if built:
         train_order = built[0]
         valid_order = built[1] if valid else None
-    else:
+    else:  # rank 0's, read; built again on a host that does not share the data directory
         cache = server.orders
-        train_order = sample_order.open_order(cache, train, t.seed, m.seq_len, samples)
-        valid_order = sample_order.open_order(cache, valid, t.seed + 1, m.seq_len,
-                                              eval_samples) if valid else None
+        train_order = sample_order.build(cache, user, train, t.seed, m.seq_len, samples)
+        valid_order = sample_order.build(cache, user, valid, t.seed + 1, m.seq_len,
+                                         eval_samples) if valid else None
     return TokenSource(**common,  # type: ignore[arg-type]
                        train_order=train_order, valid_order=valid_order,
                        paths=[p.prefix for p in train_order.parts])
