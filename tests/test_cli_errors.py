@@ -1,7 +1,8 @@
 """Every `trident` error is one line, tried as a new user would: `error: ...` on stderr, a
 non-zero exit, what went wrong and what to do, never a box of several lines or a traceback.
 Usage errors, a spec that is not YAML, a refused cancel, a cancel with nobody to answer its
-question, a server URL with the API's path in it; and `trident --help`, whose command lines
+question, a server URL with the API's path in it, an export whose answer breaks off or whose
+folder cannot be made; and `trident --help`, whose command lines
 are whole sentences. Through Typer's CliRunner against a live API server (the `live`
 fixture), and as a real process where the terminal (or its absence) matters.
 """
@@ -158,3 +159,38 @@ def test_a_real_process_prints_no_box(args: list[str]) -> None:
                           env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 2 and done.stdout == "", done
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: "), done
+
+
+def test_an_export_whose_answer_breaks_off_is_one_line_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server dies mid-export (`kill -9` of `trident up`): here a socket that sends the
+    # tar's headers and a part of it, then closes.
+    import socket
+    import threading
+
+    monkeypatch.setenv("TRIDENT_TOKEN", "t" * 43)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+
+        def answer() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-tar\r\n"
+                             b"Content-Length: 1000000\r\n\r\n" + b"\0" * 4096)
+
+        threading.Thread(target=answer, daemon=True).start()
+        server = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        line = one_line(trident("export", "7", "--out", str(tmp_path / "model"),
+                                server=server), 2)
+    assert line.startswith(f"error: cannot reach the Trident API at {server}: the export of"
+                           " job 7 broke off: "), line
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor the partial tar
+
+
+def test_an_export_to_a_folder_it_cannot_make_is_one_line(live: Live, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    line = one_line(trident("export", "1", "--out", str(tmp_path / "file" / "model"),
+                            server=live.url), 2)
+    assert line == f"error: --out {tmp_path}/file/model: Not a directory ({tmp_path}/file)"
