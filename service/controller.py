@@ -242,11 +242,6 @@ class Controller:
         for td in self.teardowns.reap():
             self._stopped(td)
         active = self.store.active_jobs()
-        if not self._read_folders:  # what the controller before this one never heard of
-            for job in active:
-                if job.attempts:
-                    self._recover(job)
-            self._read_folders = True
         keeping: list[Job] = []  # RESTARTING, the last group still stopping: admission
         # keeps their room (`_admit`)
         for job in active:
@@ -271,6 +266,11 @@ class Controller:
                 self._orphaned(job, result)
         kept = {j.id for j in keeping}  # the others restarted, requeued or ended
         self.stopped_at = {j: t for j, t in self.stopped_at.items() if j in kept}
+        if not self._read_folders:  # what the controller before this one never heard of
+            for job in active:
+                if job.attempts:
+                    self._recover(job)
+            self._read_folders = True
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
         self._elastic_down()

@@ -17,9 +17,10 @@ those steps. `recover` makes the store whole again from the job's folder:
   The store keeps one report per (job, attempt, step, rank): what was polled already, or is
   read again, is stored once.
 
-The controller calls it for each active job in its first pass (a controller that starts
-indexes what its predecessor never heard of), after each job's group is stopped, and before
-each attempt starts, so that no attempt resumes from a tag whose steps are not stored.
+The controller calls it for each active job in its first pass, after re-attaching the live
+groups (a controller that starts indexes what its predecessor never heard of), after each
+job's group is stopped, and before each attempt starts, so that no attempt resumes from a tag
+whose steps are not stored.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _tell(store: Store, job: Job, out: Recovered) -> None:
     if out.skipped and parts:  # said with what was stored: a tag read again says it once
         parts.append(f"passed over: {'; '.join(out.skipped[:5])}")
     if parts:
-        store.add_event(job_id=job.id, kind="checkpoint",
+        store.add_event(job_id=job.id, kind="recovered",
                         message="checkpoint folder read: " + "; ".join(parts),
                         data={"indexed": out.indexed, "gone": out.gone,
                               "steps": {str(t): [min(s), max(s)] if s else []

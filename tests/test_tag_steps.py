@@ -70,14 +70,14 @@ def test_a_tags_reports_are_stored_once_under_the_attempt_that_ran_them(
     assert [(s.attempt, s.step, s.ranks) for s in steps] == [(1, s, 2) for s in range(1, 7)]
     assert [s.loss for s in steps][2:] == [5.0 - s / 10 for s in range(3, 7)]
     assert len(got.skipped) == 1 and "rank5.json" in got.skipped[0]
-    said = [e for e in store.list_events(job_id=job_id) if e.kind == "checkpoint"]
+    said = [e for e in store.list_events(job_id=job_id) if e.kind == "recovered"]
     assert len(said) == 1 and "step6 (steps 2-6)" in said[0].message
 
     # Read again (a later attempt's start, another controller): nothing is stored twice.
     again = recover(store, ingest, job=job, folder=str(folder), max_bytes=1 << 20)
     assert again.steps == {} and again.indexed == []
     assert _stored(store, job_id) == [(1, s, r) for s in range(1, 7) for r in (0, 1)]
-    assert len([e for e in store.list_events(job_id=job_id) if e.kind == "checkpoint"]) == 1
+    assert len([e for e in store.list_events(job_id=job_id) if e.kind == "recovered"]) == 1
 
 
 def test_reports_of_another_job_too_large_or_not_regular_files_are_passed_over(

@@ -85,7 +85,7 @@ def test_a_node_lost_while_the_ranks_ran_ahead_of_the_polls_loses_no_step(
             (2, s, 2) for s in range(resumed + 1, STEPS + 1)]
         assert resumed in {t.step for t in CheckpointIndex(store).list(job_id=job_id)}
         told = [e for e in store.list_events(job_id=job_id, limit=1000)
-                if e.kind == "checkpoint" and "step reports" in e.message]
+                if e.kind == "recovered" and "step reports" in e.message]
         assert told, "no event says the tag's reports were stored"
     finally:
         controller.shutdown(stop_jobs=True)
