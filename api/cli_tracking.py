@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
-from api.cli_format import Output, columns, dump, secs
+from api.cli_format import NONFINITE, Output, columns, dump, secs
 from api.schemas import Comparison, Measured
 
 JobIds = Annotated[list[int], typer.Argument(help="Job ids.", min=1, show_default=False)]
@@ -52,7 +52,8 @@ def render(c: Comparison) -> str:
     for r in c.runs:
         pm = r.predicted_vs_measured
         rows.append([str(r.id), r.name, r.state, r.layout,
-                     f"{r.step if r.step is not None else '-'}/{r.total_steps}", _num(r.loss),
+                     f"{r.step if r.step is not None else '-'}/{r.total_steps}",
+                     NONFINITE if r.loss_nonfinite else _num(r.loss),
                      _num(r.eval_loss), _pair(pm.step_s, secs), _pair(pm.tokens_per_s),
                      f"{_pct(r.mfu)} / {_pct(r.mfu_predicted)}"])
     out = [columns(["ID", "NAME", "STATE", "LAYOUT", "STEP", "LOSS", "EVAL_LOSS",

@@ -483,6 +483,8 @@ class ComparedRun(BaseModel):
     """Rank 0's newest step."""
     total_steps: int
     loss: float | None
+    loss_nonfinite: bool = False
+    """The newest loss was NaN or infinite (`loss` is then null)."""
     eval_loss: float | None
     """The newest stored validation loss (None: none stored)."""
     mfu: float | None

@@ -386,6 +386,7 @@ def test_a_job_whose_losses_were_not_finite_says_so_wherever_its_loss_is_shown(
             launcher = FakeLauncher([[PollResult(state="running", reports=reports),
                                       PollResult(state="succeeded")]], cpus=1)
             job_id = submit_spec(store, name="diverged", parallel={"dp": 1})
+            other = submit_spec(store, name="waits")
             c = make(store, launcher, tmp_path, nonfinite_loss_steps=3)
             assert drive(c, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
                          DEADLINE_S) == JobState.FAILED
@@ -402,3 +403,10 @@ def test_a_job_whose_losses_were_not_finite_says_so_wherever_its_loss_is_shown(
         assert rows.status_code == 200, rows.text
         assert '<span class="nonfinite" title="the loss of this step was NaN or infinite">' \
             'NaN/inf</span>' in rows.text
+        [line] = [ln for ln in cli(url, "compare", str(job_id), str(other)).splitlines()
+                  if ln.startswith(f"{job_id} ")]
+        assert " 3/6 " in line and " NaN/inf " in line, line
+        runs = HTTP.get(f"{url}/api/v1/compare", params={"jobs": [job_id, other]},
+                        headers={"Authorization": f"Bearer {token}"}).json()["runs"]
+        assert [(r["loss"], r["loss_nonfinite"]) for r in runs] == [(None, True),
+                                                                     (None, False)], runs

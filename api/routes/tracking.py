@@ -90,7 +90,7 @@ def compare_jobs(jobs: JobIds, store: StoreDep, who: Who) -> Comparison:
         runs=[ComparedRun(
             id=h.job.id, name=h.job.name, owner=h.job.owner, state=h.job.state.value,
             layout=h.job.plan.layout.label, world_size=h.job.world_size, step=h.step,
-            total_steps=h.job.spec.train.steps, loss=h.loss,
+            total_steps=h.job.spec.train.steps, loss=h.loss, loss_nonfinite=h.loss_nonfinite,
             eval_loss=h.eval_loss, mfu=h.mfu, mfu_predicted=h.mfu_predicted, custom=h.custom,
             predicted_vs_measured=PredictedVsMeasured.model_validate(h.predicted_vs_measured))
             for h in heads],

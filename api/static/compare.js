@@ -18,7 +18,7 @@
       return `<tr data-job="${r.id}"><td><span class="swatch" style="background:${PALETTE[i % PALETTE.length]}"></span>` +
         `<a href="/jobs/${r.id}">${r.id}</a></td><td>${esc(r.name)}</td><td>${esc(r.owner)}</td>` +
         `<td class="state ${esc(r.state)}">${esc(r.state)}</td><td>${esc(r.layout)}</td>` +
-        `<td>${r.step ?? "-"} / ${r.total_steps}</td><td>${num(r.loss)}</td><td>${num(r.eval_loss)}</td>` +
+        `<td>${r.step ?? "-"} / ${r.total_steps}</td><td>${r.loss_nonfinite ? '<span class="nonfinite" title="the loss of this step was NaN or infinite">NaN/inf</span>' : num(r.loss)}</td><td>${num(r.eval_loss)}</td>` +
         `<td>${fmtSecs(pm.step_s.predicted)}</td><td>${fmtSecs(pm.step_s.measured)}</td>` +
         `<td>${num(pm.tokens_per_s.predicted)}</td><td>${num(pm.tokens_per_s.measured)}</td>` +
         `<td>${pct(r.mfu_predicted)}</td><td>${pct(r.mfu)}</td></tr>`;
