@@ -191,7 +191,7 @@ class _Held:
         self.digests: dict[str, tuple[int, str]] = {}
 
     def digest(self, path: str) -> None:
-        self.digests[path] = file_digest(path)
+        self.digests[os.path.abspath(path)] = file_digest(path)
 
     def run(self, path: str, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """`write(*args, **kwargs)`, which writes `path`."""
@@ -358,8 +358,8 @@ def _mark_complete(path: str, step: int, hashed: dict[str, tuple[int, str]]) -> 
     """Write the marker whole or not at all (an empty one must not make a tag complete), with
     every file of the tag and its size and SHA-256: those the ranks `hashed` as they wrote
     them, the others (the layout, the step reports, a layout's own files) hashed here."""
-    digests = {rel: hashed.get(os.path.join(path, rel)) or file_digest(os.path.join(path, rel))
-               for rel in tag_files(path)}
+    digests = {rel: hashed.get(os.path.abspath(os.path.join(path, rel)))
+               or file_digest(os.path.join(path, rel)) for rel in tag_files(path)}
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w") as f:
         f.write(marker_text(step, digests))
