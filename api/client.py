@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import io
 import json
 import os
 import time
@@ -84,6 +85,27 @@ JOB_PAGE = 500
 """Jobs per request when paging (the API's most)."""
 
 T = TypeVar("T")
+
+
+class _Chunks(io.RawIOBase):
+    """A readable file over an answer's body as it arrives (`iter_bytes`)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks, self._left = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = chunk
+        n = min(len(buffer), len(self._left))
+        buffer[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -420,10 +442,11 @@ class TridentClient:
     def export(self, job_id: int, out: str | os.PathLike[str], *, step: int | None = None,
                format: str = "hf") -> str:  # noqa: A002 (the route's and the CLI's name)
         """Write a job's checkpoint tag (`step`, default the newest) as a Hugging Face model
-        folder `out` (`config.json`, safetensors: `GET /jobs/{id}/export`, a tar streamed to
-        a temporary file beside `out`, then unpacked); `out` must not exist yet. The
-        folder's path. `OSError` when `out` cannot be written (`FileExistsError` when it
-        exists); `ConnectionFailed` when the answer breaks off."""
+        folder `out` (`config.json`, safetensors: `GET /jobs/{id}/export`, a tar unpacked as
+        it arrives into a temporary folder beside `out`, then renamed: the model's size on
+        disk once, not the tar's too); `out` must not exist yet. The folder's path.
+        `OSError` when `out` cannot be written (`FileExistsError` when it exists);
+        `ConnectionFailed` when the answer breaks off."""
         import tarfile
         import tempfile
 
@@ -436,7 +459,6 @@ class TridentClient:
         except FileExistsError:  # a file on the way
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
         with tempfile.TemporaryDirectory(dir=parent, prefix=".trident-export-") as work:
-            archive = os.path.join(work, "export.tar")
             try:
                 with self._http.stream("GET", f"/jobs/{job_id}/export",
                                        params=_query(step=step, format=format),
@@ -444,15 +466,12 @@ class TridentClient:
                     if resp.status_code >= 400:
                         resp.read()
                         raise _refusal(resp, self)
-                    with open(archive, "wb") as f:
-                        for chunk in resp.iter_bytes():
-                            f.write(chunk)
+                    body = io.BufferedReader(_Chunks(resp.iter_bytes()), 1 << 20)
+                    with tarfile.open(fileobj=body, mode="r|") as tar:
+                        tar.extractall(os.path.join(work, "x"), filter="data")
             except httpx.HTTPError as exc:
                 raise ConnectionFailed(self.server, f"the export of job {job_id} broke off:"
                                        f" {exc or type(exc).__name__}") from None
-            try:
-                with tarfile.open(archive) as tar:
-                    tar.extractall(os.path.join(work, "x"), filter="data")
             except tarfile.TarError as exc:
                 raise NotTridentAPI(self.server, f"the export of job {job_id} is no whole"
                                     f" tar: {exc}") from None
