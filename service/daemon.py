@@ -9,9 +9,9 @@ with it on SIGTERM. It acts only while it holds the controller's lease
 once the leader stops renewing. A leader that finds the lease taken stops at once, without
 touching a job, and exits with LEASE_LOST; its supervisor starts it again, as a standby.
 A database it cannot read (`service.store.dbcheck`) is one line in its log, at start (it exits with
-DATABASE_UNREADABLE) and for every pass that fails on a damaged one; a database that is away
-(a server stopped or unreachable) is one line when a pass first finds it away and one when a
-pass succeeds again (`Outage`), not a traceback per failed pass.
+DATABASE_UNREADABLE) and for every pass that fails on a damaged one; a server database that is
+away (stopped or unreachable) is one line when a pass, or a start, first finds it away and one
+when it answers again (`Outage`), not a traceback per failed pass nor an exit per start.
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ from service.rayhead import LOOPBACK_ENV, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, m
 from service.secrets import SecretBox, forget_server_secrets
 from service.settings import Settings
 from service.store import Fence, NotHolder, Store
-from service.store.dbcheck import Unreadable, away, check, damaged, describe, readable
+from service.store.dbcheck import (
+    Unreadable,
+    away,
+    check,
+    damaged,
+    describe,
+    readable,
+    sqlite_path,
+)
 from service.store.lease import CONTROLLER, Leader, Role
 from service.tracking.config import TrackingConfig
 
@@ -181,6 +189,31 @@ class LeaderLoop:
         return pace.next(self.controller.activity(self.last_result))
 
 
+def wait_for_database(settings: Settings, stop: threading.Event) -> None:
+    """Return once the database answers. A server database that is away (a controller
+    started again while PostgreSQL restarts: its lease ran out during the outage) is waited
+    for, said in one line when it is first found away and one when it is back (`Outage`), as
+    a pass does; anything else (a damaged database, a SQLite file that cannot be opened, a
+    stop asked for meanwhile) raises `Unreadable` with its line."""
+    outage = Outage(settings.db_url)
+    failures = 0
+    while True:
+        try:
+            check(settings.db_url, budget_s=0)
+        except Unreadable as exc:
+            cause = exc.__cause__
+            if sqlite_path(settings.db_url) is not None or cause is None or not away(cause) \
+                    or stop.is_set():
+                raise
+            failures += 1
+            wait = retry_wait_s(failures, settings.poll_interval_s, settings.lease_s)
+            outage.away(cause, wait)
+            stop.wait(wait)
+            continue
+        outage.back()
+        return
+
+
 def run(settings: Settings, stop: threading.Event) -> int:
     """The daemon's loop until `stop` is set; its exit status (LEASE_LOST, or 0)."""
     store = Store(settings.db_url)
@@ -283,7 +316,7 @@ def main() -> None:
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        check(settings.db_url, budget_s=0)  # `trident up` and `trident controller` did more
+        wait_for_database(settings, stop)  # `trident up` and `trident controller` did more
         status = run(settings, stop)
     except Unreadable as exc:
         log.error("%s", exc)

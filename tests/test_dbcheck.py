@@ -279,3 +279,45 @@ def test_the_daemon_logs_each_postgres_outage_in_one_line_and_says_when_it_is_ba
         assert failed >= 4, record.getMessage()  # the passes that failed said nothing more
     assert not [r for r in caplog.records if r.exc_info], caplog.text
     assert not lines("controller pass failed"), caplog.text
+
+
+@pytest.mark.postgres
+def test_a_daemon_started_while_postgres_is_away_waits_for_it_in_two_lines(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A controller that `trident up` starts again while PostgreSQL is still away (its lease
+    # ran out during the outage) waits for the database instead of exiting at every start.
+    import threading
+    import time
+
+    import service.daemon as daemon
+    from tests._private_pg import PrivatePostgres
+
+    caplog.set_level("INFO", logger="trident.controller")
+    pg = PrivatePostgres()
+    pg.start()
+    pg.stop()
+    stop = threading.Event()
+    done: list[None] = []
+    settings = Settings(data_dir=tmp_path, database_url=pg.url, poll_interval_s=0.05,
+                        lease_s=3)
+    t = threading.Thread(target=lambda: done.append(daemon.wait_for_database(settings, stop)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "database away" not in caplog.text:
+            assert t.is_alive() and time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        time.sleep(3)  # checks fail meanwhile, 0.1 s to 1 s apart
+        assert t.is_alive(), caplog.text
+        pg.start()
+        t.join(30)
+    finally:
+        stop.set()
+        t.join(30)
+        pg.close()
+    assert done == [None], caplog.text
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if m.startswith("database away")]) == 1, messages
+    [back] = [m for m in messages if m.startswith("database back")]
+    assert int(back.split("(")[1].split()[0]) >= 4, back  # the checks that failed meanwhile
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
