@@ -140,9 +140,12 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         except ValueError as exc:  # a message without the key's value
             raise RuntimeError(f"refusing to start: TRIDENT_SECRETS_KEY: {exc}") from None
         app.state.tracking = TrackingConfig.of(settings)
-        if swept := sweep(settings.data_dir):  # exports a killed process left behind
-            log.warning("removed %d stale export folder(s) under %s: %s", len(swept),
-                        settings.data_dir / EXPORTS, ", ".join(swept))
+        try:  # what exports of a killed process left behind
+            if swept := sweep(settings.data_dir):
+                log.warning("removed %d stale export folder(s) under %s: %s", len(swept),
+                            settings.data_dir / EXPORTS, ", ".join(swept))
+        except OSError as exc:  # a read-only data dir: exports fail later, with their reason
+            log.warning("could not sweep %s: %s", settings.data_dir / EXPORTS, exc)
         app.state.audit = AuditWriter(app.state.identity)
         if own:
             watch_parent()  # a worker of `trident up --api-workers N` ends with it
