@@ -90,6 +90,25 @@ class Filler:
         self.path.unlink(missing_ok=True)
 
 
+def fill_last_page(path: Path) -> int:
+    """Append newlines to the file `path` until its filesystem refuses them; the bytes
+    appended. A full tmpfs still takes writes into the page a file has already begun, which a
+    `Filler` cannot take: this takes that room, so that the next line written there is
+    refused whatever its length."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    wrote = 0
+    try:
+        while True:
+            try:
+                wrote += os.write(fd, b"\n")
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                return wrote
+    finally:
+        os.close(fd)
+
+
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file below `folder`: its size and modification time."""
     out = {}

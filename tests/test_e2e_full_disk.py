@@ -15,7 +15,7 @@ import pytest
 from service.rayhead import stop_recorded_head
 from tests.conftest import tiny_spec
 from tests.servers import HTTP, free_port
-from tests.smallfs import Filler, small_fs
+from tests.smallfs import Filler, fill_last_page, small_fs
 from tests.up import Up, last_step
 from tests.waiting import wait_for
 from workers.checkpoint import MARKER
@@ -71,6 +71,9 @@ def test_a_full_data_dir_costs_a_checkpoint_and_the_stack_recovers_by_itself(
 
             first_daemon = daemon_pid(up)
             filler.start()  # and it keeps the disk full until freed
+            # The controller log's last page too: the supervisor's next lines are refused,
+            # however few the controller writes about the full disk.
+            fill_last_page(data / "controller.log")
             full_at = ckpt.stat().st_mtime_ns
             stored = last_step(up, job_id)  # reads work on a full disk
             # The controller cannot renew its lease (SQLite cannot write): it lapses, the
