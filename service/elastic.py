@@ -8,9 +8,9 @@ failed or was lost) and that the free room cannot hold for `wait_s` is re-planne
 global batch (gradient accumulation takes up what fewer replicas leave) that fit the free room
 now, of at least `min_ranks` and at most the submitted world size, among those the checkpoint
 conversion reaches from the job's layout (`reachable`): a change of DP degree with
-tp = pp = 1, ZeRO 1 or 2 on both sides (`workers.checkpoint.load` converts such a tag through
+tp = pp = 1, ZeRO 1 or 2 on both sides (`workers.relayout` converts such a tag through
 DeepSpeed's universal form), or ZeRO 0 on both sides in fp32 or fp16 (the tag loads as it is,
-`workers.checkpoint.dp_free`); without offload, any change of tp, pp and ZeRO stage through
+`workers.relayout.dp_free`); without offload, any change of tp, pp and ZeRO stage through
 Trident's layout-free form (`workers.layout_free`; ZeRO 0 in fp32 only); never interleaved
 stages. The fastest predicted step wins. The job's
 stored spec, plan and world size become the new layout's; what it was submitted with is kept
@@ -42,7 +42,7 @@ ZEROS = (1, 2)
 def conversion_refusal(layout: ParallelSpec, precision: str = "fp32") -> str | None:
     """Why no other layout can resume this layout's checkpoints (None: some can). Mirrors
     what `workers.checkpoint.load` converts: DeepSpeed's universal form, a ZeRO-0 tag as it
-    is (`workers.checkpoint.dp_free`), Trident's layout-free form (`workers.layout_free`)."""
+    is (`workers.relayout.dp_free`), Trident's layout-free form (`workers.layout_free`)."""
     if layout.virtual_stages > 1:
         return (f"it runs interleaved stages (virtual_stages {layout.virtual_stages}): the"
                 " checkpoint conversion does not read torch.distributed.pipelining's per-rank"

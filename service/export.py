@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.checkpoints import MARKER, ExportRefused, newest_complete_step, tag
+from service.checkpoint_tags import MARKER, newest_complete_step, tag
+from service.checkpoints import ExportRefused
 from service.datadir import try_lock
 from service.planner.shape import ModelShape
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from service.checkpoints import complete_steps, tag, tree_bytes
+from service.checkpoint_tags import complete_steps, tag, tree_bytes
 from service.protocols import StepReport
 from service.store import Job, Store
 from service.store.checkpoints import CheckpointIndex

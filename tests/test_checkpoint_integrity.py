@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from service import hf_config
-from service.checkpoints import DAMAGED, MARKER, file_digest, recorded, tag_files
+from service.checkpoint_tags import DAMAGED, MARKER, file_digest, recorded, tag_files
 from service.jobs import submit as submit_job
 from service.protocols import PollResult
 from service.spec import JobSpec

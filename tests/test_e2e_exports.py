@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.checkpoints import MARKER, default_folder, tag
+from service.checkpoint_tags import MARKER, tag
+from service.checkpoints import default_folder
 from service.planner.shape import ModelShape
 from service.spec import ModelSpec
 from tests.servers import HTTP, ROOT, free_port

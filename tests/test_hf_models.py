@@ -34,7 +34,8 @@ from transformers import (
 from api.app import create_app
 from api.client import TridentClient
 from service import hf_config
-from service.checkpoints import MARKER, default_folder, tag
+from service.checkpoint_tags import MARKER, tag
+from service.checkpoints import default_folder
 from service.planner.shape import ModelShape
 from service.settings import Settings
 from service.spec import JobSpec, ModelSpec

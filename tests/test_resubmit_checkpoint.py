@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.cli import app as cli_app
-from service.checkpoints import MARKER, RECORD, CheckpointWriter, claim, seed
+from service.checkpoint_tags import MARKER
+from service.checkpoints import RECORD, CheckpointWriter, claim, seed
 from service.controller import Controller
 from service.jobs import Submitter, submit
 from service.protocols import PollResult

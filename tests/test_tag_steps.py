@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.checkpoints import MARKER, default_folder, tag
+from service.checkpoint_tags import MARKER, tag
+from service.checkpoints import default_folder
 from service.protocols import PollResult
 from service.settings import Settings
 from service.states import JobState

@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from service.checkpoints import default_folder, newest_complete_step  # noqa: E402
+from service.checkpoint_tags import newest_complete_step  # noqa: E402
+from service.checkpoints import default_folder  # noqa: E402
 from service.controller import Controller  # noqa: E402
 from service.jobs import submit  # noqa: E402
 from service.spec import JobSpec  # noqa: E402

@@ -37,7 +37,6 @@ entrypoints.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import random
@@ -49,29 +48,27 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from service.checkpoints import (
+from service.checkpoint_tags import (
     DAMAGED,
     MARKER,
     TAG,
-    CheckpointRefused,
-    CheckpointWriter,
-    claim,
     complete_steps,
     file_digest,
     marker_text,
     mismatch,
     recorded,
-    retained,
     tag,
     tag_files,
 )
-from service.checkpoints import (
+from service.checkpoint_tags import (
     newest_complete_step as newest_complete_step,  # for custom entrypoints
 )
+from service.checkpoints import CheckpointRefused, CheckpointWriter, claim, retained
 from service.protocols import StepReport
 from service.spec import JobSpec
 from service.tag_steps import STEPS_DIR
-from workers.tags import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes, written_by
+from workers import relayout
+from workers.tags import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes
 
 
 class Resume(NamedTuple):
@@ -373,112 +370,24 @@ def _write_layout(path: str, spec: JobSpec) -> None:
     os.replace(tmp, os.path.join(path, LAYOUT))
 
 
-def universal(directory: str, step: int) -> tuple[str, float]:
-    """Rank 0: tag `step` in DeepSpeed's universal form (`ds_to_universal`), converted into a
-    temporary folder and renamed, so that a conversion cut short is done again; cached: the
-    second call converts nothing. Its tag name, and the seconds the conversion took (0.0:
-    cached)."""
-    import time
-
-    from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
-
-    name = tag(step) + UNIVERSAL
-    out = os.path.join(directory, name)
-    if os.path.isdir(out):
-        return name, 0.0
-    started = time.monotonic()
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    import sys
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder",
-                                os.path.join(directory, tag(step)), "--output_folder", tmp,
-                                "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    try:
-        args = parse_arguments()
-    finally:
-        sys.argv = argv
-    main(args)
-    os.replace(tmp, out)
-    return name, time.monotonic() - started
-
-
-def dp_free(directory: str, step: int, wrote: dict[str, int], now: dict[str, int]) -> bool:
-    """Whether tag `step` loads as it is under `now`, another DP degree than `wrote`'s: ZeRO 0
-    on both sides, the same tp, pp and virtual stages, no optimizer shards in the tag (fp32 and
-    fp16 keep the whole optimizer in each model states file, which every DP replica reads)."""
-    if any(wrote.get(k) != now.get(k) for k in ("tp", "pp", "virtual_stages")) or \
-            wrote.get("zero") != 0 or now.get("zero") != 0:
-        return False
-    tagged = os.path.join(directory, tag(step))
-    return os.path.isdir(tagged) and not glob.glob(os.path.join(tagged, "*optim_states.pt"))
-
-
 def load(engine, directory: str, step: int, spec: JobSpec | None = None,
          groups: Any = None) -> int:
     """Collective: restore the engine (weights, optimizer, ZeRO shards) and RNG; returns the
     number of completed steps. A tag another layout wrote (`written_by`) is loaded from a
-    form converted once by rank 0 and kept beside it: DeepSpeed's universal form
-    (`universal`, with its `load_universal`) for a change of DP degree or ZeRO stage 1/2 with
-    tp = pp = 1 on both sides; otherwise the layout-free form (`workers.layout_free`), which
-    `groups` (this rank's `RankGroups`) slices for this rank."""
+    form converted once by rank 0 and kept beside it (`workers.relayout`)."""
     name = tag(step)
-    wrote = written_by(directory, step) if spec is not None else None
-    if spec is not None and wrote is not None and dp_free(directory, step, wrote,
-                                                          layout_of(spec)):
-        wrote = None  # the model states file holds the whole optimizer: loaded as it is
-    if spec is not None and wrote is not None and wrote != layout_of(spec):
-        now = layout_of(spec)
-        if all(x["tp"] == 1 and x["pp"] == 1 and x["zero"] in (1, 2)
-               and x.get("virtual_stages", 1) == 1 for x in (wrote, now)):
-            name = _converted(directory, step, universal)[0]
+    if spec is not None:
+        how = relayout.how(directory, step, spec)
+        if how == "layout-free":
+            client = relayout.load_layout_free(engine, directory, step, spec, groups)
+            if client.get("rng") is not None:
+                _set_rng_state(client["rng"])  # rank 0's of the old layout
+            return int(client["data_position"])
+        if how == "universal":
+            name = relayout.universal_tag(directory, step)
             engine._config.load_universal_checkpoint = True  # DeepSpeed's own switch
-        else:
-            return _load_layout_free(engine, directory, step, spec, wrote, groups)
     path, client = engine.load_checkpoint(directory, tag=name)
     if path is None:
         raise RuntimeError(f"checkpoint {directory}/{tag(step)} could not be loaded")
     _set_rng_state(client["rng"])
-    return int(client["data_position"])
-
-
-def _converted(directory: str, step: int, convert: Callable[..., Any], *args: Any) -> Any:
-    """Collective: `convert(directory, step, *args)` run by rank 0, its result on every rank;
-    its failure raised on every rank (a LayoutRefused as it is)."""
-    from workers.layout_free import LayoutRefused
-
-    out: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            out = [("ok", convert(directory, step, *args))]
-        except LayoutRefused as exc:
-            out = [("refused", str(exc))]
-        except Exception as exc:  # every rank raises it, not only rank 0
-            out = [("failed", f"{type(exc).__name__}: {exc}")]
-    dist.broadcast_object_list(out, src=0)
-    kind, value = out[0]
-    if kind == "refused":
-        raise LayoutRefused(value)
-    if kind == "failed":
-        raise RuntimeError(f"converting {directory}/{tag(step)} for another layout failed:"
-                           f" {value}")
-    return value
-
-
-def _load_layout_free(engine, directory: str, step: int, spec: JobSpec,
-                      wrote: dict[str, int], groups: Any) -> int:
-    """Collective: tag `step`, written by `wrote`, through the layout-free form (`wrote` is
-    named in a refusal)."""
-    from service.planner.shape import ModelShape
-    from workers.layout_free import LayoutRefused, convert, load_into
-
-    now = layout_of(spec)
-    if now["tp"] > 1 and groups is None:
-        raise LayoutRefused("resuming under tp > 1 from another layout needs the rank's"
-                            " groups")
-    folder, _seconds, _bytes = _converted(directory, step, convert,
-                                          ModelShape.from_spec(spec.model).layers)
-    client = load_into(engine, folder, groups)
-    dist.barrier()
-    if client.get("rng") is not None:
-        _set_rng_state(client["rng"])  # rank 0's of the old layout
     return int(client["data_position"])

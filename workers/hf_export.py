@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from service.checkpoints import ExportRefused, tag
+from service.checkpoint_tags import tag
+from service.checkpoints import ExportRefused
 from service.planner.shape import ModelShape
 from workers.full_state import join_shards
 from workers.hf_weights import DEFAULT_MAX_SHARD_BYTES, save_hf

@@ -263,7 +263,7 @@ def convert(directory: str, step: int, layers: int) -> tuple[str, float, int]:
     `layers`: the model's number of blocks."""
     from safetensors.torch import save_file
 
-    from service.checkpoints import tag
+    from service.checkpoint_tags import tag
     from workers.tags import flat_layout, tree_bytes
 
     tag_path = os.path.join(directory, tag(step))

@@ -14,8 +14,8 @@ import json
 import os
 from collections.abc import Callable
 
-from service.checkpoints import tag
-from service.checkpoints import tree_bytes as tree_bytes  # the converters' name for it
+from service.checkpoint_tags import tag
+from service.checkpoint_tags import tree_bytes as tree_bytes  # the converters' name for it
 from service.spec import JobSpec
 
 LAYOUT = "trident-layout.json"
