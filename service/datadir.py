@@ -49,16 +49,11 @@ def hold(data_dir: Path) -> Held:
     """Lock `data_dir` for this process (until it ends or `release`), writing its pid in the
     lock file for whoever is refused; raises `InUse` when another process holds it."""
     path = data_dir / LOCK_NAME
-    # Not O_TRUNC: the holder's pid must stay readable to the one refused. Not inherited by
-    # children (os.open's default), so the Ray head that outlives `trident up` does not keep it.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        raise InUse(data_dir, holder(data_dir)) from None
+    # Not truncated: the holder's pid must stay readable to the one refused. Not inherited by
+    # children, so the Ray head that outlives `trident up` does not keep it.
+    fd = try_lock(path, mode=0o644)
+    if fd is None:
+        raise InUse(data_dir, holder(data_dir))
     pid = f"{os.getpid()}\n".encode()
     with contextlib.suppress(OSError):  # a full disk: the lock holds, its pid is not known
         os.pwrite(fd, pid, 0)
@@ -66,11 +61,12 @@ def hold(data_dir: Path) -> Held:
     return Held(path, fd)
 
 
-def try_lock(path: Path) -> int | None:
-    """An exclusive `flock` on `path` (made if missing, mode 600; a slot of a bounded kind of
-    work: exports, corpus checks): its descriptor, or None when another holds it. The kernel
-    drops it with its last descriptor, or its process."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def try_lock(path: Path, mode: int = 0o600) -> int | None:
+    """An exclusive `flock` on `path` (made if missing, with `mode`; the data directory's own
+    lock, a slot of a bounded kind of work: exports, corpus checks): its descriptor, not
+    inherited by children, or None when another holds it. The kernel drops it with its last
+    descriptor, or its process."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
