@@ -59,18 +59,6 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
     def coord(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
@@ -200,11 +188,6 @@ def stage_layers(layers: int, pp: int, virtual_stages: int = 1,
         bounds[0], bounds[-1] = 0, layers
     return [[(bounds[k * pp + s], bounds[k * pp + s + 1]) for k in range(virtual_stages)]
             for s in range(pp)]
-
-
-def stage_block_counts(stages: list[list[tuple[int, int]]]) -> list[int]:
-    """Blocks each pipeline rank holds (all its chunks together)."""
-    return [sum(end - start for start, end in rngs) for rngs in stages]
 
 
 def rank_layout(dims: ParallelDims,

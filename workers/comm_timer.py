@@ -123,10 +123,6 @@ class CommTimer:
 
     # ------------------------------------------------------------ attribution
 
-    def register_group(self, group: Any, dim: str) -> None:
-        """Attribute `group` to `dim` explicitly (overrides attribution by ranks)."""
-        self._group_cache[group] = (dim, list(dist.get_process_group_ranks(group)))
-
     def group_dim(self, group: Any) -> tuple[str, list[int]]:
         """(dimension, global ranks) of a process group; None is the default (world) group."""
         if group in self._group_cache:

@@ -201,10 +201,6 @@ def tp_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return x.chunk(size, dim=1)[rank].contiguous()
 
 
-def _seq_chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-
 class _GatherSeq(torch.autograd.Function):
     """Sequence parallel -> tensor parallel region: all-gather forward, reduce-scatter backward."""
 
@@ -231,47 +227,12 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return tp_all_gather_seq(grad.contiguous(), ctx.group), None
 
 
-class _ScatterSeq(torch.autograd.Function):
-    """Replicated -> sequence parallel (embedding output): keep own chunk; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_chunk(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tp_all_gather_seq(grad.contiguous(), ctx.group), None
-
-
-class _GatherSeqToReplicated(torch.autograd.Function):
-    """Sequence parallel -> replicated (head input): all-gather forward; backward keeps this
-    rank's chunk, since every rank's replicated head computes the same full gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return tp_all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_chunk(grad, ctx.group), None
-
-
 def gather_seq(x, group):
     return _GatherSeq.apply(x, group)
 
 
 def reduce_scatter_seq(x, group):
     return _ReduceScatterSeq.apply(x, group)
-
-
-def scatter_seq(x, group):
-    return _ScatterSeq.apply(x, group)
-
-
-def gather_seq_to_replicated(x, group):
-    return _GatherSeqToReplicated.apply(x, group)
 
 
 def all_reduce_grads_over_tp(params, group: dist.ProcessGroup) -> None:

@@ -156,10 +156,3 @@ def runs_by_source() -> dict[str, list[Run]]:
 def is_tuning(source: str) -> bool:
     """Sources the profile was tuned on before this fit (Korthikanti Table 5): never fitted."""
     return bool(load_data()[0][source].get("tuning", False))
-
-
-def with_slack(stack: Stack, slack: float) -> Stack:
-    return replace(stack, allocator_slack=slack)
-
-
-

@@ -117,9 +117,5 @@ class Scenario:
         """Bytes of one activation / weight element in the training precision."""
         return 4 if self.precision == "fp32" else 2
 
-    @property
-    def tp_spans_nodes(self) -> bool:
-        return self.layout.tp > self.gpus_per_node
-
     def peak_flops(self) -> float:
         return self.profile.peak_flops(self.precision)
