@@ -101,21 +101,12 @@ class RanksStatus:
                 "attempt": self.attempt, "cells": [r.to_json() for r in self.ranks]}
 
 
-def _compute_s(m: Metric) -> float | None:
-    comm = m.data.get("comm")
-    if comm is None or not m.data.get("timed", True):
-        return None
-    return max(0.0, m.step_time_s - sum(o["time_s"] for ops in comm.values()
-                                        for o in ops.values()))
-
-
 def _comm_s(m: Metric | None) -> tuple[float | None, float | None, float | None]:
     """Seconds of one step report in TP, PP and DP collectives (None: not timed)."""
-    if m is None or m.data.get("comm") is None or not m.data.get("timed", True):
+    split = m.step_split() if m is not None else None
+    if split is None:
         return None, None, None
-    tp, pp, dp = (sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
-                  for d in ("tp", "pp", "dp"))
-    return tp, pp, dp
+    return split.dim_s("tp"), split.dim_s("pp"), split.dim_s("dp")
 
 
 def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
@@ -133,7 +124,7 @@ def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
             recent.setdefault(m.rank, []).append(m)
     compute: dict[int, float] = {}
     for r, ms in recent.items():
-        times = [x for m in ms if (x := _compute_s(m)) is not None]
+        times = [x.compute_s for m in ms if (x := m.step_split()) is not None]
         if times:
             compute[r] = statistics.median(times)
     stage_of = plan.stage_of()
@@ -147,8 +138,8 @@ def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
     out = []
     for row in plan.rank_layout:
         ms = recent.get(row.rank, [])
-        peaks = [p for m in ms if isinstance(p := m.data.get("memory", {})
-                                             .get("process_peak_bytes"), int | float)]
+        peaks = [p for m in ms
+                 if isinstance(p := m.report.memory.process_peak_bytes, int | float)]
         place = placement.get(row.rank, {})
         newest = ms[-1] if ms else None
         tp_s, pp_s, dp_s = _comm_s(newest)

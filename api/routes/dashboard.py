@@ -12,7 +12,9 @@ from api.auth import require
 from api.deps import JobDep, JobId, StoreDep, job_of
 from api.schemas import CommSteps, HangList, RanksGrid, Series
 from service.rank_status import rank_status
+from service.store import Metric
 from service.store.charts import MAX_POINTS, job_series
+from service.store.steps import StepSplit
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 
@@ -55,16 +57,15 @@ def comm_steps(job: JobDep, store: StoreDep,
     latest = store.latest_metric(job_id=job.id)
     if latest is None:
         return out
-    per_step: dict[int, list[Any]] = {}
+    per_step: dict[int, list[tuple[Metric, StepSplit]]] = {}
     for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
                                 after_step=max(0, latest.step - last), limit=200 * 4096):
-        if m.data.get("comm") is not None and m.data.get("timed", True):
-            per_step.setdefault(m.step, []).append(m)
+        if (split := m.step_split()) is not None:
+            per_step.setdefault(m.step, []).append((m, split))
     for step, ms in sorted(per_step.items()):
-        dims = {d: sum(sum(o["time_s"] for o in m.data["comm"].get(d, {}).values())
-                       for m in ms) / len(ms) for d in ("tp", "pp", "dp")}
-        step_s = sum(m.step_time_s for m in ms) / len(ms)
-        measured = [float(b) for m in ms if isinstance(b := m.data.get("bubble_s"), int | float)]
+        dims = {d: sum(split.dim_s(d) for _, split in ms) / len(ms) for d in ("tp", "pp", "dp")}
+        step_s = sum(split.step_time_s for _, split in ms) / len(ms)
+        measured = [float(b) for m, _ in ms if (b := m.report.bubble_s) is not None]
         bubble = sum(measured) / len(ms) if measured else None
         # The wait is in the PP collectives' time; a bubble the timer did not see as PP time
         # (a rank without it) comes out of compute instead.

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from pydantic import (
@@ -31,6 +32,7 @@ from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.spec_limits import STORED
 from service.states import JobState
+from service.store.steps import StepSplit, StoredStep
 from service.store.tables import (
     AttemptRow,
     EventRow,
@@ -186,6 +188,9 @@ class Event:
 
 @dataclass(frozen=True)
 class Metric:
+    """One rank's stored step: the columns of a metrics row, and its `data` (the rest of the
+    step report) typed as `report`."""
+
     attempt: int
     step: int
     rank: int
@@ -202,6 +207,15 @@ class Metric:
         return cls(attempt=r.attempt, step=r.step, rank=r.rank, loss=r.loss,
                    step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s, lr=r.lr,
                    grad_norm=r.grad_norm, data=r.data or {}, time=_utc(r.time))
+
+    @cached_property
+    def report(self) -> StoredStep:
+        """The step's `data`, typed (`service.store.steps`): read once, on first use."""
+        return StoredStep.of(self.data)
+
+    def step_split(self) -> StepSplit | None:
+        """Seconds in each dimension's collectives and in compute (None: not timed)."""
+        return self.report.split(self.step_time_s)
 
 
 class AttemptStatus(StrEnum):
