@@ -163,17 +163,17 @@ class StoreCollector(Collector):
             f["lr"].add_metric(jid, latest.lr)
         if latest.grad_norm is not None:
             f["grad_norm"].add_metric(jid, latest.grad_norm)
-        for name in ("tokens", "epoch"):
-            if latest.data.get(name) is not None:
-                f[name].add_metric(jid, latest.data[name])
+        for name, value in (("tokens", latest.report.tokens), ("epoch", latest.report.epoch)):
+            if value is not None:
+                f[name].add_metric(jid, value)
         evaluated = store.latest_eval(job_id=job.id)
         if evaluated is not None:
             f["eval_loss"].add_metric(jid, evaluated)
         for name, value in custom(latest).items():
             f["custom"].add_metric([*jid, name], value)
-        for dim, ops in (latest.data.get("comm") or {}).items():
+        for dim, ops in (latest.report.comm or {}).items():
             for op, st in ops.items():
-                if latest.data.get("timed", True):
+                if latest.report.timed:
                     f["comm_s"].add_metric([*jid, dim, op], st["time_s"])
                 f["comm_b"].add_metric([*jid, dim, op], st["bytes"])
         measured = measured_bubble_ratio(store, job.id, latest.attempt, latest.step)

@@ -137,10 +137,10 @@ def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
     if latest is not None:
         for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
                                     after_step=max(0, latest.step - last)):
-            if m.data.get("comm") is not None:
+            if m.report.comm is not None:
                 rank_reports.setdefault(m.rank, []).append(
                     {"step": m.step, "step_time_s": m.step_time_s,
-                     "timed": m.data.get("timed", True), "comm": m.data["comm"]})
+                     "timed": m.report.timed, "comm": m.report.comm})
     probes = store.list_probes(job_id=job.id, limit=1)
     out = summarize_comm(rank_reports, job.plan.layout.dims, job.plan.time.to_json(),
                          probes[0].results if probes else [])

@@ -296,8 +296,8 @@ def measured_bubble_ratio(store: Store, job_id: int, attempt: int, step: int,
     by_step: dict[int, list[float]] = {}
     for m in store.list_metrics(job_id=job_id, rank=None, attempt=attempt,
                                 after_step=max(0, step - window), limit=100000):
-        bubble = m.data.get("bubble_s")
-        if isinstance(bubble, int | float) and m.step_time_s > 0:
+        bubble = m.report.bubble_s
+        if bubble is not None and m.step_time_s > 0:
             by_step.setdefault(m.step, []).append(min(1.0, bubble / m.step_time_s))
     if not by_step:
         return None

@@ -32,8 +32,6 @@ from service.store.views import Metric
 IDENTITY = frozenset({"attempt", "step", "rank", "tp_rank", "pp_rank", "dp_rank",
                       "resumed_from", "time"})
 """Numbers of a row that say which rank and step it is, not how the step went."""
-NESTED = frozenset({"memory", "comm", "custom"})
-"""Parts of a row's `data` read below, not as numbers at the top."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def first_rank_of_stages(plan: StoredPlan) -> dict[int, int]:
 
 def mfu_per_token_s(plan: StoredPlan) -> float | None:
     """MFU per token/s: the plan's MFU over its tokens/s (None without a predicted MFU)."""
-    mfu = _number(plan.model_dump().get("mfu"))
+    mfu = _number(plan.mfu)
     if mfu is None or not plan.tokens_per_s:
         return None
     return mfu / float(plan.tokens_per_s)
@@ -78,8 +76,8 @@ def row_numbers(m: Metric) -> dict[str, float]:
             continue
         if (v := _number(getattr(m, f.name))) is not None:
             out[f.name] = v
-    for k, raw in m.data.items():
-        if k in IDENTITY or k in NESTED or k in out:
+    for k, raw in m.report.figures.items():
+        if k in IDENTITY or k in out:
             continue
         if (v := _number(raw)) is not None:
             out[k] = v
@@ -88,32 +86,21 @@ def row_numbers(m: Metric) -> dict[str, float]:
 
 def comm_shares(m: Metric) -> dict[str, float]:
     """Seconds in each dimension's collectives over the step time (timed steps only)."""
-    comm = m.data.get("comm")
-    if not isinstance(comm, dict) or not m.data.get("timed", True) or m.step_time_s <= 0:
+    split = m.step_split()
+    if split is None or m.step_time_s <= 0:
         return {}
-    out = {}
-    for dim, ops in comm.items():
-        if isinstance(ops, dict):
-            total = sum(_number(st.get("time_s")) or 0.0 for st in ops.values()
-                        if isinstance(st, dict))
-            out[f"comm_share/{dim}"] = total / m.step_time_s
-    return out
+    return {f"comm_share/{dim}": seconds / m.step_time_s
+            for dim, seconds in split.comm_s.items()}
 
 
 def memory(m: Metric, stage: int) -> dict[str, float]:
-    mem = m.data.get("memory")
-    if not isinstance(mem, dict):
-        return {}
-    return {f"memory/stage{stage}/{k}": v for k, raw in mem.items()
+    return {f"memory/stage{stage}/{k}": v for k, raw in m.report.memory_figures().items()
             if (v := _number(raw)) is not None}
 
 
 def custom(m: Metric) -> dict[str, float]:
     """A row's custom metrics that are numbers, under their names."""
-    c = m.data.get("custom")
-    if not isinstance(c, dict):
-        return {}
-    return {str(k): v for k, raw in c.items() if (v := _number(raw)) is not None}
+    return {k: v for k, raw in m.report.custom.items() if (v := _number(raw)) is not None}
 
 
 def step_scalars(rank0: Metric, plan: StoredPlan,
