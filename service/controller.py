@@ -25,14 +25,15 @@ Before every attempt the stored spec is checked against today's limits (`recheck
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
 the job's checkpoint folder is made its own (`service.checkpoints`); a folder that is another
 job's fails the job without a retry too. A group whose ranks all finished ends SUCCEEDED
-unless its last losses were all NaN or infinite (`_succeed`: FAILED, without a retry). A
+unless its last losses were all NaN or infinite (`succeed`: FAILED, without a retry). A
 queued job that cannot be placed may preempt running jobs of lower priority
-(`service.preemption` chooses and words it; here they are asked to save and stop, watched
-while they do, and requeued). An elastic job that lost its ranks
-and waited `wait_s` for them is re-planned onto what is free, and with `scale_up` moved back
-when the room returns (`service.elastic` decides and words it; here its stored layout is
-changed, and a move up asks its ranks to save and stop). One module because it is one pass
-(about 800 lines), each of whose parts hands its work to the modules named here.
+(`service.preemption` chooses and words it; `Preemptions` in `service.preempting` asks them
+to save and stop, watches them while they do, and requeues them, beside the loop). An
+elastic job that lost its ranks and waited `wait_s` for them is re-planned onto what is free,
+and with `scale_up` moved back when the room returns (`service.elastic` decides and words
+it; here its stored layout is changed, and a move up asks its ranks to save and stop). One
+module because it is one pass (about 820 lines), each of whose parts hands its work to the
+modules named here.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from service.checkpoints import (
     JobFolders,
     seed,
 )
+from service.control_pass import Change, LiveAttempt, StepResult
 from service.data_check import changed_corpus
 from service.elastic import (
     ElasticState,
@@ -66,9 +67,10 @@ from service.monitor.attempt import AttemptHealth, record_stacks
 from service.monitor.cluster_probe import ClusterProbes
 from service.node_survey import NodeSurvey
 from service.pace import FAST_FOR_S, Activity
-from service.preemption import Victim, asked_message, choose, holds, preempting_message
+from service.preempting import Preemptions
+from service.preemption import holds
 from service.profiles import profile_for
-from service.protocols import Launcher, NodeCapacity, PollResult, WorkerGroup
+from service.protocols import Launcher, NodeCapacity, PollResult
 from service.quota import Quota, held
 from service.redaction import redact
 from service.scheduler import admit, bundles, pack, taken, unplaceable
@@ -116,36 +118,6 @@ class _Move:
     """`time.monotonic()` when it was asked."""
 
 
-@dataclass
-class Change:
-    job_id: int
-    to: JobState
-    message: str
-
-
-@dataclass
-class StepResult:
-    changes: list[Change] = field(default_factory=list)
-    metrics: int = 0
-
-
-@dataclass
-class _Running:
-    """What the controller keeps about one live attempt."""
-
-    group: WorkerGroup
-    attempt: int
-    started: float
-    spec: JobSpec
-    health: AttemptHealth
-    redact: Callable[[str], str] = field(default=str, repr=False)  # str: the text as it is
-    """Takes the job's secrets out of what is stored from its ranks."""
-    placement: dict[str, Any] | None = None
-    """Where its ranks are (node of each), once known: what preempting it would free."""
-    stepped: bool = False
-    """Whether a step of it was stored: until then it is starting (`activity`)."""
-
-
 def decide_on_failure(job: Job) -> JobState:
     """Failure policy: restart from the last checkpoint while retries are left, else fail.
     Attempts stopped by a preemption spend none."""
@@ -178,7 +150,7 @@ class Controller:
         self.fence = fence
         """The lease this controller acts under (the daemon's); attempts start only while it
         is held (`Store.start_attempt` raises NotHolder, and the pass stops, otherwise), and
-        ranks are launched only while it is (`_fenced`: before a group is started, before a
+        ranks are launched only while it is (`fenced`: before a group is started, before a
         starting group is polled, whose poll launches its ranks; `ClusterProbes` likewise)."""
         self.launcher = launcher
         self.checkpoint_root = checkpoint_root
@@ -188,7 +160,7 @@ class Controller:
         self.cancel_grace_s = cancel_grace_s
         self.poll_timeout_s = poll_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.running: dict[int, _Running] = {}
+        self.running: dict[int, LiveAttempt] = {}
         self.teardowns = Teardowns(cancel_grace_s)
         self.drain_s = min(cancel_grace_s, 2.0)
         """How long a cancelled group's last poll waits for its ranks (beside the loop)."""
@@ -215,9 +187,10 @@ class Controller:
         self.preempt_grace_s = preempt_grace_s
         """How long a preempted job's ranks get to save their checkpoint and stop."""
         self.nonfinite_loss_steps = nonfinite_loss_steps
-        """A job whose last this many losses were not finite does not succeed (`_succeed`)."""
-        self.victims: dict[int, Victim] = {}
-        """Preempted jobs whose room is not given back yet: no other preemption starts."""
+        """A job whose last this many losses were not finite does not succeed (`succeed`)."""
+        self.preemptions = Preemptions(self, store, launcher, self.teardowns, self.quota_notes,
+                                       grace_s=preempt_grace_s, poll_timeout_s=poll_timeout_s)
+        """Preempted jobs, asked to save and stop, watched and requeued beside the loop."""
         self.elastic_moves = ElasticMoves(store)
         """Elastic jobs' layouts in the store (`service.store.elastic`)."""
         self.moving: dict[int, _Move] = {}
@@ -248,15 +221,15 @@ class Controller:
             if job.cancel_requested and job.id in self.running:
                 self._cancel(job, self.running[job.id], result)
             elif job.cancel_requested:
-                self._move(job, JobState.CANCELLED, "cancelled by request", result)
+                self.move(job, JobState.CANCELLED, "cancelled by request", result)
             elif job.id in self.running and job.state == JobState.PREEMPTED:
-                self._watch_preempted(job, self.running[job.id], result)
+                self.preemptions.watch(job, self.running[job.id], result)
             elif job.id in self.running and job.id in self.moving:
                 self._watch_moving(job, self.running[job.id], result)
             elif job.id in self.running:
                 self._watch(job, self.running[job.id], result)
             elif job.state == JobState.PREEMPTED:  # its group is gone (a new controller)
-                self._requeue(job, job.attempts, "its worker group is gone", result)
+                self.preemptions.requeue(job, job.attempts, "its worker group is gone", result)
             elif job.state == JobState.RESTARTING:
                 # The last attempt's ranks may still hold the checkpoint directory and their
                 # resources: the next attempt starts once they are gone.
@@ -288,7 +261,7 @@ class Controller:
         runs = list(self.running.values())
         now = time.monotonic()
         beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
-                  or self.moving or self.victims)
+                  or self.moving or self.preemptions.victims)
         return Activity(
             starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
             changed=bool(result.changes), steady=bool(runs) and not beside,
@@ -304,7 +277,7 @@ class Controller:
             self.exporter.close()
         if stop_jobs:
             for job_id, run in list(self.running.items()):
-                self._teardown(job_id, run)
+                self.teardown(job_id, run)
         elif self.running:
             log.info("leaving %d worker group(s) running: the next controller re-attaches them",
                      len(self.running))
@@ -316,7 +289,7 @@ class Controller:
         except Exception:
             log.exception("storing what the stopped worker groups reported failed")
 
-    def _fenced(self) -> None:
+    def fenced(self) -> None:
         """Raise NotHolder (the pass stops; the daemon exits) when this controller acts under
         a lease it no longer holds: a pass that outlived its lease launches nothing."""
         if self.fence is not None:
@@ -354,7 +327,7 @@ class Controller:
                 if job.attempts:  # it ran here: the cluster shrank, and may grow back
                     offset += 1  # stays queued, ahead of the next page
                     continue
-                self._move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
+                self.move(job, JobState.FAILED, f"cannot be placed on this cluster: {why}",
                            result, error=why)
             for job, why in adm.waiting:
                 offset += 1
@@ -363,7 +336,7 @@ class Controller:
             for job in adm.admitted:
                 if job.waiting is not None:
                     self.quota_notes.note(job.id, None)
-                placing = self._move(job, JobState.PLACING, "admitted; claiming resources",
+                placing = self.move(job, JobState.PLACING, "admitted; claiming resources",
                                      result)
                 if placing is not None:
                     self._place(placing, result)
@@ -372,66 +345,9 @@ class Controller:
                 self.blocked = adm.blocked.id if adm.blocked is not None else None
                 restart = adm.blocked is not None and adm.blocked.state == JobState.RESTARTING
                 if adm.blocked is not None and not adm.admitted and not restart:
-                    self._preempt(adm.blocked, active, result)
+                    self.preemptions.start(adm.blocked, active, result,
+                                           stopping=self.moving)
                 return
-
-    # --- preemption -----------------------------------------------------------------------------
-
-    def _preempt(self, blocked: Job, active: list[Job], result: StepResult) -> None:
-        """Ask the running jobs `service.preemption` chooses for `blocked` to checkpoint and
-        stop (one preemption at a time: none while a victim still holds its room)."""
-        self.victims = {j: v for j, v in self.victims.items()
-                        if j in self.running or self.teardowns.busy(("job", j))}
-        if self.victims or any(j.state == JobState.PREEMPTED for j in active):
-            return
-        chosen = choose(self.store, blocked, active, self.launcher.free_capacity(),
-                        {j: (run.started, run.placement) for j, run in self.running.items()
-                         if j not in self.moving})  # a job moving up is stopping already
-        if not chosen:
-            return
-        self._fenced()  # stopping another job's ranks is the leader's to do
-        for victim in chosen:
-            run = self.running[victim.job.id]
-            moved = self._move(victim.job, JobState.PREEMPTED, asked_message(victim, blocked),
-                               result, attempt=run.attempt,
-                               data={"preempted_by": blocked.id, "priority": blocked.priority})
-            if moved is None:
-                continue
-            run.group.preempt()
-            self.victims[victim.job.id] = Victim(by=blocked.id, asked=time.monotonic())
-        self.store.add_event(job_id=blocked.id, kind="preempting",
-                             message=preempting_message(chosen, blocked),
-                             data={"victims": [v.job.id for v in chosen]})
-
-    def _watch_preempted(self, job: Job, run: _Running, result: StepResult) -> None:
-        """A preempted job's ranks save and stop: what they report is stored; once they
-        stopped (or the grace is over) it is requeued; one that finished meanwhile
-        succeeded."""
-        poll = run.group.poll(self.poll_timeout_s)
-        result.metrics += self._record(job, run, poll)
-        victim = self.victims.get(job.id)
-        late = victim is None or time.monotonic() - victim.asked > self.preempt_grace_s
-        if poll.state == "succeeded":
-            self._succeed(job, run, result)
-        elif poll.state in ("stopped", "failed") or late:
-            self._teardown(job.id, run)
-            why = {"stopped": "its ranks saved and stopped",
-                   "failed": f"its ranks stopped with an error: {run.redact(poll.error or '')}"
-                   }.get(poll.state, f"its ranks did not stop within {self.preempt_grace_s:g} s")
-            self._requeue(job, run.attempt, why, result)
-
-    def _requeue(self, job: Job, attempt: int, why: str, result: StepResult) -> None:
-        victim = self.victims.get(job.id)
-        by = f"job {victim.by}" if victim else "a job of higher priority"
-        self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.PREEMPTED,
-                               error=f"preempted by {by}: {why}")
-        moved = self._move(job, JobState.QUEUED, f"requeued after its preemption by {by}"
-                           f" ({why}); it resumes from its newest checkpoint when there is room,"
-                           " without spending a retry", result, attempt=attempt)
-        if moved is not None:
-            self.quota_notes.note(job.id, f"preempted by {by}; resumes from its checkpoint"
-                                  " when there is room", kind="preempted",
-                                  data={"preempted_by": victim.by if victim else None})
 
     # --- elastic re-plan ------------------------------------------------------------------------
 
@@ -533,7 +449,7 @@ class Controller:
             if isinstance(got, str) or (got.world_size < state.world_size
                                         and got.step_s >= job.plan.time.step_s):
                 continue  # the submitted layout is moved back to as asked; others if faster
-            self._fenced()  # stopping ranks is the leader's to do
+            self.fenced()  # stopping ranks is the leader's to do
             run.group.preempt()
             self.moving[job.id] = _Move(to=got, asked=time.monotonic())
             self.store.add_event(
@@ -546,34 +462,34 @@ class Controller:
                       "from": describe(job.plan, job.world_size),
                       "to": describe(got.plan, got.world_size)})
 
-    def _watch_moving(self, job: Job, run: _Running, result: StepResult) -> None:
+    def _watch_moving(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
         """An elastic job moving up: its ranks save and stop; then RESTARTING on the larger
         layout (the attempt ends `moved`, no retry spent). One that finished or failed
         meanwhile ends as it would have."""
         move = self.moving[job.id]
         poll = run.group.poll(self.poll_timeout_s)
-        result.metrics += self._record(job, run, poll)
+        result.metrics += self.record(job, run, poll)
         late = time.monotonic() - move.asked > self.preempt_grace_s
         if poll.state == "succeeded":
             self.moving.pop(job.id)
-            self._succeed(job, run, result)
+            self.succeed(job, run, result)
             return
         if poll.state == "failed":
             self.moving.pop(job.id)
-            self._teardown(job.id, run)
-            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: failed while saving"
+            self.teardown(job.id, run)
+            self.fail_attempt(job, run.attempt, f"attempt {run.attempt}: failed while saving"
                                f" to move up: {run.redact(poll.error or 'a rank failed')}",
                                result)
             return
         if poll.state != "stopped" and not late:
             return
         self.moving.pop(job.id)
-        self._teardown(job.id, run)
+        self.teardown(job.id, run)
         why = "its ranks saved a checkpoint and stopped" if poll.state == "stopped" else \
             f"its ranks did not stop within {self.preempt_grace_s:g} s"
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=AttemptStatus.MOVED,
                                error=f"moved to a larger layout: {why}")
-        moved = self._move(job, JobState.RESTARTING, f"moving to {move.to.plan.layout.label} on"
+        moved = self.move(job, JobState.RESTARTING, f"moving to {move.to.plan.layout.label} on"
                            f" {move.to.world_size} rank(s): {why}; no retry spent", result,
                            attempt=run.attempt)
         if moved is None:
@@ -615,15 +531,15 @@ class Controller:
             f" {job.world_size} ranks"
         elastic = job.spec.elastic
         if elastic is not None:
-            self._move(job, JobState.QUEUED, f"waiting for room: {why}; elastic: when the room"
+            self.move(job, JobState.QUEUED, f"waiting for room: {why}; elastic: when the room"
                        f" is not back within wait_s ({elastic.wait_s:g} s) it is re-planned onto"
                        " what is free and resumes from its checkpoint", result)
         elif lost is not None:
-            self._move(job, JobState.QUEUED, f"waiting for the cluster: it no longer has room"
+            self.move(job, JobState.QUEUED, f"waiting for the cluster: it no longer has room"
                        f" for this job ({why}); it resumes from its checkpoint when it has",
                        result)
         else:
-            self._move(job, JobState.QUEUED, f"waiting for room: {why}; it keeps its priority"
+            self.move(job, JobState.QUEUED, f"waiting for room: {why}; it keeps its priority"
                        f" ({job.priority}) in the queue and resumes from its checkpoint when"
                        " there is room (a job of lower priority may be preempted for it),"
                        " without spending a retry", result)
@@ -633,7 +549,7 @@ class Controller:
         """Start the next attempt of a PLACING (or RESTARTING) job: the stored spec is the
         spec that runs."""
         if job.state == JobState.RESTARTING:
-            placing = self._move(job, JobState.PLACING, "placing a new attempt", result)
+            placing = self.move(job, JobState.PLACING, "placing a new attempt", result)
             if placing is None:
                 return
             job = placing
@@ -647,10 +563,10 @@ class Controller:
             self._recover(job)  # no attempt resumes from a tag whose steps are not stored
             secrets = self.secrets.open(job.id)
         except (ValueError, OSError, SecretsUnreadable) as exc:  # CheckpointRefused too
-            self._fail_attempt(job, attempt, f"not started: {exc}", result,
+            self.fail_attempt(job, attempt, f"not started: {exc}", result,
                                retry=isinstance(exc, OSError))
             return
-        self._fenced()  # the lease may have gone while the folder and secrets were readied
+        self.fenced()  # the lease may have gone while the folder and secrets were readied
         try:  # secrets reach the ranks' environment, never the spec each is sent (a dump)
             group = self.launcher.start(job_id=job.id, attempt=attempt,
                                         spec=spec.with_secrets(secrets),
@@ -658,10 +574,10 @@ class Controller:
                                         writer=CheckpointWriter.of(job))
         except Exception as exc:  # a failed start is data for the failure policy
             log.error("job %s: start failed: %s", job.id, redact(traceback.format_exc(), secrets))
-            self._fail_attempt(job, attempt, redact(f"worker group failed to start: {exc!r}",
+            self.fail_attempt(job, attempt, redact(f"worker group failed to start: {exc!r}",
                                                     secrets), result)
             return
-        self.running[job.id] = _Running(group=group, attempt=attempt, started=time.monotonic(),
+        self.running[job.id] = LiveAttempt(group=group, attempt=attempt, started=time.monotonic(),
                                         spec=spec, health=AttemptHealth(self.store, job, attempt,
                                                                         spec),
                                         redact=self.secrets.redactor(job.id, secrets))
@@ -713,7 +629,7 @@ class Controller:
             if group is not None:
                 placed = [a.placement for a in self.store.list_attempts(job_id=job.id)
                           if a.number == job.attempts]
-                self.running[job.id] = _Running(
+                self.running[job.id] = LiveAttempt(
                     group=group, attempt=job.attempts, started=time.monotonic(), spec=spec,
                     health=AttemptHealth(self.store, job, job.attempts, spec),
                     redact=self.secrets.redactor(job.id),
@@ -728,12 +644,12 @@ class Controller:
             self.store.end_attempt(job_id=job.id, number=job.attempts, status=AttemptStatus.LOST,
                                    error=msg)
         to = decide_on_failure(job)
-        self._move(job, to, msg if to == JobState.FAILED else f"{msg}; restarting", result,
+        self.move(job, to, msg if to == JobState.FAILED else f"{msg}; restarting", result,
                    error=msg if to == JobState.FAILED else None)
 
     # --- watching a running group ---------------------------------------------------------------
 
-    def _cancel(self, job: Job, run: _Running, result: StepResult) -> None:
+    def _cancel(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
         """CANCELLED now; the ranks are asked to stop and get the grace beside the loop, where
         a running group is drained first: what its ranks reported and is not stored yet is
         stored when the loop reaps the teardown. A group that is not running yet is not
@@ -743,15 +659,15 @@ class Controller:
                      f"cancelled by request; the workers get {self.cancel_grace_s:g} s to stop"
                      " before they are killed", result, drain=job.state == JobState.RUNNING)
 
-    def _watch(self, job: Job, run: _Running, result: StepResult) -> None:
+    def _watch(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
         if job.state == JobState.PLACING:  # its poll may launch the ranks (rendezvous)
-            self._fenced()
+            self.fenced()
         poll = run.group.poll(self.poll_timeout_s)
         if poll.placement:
             run.placement = poll.placement
             self.store.set_placement(job_id=job.id, number=run.attempt, placement=poll.placement)
             run.health.placed(poll.placement)
-        result.metrics += self._record(job, run, poll)
+        result.metrics += self.record(job, run, poll)
         run.health.polled(poll.heartbeats)
         if poll.state == "running" and self._hung(job, run, result):
             return
@@ -759,30 +675,30 @@ class Controller:
         if poll.state in ("running", "succeeded") and job.state == JobState.PLACING:
             # Refused when a cancel came in since this pass read the job: the next pass
             # cancels it, and it never reports running.
-            moved = self._move(job, JobState.RUNNING, f"all {job.world_size} ranks running",
+            moved = self.move(job, JobState.RUNNING, f"all {job.world_size} ranks running",
                                result, attempt=run.attempt, unless_cancelled=True)
             if moved is None:
                 return
             job = moved
         if poll.state == "starting" and time.monotonic() - run.started > self.start_timeout_s:
-            self._teardown(job.id, run)
-            self._fail_attempt(job, run.attempt, f"worker group did not start within"
+            self.teardown(job.id, run)
+            self.fail_attempt(job, run.attempt, f"worker group did not start within"
                                f" {self.start_timeout_s:g} s (resources or rendezvous)", result)
         elif poll.state == "succeeded":
-            self._succeed(job, run, result)
+            self.succeed(job, run, result)
         elif poll.state == "failed":
-            self._teardown(job.id, run)
+            self.teardown(job.id, run)
             detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
             # A folder that is another job's now (rank 0 refused it) stays so, and a corpus
             # replaced since submission stays replaced: no retry.
             final = (self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
                      or changed_corpus(run.spec))
-            self._fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}"
+            self.fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}"
                                + (f"\nnot retried: {final}" if final else ""), result,
                                retry=final is None)
 
-    def _record(self, job: Job, run: _Running, poll: PollResult) -> int:
+    def record(self, job: Job, run: LiveAttempt, poll: PollResult) -> int:
         n = store_poll(self.store, self.ingest, job_id=job.id, attempt=run.attempt,
                        world_size=job.world_size, poll=poll, health=run.health,
                        redact=run.redact)
@@ -791,24 +707,24 @@ class Controller:
         run.stepped = run.stepped or n > 0
         return n
 
-    def _hung(self, job: Job, run: _Running, result: StepResult) -> bool:
+    def _hung(self, job: Job, run: LiveAttempt, result: StepResult) -> bool:
         """Stop a group in which no rank made progress in time (diagnosed by its health)."""
         diagnosis = run.health.hung()
         if diagnosis is None:
             return False
-        self._teardown(job.id, run, stacks=True)  # stacks taken beside the loop
-        self._fail_attempt(job, run.attempt, f"hung: {diagnosis.summary}", result)
+        self.teardown(job.id, run, stacks=True)  # stacks taken beside the loop
+        self.fail_attempt(job, run.attempt, f"hung: {diagnosis.summary}", result)
         return True
 
     # --- endings ------------------------------------------------------------------------------
 
-    def _finish(self, job: Job, run: _Running, status: AttemptStatus, to: JobState, message: str,
+    def _finish(self, job: Job, run: LiveAttempt, status: AttemptStatus, to: JobState, message: str,
                 result: StepResult, *, drain: bool = False) -> None:
-        self._teardown(job.id, run, drain=drain)
+        self.teardown(job.id, run, drain=drain)
         self.store.end_attempt(job_id=job.id, number=run.attempt, status=status)
-        self._move(job, to, message, result, attempt=run.attempt)
+        self.move(job, to, message, result, attempt=run.attempt)
 
-    def _succeed(self, job: Job, run: _Running, result: StepResult) -> None:
+    def succeed(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
         """Every rank finished: SUCCEEDED, unless its last losses were not finite
         (`_diverged`): FAILED then, without a retry (a restart would resume from the
         checkpoints that hold those weights)."""
@@ -817,8 +733,8 @@ class Controller:
             self._finish(job, run, AttemptStatus.SUCCEEDED, JobState.SUCCEEDED,
                          f"all ranks finished {run.spec.train.steps} steps", result)
             return
-        self._teardown(job.id, run)
-        self._fail_attempt(job, run.attempt, why, result, retry=False)
+        self.teardown(job.id, run)
+        self.fail_attempt(job, run.attempt, why, result, retry=False)
 
     def _diverged(self, job_id: int) -> str | None:
         """Why the job's last `nonfinite_loss_steps` losses (rank 0's, of its newest attempt;
@@ -834,20 +750,20 @@ class Controller:
                 " finite (NaN or infinite): the weights diverged or were damaged, and so are"
                 f" the checkpoints saved since; not a success (nonfinite_loss_steps {n})")
 
-    def _fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult, *,
+    def fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult, *,
                       retry: bool = True) -> None:
         self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.FAILED,
                                error=error)
         to = decide_on_failure(job) if retry else JobState.FAILED
         if to == JobState.RESTARTING:
             left = retries(job) - failures(job)
-            self._move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"
+            self.move(job, to, f"attempt {attempt} failed; restarting from the last checkpoint"
                        f" ({left} retries left)", result, attempt=attempt, data={"error": error})
         else:
-            self._move(job, JobState.FAILED, f"attempt {attempt} failed: {error}", result,
+            self.move(job, JobState.FAILED, f"attempt {attempt} failed: {error}", result,
                        error=error, attempt=attempt)
 
-    def _teardown(self, job_id: int, run: _Running, *, drain: bool = False,
+    def teardown(self, job_id: int, run: LiveAttempt, *, drain: bool = False,
                   stacks: bool = False) -> None:
         """Stop the group beside the loop; this controller no longer polls it (with `drain`,
         the teardown polls it once more; with `stacks`, it takes the ranks' stacks first:
@@ -879,7 +795,7 @@ class Controller:
             if td.error else f"worker group stopped and its resources freed in"
             f" {td.seconds:.1f} s", data={"seconds": round(td.seconds, 3)})
 
-    def _move(self, job: Job, to: JobState, message: str, result: StepResult, *,
+    def move(self, job: Job, to: JobState, message: str, result: StepResult, *,
               error: str | None = None, attempt: int | None = None,
               data: dict[str, Any] | None = None, unless_cancelled: bool = False) -> Job | None:
         """Move the job through `Store.transition`; the job as moved, or None when the state
