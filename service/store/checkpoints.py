@@ -18,8 +18,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from service.store.engine import EngineTx
 from service.store.jobs import Store
 from service.store.tables import CheckpointRow, utcnow
 from service.store.views import aware
@@ -49,17 +50,17 @@ class Checkpoint:
                 "removed_at": self.removed_at.isoformat() if self.removed_at else None}
 
 
-class CheckpointIndex:
-    """The `checkpoints` table, on the store's engine (one transaction per call)."""
+class CheckpointIndex(EngineTx):
+    """The `checkpoints` table, on the store's transactions (one per call)."""
 
     def __init__(self, store: Store) -> None:
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
+        super().__init__(store)
 
     def saved(self, *, job_id: int, attempt: int, step: int, size: int,
               layout: dict[str, Any], removed: list[int] | None = None) -> None:
         """Tag `step` is complete (`size` bytes, written by `layout`); the tags of `removed`
         were deleted after it."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             row = s.get(CheckpointRow, (job_id, step))
             if row is None:
                 s.add(CheckpointRow(job_id=job_id, step=step, attempt=attempt, bytes=size,
@@ -72,12 +73,12 @@ class CheckpointIndex:
 
     def gone(self, *, job_id: int, steps: list[int]) -> None:
         """The tags of `steps` are no longer on disk (`service.tag_recovery`): removed."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             _remove(s, job_id, steps)
 
     def list(self, *, job_id: int, removed: bool = False) -> list[Checkpoint]:
         """The job's tags by step (with `removed`, the deleted ones too)."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             q = select(CheckpointRow).where(CheckpointRow.job_id == job_id)
             if not removed:
                 q = q.where(CheckpointRow.removed_at.is_(None))
@@ -85,7 +86,7 @@ class CheckpointIndex:
                     for r in s.execute(q.order_by(CheckpointRow.step)).scalars()]
 
     def bytes_on_disk(self, *, job_id: int) -> int:
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             total = s.execute(select(func.sum(CheckpointRow.bytes))
                               .where(CheckpointRow.job_id == job_id,
                                      CheckpointRow.removed_at.is_(None))).scalar()

@@ -9,25 +9,25 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
 
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
 from service.states import JobState, TransitionError
+from service.store.engine import EngineTx
 from service.store.jobs import Job, NotFound, Store
 from service.store.tables import EventRow, JobRow, utcnow
 
 
-class ElasticMoves:
-    """The `jobs` rows of elastic moves, on the store's engine (one transaction per call)."""
+class ElasticMoves(EngineTx):
+    """The `jobs` rows of elastic moves, on the store's transactions (one per call)."""
 
     def __init__(self, store: Store) -> None:
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
+        super().__init__(store)
 
     def requeued(self, *, limit: int) -> list[Job]:
         """Queued jobs that ran before (a lost, moved or preempted attempt), in admission
         order."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             rows = s.execute(select(JobRow).where(JobRow.state == JobState.QUEUED.value,
                                                   JobRow.attempts > 0)
                              .order_by(JobRow.priority.desc(), JobRow.id)
@@ -41,7 +41,7 @@ class ElasticMoves:
         ranks; `elastic` is its state after the move. An `elastic` event says so, in the same
         transaction. TransitionError when the job is no longer in `expect`, or a cancel was
         requested: nothing changes."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             row = s.execute(select(JobRow).where(JobRow.id == job_id)
                             .with_for_update()).scalar()
             if row is None:

@@ -195,13 +195,25 @@ def snapshot_reads(engine: Engine) -> Engine:
 
 
 class EngineTx:
-    """Transactions of its own on an engine: for the package's modules beside `Store` that
-    query their tables on its engine (identity, quota notes, heartbeats, stack requests, the
-    trackers' cursors); `_reads` for their single reads outside a transaction (`reads`);
-    `_snapshot` for read-only transactions of several plain statements on a connection
-    (`snapshot_reads`), which the hot pages use: no ORM session's bookkeeping per request."""
+    """The transactions on an engine: `Store` builds them on its engine, and the package's
+    modules beside it that query their tables on that engine (identity, quota notes,
+    heartbeats, stack requests, the trackers' cursors, checkpoints, elastic moves, leases,
+    metrics) take the store's (`EngineTx(store)`), so one engine has one set of session
+    factories however many of them a request or a controller pass makes. `_reads` for single
+    reads outside a transaction (`reads`); `_snapshot` for read-only transactions of several
+    plain statements on a connection (`snapshot_reads`), which the hot pages use: no ORM
+    session's bookkeeping per request."""
 
-    def __init__(self, engine: Engine) -> None:
+    _sessions: sessionmaker[Session]
+    _snapshot: Engine
+    _read_sessions: sessionmaker[Session]
+    _reads: Engine
+
+    def __init__(self, engine: Engine | EngineTx) -> None:
+        if isinstance(engine, EngineTx):  # a module beside Store, on the store's transactions
+            self._sessions, self._snapshot = engine._sessions, engine._snapshot
+            self._read_sessions, self._reads = engine._read_sessions, engine._reads
+            return
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._snapshot = snapshot_reads(engine)
         self._read_sessions = sessionmaker(self._snapshot, expire_on_commit=False)

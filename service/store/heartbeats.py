@@ -31,7 +31,7 @@ class HeartbeatLog(EngineTx):
     """Writes and reads the `rank_heartbeats` table on the store's engine."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
         self._dialect = postgresql if store.engine.dialect.name == "postgresql" else sqlite
 
     def record(self, *, job_id: int, attempt: int, seen: Mapping[int, float]) -> None:

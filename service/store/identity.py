@@ -134,7 +134,7 @@ class Identity(AuditLog):
     other processes see that on their next request (one `stat`)."""
 
     def __init__(self, store: Store, stamp: Path | None = None) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
         self._trusted: TrustedTokens[Principal] = TrustedTokens(stamp)
 
     # --- tokens -----------------------------------------------------------------------------

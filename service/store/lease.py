@@ -23,9 +23,8 @@ from weakref import WeakKeyDictionary
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import sessionmaker
 
-from service.store.engine import reads
+from service.store.engine import EngineTx
 from service.store.jobs import Store
 from service.store.tables import LeaseRow, utcnow
 from service.store.views import aware
@@ -67,17 +66,16 @@ _READ = select(LeaseRow.name, LeaseRow.holder, LeaseRow.epoch, LeaseRow.acquired
                ).where(LeaseRow.name == bindparam("name"))
 
 
-class Leases:
-    """The lease functions, on the store's engine (one transaction each, keyword-only)."""
+class Leases(EngineTx):
+    """The lease functions, on the store's transactions (one each, keyword-only)."""
 
     def __init__(self, store: Store) -> None:
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
-        self._reads = reads(store.engine)
+        super().__init__(store)
 
     @classmethod
     def of(cls, store: Store) -> Leases:
-        """`store`'s Leases, made once (its engines and session factory): every `/healthz`
-        and every scrape of `/metrics` reads the lease."""
+        """`store`'s Leases, made once per store: every `/healthz` and every scrape of
+        `/metrics` reads the lease."""
         found = _OF.get(store)
         if found is None:
             found = _OF[store] = cls(store)
@@ -92,7 +90,7 @@ class Leases:
         now = now or utcnow()
         until = now + timedelta(seconds=duration_s)
         try:
-            with self._sessions.begin() as s:
+            with self._tx() as s:
                 row = s.execute(select(LeaseRow).where(LeaseRow.name == name)
                                 .with_for_update()).scalar()
                 if row is None:
@@ -118,7 +116,7 @@ class Leases:
     def release(self, *, name: str, holder: str, now: datetime | None = None) -> bool:
         """Let the lease expire now, if `holder` holds it, so that a standby takes over at
         once; whether it did."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             done = s.execute(update(LeaseRow)
                              .where(LeaseRow.name == name, LeaseRow.holder == holder)
                              .values(expires_at=now or utcnow()))

@@ -44,8 +44,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from service.store.engine import EngineTx
 from service.store.jobs import Metric, Store
 from service.store.tables import MetricRow, StepMetricRow, utcnow
 from service.store.views import aware
@@ -138,13 +139,12 @@ def kept(rows: Sequence[dict[str, Any]], world_size: int) -> list[dict[str, Any]
     return [r for r in rows if r["rank"] % stride == 0 or r["step_time_s"] > slow]
 
 
-class MetricsIngest:
-    """Writes and reads a job's metrics at any number of ranks; one per process."""
+class MetricsIngest(EngineTx):
+    """Writes and reads a job's metrics at any number of ranks, on the store's transactions."""
 
     def __init__(self, store: Store) -> None:
-        self.engine = store.engine
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._reads = store._read_sessions  # read-only: no write lock on SQLite
+        super().__init__(store)
+        self._dialect = postgresql if store.engine.dialect.name == "postgresql" else sqlite
 
     def record(self, *, job_id: int, attempt: int, world_size: int,
                rows: Sequence[dict[str, Any]]) -> int:
@@ -163,10 +163,9 @@ class MetricsIngest:
                      "grad_norm": r.get("grad_norm"), "data": r.get("data") or {},
                      "time": now}
                     for step_rows in by_step.values() for r in kept(step_rows, world_size)]
-        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             if per_rank:
-                s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), per_rank)
+                s.execute(self._dialect.insert(MetricRow).on_conflict_do_nothing(), per_rank)
             self._merge_steps(s, job_id, attempt, world_size, by_step, now)
         crossed = [st for st in by_step if st % COMPACT_EVERY == 0 and st > RETAIN_STEPS]
         if crossed:
@@ -227,7 +226,7 @@ class MetricsIngest:
 
     def whole(self, *, job_id: int, attempt: int, step: int) -> bool:
         """Whether every rank's report of the step is stored (`service.tag_recovery`)."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             return s.execute(select(StepMetricRow.step).where(
                 StepMetricRow.job_id == job_id, StepMetricRow.attempt == attempt,
                 StepMetricRow.step == step, StepMetricRow.rank_bits.is_(None))).first() \
@@ -236,7 +235,7 @@ class MetricsIngest:
     def compact(self, *, job_id: int, attempt: int, before_step: int) -> int:
         """Retention: drop the per-rank rows (rank 0's aside) of steps before `before_step`,
         except every `KEEP_EVERY`-th step's. Returns how many rows went."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             res = s.execute(delete(MetricRow).where(
                 MetricRow.job_id == job_id, MetricRow.attempt == attempt,
                 MetricRow.step < before_step, MetricRow.rank != 0,
@@ -247,7 +246,7 @@ class MetricsIngest:
                    limit: int = 10000, every: int = 1) -> list[StepMetric]:
         """A job's steps over all ranks, oldest first; `every` > 1 keeps the steps that are
         multiples of it (a long run's chart)."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             q = select(StepMetricRow).where(StepMetricRow.job_id == job_id,
                                             StepMetricRow.step > after_step)
             if attempt is not None:
@@ -261,7 +260,7 @@ class MetricsIngest:
         """The newest `limit` steps of one rank in its newest attempt, oldest first: what a
         job's page compares with the plan, read from the end of the index however long the
         job has run."""
-        with self._reads.begin() as s:
+        with self._rx() as s:  # read-only: no write lock on SQLite
             newest = s.execute(select(MetricRow.attempt)
                                .where(MetricRow.job_id == job_id, MetricRow.rank == rank)
                                .order_by(MetricRow.attempt.desc()).limit(1)).scalar()
@@ -280,7 +279,7 @@ class MetricsIngest:
         (`service.tracking`). Of `open_attempt` (the one still running), only the steps
         every rank has reported, up to the first that one has not: a step is sent whole."""
         attempt, step = after
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             rank0 = list(s.execute(
                 select(MetricRow).where(
                     MetricRow.job_id == job_id, MetricRow.rank == 0,
@@ -315,7 +314,7 @@ class MetricsIngest:
     def sampled(self, *, job_id: int, every: int = 1, limit: int = 100_000) -> list[Metric]:
         """Rank 0's rows of every attempt at the steps that are multiples of `every` (all of
         them for 1), oldest first: a long run's curves at a bounded cost."""
-        with self._sessions.begin() as s:
+        with self._tx() as s:
             q = select(MetricRow).where(MetricRow.job_id == job_id, MetricRow.rank == 0)
             if every > 1:
                 q = q.where(MetricRow.step % every == 0)

@@ -22,7 +22,7 @@ class QuotaNotes(EngineTx):
     """Keeps a queued job's waiting reason, and its event, in step with the scheduler."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
 
     def note(self, job_id: int, reason: str | None, *, kind: str = "quota",
              data: dict[str, Any] | None = None) -> bool:

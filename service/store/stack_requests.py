@@ -72,7 +72,7 @@ class StackRequests(EngineTx):
     """The `stack_requests` table: made by the API, taken and answered by the controller."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
 
     def create(self, *, job_id: int, requested_by: str | None) -> StackRequest:
         """A pending request; TooManyOpen when the job has `MAX_OPEN` waiting already. The

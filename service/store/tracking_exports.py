@@ -67,7 +67,7 @@ class Exports(EngineTx):
     """The `tracking_exports` rows, on the store's database."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store.engine)
+        super().__init__(store)
 
     def pending(self, *, limit: int = 1000) -> list[Export]:
         """Exports not done, oldest job first."""
