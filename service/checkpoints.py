@@ -31,13 +31,23 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from service.checkpoint_tags import DAMAGED, MARKER, MARKER_MAX_BYTES, TAG
 from service.specfiles import FileRefused, read_regular
 
-if TYPE_CHECKING:
-    from service.store.views import Job
+
+class OwnedJob(Protocol):
+    """What a writer is made of: a job's id and owner (`service.store.views.Job` has them;
+    named by shape so that this module, which the rank-controller contract imports, imports
+    nothing of the store)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def owner(self) -> str: ...
+
 
 RECORD = "trident-checkpoint.json"
 """The record of a checkpoint folder: the job (id and owner) it belongs to."""
@@ -66,7 +76,7 @@ class CheckpointWriter:
     owner: str
 
     @classmethod
-    def of(cls, job: Job) -> CheckpointWriter:
+    def of(cls, job: OwnedJob) -> CheckpointWriter:
         return cls(job_id=job.id, owner=job.owner)
 
     def to_json(self) -> dict[str, Any]:
