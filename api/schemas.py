@@ -100,9 +100,9 @@ class JobOut(Job):
                          eval_loss=summary.eval_loss)
             if (m := summary.latest) is not None:
                 extra.update(step=m.step, loss=m.loss, step_time_s=m.step_time_s,
-                             loss_nonfinite=bool(m.data.get("loss_nonfinite")),
+                             loss_nonfinite=m.report.loss_nonfinite,
                              reported_at=m.time, lr=m.lr, grad_norm=m.grad_norm,
-                             tokens=m.data.get("tokens"), epoch=m.data.get("epoch"))
+                             tokens=m.report.tokens, epoch=m.report.epoch)
         # The fields as they are (`dict(job)` walked pydantic's iterator, once per job).
         return cls(**job.__dict__, predicted_vs_measured=predicted_vs_measured, **extra)
 

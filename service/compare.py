@@ -34,11 +34,11 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric]) -> dict[str, Any]:
     state_bytes = None
     peak = None
     if metrics:
-        mem = metrics[-1].data.get("memory", {})
-        parts = [mem.get(f"{k}_bytes") for k in ("params", "grads", "optimizer")]
+        mem = metrics[-1].report.memory
+        parts = [mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes]
         if all(isinstance(p, int | float) for p in parts):
             state_bytes = float(sum(parts))  # type: ignore[arg-type]
-        peaks = [m.data.get("memory", {}).get("process_peak_bytes") for m in metrics]
+        peaks = [m.report.memory.process_peak_bytes for m in metrics]
         peaks_num = [p for p in peaks if isinstance(p, int | float)]
         peak = max(peaks_num) if peaks_num else None
     pred_states = plan.memory.model_states or None

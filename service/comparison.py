@@ -126,7 +126,7 @@ def headline(store: Store, job: Job, series: Curve) -> Headline:
     mfu = statistics.median(steady) * per_token if steady and per_token is not None else None
     return Headline(job=job, step=latest.step if latest else None,
                     loss=latest.loss if latest else None,
-                    loss_nonfinite=bool(latest and latest.data.get("loss_nonfinite")),
+                    loss_nonfinite=bool(latest and latest.report.loss_nonfinite),
                     eval_loss=evals[-1] if evals else None, mfu=mfu,
                     mfu_predicted=per_token * float(job.plan.tokens_per_s)
                     if per_token is not None else None,

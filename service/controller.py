@@ -742,7 +742,7 @@ class Controller:
         infinite. None when any was finite, or none was reported."""
         n = self.nonfinite_loss_steps
         last = self.ingest.recent_metrics(job_id=job_id, rank=0, limit=n)
-        if not last or not all(m.loss is None and m.data.get("loss_nonfinite") for m in last):
+        if not last or not all(m.loss is None and m.report.loss_nonfinite for m in last):
             return None
         steps = f"step {last[0].step}" if len(last) == 1 else \
             f"steps {last[0].step}-{last[-1].step}"

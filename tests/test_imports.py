@@ -11,6 +11,7 @@ it through a module outside it.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -211,3 +212,38 @@ def test_the_api_imports_nothing_of_the_ranks_package() -> None:
 def test_the_service_imports_nothing_of_the_ranks_package() -> None:
     found = {a: sorted(b) for a, b in _into_ranks(import_graph(), "service").items() if b}
     assert not found, f"service/ imports workers/: {found}"
+
+
+# --- a stored step is read through its typed view ----------------------------------------
+
+STEP_VIEW = ("service/store/views.py", "service/store/steps.py")
+"""Where a stored row's `data` is read by key: the step (`Metric.report`, `StoredStep`) and
+the events' own readers; every other reader takes the typed fields."""
+READERS = ("service", "api", "client", "cli", "bench")
+DATA_KEY = re.compile(r"\.data\s*(\.get\(|\[)")
+
+
+def data_keys(text: str) -> list[str]:
+    """Lines of `text` that read a row's `data` by key (`.data.get(...)`, `.data[...]`)."""
+    return [f"line {n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
+            if DATA_KEY.search(line)]
+
+
+def test_reading_data_by_key_is_found() -> None:
+    assert data_keys('x = m.data.get("comm")\ny = m.report.comm') == [
+        'line 1: x = m.data.get("comm")']
+    assert data_keys("{% if it.latest.data['loss_nonfinite'] %}") == [
+        "line 1: {% if it.latest.data['loss_nonfinite'] %}"]
+    assert data_keys("m.report.memory.process_peak_bytes; StoredStep.of(data)") == []
+
+
+def test_no_stored_step_is_read_by_key_outside_its_view() -> None:
+    """Code and templates read a stored step's typed view (`Metric.report`,
+    `Metric.step_split()`), never a key of its `data`: the names stay the step report's."""
+    found = [f"{path.relative_to(ROOT)} {where}"
+             for top in READERS if (ROOT / top).is_dir()
+             for path in sorted((ROOT / top).rglob("*"))
+             if path.suffix in (".py", ".html")
+             and path.relative_to(ROOT).as_posix() not in STEP_VIEW
+             for where in data_keys(path.read_text())]
+    assert not found, "read by key outside the step's view: " + "; ".join(found)

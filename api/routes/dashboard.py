@@ -89,8 +89,8 @@ def hangs(job: JobDep, store: StoreDep) -> dict[str, Any]:
             out.append({"id": ev.id, "attempt": ev.attempt, "time": ev.time,
                         "summary": ev.message, "diagnosis": ev.data, "stacks": {}})
         elif ev.kind == "stacks" and out:
-            text = str(ev.data.get("stacks", ""))
-            out[-1]["stacks"].setdefault(text, []).append(ev.data.get("rank"))
+            rank, text = ev.rank_stacks()
+            out[-1]["stacks"].setdefault(text, []).append(rank)
     for h in out:
         h["stacks"] = [{"ranks": sorted(r for r in rs if r is not None), "text": t}
                        for t, rs in sorted(h["stacks"].items(), key=lambda kv: -len(kv[1]))]

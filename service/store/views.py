@@ -185,6 +185,11 @@ class Event:
         return cls(id=row.id, job_id=row.job_id, attempt=row.attempt, time=_utc(row.time),
                    kind=row.kind, message=row.message, data=row.data or {})
 
+    def rank_stacks(self) -> tuple[int | None, str]:
+        """A `stacks` event's rank and its Python stacks at a hang
+        (`service.monitor.attempt.record_stacks`)."""
+        return self.data.get("rank"), str(self.data.get("stacks", ""))
+
 
 @dataclass(frozen=True)
 class Metric:
