@@ -28,6 +28,7 @@ from api.schemas import JobOut, MetricOut
 from service.spec import JobSpec
 from service.specfile import load_yaml
 from service.states import JobState
+from service.store.dashboard import one_line
 
 EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
 """`trident submit`'s exit status by the job's final state. 2 is a request that was refused
@@ -197,8 +198,10 @@ def follow(client: TridentClient, job_id: int, interval: float = 1.0,
             job = client.get_job(job_id)
     finally:
         out.close()
-    if job.error:
-        typer.echo(job.error, err=True)
+    if job.error:  # its telling line: the whole text (a traceback) is describe's and logs'
+        typer.echo(f"error: job {job_id} {last_state}: {one_line(job.error)} (`trident describe"
+                   f" {job_id}` shows the error, `trident logs {job_id}` the ranks' output)",
+                   err=True)
     return last_state
 
 

@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "examples/tiny.yaml")
 
 
+FAILURE = ("attempt 1 failed: rank 1:\nTraceback (most recent call last):\n"
+           "  File \"train.py\", line 9, in step\n    loss.backward()\n"
+           "RuntimeError: rank 1 exploded\n")
+"""A failed job's error as the controller stores it: a rank's traceback, over several lines."""
+
+
 def run_job(store: Store, job_id: int, end: JobState, steps: int = 3,
             step_time_s: float = 0.25) -> None:
     """What the controller writes for a job that runs `steps` steps, then ends in `end`
@@ -45,8 +51,7 @@ def run_job(store: Store, job_id: int, end: JobState, steps: int = 3,
         store.transition(job_id=job_id, to=end, message="cancelled")
     else:
         store.transition(job_id=job_id, to=end, message=end.value.lower(),
-                         error="RuntimeError: rank 1 exploded" if end == JobState.FAILED
-                         else None)
+                         error=FAILURE if end == JobState.FAILED else None)
 
 
 def scripted(store: Store, end: JobState, **kw: object) -> threading.Thread:
@@ -82,7 +87,11 @@ def test_submit_follows_the_job_and_exits_by_its_final_state(live: Live) -> None
         assert [ln.split()[:2] for ln in lines if ln.startswith("  step")] == [
             ["step", "1/30"], ["step", "2/30"], ["step", "3/30"]]
         assert lines[-1] == f"job {job_id} {end.value}", lines
-        assert ("RuntimeError: rank 1 exploded" in r.stderr) == (end == JobState.FAILED)
+        # A failed job's error is one line: the traceback's exception, and where the rest is.
+        assert r.stderr.splitlines() == ([
+            f"error: job {job_id} FAILED: RuntimeError: rank 1 exploded (`trident describe"
+            f" {job_id}` shows the error, `trident logs {job_id}` the ranks' output)"]
+            if end == JobState.FAILED else []), r.stderr
 
 
 def test_submit_detach_json_and_set(live: Live) -> None:

@@ -61,7 +61,9 @@ def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> 
     r = stack.cli("submit", TINY, "--set", "entrypoint=tests.entrypoints:explode")
     assert r.exit_code == 1, r.output
     assert r.stdout.splitlines()[-1].endswith("FAILED")
-    assert "RuntimeError: rank 1 exploded on purpose" in r.stderr
+    # The rank's traceback as one line: its exception, and where the whole error is.
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert "RuntimeError: rank 1 exploded on purpose" in r.stderr and "trident describe" in r.stderr
 
     submit, submitted = spawn(stack, "submit", TINY, "--set",
                               "entrypoint=tests.entrypoints:chatty")
