@@ -12,6 +12,7 @@ import pytest
 from service.protocols import PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Store
+from service.store.metrics import MetricsIngest
 from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
 from tests.waiting import DEADLINE_S, drive
 
@@ -124,10 +125,12 @@ def test_a_report_stored_twice_is_kept_once(store: Store) -> None:
     job_id = submit(store)
     rows = [{"rank": r, "step": s, "loss": 1.0, "step_time_s": 0.1, "tokens_per_s": 1.0}
             for s in (1, 2) for r in (0, 1)]
-    store.record_metrics(job_id=job_id, attempt=1, rows=rows[:3])
-    store.record_metrics(job_id=job_id, attempt=1, rows=rows)  # sent again, plus one new
+    ingest = MetricsIngest(store)  # the controller's metrics writer
+    ingest.record(job_id=job_id, attempt=1, world_size=2, rows=rows[:3])
+    ingest.record(job_id=job_id, attempt=1, world_size=2, rows=rows)  # sent again, plus one new
     got = store.list_metrics(job_id=job_id, rank=None)
     assert [(m.step, m.rank) for m in got] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [(st.step, st.ranks) for st in ingest.list_steps(job_id=job_id)] == [(1, 2), (2, 2)]
 
 
 def test_a_job_that_lost_its_node_waits_queued_until_the_cluster_has_room(
