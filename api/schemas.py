@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.planner.stored import PlannedLayout, StoredPlan
+from service.rank_status import RankCell
 from service.ranklogs import Chunk
 from service.store import Attempt, Event, Job, Metric, Node, Probe
 from service.store.audit_log import AuditEntry
@@ -284,36 +285,6 @@ class Series(BaseModel):
     grad_norm: list[float | None] = Field(default_factory=list)
     """The global gradient norm before clipping at each of `recipe_step` (None: not
     reported)."""
-
-
-class RankCell(BaseModel):
-    """One rank of `GET /jobs/{id}/ranks` (newest attempt): `service.rank_status.RankStatus`."""
-
-    rank: int
-    tp: int
-    pp: int
-    dp: int
-    node: str | None
-    gpu: str | None
-    memory_peak_bytes: Number | None
-    memory_predicted_bytes: Number
-    """The plan's bytes for its pipeline stage."""
-    memory_ratio: float | None
-    compute_s: float | None
-    """Its median compute seconds per step (the step less its collectives)."""
-    stage_compute_s: float | None
-    """The median of its stage peers' `compute_s`."""
-    compute_ratio: float | None
-    step: int | None
-    step_time_s: float | None
-    tp_s: float | None
-    pp_s: float | None
-    dp_s: float | None
-    reported_at: datetime | None
-    heartbeat_age_s: float | None
-    """Seconds since its last heartbeat as the controller saw it (None before the first)."""
-    straggler: bool
-    hang_waits_for: bool
 
 
 class RanksGrid(BaseModel):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from service.planner.stored import PlannedLayout
 from service.store import Job, Metric, Store
 from service.store.dashboard import marked_ranks
@@ -26,9 +28,12 @@ WINDOW = 20
 """Steps of the newest attempt a status reads (medians, peaks, the newest report)."""
 
 
-@dataclass(frozen=True)
-class RankStatus:
-    """One rank of the layout, as measured against the plan."""
+class RankCell(BaseModel):
+    """One rank of the layout, as measured against the plan: a cell of the ranks grid
+    (`GET /jobs/{id}/ranks`, newest attempt), a line of `trident top`, a rank's gauges on
+    `/metrics`."""
+
+    model_config = ConfigDict(frozen=True)
 
     rank: int
     tp: int
@@ -38,15 +43,19 @@ class RankStatus:
     """Its host name, once placed."""
     gpu: str | None
     """Its GPU indices, comma-separated (None on CPU)."""
-    memory_peak_bytes: float | None
+    memory_peak_bytes: int | float | None
     """The largest process peak it reported in the window."""
-    memory_predicted_bytes: float
+    memory_predicted_bytes: int | float
     """The plan's bytes per device for its pipeline stage (the most loaded rank's without
     a per-stage split)."""
+    memory_ratio: float | None
+    """`memory_peak_bytes` over `memory_predicted_bytes`."""
     compute_s: float | None
-    """Median seconds per step outside timed collectives."""
+    """Median seconds per step outside timed collectives (the step less its collectives)."""
     stage_compute_s: float | None
     """Median of its pipeline stage's ranks' `compute_s`."""
+    compute_ratio: float | None
+    """`compute_s` over `stage_compute_s`."""
     step: int | None
     step_time_s: float | None
     tp_s: float | None
@@ -59,32 +68,11 @@ class RankStatus:
     straggler: bool
     hang_waits_for: bool
 
-    @property
-    def memory_ratio(self) -> float | None:
-        if self.memory_peak_bytes is None or not self.memory_predicted_bytes:
-            return None
-        return self.memory_peak_bytes / self.memory_predicted_bytes
 
-    @property
-    def compute_ratio(self) -> float | None:
-        if self.compute_s is None or not self.stage_compute_s:
-            return None
-        return self.compute_s / self.stage_compute_s
-
-    def to_json(self) -> dict[str, Any]:
-        """A cell of the ranks grid (`GET /jobs/{id}/ranks`)."""
-        return {
-            "rank": self.rank, "tp": self.tp, "pp": self.pp, "dp": self.dp,
-            "node": self.node, "gpu": self.gpu,
-            "memory_peak_bytes": self.memory_peak_bytes,
-            "memory_predicted_bytes": self.memory_predicted_bytes,
-            "memory_ratio": self.memory_ratio,
-            "compute_s": self.compute_s, "stage_compute_s": self.stage_compute_s,
-            "compute_ratio": self.compute_ratio,
-            "step": self.step, "step_time_s": self.step_time_s,
-            "tp_s": self.tp_s, "pp_s": self.pp_s, "dp_s": self.dp_s,
-            "reported_at": self.reported_at, "heartbeat_age_s": self.heartbeat_age_s,
-            "straggler": self.straggler, "hang_waits_for": self.hang_waits_for}
+def _ratio(measured: float | None, against: float | None) -> float | None:
+    if measured is None or not against:
+        return None
+    return measured / against
 
 
 @dataclass(frozen=True)
@@ -94,11 +82,11 @@ class RanksStatus:
     layout: PlannedLayout
     world_size: int
     attempt: int | None
-    ranks: list[RankStatus]
+    ranks: list[RankCell]
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.model_dump(), "world_size": self.world_size,
-                "attempt": self.attempt, "cells": [r.to_json() for r in self.ranks]}
+                "attempt": self.attempt, "cells": [r.model_dump() for r in self.ranks]}
 
 
 def _comm_s(m: Metric | None) -> tuple[float | None, float | None, float | None]:
@@ -143,13 +131,16 @@ def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
         place = placement.get(row.rank, {})
         newest = ms[-1] if ms else None
         tp_s, pp_s, dp_s = _comm_s(newest)
-        out.append(RankStatus(
+        peak = max(peaks) if peaks else None
+        predicted = by_stage.get(row.pp, float(plan.memory.total))
+        stage_s = statistics.median(peers[row.pp]) if peers.get(row.pp) else None
+        out.append(RankCell(
             rank=row.rank, tp=row.tp, pp=row.pp, dp=row.dp, node=place.get("hostname"),
             gpu=",".join(place.get("gpu_ids") or []) or None,
-            memory_peak_bytes=max(peaks) if peaks else None,
-            memory_predicted_bytes=by_stage.get(row.pp, float(plan.memory.total)),
-            compute_s=compute.get(row.rank),
-            stage_compute_s=statistics.median(peers[row.pp]) if peers.get(row.pp) else None,
+            memory_peak_bytes=peak, memory_predicted_bytes=predicted,
+            memory_ratio=_ratio(peak, predicted),
+            compute_s=compute.get(row.rank), stage_compute_s=stage_s,
+            compute_ratio=_ratio(compute.get(row.rank), stage_s),
             step=newest.step if newest else None,
             step_time_s=newest.step_time_s if newest else None,
             tp_s=tp_s, pp_s=pp_s, dp_s=dp_s, reported_at=newest.time if newest else None,
