@@ -197,6 +197,7 @@ def controller() -> None:
     except ValidationError as exc:
         fail("; ".join((f"TRIDENT_{e['loc'][0]}: ".upper() if e["loc"] else "")
                        + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # so is a data dir it cannot make
     try:  # so is a database it cannot read
         if note := check(settings.db_url):
             typer.echo(note, err=True)

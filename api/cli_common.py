@@ -70,10 +70,18 @@ def error_line(exc: TridentError) -> str:
     return str(exc)
 
 
+def file_error(exc: OSError) -> str:
+    """A file or folder a command cannot read, write or make (a data dir under a file, a
+    config dir it may not write): its path and the system's reason."""
+    path = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else f"{exc.filename}"
+    return f"{path}: {exc.strerror or exc}"
+
+
 class Trident(TyperGroup):
     """The `trident` command group: whatever goes wrong in a command is one line on stderr,
     `error: ...`, and a non-zero exit (Typer draws a box of several lines for a usage error,
-    and an error of the client would be a traceback)."""
+    and an error of the client, or a file the command cannot read or write, would be a
+    traceback)."""
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
@@ -98,6 +106,10 @@ class Trident(TyperGroup):
             _error(exc.format_message().rstrip(".") + hint, exc.exit_code)
         except typer.Abort:
             _error("aborted", 1)
+        except OSError as exc:
+            if not exc.filename:  # no file's fault: the program's, whose traceback tells where
+                raise
+            _error(file_error(exc), REFUSED)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -2,9 +2,10 @@
 non-zero exit, what went wrong and what to do, never a box of several lines or a traceback.
 Usage errors, a spec that is not YAML, a refused cancel, a cancel with nobody to answer its
 question, a server URL with the API's path in it, an export whose answer breaks off or whose
-folder cannot be made; and `trident --help`, whose command lines
-are whole sentences. Through Typer's CliRunner against a live API server (the `live`
-fixture), and as a real process where the terminal (or its absence) matters.
+folder cannot be made, a data dir that cannot be made (`bootstrap`, `controller`, `up`); and
+`trident --help`, whose command lines are whole sentences. Through Typer's CliRunner against
+a live API server (the `live` fixture), and as a real process where the terminal (or its
+absence) matters.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from api.cli_common import first_sentence
 from service.states import JobState
 from tests.cli_stack import Live
 from tests.conftest import user_token
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "examples/tiny.yaml")
@@ -194,3 +196,20 @@ def test_an_export_to_a_folder_it_cannot_make_is_one_line(live: Live, tmp_path: 
     line = one_line(trident("export", "1", "--out", str(tmp_path / "file" / "model"),
                             server=live.url), 2)
     assert line == f"error: --out {tmp_path}/file/model: Not a directory ({tmp_path}/file)"
+
+
+def test_a_data_dir_it_cannot_make_is_one_line_naming_it(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    var = tmp_path / "file" / "var"
+    expected = f"error: {var}: Not a directory"
+    assert one_line(trident("bootstrap", "--data-dir", str(var)), 2) == expected
+    # The controller says so once, instead of a daemon restarted over it forever.
+    monkeypatch.setenv("TRIDENT_DATA_DIR", str(var))
+    assert one_line(trident("controller"), 2) == expected
+    # `trident up` as a user's shell runs it (it sets its settings in its own environment).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    done = subprocess.run([str(Path(sys.executable).parent / "trident"), "up", "--port",
+                           str(free_port())], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected + "\n"), done
