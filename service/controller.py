@@ -31,9 +31,10 @@ queued job that cannot be placed may preempt running jobs of lower priority
 to save and stop, watches them while they do, and requeues them, beside the loop). An
 elastic job that lost its ranks and waited `wait_s` for them is re-planned onto what is free,
 and with `scale_up` moved back when the room returns (`service.elastic` decides and words
-it; here its stored layout is changed, and a move up asks its ranks to save and stop). One
-module because it is one pass (about 820 lines), each of whose parts hands its work to the
-modules named here.
+it; `Rescaling` in `service.rescaling` changes its stored layout, asks its ranks to save and
+stop for a move up and watches them, beside the loop). Those collaborators move jobs through
+the controller's hands (`service.control_pass.Loop`: `move`, `record`, `teardown`, `succeed`,
+`fail_attempt`, `fenced`); the controller keeps admission, placement, watching and endings.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,34 +54,23 @@ from service.checkpoints import (
 )
 from service.control_pass import Change, LiveAttempt, StepResult
 from service.data_check import changed_corpus
-from service.elastic import (
-    ElasticState,
-    Replan,
-    describe,
-    fitting_ranks,
-    moved_message,
-    replan,
-    submitted,
-)
+from service.elastic import fitting_ranks
 from service.monitor.attempt import AttemptHealth, record_stacks
 from service.monitor.cluster_probe import ClusterProbes
 from service.node_survey import NodeSurvey
 from service.pace import FAST_FOR_S, Activity
 from service.preempting import Preemptions
-from service.preemption import holds
-from service.profiles import profile_for
-from service.protocols import Launcher, NodeCapacity, PollResult
+from service.protocols import Launcher, PollResult
 from service.quota import Quota, held
 from service.redaction import redact
-from service.scheduler import admit, bundles, pack, taken, unplaceable
+from service.rescaling import Rescaling
+from service.scheduler import admit, bundles, pack, unplaceable
 from service.secrets import JobSecrets, SecretBox, SecretsUnreadable
 from service.spec import JobSpec
 from service.spec_limits import recheck
 from service.stack_collect import StackCollector
 from service.states import JobState, TransitionError
 from service.store import AttemptStatus, Fence, Job, NotFound, Store
-from service.store.checkpoints import CheckpointIndex
-from service.store.elastic import ElasticMoves
 from service.store.identity import Identity
 from service.store.metrics import MetricsIngest
 from service.store.quota import QuotaNotes
@@ -103,20 +92,6 @@ RESTART_SETTLE_S = 5.0
 """How long after its old group stopped a restarting job whose room does not show free yet
 keeps its claim before it is requeued: Ray gives a removed placement group's resources back a
 moment later, so the job is neither requeued nor preempts on that stale view."""
-
-ELASTIC_SCAN = 256
-"""Queued jobs that ran before a pass looks at for elastic re-plans
-(`Controller._elastic_down`)."""
-
-
-@dataclass
-class _Move:
-    """An elastic job asked to save and stop, to resume on a larger layout."""
-
-    to: Replan
-    asked: float
-    """`time.monotonic()` when it was asked."""
-
 
 def decide_on_failure(job: Job) -> JobState:
     """Failure policy: restart from the last checkpoint while retries are left, else fail.
@@ -184,24 +159,14 @@ class Controller:
         """Whether the first pass read the active jobs' checkpoint folders (`_recover`)."""
         self.tag_steps_max_bytes = tag_steps_max_bytes
         """The most bytes read of one rank's file of step reports in a tag."""
-        self.preempt_grace_s = preempt_grace_s
-        """How long a preempted job's ranks get to save their checkpoint and stop."""
         self.nonfinite_loss_steps = nonfinite_loss_steps
         """A job whose last this many losses were not finite does not succeed (`succeed`)."""
         self.preemptions = Preemptions(self, store, launcher, self.teardowns, self.quota_notes,
                                        grace_s=preempt_grace_s, poll_timeout_s=poll_timeout_s)
         """Preempted jobs, asked to save and stop, watched and requeued beside the loop."""
-        self.elastic_moves = ElasticMoves(store)
-        """Elastic jobs' layouts in the store (`service.store.elastic`)."""
-        self.moving: dict[int, _Move] = {}
-        """Elastic jobs asked to save and stop to resume on a larger layout."""
-        self.elastic_said: dict[int, str] = {}
-        """The last reason each elastic job was not re-planned for, said once."""
-        self.up_judged: dict[int, tuple[tuple[str, float, float], ...]] = {}
-        """The room each running elastic job's move up was last judged on: judged again only
-        when it changed (a search of the planner each)."""
-        self.down_judged: dict[int, tuple[tuple[str, float, float], ...]] = {}
-        """Likewise, the free room a queued elastic job was last found no layout for."""
+        self.rescaling = Rescaling(self, store, launcher, grace_s=preempt_grace_s,
+                                   poll_timeout_s=poll_timeout_s)
+        """Elastic jobs re-planned down and moved up, beside the loop."""
         self.stopped_at: dict[int, float] = {}
         """When each job's last group was seen stopped (`time.monotonic()`), until its restart
         is placed or requeued (`_restart`)."""
@@ -224,8 +189,8 @@ class Controller:
                 self.move(job, JobState.CANCELLED, "cancelled by request", result)
             elif job.id in self.running and job.state == JobState.PREEMPTED:
                 self.preemptions.watch(job, self.running[job.id], result)
-            elif job.id in self.running and job.id in self.moving:
-                self._watch_moving(job, self.running[job.id], result)
+            elif job.id in self.running and job.id in self.rescaling.moving:
+                self.rescaling.watch(job, self.running[job.id], result)
             elif job.id in self.running:
                 self._watch(job, self.running[job.id], result)
             elif job.state == JobState.PREEMPTED:  # its group is gone (a new controller)
@@ -246,9 +211,9 @@ class Controller:
             self._read_folders = True
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
-        self._elastic_down()
+        self.rescaling.down()
         self._admit(result, active, keeping)
-        self._elastic_up(active)
+        self.rescaling.up(active, self.blocked)
         self.cluster_probes.step()
         self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
         self.nodes.step()
@@ -261,7 +226,7 @@ class Controller:
         runs = list(self.running.values())
         now = time.monotonic()
         beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
-                  or self.moving or self.preemptions.victims)
+                  or self.rescaling.moving or self.preemptions.victims)
         return Activity(
             starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
             changed=bool(result.changes), steady=bool(runs) and not beside,
@@ -346,169 +311,10 @@ class Controller:
                 restart = adm.blocked is not None and adm.blocked.state == JobState.RESTARTING
                 if adm.blocked is not None and not adm.admitted and not restart:
                     self.preemptions.start(adm.blocked, active, result,
-                                           stopping=self.moving)
+                                           stopping=self.rescaling.moving)
                 return
 
-    # --- elastic re-plan ------------------------------------------------------------------------
-
-    def _elastic_down(self) -> None:
-        """Re-plan each queued elastic job whose ranks were lost (its last attempt failed, was
-        lost, or moved up into room that was gone) and that the free room has not held for
-        `wait_s` since: onto the best layout of what is free now (`service.elastic.replan`);
-        admission then places it in this same pass. A job no layout fits is said once."""
-        queued = [j for j in self.elastic_moves.requeued(limit=ELASTIC_SCAN)
-                  if j.spec.elastic is not None]
-        ids = {q.id for q in queued}
-        self.elastic_said = {j: m for j, m in self.elastic_said.items() if j in ids}
-        self.down_judged = {j: r for j, r in self.down_judged.items() if j in ids}
-        if not queued:
-            return
-        free = self.launcher.free_capacity()
-        for job in queued:
-            elastic = job.spec.elastic
-            assert elastic is not None
-            last = self.store.list_attempts(job_id=job.id)[-1]
-            if last.status not in (AttemptStatus.FAILED, AttemptStatus.LOST,
-                                   AttemptStatus.MOVED) or last.ended_at is None:
-                continue  # a preempted job waits for the room it gave
-            if pack(bundles(job), free) is not None:
-                continue  # it fits as it is: admission places it
-            waited = time.time() - last.ended_at.timestamp()
-            if waited < elastic.wait_s:
-                continue
-            seen = tuple((n.node_id, n.cpus, n.gpus) for n in free)
-            if self.down_judged.get(job.id) == seen:
-                continue  # no layout fitted this room: none does now
-            state = ElasticState.of(job)
-            got = replan(job.spec, state, free, min_ranks=elastic.min_ranks,
-                         profile=profile_for(self.store, job.spec.target.gpu),
-                         exclude_world=job.world_size)
-            if isinstance(got, str):
-                self.down_judged[job.id] = seen
-                self._elastic_note(job, f"elastic: not re-planned: {got}; it waits for room"
-                                   f" for its {job.world_size} ranks")
-                continue
-            tags = CheckpointIndex(self.store).list(job_id=job.id)
-            why = (f"attempt {last.number} lost its ranks and the free room has held"
-                   f" {fitting_ranks(job.spec, free)} of its {job.world_size} for"
-                   f" {waited:.0f} s, wait_s {elastic.wait_s:g}")
-            try:
-                self.elastic_moves.relayout(
-                    job_id=job.id, expect=JobState.QUEUED, spec=got.spec, plan=got.plan,
-                    world_size=got.world_size, elastic=state.to_json(),
-                    message=moved_message(job, got, why=why,
-                                          checkpoint=tags[-1].step if tags else None),
-                    data={"direction": "down", "from": describe(job.plan, job.world_size),
-                          "to": describe(got.plan, got.world_size),
-                          "checkpoint_step": tags[-1].step if tags else None})
-            except TransitionError as exc:  # cancelled meanwhile
-                log.info("job %s: %s", job.id, exc)
-                continue
-            self.elastic_said.pop(job.id, None)
-            free = _taken(free, got)
-
-    def _elastic_note(self, job: Job, message: str) -> None:
-        if self.elastic_said.get(job.id) != message:
-            self.elastic_said[job.id] = message
-            self.store.add_event(job_id=job.id, kind="elastic", message=message,
-                                 data={"direction": None})
-
-    def _elastic_up(self, active: list[Job]) -> None:
-        """With `scale_up`: a running elastic job on fewer ranks than it was submitted with,
-        whose room plus the free room now holds its submitted layout (or else a larger one
-        predicted faster than its own) is asked to save a checkpoint now and stop
-        (`_watch_moving` restarts it on that layout). Not while a queued job waits for room
-        (admission's blocked job): that room is its."""
-        self.moving = {j: m for j, m in self.moving.items() if j in self.running}
-        self.up_judged = {j: r for j, r in self.up_judged.items() if j in self.running}
-        if self.blocked is not None:
-            return
-        free: list[NodeCapacity] | None = None
-        for job in active:
-            elastic, run = job.spec.elastic, self.running.get(job.id)
-            if elastic is None or not elastic.scale_up or run is None or \
-                    job.state != JobState.RUNNING or job.id in self.moving or \
-                    job.elastic is None or run.placement is None:
-                continue
-            state = ElasticState.of(job)
-            if job.world_size >= state.world_size:
-                continue
-            if free is None:
-                free = self.launcher.free_capacity()
-            room = _given_back(free, holds(run.placement, job))
-            seen = tuple((n.node_id, n.cpus, n.gpus) for n in room)
-            if self.up_judged.get(job.id) == seen:
-                continue
-            self.up_judged[job.id] = seen
-            fits = fitting_ranks(job.spec, room)
-            if fits <= job.world_size:
-                continue
-            got: Replan | str = submitted(job.spec, state) if fits >= state.world_size else \
-                replan(job.spec, state, room, min_ranks=job.world_size + 1,
-                       profile=profile_for(self.store, job.spec.target.gpu))
-            if isinstance(got, str) or (got.world_size < state.world_size
-                                        and got.step_s >= job.plan.time.step_s):
-                continue  # the submitted layout is moved back to as asked; others if faster
-            self.fenced()  # stopping ranks is the leader's to do
-            run.group.preempt()
-            self.moving[job.id] = _Move(to=got, asked=time.monotonic())
-            self.store.add_event(
-                job_id=job.id, attempt=run.attempt, kind="elastic",
-                message=f"elastic: the room of {fits} rank(s) is free again; moving to"
-                f" {got.plan.layout.label} on {got.world_size} rank(s) (predicted"
-                f" {got.step_s:.4g} s/step, now {job.plan.time.step_s:.4g}): its ranks are"
-                " asked to save a checkpoint now and stop",
-                data={"direction": "up", "asked": True,
-                      "from": describe(job.plan, job.world_size),
-                      "to": describe(got.plan, got.world_size)})
-
-    def _watch_moving(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
-        """An elastic job moving up: its ranks save and stop; then RESTARTING on the larger
-        layout (the attempt ends `moved`, no retry spent). One that finished or failed
-        meanwhile ends as it would have."""
-        move = self.moving[job.id]
-        poll = run.group.poll(self.poll_timeout_s)
-        result.metrics += self.record(job, run, poll)
-        late = time.monotonic() - move.asked > self.preempt_grace_s
-        if poll.state == "succeeded":
-            self.moving.pop(job.id)
-            self.succeed(job, run, result)
-            return
-        if poll.state == "failed":
-            self.moving.pop(job.id)
-            self.teardown(job.id, run)
-            self.fail_attempt(job, run.attempt, f"attempt {run.attempt}: failed while saving"
-                               f" to move up: {run.redact(poll.error or 'a rank failed')}",
-                               result)
-            return
-        if poll.state != "stopped" and not late:
-            return
-        self.moving.pop(job.id)
-        self.teardown(job.id, run)
-        why = "its ranks saved a checkpoint and stopped" if poll.state == "stopped" else \
-            f"its ranks did not stop within {self.preempt_grace_s:g} s"
-        self.store.end_attempt(job_id=job.id, number=run.attempt, status=AttemptStatus.MOVED,
-                               error=f"moved to a larger layout: {why}")
-        moved = self.move(job, JobState.RESTARTING, f"moving to {move.to.plan.layout.label} on"
-                           f" {move.to.world_size} rank(s): {why}; no retry spent", result,
-                           attempt=run.attempt)
-        if moved is None:
-            return
-        tags = CheckpointIndex(self.store).list(job_id=job.id)
-        try:
-            self.elastic_moves.relayout(
-                job_id=job.id, expect=JobState.RESTARTING, spec=move.to.spec,
-                plan=move.to.plan, world_size=move.to.world_size,
-                elastic=ElasticState.of(job).to_json(moved_up=True),
-                message=moved_message(job, move.to, why="the room of a larger layout is free"
-                                      " again (scale_up)",
-                                      checkpoint=tags[-1].step if tags else None),
-                data={"direction": "up", "from": describe(job.plan, job.world_size),
-                      "to": describe(move.to.plan, move.to.world_size),
-                      "checkpoint_step": tags[-1].step if tags else None},
-                attempt=run.attempt)
-        except TransitionError as exc:  # cancelled meanwhile: it ends where it is
-            log.info("job %s: %s", job.id, exc)
+    # --- restarts ------------------------------------------------------------------------------
 
     def _restart(self, job: Job, result: StepResult) -> bool:
         """The next attempt, from the checkpoint, into free room only (a group started
@@ -810,16 +616,3 @@ class Controller:
         result.changes.append(Change(job.id, to, message))
         return moved
 
-
-def _taken(free: list[NodeCapacity], job: Replan) -> list[NodeCapacity]:
-    """The free room once `job`'s ranks are placed in it (first fit, as admission packs)."""
-    items = bundles(job)
-    where = pack(items, free)
-    return free if where is None else taken(free, items, where)
-
-
-def _given_back(free: list[NodeCapacity],
-                held: dict[str, tuple[float, float]]) -> list[NodeCapacity]:
-    """The free room with what a job holds on each node added: the room it could move to."""
-    return [NodeCapacity(n.node_id, n.cpus + held.get(n.node_id, (0.0, 0.0))[0],
-                         n.gpus + held.get(n.node_id, (0.0, 0.0))[1]) for n in free]

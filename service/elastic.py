@@ -1,6 +1,6 @@
 """Elastic re-plan: which layout an elastic job moves to when it lost ranks, or when the room
 of a larger one is free again, and what is said about it. Pure decisions; the controller
-(`Controller._elastic_down`, `_elastic_up`) carries them out.
+(`service.rescaling.Rescaling`, beside its loop) carries them out.
 
 A job with `elastic: {min_ranks, wait_s, scale_up}` whose ranks were lost (its last attempt
 failed or was lost) and that the free room cannot hold for `wait_s` is re-planned: the planner

@@ -179,7 +179,7 @@ def test_a_job_that_lost_a_node_is_re_planned_onto_the_one_left_and_moves_back(
     assert not launcher.groups[1].preempted  # no room yet
     launcher.nodes["n1"] = 1  # the node returns
     c.step()  # its room and n1 hold the submitted layout: asked to save and stop
-    assert launcher.groups[1].preempted and job_id in c.moving
+    assert launcher.groups[1].preempted and job_id in c.rescaling.moving
     c.step()  # stopped: RESTARTING on the submitted layout, no retry spent
     settle(c)
     job = store.get_job(job_id=job_id)
@@ -234,5 +234,5 @@ def test_a_move_up_never_takes_the_room_a_queued_job_waits_for(
     launcher.nodes["n1"] = 1
     for _ in range(3):
         c.step()
-    assert not launcher.groups[1].preempted and job_id not in c.moving
+    assert not launcher.groups[1].preempted and job_id not in c.rescaling.moving
     assert store.get_job(job_id=other).state == JobState.QUEUED

@@ -1,7 +1,7 @@
-"""An elastic job's moves in the store (`service.elastic`, `Controller._elastic_down` and
-`_elastic_up`): the queued jobs that ran before, which a re-plan looks at, and the change of a
-job's layout (its spec, plan and world size, with `jobs.elastic`), said by an `elastic` event
-in the same transaction.
+"""An elastic job's moves in the store (`service.elastic` decides them, `Rescaling.down` and
+`Rescaling.up` in `service.rescaling` carry them out): the queued jobs that ran before, which
+a re-plan looks at, and the change of a job's layout (its spec, plan and world size, with
+`jobs.elastic`), said by an `elastic` event in the same transaction.
 """
 
 from __future__ import annotations
