@@ -113,7 +113,7 @@ class Rescaling:
             if isinstance(got, str):
                 self.down_judged[job.id] = seen
                 self._note(job, f"elastic: not re-planned: {got}; it waits for room"
-                                   f" for its {job.world_size} ranks")
+                           f" for its {job.world_size} ranks")
                 continue
             tags = CheckpointIndex(self.store).list(job_id=job.id)
             why = (f"attempt {last.number} lost its ranks and the free room has held"
@@ -135,6 +135,7 @@ class Rescaling:
             free = _taken(free, got)
 
     def _note(self, job: Job, message: str) -> None:
+        """Say why the job was not re-planned, once for each reason."""
         if self.said.get(job.id) != message:
             self.said[job.id] = message
             self.store.add_event(job_id=job.id, kind="elastic", message=message,

@@ -6,6 +6,7 @@ The real ones run in the Ray end-to-end tests (tests/test_e2e_ray.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -13,14 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from service.checkpoints import CheckpointWriter
+from service.control_pass import Change, LiveAttempt, StepResult
 from service.controller import Controller
 from service.jobs import submit as submit_job
+from service.monitor.attempt import AttemptHealth
 from service.planner import StoredPlan
 from service.protocols import NodeCapacity, PollResult
 from service.spec import JobSpec
 from service.states import JobState
 from service.store import Job, Store
 from service.store.tracking_exports import Export, Sink
+from service.teardown import Teardowns
 from service.tracking.scalars import StepScalars
 from service.tracking.sinks import TrackerDown, TrackerRefused
 from tests.conftest import stored_plan, tiny_spec
@@ -190,6 +194,60 @@ def job(job_id: int, *, world: int, tp: int = 1, cpus: float = 1, gpus: float = 
                priority=priority, spec=SPEC, plan=stored_plan(tp=tp, dp=world // tp),
                world_size=world, cpus=cpus, gpus=gpus, cancel_requested=False, attempts=0,
                error=None, created_at=NOW, updated_at=NOW, started_at=None, finished_at=None)
+
+
+class FakeLoop:
+    """The controller's loop as its collaborators (`service.control_pass.Loop`) see it: moves go
+    through the store, groups are stopped by real `Teardowns`, every other call is recorded."""
+
+    def __init__(self, store: Store, teardowns: Teardowns) -> None:
+        self.store = store
+        self.teardowns = teardowns
+        self.running: dict[int, LiveAttempt] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.errors: dict[int, str] = {}
+        """The error each failed attempt was failed with, by job."""
+
+    def move(self, job: Job, to: JobState, message: str, result: StepResult, *,
+             error: str | None = None, attempt: int | None = None,
+             data: dict[str, Any] | None = None, unless_cancelled: bool = False) -> Job | None:
+        moved = self.store.transition(job_id=job.id, to=to, message=message, error=error,
+                                      attempt=attempt, data=data)
+        result.changes.append(Change(job.id, to, message))
+        return moved
+
+    def record(self, job: Job, run: LiveAttempt, poll: PollResult) -> int:
+        self.calls.append(("record", job.id))
+        return len(poll.reports)
+
+    def teardown(self, job_id: int, run: LiveAttempt) -> None:
+        self.teardowns.start(("job", job_id), run.group, attempt=run.attempt)
+        self.running.pop(job_id)
+
+    def succeed(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
+        self.calls.append(("succeed", job.id))
+
+    def fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult) -> None:
+        self.calls.append(("fail", job.id))
+        self.errors[job.id] = error
+
+    def fenced(self) -> None:
+        self.calls.append(("fenced", 0))
+
+
+
+def live(store: Store, loop: FakeLoop, group: FakeGroup, job_id: int,
+         placement: dict[str, Any]) -> Job:
+    """Queued job `job_id` RUNNING its first attempt in `group` on `placement`, as the loop
+    keeps it."""
+    store.transition(job_id=job_id, to=JobState.PLACING, message="admitted")
+    job = store.start_attempt(job_id=job_id)
+    job = store.transition(job_id=job_id, to=JobState.RUNNING, message="running", attempt=1)
+    loop.running[job_id] = LiveAttempt(group=group, attempt=1, started=time.monotonic(),
+                                       spec=job.spec, health=AttemptHealth(store, job, 1,
+                                                                           job.spec),
+                                       placement=placement)
+    return job
 
 
 class FakeTracker:

@@ -1,61 +1,23 @@
-"""`Preemptions` alone, beside a recording loop (the controller's hands as `Loop` states them):
-one preemption at a time until every victim's room is given back, jobs moving up never chosen,
-a victim that finished meanwhile succeeds, and a requeue after a new controller names no
-preempting job. The controller's whole choreography is in tests/test_preemption.py."""
+"""`Preemptions` alone, beside a recording loop (`FakeLoop`, the controller's hands as `Loop`
+states them): one preemption at a time until every victim's room is given back, jobs moving up
+never chosen, a victim that finished meanwhile succeeds, and a requeue after a new controller
+names no preempting job. The controller's whole choreography is in tests/test_preemption.py."""
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
-from service.control_pass import Change, LiveAttempt, StepResult
-from service.monitor.attempt import AttemptHealth
+from service.control_pass import StepResult
 from service.preempting import Preemptions
 from service.protocols import NodeCapacity, PollResult
 from service.states import JobState
 from service.store import AttemptStatus, Job, Store
 from service.store.quota import QuotaNotes
 from service.teardown import Teardowns
-from tests.fakes import FakeGroup, submit
+from tests.fakes import FakeGroup, FakeLoop, live, submit
 
 PLACED = {"ranks": [{"rank": 0, "node_id": "n0"}, {"rank": 1, "node_id": "n0"}]}
-
-
-class Hands:
-    """The loop as `Preemptions` sees it: moves go through the store, groups are stopped by
-    real `Teardowns`, and every other call is recorded."""
-
-    def __init__(self, store: Store, teardowns: Teardowns) -> None:
-        self.store = store
-        self.teardowns = teardowns
-        self.running: dict[int, LiveAttempt] = {}
-        self.calls: list[tuple[str, int]] = []
-
-    def move(self, job: Job, to: JobState, message: str, result: StepResult, *,
-             error: str | None = None, attempt: int | None = None,
-             data: dict[str, Any] | None = None, unless_cancelled: bool = False) -> Job | None:
-        moved = self.store.transition(job_id=job.id, to=to, message=message, error=error,
-                                      attempt=attempt, data=data)
-        result.changes.append(Change(job.id, to, message))
-        return moved
-
-    def record(self, job: Job, run: LiveAttempt, poll: PollResult) -> int:
-        self.calls.append(("record", job.id))
-        return len(poll.reports)
-
-    def teardown(self, job_id: int, run: LiveAttempt) -> None:
-        self.teardowns.start(("job", job_id), run.group, attempt=run.attempt)
-        self.running.pop(job_id)
-
-    def succeed(self, job: Job, run: LiveAttempt, result: StepResult) -> None:
-        self.calls.append(("succeed", job.id))
-
-    def fail_attempt(self, job: Job, attempt: int, error: str, result: StepResult) -> None:
-        self.calls.append(("fail", job.id))
-
-    def fenced(self) -> None:
-        self.calls.append(("fenced", 0))
 
 
 class Full:
@@ -65,25 +27,17 @@ class Full:
         return [NodeCapacity("n0", 0, 0)]
 
 
-def running(store: Store, hands: Hands, group: FakeGroup, **over: Any) -> Job:
-    job_id = submit(store, **over)
-    store.transition(job_id=job_id, to=JobState.PLACING, message="admitted")
-    job = store.start_attempt(job_id=job_id)
-    job = store.transition(job_id=job_id, to=JobState.RUNNING, message="running", attempt=1)
-    hands.running[job_id] = LiveAttempt(group=group, attempt=1, started=time.monotonic(),
-                                        spec=job.spec, health=AttemptHealth(store, job, 1,
-                                                                            job.spec),
-                                        placement=PLACED)
-    return job
+def running(store: Store, hands: FakeLoop, group: FakeGroup, **over: Any) -> Job:
+    return live(store, hands, group, submit(store, **over), PLACED)
 
 
-def preemptions(store: Store, hands: Hands, *, grace_s: float = 300.0) -> Preemptions:
+def preemptions(store: Store, hands: FakeLoop, *, grace_s: float = 300.0) -> Preemptions:
     return Preemptions(hands, store, Full(), hands.teardowns,  # type: ignore[arg-type]
                        QuotaNotes(store), grace_s=grace_s, poll_timeout_s=0)
 
 
 def test_one_preemption_at_a_time_until_the_victims_room_is_given_back(store: Store) -> None:
-    hands = Hands(store, Teardowns(0.1))
+    hands = FakeLoop(store, Teardowns(0.1))
     release = threading.Event()
     low = running(store, hands, FakeGroup([PollResult(state="running")], release=release,
                                           after_cancel=PollResult(state="stopped")),
@@ -121,7 +75,7 @@ def test_one_preemption_at_a_time_until_the_victims_room_is_given_back(store: St
 
 
 def test_a_job_that_is_stopping_already_is_never_chosen(store: Store) -> None:
-    hands = Hands(store, Teardowns(0.1))
+    hands = FakeLoop(store, Teardowns(0.1))
     moving = running(store, hands, FakeGroup([PollResult(state="running")]), name="moving")
     p = preemptions(store, hands)
     high = store.get_job(job_id=submit(store, name="high", priority=10))
@@ -135,7 +89,7 @@ def test_a_job_that_is_stopping_already_is_never_chosen(store: Store) -> None:
 
 def test_a_victim_that_finished_meanwhile_succeeds_and_one_past_the_grace_is_requeued(
         store: Store) -> None:
-    hands = Hands(store, Teardowns(0.1))
+    hands = FakeLoop(store, Teardowns(0.1))
     done = running(store, hands, FakeGroup([PollResult(state="running")],
                                            after_cancel=PollResult(state="succeeded")),
                    name="done")
@@ -161,7 +115,7 @@ def test_a_victim_that_finished_meanwhile_succeeds_and_one_past_the_grace_is_req
 
 
 def test_a_requeue_after_a_new_controller_names_no_preempting_job(store: Store) -> None:
-    hands = Hands(store, Teardowns(0.1))
+    hands = FakeLoop(store, Teardowns(0.1))
     gone = running(store, hands, FakeGroup([PollResult(state="running")]), name="gone")
     store.transition(job_id=gone.id, to=JobState.PREEMPTED, message="preempted", attempt=1)
     hands.running.clear()  # a new controller: its group is gone, no victim known
