@@ -12,7 +12,7 @@ app in process (routing, validation and JSON included):
 - ingest of a simulated 4,096-rank job reporting a step every second, in a process of its
   own (as the controller is), validated as the controller validates them, for `ingest_s`
   seconds in real time while list and detail are measured; then as fast as it goes (the
-  limit), and the old path (every rank's row) for comparison.
+  limit).
 """
 
 from __future__ import annotations
@@ -223,15 +223,12 @@ def _ingest_proc(url: str, job_id: int, world: int, seconds: int, q: Any) -> Non
     ing = MetricsIngest(store)
     rng = random.Random(0)
 
-    def one(step: int, new_path: bool = True) -> tuple[float, float]:
+    def one(step: int) -> tuple[float, float]:
         raw = _reports(world, step, rng)
         t0 = time.perf_counter()
         rows = [StepReport.model_validate(x).row() for x in raw]  # the controller's _record
         t1 = time.perf_counter()
-        if new_path:
-            ing.record(job_id=job_id, attempt=1, world_size=world, rows=rows)
-        else:
-            store.record_metrics(job_id=job_id, attempt=2, rows=rows)
+        ing.record(job_id=job_id, attempt=1, world_size=world, rows=rows)
         return t1 - t0, time.perf_counter() - t1
 
     validate, write, late = [], [], 0
@@ -247,10 +244,9 @@ def _ingest_proc(url: str, job_id: int, world: int, seconds: int, q: Any) -> Non
     t0 = time.perf_counter()
     flat = [sum(one(seconds + 1 + i)) for i in range(3)]  # as fast as it goes
     flat_s = (time.perf_counter() - t0) / 3
-    old = [one(1 + i, new_path=False)[1] for i in range(2)]
     steps = ing.list_steps(job_id=job_id, attempt=1)
     q.put({"validate": validate, "write": write, "late_steps": late, "flat_step_s": flat_s,
-           "flat_split": flat, "old_write": old, "stored_steps": len(steps),
+           "flat_split": flat, "stored_steps": len(steps),
            "complete": sum(s.complete for s in steps),
            "per_rank_rows_per_step": len(store.list_metrics(job_id=job_id, rank=None,
                                                             attempt=1, limit=10**6)) / max(
@@ -342,7 +338,6 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
                 "per_rank_rows_per_step": ingest["per_rank_rows_per_step"],
                 "flat_out_step_s": ingest["flat_step_s"],
                 "limit_ranks_at_1_step_per_s": size.world / ingest["flat_step_s"],
-                "old_path_write_s": dist(ingest["old_write"]),
                 "list_during": dist(during["list"]), "detail_during": dist(during["detail"])}
         sec.figures[kind] = fig
         _rows_and_goals(kind, fig, sec)
@@ -375,8 +370,7 @@ def _rows_and_goals(kind: str, fig: dict[str, Any], sec: Section) -> None:
             f"{share:.0%} of each second used",
             f"validate {fmt_dist(i['validate'])}; write {fmt_dist(i['write'])}; "
             f"{i['per_rank_rows_per_step']:.0f} per-rank rows/step; late steps "
-            f"{i['late_steps']}/{i['seconds']}; old path (every rank's row) write "
-            f"{fmt_s(i['old_path_write_s']['median'])}")
+            f"{i['late_steps']}/{i['seconds']}")
     sec.row(f"{kind}: ingest limit", f"{i['limit_ranks_at_1_step_per_s']:,.0f} ranks at 1 step/s",
             f"flat out {fmt_s(i['flat_out_step_s'])} per {i['world']}-rank step")
     sec.row(f"{kind}: list / detail while ingesting",

@@ -198,7 +198,7 @@ class StepReport(BaseModel):
         return self
 
     def row(self) -> dict[str, Any]:
-        """A metrics row for `Store.record_metrics`; unset (None) fields are left out of `data`."""
+        """A metrics row for `MetricsIngest.record`; unset (None) fields are left out of `data`."""
         out = self.model_dump(include=set(METRIC_COLUMNS))
         out["data"] = self.model_dump(exclude={"kind", *METRIC_COLUMNS}, exclude_none=True)
         return out

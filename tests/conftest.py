@@ -8,9 +8,9 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi import FastAPI
@@ -185,6 +185,16 @@ def stored_plan(*, tp: int = 1, pp: int = 1, dp: int = 1) -> StoredPlan:
         train={"global_batch": 4 * dp, "micro_batch": 1, "precision": "fp32"},
         parallel={"tp": tp, "pp": pp, "dp": dp}))
     return prepare(spec).plan
+
+
+def record_steps(store: Store, *, job_id: int, attempt: int,
+                 rows: Sequence[dict[str, Any]]) -> None:
+    """Step reports (`StepReport.row()` form) stored as the controller stores them
+    (`MetricsIngest.record`, at the job's world size)."""
+    from service.store.metrics import MetricsIngest
+
+    MetricsIngest(store).record(job_id=job_id, attempt=attempt, rows=rows,
+                                world_size=store.get_job(job_id=job_id).world_size)
 
 
 def user_token(store: Store, name: str = "admin", role: str = "admin",

@@ -14,7 +14,7 @@ from service.states import JobState
 from service.store import Store
 from service.store.lease import Leader
 from service.store.tables import utcnow
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, record_steps, tiny_spec
 from tests.smallfs import Filler, small_fs
 
 
@@ -113,7 +113,7 @@ def test_cancel_events_and_conflict(client: TestClient) -> None:
 
 def test_metrics_shape(client: TestClient, store: Store) -> None:
     job_id = client.post("/api/v1/jobs", json=tiny_spec()).json()["id"]
-    store.record_metrics(job_id=job_id, attempt=1, rows=[
+    record_steps(store, job_id=job_id, attempt=1, rows=[
         {"rank": r, "step": 1, "loss": 5.5, "step_time_s": 0.2, "tokens_per_s": 1280.0,
          "lr": 2.5e-4, "grad_norm": 0.75, "data": {"memory": {"params": 1.0}}} for r in (0, 1)])
     items = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
@@ -167,7 +167,7 @@ def test_comm_summarizes_stored_step_reports_per_dimension(client: TestClient,
             comm = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2}}}
             rows.append({"rank": rank, "step": step, "loss": 1.0, "step_time_s": 0.1,
                          "tokens_per_s": 10.0, "data": {"comm": comm, "timed": True}})
-    store.record_metrics(job_id=job_id, attempt=1, rows=rows)
+    record_steps(store, job_id=job_id, attempt=1, rows=rows)
     body = client.get(f"/api/v1/jobs/{job_id}/comm").json()
     dp = body["dims"]["dp"]
     assert dp["time_s_per_step"] == pytest.approx(0.02)

@@ -20,7 +20,7 @@ from api.cli import app
 from service.states import JobState
 from service.store import Store
 from tests.cli_stack import Live, runner
-from tests.conftest import user_token
+from tests.conftest import record_steps, user_token
 from tests.servers import HTTP, free_port
 from tests.waiting import wait_for
 
@@ -43,7 +43,7 @@ def run_job(store: Store, job_id: int, end: JobState, steps: int = 3,
     store.add_event(job_id=job_id, kind="placement", message="rank 0 -> node-a, rank 1 -> node-a",
                     attempt=1)
     store.transition(job_id=job_id, to=JobState.RUNNING, message="running", attempt=1)
-    store.record_metrics(job_id=job_id, attempt=1, rows=[
+    record_steps(store, job_id=job_id, attempt=1, rows=[
         {"step": s, "rank": r, "loss": 4.0 / s, "step_time_s": step_time_s,
          "tokens_per_s": 1000.0} for s in range(1, steps + 1) for r in (0, 1)])
     if end == JobState.CANCELLED:

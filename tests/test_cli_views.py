@@ -33,7 +33,7 @@ from service.states import JobState
 from service.store import Store
 from service.store.heartbeats import HeartbeatLog
 from service.store.views import AttemptStatus
-from tests.conftest import tiny_spec
+from tests.conftest import record_steps, tiny_spec
 from tests.servers import HTTP, serving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def seed(store: Store) -> dict[str, int]:
     store.end_attempt(job_id=run, number=1, status=AttemptStatus.FAILED, error=ERROR)
     store.start_attempt(job_id=run)
     store.set_placement(job_id=run, number=2, placement=placement(["h1", "h2"]))
-    store.record_metrics(job_id=run, attempt=2, rows=[
+    record_steps(store, job_id=run, attempt=2, rows=[
         report(s, r, dp_s=0.1 if r == 0 else 0.05, step_time_s=0.5 if r == 0 else 0.9)
         for s in (1, 2, 3) for r in (0, 1)])
     store.add_event(job_id=run, attempt=2, kind="straggler", message="rank 1 is slow",

@@ -54,7 +54,7 @@ from service.store.lease import Leader
 from service.store.stack_requests import StackRequests, StackStatus
 from service.store.tables import JobRow
 from tests.cli_stack import Live
-from tests.conftest import tiny_spec, user_token
+from tests.conftest import record_steps, tiny_spec, user_token
 from tests.servers import free_port
 from tests.waiting import wait_for
 
@@ -79,7 +79,7 @@ def running(live: Live, c: TridentClient, steps: int = 3) -> int:
     store.set_placement(job_id=job.id, number=1, placement={"ranks": [
         {"rank": r, "node_id": f"node-h{r}", "hostname": f"h{r}", "gpu_ids": []}
         for r in (0, 1)], "master": "127.0.0.1:1"})
-    store.record_metrics(job_id=job.id, attempt=1, rows=[
+    record_steps(store, job_id=job.id, attempt=1, rows=[
         {"step": s, "rank": r, "loss": 4.0 / s, "step_time_s": 0.5, "tokens_per_s": 100.0,
          "data": {"comm": {"dp": {"all_reduce": {"time_s": 0.1, "bytes": 1000, "calls": 1}}},
                   "memory": {"process_peak_bytes": 1 << 20}}}

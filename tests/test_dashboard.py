@@ -23,7 +23,7 @@ from service.store import Store
 from service.store.charts import job_series
 from service.store.dashboard import jobs_page, queue
 from service.store.heartbeats import HeartbeatLog
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, record_steps, tiny_spec
 
 VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
 
@@ -62,7 +62,7 @@ def test_jobs_page_filters_sorts_and_pages(store: Store) -> None:
            for i in range(7)]
     store.transition(job_id=ids[0], to=JobState.CANCELLED, message="x")
     run = started(store)
-    store.record_metrics(job_id=run, attempt=1, rows=[row(1), row(2), row(2, rank=1)])
+    record_steps(store, job_id=run, attempt=1, rows=[row(1), row(2), row(2, rank=1)])
     items, total = jobs_page(store, limit=3)
     assert total == 8 and [i.job.id for i in items] == [run, ids[6], ids[5]]
     assert items[0].latest is not None and items[0].latest.step == 2
@@ -81,9 +81,9 @@ def test_jobs_page_filters_sorts_and_pages(store: Store) -> None:
 
 def test_series_take_the_newest_attempt_of_each_step_and_downsample(store: Store) -> None:
     job_id = started(store)
-    store.record_metrics(job_id=job_id, attempt=1, rows=[row(s) for s in range(1, 6)])
+    record_steps(store, job_id=job_id, attempt=1, rows=[row(s) for s in range(1, 6)])
     store.start_attempt(job_id=job_id)  # resumed from step 3: steps 4, 5 redone
-    store.record_metrics(job_id=job_id, attempt=2, rows=[
+    record_steps(store, job_id=job_id, attempt=2, rows=[
         row(s, loss=1.0, step_time_s=0.25) for s in range(4, 8)])
     job = store.get_job(job_id=job_id)
     out = job_series(store, job)
@@ -101,9 +101,9 @@ def test_long_series_are_bucketed_keeping_every_spike_and_dip(store: Store) -> N
     rows[1233]["step_time_s"] = 9.0  # step 1234: a spike
     rows[4320]["tokens_per_s"] = 1.0  # step 4321: a dip
     rows[2000]["loss"] = None  # not finite on step 2001
-    store.record_metrics(job_id=job_id, attempt=1, rows=rows[:3000])
+    record_steps(store, job_id=job_id, attempt=1, rows=rows[:3000])
     store.start_attempt(job_id=job_id)  # resumed from step 2500: 2501.. redone
-    store.record_metrics(job_id=job_id, attempt=2, rows=[
+    record_steps(store, job_id=job_id, attempt=2, rows=[
         {**r, "loss": -1.0} for r in rows[2500:]])
     out = job_series(store, store.get_job(job_id=job_id), max_points=600)
     assert out["rows"] == 5000
@@ -127,7 +127,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
             "memory": {"process_peak_bytes": peak}, "timed": True,
             "comm": {"dp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
 
-    store.record_metrics(job_id=job_id, attempt=1, rows=[
+    record_steps(store, job_id=job_id, attempt=1, rows=[
         rep(0, 1.0, 100), rep(1, 1.0, 100), rep(2, 1.0, 200), rep(3, 3.0, 200)])
     store.set_placement(job_id=job_id, number=1, placement={"ranks": [
         {"rank": r, "hostname": f"n{r}", "gpu_ids": [str(r)]} for r in range(4)]})
@@ -166,7 +166,7 @@ def client(tmp_path: Path) -> Any:
 def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
     c, store = client
     job_id = started(store)
-    store.record_metrics(job_id=job_id, attempt=1, rows=[row(1), row(2)])
+    record_steps(store, job_id=job_id, attempt=1, rows=[row(1), row(2)])
     queued = submit(store, JobSpec.model_validate(tiny_spec(name="waiting"))).id
     page = c.get("/", params={"state": "RUNNING"})
     assert page.status_code == 200 and f'data-job="{job_id}"' in page.text
@@ -221,7 +221,7 @@ def test_comm_steps_split_each_step_into_compute_and_dimensions(client: Any) -> 
             "dp": {"all_reduce": {"time_s": dp, "bytes": 1.0, "calls": 1.0}},
             "tp": {"all_reduce": {"time_s": 0.1, "bytes": 1.0, "calls": 1.0}}}})
 
-    store.record_metrics(job_id=job_id, attempt=1, rows=[
+    record_steps(store, job_id=job_id, attempt=1, rows=[
         rep(1, 0, 0.2), rep(1, 1, 0.4), rep(2, 0, 0.3, timed=False), rep(2, 1, 0.3, False),
         rep(3, 0, 0.5), rep(3, 1, 0.5)])
     out = c.get(f"/api/v1/jobs/{job_id}/comm/steps").json()
@@ -244,7 +244,7 @@ def test_jobs_api_lists_steps_restarts_and_reasons_in_a_fixed_number_of_queries(
 
     c, store = client
     run = started(store, name="big-run")
-    store.record_metrics(job_id=run, attempt=1, rows=[row(1), row(2, step_time_s=0.25)])
+    record_steps(store, job_id=run, attempt=1, rows=[row(1), row(2, step_time_s=0.25)])
     failed = submit(store, JobSpec.model_validate(tiny_spec(name="broken"))).id
     store.transition(job_id=failed, to=JobState.FAILED, message="x",
                      error="Traceback (most recent call last):\n  x\nValueError: bad lr")
@@ -279,7 +279,7 @@ def test_jobs_api_lists_steps_restarts_and_reasons_in_a_fixed_number_of_queries(
 
     few = queries({"limit": 2})
     for i in range(10):
-        store.record_metrics(job_id=started(store), attempt=1, rows=[row(1), row(i + 2)])
+        record_steps(store, job_id=started(store), attempt=1, rows=[row(1), row(i + 2)])
     assert queries({"limit": 12}) == few
 
 
@@ -294,7 +294,7 @@ def test_comm_steps_take_the_measured_bubble_out_of_pp(client: Any) -> None:
 
     # Step 2: rank 1's timer saw none of its waits as PP time; what the bubble exceeds of PP
     # comes out of compute, so the bars still add up to the step.
-    store.record_metrics(job_id=job_id, attempt=1, rows=[
+    record_steps(store, job_id=job_id, attempt=1, rows=[
         rep(1, 0, 0.5, 0.3), rep(1, 1, 0.5, 0.3), rep(2, 0, 0.5, 0.3), rep(2, 1, 0.0, 0.3)])
     first, second = c.get(f"/api/v1/jobs/{job_id}/comm/steps").json()["steps"]
     assert first["bubble"] == pytest.approx(0.3) and first["pp"] == pytest.approx(0.2)

@@ -15,7 +15,7 @@ from service.monitor.comm import comm_view
 from service.protocols import METRIC_COLUMNS, MemoryReport, StepReport
 from service.spec import JobSpec
 from service.store import Store
-from tests.conftest import tiny_spec
+from tests.conftest import record_steps, tiny_spec
 
 COMM = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2.0}}}
 
@@ -85,8 +85,8 @@ def test_readers_of_stored_rows_take_new_rows_and_old_ones_with_step_s(job_store
     old = {"rank": 1, "step": 1, "loss": 2.5, "step_time_s": 0.1, "tokens_per_s": 640.0,
            "data": {"memory": {"params_bytes": 10}, "comm": COMM, "timed": True,
                     "step_s": 0.1, "dp_rank": 1}}  # as stored before step_s went
-    job_store.record_metrics(job_id=job.id, attempt=1,
-                             rows=[rank_report(1, 0).row(), rank_report(2, 0).row(), old])
+    record_steps(job_store, job_id=job.id, attempt=1,
+                 rows=[rank_report(1, 0).row(), rank_report(2, 0).row(), old])
     view = comm_view(job_store, job_store.get_job(job_id=job.id), last=100)
     assert [r["rank"] for r in view["ranks"]] == [0, 1]
     assert view["step_time_s"] == pytest.approx(0.1)

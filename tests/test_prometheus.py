@@ -19,7 +19,7 @@ from service.states import JobState
 from service.store import Store
 from service.store.heartbeats import HeartbeatLog
 from service.store.lease import CONTROLLER, Leases
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, record_steps, tiny_spec
 
 
 def report(step: int, rank: int, *, peak: int, comm_s: float = 0.01) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     store.set_placement(job_id=running.id, number=1, placement={"ranks": [
         {"rank": 0, "hostname": "node-a", "gpu_ids": []},
         {"rank": 1, "hostname": "node-b", "gpu_ids": []}]})
-    store.record_metrics(job_id=running.id, attempt=1, rows=[
+    record_steps(store, job_id=running.id, attempt=1, rows=[
         report(s, r, peak=100 * s + r) for s in (1, 2, 3) for r in (0, 1)])
     store.transition(job_id=done.id, to=JobState.CANCELLED, message="x")
     Leases(store).acquire(name=CONTROLLER, holder="c1", duration_s=30)
@@ -168,7 +168,7 @@ def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_p
     for to in (JobState.PLACING, JobState.RUNNING):
         store.transition(job_id=job.id, to=to, message=to.value)
     store.start_attempt(job_id=job.id)
-    store.record_metrics(job_id=job.id, attempt=1, rows=[
+    record_steps(store, job_id=job.id, attempt=1, rows=[
         {**report(1, 0, peak=1), "data": {"custom": {"accuracy": 0.25, "phase": "warm"}}},
         {**report(2, 0, peak=1), "data": {"custom": {"accuracy": 0.5, "top5": 0.9}}}])
     exports = Exports(store)

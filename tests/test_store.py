@@ -20,7 +20,7 @@ from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
 from service.store.schema import downgrade, upgrade
 from service.store.tables import JobRow
-from tests.conftest import stored_plan, tiny_spec
+from tests.conftest import record_steps, stored_plan, tiny_spec
 
 
 def _job(store: Store, **kw: object) -> int:
@@ -227,7 +227,7 @@ def test_attempts_and_metrics(store: Store) -> None:
     assert store.start_attempt(job_id=job_id).attempts == 1
     assert store.start_attempt(job_id=job_id).attempts == 2
     store.end_attempt(job_id=job_id, number=1, status=AttemptStatus.FAILED, error="x")
-    store.record_metrics(job_id=job_id, attempt=2, rows=[
+    record_steps(store, job_id=job_id, attempt=2, rows=[
         {"rank": r, "step": s, "loss": 5.0 - s, "step_time_s": 0.1, "tokens_per_s": 100.0,
          "data": {"memory": {"params": 10.0}}} for s in (1, 2, 3) for r in (0, 1)])
     rank0 = store.list_metrics(job_id=job_id)

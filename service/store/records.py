@@ -1,31 +1,27 @@
-"""A job's run records: its events (state changes, placements, failures, hangs) and the
-per-rank metrics its ranks report, as `Store` writes and reads them.
+"""A job's run records: its events (state changes, placements, failures, hangs), as `Store`
+writes and reads them, and the per-rank metrics its ranks report, as `Store` reads them.
 
 `RunRecords` is a part of `Store` (`service.store.jobs`), which inherits its methods and gives
 them its engine and transactions, as `ClusterRecords` (`service.store.cluster`) is: callers
-keep calling `store.list_events(...)`. The metrics of a large job, their sampling and their
-per-step rows are `service.store.metrics`'s.
+keep calling `store.list_events(...)`. Writing the metrics (the controller's
+`MetricsIngest.record`), a large job's sampling and the per-step rows are
+`service.store.metrics`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from service.store.tables import EventRow, MetricRow, StepMetricRow, utcnow
+from service.store.tables import EventRow, MetricRow, StepMetricRow
 from service.store.views import Event, Metric
 
 
 class RunRecords:
-    """Events and per-rank metrics; `Store` supplies `engine`, `_tx` and `_rx`."""
-
-    engine: Engine
+    """Events and per-rank metrics; `Store` supplies `_tx` and `_rx`."""
 
     def _tx(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
@@ -51,20 +47,6 @@ class RunRecords:
             return [Event.from_row(r) for r in rows]
 
     # --- metrics ----------------------------------------------------------------------------
-
-    def record_metrics(self, *, job_id: int, attempt: int, rows: Sequence[dict[str, Any]]) -> None:
-        """Store per-step, per-rank reports (validated by the caller); a report sent again (never
-        acknowledged to its rank) is kept once: (job, attempt, step, rank) is unique."""
-        if not rows:
-            return
-        values = [{"job_id": job_id, "attempt": attempt, "step": r["step"], "rank": r["rank"],
-                   "loss": r.get("loss"), "step_time_s": r["step_time_s"],
-                   "tokens_per_s": r["tokens_per_s"], "lr": r.get("lr"),
-                   "grad_norm": r.get("grad_norm"), "data": r.get("data") or {},
-                   "time": utcnow()} for r in rows]
-        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
-        with self._tx() as s:
-            s.execute(dialect.insert(MetricRow).on_conflict_do_nothing(), values)
 
     def list_metrics(self, *, job_id: int, rank: int | None = 0, attempt: int | None = None,
                      after_step: int = 0, limit: int = 10000) -> list[Metric]:
