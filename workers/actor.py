@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -30,6 +30,9 @@ from service.order_cache import ServerData
 from service.planner.stored import RankPlan
 from service.spec import JobSpec
 from workers.heartbeat import Heartbeat, dump_stacks, thread_stacks
+
+if TYPE_CHECKING:
+    from workers.programs import RankProgram
 
 NICENESS_VAR = "RAY_worker_niceness"
 """Ray's setting of its workers' niceness (`worker_niceness`), read from the environment."""
@@ -99,14 +102,16 @@ class RankActor:
               log: tuple[str, int] | None = None,
               writer: dict[str, Any] | None = None,
               server: dict[str, Any] | None = None) -> None:
-        """Probe (if asked), then train, on a thread: the job's stored spec and this rank's
-        row of its stored plan, as the controller's launcher sends them; `ports`: [training,
-        probe]; `log`: the directory and size cap of the rank logs (`workers.ranklog`);
+        """Probe (if asked), then run the job's rank program (`workers.programs.for_spec`:
+        the built-in trainer or its entrypoint, imported only now), on a thread: the job's
+        stored spec and this rank's row of its stored plan, as the controller's launcher
+        sends them; `ports`: [training, probe]; `log`: the directory and size cap of the
+        rank logs (`workers.ranklog`);
         `writer`: the job the checkpoint folder must belong to
         (`service.checkpoints.CheckpointWriter`); `server`: the server's data rules
         (`service.order_cache.ServerData`)."""
+        from workers.programs import RankContext, for_spec
         from workers.ranklog import capture
-        from workers.train import RankContext, train_rank
 
         self._log = capture(log[0], self.rank, log[1]) if log else None
 
@@ -116,22 +121,25 @@ class RankActor:
                           writer=CheckpointWriter.from_json(writer) if writer else None,
                           save_now=self._save_now, pending=self._unacknowledged,
                           server=ServerData.from_json(server) if server else None)
+        program = for_spec(spec)
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1:
                 self._probe(spec, master_addr, ports[1], local_rank)
-            self._train(spec, ctx, train_rank)
+            self._train(spec, ctx, program)
 
         self._run(work)
 
     def start_cluster_probe(self, master_addr: str, port: int, ranks_per_node: int,
                             max_bytes: int) -> None:
-        """`trident probe`: matmul FLOP/s of this rank and bandwidth inside and across nodes."""
-        from workers.cluster_probe import probe_cluster_rank
+        """`trident probe`: matmul FLOP/s of this rank and bandwidth inside and across nodes
+        (the rank program `workers.programs.CLUSTER_PROBE`)."""
+        from workers.programs import CLUSTER_PROBE, ProbeContext
 
-        self._run(lambda: self._put(probe_cluster_rank(
-            rank=self.rank, world_size=self.world_size, master_addr=master_addr, port=port,
-            ranks_per_node=ranks_per_node, max_bytes=max_bytes, heartbeat=self.heartbeat)))
+        ctx = ProbeContext(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                           port=port, ranks_per_node=ranks_per_node, max_bytes=max_bytes,
+                           heartbeat=self.heartbeat)
+        self._run(lambda: CLUSTER_PROBE.run(None, ctx, self._put, self._stop))
 
     def _run(self, work: Any) -> None:
         def run() -> None:
@@ -173,7 +181,7 @@ class RankActor:
             dist.destroy_process_group()
         self._put({"kind": "probe", "rank": self.rank, "rows": rows})
 
-    def _train(self, spec: Any, ctx: Any, train_rank: Any) -> None:
+    def _train(self, spec: Any, ctx: Any, program: RankProgram) -> None:
         from service.protocols import StepReport
         from workers.comm_timer import CommTimer
         from workers.faults import FaultInjector
@@ -186,8 +194,9 @@ class RankActor:
         # before the step's clock starts): the step's communication is counted from there, and
         # an injected fault is armed there, so that a slow rank's stall falls inside its step
         # (compute, as a slow GPU's would) rather than in the stop check between steps. A
-        # custom entrypoint has no such call: its faults are armed when the last step reports.
-        arm_at_report = bool(spec.entrypoint)
+        # program without such a call (a custom entrypoint) has its faults armed when the last
+        # step reports.
+        arm_at_report = not program.marks_steps
 
         def begin(step: int) -> None:
             timer.begin_step(step)
@@ -211,7 +220,7 @@ class RankActor:
         faults.arm(timer)
         try:
             begin(1)
-            train_rank(spec, ctx, report, self._stop, started)
+            program.run(spec, ctx, report, self._stop, started)
         finally:
             timer.uninstall()
 

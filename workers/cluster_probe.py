@@ -2,13 +2,16 @@
 
 Ranks are laid out as ParallelDims(tp=ranks_per_node, dp=nodes), one placement bundle per
 node, so TP groups measure the links inside a node and DP groups the network between nodes.
-Run by `workers.actor.RankActor.start_cluster_probe`; the controller turns the rows into a
+Run as the rank program `workers.programs.CLUSTER_PROBE` (`probe_program`) by
+`workers.actor.RankActor.start_cluster_probe`; the controller turns the rows into a
 calibrated hardware profile.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -19,6 +22,7 @@ from service.parallel import ParallelDims
 from workers import rendezvous
 from workers.comm_probe import DEFAULT_SIZES, probe_layout
 from workers.heartbeat import Heartbeat
+from workers.programs import ProbeContext
 
 
 def matmul_flops(dtype: torch.dtype, *, n: int, device: torch.device, seconds: float = 0.5,
@@ -62,3 +66,13 @@ def probe_cluster_rank(*, rank: int, world_size: int, master_addr: str, port: in
             dist.destroy_process_group()
     return {"kind": "cluster_probe", "rank": rank, "node_id":
             ray.get_runtime_context().get_node_id(), "matmul_flops": flops, "rows": rows}
+
+
+def probe_program(spec: None, ctx: ProbeContext, report: Callable[[dict[str, Any]], None],
+                  stop: threading.Event, started: Callable[[int], None] | None = None) -> None:
+    """The cluster probe as a rank program (`workers.programs.CLUSTER_PROBE`): probe, then
+    report the rows once. It runs no job (`spec` is None) and cannot be stopped midway."""
+    report(probe_cluster_rank(rank=ctx.rank, world_size=ctx.world_size,
+                              master_addr=ctx.master_addr, port=ctx.port,
+                              ranks_per_node=ctx.ranks_per_node, max_bytes=ctx.max_bytes,
+                              heartbeat=ctx.heartbeat))

@@ -1,7 +1,8 @@
 """One CPU rank of a job in a process a script started itself (one per rank, on gloo), set up
-as the trainer sets up its ranks (`workers.train`: the job's environment, the process group,
-DeepSpeed, this rank's row of the plan, its groups and DeepSpeed config), and the readings of
-this process's resident memory such a script takes around the engine's construction.
+as the trainer sets up its ranks (`workers.train.setup_rank`: the job's environment, the
+process group, DeepSpeed; then this rank's row of the plan, its groups and DeepSpeed config),
+and the readings of this process's resident memory such a script takes around the engine's
+construction.
 
 For the scripts that start ranks by hand and time or measure the construction:
 `bench/_hf_rank.py` (`bench.models_hf`) and `tests/_construction_rank.py`
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 
     from service.planner.shape import ModelShape
     from service.spec import JobSpec
+    from workers.programs import RankContext
     from workers.tp import RankGroups
-    from workers.train import RankContext
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,14 @@ def start(spec_json: str, rank: int, world: int, port: int) -> ScriptRank:
     from service.planner.shape import ModelShape
     from service.spec import JobSpec
     from workers import train
+    from workers.programs import RankContext
     from workers.tp import build_groups
 
     spec = JobSpec.model_validate_json(spec_json)
-    ctx = train.RankContext(rank=rank, world_size=world, local_rank=rank,
-                            master_addr="127.0.0.1", master_port=port, checkpoint_dir=None,
-                            plan=train.planned_row(spec, rank))
-    device = train._setup(spec, ctx)
+    ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
+                      master_addr="127.0.0.1", master_port=port, checkpoint_dir=None,
+                      plan=train.planned_row(spec, rank))
+    device = train.setup_rank(spec, ctx)
     groups = build_groups(spec.layout.dims, rank)
     return ScriptRank(spec=spec, ctx=ctx, device=device, groups=groups,
                       ds_config=train.deepspeed_config(spec, device),
@@ -63,7 +65,7 @@ def stop() -> None:
     """After every rank's work: wait for the peers, then destroy the process groups."""
     from workers import train
 
-    train._teardown(wait_for_peers=True)
+    train.teardown_rank(wait_for_peers=True)
 
 
 def status_kib(field: str) -> int:

@@ -1,7 +1,9 @@
 """The per-rank trainer: what one rank of a job runs, for every TP x PP x DP x ZeRO layout.
 
-Two callers: the Ray actor of `workers.group` calls `train_rank` on a thread (one actor per
-rank, rendezvous given in `RankContext`), and `python -m workers.train --spec SPEC.yaml` runs
+Two programs of `workers.programs` live here: the built-in trainer (`train_rank`) and a custom
+entrypoint (`entrypoint_rank`), which share the set-up and tear-down (`rank_session`). Two
+callers: the Ray actor of `workers.group` runs them on a thread (one actor per rank, rendezvous
+given in `RankContext`), and `python -m workers.train --spec SPEC.yaml` runs
 the same function under torchrun (rendezvous read from torchrun's environment), for debugging
 and as the baseline without orchestration.
 
@@ -41,8 +43,6 @@ import torch
 import torch.distributed as dist
 
 from service import ds_config, tag_steps
-from service.checkpoints import CheckpointWriter
-from service.order_cache import ServerData
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
@@ -52,43 +52,12 @@ from workers import checkpoint, data, evaluation, hf_weights, memory, recipe, re
 from workers.bubble import BubbleMeter
 from workers.deepspeed_import import deepspeed
 from workers.model import GPT, Block, building, loss_for
+from workers.programs import RankContext, Report
 from workers.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
-
-Report = Callable[[StepReport], None]
-"""Called once per optimizer step on every rank with a `service.protocols.StepReport`."""
 
 CustomReport = Callable[[StepReport | dict[str, Any]], None]
 """A custom entrypoint's `TrainContext.report`: a `StepReport`, or a dict validated into one
 (values beyond its fields go in its `custom` dict)."""
-
-
-@dataclass
-class RankContext:
-    """Where this rank sits and how to reach the others (given by the worker group)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    checkpoint_dir: str | None
-    """The job's checkpoint directory (None: no checkpoints)."""
-    plan: RankPlan
-    """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
-    attempt: int = 0
-    writer: CheckpointWriter | None = None
-    """The job `checkpoint_dir` must belong to, checked before any rank resumes (None: not
-    checked, as under torchrun)."""
-    save_now: threading.Event | None = None
-    """Set with `stop` when the job is preempted: the ranks save a checkpoint at the step
-    boundary where they stop (`_train_gpt`), so that its next attempt loses nothing."""
-    pending: Callable[[], list[dict[str, Any]]] | None = None
-    """The step reports this rank holds that the controller has not acknowledged
-    (`workers.actor`): each tag the rank saves carries them (`steps_writer`); None without a
-    controller."""
-    server: ServerData | None = None
-    """The server's data rules: its sample-order cache and data roots (None: those of this
-    environment's `TRIDENT_*` settings, as under torchrun)."""
 
 
 def steps_writer(ctx: RankContext, *saving: StepReport) -> Callable[[str], None] | None:
@@ -155,11 +124,47 @@ class TrainContext:
 
 def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
                step_started: Callable[[int], None] | None = None) -> None:
-    """Set up torch.distributed, build the model, train spec.train.steps steps, report, tear
-    down. Exceptions propagate; `stop` ends the run cleanly between steps. The built-in
-    trainer calls `step_started(step)` where a step's timed work begins (the rank actor's
-    communication timer starts the step there)."""
-    device = _setup(spec, ctx)
+    """The built-in trainer (`workers.programs.TRAINER`): set up torch.distributed, build the
+    model, train spec.train.steps steps, report, tear down. Exceptions propagate; `stop` ends
+    the run cleanly between steps. The built-in trainer calls `step_started(step)` where a
+    step's timed work begins (the rank actor's communication timer starts the step there).
+    A spec with `entrypoint` runs that function instead, as `entrypoint_rank` does (torchrun's
+    `main` and the tests run every spec through here)."""
+    with rank_session(spec, ctx) as s:
+        if spec.entrypoint:
+            _run_entrypoint(spec, ctx, s, report, stop)
+        else:
+            _train_gpt(spec, ctx, s.device, s.groups, s.ds_config, report, stop, s.source,
+                       step_started)
+
+
+def entrypoint_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
+                    step_started: Callable[[int], None] | None = None) -> None:
+    """A spec's custom entrypoint (`workers.programs.ENTRYPOINT`) between the trainer's set-up
+    and tear-down (`rank_session`); it marks no step starts (`step_started` is not called)."""
+    with rank_session(spec, ctx) as s:
+        _run_entrypoint(spec, ctx, s, report, stop)
+
+
+# --- set up and tear down -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankSession:
+    """What the trainer's set-up gives the program it runs."""
+
+    device: torch.device
+    groups: RankGroups
+    ds_config: dict[str, Any]
+    source: data.DataSource
+
+
+@contextmanager
+def rank_session(spec: JobSpec, ctx: RankContext) -> Iterator[RankSession]:
+    """Set up (`setup_rank`), claim the checkpoint folder before any rank reads it, build the
+    groups and check them against the rank's row of the plan, open the data; tear down after,
+    waiting for the peers only when the program ended well (peers may be gone after an error:
+    a barrier would hide it)."""
+    device = setup_rank(spec, ctx)
     try:
         checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
         groups = build_groups(spec.layout.dims, ctx.rank)
@@ -167,20 +172,17 @@ def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.
         ds_config = deepspeed_config(spec, device)
         source = evaluation.open_data(spec, ctx.rank, groups, device, ctx.server,
                                       ctx.writer.owner if ctx.writer else "")
-        if spec.entrypoint:
-            _run_entrypoint(spec, ctx, device, groups, ds_config, report, stop, source)
-        else:
-            _train_gpt(spec, ctx, device, groups, ds_config, report, stop, source,
-                       step_started)
+        yield RankSession(device=device, groups=groups, ds_config=ds_config, source=source)
     except BaseException:
-        _teardown(wait_for_peers=False)  # peers may be gone: a barrier would hide the error
+        teardown_rank(wait_for_peers=False)
         raise
-    _teardown(wait_for_peers=True)
+    teardown_rank(wait_for_peers=True)
 
 
-# --- set up and tear down -----------------------------------------------------------------------
-
-def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
+def setup_rank(spec: JobSpec, ctx: RankContext) -> torch.device:
+    """The job's environment, the process group on the job's master address, DeepSpeed's
+    distributed state and the seed: the set-up every DeepSpeed program shares (scripts that
+    start ranks by hand call it too, `workers.script_rank`). Returns the rank's device."""
     for key, value in spec.env.items():
         os.environ[key] = value
     os.environ.update(MASTER_ADDR=ctx.master_addr, MASTER_PORT=str(ctx.master_port),
@@ -217,7 +219,7 @@ def _setup(spec: JobSpec, ctx: RankContext) -> torch.device:
     return torch.device("cuda", gpu) if use_gpu else torch.device("cpu")
 
 
-def _teardown(wait_for_peers: bool) -> None:
+def teardown_rank(wait_for_peers: bool) -> None:
     """Destroy every process group so the same process can run another attempt."""
     if dist.is_initialized():
         if wait_for_peers:
@@ -442,9 +444,8 @@ def _check_stage(module: torch.nn.Module, row: RankPlan) -> None:
 
 # --- custom entrypoints -------------------------------------------------------------------------
 
-def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
-                    ds_config: dict[str, Any], report: Report, stop: threading.Event,
-                    source: data.DataSource) -> None:
+def _run_entrypoint(spec: JobSpec, ctx: RankContext, s: RankSession, report: Report,
+                    stop: threading.Event) -> None:
     assert spec.entrypoint is not None
     module_name, func_name = spec.entrypoint.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
@@ -459,10 +460,10 @@ def _run_entrypoint(spec: JobSpec, ctx: RankContext, device: torch.device, group
         report(step)
 
     func(TrainContext(spec=spec, rank=ctx.rank, world_size=ctx.world_size,
-                      local_rank=ctx.local_rank, device=device, groups=groups,
-                      ds_config=ds_config, checkpoint_dir=ctx.checkpoint_dir,
+                      local_rank=ctx.local_rank, device=s.device, groups=s.groups,
+                      ds_config=s.ds_config, checkpoint_dir=ctx.checkpoint_dir,
                       report=first_says, resume_step=resume.step, stop=stop, plan=ctx.plan,
-                      attempt=ctx.attempt, data=source, save_steps=steps_writer(ctx)))
+                      attempt=ctx.attempt, data=s.source, save_steps=steps_writer(ctx)))
 
 
 # --- torchrun entry point -----------------------------------------------------------------------
