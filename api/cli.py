@@ -1,8 +1,8 @@
 """`trident`: the command line. Every command talks to the REST API through
-`api.client.TridentClient`, except `up` (starts the local stack), `controller` (runs the
+`client.TridentClient`, except `up` (starts the local stack), `controller` (runs the
 controller alone), `bootstrap` (the first admin) and `plan` (needs no server); every error
 is one line (`api.cli_common.Trident`). The API token comes from `TRIDENT_TOKEN`, a `trident login`
-profile, or a local server's bootstrap token file (`api.cli_auth`); the identity commands
+profile, or a local server's bootstrap token file (`client.auth`); the identity commands
 are in `api.cli_identity`, `submit`, `cancel` and `resubmit` in `api.cli_jobs`, `logs` and
 `events` in `api.cli_logs`, `status`, `describe` and `top` in `api.cli_status`,
 `api.cli_describe` and `api.cli_top`, `node` (starts this host's Ray node, no server) and
@@ -30,9 +30,8 @@ from api.cli_identity import open_database, register
 from api.cli_node import register as register_node
 from api.cli_offline import register_offline
 from api.cli_stacks import register as register_stacks
-from api.schemas import ProbeSummary
+from client.payloads import ProbeStatus, ProbeSummary
 from service.protocols import ProbeRowModel
-from service.store import ProbeStatus
 
 app = typer.Typer(cls=Trident, no_args_is_help=True,
                   help="Plan, run and watch TP x PP x DP (ZeRO) training jobs.")

@@ -13,7 +13,7 @@ import typer
 
 from api.cli_common import connect, fail
 from api.cli_format import DEFAULT_SERVER, Output, OutputOpt, ServerOpt, clock, columns, dump, size
-from api.schemas import CheckpointList
+from client.payloads import CheckpointList
 
 HEADERS = ["STEP", "SIZE", "LAYOUT", "ATTEMPT", "SAVED"]
 

@@ -1,5 +1,5 @@
 """What every `trident` command shares: the `--server` option, the client a command talks to
-the REST API through (`connect`: an `api.client.TridentClient`), the one-line error with a
+the REST API through (`connect`: an `client.TridentClient`), the one-line error with a
 non-zero exit (`fail`), and the `trident` command group (`Trident`) that turns every error
 into such a line: a refusal of the API (what to do about a 401 or a 403; for a 422 the
 field with the arithmetic), an unreachable server (its address), a usage error (with the
@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from typer.core import TyperGroup
 
-from api.client import (
+from client.rest import (
     DEFAULT_SERVER,
     BadServerURL,
     ConnectionFailed,

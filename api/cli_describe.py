@@ -30,10 +30,9 @@ from api.cli_format import (
     size,
     span,
 )
-from api.client import TridentClient
-from api.schemas import Hang, Number, Placement, PredictedVsMeasured, TimeSplit
+from client.payloads import Attempt, Event, Hang, Number, Placement, PredictedVsMeasured, TimeSplit
+from client.rest import TridentClient
 from service.spec import JobSpec
-from service.store import Attempt, Event
 from service.store.dashboard import one_line
 
 STACK_LINES = 8

@@ -21,8 +21,8 @@ from rich.live import Live
 from rich.text import Text
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt
-from api.client import model_json
-from api.schemas import JobOut, Number
+from client.payloads import JobOut, Number
+from client.rest import model_json
 
 __all__ = ["DEFAULT_SERVER", "ServerOpt"]
 

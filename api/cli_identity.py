@@ -1,5 +1,5 @@
 """The identity commands of `trident`: log in, who am I, users, tokens, projects. Every one
-talks to the REST API through `api.client.TridentClient`, as the caller's token allows."""
+talks to the REST API through `client.TridentClient`, as the caller's token allows."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli_auth import save_profile
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
-from api.client import BadServerURL, TridentClient, model_json
+from client.auth import save_profile
+from client.rest import BadServerURL, TridentClient, model_json
 
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")

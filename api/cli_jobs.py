@@ -23,8 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, error_line, fail
 from api.cli_spec import SetOpt, check_path, load_spec
-from api.client import ApiError, TridentClient, model_json
-from api.schemas import JobOut, MetricOut
+from client.payloads import JobOut, MetricOut
+from client.rest import ApiError, TridentClient, model_json
 from service.spec import JobSpec
 from service.specfile import load_yaml
 from service.states import JobState

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
-from api.client import TridentClient, model_json
+from client.rest import TridentClient, model_json
 from service.ranklogs import Chunk
 
 INTERRUPTED = 130

@@ -16,8 +16,8 @@ from typing import Annotated, Literal
 import typer
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
-from api.client import model_json
-from api.schemas import NodeInfo, NodeJob
+from client.payloads import NodeInfo, NodeJob
+from client.rest import model_json
 
 DataDirOpt = Annotated[Path | None, typer.Option(
     envvar="TRIDENT_DATA_DIR", help="Where the node's state, log and (head) Ray token live;"

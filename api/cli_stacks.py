@@ -16,9 +16,8 @@ from typing import Annotated, Literal
 import typer
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
-from api.client import model_json
-from api.schemas import StackAnswer
-from service.store.stack_requests import StackRequest, StackStatus
+from client.payloads import StackAnswer, StackRequest, StackStatus
+from client.rest import model_json
 
 TRAIN_THREAD = "train"
 """The rank's work thread (`service.stack_collect.TRAIN_THREAD`)."""

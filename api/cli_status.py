@@ -26,7 +26,7 @@ from api.cli_format import (
     secs,
     span,
 )
-from api.client import TridentClient
+from client.rest import TridentClient
 from service.states import JobState
 from service.store.dashboard import Sort
 

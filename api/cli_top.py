@@ -23,8 +23,8 @@ from api.cli_format import (
     secs,
     size,
 )
-from api.client import TridentClient
-from api.schemas import RankCell
+from client.payloads import RankCell
+from client.rest import TridentClient
 
 ACTIVE = ["PLACING", "RUNNING", "RESTARTING", "PREEMPTED"]
 JOB_HEADERS = ["ID", "NAME", "OWNER", "STATE", "LAYOUT", "RANKS", "STEP", "LOSS", "EVAL", "S/STEP",

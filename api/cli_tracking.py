@@ -23,7 +23,7 @@ import typer
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, fail
 from api.cli_format import NONFINITE, Output, columns, dump, secs
-from api.schemas import Comparison, Measured
+from client.payloads import Comparison, Measured
 
 JobIds = Annotated[list[int], typer.Argument(help="Job ids.", min=1, show_default=False)]
 

@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from api.cli_common import connect, fail
 from api.cli_spec import apply_sets, read_spec_file, validate_spec
-from api.client import model_json
-from api.schemas import JobOut, Measured, MeasuredMemory, Number, PlanOut
+from client.payloads import JobOut, Measured, MeasuredMemory, Number, PlanOut
+from client.rest import model_json
 from service.planner.stored import PlannedLayout
 
 

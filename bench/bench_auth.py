@@ -42,7 +42,7 @@ from api.audit import Audit
 from api.auth import authenticate
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.prometheus import RequestTimer, request_latency
-from api.schemas import JobOut
+from api.schemas import JobOut, job_out_of
 from service.jobs import Submitter, submit
 from service.settings import Settings
 from service.spec import JobSpec
@@ -66,7 +66,7 @@ def today_app(store: Store) -> FastAPI:
 
     @app.post("/api/v1/jobs", status_code=201)
     def submit_route(spec: JobSpec) -> JobOut:
-        return JobOut.of(submit(store, spec))
+        return job_out_of(submit(store, spec))
 
     return app
 
@@ -82,7 +82,7 @@ def now_app(store: Store) -> FastAPI:
     @app.post("/api/v1/jobs", status_code=201)
     def submit_route(spec: JobSpec) -> JobOut:
         job = submit(store, spec, by=Submitter(owner="bencher", project="bench"))
-        return JobOut.of(job, summary=job_summary(store, job.id, new=True))
+        return job_out_of(job, summary=job_summary(store, job.id, new=True))
 
     return app
 

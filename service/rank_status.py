@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from client.payloads import RankCell
 from service.planner.stored import PlannedLayout
 from service.store import Job, Metric, Store
 from service.store.dashboard import marked_ranks
@@ -26,47 +24,6 @@ from service.store.tables import utcnow
 
 WINDOW = 20
 """Steps of the newest attempt a status reads (medians, peaks, the newest report)."""
-
-
-class RankCell(BaseModel):
-    """One rank of the layout, as measured against the plan: a cell of the ranks grid
-    (`GET /jobs/{id}/ranks`, newest attempt), a line of `trident top`, a rank's gauges on
-    `/metrics`."""
-
-    model_config = ConfigDict(frozen=True)
-
-    rank: int
-    tp: int
-    pp: int
-    dp: int
-    node: str | None
-    """Its host name, once placed."""
-    gpu: str | None
-    """Its GPU indices, comma-separated (None on CPU)."""
-    memory_peak_bytes: int | float | None
-    """The largest process peak it reported in the window."""
-    memory_predicted_bytes: int | float
-    """The plan's bytes per device for its pipeline stage (the most loaded rank's without
-    a per-stage split)."""
-    memory_ratio: float | None
-    """`memory_peak_bytes` over `memory_predicted_bytes`."""
-    compute_s: float | None
-    """Median seconds per step outside timed collectives (the step less its collectives)."""
-    stage_compute_s: float | None
-    """Median of its pipeline stage's ranks' `compute_s`."""
-    compute_ratio: float | None
-    """`compute_s` over `stage_compute_s`."""
-    step: int | None
-    step_time_s: float | None
-    tp_s: float | None
-    pp_s: float | None
-    dp_s: float | None
-    """Seconds of its newest step in TP, PP and DP collectives (None: not timed)."""
-    reported_at: datetime | None
-    heartbeat_age_s: float | None
-    """Seconds since its last heartbeat as the controller saw it (None before the first)."""
-    straggler: bool
-    hang_waits_for: bool
 
 
 def _ratio(measured: float | None, against: float | None) -> float | None:

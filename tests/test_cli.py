@@ -82,7 +82,7 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The first answer is lost after the server queued the job; the retry gets that job."""
     import api.cli_jobs
-    from api.client import TridentClient
+    from client.rest import TridentClient
 
     keys: list[str] = []
     real = httpx.HTTPTransport()
@@ -248,7 +248,7 @@ def test_the_cli_finds_its_token_in_order(tmp_path: Path, monkeypatch: pytest.Mo
     machine only) the bootstrap file in TRIDENT_DATA_DIR, by default ./var: where `make demo`
     (examples/demo.sh: `trident up --data-dir var` from the repository) has its server write
     it, so the demo needs no step of its own."""
-    from api.cli_auth import save_profile, token_for
+    from client.auth import save_profile, token_for
 
     monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
     monkeypatch.delenv("TRIDENT_DATA_DIR", raising=False)

@@ -15,8 +15,8 @@ import click
 import pytest
 import typer
 
-from api import client
 from api.cli import app
+from client import rest as client
 from service.states import JobState
 from service.store import Store
 from tests.cli_stack import Live, runner

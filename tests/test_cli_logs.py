@@ -183,7 +183,7 @@ def test_a_log_without_a_time_index(live: Live) -> None:
 def test_a_reconnected_stream_prints_only_what_was_not_printed() -> None:
     from dataclasses import replace
 
-    from api.client import unseen
+    from client.rest import unseen
     from service.ranklogs import Chunk
 
     printed = {1: 13}

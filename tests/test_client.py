@@ -1,4 +1,4 @@
-"""`api.client.TridentClient` against a live API server (uvicorn on a free port, the `live`
+"""`client.TridentClient` against a live API server (uvicorn on a free port, the `live`
 fixture): every route's method returns the API's typed records; refusals are exceptions
 naming the status and, for a 422, the field; an unreachable server is a `ConnectionFailed`
 naming its URL; only idempotent requests are retried (a submission under one
@@ -17,10 +17,22 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import update
 
-from api import client as client_module
-from api.client import (
+from client import payloads
+from client import rest as client_module
+from client.payloads import (
+    JobOut,
+    LayoutSearch,
+    NodeInfo,
+    Placement,
+    PlanOut,
+    ProbeStatus,
+    ProbeSummary,
+    StackAnswer,
+)
+from client.rest import (
     ApiError,
     BadServerURL,
     Conflict,
@@ -33,22 +45,12 @@ from api.client import (
     Unauthorized,
     Unavailable,
 )
-from api.schemas import (
-    JobOut,
-    LayoutSearch,
-    NodeInfo,
-    Placement,
-    PlanOut,
-    ProbeSummary,
-    StackAnswer,
-)
 from service.hardware import PROFILES
 from service.protocols import ProbeRowModel
 from service.ranklogs import attempt_log_dir
 from service.spec import JobSpec
 from service.stack_collect import group_stacks
 from service.states import JobState
-from service.store import ProbeStatus
 from service.store.heartbeats import HeartbeatLog
 from service.store.lease import Leader
 from service.store.stack_requests import StackRequests, StackStatus
@@ -93,6 +95,23 @@ def running(live: Live, c: TridentClient, steps: int = 3) -> int:
         store.add_event(job_id=job.id, attempt=1, kind="stacks", message=f"rank {r} stacks",
                         data={"rank": r, "stacks": HANG_STACK})
     return job.id
+
+
+def test_an_answer_from_a_newer_server_still_reads() -> None:
+    """The contract's rule for old clients and new servers (`client.payloads`): a field the
+    client does not know is ignored, and a field added since an older server's answer has a
+    default, so neither answer is refused."""
+    models = [m for m in vars(payloads).values() if isinstance(m, type)
+              and m.__module__ == payloads.__name__ and issubclass(m, BaseModel)]
+    assert len(models) > 40  # every answer of the API
+    assert [m.__name__ for m in models if m.model_config.get("extra") == "forbid"] == []
+    event = {"id": 1, "job_id": 2, "attempt": None, "time": "2026-01-01T00:00:00Z",
+             "kind": "started", "message": "m", "data": {}}
+    newer = TypeAdapter(payloads.Event).validate_python({**event, "added_later": 3})
+    assert newer == TypeAdapter(payloads.Event).validate_python(event)
+    older = payloads.Health.model_validate({"status": "ok", "database": "ok",
+                                            "controller": None, "added_later": True})
+    assert older.data_dir is None and not hasattr(older, "added_later")
 
 
 def test_the_client_finds_its_server_and_token(tmp_path: Path,

@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from api.app import create_app
-from api.client import TridentClient
+from client.rest import TridentClient
 from service import hf_config
 from service.checkpoint_tags import MARKER, tag
 from service.checkpoints import default_folder

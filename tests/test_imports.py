@@ -1,4 +1,5 @@
-"""No import loops among the project's modules (service/, api/, workers/).
+"""No import loops among the project's modules (service/, api/, client/, workers/), and the
+arrows between the programs: the client imports nothing of the server.
 
 The graph is read from the source with `ast`: every import statement counts, at the top of a
 module, inside a function (a lazy import is still a dependency) or under TYPE_CHECKING (a
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("service", "api", "workers")
+PACKAGES = ("service", "api", "client", "workers")
 
 
 def _modules() -> dict[str, Path]:
@@ -247,3 +250,57 @@ def test_no_stored_step_is_read_by_key_outside_its_view() -> None:
              and path.relative_to(ROOT).as_posix() not in STEP_VIEW
              for where in data_keys(path.read_text())]
     assert not found, "read by key outside the step's view: " + "; ".join(found)
+
+
+# --- the client is a program of its own ----------------------------------------------------
+
+CLIENT = "client"
+SHARED = ("service.spec", "service.spec_limits", "service.specfiles", "service.presets",
+          "service.states", "service.parallel", "service.hardware", "service.hf_config",
+          "service.ds_config", "service.planner", "service.ranklogs")
+"""What the client may read of `service/`: the vocabulary both sides share and a user writes
+(the job spec, its limits, presets and files, the job states, the parallel dimensions, the
+hardware profiles, the stored plan and the planner's model it holds, a rank's log chunk);
+never the store, the controller or anything else that runs the server."""
+SERVER_MODULES = ("sqlalchemy", "fastapi", "starlette", "uvicorn", "alembic", "ray", "torch",
+                  "deepspeed", "service.store", "api", "workers")
+"""What `import client` must not load: the server's database, web framework and programs."""
+
+
+def _closure(graph: Mapping[str, Iterable[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [m for m in graph if m == start or m.startswith(start + ".")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+def _within(module: str, prefixes: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_client_imports_nothing_of_the_server() -> None:
+    """Every module the client reaches, through any import statement (lazy and TYPE_CHECKING
+    ones too), is the client's own or the shared vocabulary of `service/`: the REST contract
+    (`client.payloads`) is what the server and the client share, and the server imports it,
+    never the other way."""
+    reached = _closure(import_graph(), CLIENT)
+    found = sorted(m for m in reached if not _within(m, (CLIENT, *SHARED)))
+    assert not found, f"client/ reaches the server: {found}"
+    assert "client.payloads" in reached and "service.spec" in reached  # the graph sees it
+
+
+def test_import_client_loads_no_database_web_framework_or_store() -> None:
+    """`python -c "import client"` in a fresh interpreter: what it loads is checked in
+    `sys.modules` (a test process has the server loaded already)."""
+    probe = ("import sys, client, client.payloads, client.auth\n"
+             "print('\\n'.join(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=True).stdout.split()
+    assert "client.rest" in out and "pydantic" in out  # it did import the client
+    loaded = sorted(m for m in out if _within(m, SERVER_MODULES))
+    assert not loaded, f"import client loads the server's modules: {loaded}"
+

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from api.schemas import MetricOut
+from api.schemas import metric_out_of
 from service.compare import compare
 from service.jobs import submit
 from service.monitor.comm import comm_view
@@ -92,5 +92,5 @@ def test_readers_of_stored_rows_take_new_rows_and_old_ones_with_step_s(job_store
     assert view["step_time_s"] == pytest.approx(0.1)
     assert view["dims"]["dp"]["time_s_per_step"] == pytest.approx(0.02)
     metrics = job_store.list_metrics(job_id=job.id, rank=None)
-    assert [MetricOut.of(m).memory.get("params_bytes") for m in metrics] == [10, 10, 10]
+    assert [metric_out_of(m).memory.get("params_bytes") for m in metrics] == [10, 10, 10]
     assert compare(job.plan, metrics)["step_s"]["measured"] == pytest.approx(0.1)

@@ -15,6 +15,7 @@ from service.rank_status import rank_status
 from service.store import Metric
 from service.store.charts import MAX_POINTS, job_series
 from service.store.steps import StepSplit
+from service.store.views import rank_stacks
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 
@@ -89,7 +90,7 @@ def hangs(job: JobDep, store: StoreDep) -> dict[str, Any]:
             out.append({"id": ev.id, "attempt": ev.attempt, "time": ev.time,
                         "summary": ev.message, "diagnosis": ev.data, "stacks": {}})
         elif ev.kind == "stacks" and out:
-            rank, text = ev.rank_stacks()
+            rank, text = rank_stacks(ev)
             out[-1]["stacks"].setdefault(text, []).append(rank)
     for h in out:
         h["stacks"] = [{"ranks": sorted(r for r in rs if r is not None), "text": t}

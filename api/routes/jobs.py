@@ -30,8 +30,9 @@ from api.schemas import (
     JobList,
     JobOut,
     MetricList,
-    MetricOut,
     Refusal,
+    job_out_of,
+    metric_out_of,
 )
 from service.compare import compare
 from service.confine import Confinement
@@ -97,7 +98,7 @@ def job_out(store: Store, job: Job, who: Principal, *, secrets: list[str] | None
     otherwise)."""
     names = (secrets if secrets is not None
              else store.secret_names(job_ids=[job.id]).get(job.id, []))
-    return JobOut.of(job, shows_env=may(who, "jobs:env", job.owner), secrets=names, **kw)
+    return job_out_of(job, shows_env=may(who, "jobs:env", job.owner), secrets=names, **kw)
 
 
 CHECKS_BUSY: dict[int | str, dict[str, Any]] = {
@@ -236,7 +237,7 @@ def _page(store: Store, who: Principal, states: Sequence[JobState], owner: str, 
     items, total = jobs_page(store, states=states, owner=owner, project=project, name=name,
                              sort=sort.value, desc=desc, limit=limit, offset=offset)
     names = store.secret_names(job_ids=[it.job.id for it in items])
-    return JobList(items=[JobOut.of(it.job, summary=it, secrets=names.get(it.job.id),
+    return JobList(items=[job_out_of(it.job, summary=it, secrets=names.get(it.job.id),
                                     shows_env=may(who, "jobs:env", it.job.owner))
                           for it in items], total=total, limit=limit, offset=offset)
 
@@ -319,7 +320,7 @@ def metrics(job: JobDep, store: StoreDep,
     """Per-step metrics of one rank (rank 0 by default), oldest first."""
     rows = store.list_metrics(job_id=job.id, rank=rank, attempt=attempt, after_step=after_step,
                               limit=limit)
-    return MetricList(items=[MetricOut.of(m) for m in rows])
+    return MetricList(items=[metric_out_of(m) for m in rows])
 
 
 @router.get("/{job_id}/attempts", response_model=AttemptList, dependencies=_READ)

@@ -8,27 +8,14 @@ and written beside the users and tokens it names, on the same engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 
+from client.payloads import AuditEntry
 from service.store.engine import EngineTx
 from service.store.tables import AuditRow, utcnow
 from service.store.views import aware
-
-
-@dataclass(frozen=True)
-class AuditEntry:
-    id: int
-    time: datetime
-    actor: str | None
-    client: str | None
-    method: str
-    path: str
-    action: str | None
-    status: int
 
 
 class AuditLog(EngineTx):

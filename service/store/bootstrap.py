@@ -8,17 +8,13 @@ import stat
 from contextlib import suppress
 from pathlib import Path
 
+from client.auth import token_file
 from service.store.identity import (
     BOOTSTRAP_USER,
     DEFAULT_PROJECT,
-    TOKEN_FILE,
     Conflict,
     Identity,
 )
-
-
-def token_file(data_dir: Path) -> Path:
-    return data_dir / TOKEN_FILE
 
 
 def bootstrap(identity: Identity, data_dir: Path) -> Path | None:

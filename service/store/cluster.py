@@ -17,7 +17,15 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from service.store.tables import NodeRow, ProbeRow, ProfileRow, utcnow
-from service.store.views import CalibratedProfile, Node, NotFound, Probe, ProbeStatus
+from service.store.views import (
+    CalibratedProfile,
+    Node,
+    NotFound,
+    Probe,
+    ProbeStatus,
+    node_of,
+    probe_of,
+)
 
 _NODES = select(NodeRow.__table__).order_by(NodeRow.node_id)
 _PROFILE = select(ProfileRow.__table__).where(ProfileRow.name == bindparam("name"))
@@ -46,7 +54,7 @@ class ClusterRecords:
                            request=request, results=[], summary={})
             s.add(row)
             s.flush()
-            return Probe.from_row(row)
+            return probe_of(row)
 
     def claim_probes(self, *, scope: str, fence: Any = None) -> list[Probe]:
         """Pending probes of `scope`, marked running in the same transaction (with a `fence`,
@@ -60,7 +68,7 @@ class ClusterRecords:
                                   .order_by(ProbeRow.id).with_for_update()).scalars())
             for r in rows:
                 r.status = ProbeStatus.RUNNING.value
-            return [Probe.from_row(r) for r in rows]
+            return [probe_of(r) for r in rows]
 
     def finish_probe(self, *, probe_id: int, status: ProbeStatus, results: list[Any],
                      summary: dict[str, Any], error: str | None = None) -> None:
@@ -74,7 +82,7 @@ class ClusterRecords:
             row = s.get(ProbeRow, probe_id)
             if row is None:
                 raise NotFound(f"probe {probe_id} not found")
-            return Probe.from_row(row)
+            return probe_of(row)
 
     def list_probes(self, *, job_id: int | None = None, scope: str | None = None,
                     limit: int = 20) -> list[Probe]:
@@ -85,7 +93,7 @@ class ClusterRecords:
             if scope is not None:
                 q = q.where(ProbeRow.scope == scope)
             rows = s.execute(q.order_by(ProbeRow.id.desc()).limit(limit)).scalars()
-            return [Probe.from_row(r) for r in rows]
+            return [probe_of(r) for r in rows]
 
     def upsert_nodes(self, *, nodes: Sequence[dict[str, Any]]) -> None:
         """Record the live nodes; nodes not in the list are marked dead, not forgotten."""
@@ -106,7 +114,7 @@ class ClusterRecords:
     def list_nodes(self) -> list[Node]:
         with self._reads.connect() as c:
             rows = c.execute(_NODES).all()
-        return [Node.from_row(r) for r in rows]  # type: ignore[arg-type]  # same names
+        return [node_of(r) for r in rows]  # type: ignore[arg-type]  # same names
 
     def save_profile(self, *, name: str, profile: dict[str, Any],
                      probe_id: int | None = None) -> None:

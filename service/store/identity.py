@@ -20,6 +20,7 @@ from sqlalchemy import bindparam, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from client.payloads import Project, Token, User
 from service.store.audit_log import AuditLog
 from service.store.jobs import NotFound, Store
 from service.store.tables import (
@@ -36,8 +37,6 @@ ROLES = ("admin", "member", "viewer")
 TOKEN_PREFIX = "trd_"
 BOOTSTRAP_USER = "admin"
 DEFAULT_PROJECT = "default"
-TOKEN_FILE = "admin.token"
-"""The bootstrap admin's token, in the data directory, readable by its owner only."""
 
 
 class AuthError(Exception):
@@ -68,42 +67,6 @@ class Principal:
     token_id: int
     token_name: str
     projects: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class User:
-    id: int
-    name: str
-    role: str
-    disabled: bool
-    projects: list[str]
-    """Its projects, the default (the first it joined) first."""
-    created_at: datetime
-
-
-@dataclass(frozen=True)
-class Token:
-    """A token as listed: never its secret, which is shown once, when it is created."""
-
-    id: int
-    user: str
-    name: str
-    created_at: datetime
-    expires_at: datetime | None
-    revoked_at: datetime | None
-
-
-@dataclass(frozen=True)
-class Project:
-    name: str
-    gpu_quota: float | None
-    """GPUs its running jobs may hold together (None: no limit)."""
-    cpu_quota: float | None
-    """CPUs its running CPU-only jobs may hold together (None: no limit)."""
-    members: list[str]
-    max_priority: int | None = None
-    """The highest `priority` its members may give a job (None: no cap; admins are not
-    capped)."""
 
 
 def _token(row: TokenRow, user: str) -> Token:

@@ -47,6 +47,7 @@ from service.store.views import (
     NotFound,
     Probe,
     ProbeStatus,
+    attempt_of,
     aware,
 )
 
@@ -336,4 +337,4 @@ class Store(EngineTx, ClusterRecords, RunRecords):
         with self._tx() as s:
             rows = s.execute(select(AttemptRow).where(AttemptRow.job_id == job_id)
                              .order_by(AttemptRow.number)).scalars()
-            return [Attempt.from_row(r) for r in rows]
+            return [attempt_of(r) for r in rows]

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.store.tables import EventRow, MetricRow, StepMetricRow
-from service.store.views import Event, Metric
+from service.store.views import Event, Metric, event_of
 
 
 class RunRecords:
@@ -44,7 +44,7 @@ class RunRecords:
             rows = s.execute(select(EventRow)
                              .where(EventRow.job_id == job_id, EventRow.id > after_id)
                              .order_by(EventRow.id).limit(limit)).scalars()
-            return [Event.from_row(r) for r in rows]
+            return [event_of(r) for r in rows]
 
     # --- metrics ----------------------------------------------------------------------------
 

@@ -12,9 +12,6 @@ and `service.stack_collect` bounds the answer's size. This module keeps the quer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -23,6 +20,7 @@ from sqlalchemy import (
     select,
 )
 
+from client.payloads import StackRequest, StackStatus
 from service.store.engine import EngineTx
 from service.store.jobs import Store
 from service.store.tables import JobRow, StackRequestRow, utcnow
@@ -34,34 +32,15 @@ KEEP_PER_JOB = 20
 """Requests kept per job: making one deletes the oldest answered ones beyond this."""
 
 
-class StackStatus(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-
-
 OPEN = (StackStatus.PENDING.value, StackStatus.RUNNING.value)
 
 
-@dataclass(frozen=True)
-class StackRequest:
-    id: int
-    job_id: int
-    attempt: int | None
-    status: StackStatus
-    requested_by: str | None
-    result: dict[str, Any]
-    error: str | None
-    created_at: datetime
-    finished_at: datetime | None
-
-    @classmethod
-    def from_row(cls, r: StackRequestRow) -> StackRequest:
-        return cls(id=r.id, job_id=r.job_id, attempt=r.attempt, status=StackStatus(r.status),
-                   requested_by=r.requested_by, result=r.result or {}, error=r.error,
-                   created_at=aware(r.created_at) or r.created_at,
-                   finished_at=aware(r.finished_at))
+def request_of(r: StackRequestRow) -> StackRequest:
+    return StackRequest(id=r.id, job_id=r.job_id, attempt=r.attempt,
+                        status=StackStatus(r.status), requested_by=r.requested_by,
+                        result=r.result or {}, error=r.error,
+                        created_at=aware(r.created_at) or r.created_at,
+                        finished_at=aware(r.finished_at))
 
 
 class TooManyOpen(Exception):
@@ -95,21 +74,21 @@ class StackRequests(EngineTx):
                                   requested_by=requested_by, result={})
             s.add(row)
             s.flush()
-            return StackRequest.from_row(row)
+            return request_of(row)
 
     def get(self, *, job_id: int, request_id: int) -> StackRequest:
         with self._tx() as s:
             row = s.get(StackRequestRow, request_id)
             if row is None or row.job_id != job_id:
                 raise NotFound(f"stack request {request_id} of job {job_id} not found")
-            return StackRequest.from_row(row)
+            return request_of(row)
 
     def open(self) -> list[StackRequest]:
         """Every request not answered yet, oldest first (few: `MAX_OPEN` per job)."""
         with self._tx() as s:
             rows = s.execute(select(StackRequestRow).where(StackRequestRow.status.in_(OPEN))
                              .order_by(StackRequestRow.id)).scalars()
-            return [StackRequest.from_row(r) for r in rows]
+            return [request_of(r) for r in rows]
 
     def take(self, *, request_id: int, attempt: int) -> None:
         """The controller is collecting the answer from `attempt`'s ranks."""

@@ -1,32 +1,27 @@
 """What the store hands out: immutable views of its rows, never ORM objects.
 
 `service.store.jobs` and its neighbours build them; the API, the controller, the scheduler and
-the CLI read them.
-`Job` is a pydantic model so that the API's `JobOut` can extend it instead of repeating its
-fields; the others are frozen dataclasses (FastAPI serialises them as JSON objects). A job's
-spec and plan are validated once, here, when its row is read: `Job.spec` is the `JobSpec`
-that runs, `Job.plan` the typed `StoredPlan`. A spec is read as stored (the limits added after
-it could have been written are not enforced, `service.spec_limits`), wherever a `Job` is
-validated: from its row, as an API answer, in a client.
+the CLI read them. The views an API answer carries (`Job`, `Event`, `Attempt`, `Probe`,
+`Node`) are the REST contract's (`client.payloads`), read here from their rows (`Job.from_row`,
+`event_of`, ...), so that the store and the wire share one shape and a client needs nothing
+of the store; `Metric` and `CalibratedProfile` are the server's own. A job's spec and plan are
+validated once, here, when its row is read: `Job.spec` is the `JobSpec` that runs, `Job.plan`
+the typed `StoredPlan`. A spec is read as stored (the limits added after it could have been
+written are not enforced, `service.spec_limits`), wherever a `Job` is validated: from its
+row, as an API answer, in a client.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    field_validator,
-)
 from sqlalchemy import Row
 
+from client import payloads
+from client.payloads import Attempt, AttemptStatus, Event, Node, Probe, ProbeStatus
 from service.hardware import HardwareProfile
 from service.planner.stored import StoredPlan
 from service.spec import JobSpec
@@ -61,56 +56,8 @@ def _utc(t: datetime) -> datetime:
     return out
 
 
-class Job(BaseModel):
-    """A job as stored: its spec (with the layout it runs), plan, claim and state."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: int
-    name: str
-    owner: str
-    project: str | None = None
-    """The project it was submitted under (None: submitted before projects existed)."""
-    state: JobState
-    priority: int
-    spec: JobSpec
-    """The spec as stored at submission, with the layout it runs (`parallel` resolved)."""
-    plan: StoredPlan
-    world_size: int
-    cpus: float
-    gpus: float
-    cancel_requested: bool
-    attempts: int
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    waiting: str | None = None
-    """Why it is still queued although it would fit (its project's quota), if it is."""
-    preemptions: int = 0
-    """Attempts stopped for a job of higher priority; they spend no retry."""
-    elastic: dict[str, Any] | None = None
-    """An elastic job re-planned (`service.elastic.ElasticState` reads it): the layout it
-    was submitted with, and how many of its attempts ended in a move up (no retry spent)."""
-
-    @property
-    def moves_up(self) -> int:
-        """Attempts stopped to move to a larger layout (elastic `scale_up`): no retry spent."""
-        return int((self.elastic or {}).get("moves_up", 0))
-
-    @field_validator("spec", mode="wrap")
-    @classmethod
-    def _read_as_stored(cls, value: Any, handler: ValidatorFunctionWrapHandler,
-                        info: ValidationInfo) -> Any:
-        """A spec stored before a limit it fails was added still reads (the controller
-        refuses to start it, `service.spec_limits.recheck`). A `JobSpec` is taken as it is:
-        it was validated when made (its model checks ran then; an answer's `JobOut` is built
-        from a job's validated spec, and ran them again for each job of a page)."""
-        if isinstance(value, JobSpec):
-            return value
-        return handler(JobSpec.model_validate(value,
-                                              context={**(info.context or {}), STORED: True}))
+class Job(payloads.Job):
+    """A job as stored (`client.payloads.Job`), read from its row."""
 
     @classmethod
     def from_row(cls, row: JobRow) -> Job:
@@ -170,25 +117,15 @@ def _parsed(row: JobRow) -> tuple[JobSpec, StoredPlan]:
     return spec, plan
 
 
-@dataclass(frozen=True)
-class Event:
-    id: int
-    job_id: int
-    attempt: int | None
-    time: datetime
-    kind: str
-    message: str
-    data: dict[str, Any]
+def event_of(row: EventRow) -> Event:
+    return Event(id=row.id, job_id=row.job_id, attempt=row.attempt, time=_utc(row.time),
+                 kind=row.kind, message=row.message, data=row.data or {})
 
-    @classmethod
-    def from_row(cls, row: EventRow) -> Event:
-        return cls(id=row.id, job_id=row.job_id, attempt=row.attempt, time=_utc(row.time),
-                   kind=row.kind, message=row.message, data=row.data or {})
 
-    def rank_stacks(self) -> tuple[int | None, str]:
-        """A `stacks` event's rank and its Python stacks at a hang
-        (`service.monitor.attempt.record_stacks`)."""
-        return self.data.get("rank"), str(self.data.get("stacks", ""))
+def rank_stacks(event: Event) -> tuple[int | None, str]:
+    """A `stacks` event's rank and its Python stacks at a hang
+    (`service.monitor.attempt.record_stacks`)."""
+    return event.data.get("rank"), str(event.data.get("stacks", ""))
 
 
 @dataclass(frozen=True)
@@ -223,85 +160,21 @@ class Metric:
         return self.report.split(self.step_time_s)
 
 
-class AttemptStatus(StrEnum):
-    """How an attempt of a job ended (or that it has not)."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    LOST = "lost"
-    """The controller restarted and the attempt's worker group was gone."""
-    PREEMPTED = "preempted"
-    """Stopped (after a checkpoint) for a job of higher priority: no retry spent."""
-    MOVED = "moved"
-    """Stopped (after a checkpoint) to resume on a larger layout (elastic `scale_up`): no
-    retry spent."""
-
-
-@dataclass(frozen=True)
-class Attempt:
-    number: int
-    status: AttemptStatus
-    placement: dict[str, Any]
-    """The node (and GPUs) of every rank, as the worker group reported it."""
-    error: str | None
-    started_at: datetime
-    ended_at: datetime | None
-
-    @classmethod
-    def from_row(cls, r: AttemptRow) -> Attempt:
-        return cls(number=r.number, status=AttemptStatus(r.status), placement=r.placement,
+def attempt_of(r: AttemptRow) -> Attempt:
+    return Attempt(number=r.number, status=AttemptStatus(r.status), placement=r.placement,
                    error=r.error, started_at=_utc(r.started_at), ended_at=aware(r.ended_at))
 
 
-class ProbeStatus(StrEnum):
-    PENDING = "pending"
-    """Requested (`trident probe`); the controller has not started it."""
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
+def probe_of(r: ProbeRow) -> Probe:
+    return Probe(id=r.id, scope=r.scope, job_id=r.job_id, attempt=r.attempt,
+                 status=ProbeStatus(r.status), request=r.request, results=r.results,
+                 summary=r.summary, error=r.error, created_at=_utc(r.created_at),
+                 finished_at=aware(r.finished_at))
 
 
-@dataclass(frozen=True)
-class Probe:
-    """A bandwidth / matmul probe: of one job attempt's groups, or of the whole cluster."""
-
-    id: int
-    scope: str
-    job_id: int | None
-    attempt: int | None
-    status: ProbeStatus
-    request: dict[str, Any]
-    results: list[Any]
-    summary: dict[str, Any]
-    error: str | None
-    created_at: datetime
-    finished_at: datetime | None
-
-    @classmethod
-    def from_row(cls, r: ProbeRow) -> Probe:
-        return cls(id=r.id, scope=r.scope, job_id=r.job_id, attempt=r.attempt,
-                   status=ProbeStatus(r.status), request=r.request, results=r.results,
-                   summary=r.summary, error=r.error, created_at=_utc(r.created_at),
-                   finished_at=aware(r.finished_at))
-
-
-@dataclass(frozen=True)
-class Node:
-    """One node of the live cluster, as the controller last saw it."""
-
-    node_id: str
-    hostname: str
-    alive: bool
-    updated_at: datetime
-    info: dict[str, Any]
-    """`service.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
-
-    @classmethod
-    def from_row(cls, r: NodeRow) -> Node:
-        return cls(node_id=r.node_id, hostname=r.hostname, alive=r.alive,
-                   updated_at=_utc(r.updated_at), info=r.info)
+def node_of(r: NodeRow) -> Node:
+    return Node(node_id=r.node_id, hostname=r.hostname, alive=r.alive,
+                updated_at=_utc(r.updated_at), info=r.info)
 
 
 @dataclass(frozen=True)

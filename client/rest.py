@@ -1,9 +1,10 @@
 """`TridentClient`: Trident's REST API (`/api/v1`) from Python, the way `trident` uses it.
 
-Every route has a method that returns the API's own models (`api.schemas`, and the store's
-views such as `Event` and `Probe`), never a dict to index. The token is found as the CLI
-finds it (`api.cli_auth.token_for`: `TRIDENT_TOKEN`, the `trident login` profile, a local
-server's bootstrap token file) unless one is given. Refusals are exceptions that name the
+Every route has a method that returns the API's own models (`client.payloads`, the REST
+contract, which holds the rows an answer carries too, such as `Event` and `Probe`), never a
+dict to index. The token is found as the CLI finds it (`client.auth.token_for`:
+`TRIDENT_TOKEN`, the `trident login` profile, a local server's bootstrap token file) unless
+one is given. Refusals are exceptions that name the
 status and, for a 422, the field (`ApiError.field`); a server that does not answer is a
 `ConnectionFailed` naming the URL. Idempotent requests (GET, and a submission, which carries
 an `Idempotency-Key` the client makes) are retried after a transport error or a
@@ -32,8 +33,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from api.cli_auth import token_for
-from api.schemas import (
+from client.auth import token_for
+from client.payloads import (
     AttemptList,
     AuditList,
     CheckpointList,
@@ -41,6 +42,7 @@ from api.schemas import (
     CommSteps,
     CommView,
     Comparison,
+    Event,
     EventList,
     HangList,
     Health,
@@ -52,20 +54,22 @@ from api.schemas import (
     MetricList,
     NewToken,
     PlanOut,
+    Probe,
     ProbeList,
+    Project,
     ProjectList,
     RanksGrid,
     Series,
+    StackRequest,
+    Token,
     TokenList,
     TrackingInfo,
+    User,
     UserList,
     WhoAmI,
 )
 from service.ranklogs import Chunk
 from service.spec import JobSpec
-from service.store import Event, Probe
-from service.store.identity import Project, Token, User
-from service.store.stack_requests import StackRequest
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 """The server when neither the caller nor `TRIDENT_SERVER` names one (`trident up`'s)."""

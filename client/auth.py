@@ -1,7 +1,12 @@
-"""Where the CLI finds its API token, in order: `TRIDENT_TOKEN`; the profile `trident login`
+"""Where a client finds its API token, in order: `TRIDENT_TOKEN`; the profile `trident login`
 saved for the server; for a server on this machine, the bootstrap admin's token file that
 `trident up` wrote into the data directory (`TRIDENT_DATA_DIR`, default `./var`). So the
 local demo needs no step of its own, and a remote server needs one `trident login`.
+
+The token file's name is part of the contract between the server, which writes it on a first
+start (`service.store.bootstrap`), and its clients on the same machine, which read it: it is
+named here, where both import it. `client.TridentClient` calls `token_for`; `trident login`
+calls `save_profile`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from service.store.bootstrap import token_file
-
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+TOKEN_FILE = "admin.token"
+"""The bootstrap admin's token, in the data directory, readable by its owner only."""
+
+
+def token_file(data_dir: Path) -> Path:
+    return data_dir / TOKEN_FILE
 
 
 def profiles_path() -> Path:
