@@ -190,39 +190,16 @@ def project_list(server: ServerOpt = DEFAULT_SERVER) -> None:
 
 
 def open_database(settings: Any) -> None:
-    """Check the database (`service.store.dbcheck`), bring its schema up to date and (but in prod)
-    make the first admin; one line and exit status 1 when it cannot be read."""
-    from service.store.dbcheck import Unreadable, check, readable
-    from service.store.schema import upgrade
+    """Open the database as `trident up` starts (`service.store.opening`): its lines on
+    stdout; one line and exit status 1 when it cannot be read."""
+    from service.store.dbcheck import Unreadable
+    from service.store.opening import open_database as open_db
 
     try:
-        with readable(settings.db_url):
-            if note := check(settings.db_url):
-                typer.echo(note)
-            upgrade(settings.db_url)
-            if settings.env != "prod":
-                announce_bootstrap(settings)
+        open_db(settings.db_url, settings.data_dir, first_admin=settings.env != "prod",
+                say=typer.echo)
     except Unreadable as exc:
         fail(str(exc), 1)
-
-
-def announce_bootstrap(settings: Any) -> None:
-    """Create the first admin and its token file, once; say where the file is."""
-    from service.store import Store
-    from service.store.bootstrap import bootstrap, token_file
-    from service.store.identity import Identity
-
-    store = Store(settings.db_url)
-    try:
-        created = bootstrap(Identity(store), settings.data_dir)
-    finally:
-        store.close()
-    path = token_file(settings.data_dir)
-    if created:
-        typer.echo(f"first start: created the admin user; its API token is in {path}"
-                   " (readable by you only; the CLI uses it for this local server)")
-    elif path.exists():
-        typer.echo(f"admin token: {path}")
 
 
 def bootstrap_admin(data_dir: Annotated[Path | None, typer.Option(

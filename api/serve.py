@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -98,14 +99,20 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not 0 <= args.workers <= 64:
         ap.error("--workers: from 1 to 64 (0: the default)")
-    from api.cli_identity import open_database
     from service.settings import Settings
+    from service.store.dbcheck import Unreadable
+    from service.store.opening import open_database
 
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Once, here, before any worker starts: the schema brought up to date (and, but in
     # prod, the first admin made), so that N workers never migrate at once.
-    open_database(settings)
+    try:
+        open_database(settings.db_url, settings.data_dir, first_admin=settings.env != "prod",
+                      say=lambda line: print(line, flush=True))
+    except Unreadable as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     workers = args.workers or settings.api_workers or default_workers()
     serve(args.host, args.port, workers, args.log_level)
 

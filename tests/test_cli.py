@@ -219,20 +219,26 @@ def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
 
 def test_trident_ups_first_start_says_where_the_admin_token_is(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """What `trident up` prints before it starts anything (the slow demo test runs it all)."""
-    from api.cli_identity import announce_bootstrap
-    from service.store.schema import upgrade
+    """What `trident up` prints before it starts anything (the slow demo test runs it all):
+    the database opened (`service.store.opening`, which `python -m api.serve` calls too),
+    its first admin made once."""
+    from api.cli_identity import open_database
+    from service.store import opening
 
     settings = Settings(data_dir=tmp_path)
-    upgrade(settings.db_url)
-    announce_bootstrap(settings)
+    open_database(settings)
     path = tmp_path / "admin.token"
     assert capsys.readouterr().out == (
         f"first start: created the admin user; its API token is in {path} (readable by you"
         " only; the CLI uses it for this local server)\n")
     assert path.stat().st_mode & 0o777 == 0o600
-    announce_bootstrap(settings)  # a later start: the same file, nothing created
+    open_database(settings)  # a later start: the same file, nothing created
     assert capsys.readouterr().out == f"admin token: {path}\n"
+    prod, said = tmp_path / "prod", []  # as in prod: the schema, never an admin of its own
+    prod.mkdir()
+    opening.open_database(Settings(data_dir=prod).db_url, prod, first_admin=False,
+                          say=said.append)
+    assert said == [] and not (prod / "admin.token").exists()
 
 
 def test_bootstrap_creates_the_first_admin_once(tmp_path: Path) -> None:

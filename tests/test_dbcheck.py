@@ -92,7 +92,8 @@ def _run(argv: list[str], data_dir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("entry", ["trident controller", "daemon", "uvicorn api.app:app"])
+@pytest.mark.parametrize("entry", ["trident controller", "daemon", "uvicorn api.app:app",
+                                   "python -m api.serve"])
 def test_each_entry_point_refuses_a_damaged_database_in_one_line(tmp_path: Path,
                                                                  entry: str) -> None:
     fill_jobs(tmp_path / "trident.db", 3)
@@ -100,7 +101,9 @@ def test_each_entry_point_refuses_a_damaged_database_in_one_line(tmp_path: Path,
     argv = {"trident controller": [str(Path(sys.executable).parent / "trident"), "controller"],
             "daemon": [sys.executable, "-m", "service.daemon"],
             "uvicorn api.app:app": [sys.executable, "-m", "uvicorn", "--factory", "api.app:app",
-                                    "--port", str(free_port())]}[entry]
+                                    "--port", str(free_port())],
+            "python -m api.serve": [sys.executable, "-m", "api.serve", "--port",
+                                    str(free_port())]}[entry]
     r = _run(argv, tmp_path)
     out = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == (DATABASE_UNREADABLE if entry == "daemon" else 1), out

@@ -304,3 +304,11 @@ def test_import_client_loads_no_database_web_framework_or_store() -> None:
     loaded = sorted(m for m in out if _within(m, SERVER_MODULES))
     assert not loaded, f"import client loads the server's modules: {loaded}"
 
+
+def test_the_servers_start_calls_no_command_line_code() -> None:
+    """`python -m api.serve` opens the database through the store (`service.store.opening`),
+    as `trident up` does: the server's start imports nothing of the CLI (`api.cli*`), which
+    echoes and exits."""
+    reached = _closure(import_graph(), "api.serve")
+    assert "service.store.opening" in reached
+    assert sorted(m for m in reached if m.startswith("api.cli")) == []
