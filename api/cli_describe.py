@@ -30,10 +30,18 @@ from api.cli_format import (
     size,
     span,
 )
-from client.payloads import Attempt, Event, Hang, Number, Placement, PredictedVsMeasured, TimeSplit
+from client.payloads import (
+    Attempt,
+    Event,
+    Hang,
+    Number,
+    Placement,
+    PredictedVsMeasured,
+    TimeSplit,
+    one_line,
+)
 from client.rest import TridentClient
 from service.spec import JobSpec
-from service.store.dashboard import one_line
 
 STACK_LINES = 8
 """A hang's stacks show their innermost this-many lines (`-o json` has them whole)."""

@@ -23,12 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from api.cli_common import DEFAULT_SERVER, ServerOpt, connect, error_line, fail
 from api.cli_spec import SetOpt, check_path, load_spec
-from client.payloads import JobOut, MetricOut
+from client.payloads import JobOut, MetricOut, one_line
 from client.rest import ApiError, TridentClient, model_json
 from service.spec import JobSpec
 from service.specfile import load_yaml
 from service.states import JobState
-from service.store.dashboard import one_line
 
 EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
 """`trident submit`'s exit status by the job's final state. 2 is a request that was refused

@@ -26,9 +26,9 @@ from api.cli_format import (
     secs,
     span,
 )
+from client.payloads import Sort
 from client.rest import TridentClient
 from service.states import JobState
-from service.store.dashboard import Sort
 
 LOCAL_SORTS: dict[str, Callable[[JobRow], Any]] = {
     "duration": lambda r: r.duration_s, "step": lambda r: r.step, "loss": lambda r: r.loss,

@@ -25,6 +25,7 @@ from fastapi.templating import Jinja2Templates
 from api.auth import may
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.session import page_principal, session_csrf
+from client.payloads import Sort
 from service.compare import compare
 from service.comparison import HIDDEN_ENV, MAX_JOBS
 from service.ds_config import deepspeed_config
@@ -32,7 +33,7 @@ from service.hardware import PROFILES
 from service.ranklogs import attempt_log_dir, rank_log_path
 from service.states import JobState
 from service.store import Job, NotFound
-from service.store.dashboard import Sort, count_by_state, jobs_page, queue, recent_metrics
+from service.store.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
 

@@ -286,6 +286,28 @@ class RankCell(BaseModel):
     hang_waits_for: bool
 
 
+# --- the jobs list's sort keys, and an answer's error text in one line -------------------------
+
+class Sort(StrEnum):
+    """The jobs list's sort keys (a query parameter of the page and of `GET /jobs`)."""
+
+    id = "id"
+    name = "name"
+    owner = "owner"
+    state = "state"
+    created = "created"
+    priority = "priority"
+
+
+def one_line(text: str, width: int = 200) -> str:
+    """A message in one line: a traceback's exception line, else its first line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    line = lines[-1] if any(ln.startswith("Traceback") for ln in lines) else lines[0]
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
 # --- the routes' answers ------------------------------------------------------------------------
 
 Number = int | float

@@ -312,3 +312,38 @@ def test_the_servers_start_calls_no_command_line_code() -> None:
     reached = _closure(import_graph(), "api.serve")
     assert "service.store.opening" in reached
     assert sorted(m for m in reached if m.startswith("api.cli")) == []
+
+
+# --- the command line talks to the server through the client ------------------------------
+
+CLI = "api.cli"
+CLI_SHARED = ("service.specfile", "service.protocols")
+"""Beside the client's shared vocabulary, what every command may read: the spec files a user
+writes (`service.specfile`) and a probe's result rows (`service.protocols.ProbeRowModel`)."""
+RUNS_HERE = {
+    "api.cli": {"api.app", "api.serve", "service.datadir", "service.heap", "service.rayhead",
+                "service.settings", "service.store", "service.store.dbcheck",
+                "service.supervisor"},
+    "api.cli_identity": {"service.settings", "service.store", "service.store.bootstrap",
+                         "service.store.dbcheck", "service.store.identity",
+                         "service.store.opening", "service.store.schema"},
+    "api.cli_node": {"service.inventory", "service.node_labels", "service.rayhead",
+                     "service.raynode", "service.secrets", "service.settings"},
+    "api.cli_data": {"service.corpus", "service.corpus_prepare"},
+}
+"""The commands that run a part of the server on this machine, and what of it they import:
+`trident up` and `trident controller` (`api.cli`) start the API, the Ray head and the
+controller; `trident bootstrap` (`api.cli_identity`) makes the first admin in the database;
+`trident node start/stop` (`api.cli_node`) run a Ray node of this machine; `trident data
+prepare/inspect` (`api.cli_data`) work on local corpus files. Every other command talks to a
+server through `client.TridentClient` only."""
+
+
+def test_the_cli_reaches_the_server_only_in_the_commands_that_run_it_here() -> None:
+    graph = import_graph()
+    allowed = (CLIENT, CLI, *SHARED, *CLI_SHARED)
+    found = {m: sorted(t for t in targets if not _within(t, allowed) and not t.startswith(CLI)
+                       and t not in RUNS_HERE.get(m, set()))
+             for m, targets in graph.items() if m == CLI or m.startswith(CLI + "_")}
+    assert {m: t for m, t in found.items() if t} == {}
+    assert "client.rest" in graph["api.cli_jobs"]  # the graph sees the CLI's modules

@@ -34,6 +34,7 @@ from api.schemas import (
     job_out_of,
     metric_out_of,
 )
+from client.payloads import Sort
 from service.compare import compare
 from service.confine import Confinement
 from service.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
@@ -44,7 +45,7 @@ from service.planner.search import cpu_bound
 from service.spec import JobSpec, SpecError
 from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
-from service.store.dashboard import Sort, job_page, jobs_page, summary_of
+from service.store.dashboard import job_page, jobs_page, summary_of
 from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
 from service.store.tables import NAME_MAX

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import BindParameter, and_, bindparam, func, or_, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from client.payloads import one_line
 from service.states import JobState
 from service.store.jobs import Job, Metric, Store, job_in, secret_names_in
 from service.store.metrics import Newest, newest_in
@@ -25,17 +25,6 @@ from service.store.tables import EventRow, JobRow, MetricRow, StepMetricRow
 SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,
          "created": JobRow.created_at, "priority": JobRow.priority}
 """Columns the jobs list sorts by."""
-
-
-class Sort(StrEnum):
-    """The jobs list's sort keys (a query parameter of the page and of `GET /jobs`)."""
-
-    id = "id"
-    name = "name"
-    owner = "owner"
-    state = "state"
-    created = "created"
-    priority = "priority"
 
 
 def read_sessions(store: Store) -> sessionmaker[Session]:
@@ -98,15 +87,6 @@ class JobSummary:
         if j.state == JobState.CANCELLED:
             return "cancelled"
         return None
-
-
-def one_line(text: str, width: int = 200) -> str:
-    """A message in one line: a traceback's exception line, else its first line."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return ""
-    line = lines[-1] if any(ln.startswith("Traceback") for ln in lines) else lines[0]
-    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 # The statements every jobs page and job detail runs, built once per process (building and
