@@ -35,6 +35,8 @@ it; `Rescaling` in `service.rescaling` changes its stored layout, asks its ranks
 stop for a move up and watches them, beside the loop). Those collaborators move jobs through
 the controller's hands (`service.control_pass.Loop`: `move`, `record`, `teardown`, `succeed`,
 `fail_attempt`, `fenced`); the controller keeps admission, placement, watching and endings.
+One module because it is one pass (about 600 lines), each of whose parts hands its work to
+the modules named here.
 """
 
 from __future__ import annotations
