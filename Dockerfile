@@ -44,6 +44,7 @@ COPY pyproject.toml alembic.ini ./
 COPY service service
 COPY workers workers
 COPY api api
+COPY client client
 COPY migrations migrations
 COPY examples examples
 RUN pip install . \

@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,10 @@ def test_the_dockerfile_has_a_stage_per_variant() -> None:
                 if line.startswith("!")}
     copied = {src for k, a in rows if k == "COPY" for src in a.split()[:-1]}
     assert copied and copied <= admitted and all((ROOT / src).exists() for src in copied)
+    # Every package the project installs is copied into the image.
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {name.rstrip("*") for name in find["packages"]["find"]["include"]}
+    assert packages <= copied, packages - copied
 
 
 def test_nothing_is_installed_when_a_container_starts(
