@@ -45,10 +45,11 @@ COPY service service
 COPY workers workers
 COPY api api
 COPY client client
+COPY cli cli
 COPY migrations migrations
 COPY examples examples
 RUN pip install . \
- && cd / && python -c "import torch, ray, api.app, service.daemon"
+ && cd / && python -c "import torch, ray, api.app, service.control.daemon"
 
 # Not root. /data holds checkpoints and logs (TRIDENT_DATA_DIR); a named volume mounted there
 # starts out owned by this user.

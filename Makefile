@@ -58,8 +58,8 @@ test-fast: install
 		-m "not slow"
 
 lint: install
-	$(BIN)/ruff check service workers api client tests bench migrations
-	$(BIN)/mypy service api client workers
+	$(BIN)/ruff check service workers api client cli tests bench migrations
+	$(BIN)/mypy service api client cli workers
 
 # The benchmarks (bench/run.py): Trident against torchrun and Ray Jobs, the store at scale, the
 # planner and the monitor; one report, var/bench/report.json and report.md. Needs the local

@@ -30,7 +30,6 @@ from api.audit import Audit, AuditWriter
 from api.auth import require
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.db_errors import database_error
-from api.health import health
 from api.openapi_refusals import document_refusals
 from api.prometheus import RequestTimer, StoreCollector, request_latency
 from api.routes import (
@@ -45,10 +44,11 @@ from api.routes import (
     stacks,
     tracking,
 )
+from api.routes.health import health
 from api.schemas import Health
 from api.serve import watch_parent
-from service.export import EXPORTS, sweep
-from service.heap import freeze_startup_objects
+from service.control.heap import freeze_startup_objects
+from service.files.export import EXPORTS, sweep
 from service.secrets import SecretBox
 from service.settings import Settings
 from service.store import Store
@@ -223,7 +223,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
 def app() -> FastAPI:
     """Factory for `uvicorn --factory api.app:app`: the app, with start-up's objects frozen
-    out of garbage collection (`service.heap`). A database it cannot read is one line on
+    out of garbage collection (`service.control.heap`). A database it cannot read is one line on
     stderr and exit status 1 (`service.store.dbcheck`): uvicorn would print a traceback."""
     settings = Settings()
     try:

@@ -20,9 +20,9 @@ import anyio
 import anyio.to_thread
 from fastapi import Depends, Header, HTTPException, Path, Query, Request
 
-from service import hf_config
-from service.checkpoints import CheckpointPlaces
-from service.specfiles import FileRefused
+from service.contract import hf_config
+from service.contract.specfiles import FileRefused
+from service.files.checkpoint_dirs import CheckpointPlaces
 from service.store import Job, NotFound, Store
 from service.store.tables import IDEMPOTENCY_KEY_MAX
 
@@ -54,9 +54,9 @@ async def read_hf_configs(request: Request) -> None:
     """Read the `model.hf_config` that the spec in this request's body names, before FastAPI
     validates the body (on the event loop, where no file is read): in a thread, within
     `TRIDENT_SPEC_FILE_READ_S`, a regular file of at most `TRIDENT_SPEC_FILE_MAX_BYTES`, where
-    a job may read a checkpoint folder (`service.hf_config.confined_reader`); a 422 naming
+    a job may read a checkpoint folder (`service.contract.hf_config.confined_reader`); a 422 naming
     the field when it cannot be. The config read is installed for the validation
-    (`service.hf_config.prepared`). Async, so that it is installed in the context FastAPI
+    (`service.contract.hf_config.prepared`). Async, so that it is installed in the context FastAPI
     then validates the body in; a route lists it after its access check, so that no file is
     read for a caller who may not submit."""
     settings = request.app.state.settings

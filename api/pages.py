@@ -26,16 +26,16 @@ from api.auth import may
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.session import page_principal, session_csrf
 from client.payloads import Sort
-from service.compare import compare
-from service.comparison import HIDDEN_ENV, MAX_JOBS
-from service.ds_config import deepspeed_config
-from service.hardware import PROFILES
-from service.ranklogs import attempt_log_dir, rank_log_path
-from service.states import JobState
+from service.contract.ds_config import deepspeed_config
+from service.contract.hardware import PROFILES
+from service.contract.states import JobState
 from service.store import Job, NotFound
 from service.store.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
+from service.views.prediction import compare
+from service.views.ranklogs import attempt_log_dir, rank_log_path
+from service.views.side_by_side import HIDDEN_ENV, MAX_JOBS
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.
 router = APIRouter(include_in_schema=False, dependencies=[Depends(page_principal)])

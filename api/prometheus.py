@@ -25,14 +25,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.rank_status import rank_status
-from service.states import JobState
+from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.dashboard import count_by_state, measured_bubble_ratio
 from service.store.lease import CONTROLLER, Leases
 from service.store.tables import utcnow
 from service.store.tracking_exports import Exports
 from service.tracking.scalars import custom
+from service.views.rank_status import rank_status
 
 ACTIVE = [JobState.PLACING, JobState.RUNNING, JobState.RESTARTING, JobState.PREEMPTED]
 JOB = ["job_id"]
@@ -181,7 +181,7 @@ class StoreCollector(Collector):
             f["bubble"].add_metric([*jid, "measured"], measured)
 
     def _ranks(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
-        """The ranks grid's status of every rank (`service.rank_status`), over the newest
+        """The ranks grid's status of every rank (`service.views.rank_status`), over the newest
         `RANK_WINDOW` steps."""
         now = utcnow()
         for r in rank_status(store, job, window=RANK_WINDOW).ranks:

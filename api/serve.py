@@ -60,7 +60,7 @@ def watch_parent() -> None:
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """The API's address, bound (not listening) by this process until it serves: `trident up`
-    holds it while it starts the Ray head, whose servers take free ports (`service.rayhead`)
+    holds it while it starts the Ray head, whose servers take free ports (`service.cluster.rayhead`)
     and would otherwise be handed the one just checked to be free. Raises `OSError` when the
     address is in use or cannot be bound, before anything is started. SO_REUSEADDR, as
     uvicorn sets it: a port a stopped server left in TIME_WAIT is free."""

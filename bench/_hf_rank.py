@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from workers import script_rank
+from workers.rank import script_rank
 
 
 def hf_config(shape):
@@ -34,9 +34,9 @@ def main() -> None:
     r = script_rank.start(spec_json, rank, world, port)
     import torch
 
-    from workers import data, recipe, train
-    from workers.deepspeed_import import deepspeed
-    from workers.model import loss_for
+    from workers.modeling.model import loss_for
+    from workers.runtime.deepspeed_import import deepspeed
+    from workers.trainer import data, recipe, train
 
     spec, groups, shape, ds_config = r.spec, r.groups, r.shape, r.ds_config
     t = spec.train

@@ -1,12 +1,12 @@
 """The orchestration comparison's plain-Ray sides: the trainer torchrun runs
-(`workers.train`'s main, the same spec and ranks) in two plain Ray actors on a Ray head of
+(`workers.trainer.train`'s main, the same spec and ranks) in two plain Ray actors on a Ray head of
 this process's own, with nothing of Trident around it (no API, controller, monitor, rank log
 or reports).
 
 - `inproc`: each actor runs the trainer in its own process, as Trident's rank actors do. Its
   speed against torchrun is what Ray's worker processes and its head cost the ranks by
   themselves; Trident's against it is what Trident adds.
-- `child`: each actor starts the trainer as a child process (`python -m workers.train`) and
+- `child`: each actor starts the trainer as a child process (`python -m workers.trainer.train`) and
   waits for it, as torchrun's agent does: the ranks run with Ray's head beside them but no
   Ray in their own processes. Against `inproc`, what Ray's runtime inside a rank's process
   costs it.
@@ -15,7 +15,7 @@ Each actor takes one CPU; the trainer gets torchrun's environment (rank, world s
 address and port, one OpenMP thread) and its output is captured; rank 0's step lines are
 printed to stdout, as torchrun's rank 0 prints them. Ray's workers start at niceness 0, as
 torchrun's ranks and Trident's do (Ray's own default, 15, would measure that instead:
-`workers.actor.RANK_RUNTIME_ENV`).
+`workers.rank.actor.RANK_RUNTIME_ENV`).
 
 Usage: python bench/_ray_ranks.py inproc|child SPEC_JSON PORT
 """
@@ -51,13 +51,13 @@ class Rank:
 
 
 def in_process(spec_path: str, rank: int, port: int) -> str:
-    """One rank of `workers.train` in this process: its stdout."""
+    """One rank of `workers.trainer.train` in this process: its stdout."""
     os.environ.update(torchrun_env(rank, port))
-    sys.argv = ["workers.train", "--spec", spec_path]
+    sys.argv = ["workers.trainer.train", "--spec", spec_path]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            runpy.run_module("workers.train", run_name="__main__", alter_sys=True)
+            runpy.run_module("workers.trainer.train", run_name="__main__", alter_sys=True)
         except SystemExit as exc:
             if exc.code not in (0, None):
                 raise RuntimeError(f"rank {rank} exited {exc.code}: {out.getvalue()[-2000:]}"
@@ -66,8 +66,8 @@ def in_process(spec_path: str, rank: int, port: int) -> str:
 
 
 def in_child(spec_path: str, rank: int, port: int) -> str:
-    """One rank of `workers.train` in a child process: its stdout."""
-    done = subprocess.run([sys.executable, "-m", "workers.train", "--spec", spec_path],
+    """One rank of `workers.trainer.train` in a child process: its stdout."""
+    done = subprocess.run([sys.executable, "-m", "workers.trainer.train", "--spec", spec_path],
                           cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **torchrun_env(rank, port),
                                "PYTHONPATH": str(ROOT)})
@@ -79,7 +79,7 @@ def in_child(spec_path: str, rank: int, port: int) -> str:
 def main(argv: list[str]) -> int:
     import ray
 
-    from service.rayhead import WORKER_NICENESS_ENV
+    from service.cluster.rayhead import WORKER_NICENESS_ENV
 
     mode, spec_path, port = argv[0], argv[1], int(argv[2])
     if mode not in MODES:

@@ -28,7 +28,7 @@ def _metrics(api: str, job_id: int, steps: int, world: int = 8) -> None:
     import random
 
     from bench.scale import _reports
-    from service.protocols import StepReport
+    from service.contract.reports import StepReport
     from service.store import Store
     from service.store.metrics import MetricsIngest
 

@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from service.contract.spec import JobSpec, ParallelSpec  # noqa: E402
 from service.planner import evaluate  # noqa: E402
-from service.spec import JobSpec, ParallelSpec  # noqa: E402
 
 TABLE5 = [  # name, L, h, a, pp, v, B, full recompute s, SP + selective s
     ("22B", 48, 6144, 64, 1, 1, 4, 1.42, 1.10),

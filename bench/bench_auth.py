@@ -6,7 +6,8 @@ scratch folder; `--pg`: a scratch database on the local PostgreSQL, dropped afte
 ways in, taken in turn request by request so that drift in the load of a shared machine falls
 on all alike:
 
-- `today`: the submit route as it was before identity: the spec in, `service.jobs.submit`,
+- `today`: the submit route as it was before identity: the spec in,
+`service.submission.intake.submit`,
   the job out (the same body limit and JSON handling);
 - `now`: `today` with what the submit route gained since apart from identity (the request
   timer of /metrics, the answer's queue position and reason): the baseline of identity's cost
@@ -43,12 +44,12 @@ from api.auth import authenticate
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.prometheus import RequestTimer, request_latency
 from api.schemas import JobOut, job_out_of
-from service.jobs import Submitter, submit
+from service.contract.spec import JobSpec
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from service.store.dashboard import job_summary
 from service.store.identity import Identity, Principal
+from service.submission.intake import Submitter, submit
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 """The local PostgreSQL server (its `test` database only to create and drop the scratch one)."""

@@ -3,7 +3,7 @@
 Runs a real DeepSpeed job like the demo's (GPT of the planner's GPT conventions, 2 ranks,
 gloo, ZeRO-2, fp32, global batch 8, micro-batch 2) for several depths, times its steps,
 fits the per-layer and per-step overheads (`service.planner.calibrate.fit_overheads`), and
-prints predicted against measured step time with the profile in service/hardware.py.
+prints predicted against measured step time with the profile in service/contract/hardware.py.
 
 Run: python bench/bench_cpu_constants.py [layers ...]     (a minute or two on 2 cores)
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from service.hardware import get_profile  # noqa: E402
+from service.contract.hardware import get_profile  # noqa: E402
+from service.contract.spec import JobSpec, ParallelSpec  # noqa: E402
 from service.planner import evaluate  # noqa: E402
 from service.planner.calibrate import fit_overheads  # noqa: E402
-from service.spec import JobSpec, ParallelSpec  # noqa: E402
 
 STEPS, WARMUP = 30, 5
 
@@ -32,7 +32,7 @@ def worker(rank: int, port: int, layers: int, zero: int, q: Any) -> None:
     import torch
 
     from tests._planner_ds_probe import GPT
-    from workers.deepspeed_import import deepspeed
+    from workers.runtime.deepspeed_import import deepspeed
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

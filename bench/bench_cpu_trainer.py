@@ -7,7 +7,7 @@ and prints predicted against measured, before and after the fit.
 
 `--demo` runs the demo job (examples/tiny.yaml, as `make demo` does) once and prints its
 `predicted_vs_measured`: the step time, tokens/s and model-state bytes the plan predicted next
-to the steady-state medians the ranks reported (service.compare). The step-time ratio moves
+to the steady-state medians the ranks reported (service.views.prediction). The step-time ratio moves
 with the machine's load, so it is tracked here rather than asserted by a test.
 
 Run: python bench/bench_cpu_trainer.py [layers ...]      (about a minute per depth on 2 cores)
@@ -25,14 +25,14 @@ from pathlib import Path
 import ray
 import yaml
 
-from service.compare import compare
-from service.controller import Controller
-from service.jobs import submit
+from service.contract.spec import JobSpec
+from service.control.controller import Controller
 from service.planner import evaluate
 from service.planner.calibrate import fit_overheads
-from service.spec import JobSpec
 from service.store import Store
-from workers.launcher import RayLauncher
+from service.submission.intake import submit
+from service.views.prediction import compare
+from workers.launch.launcher import RayLauncher
 
 STEPS = 20
 DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"

@@ -29,12 +29,12 @@ from sqlalchemy import insert
 
 from api.app import create_app  # noqa: E402
 from bench.auth import admin_headers  # noqa: E402
-from service.jobs import prepare
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.tables import JobRow, MetricRow, utcnow
+from service.submission.intake import prepare
 
 BUDGET_S = 0.2
 SPEC = {"name": "bench", "model": {"preset": "gpt-tiny"},

@@ -2,10 +2,12 @@
 
 1. Writes a corpus of `--gb` GiB (default 2.1) of uint16 tokens in Megatron's indexed dataset
    layout (documents of 200 to 4,000 tokens), in `--dir` (default a temporary folder).
-2. Builds the job's global sample order once (rank 0's work at start: `workers.sample_order`),
+2. Builds the job's global sample order once (rank 0's work at start:
+`workers.trainer.sample_order`),
    into a sample-order cache in the same folder, and times it.
 3. Reads the micro-batches of one DP rank of a GPT-3 125M job (seq_len 2048, global batch 512,
-   dp 8: 64 samples a step) step after step through `workers.data.TokenSource`, the trainer's
+   dp 8: 64 samples a step) step after step through `workers.trainer.data.TokenSource`, the
+   trainer's
    own path, and reports its tokens per second against the tokens per second the planner
    predicts one A100 rank trains at for that job (goal: 100x), and against a measured CPU step
    of gpt-tiny (2 ranks) for scale.
@@ -29,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from service.order_cache import OrderCache, ServerData
+from service.contract.spec import JobSpec
+from service.files.order_cache import OrderCache, ServerData
 from service.planner import evaluate
-from service.spec import JobSpec
-from workers import data, sample_order
+from workers.trainer import data, sample_order
 
 SEQ_LEN, GLOBAL_BATCH, DP, MICRO = 2048, 512, 8, 4
 
@@ -83,7 +85,7 @@ def main() -> None:
     prefix = os.path.join(folder, "corpus")
     t0 = time.perf_counter()
     if args.reuse and os.path.exists(prefix + ".idx"):
-        from service.corpus import read_header
+        from service.files.corpus import read_header
         h = read_header(prefix)
         docs, tokens = h.documents, h.tokens
     else:

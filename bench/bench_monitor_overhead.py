@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from service.parallel import ParallelDims
-from workers.comm_timer import CommTimer
-from workers.heartbeat import Heartbeat
+from service.contract.parallel import ParallelDims
+from workers.monitor.comm_timer import CommTimer
+from workers.runtime.heartbeat import Heartbeat
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:

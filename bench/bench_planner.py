@@ -12,9 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import time  # noqa: E402
 
+from service.contract.spec import JobSpec  # noqa: E402
 from service.planner import search  # noqa: E402
 from service.planner.explain import layout_name  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
 
 
 def main() -> None:

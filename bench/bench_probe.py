@@ -12,10 +12,10 @@ import warnings
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from service.hardware import get_profile
+from service.contract.hardware import get_profile
+from service.contract.parallel import ParallelDims
 from service.monitor.probe import annotate_expected, flag_slow_groups
-from service.parallel import ParallelDims
-from workers.comm_probe import probe_layout
+from workers.monitor.comm_probe import probe_layout
 
 
 def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:

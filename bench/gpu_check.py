@@ -10,7 +10,7 @@ tail of its output, and the check goes on with the next step):
 - `topology`: `nvidia-smi topo -m`, parsed into {device: {device: link}}.
 - `stack`: `trident up` on a scratch data directory (SQLite, its own local Ray head).
 - `probe`: `trident probe` on the GPUs: matmul TFLOP/s (bf16) and the calibrated profile.
-- `train_bf16`, `train_fp16`: the built-in trainer (`workers.train.train_rank`) on one GPU
+- `train_bf16`, `train_fp16`: the built-in trainer (`workers.trainer.train.train_rank`) on one GPU
   for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
   scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
   `max_memory_reserved`, next to the plan's prediction for the same spec.
@@ -135,7 +135,7 @@ class Check:
     # --- steps on the parent ---------------------------------------------------------------------
 
     def topology(self, timeout_s: float) -> dict[str, Any]:
-        from service.inventory import parse_topo_matrix
+        from service.cluster.inventory import parse_topo_matrix
 
         out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
                              timeout=timeout_s, check=True).stdout
@@ -158,7 +158,7 @@ class Check:
         data = self.work / "stack"
         log = open(self.work / "stack.log", "wb")  # noqa: SIM115 (kept open for the child)
         self.stack = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "up", "--port", str(port), "--data-dir", str(data),
+            [sys.executable, "-m", "cli.main", "up", "--port", str(port), "--data-dir", str(data),
              "--stop-jobs"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=_env(TRIDENT_ALLOW_FAULTS="0"))
         self.server = f"http://127.0.0.1:{port}"
@@ -180,7 +180,7 @@ class Check:
     def probe(self, timeout_s: float, gpus: int, profile: str) -> dict[str, Any]:
         import httpx
 
-        cmd = [sys.executable, "-m", "api.cli", "probe", "--server", self.server,
+        cmd = [sys.executable, "-m", "cli.main", "probe", "--server", self.server,
                "--ranks-per-node", str(gpus), "--profile", profile, "--timeout",
                str(int(timeout_s) - 5)]
         token = self.auth()["Authorization"].removeprefix("Bearer ")

@@ -42,7 +42,8 @@ def step_build() -> dict[str, Any]:
 
 
 def gpu_profile_name(device_name: str) -> str:
-    """The hardware profile (`service.hardware`) of a CUDA device, by its marketing name."""
+    """The hardware profile (`service.contract.hardware`) of a CUDA device, by its marketing
+    name."""
     n = device_name.upper()
     if "H200" in n:
         return "h200"
@@ -68,10 +69,10 @@ def step_train(precision: str) -> dict[str, Any]:
     """The built-in trainer on GPU 0, 20 steps; measured against the plan for the same spec."""
     import torch
 
-    from service.jobs import prepare
-    from service.protocols import StepReport
-    from service.spec import JobSpec
-    from workers.train import RankContext, train_rank
+    from service.contract.reports import StepReport
+    from service.contract.spec import JobSpec
+    from service.submission.intake import prepare
+    from workers.trainer.train import RankContext, train_rank
 
     profile = gpu_profile_name(torch.cuda.get_device_name(0))
     spec = JobSpec.model_validate(train_spec(precision, profile))
@@ -87,7 +88,7 @@ def step_train(precision: str) -> dict[str, Any]:
     step_s = statistics.median(steady)
     predicted_step = float(plan.time.step_s)
     hardware_flops = float(plan.time.hardware_flops)
-    from service.hardware import get_profile
+    from service.contract.hardware import get_profile
     peak = get_profile(profile).peak_flops_bf16
     return {
         "profile": profile, "precision": precision, "params": spec.model.model_dump(),
@@ -113,8 +114,8 @@ def _nccl_rank(rank: int, world: int, port: int, q: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from service.parallel import ParallelDims
-    from workers.comm_probe import probe_layout
+    from service.contract.parallel import ParallelDims
+    from workers.monitor.comm_probe import probe_layout
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

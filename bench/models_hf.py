@@ -2,8 +2,9 @@
 
 The same Llama-style config (RMSNorm, SwiGLU, rotary, untied head) is trained on the same 2 CPU
 ranks (gloo), the same ZeRO stage, precision, batch and data, with the same DeepSpeed config
-(`service.ds_config`, as the ranks pass it to `deepspeed.initialize`) and the same AdamW
-groups: once as Trident's model (`workers.train.build_engine`: shard-only construction), once
+(`service.contract.ds_config`, as the ranks pass it to `deepspeed.initialize`) and the same AdamW
+groups: once as Trident's model (`workers.trainer.train.build_engine`: shard-only construction),
+once
 as `transformers`' `LlamaForCausalLM` of that config (SDPA attention), built as
 `transformers` builds it and wrapped by `deepspeed.initialize`. Each side runs in its own
 processes, one after the other, alternated A B B A (`bench/_hf_rank.py`). Reported, each
@@ -31,7 +32,7 @@ SPEED_GOAL = 1.0
 
 
 def spec_for(quick: bool):
-    from service.spec import JobSpec
+    from service.contract.spec import JobSpec
     model = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 2048, "seq_len": 64,
               "activation": "swiglu"} if quick else
              {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 8192,

@@ -1,4 +1,4 @@
-"""What orchestration costs: the same trainer and spec under `torchrun -m workers.train`,
+"""What orchestration costs: the same trainer and spec under `torchrun -m workers.trainer.train`,
 under Trident (API, controller, Ray actors, monitor on), and in two plain Ray actors with
 nothing of Trident around them (`bench/_ray_ranks.py`), running the trainer in their own
 processes or each in a child process, alternated (A B C D D C B A ...): the plain-Ray sides
@@ -75,7 +75,7 @@ def _step_time(line: str) -> float | None:
 def torchrun(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     path = _spec_file(spec, work)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", str(_port()), "-m", "workers.train", "--spec", str(path)]
+            "--master-port", str(_port()), "-m", "workers.trainer.train", "--spec", str(path)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
@@ -128,7 +128,7 @@ class Stack:
         self.log = work / "stack.log"
         self.data_dir = work / "data"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "up", "--port", str(self.port), "--data-dir",
+            [sys.executable, "-m", "cli.main", "up", "--port", str(self.port), "--data-dir",
              str(work / "data"), "--stop-jobs"], cwd=ROOT, stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -17,8 +17,8 @@ MONITOR_GOAL = 1.02
 
 
 def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
+    from service.contract.spec import JobSpec
     from service.planner import search
-    from service.spec import JobSpec
 
     nodes = 16 if quick else 128
     spec = JobSpec(name="gpt3-175b", model={"preset": "gpt3-175b"},

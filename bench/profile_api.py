@@ -138,7 +138,7 @@ def setup(data_dir: Path, queued: int = 0
     of the routes' own (`lengthen_queue`)."""
     from api.app import create_app
     from bench.scale import _reports
-    from service.protocols import StepReport
+    from service.contract.reports import StepReport
     from service.settings import Settings
     from service.store.metrics import MetricsIngest
 

@@ -61,8 +61,8 @@ QUICK = Size(jobs=2000, metric_jobs=10, steps=100, ranks=8, queued=100, running=
 
 
 def _spec_plan() -> tuple[dict[str, Any], dict[str, Any]]:
-    from service.jobs import prepare
-    from service.spec import JobSpec
+    from service.contract.spec import JobSpec
+    from service.submission.intake import prepare
 
     spec = JobSpec.model_validate({
         "name": "synthetic", "model": {"preset": "gpt-tiny"},
@@ -149,7 +149,7 @@ def load(url: str, size: Size) -> dict[str, float]:
 
 class _Group:
     def poll(self, timeout_s: float) -> Any:
-        from service.protocols import PollResult
+        from service.cluster.data_plane import PollResult
         return PollResult(state="running")
 
     def cancel(self) -> None: ...
@@ -164,11 +164,11 @@ class FullClusterLauncher:
     """Every running job's group answers "running"; the cluster is full (nothing admitted)."""
 
     def total_capacity(self) -> list[Any]:
-        from service.protocols import NodeCapacity
+        from service.cluster.data_plane import NodeCapacity
         return [NodeCapacity("n0", 1e6, 0)]
 
     def free_capacity(self) -> list[Any]:
-        from service.protocols import NodeCapacity
+        from service.cluster.data_plane import NodeCapacity
         return [NodeCapacity("n0", 0, 0)]
 
     def inventory(self) -> list[dict[str, Any]]:
@@ -188,7 +188,7 @@ class FullClusterLauncher:
 
 
 def controller_pass(store: Any, size: Size, reps: int) -> dict[str, Any]:
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     c = Controller(store, FullClusterLauncher(), checkpoint_root=Path(tempfile.mkdtemp()))
     first = timed(c.step, 1)[0]  # re-attaches the running jobs
@@ -215,7 +215,7 @@ def _reports(world: int, step: int, rng: random.Random) -> list[dict[str, Any]]:
 
 
 def _ingest_proc(url: str, job_id: int, world: int, seconds: int, q: Any) -> None:
-    from service.protocols import StepReport
+    from service.contract.reports import StepReport
     from service.store import Store
     from service.store.metrics import MetricsIngest
 
@@ -259,7 +259,7 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
 
     from api.app import create_app
     from bench.auth import admin_headers
-    from service.heap import freeze_startup_objects
+    from service.control.heap import freeze_startup_objects
     from service.settings import Settings
     from service.store import Store
 
@@ -280,7 +280,7 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
         fig: dict[str, Any] = {"load": took, "jobs": size.jobs, "metric_rows": size.metric_rows}
         app = create_app(Settings(data_dir=tmp), store=store)
         with TestClient(app, headers=admin_headers(store)) as client:
-            # As the server and the controller do after start-up (service.heap): without
+            # As the server and the controller do after start-up (service.control.heap): without
             # it, full collections over this process's heap (the loader's too) stalled
             # requests and passes by 100-570 ms, which showed as the p99s.
             freeze_startup_objects()
@@ -312,8 +312,8 @@ def run_backend(kind: str, size: Size, sec: Section) -> None:
             fig["controller"] = controller_pass(store, size, max(5, size.reps // 4))
             # A 4,096-rank job reporting every second, in a process of its own, while list
             # and detail are measured here.
+            from service.contract.spec import JobSpec
             from service.planner import StoredPlan
-            from service.spec import JobSpec
 
             spec, plan = _spec_plan()
             big = store.create_job(name="big", spec=JobSpec.model_validate(spec),

@@ -15,6 +15,7 @@ seconds in all, user and system. `--out` appends the same line to a file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -56,10 +57,8 @@ def drain(group: Path, timeout_s: float = 30.0) -> None:
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
         time.sleep(0.2)
     try:
         group.rmdir()

@@ -29,11 +29,11 @@ PASS_GOAL_S = 1e-3
 
 
 def _job(store: Any, cfg: Any, steps: int) -> Any:
-    from service.jobs import Submitter, submit
-    from service.protocols import StepReport
-    from service.spec import JobSpec
-    from service.states import JobState
+    from service.contract.reports import StepReport
+    from service.contract.spec import JobSpec
+    from service.contract.states import JobState
     from service.store.metrics import MetricsIngest
+    from service.submission.intake import Submitter, submit
 
     spec = JobSpec.model_validate({
         "name": "bench-tracking", "model": {"preset": "gpt-tiny"},

@@ -116,7 +116,7 @@ def _submitters_proc(api: str, headers: dict[str, str], n: int, seconds: float,
 
 def _ingest_proc(url: str, job_id: int, world: int, seconds: float, q: Any) -> None:
     from bench.scale import _reports
-    from service.protocols import StepReport
+    from service.contract.reports import StepReport
     from service.store import Store
     from service.store.metrics import MetricsIngest
 

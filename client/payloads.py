@@ -11,8 +11,9 @@ read with its `of`.
 This module imports nothing of the server: no SQLAlchemy, no FastAPI, nothing of
 `service.store` or `api` (tests/test_imports.py runs `import client` and looks).
 What it reads of `service` is the vocabulary both sides share and a user writes: the job
-spec (`service.spec`, with its limits), the job states (`service.states`), the stored plan
-(`service.planner.stored`) and a rank's log chunk (`service.ranklogs`).
+spec (`service.contract.spec`, with its limits), the job states (`service.contract.states`)
+and the stored plan (`service.planner.stored`). A rank's log chunk (`Chunk`) is defined here
+and read into by the server (`service.views.ranklogs`).
 
 Compatibility, old clients and new servers: a server may add a field to an answer, never
 remove, rename or retype one a released client reads; a client ignores a field it does not
@@ -41,11 +42,28 @@ from pydantic import (
     field_validator,
 )
 
+from service.contract.spec import JobSpec
+from service.contract.spec_limits import STORED
+from service.contract.states import JobState
 from service.planner.stored import PlannedLayout, StoredPlan
-from service.ranklogs import Chunk
-from service.spec import JobSpec
-from service.spec_limits import STORED
-from service.states import JobState
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of one rank's log (`service.views.ranklogs.read_chunk`)."""
+
+    rank: int
+    text: str
+    next: int
+    """The offset to ask for next (`since`)."""
+    skipped: int
+    """Bytes between `since` and the first byte returned that the cap rotated away."""
+    size: int
+    """The stream's length so far (bytes written by the rank, including rotated ones)."""
+    times: list[float] | None = None
+    """With `with_times`: per line of `text` (the last one even if partial), the unix time by
+    which it was written."""
+
 
 # --- what an answer carries of the store's rows -------------------------------------------------
 
@@ -80,7 +98,8 @@ class Job(BaseModel):
     preemptions: int = 0
     """Attempts stopped for a job of higher priority; they spend no retry."""
     elastic: dict[str, Any] | None = None
-    """An elastic job re-planned (`service.elastic.ElasticState` reads it): the layout it
+    """An elastic job re-planned (`service.policy.elastic_replan.ElasticState` reads it): the
+    layout it
     was submitted with, and how many of its attempts ended in a move up (no retry spent)."""
 
     @property
@@ -93,7 +112,7 @@ class Job(BaseModel):
     def _read_as_stored(cls, value: Any, handler: ValidatorFunctionWrapHandler,
                         info: ValidationInfo) -> Any:
         """A spec stored before a limit it fails was added still reads (the controller
-        refuses to start it, `service.spec_limits.recheck`). A `JobSpec` is taken as it is:
+        refuses to start it, `service.contract.spec_limits.recheck`). A `JobSpec` is taken as it is:
         it was validated when made (its model checks ran then; an answer's `JobOut` is built
         from a job's validated spec, and ran them again for each job of a page)."""
         if isinstance(value, JobSpec):
@@ -174,7 +193,7 @@ class Node:
     alive: bool
     updated_at: datetime
     info: dict[str, Any]
-    """`service.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
+    """`service.cluster.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
 
 
 @dataclass(frozen=True)
@@ -467,7 +486,8 @@ class MeasuredMemory(BaseModel):
 
 
 class PredictedVsMeasured(BaseModel):
-    """`service.compare.compare`: rank 0's steady steps of the newest attempt against the plan
+    """`service.views.prediction.compare`: rank 0's steady steps of the newest attempt against the
+    plan
     (medians of the steps after the warm-up)."""
 
     steps_measured: int
@@ -544,7 +564,7 @@ class Series(BaseModel):
 
 
 class RanksGrid(BaseModel):
-    """`GET /jobs/{id}/ranks`: `service.rank_status.rank_status`, as the ranks grid, `trident
+    """`GET /jobs/{id}/ranks`: `service.views.rank_status.rank_status`, as the ranks grid, `trident
     top` and the per-rank gauges of `/metrics` read it."""
 
     layout: PlannedLayout
@@ -790,7 +810,8 @@ class NodeJob(BaseModel):
 
 
 class NodeInfo(BaseModel):
-    """A node's inventory (`Node.info`, `service.inventory.node_inventory` and its labels)."""
+    """A node's inventory (`Node.info`, `service.cluster.inventory.node_inventory` and its
+    labels)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -840,7 +861,7 @@ class ProbeList(BaseModel):
 
 class ProbeSummary(BaseModel):
     """A done cluster probe's `summary`: what it measured and the profile it calibrated (its
-    `results` are `service.protocols.ProbeRowModel` rows, with their expectation)."""
+    `results` are `service.contract.reports.ProbeRowModel` rows, with their expectation)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -908,7 +929,7 @@ class ControllerLease(BaseModel):
 
 
 class DataDirUsage(BaseModel):
-    """The filesystem of the server's data directory (`service.datadir.usage`)."""
+    """The filesystem of the server's data directory (`service.files.datadir.usage`)."""
 
     status: str
     """`ok`, `nearly full` (less than `min_free_fraction` of it free) or `unavailable: ...`."""
@@ -951,7 +972,7 @@ class MissingRanks(BaseModel):
 
 
 class StackAnswer(BaseModel):
-    """A done stack request's `result` (`service.stack_collect.group_stacks`)."""
+    """A done stack request's `result` (`service.control.stack_collect.group_stacks`)."""
 
     ranks: int = 0
     """Ranks that answered."""

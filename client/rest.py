@@ -10,7 +10,7 @@ status and, for a 422, the field (`ApiError.field`); a server that does not answ
 an `Idempotency-Key` the client makes) are retried after a transport error or a
 502/503/504, with backoff; nothing else is. docs/client.md is its guide.
 
-The `trident` commands (api/cli*.py) are its callers; tests/test_client.py runs it against
+The `trident` commands (cli/) are its callers; tests/test_client.py runs it against
 a live server. One module: the client is one class, with its errors and the log stream it
 follows; its methods are one per route, in the order of the API's route modules.
 """
@@ -38,6 +38,7 @@ from client.payloads import (
     AttemptList,
     AuditList,
     CheckpointList,
+    Chunk,
     ClusterView,
     CommSteps,
     CommView,
@@ -68,8 +69,7 @@ from client.payloads import (
     UserList,
     WhoAmI,
 )
-from service.ranklogs import Chunk
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 """The server when neither the caller nor `TRIDENT_SERVER` names one (`trident up`'s)."""

@@ -1,7 +1,7 @@
 """A custom per-rank training function, run by a spec with
 `entrypoint: "examples.custom_entrypoint:train"` instead of the built-in GPT trainer.
 
-It receives `workers.train.TrainContext` on every rank after torch.distributed and the TP/PP/DP
+It receives `workers.trainer.train.TrainContext` on every rank after torch.distributed and the TP/PP/DP
 groups are set up: here it fits a linear regression data-parallel over `ctx.groups.dp`, through
 DeepSpeed with the job's own config (ZeRO stage, batch sizes), reporting every step and
 checkpointing like the built-in trainer. The group tears down after it returns.
@@ -14,8 +14,8 @@ import time
 import deepspeed
 import torch
 
-from workers.tp import DeepSpeedMpu
-from workers.train import TrainContext
+from workers.modeling.tp import DeepSpeedMpu
+from workers.trainer.train import TrainContext
 
 
 def train(ctx: TrainContext) -> None:
@@ -39,7 +39,7 @@ def train(ctx: TrainContext) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        # A dict validated into a `service.protocols.StepReport`; values of our own go in
+        # A dict validated into a `service.contract.reports.StepReport`; values of our own go in
         # `custom` (a `StepReport(...)` works too).
         ctx.report({"rank": ctx.rank, "step": step + 1, "loss": sum(losses) / len(losses),
                     "step_time_s": time.perf_counter() - t0, "tokens_per_s": 0.0,

@@ -1,12 +1,13 @@
 """Secrets: a job's (`JobSpec.secrets`) sealed at rest, and the server's own kept from jobs.
 
-A job's secrets are write-only. `service.jobs.submit` seals each value with the server's key
+A job's secrets are write-only. `service.submission.intake.submit` seals each value with the
+server's key
 (`SecretBox`, Fernet: AES-128-CBC with an HMAC-SHA256, from `cryptography`) and the store keeps
 the sealed values in a table of their own (`job_secrets`), apart from the spec: a copy of the
 database, a backup or a query of the spec holds no secret in clear. Only the controller opens
 them, when it starts an attempt, and hands them to the ranks' environment; what the control
 plane stores from the ranks (errors, events) passes through `redact` first
-(`service.redaction`), and so does what the ranks write to their logs (`workers.ranklog`).
+(`service.redaction`), and so does what the ranks write to their logs (`workers.runtime.ranklog`).
 No route, page, event, export or tracker carries a value; the API shows their names.
 
 The key: `TRIDENT_SECRETS_KEY` (a Fernet key, `SecretBox.new_key()`), or else a key file the

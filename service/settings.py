@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     """SQLAlchemy URL; empty means a SQLite file in `data_dir`."""
     ray_address: str = ""
     """Address of an existing Ray cluster. Empty: `trident up` starts a local Ray head as a
-    supervised process of its own (`service.rayhead`); the daemon run alone starts one inside
+    supervised process of its own (`service.cluster.rayhead`); the daemon run alone starts one
+    inside
     itself, which ends with it."""
     stop_jobs: bool = False
     """Whether a controller stopped by a signal stops its jobs' worker groups too. By default
@@ -40,11 +41,11 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(default=0.5, gt=0, le=60)
     """How often the controller steps (0.1 s at most while a job's group starts; longer,
     up to `poll_max_interval_s`, while every group trains and nothing changes:
-    `service.pace`)."""
+    `service.control.pace`)."""
     poll_max_interval_s: float = Field(default=2.0, gt=0, le=60)
     """The longest wait between controller passes while every group trains and nothing
     changes (never over a third of `lease_s`, nor a quarter of a running job's
-    `monitor.hang_timeout_s`; `service.pace`): a cancel or a new job that fits beside the
+    `monitor.hang_timeout_s`; `service.control.pace`): a cancel or a new job that fits beside the
     running ones may wait this long."""
     cancel_grace_s: float = Field(default=5.0, ge=0, le=600)
     """How long workers get to stop by themselves before they are killed."""
@@ -62,7 +63,7 @@ class Settings(BaseSettings):
     """The most bytes of stdout and stderr kept per rank and attempt (16 MiB): the newest
     output, in two halves (`<data_dir>/logs/job-<id>/attempt-<n>/rank-<r>.log` and `.log.1`),
     with their time index (`.log.times`, `.log.times.1`) counted in; held while the disk
-    refuses writes too (`workers.ranklog`)."""
+    refuses writes too (`workers.runtime.ranklog`)."""
     tag_steps_max_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 34)
     """The most bytes the controller reads of one rank's step reports in a checkpoint tag
     (`<tag>/trident-steps/rank<r>.json`; 64 MiB holds a rank's whole buffer, 50,000 reports,
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
     each `tokens` job's global sample order, about 30 bytes a sample) that one user's jobs may
     hold (4 GiB): a user's least recently used entries that no running job reads make room
     first; a job whose order would still pass it is refused, at submission when its order
-    alone is bigger (`service.order_cache`)."""
+    alone is bigger (`service.files.order_cache`)."""
     order_cache_bytes: int = Field(default=16 << 30, ge=1 << 20, le=1 << 50)
     """The most bytes the whole sample-order cache may hold (16 GiB): past it, the least
     recently used entries that no running job reads are deleted; a build that would still
@@ -120,7 +121,7 @@ class Settings(BaseSettings):
     `spec_file_read_s` is refused the same way)."""
     data_checks: int = Field(default=4, ge=1, le=256)
     """Corpus checks (a submission's `data.train` and `data.valid` read at submission,
-    `service.data_check`) the server runs at once, across its API processes; a submission
+    `service.submission.data_check`) the server runs at once, across its API processes; a submission
     that finds none free within `data_check_wait_s` is a 503."""
     data_checks_per_user: int = Field(default=2, ge=1, le=256)
     """Corpus checks one user's submissions run at once; a submission that finds none of its
@@ -163,14 +164,14 @@ class Settings(BaseSettings):
     @field_validator("mlflow_uri")
     @classmethod
     def _mlflow_uri(cls, v: str) -> str:
-        from service.spec import check_uri
+        from service.contract.spec import check_uri
 
         return check_uri(v) if v else v
 
     @field_validator("mlflow_uris")
     @classmethod
     def _mlflow_uris(cls, v: str) -> str:
-        from service.spec import check_uri
+        from service.contract.spec import check_uri
 
         return ",".join(check_uri(u.strip()) for u in v.split(",") if u.strip())
 
@@ -227,5 +228,5 @@ class Settings(BaseSettings):
 
     @property
     def log_root(self) -> Path:
-        """Where rank logs live (`service.ranklogs`)."""
+        """Where rank logs live (`service.views.ranklogs`)."""
         return self.data_dir / "logs"

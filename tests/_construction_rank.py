@@ -1,5 +1,6 @@
 """One rank of the construction-memory test: set up as the trainer does, build this rank's
-engine (`workers.train.build_engine`), and print, as one JSON line, its resident memory (bytes)
+engine (`workers.trainer.train.build_engine`), and print, as one JSON line, its resident memory
+(bytes)
 before the construction (`before`), at the peak of the model's build (`built_peak`, read as
 `deepspeed.initialize` is entered) and at the peak of the whole construction (`peak`).
 Usage: python tests/_construction_rank.py SPEC_JSON RANK WORLD PORT."""
@@ -9,18 +10,17 @@ from __future__ import annotations
 import json
 import sys
 
-from workers import script_rank
+from workers.rank import script_rank
 
 
 def main() -> None:
     spec_json, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])
     r = script_rank.start(spec_json, rank, world, port)
-    from workers import train
-
+    from workers.trainer import train
     # Everything imported and the groups made: the peak from here is the construction's.
     script_rank.reset_peak()
     before = script_rank.status_kib("VmRSS")
-    from workers.deepspeed_import import deepspeed
+    from workers.runtime.deepspeed_import import deepspeed
     phases = {}
     initialize = deepspeed.initialize
 

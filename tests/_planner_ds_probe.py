@@ -69,7 +69,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any], dims: dict[str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
     torch.set_num_threads(1)
-    from workers.deepspeed_import import deepspeed
+    from workers.runtime.deepspeed_import import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     base = live_tensor_bytes()

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app
+from cli.main import app
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import migrated_sqlite, user_token
@@ -51,7 +51,7 @@ TINY = str(ROOT / "examples/tiny.yaml")
 def spawn(live: Live, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
     """`trident ARGS --server URL` as a process, its output lines collected as they come."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIDENT_TOKEN": user_token(live.store)}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args, "--server", live.url],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--server", live.url],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     out: list[str] = []

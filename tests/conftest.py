@@ -21,7 +21,7 @@ from service.planner import StoredPlan
 from service.store import Store
 
 if TYPE_CHECKING:
-    from service.controller import Controller
+    from service.control.controller import Controller
 
 PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -177,8 +177,8 @@ def tiny_spec(**over: object) -> dict[str, object]:
 
 def stored_plan(*, tp: int = 1, pp: int = 1, dp: int = 1) -> StoredPlan:
     """The plan the control plane stores for a small GPT on tp * pp * dp CPU ranks."""
-    from service.jobs import prepare
-    from service.spec import JobSpec
+    from service.contract.spec import JobSpec
+    from service.submission.intake import prepare
 
     spec = JobSpec.model_validate(tiny_spec(
         model={"layers": 8, "hidden": 64, "heads": 8, "vocab": 256, "seq_len": 32},
@@ -253,10 +253,10 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     """The API (a TestClient, an admin's token), its store and a controller on the real local
     Ray, with faults allowed: what the Ray end-to-end tests drive one pass at a time."""
     from api.app import create_app
-    from service.controller import Controller
-    from service.order_cache import ServerData
+    from service.control.controller import Controller
+    from service.files.order_cache import ServerData
     from service.settings import Settings
-    from workers.launcher import RayLauncher
+    from workers.launch.launcher import RayLauncher
 
     store = Store(migrated_sqlite(tmp_path / "e2e.db"))
     settings = Settings(data_dir=tmp_path, allow_faults=True)

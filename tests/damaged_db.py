@@ -8,10 +8,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from service.jobs import prepare
-from service.spec import JobSpec
-from service.states import JobState
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.store import Store
+from service.submission.intake import prepare
 from tests.conftest import tiny_spec
 
 

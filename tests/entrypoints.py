@@ -74,7 +74,7 @@ def tracked(ctx: Any) -> None:
     import os
     import time
 
-    from workers.tp import world_any
+    from workers.modeling.tp import world_any
 
     value = os.environ.get("TRIDENT_TEST_SECRET")
     digest = hashlib.sha256((value or "").encode()).hexdigest()
@@ -112,7 +112,7 @@ def ds_config_dump(ctx: Any) -> None:
 
     import torch
 
-    from workers.deepspeed_import import deepspeed
+    from workers.runtime.deepspeed_import import deepspeed
 
     model = torch.nn.Linear(4, 4)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

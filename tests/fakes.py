@@ -13,18 +13,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from service.checkpoints import CheckpointWriter
-from service.control_pass import Change, LiveAttempt, StepResult
-from service.controller import Controller
-from service.jobs import submit as submit_job
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.control_pass import Change, LiveAttempt, StepResult
+from service.control.controller import Controller
+from service.control.teardown import Teardowns
+from service.files.checkpoint_dirs import CheckpointWriter
 from service.monitor.attempt import AttemptHealth
 from service.planner import StoredPlan
-from service.protocols import NodeCapacity, PollResult
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Job, Store
 from service.store.tracking_exports import Export, Sink
-from service.teardown import Teardowns
+from service.submission.intake import submit as submit_job
 from service.tracking.scalars import StepScalars
 from service.tracking.sinks import TrackerDown, TrackerRefused
 from tests.conftest import stored_plan, tiny_spec
@@ -197,7 +197,8 @@ def job(job_id: int, *, world: int, tp: int = 1, cpus: float = 1, gpus: float = 
 
 
 class FakeLoop:
-    """The controller's loop as its collaborators (`service.control_pass.Loop`) see it: moves go
+    """The controller's loop as its collaborators (`service.control.control_pass.Loop`) see it:
+    moves go
     through the store, groups are stopped by real `Teardowns`, every other call is recorded."""
 
     def __init__(self, store: Store, teardowns: Teardowns) -> None:

@@ -2,7 +2,8 @@
 
 A spawned rank imports torch and DeepSpeed again (several CPU-seconds each, and the suite starts
 a few hundred ranks). These processes are forked from a fork server (`multiprocessing`'s
-"forkserver") whose server imported `workers.train` when it started, once per test process: a
+"forkserver") whose server imported `workers.trainer.train` when it started, once per test process:
+a
 rank's process starts in milliseconds. A forked process starts from the server's state, not the
 test's: `process` gives it the test's environment as it is when the process is made, and the
 target's module is imported in the child as with spawn.
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["workers.train", "torch._dynamo"]
+PRELOAD = ["workers.trainer.train", "torch._dynamo"]
 """What the server imports: the trainer (torch, DeepSpeed), and `torch._dynamo`, which every
 rank's first optimizer imports (torch's `Optimizer.add_param_group` is wrapped in
 `torch._disable_dynamo`, which imports it on its first call): about 1.5 s of CPU per rank on

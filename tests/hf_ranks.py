@@ -4,7 +4,8 @@ restores a checkpoint tag, and writes the whole vocabulary's logits of fixed tok
 
 Driven by the spec's `env`: `TRIDENT_TEST_OUT` the folder the logits go to (`logits.pt`, by
 the rank on the last stage with TP and DP rank 0; and `full.pt`, every full tensor as
-`workers.full_state.gather_full` joins them on rank 0), `TRIDENT_TEST_STEP` a tag to load from
+`workers.checkpoint.full_state.gather_full` joins them on rank 0), `TRIDENT_TEST_STEP` a tag to
+load from
 the job's checkpoint folder first. Used by tests/test_hf_models.py through `run_ranks`."""
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from service.parallel import Dim
+from service.contract.parallel import Dim
 from service.planner.shape import ModelShape
-from workers import checkpoint
-from workers.full_state import gather_full
-from workers.model import full_logits
-from workers.train import build_engine
+from workers.checkpoint import saving as checkpoint
+from workers.checkpoint.full_state import gather_full
+from workers.modeling.model import full_logits
+from workers.trainer.train import build_engine
 
 TOKENS_SEED = 7
 

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from service.contract.states import JobState
 from service.settings import Settings
-from service.states import JobState
 from service.store import Store
 from service.store.lease import Leader
 from service.store.tables import utcnow

@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from api.app import create_app
-from service.jobs import submit
+from service.contract.spec import JobSpec
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from service.store.identity import Identity
 from service.store.lease import Leader
+from service.submission.intake import submit
 from tests.conftest import PG_ADMIN_URL, scratch_pg_database, tiny_spec, user_token
 
 FUZZER = "fuzzer"

@@ -21,14 +21,14 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, api_routes, csrf_token
-from service.jobs import Submitter
-from service.jobs import submit as submit_job
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.identity import Identity
 from service.store.stack_requests import StackRequests
+from service.submission.intake import Submitter
+from service.submission.intake import submit as submit_job
 from tests.conftest import tiny_spec
 
 ROLES = ("admin", "member", "viewer")

@@ -25,12 +25,12 @@ pytest.importorskip("playwright")
 from playwright.sync_api import Page, expect  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-from service.controller import Controller  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
 from tests.servers import HTTP, serving  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service import hf_config
-from service.checkpoint_tags import DAMAGED, MARKER, file_digest, recorded, tag_files
-from service.jobs import submit as submit_job
-from service.protocols import PollResult
-from service.spec import JobSpec
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract import hf_config
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.worker_reports import store_poll
+from service.files.checkpoint_tags import DAMAGED, MARKER, file_digest, recorded, tag_files
 from service.store import AttemptStatus, Store
 from service.store.metrics import MetricsIngest
-from service.worker_reports import store_poll
+from service.submission.intake import submit as submit_job
 from tests.fakes import FakeLauncher, make
 from tests.waiting import drive
 from tests.workers_spawn import run_ranks

@@ -17,19 +17,19 @@ ray = pytest.importorskip("ray")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-from service.checkpoints import RULE, CheckpointPlaces, CheckpointWriter, read_writer  # noqa: E402
-from service.controller import Controller  # noqa: E402
-from service.jobs import Submitter  # noqa: E402
-from service.jobs import submit as submit_job  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
+from service.files.checkpoint_dirs import RULE, CheckpointPlaces, CheckpointWriter, read_writer  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
+from service.submission.intake import Submitter  # noqa: E402
+from service.submission.intake import submit as submit_job  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
 from tests.smallfs import snapshot  # noqa: E402
 from tests.waiting import drive  # noqa: E402
-from workers.group import NAMESPACE, RayWorkerGroup  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.group import NAMESPACE, RayWorkerGroup  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

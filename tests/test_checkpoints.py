@@ -15,7 +15,11 @@ import pytest
 
 from api.app import create_app
 from api.schemas import JobOut
-from service.checkpoints import (
+from service.cluster.data_plane import PollResult
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.files.checkpoint_dirs import (
     RECORD,
     RULE,
     CheckpointPlaces,
@@ -25,14 +29,10 @@ from service.checkpoints import (
     read_writer,
     refusal,
 )
-from service.controller import Controller
-from service.jobs import Submitter
-from service.jobs import submit as submit_job
-from service.protocols import PollResult
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import AttemptStatus, Store
+from service.submission.intake import Submitter
+from service.submission.intake import submit as submit_job
 from tests.conftest import authed_client, tiny_spec
 from tests.fakes import FakeLauncher
 

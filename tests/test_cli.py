@@ -14,7 +14,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from cli.main import app
 from service.settings import Settings
 from tests.servers import HTTP, ROOT, admin_headers, free_port, wait_healthy
 
@@ -81,7 +81,7 @@ def test_yaml_numbers_are_numbers(tmp_path: Path) -> None:
 def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The first answer is lost after the server queued the job; the retry gets that job."""
-    import api.cli_jobs
+    import cli.jobs
     from client.rest import TridentClient
 
     keys: list[str] = []
@@ -97,7 +97,7 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
                     raise httpx.ReadError("connection reset", request=request)
             return response
 
-    monkeypatch.setattr(api.cli_jobs, "connect", lambda s: TridentClient(
+    monkeypatch.setattr(cli.jobs, "connect", lambda s: TridentClient(
         s, transport=LosesFirstAnswer()))
     r = runner.invoke(app, ["submit", str(ROOT / "examples/tiny.yaml"), "-d", "--server",
                             server])
@@ -142,7 +142,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     finally:
         up.terminate()
         out, _ = up.communicate(timeout=60)
-        from service.rayhead import stop_recorded_head
+        from service.cluster.rayhead import stop_recorded_head
 
         left_up = stop_recorded_head(tmp_path)  # only if a job was still active
     assert f"its API token is in {tmp_path / 'admin.token'}" in out, out
@@ -150,7 +150,7 @@ def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
     log = (tmp_path / "controller.log").read_text()
     assert "signal SIGTERM: stopping" in log and re.search(r"controller \S+ stopped", log), log
     # No job is active: the Ray head `trident up` started stops with it.
-    from service.rayhead import answers, live_head
+    from service.cluster.rayhead import answers, live_head
 
     assert not left_up, out
     head = re.search(r"ray head at (\S+)", out)
@@ -222,7 +222,7 @@ def test_trident_ups_first_start_says_where_the_admin_token_is(
     """What `trident up` prints before it starts anything (the slow demo test runs it all):
     the database opened (`service.store.opening`, which `python -m api.serve` calls too),
     its first admin made once."""
-    from api.cli_identity import open_database
+    from cli.identity import open_database
     from service.store import opening
 
     settings = Settings(data_dir=tmp_path)

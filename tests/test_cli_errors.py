@@ -20,9 +20,9 @@ import pytest
 import typer
 from typer.testing import CliRunner, Result
 
-from api.cli import app
-from api.cli_common import first_sentence
-from service.states import JobState
+from cli.common import first_sentence
+from cli.main import app
+from service.contract.states import JobState
 from tests.cli_stack import Live
 from tests.conftest import user_token
 from tests.servers import free_port

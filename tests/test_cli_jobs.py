@@ -15,9 +15,9 @@ import click
 import pytest
 import typer
 
-from api.cli import app
+from cli.main import app
 from client import rest as client
-from service.states import JobState
+from service.contract.states import JobState
 from service.store import Store
 from tests.cli_stack import Live, runner
 from tests.conftest import record_steps, user_token

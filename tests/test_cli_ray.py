@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from service.controller import Controller  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
 from tests.cli_stack import (  # noqa: E402  # noqa: E402
     TINY,  # noqa: E402
     Live,
@@ -23,7 +23,7 @@ from tests.cli_stack import (  # noqa: E402  # noqa: E402
     spawn,
 )
 from tests.waiting import wait_for  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

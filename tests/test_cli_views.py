@@ -23,16 +23,16 @@ import yaml
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app
-from api.cli_describe import ranges
-from api.cli_format import columns, span
-from service.jobs import Submitter, submit
+from cli.describe import ranges
+from cli.format import columns, span
+from cli.main import app
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.heartbeats import HeartbeatLog
 from service.store.views import AttemptStatus
+from service.submission.intake import Submitter, submit
 from tests.conftest import record_steps, tiny_spec
 from tests.servers import HTTP, serving
 
@@ -219,8 +219,8 @@ def test_status_watch_prints_each_refresh(stack: tuple[str, dict[str, int]]) -> 
 
 STACKS_ON_USR1 = ("import faulthandler, runpy, signal, sys;"
                   " faulthandler.register(signal.SIGUSR1, all_threads=True);"
-                  " sys.argv[0] = 'trident'; runpy.run_module('api.cli', run_name='__main__')")
-"""`python -m api.cli`, which also writes every thread's stack to stderr at SIGUSR1."""
+                  " sys.argv[0] = 'trident'; runpy.run_module('cli.main', run_name='__main__')")
+"""`python -m cli.main`, which also writes every thread's stack to stderr at SIGUSR1."""
 
 
 def as_a_shell_starts_it() -> None:
@@ -370,7 +370,7 @@ def test_a_job_whose_losses_were_not_finite_says_so_wherever_its_loss_is_shown(
     # a fake launcher): FAILED, and its last loss reads NaN/inf in `trident status`,
     # `describe`, the API and the dashboard's jobs table, not a blank like a job that
     # reported no loss, nor a number.
-    from service.protocols import PollResult
+    from service.cluster.data_plane import PollResult
     from tests.fakes import FakeLauncher, make, step_report
     from tests.fakes import submit as submit_spec
     from tests.waiting import DEADLINE_S, drive

@@ -15,17 +15,17 @@ ray = pytest.importorskip("ray")
 from typer.testing import CliRunner  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-from api.cli import app  # noqa: E402
-from service.controller import Controller  # noqa: E402
-from service.jobs import submit  # noqa: E402
+from cli.main import app  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
 from service.store import Store  # noqa: E402
+from service.submission.intake import submit  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
 from tests.servers import serving  # noqa: E402
 from tests.waiting import drive, drive_until  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""Comparing runs: `service.comparison`, `GET /compare` through the real app, and
+"""Comparing runs: `service.views.side_by_side`, `GET /compare` through the real app, and
 `trident compare` / `trident tensorboard` against a live API server; the jobs' steps are
 written through the store as the controller writes them (no Ray). The page in a browser is
 tests/test_browser.py's."""
@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from service.comparison import differences, flatten
-from service.jobs import Submitter, submit
-from service.protocols import StepReport
-from service.spec import JobSpec
-from service.states import JobState
+from service.contract.reports import StepReport
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.metrics import MetricsIngest
+from service.submission.intake import Submitter, submit
 from service.tracking.config import TrackingConfig
+from service.views.side_by_side import differences, flatten
 from tests.cli_stack import Live
 from tests.conftest import tiny_spec
 from tests.servers import HTTP
@@ -150,7 +150,7 @@ def test_tensorboard_serve_starts_tensorboard_on_loopback_on_the_jobs_files(live
     a = trained(live.store, name="a", lr=0.001, steps=4, tracking=cfg)
     Exporter(live.store, cfg.make_sink, allowed=cfg.allows, settle_s=0).cycle()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "tensorboard", str(a.id), "--serve",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "tensorboard", str(a.id), "--serve",
                              "--port", str(port), "--server", live.url],
                             env=dict(os.environ), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

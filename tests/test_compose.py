@@ -23,9 +23,9 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from api.cli import app as cli_app
+from cli.main import app as cli_app
+from service.cluster.supervisor import run_controller
 from service.settings import Settings
-from service.supervisor import run_controller
 
 ROOT = Path(__file__).resolve().parent.parent
 TRIDENT_PREFIX = Settings.model_config.get("env_prefix", "")
@@ -206,7 +206,7 @@ def test_the_healthchecks_check_what_the_services_run(
     assert pg["environment"]["POSTGRES_USER"] in pg["healthcheck"]["test"]
     checks = {name: s["healthcheck"]["test"][1:] for name, s in trident(services).items()}
     for name, test in checks.items():
-        assert test[:3] == ["python", "-m", "api.healthcheck"], name
+        assert test[:3] == ["python", "-m", "api.compose_check"], name
     port = re.search(r"--port (\d+)", command(services["api"]))
     assert port and checks["api"][3:] == ["api", f"http://127.0.0.1:{port.group(1)}"]
     assert checks["controller"][3:] == ["controller"]

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.checkpoints import RULE, CheckpointWriter, claim
+from service.files.checkpoint_dirs import RULE, CheckpointWriter, claim
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import tiny_spec, user_token

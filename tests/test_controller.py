@@ -11,9 +11,10 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from service.hardware import get_profile
-from service.protocols import HeartbeatReport, PollResult
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract.hardware import get_profile
+from service.contract.reports import HeartbeatReport
+from service.contract.states import JobState
 from service.store import AttemptStatus, ProbeStatus, Store
 from service.store.tables import JobRow
 from tests.fakes import FakeLauncher, make, step_report, stopped, submit

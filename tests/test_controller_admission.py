@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from service import controller as controller_mod
-from service.protocols import PollResult
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
+from service.control import controller as controller_mod
 from service.store import AttemptStatus, Store
 from tests.fakes import FakeLauncher, FakeRoomLauncher, make, submit
 from tests.waiting import drive

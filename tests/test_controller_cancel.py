@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from service.protocols import PollResult
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
 from service.store import AttemptStatus, Store
 from tests.fakes import FakeLauncher, make, step_report, stopped, submit
 

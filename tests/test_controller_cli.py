@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from cli.main import app
 from service.store import Store
 from service.store.lease import CONTROLLER, Leases
 from tests.waiting import wait_for
@@ -33,7 +33,7 @@ def test_trident_controller_restarts_a_killed_daemon_and_stops_on_sigterm(
     assert held
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIDENT_")}
     env.update(TRIDENT_DATABASE_URL=url, TRIDENT_DATA_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "controller"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "controller"], env=env,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines: list[str] = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.protocols import PollResult
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
 from service.store import AttemptStatus, Store
 from service.store.metrics import MetricsIngest
 from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from service import corpus
-from service.corpus_prepare import Gpt2, PrepareError, inspect, prepare
+from service.files import corpus
+from service.files.corpus_prepare import Gpt2, PrepareError, inspect, prepare
 
 
 def _megatron():
@@ -152,7 +152,7 @@ def test_header_refusals(tmp_path):
 def test_cli_prepare_and_inspect(tmp_path):
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from cli.main import app
 
     (tmp_path / "a.txt").write_text("Hello world. " * 50)
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "Second document."}) + "\n")

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.jobs import submit
-from service.rank_status import rank_status
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.charts import job_series
 from service.store.dashboard import jobs_page, queue
 from service.store.heartbeats import HeartbeatLog
+from service.submission.intake import submit
+from service.views.rank_status import rank_status
 from tests.conftest import authed_client, record_steps, tiny_spec
 
 VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
@@ -348,7 +348,7 @@ def test_a_place_in_the_queue_is_counted_from_the_index_alone(sqlite_store: Stor
 def test_series_carry_the_recipe_and_the_job_page_its_deepspeed_config(client: Any) -> None:
     import html
 
-    from service.ds_config import deepspeed_config
+    from service.contract.ds_config import deepspeed_config
     from service.store.metrics import MetricsIngest
 
     c, store = client

@@ -1,5 +1,6 @@
-"""A submission costs what its spec says, not what its corpora weigh (`service.data_check`,
-`service.corpus`): a header check takes the same memory for 8x the sequences, a corpus listed
+"""A submission costs what its spec says, not what its corpora weigh
+(`service.submission.data_check`,
+`service.files.corpus`): a header check takes the same memory for 8x the sequences, a corpus listed
 128 times is read once, checks beyond the server's and the user's bounds wait and are then
 refused, and a slow check does not spend `parallel: auto`'s search budget."""
 
@@ -20,10 +21,10 @@ import numpy as np
 import pytest
 
 from api.app import create_app
-from service import corpus
-from service.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
+from service.files import corpus
 from service.settings import Settings
 from service.store import Store
+from service.submission.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from tests.conftest import tiny_spec, user_token
 from tests.corpora import write_corpus
 from tests.servers import ROOT, serving
@@ -46,7 +47,7 @@ def write_many_sequences(prefix: Path, n: int) -> None:
 
 PEAK_RSS = """
 import resource, sys
-from service.corpus import read_header
+from service.files.corpus import read_header
 h = read_header(sys.argv[1])
 print(h.sequences, h.tokens, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
@@ -192,7 +193,7 @@ def test_a_slow_data_check_does_not_spend_the_search_budget(
 HOLDER = """
 import sys
 from pathlib import Path
-from service.data_check import CheckSlots
+from service.submission.data_check import CheckSlots
 with CheckSlots(Path(sys.argv[1]), total=1, per_user=1, wait_s=0).held("carol"):
     print("held", flush=True)
     sys.stdin.read()

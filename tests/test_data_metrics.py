@@ -10,13 +10,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from service.jobs import submit
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.charts import job_series
 from service.store.metrics import MetricsIngest
+from service.submission.intake import submit
 from tests.conftest import authed_client, tiny_spec
 
 

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from api.app import create_app
-from service.data_check import changed, fingerprint
+from service.contract.spec import CorpusRef, JobSpec
 from service.settings import Settings
-from service.spec import CorpusRef, JobSpec
 from service.store import Store
+from service.submission.data_check import changed, fingerprint
 from tests.conftest import tiny_spec, user_token
 from tests.corpora import write_corpus
 

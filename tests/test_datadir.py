@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.datadir import InUse, hold, holder
+from service.files.datadir import InUse, hold, holder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> N
 def test_the_lock_goes_with_a_killed_holder_and_not_to_its_children(tmp_path: Path) -> None:
     """A holder that started a child (as `trident up` starts its Ray head, which outlives
     it) and was killed with SIGKILL: the directory is free although the child lives on."""
-    code = (f"import subprocess, sys, time; from service.datadir import hold;"
+    code = (f"import subprocess, sys, time; from service.files.datadir import hold;"
             f" hold(__import__('pathlib').Path({str(tmp_path)!r}));"
             " child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
             " print(child.pid, flush=True); time.sleep(600)")

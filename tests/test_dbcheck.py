@@ -18,8 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.cli import _stop_head
-from service.daemon import DATABASE_UNREADABLE
+from cli.main import _stop_head
+from service.control.daemon import DATABASE_UNREADABLE
 from service.settings import Settings
 from service.store import Store
 from service.store.dbcheck import Unreadable, check, describe, readable
@@ -99,7 +99,7 @@ def test_each_entry_point_refuses_a_damaged_database_in_one_line(tmp_path: Path,
     fill_jobs(tmp_path / "trident.db", 3)
     damage_header(tmp_path / "trident.db")
     argv = {"trident controller": [str(Path(sys.executable).parent / "trident"), "controller"],
-            "daemon": [sys.executable, "-m", "service.daemon"],
+            "daemon": [sys.executable, "-m", "service.control.daemon"],
             "uvicorn api.app:app": [sys.executable, "-m", "uvicorn", "--factory", "api.app:app",
                                     "--port", str(free_port())],
             "python -m api.serve": [sys.executable, "-m", "api.serve", "--port",
@@ -197,7 +197,7 @@ def test_the_daemon_logs_a_damaged_database_in_one_line_per_failed_pass(
     import threading
     import time
 
-    import service.daemon as daemon
+    import service.control.daemon as daemon
     from tests.fakes import FakeLauncher
 
     fill_jobs(tmp_path / "trident.db", 200)
@@ -235,7 +235,7 @@ def test_the_daemon_logs_each_postgres_outage_in_one_line_and_says_when_it_is_ba
     import threading
     import time
 
-    import service.daemon as daemon
+    import service.control.daemon as daemon
     from tests._private_pg import PrivatePostgres
     from tests.fakes import FakeLauncher
 
@@ -292,7 +292,7 @@ def test_a_daemon_started_while_postgres_is_away_waits_for_it_in_two_lines(
     import threading
     import time
 
-    import service.daemon as daemon
+    import service.control.daemon as daemon
     from tests._private_pg import PrivatePostgres
 
     caplog.set_level("INFO", logger="trident.controller")

@@ -1,4 +1,5 @@
-"""DeepSpeed is imported without MLflow (`workers.deepspeed_import`): a rank's process does not
+"""DeepSpeed is imported without MLflow (`workers.runtime.deepspeed_import`): a rank's process does
+not
 pay for MLflow's import, which DeepSpeed's autotuner tries and Trident never uses, and MLflow
 stays importable afterwards for whoever wants it; and DeepSpeed's CPU shared-memory op is never
 built (a compile under a lock file that a killed rank leaves behind); and DeepSpeed's Muon
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_ranks_imports_leave_mlflow_out_and_importable() -> None:
     code = (
         "import sys\n"
-        "import workers.train\n"
+        "import workers.trainer.train\n"
         "print('mlflow' in sys.modules)\n"
         "from deepspeed.autotuning import autotuner\n"
         "print(autotuner.has_mlflow)\n"
@@ -40,7 +41,7 @@ def _deepspeed_at_top(tree: ast.Module) -> list[str]:
         else:
             continue
         out += [n for n in names if n.split(".")[0] == "deepspeed"
-                or n == "workers.deepspeed_import"]
+                or n == "workers.runtime.deepspeed_import"]
     return out
 
 
@@ -48,13 +49,13 @@ def test_the_workers_modules_import_deepspeed_through_the_helper_first() -> None
     for path in sorted((ROOT / "workers").glob("*.py")):
         seen = _deepspeed_at_top(ast.parse(path.read_text()))
         if seen and path.name != "deepspeed_import.py":
-            assert seen[0] == "workers.deepspeed_import", (path.name, seen)
+            assert seen[0] == "workers.runtime.deepspeed_import", (path.name, seen)
 
 
 def test_the_check_sees_a_direct_import() -> None:
     tree = ast.parse("import os\nfrom deepspeed.pipe import PipelineModule\n"
-                     "from workers.deepspeed_import import deepspeed\n")
-    assert _deepspeed_at_top(tree) == ["deepspeed.pipe", "workers.deepspeed_import"]
+                     "from workers.runtime.deepspeed_import import deepspeed\n")
+    assert _deepspeed_at_top(tree) == ["deepspeed.pipe", "workers.runtime.deepspeed_import"]
 
 
 def one_cpu_rank(tmp_path: Path, body: str, **env: str) -> tuple[str, Path]:
@@ -62,7 +63,7 @@ def one_cpu_rank(tmp_path: Path, body: str, **env: str) -> tuple[str, Path]:
     in a process of its own, with an extensions folder of the test's: its stdout, and that
     folder (absent unless something was compiled)."""
     code = ("import sys, torch, torch.distributed as dist\n"
-            "from workers.deepspeed_import import deepspeed\n"
+            "from workers.runtime.deepspeed_import import deepspeed\n"
             f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}',"
             " rank=0, world_size=1)\n" + body)
     extensions = tmp_path / "torch_extensions"
@@ -96,8 +97,8 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
     they find the stand-ins, so torch's inductor compiler (`torch._inductor.compile_fx`, which
     Muon's `torch.compile`d kernels import; with the real modules it is imported by
     `initialize`) is never imported, and the steps train as before (the loss falls)."""
-    # torch's AdamW, as Trident's CPU ranks use (`service.ds_config`): DeepSpeed's own would
-    # compile its fused op into the extensions folder first.
+    # torch's AdamW, as Trident's CPU ranks use (`service.contract.ds_config`): DeepSpeed's own
+    # would compile its fused op into the extensions folder first.
     out, extensions = one_cpu_rank(tmp_path, (
         "for stage in (1, 2, 3):\n"
         "    torch.manual_seed(0)\n"
@@ -119,6 +120,6 @@ def test_zero_steps_run_without_muons_kernels_or_torchs_inductor(tmp_path: Path)
         "print(original_muon.__doc__)\n"), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     assert out.splitlines()[-5:] == [
         "1 True", "2 True", "3 True", "False",
-        "DeepSpeed's Muon, never used by Trident's ranks (workers.deepspeed_import)."], \
+        "DeepSpeed's Muon, never used by Trident's ranks (workers.runtime.deepspeed_import)."], \
         out[-3000:]
     assert not extensions.exists(), sorted(extensions.rglob("*"))

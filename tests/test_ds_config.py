@@ -1,4 +1,4 @@
-"""The spec's `deepspeed:` section (`service.ds_config`): allowed keys pass through to the
+"""The spec's `deepspeed:` section (`service.contract.ds_config`): allowed keys pass through to the
 config the ranks give `deepspeed.initialize`, which `trident plan --deepspeed-config` prints;
 a key the spec decides is refused unless it repeats the spec's value, naming the key and the
 spec field; any other key is refused with the allow list."""
@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app
-from service.ds_config import deepspeed_config
+from cli.main import app
+from service.contract.ds_config import deepspeed_config
+from service.contract.spec import JobSpec
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from tests.conftest import authed_client, tiny_spec
 from tests.workers_spawn import run_ranks
@@ -99,12 +99,12 @@ against each other on each."""
 
 
 def test_every_value_trident_lets_through_is_one_deepspeed_takes() -> None:
-    # Trident's rules (service.ds_config.VALUES, the service imports no deepspeed) against
+    # Trident's rules (service.contract.ds_config.VALUES, the service imports no deepspeed) against
     # DeepSpeed's own: its ZeRO config model, and its reading of the communication dtypes.
     from deepspeed.runtime.config import get_communication_data_type
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from service.ds_config import ALLOWED_ZERO, value_refusal
+    from service.contract.ds_config import ALLOWED_ZERO, value_refusal
 
     def deepspeed_takes(key: str, value: object) -> bool:
         try:

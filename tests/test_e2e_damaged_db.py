@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.rayhead import answers, live_head
+from service.cluster.rayhead import answers, live_head
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
 from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up, alive
@@ -57,7 +57,7 @@ def test_damage_under_a_running_stack_is_503_and_sigterm_stops_what_it_started(
         assert head is not None
         started = psutil.Process(up.proc.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in started)
-        assert "gcs_server" in names and "service.daemon" in names, names
+        assert "gcs_server" in names and "service.control.daemon" in names, names
 
         damage_pages(db, pages)  # under the running API and controller
         assert "malformed" in malformed(db)

@@ -14,10 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from service import corpus
-from service.data_check import held_out
-from service.order_cache import OrderCache, ServerData
-from service.states import JobState
+from service.contract.states import JobState
+from service.files import corpus
+from service.files.order_cache import OrderCache, ServerData
+from service.submission.data_check import held_out
 from tests.conftest import tiny_spec
 from tests.corpora import write_corpus
 from tests.waiting import drive
@@ -47,7 +47,7 @@ def test_real_text_trains_below_the_unigram_entropy(stack, tmp_path) -> None:
             shutil.copyfile(path, texts / (os.path.basename(path) + ".txt"))
     (tmp_path / "corpora").mkdir()
     prefix = str(tmp_path / "corpora" / "licenses")
-    done = subprocess.run([sys.executable, "-m", "api.cli", "data", "prepare",
+    done = subprocess.run([sys.executable, "-m", "cli.main", "data", "prepare",
                            *sorted(glob.glob(f"{texts}/*.txt")), "--tokenizer", "gpt2",
                            "--out", prefix, "--workers", "2"],
                           capture_output=True, text=True, timeout=600, check=False)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from service.rayhead import answers, live_head, stop_recorded_head
+from service.cluster.rayhead import answers, live_head, stop_recorded_head
 from tests._private_pg import PrivatePostgres
 from tests.conftest import tiny_spec
 from tests.servers import HTTP, free_port
 from tests.up import Up, alive, last_step
 from tests.waiting import wait_for
-from workers.checkpoint import MARKER
+from workers.checkpoint.saving import MARKER
 
 pytestmark = pytest.mark.slow
 

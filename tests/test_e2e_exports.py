@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.checkpoint_tags import MARKER, tag
-from service.checkpoints import default_folder
+from service.contract.spec import ModelSpec
+from service.files.checkpoint_dirs import default_folder
+from service.files.checkpoint_tags import MARKER, tag
 from service.planner.shape import ModelShape
-from service.spec import ModelSpec
 from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up
-from workers.model import GPT
-from workers.tags import LAYOUT
+from workers.checkpoint.tag_forms import LAYOUT
+from workers.modeling.model import GPT
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def _open(up: Up, job: int) -> httpx.Response:
 
 def _cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
     token = (up.data_dir / "admin.token").read_text().strip()
-    return subprocess.run([sys.executable, "-m", "api.cli", *args, "--server", up.server],
+    return subprocess.run([sys.executable, "-m", "cli.main", *args, "--server", up.server],
                           env={**os.environ, "PYTHONPATH": str(ROOT), "TRIDENT_TOKEN": token},
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.rayhead import stop_recorded_head
+from service.cluster.rayhead import stop_recorded_head
 from tests.conftest import tiny_spec
 from tests.servers import HTTP, free_port
 from tests.smallfs import Filler, fill_last_page, small_fs
 from tests.up import Up, last_step
 from tests.waiting import wait_for
-from workers.checkpoint import MARKER
+from workers.checkpoint.saving import MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def daemon_pid(up: Up) -> int | None:
     """The controller daemon `trident up` runs now, if any."""
     for child in psutil.Process(up.proc.pid).children():
         try:
-            if "service.daemon" in child.cmdline():
+            if "service.control.daemon" in child.cmdline():
                 return int(child.pid)
         except psutil.Error:  # it just ended
             pass

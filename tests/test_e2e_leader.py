@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs import submit
-from service.rayhead import RayHead
-from service.spec import JobSpec
-from service.states import JobState
+from service.cluster.rayhead import RayHead
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.store import Store
 from service.store.lease import CONTROLLER, Lease, Leases
 from service.store.tables import utcnow
+from service.submission.intake import submit
 from tests.conftest import tiny_spec
 from tests.waiting import wait_for
 

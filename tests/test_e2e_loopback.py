@@ -1,7 +1,7 @@
 """Nothing of the embedded stack can be reached from another host: every socket that `trident
 up`, its controller, its Ray head and the head's processes and workers listen on is on
 loopback, while a job runs too (its ranks' rendezvous store and gloo sockets,
-`workers.rendezvous`); so is the Ray the controller daemon starts inside itself when it runs
+`workers.runtime.rendezvous`); so is the Ray the controller daemon starts inside itself when it runs
 alone. Real processes, real Ray, a real job through the API; the sockets as the kernel lists
 them (`psutil.net_connections`)."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.rayhead import UNUSED_OFF_ENV, answers, live_head
+from service.cluster.rayhead import UNUSED_OFF_ENV, answers, live_head
 from tests.conftest import tiny_spec
 from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up
@@ -67,7 +67,7 @@ def ray_worker(cmd: str) -> bool:
 NODE_SERVERS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "dashboard.py")
 """The Ray processes of a head that listen: `ray start --head` adds its client server, and
 the daemon's own Ray (`ray.init`) its autoscaler monitor, which `trident up`'s head leaves
-out (`service.rayhead.NO_AUTOSCALER_MONITOR`)."""
+out (`service.cluster.rayhead.NO_AUTOSCALER_MONITOR`)."""
 
 
 def all_listening(pids: dict[int, str], servers: tuple[str, ...]) -> bool:
@@ -135,7 +135,7 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         up.wait_healthy()
         controller = up.controller_pid()
         # The controller is a Ray driver: it listens for Ray's calls once connected.
-        servers = (*NODE_SERVERS, "ray.util.client.server", "service.daemon")
+        servers = (*NODE_SERVERS, "ray.util.client.server", "service.control.daemon")
         wait_for("every server of the stack listening",
                  lambda: all_listening(tree(up.proc.pid), servers), 180, up.log)
         head = live_head(tmp_path)
@@ -147,9 +147,9 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         assert ("127.0.0.1", port) in [(a, p) for a, p, _ in sockets]  # the API
         check_all_on_loopback(pids)
         check_metrics_off(pids)
-        # No log monitor (`service.rayhead.NO_LOG_MONITOR`): the ranks write rank logs.
+        # No log monitor (`service.cluster.rayhead.NO_LOG_MONITOR`): the ranks write rank logs.
         assert not [c for c in pids.values() if "log_monitor" in c], pids
-        # Nor an autoscaler monitor (`service.rayhead.NO_AUTOSCALER_MONITOR`).
+        # Nor an autoscaler monitor (`service.cluster.rayhead.NO_AUTOSCALER_MONITOR`).
         assert not [c for c in pids.values() if "autoscaler/_private/monitor.py" in c], pids
         assert head is not None and head.startswith("127.0.0.1:"), head
         # The ranks are processes of the stack, and they listen: rank 0 its rendezvous store
@@ -170,12 +170,12 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
 
 
 def test_the_daemon_alone_starts_its_ray_on_loopback(tmp_path: Path) -> None:
-    """`python -m service.daemon` without TRIDENT_RAY_ADDRESS: a Ray inside the daemon."""
+    """`python -m service.control.daemon` without TRIDENT_RAY_ADDRESS: a Ray inside the daemon."""
     env = {k: v for k, v in os.environ.items() if k != "TRIDENT_RAY_ADDRESS"}
     env.update(TRIDENT_DATA_DIR=str(tmp_path), PYTHONPATH=str(ROOT),
                TRIDENT_POLL_INTERVAL_S="0.2", TRIDENT_LEASE_S="3")
     log = (tmp_path / "daemon.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "service.daemon"], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "service.control.daemon"], env=env, cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for("the Ray of the daemon listening, with a worker",

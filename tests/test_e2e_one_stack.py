@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from service.rayhead import answers, live_head, stop_recorded_head
+from service.cluster.rayhead import answers, live_head, stop_recorded_head
 from tests.servers import HTTP, ROOT, free_port
 from tests.up import Up
 

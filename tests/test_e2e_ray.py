@@ -11,14 +11,14 @@ ray = pytest.importorskip("ray")
 
 from sqlalchemy import update  # noqa: E402
 
-from service.controller import Controller  # noqa: E402
-from service.states import JobState  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.store.tables import JobRow  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.waiting import drive, drive_until  # noqa: E402
-from workers.comm_probe import job_sizes  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
+from workers.monitor.comm_probe import job_sizes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

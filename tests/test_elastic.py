@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.controller import Controller
-from service.elastic import ElasticState, conversion_refusal, reachable, replan
-from service.jobs import submit as submit_job
-from service.protocols import NodeCapacity, PollResult
-from service.spec import JobSpec, ParallelSpec
-from service.states import JobState
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.spec import JobSpec, ParallelSpec
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.policy.elastic_replan import ElasticState, conversion_refusal, reachable, replan
 from service.store import AttemptStatus, Store
+from service.submission.intake import submit as submit_job
 from tests.conftest import tiny_spec
 from tests.fakes import FakeNodesLauncher
 from tests.fakes import job as make_job
@@ -111,7 +111,7 @@ def test_layouts_the_conversion_cannot_move_are_refused_by_name(layout: dict[str
     assert refusal is not None and words in refusal
     assert conversion_refusal(ParallelSpec(dp=4, zero=1), "bf16") is None
     assert conversion_refusal(ParallelSpec(dp=4, zero=0), "fp32") is None
-    # TP, PP and ZeRO-3 move through the layout-free form (workers.layout_free).
+    # TP, PP and ZeRO-3 move through the layout-free form (workers.checkpoint.layout_free).
     for moves in ({"tp": 2, "dp": 1, "zero": 1}, {"pp": 2, "dp": 1, "zero": 1},
                   {"dp": 2, "zero": 3}):
         assert conversion_refusal(ParallelSpec.model_validate(moves), "bf16") is None

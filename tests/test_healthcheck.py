@@ -1,4 +1,4 @@
-"""The containers' health checks (`python -m api.healthcheck`), against a real API, a real
+"""The containers' health checks (`python -m api.compose_check`), against a real API, a real
 store and its lease; the Ray node check against a stand-in agent."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.healthcheck import check_api, check_controller, check_ray, main
+from api.compose_check import check_api, check_controller, check_ray, main
 from service.settings import Settings
 from service.store import Store
 from service.store.lease import CONTROLLER, Leases

@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from service.heap import freeze_startup_objects
+from service.control.heap import freeze_startup_objects
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_the_uvicorn_factory_freezes_the_app_it_builds(unfrozen, tmp_path, monke
 def test_the_controller_daemon_freezes_once_it_leads(unfrozen, tmp_path, monkeypatch):
     import threading
 
-    import service.daemon as daemon
+    import service.control.daemon as daemon
     from service.settings import Settings
     from tests.fakes import FakeLauncher
     from tests.waiting import wait_for

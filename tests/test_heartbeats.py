@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from service.jobs import submit
+from service.contract.reports import HeartbeatReport
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.monitor.attempt import AttemptHealth
-from service.protocols import HeartbeatReport
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.heartbeats import HeartbeatLog, HeartbeatThrottle, ages
+from service.submission.intake import submit
 from tests.conftest import tiny_spec
 
 

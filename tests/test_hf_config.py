@@ -1,4 +1,4 @@
-"""Hugging Face configs read into a spec's model (`service.hf_config`): Llama and Mistral
+"""Hugging Face configs read into a spec's model (`service.contract.hf_config`): Llama and Mistral
 (transformers 5's `rope_parameters` and transformers 4's top-level `rope_theta`) and GPT-2,
 counted and built with exactly the parameters of the `transformers` model; a field the trainer
 cannot honour is refused by name."""
@@ -23,15 +23,15 @@ from transformers import (
 )
 
 from api.app import create_app
-from service import hf_config
-from service.checkpoints import CheckpointPlaces
-from service.hf_config import HfConfigError, model_fields
+from service.contract import hf_config
+from service.contract.hf_config import HfConfigError, model_fields
+from service.contract.spec import JobSpec, ModelSpec
+from service.files.checkpoint_dirs import CheckpointPlaces
 from service.planner.shape import ModelShape
 from service.settings import Settings
-from service.spec import JobSpec, ModelSpec
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
-from workers.model import GPT
+from workers.modeling.model import GPT
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
@@ -96,7 +96,7 @@ def test_a_field_the_trainer_cannot_honour_is_refused_by_name(config, field):
 
 
 def test_the_rope_base_reaches_the_rotary_positions():
-    from workers.model import rotary
+    from workers.modeling.model import rotary
 
     x = torch.randn(1, 1, 8, 16)
     assert not torch.allclose(rotary(x, 10000.0), rotary(x, 500000.0))

@@ -1,7 +1,8 @@
 """Hugging Face models in and out (issue 22): a tiny Llama-style and a tiny GPT-2-style model
 made here with random weights and `save_pretrained`, started with `init.from_hf` under tp 1,
 tp 2 x pp 2 and dp 2 with ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4
-(fp32), and `workers.full_state.gather_full` gives back the file's tensors; after training,
+(fp32), and `workers.checkpoint.full_state.gather_full` gives back the file's tensors; after
+training,
 the checkpoint exported as a Hugging Face folder (files, route, `TridentClient`) is loaded by
 `transformers` and gives the logits of Trident's own evaluation of that checkpoint; the
 `trident export` command against a live API gives a folder of a tag's weights that
@@ -33,21 +34,27 @@ from transformers import (
 
 from api.app import create_app
 from client.rest import TridentClient
-from service import hf_config
-from service.checkpoint_tags import MARKER, tag
-from service.checkpoints import default_folder
+from service.contract import hf_config
+from service.contract.spec import JobSpec, ModelSpec
+from service.files.checkpoint_dirs import default_folder
+from service.files.checkpoint_tags import MARKER, tag
 from service.planner.shape import ModelShape
 from service.settings import Settings
-from service.spec import JobSpec, ModelSpec
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
 from tests.hf_ranks import tokens
 from tests.workers_spawn import run_ranks
-from workers.full_state import entries, gather_full
-from workers.hf_export import ExportRefused, export, zero3_module
-from workers.hf_weights import canonical_source, load_hf, load_init, open_checkpoint, save_hf
-from workers.model import GPT
-from workers.tags import LAYOUT, layout_of
+from workers.checkpoint.full_state import entries, gather_full
+from workers.checkpoint.hf_export import ExportRefused, export, zero3_module
+from workers.checkpoint.hf_weights import (
+    canonical_source,
+    load_hf,
+    load_init,
+    open_checkpoint,
+    save_hf,
+)
+from workers.checkpoint.tag_forms import LAYOUT, layout_of
+from workers.modeling.model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 16
@@ -271,7 +278,8 @@ def test_a_sharded_folder_loads_back_and_a_wrong_shape_is_named(tmp_path: Path) 
 def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
         tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """No complete tag: 404; a tag whose layout is unknown or interleaved: 409 naming it
-    (`service.export` through `workers.hf_export`), with no folder left in the system's
+    (`service.files.export` through `workers.checkpoint.hf_export`), with no folder left in the
+    system's
     temporary directory nor in the data directory's exports (only the slots' lock files)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -329,8 +337,8 @@ def test_the_export_maps_the_tag_instead_of_copying_the_weights(tmp_path: Path) 
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         return int(out.stdout)
 
-    imports = peak("-c", "import workers.hf_export, safetensors.torch")
-    export = peak("-m", "workers.hf_export", str(tmp_path), "3", str(tmp_path / "out"),
+    imports = peak("-c", "import workers.checkpoint.hf_export, safetensors.torch")
+    export = peak("-m", "workers.checkpoint.hf_export", str(tmp_path), "3", str(tmp_path / "out"),
                   "--shape", json.dumps(dataclasses.asdict(shape)))
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > size
     assert export - imports < 1.3 * size, (export - imports) / size

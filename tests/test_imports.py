@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("service", "api", "client", "workers")
+PACKAGES = ("service", "api", "client", "cli", "workers")
 
 
 def _modules() -> dict[str, Path]:
@@ -108,7 +108,7 @@ def _edges(graph: Mapping[str, Iterable[str]], scc: list[str]) -> list[str]:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "service.store" in graph["service.controller"]  # top level
+    assert "service.store" in graph["service.control.controller"]  # top level
     assert "service.planner.clusters" in graph["service.planner.report"]  # in a function
     assert "service.planner.plan" in graph["service.planner.explain"]  # TYPE_CHECKING
     assert "service.planner.sac" in graph["service.planner.timing"]  # from package import mod
@@ -194,8 +194,8 @@ def test_only_the_store_package_reaches_the_database() -> None:
 
 RANKS = "workers"
 """The service imports nothing of the ranks' package: the export runs the checkpoint converter
-as a process of its own (`python -m workers.hf_export`, from `service.export`), and
-`service.daemon` starts the launcher through `importlib` at run time, which no import
+as a process of its own (`python -m workers.checkpoint.hf_export`, from `service.files.export`), and
+`service.control.daemon` starts the launcher through `importlib` at run time, which no import
 statement names."""
 
 
@@ -206,7 +206,7 @@ def _into_ranks(graph: Mapping[str, Iterable[str]], package: str) -> dict[str, s
 
 def test_the_api_imports_nothing_of_the_ranks_package() -> None:
     """api/ (routes, app, CLI, client) goes through service/ for what the ranks' package
-    does (the export: `service.export`): the ranks' code changes behind the service's
+    does (the export: `service.files.export`): the ranks' code changes behind the service's
     functions, never under a route."""
     found = {a: sorted(b) for a, b in _into_ranks(import_graph(), "api").items() if b}
     assert not found, f"api/ imports workers/: {found}"
@@ -255,9 +255,10 @@ def test_no_stored_step_is_read_by_key_outside_its_view() -> None:
 # --- the client is a program of its own ----------------------------------------------------
 
 CLIENT = "client"
-SHARED = ("service.spec", "service.spec_limits", "service.specfiles", "service.presets",
-          "service.states", "service.parallel", "service.hardware", "service.hf_config",
-          "service.ds_config", "service.planner", "service.ranklogs")
+SHARED = ("service.contract.spec", "service.contract.spec_limits", "service.contract.specfiles",
+          "service.contract.presets", "service.contract.states", "service.contract.parallel",
+          "service.contract.hardware", "service.contract.hf_config", "service.contract.ds_config",
+          "service.planner")
 """What the client may read of `service/`: the vocabulary both sides share and a user writes
 (the job spec, its limits, presets and files, the job states, the parallel dimensions, the
 hardware profiles, the stored plan and the planner's model it holds, a rank's log chunk);
@@ -290,7 +291,7 @@ def test_the_client_imports_nothing_of_the_server() -> None:
     reached = _closure(import_graph(), CLIENT)
     found = sorted(m for m in reached if not _within(m, (CLIENT, *SHARED)))
     assert not found, f"client/ reaches the server: {found}"
-    assert "client.payloads" in reached and "service.spec" in reached  # the graph sees it
+    assert "client.payloads" in reached and "service.contract.spec" in reached  # the graph sees it
 
 
 def test_import_client_loads_no_database_web_framework_or_store() -> None:
@@ -307,43 +308,45 @@ def test_import_client_loads_no_database_web_framework_or_store() -> None:
 
 def test_the_servers_start_calls_no_command_line_code() -> None:
     """`python -m api.serve` opens the database through the store (`service.store.opening`),
-    as `trident up` does: the server's start imports nothing of the CLI (`api.cli*`), which
+    as `trident up` does: the server's start imports nothing of the CLI (`cli`), which
     echoes and exits."""
     reached = _closure(import_graph(), "api.serve")
     assert "service.store.opening" in reached
-    assert sorted(m for m in reached if m.startswith("api.cli")) == []
+    assert sorted(m for m in reached if _within(m, ("cli",))) == []
 
 
 # --- the command line talks to the server through the client ------------------------------
 
-CLI = "api.cli"
-CLI_SHARED = ("service.specfile", "service.protocols")
+CLI = "cli"
+CLI_SHARED = ("service.contract.specfile", "service.contract.reports")
 """Beside the client's shared vocabulary, what every command may read: the spec files a user
-writes (`service.specfile`) and a probe's result rows (`service.protocols.ProbeRowModel`)."""
+writes (`service.contract.specfile`) and a probe's result rows
+(`service.contract.reports.ProbeRowModel`)."""
 RUNS_HERE = {
-    "api.cli": {"api.app", "api.serve", "service.datadir", "service.heap", "service.rayhead",
-                "service.settings", "service.store", "service.store.dbcheck",
-                "service.supervisor"},
-    "api.cli_identity": {"service.settings", "service.store", "service.store.bootstrap",
-                         "service.store.dbcheck", "service.store.identity",
-                         "service.store.opening", "service.store.schema"},
-    "api.cli_node": {"service.inventory", "service.node_labels", "service.rayhead",
-                     "service.raynode", "service.secrets", "service.settings"},
-    "api.cli_data": {"service.corpus", "service.corpus_prepare"},
+    "cli.main": {"api.app", "api.serve", "service.files.datadir", "service.control.heap",
+                 "service.cluster.rayhead", "service.settings", "service.store",
+                 "service.store.dbcheck", "service.cluster.supervisor"},
+    "cli.identity": {"service.settings", "service.store", "service.store.bootstrap",
+                     "service.store.dbcheck", "service.store.identity",
+                     "service.store.opening", "service.store.schema"},
+    "cli.node": {"service.cluster.inventory", "service.cluster.node_labels",
+                 "service.cluster.rayhead", "service.cluster.raynode",
+                 "service.secrets", "service.settings"},
+    "cli.data": {"service.files.corpus", "service.files.corpus_prepare"},
 }
 """The commands that run a part of the server on this machine, and what of it they import:
-`trident up` and `trident controller` (`api.cli`) start the API, the Ray head and the
-controller; `trident bootstrap` (`api.cli_identity`) makes the first admin in the database;
-`trident node start/stop` (`api.cli_node`) run a Ray node of this machine; `trident data
-prepare/inspect` (`api.cli_data`) work on local corpus files. Every other command talks to a
+`trident up` and `trident controller` (`cli.main`) start the API, the Ray head and the
+controller; `trident bootstrap` (`cli.identity`) makes the first admin in the database;
+`trident node start/stop` (`cli.node`) run a Ray node of this machine; `trident data
+prepare/inspect` (`cli.data`) work on local corpus files. Every other command talks to a
 server through `client.TridentClient` only."""
 
 
 def test_the_cli_reaches_the_server_only_in_the_commands_that_run_it_here() -> None:
     graph = import_graph()
     allowed = (CLIENT, CLI, *SHARED, *CLI_SHARED)
-    found = {m: sorted(t for t in targets if not _within(t, allowed) and not t.startswith(CLI)
+    found = {m: sorted(t for t in targets if not _within(t, allowed)
                        and t not in RUNS_HERE.get(m, set()))
-             for m, targets in graph.items() if m == CLI or m.startswith(CLI + "_")}
+             for m, targets in graph.items() if _within(m, (CLI,))}
     assert {m: t for m, t in found.items() if t} == {}
-    assert "client.rest" in graph["api.cli_jobs"]  # the graph sees the CLI's modules
+    assert "client.rest" in graph["cli.jobs"]  # the graph sees the CLI's modules

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.conftest import tiny_spec
 from tests.workers_spawn import losses, run_ranks
-from workers.checkpoint import FULL, LAYOUT, UNIVERSAL
+from workers.checkpoint.saving import FULL, LAYOUT, UNIVERSAL
 
 pytestmark = pytest.mark.slow
 

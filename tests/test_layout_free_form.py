@@ -1,4 +1,4 @@
-"""The layout-free form's conversion without ranks (`workers.layout_free`): DeepSpeed's
+"""The layout-free form's conversion without ranks (`workers.checkpoint.layout_free`): DeepSpeed's
 parameter names to canonical ones, a ZeRO-3 tag's partitions joined, and the tags it refuses
 by name (as the export does, each in its own words). The losses across layouts are
 tests/test_layout_free.py's (slow)."""
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoints import ExportRefused
+from service.contract.spec import ModelSpec
+from service.files.checkpoint_dirs import ExportRefused
 from service.planner.shape import ModelShape
-from service.spec import ModelSpec
-from workers.checkpoint import LAYOUT, tag
-from workers.hf_export import consolidate
-from workers.layout_free import FULL, LayoutRefused, canonical, convert
+from workers.checkpoint.hf_export import consolidate
+from workers.checkpoint.layout_free import FULL, LayoutRefused, canonical, convert
+from workers.checkpoint.saving import LAYOUT, tag
 
 
 def test_deepspeed_names_map_to_canonical_ones() -> None:
@@ -49,7 +49,8 @@ def test_tags_the_form_cannot_carry_are_refused_by_name(tmp_path: Path) -> None:
 
 def test_the_export_and_the_conversion_refuse_the_same_tags_each_in_its_own_words(
         tmp_path: Path) -> None:
-    """One check (`workers.tags.flat_layout`), each caller's exception and reason."""
+    """One check (`workers.checkpoint.tag_forms.flat_layout`), each caller's exception and
+    reason."""
     _tag(tmp_path, 4, pp=2, virtual_stages=2)
     (tmp_path / "step8").mkdir()
     shape = ModelShape.from_spec(ModelSpec(layers=2, hidden=32, heads=4, vocab=40, seq_len=8))

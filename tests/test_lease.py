@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from service.controller import Controller
-from service.daemon import LeaderLoop, LeaseLost, retry_wait_s
-from service.protocols import PollResult
-from service.states import JobState
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.control.daemon import LeaderLoop, LeaseLost, retry_wait_s
 from service.store import AttemptStatus, Fence, NotHolder, Store
 from service.store.lease import CONTROLLER, Leader, Leases, Role
 from tests.fakes import FakeLauncher, submit

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from service.store import Store
 from service.store import metrics as mi
 from service.store.metrics import MetricsIngest

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.parallel import ParallelDims
+from service.contract.parallel import ParallelDims
 from tests._monitor_dist import free_port
-from workers.comm_timer import CommTimer
+from workers.monitor.comm_timer import CommTimer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

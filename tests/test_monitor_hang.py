@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from service.contract.parallel import ParallelDims
+from service.contract.reports import HeartbeatReport
 from service.monitor.hang import diagnose_hang
-from service.parallel import ParallelDims
-from service.protocols import HeartbeatReport
 from tests import forked
 from tests._monitor_dist import free_port
-from workers.comm_timer import CommTimer
-from workers.heartbeat import Heartbeat, dump_stacks
+from workers.monitor.comm_timer import CommTimer
+from workers.runtime.heartbeat import Heartbeat, dump_stacks
 
 TIMEOUT_S = 3.0
 SLEEPY_RANK, SLEEPY_STEP = 1, 2

@@ -3,15 +3,15 @@ TP placement warnings and the /comm summary."""
 
 import pytest
 
-from service.hardware import get_profile
+from service.contract.hardware import get_profile
+from service.contract.parallel import Dim, ParallelDims
+from service.contract.reports import HeartbeatReport, StepReport
 from service.monitor.bandwidth import busbw, busbw_factor, expected_busbw
 from service.monitor.comm import summarize_comm
 from service.monitor.hang import diagnose_hang
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import flag_slow_groups, measured_link_bw
 from service.monitor.stragglers import compute_s, find_stragglers
-from service.parallel import Dim, ParallelDims
-from service.protocols import HeartbeatReport, StepReport
 
 CPU = get_profile("cpu")
 H100 = get_profile("h100-80gb")

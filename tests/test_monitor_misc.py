@@ -3,9 +3,9 @@
 import threading
 import time
 
-from service.inventory import node_inventory, parse_topo_matrix
-from workers.heartbeat import Heartbeat, dump_stacks
-from workers.nccl_env import pg_timeout, rank_env
+from service.cluster.inventory import node_inventory, parse_topo_matrix
+from workers.runtime.heartbeat import Heartbeat, dump_stacks
+from workers.runtime.nccl_env import pg_timeout, rank_env
 
 TOPO = (
     "\t\x1b[4mGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"

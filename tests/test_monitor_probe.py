@@ -2,10 +2,10 @@
 
 import pytest
 
+from service.contract.parallel import ParallelDims
 from service.monitor.bandwidth import busbw_factor
-from service.parallel import ParallelDims
 from tests._monitor_dist import run_ranks
-from workers.comm_probe import DEFAULT_SIZES, job_sizes, pp_pairs, probe_layout
+from workers.monitor.comm_probe import DEFAULT_SIZES, job_sizes, pp_pairs, probe_layout
 
 SIZES = [4 << 10, 256 << 10]
 
@@ -58,7 +58,7 @@ def test_probe_layout_rows(tmp_path):
 
 
 def test_budgeted_counts():
-    from workers.comm_probe import _budgeted, _iters_for
+    from workers.monitor.comm_probe import _budgeted, _iters_for
 
     # No budget: the full counts, whatever the first call took.
     assert _budgeted(5.0, 64 << 20, 20, 3, None) == (2, _iters_for(64 << 20, 20))

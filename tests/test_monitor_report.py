@@ -9,19 +9,19 @@ import pytest
 from pydantic import ValidationError
 
 from api.schemas import metric_out_of
-from service.compare import compare
-from service.jobs import submit
+from service.contract.reports import METRIC_COLUMNS, MemoryReport, StepReport
+from service.contract.spec import JobSpec
 from service.monitor.comm import comm_view
-from service.protocols import METRIC_COLUMNS, MemoryReport, StepReport
-from service.spec import JobSpec
 from service.store import Store
+from service.submission.intake import submit
+from service.views.prediction import compare
 from tests.conftest import record_steps, tiny_spec
 
 COMM = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2.0}}}
 
 
 def rank_report(step: int = 1, rank: int = 0) -> StepReport:
-    """What `workers.train` builds and the rank actor completes with its comm timer."""
+    """What `workers.trainer.train` builds and the rank actor completes with its comm timer."""
     built = StepReport(rank=rank, step=step, loss=2.5, step_time_s=0.1, tokens_per_s=640.0,
                        lr=3e-4, grad_norm=1.5, tp_rank=0, pp_rank=0, dp_rank=rank, attempt=1,
                        resumed_from=0,

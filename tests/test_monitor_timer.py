@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.parallel import ParallelDims
+from service.contract.parallel import ParallelDims
 from tests._monitor_dist import run_ranks
-from workers.comm_timer import CommTimer
-from workers.heartbeat import Heartbeat
+from workers.monitor.comm_timer import CommTimer
+from workers.runtime.heartbeat import Heartbeat
 
 
 def test_peer_dim_from_layout():
@@ -72,7 +72,7 @@ def test_timer_attributes_collectives_by_dimension(tmp_path):
 
 
 def _deepspeed_rank(rank, world):
-    from workers.deepspeed_import import deepspeed
+    from workers.runtime.deepspeed_import import deepspeed
 
     timer = CommTimer(rank, ParallelDims(dp=world), cuda=False)
     timer.install()  # before the engine: DeepSpeed caches some collectives when it is built
@@ -126,7 +126,7 @@ def test_a_steps_communication_starts_with_the_step():
 def test_the_built_in_trainer_starts_each_step_before_its_timed_work():
     """`train_rank` calls `step_started(n)` once per step, in order, before step n's report,
     on every rank."""
-    from service.spec import JobSpec
+    from service.contract.spec import JobSpec
     from tests.conftest import tiny_spec
     from tests.workers_spawn import run_ranks
 

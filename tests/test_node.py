@@ -14,13 +14,13 @@ import pytest
 from ray._private.label_utils import validate_node_label_syntax
 from typer.testing import CliRunner
 
-from api.cli import app
-from service.hardware import profile_for_gpu
-from service.inventory import parse_topo_matrix
-from service.node_labels import PREFIX, gpu_link, node_facts, node_labels
-from service.raynode import NodeState, read_state, state_path, stop_node
+from cli.main import app
+from service.cluster.inventory import parse_topo_matrix
+from service.cluster.node_labels import PREFIX, gpu_link, node_facts, node_labels
+from service.cluster.raynode import NodeState, read_state, state_path, stop_node
+from service.contract.hardware import profile_for_gpu
+from service.contract.states import JobState
 from service.settings import Settings
-from service.states import JobState
 from service.store import Store
 from tests.fakes import submit
 
@@ -80,7 +80,7 @@ def test_links_profiles_and_cpu_nodes() -> None:
 
 def test_node_start_dry_run_prints_the_labels_and_ray_start(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("service.inventory.node_inventory", lambda: dgx(2))
+    monkeypatch.setattr("service.cluster.inventory.node_inventory", lambda: dgx(2))
     r = runner.invoke(app, ["node", "start", "--head", "--port", "7001", "--num-cpus", "3",
                             "--data-dir", str(tmp_path), "--dry-run"])
     assert r.exit_code == 0, r.output
@@ -155,7 +155,7 @@ def test_probe_prints_what_it_measured_and_the_profile_it_calibrated(
     import threading
     import time
 
-    from service.hardware import PROFILES
+    from service.contract.hardware import PROFILES
     from service.store import ProbeStatus
 
     store = Store(Settings(data_dir=tmp_path).db_url)

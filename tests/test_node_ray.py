@@ -17,8 +17,8 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
-from service.raynode import alive, read_state
+from cli.main import app
+from service.cluster.raynode import alive, read_state
 from tests.conftest import tiny_spec
 from tests.servers import HTTP, free_port
 from tests.up import Up
@@ -32,7 +32,7 @@ runner = CliRunner()
 
 def node(*args: str) -> subprocess.CompletedProcess[str]:
     """`trident node ...` as a user runs it, in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "api.cli", "node", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cli.main", "node", *args], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=300)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.node_survey import NodeSurvey
+from service.control.node_survey import NodeSurvey
 from service.store import Store
 from tests.waiting import wait_for
 

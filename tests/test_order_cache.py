@@ -1,5 +1,6 @@
 """The sample-order cache on real corpus files (Megatron's layout), through the rank-side data
-opening (`workers.data.open_source`): a job that lists one corpus 64 times writes an order no
+opening (`workers.trainer.data.open_source`): a job that lists one corpus 64 times writes an order
+no
 larger than the samples it needs, in the cache under the data directory and never beside the
 corpus; another job with the same corpus reuses it; the least recently used orders go past the
 total bound, never one a job reads; the per-user bound refuses, at submission when the order
@@ -17,13 +18,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.order_cache import OrderCache, ServerData
+from service.contract.spec import JobSpec
+from service.files.order_cache import OrderCache, ServerData
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
 from tests.corpora import write_corpus
-from workers.data import DataChanged, TokenSource, open_source
+from workers.trainer.data import DataChanged, TokenSource, open_source
 
 SEQ_LEN = 32  # gpt-tiny's
 
@@ -170,8 +171,8 @@ def test_a_rank_refuses_a_bin_replaced_after_rank_0_checked_it(big: str, tmp_pat
     before another rank opens it: that rank refuses it rather than read another file."""
     import shutil
 
-    from service.data_check import fingerprint
-    from service.spec import CorpusRef
+    from service.contract.spec import CorpusRef
+    from service.submission.data_check import fingerprint
 
     prefix = str(tmp_path / "web")
     for ext in (".idx", ".bin"):

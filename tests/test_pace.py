@@ -1,4 +1,5 @@
-"""The controller's pace (`service.pace`): fast while a group starts, the base interval after a
+"""The controller's pace (`service.control.pace`): fast while a group starts, the base interval
+after a
 change or with nothing training, longer while every group trains and nothing changes (bounded
 by the lease and the hang timeouts); and a slower pace stores every step a poll brings."""
 
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from service.daemon import LeaderLoop
-from service.pace import FAST_S, Activity, Pace
-from service.protocols import PollResult
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
+from service.control.daemon import LeaderLoop
+from service.control.pace import FAST_S, Activity, Pace
 from service.settings import Settings
-from service.states import JobState
 from service.store import Store
 from service.store.lease import Leader
 from tests.fakes import FakeLauncher, make, step_report, submit

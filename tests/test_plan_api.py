@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app as cli
 from api.routes import jobs as jobs_route
 from api.routes import plan as plan_route
+from cli.main import app as cli
+from service.contract.spec import JobSpec
 from service.planner.search import cpu_bound
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from tests.conftest import authed_client, tiny_spec
 
@@ -88,7 +88,7 @@ def test_auto_job_stores_the_best_layout_and_runs_it(client: TestClient) -> None
 def test_calibrated_profile_is_used_for_plans(client: TestClient, tmp_path: Path) -> None:
     before = client.post("/api/v1/plan", json=tiny_spec()).json()["time"]["compute_s"]
     store: Store = client.app.state.store
-    from service.hardware import get_profile
+    from service.contract.hardware import get_profile
 
     slow = get_profile("cpu").with_(peak_flops_fp32=get_profile("cpu").peak_flops_fp32 / 10,
                                     peak_flops_bf16=get_profile("cpu").peak_flops_bf16 / 10)

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from service.hardware import GB, PROFILES, get_profile
+from service.contract.hardware import GB, PROFILES, get_profile
+from service.contract.spec import JobSpec, ParallelSpec
 from service.planner import PlanInfeasible, evaluate, plan_job, search
 from service.planner.calibrate import fit_overheads, profile_from_measurements
 from service.planner.capacity import can_train, capacity
@@ -19,7 +20,6 @@ from service.planner.report import plan_command, render_can_train, render_plan, 
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
 from service.planner.timing import ring_time
-from service.spec import JobSpec, ParallelSpec
 
 
 def job(preset: str = "gpt3-1.3b", *, gpu: str = "a100-80gb", nodes: int = 1, gpn: int = 8,
@@ -339,8 +339,8 @@ def test_micro_batches_stop_at_the_largest_a_spec_accepts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 2^20 sequences on 2 CPU ranks: micro-batches up to 65536 only, so that the
     chosen layout is one the spec accepts, within the budget."""
-    from service.jobs import prepare
-    from service.spec import MAX_MICRO_BATCH
+    from service.contract.spec import MAX_MICRO_BATCH
+    from service.submission.intake import prepare
 
     calls = _counting_assess(monkeypatch)
     spec = JobSpec.model_validate({

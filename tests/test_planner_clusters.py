@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from service.hardware import get_profile
+from service.contract.hardware import get_profile
+from service.contract.spec import JobSpec, ParallelSpec
 from service.planner import evaluate
 from service.planner.capacity import can_train
 from service.planner.clusters import gpu_hours_per_billion_tokens, smallest_cluster
 from service.planner.report import plan_command, render_plan
 from service.planner.stored import plan_json
 from service.planner.uncertainty import held_out_error
-from service.spec import JobSpec, ParallelSpec
 
 
 def spec(preset: str = "gpt3-175b", gpu: str = "a100-80gb", nodes: int = 1,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
+from service.contract.spec import JobSpec, ParallelSpec
 from service.planner import ZeroConfig, evaluate
 from service.planner.memory import HOST_BUFFER_FACTOR
-from service.spec import JobSpec, ParallelSpec
 from tests.servers import free_port
 
 ds_zero = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")

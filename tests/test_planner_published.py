@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from service.contract.spec import JobSpec, ModelSpec, ParallelSpec
 from service.planner import ModelShape, evaluate
 from service.planner.memory import layer_activation_bytes
-from service.spec import JobSpec, ModelSpec, ParallelSpec
 
 # name, layers, hidden, heads, GPUs, pp, virtual stages, global batch,
 # seconds with full recompute, seconds with sequence parallel + selective recompute.

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from service.parallel import Dim, ParallelDims
+from service.contract.parallel import Dim, ParallelDims
+from service.contract.spec import JobSpec, ModelSpec, ParallelSpec
 from service.planner import StoredPlan, evaluate, search
 from service.planner.memory import stage_memory
 from service.planner.plan import scenario_for
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
-from service.spec import JobSpec, ModelSpec, ParallelSpec
 
 
 def spec(layers: int, pp: int, partition: str = "uniform", gpu: str = "a100-80gb",

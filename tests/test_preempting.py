@@ -8,13 +8,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.control_pass import StepResult
-from service.preempting import Preemptions
-from service.protocols import NodeCapacity, PollResult
-from service.states import JobState
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.states import JobState
+from service.control.control_pass import StepResult
+from service.control.preempting import Preemptions
+from service.control.teardown import Teardowns
 from service.store import AttemptStatus, Job, Store
-from service.store.quota import QuotaNotes
-from service.teardown import Teardowns
+from service.store.quota_waits import QuotaNotes
 from tests.fakes import FakeGroup, FakeLoop, live, submit
 
 PLACED = {"ranks": [{"rank": 0, "node_id": "n0"}, {"rank": 1, "node_id": "n0"}]}

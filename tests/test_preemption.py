@@ -12,16 +12,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.controller import Controller
-from service.jobs import submit as submit_job
-from service.protocols import NodeCapacity, PollResult
-from service.scheduler import Running, preemption_victims
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.policy.scheduler import Running, preemption_victims
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import AttemptStatus, Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.identity import Identity
+from service.submission.intake import submit as submit_job
 from tests.conftest import tiny_spec, user_token
 from tests.fakes import FakeGroup, FakeRoomLauncher, step_report
 from tests.fakes import job as make_job
@@ -193,7 +193,7 @@ def test_preempted_ranks_save_where_they_stop_and_the_next_attempt_loses_nothing
     after step 3: tag step3 is written, reported once more with step 3's report, and the next
     attempt resumes there with the losses of an uninterrupted run."""
     from tests.workers_spawn import losses, run_ranks
-    from workers.checkpoint import MARKER
+    from workers.checkpoint.saving import MARKER
 
     spec = JobSpec.model_validate(tiny_spec(
         parallel={"pp": 2, "zero": 1}, train={"steps": 6, "global_batch": 8, "micro_batch": 2,

@@ -13,15 +13,15 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from service.controller import Controller  # noqa: E402
-from service.jobs import submit  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.store.checkpoints import CheckpointIndex  # noqa: E402
+from service.submission.intake import submit  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from service.jobs import submit
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.heartbeats import HeartbeatLog
 from service.store.lease import CONTROLLER, Leases
+from service.submission.intake import submit
 from tests.conftest import authed_client, record_steps, tiny_spec
 
 
@@ -157,8 +157,8 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
 
 
 def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_path) -> None:
-    from service.jobs import Submitter
     from service.store.tracking_exports import Exports, Sink
+    from service.submission.intake import Submitter
     from service.tracking.config import TrackingConfig
 
     uri = "http://mlflow.test:5000"

@@ -9,17 +9,17 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.controller import Controller
-from service.jobs import Submitter
-from service.jobs import submit as submit_job
-from service.protocols import NodeCapacity, PollResult
-from service.quota import Quota, held
-from service.scheduler import admit
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.policy.quota import Quota, held
+from service.policy.scheduler import admit
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Job, Store
 from service.store.identity import Identity
+from service.submission.intake import Submitter
+from service.submission.intake import submit as submit_job
 from tests.conftest import tiny_spec, user_token
 from tests.fakes import FakeLauncher
 from tests.fakes import job as make_job

@@ -15,16 +15,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.jobs import submit
-from service.ranklogs import attempt_log_dir, read_chunk
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
+from service.submission.intake import submit
+from service.views.ranklogs import attempt_log_dir, read_chunk
 from tests.conftest import authed_client, migrated_sqlite, tiny_spec, user_token
 from tests.smallfs import small_fs
 from tests.waiting import drive, wait_for
-from workers.ranklog import secret_names_env
+from workers.runtime.ranklog import secret_names_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +37,10 @@ def run_rank(log_dir: Path, body: str, max_bytes: int = 1 << 20,
     environment (a job's secrets, as the launcher gives them)."""
     code = textwrap.dedent(f"""
         import os, sys
-        import workers.ranklog
+        import workers.runtime.ranklog
         if {check_s!r} is not None:
-            workers.ranklog.CHECK_S = {check_s!r}
-        log = workers.ranklog.capture({str(log_dir)!r}, 1, {max_bytes})
+            workers.runtime.ranklog.CHECK_S = {check_s!r}
+        log = workers.runtime.ranklog.capture({str(log_dir)!r}, 1, {max_bytes})
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"PYTHONPATH": str(ROOT), **(env or {})})
@@ -115,9 +115,9 @@ def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
     secret to stdout and stderr and fails with it in a library's words: the rank logs on
     disk and as the log route serves them to a viewer hold `[secret NAME]`, as the job's
     error does."""
-    from service.controller import Controller
+    from service.control.controller import Controller
     from service.secrets import SecretBox
-    from workers.launcher import RayLauncher
+    from workers.launch.launcher import RayLauncher
 
     settings = Settings(data_dir=tmp_path, entrypoint_modules="tests.entrypoints")
     store = Store(migrated_sqlite(tmp_path / "ray.db"))
@@ -218,7 +218,7 @@ def test_a_full_disk_costs_the_lines_it_refuses_and_the_cap_still_holds(tmp_path
     with small_fs(tmp_path / "fs", 1) as fs:
         logs = fs / "logs"
         out = run_rank(logs, f"""
-            from service.diskfull import TolerantStream
+            from service.files.diskfull import TolerantStream
             from tests.smallfs import Filler
 
             for i in range(60):
@@ -329,7 +329,7 @@ def test_cli_logs_prefixes_ranks_and_events_prints_events(app_store, tmp_path: P
 
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from cli.main import app
     from tests.servers import serving
 
     _, store, settings = app_store
@@ -357,7 +357,7 @@ def test_the_time_index_dates_each_line_and_rotates_with_the_log(tmp_path: Path)
     """The writer records `<time> <offset>` as the stream grows; readers date each line by the
     first record at or past its end, and find where output since a time starts. The index
     rotates with the log and counts toward its cap."""
-    from service.ranklogs import offset_at, tail_offset, time_index, with_times
+    from service.views.ranklogs import offset_at, tail_offset, time_index, with_times
 
     out = run_rank(tmp_path, """
         import time

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from service.rayhead import (
+from service.cluster.rayhead import (
     NO_AUTOSCALER_MONITOR,
     NO_LOG_MONITOR,
     UNUSED_OFF_ENV,
     WORKER_NICENESS_ENV,
     RayHead,
 )
-from service.raynode import ray_start_argv
-from workers.actor import NICENESS_VAR, RANK_RUNTIME_ENV, rank_runtime_env
+from service.cluster.raynode import ray_start_argv
+from workers.rank.actor import NICENESS_VAR, RANK_RUNTIME_ENV, rank_runtime_env
 
 
 def test_the_head_and_its_driver_run_with_metrics_off_and_workers_at_niceness_0(

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from service.control_pass import StepResult
-from service.elastic import ElasticState, replan, submitted
-from service.protocols import NodeCapacity, PollResult
-from service.rescaling import Move, Rescaling
-from service.states import JobState
+from service.cluster.data_plane import NodeCapacity, PollResult
+from service.contract.states import JobState
+from service.control.control_pass import StepResult
+from service.control.rescaling import Move, Rescaling
+from service.control.teardown import Teardowns
+from service.policy.elastic_replan import ElasticState, replan, submitted
 from service.store import AttemptStatus, Job, Store
 from service.store.elastic import ElasticMoves
-from service.teardown import Teardowns
 from tests.fakes import FakeGroup, FakeLoop, FakeNodesLauncher, live, submit
 
 ELASTIC: dict[str, Any] = {"min_ranks": 1, "wait_s": 0, "scale_up": True}
@@ -48,7 +48,7 @@ def test_a_move_up_is_judged_once_per_room_and_never_while_admission_waits(
         asked.append(kw["min_ranks"])
         return "no layout is predicted faster"
 
-    monkeypatch.setattr("service.rescaling.replan", planner)
+    monkeypatch.setattr("service.control.rescaling.replan", planner)
     loop = FakeLoop(store, Teardowns(0.1))
     group = FakeGroup([PollResult(state="running")])
     job = shrunk(store, loop, group)

@@ -16,17 +16,17 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app as cli_app
-from service.checkpoint_tags import MARKER
-from service.checkpoints import RECORD, CheckpointWriter, claim, seed
-from service.controller import Controller
-from service.jobs import Submitter, submit
-from service.protocols import PollResult
+from cli.main import app as cli_app
+from service.cluster.data_plane import PollResult
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.files.checkpoint_dirs import RECORD, CheckpointWriter, claim, seed
+from service.files.checkpoint_tags import MARKER
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Store
 from service.store.checkpoints import CheckpointIndex
+from service.submission.intake import Submitter, submit
 from tests.conftest import tiny_spec, user_token
 from tests.fakes import FakeLauncher
 from tests.servers import serving

@@ -15,20 +15,20 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app
-from service.checkpoints import retained
-from service.jobs import Submitter, submit
-from service.protocols import PollResult
+from cli.main import app
+from service.cluster.data_plane import PollResult
+from service.contract.spec import CheckpointSpec, JobSpec
+from service.control.worker_reports import store_poll
+from service.files.checkpoint_dirs import retained
 from service.settings import Settings
-from service.spec import CheckpointSpec, JobSpec
 from service.store import Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.metrics import MetricsIngest
-from service.worker_reports import store_poll
+from service.submission.intake import Submitter, submit
 from tests.conftest import tiny_spec
 from tests.servers import serving
 from tests.workers_spawn import run_ranks
-from workers.checkpoint import MARKER, prune, tag
+from workers.checkpoint.saving import MARKER, prune, tag
 
 runner = CliRunner()
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.corpus import Corpus
-from service.data_check import fingerprint
-from service.order_cache import OrderCache
+from service.files.corpus import Corpus
+from service.files.order_cache import OrderCache
+from service.submission.data_check import fingerprint
 from tests.corpora import write_corpus
-from workers import sample_order
-from workers.sample_order import Part, blend, build, epoch_documents, open_order
+from workers.trainer import sample_order
+from workers.trainer.sample_order import Part, blend, build, epoch_documents, open_order
 
 
 def _docs(n: int, seed: int, vocab: int = 256) -> list[list[int]]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from service.protocols import NodeCapacity
-from service.scheduler import Bundle, admit, bundles, pack
-from service.spec import JobSpec
+from service.cluster.data_plane import NodeCapacity
+from service.contract.spec import JobSpec
+from service.policy.scheduler import Bundle, admit, bundles, pack
 from tests.conftest import tiny_spec
 from tests.fakes import job
 

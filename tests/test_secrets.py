@@ -18,8 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.app import create_app
-from service import daemon
-from service.rayhead import RayHead
+from service.cluster.rayhead import RayHead
+from service.contract.spec import JobSpec
+from service.control import daemon
 from service.redaction import redact
 from service.secrets import (
     KEY_FILE,
@@ -29,7 +30,6 @@ from service.secrets import (
     without_server_secrets,
 )
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
 from service.store.identity import Identity
 from tests.conftest import tiny_spec
@@ -175,7 +175,7 @@ def test_the_servers_tracker_credentials_stay_out_of_processes_that_run_jobs(
     def fake_import(name: str) -> Any:
         if name == "ray":
             return types.SimpleNamespace(init=lambda **kw: seen.update(env=dict(os.environ)))
-        if name == "workers.group":
+        if name == "workers.launch.group":
             return types.SimpleNamespace(NAMESPACE="trident")
         return types.SimpleNamespace(RayLauncher=lambda **kw: "launcher")
 
@@ -194,10 +194,10 @@ def test_the_servers_tracker_credentials_stay_out_of_processes_that_run_jobs(
 
 def test_the_controller_gives_the_ranks_their_secrets_and_stores_none_from_them(
         sqlite_store: Store, tmp_path: Path) -> None:
-    from service.controller import Controller
-    from service.jobs import Submitter, submit
-    from service.protocols import PollResult
-    from service.states import JobState
+    from service.cluster.data_plane import PollResult
+    from service.contract.states import JobState
+    from service.control.controller import Controller
+    from service.submission.intake import Submitter, submit
     from tests.fakes import FakeLauncher
 
     box = SecretBox.of(None, tmp_path)

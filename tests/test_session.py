@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.auth import CSRF_HEADER, SESSION_COOKIE, csrf_token
 from api.session import PageUser
+from service.contract.states import JobState
 from service.settings import Settings
-from service.states import JobState
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.conftest import tiny_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -107,7 +107,7 @@ def test_auto_layout_needs_a_cluster() -> None:
 
 
 def test_a_validated_model_holds_plain_numbers_and_its_dump_round_trips() -> None:
-    from service.spec import ModelSpec
+    from service.contract.spec import ModelSpec
 
     stored = {"preset": "llama2-70b"}  # a spec stored before presets were merged on input
     model = ModelSpec.model_validate(stored)

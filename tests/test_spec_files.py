@@ -1,7 +1,9 @@
-"""Files a spec names cannot stop the API (`service.specfiles`, `api.deps.read_hf_configs`):
+"""Files a spec names cannot stop the API (`service.contract.specfiles`,
+`api.deps.read_hf_configs`):
 a `model.hf_config` that is a FIFO, a read that hangs, a config nested half a million deep,
 each against a served app whose `/healthz` keeps answering; and `init.from_hf` is confined as
-`checkpoint.dir` is, at submission (`service.checkpoints.CheckpointPlaces.read_refusal`)."""
+`checkpoint.dir` is, at submission
+(`service.files.checkpoint_dirs.CheckpointPlaces.read_refusal`)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import pytest
 from transformers import GPT2Config
 
 from api.app import create_app
-from service import specfiles
-from service.checkpoints import CheckpointWriter, claim
+from service.contract import specfiles
+from service.files.checkpoint_dirs import CheckpointWriter, claim
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import tiny_spec, user_token

@@ -13,13 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app as cli_app
-from api.cli_stacks import rank_ranges
-from service.controller import Controller
-from service.protocols import PollResult
+from cli.main import app as cli_app
+from cli.stacks import rank_ranges
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
+from service.control.controller import Controller
+from service.control.stack_collect import StackCollector, group_stacks
 from service.settings import Settings
-from service.stack_collect import StackCollector, group_stacks
-from service.states import JobState
 from service.store import Store
 from service.store.stack_requests import (
     KEEP_PER_JOB,
@@ -32,8 +32,8 @@ from tests.conftest import authed_client
 from tests.fakes import FakeGroup, FakeLauncher, submit
 from tests.waiting import drive_until, wait_for
 
-LOOP = '  File "workers/train.py", line 90, in train_rank\n    loss = engine(batch)\n'
-WAIT = '  File "workers/comm_timer.py", line 40, in all_reduce\n    work.wait()\n'
+LOOP = '  File "workers/trainer/train.py", line 90, in train_rank\n    loss = engine(batch)\n'
+WAIT = '  File "workers/monitor/comm_timer.py", line 40, in all_reduce\n    work.wait()\n'
 
 
 def answers(world: int, odd: dict[int, Any] | None = None) -> dict[int, Any]:

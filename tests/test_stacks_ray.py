@@ -9,8 +9,8 @@ pytest.importorskip("ray")
 
 from pydantic import TypeAdapter  # noqa: E402
 
-from api.cli_stacks import render  # noqa: E402
-from service.states import JobState  # noqa: E402
+from cli.stacks import render  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
 from service.store.stack_requests import StackRequest  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
@@ -48,7 +48,8 @@ def test_stacks_of_a_training_job_are_grouped_and_show_the_training_loop(
     assert train["thread"] == "train"
     assert sorted(r for g in train["groups"] for r in g["ranks"]) == [0, 1]
     for g in train["groups"]:  # each rank's work thread is inside the training loop
-        assert "in train_rank" in g["stack"] and "workers/train.py" in g["stack"], g["stack"]
+        assert "in train_rank" in g["stack"], g["stack"]
+        assert "workers/trainer/train.py" in g["stack"], g["stack"]
     assert {"MainThread"} <= {t["thread"] for t in res["threads"]}
     text = render(TypeAdapter(StackRequest).validate_python(req))
     assert "=== thread train:" in text and "in train_rank" in text

@@ -9,14 +9,14 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import inspect, select, text, update
 
-from service.hardware import get_profile
+from service.contract.hardware import get_profile
+from service.contract.spec import JobSpec, ParallelSpec
+from service.contract.spec_limits import recheck
+from service.contract.states import ALLOWED, JobState, TransitionError
 from service.planner import StoredPlan, evaluate
 from service.planner.memory import MemoryBreakdown, stage_memory
 from service.planner.stored import plan_json
 from service.planner.timing import TimeBreakdown
-from service.spec import JobSpec, ParallelSpec
-from service.spec_limits import recheck
-from service.states import ALLOWED, JobState, TransitionError
 from service.store import AttemptStatus, NotFound, ProbeStatus, Store
 from service.store.schema import downgrade, upgrade
 from service.store.tables import JobRow

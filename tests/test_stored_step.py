@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.protocols import MemoryReport, StepReport
-from service.spec import JobSpec
+from service.contract.reports import MemoryReport, StepReport
+from service.contract.spec import JobSpec
 from service.store import Store
 from service.store.metrics import MetricsIngest
 from tests.conftest import stored_plan, tiny_spec

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.body_limit import MAX_BODY_BYTES
-from service.jobs import KeyReused, Submitter, submit_once
+from service.contract.spec import JobSpec
 from service.settings import Settings
-from service.spec import JobSpec
 from service.store import Store
+from service.submission.intake import KeyReused, Submitter, submit_once
 from tests.conftest import authed_client, tiny_spec, user_token
 
 TOO_BIG = [2**31, 2**63, 2**64]

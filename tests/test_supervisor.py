@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from api.app import create_app
+from service.cluster.supervisor import Supervisor, wait_exit
 from service.settings import Settings
 from service.store import Store
-from service.supervisor import Supervisor, wait_exit
 from tests.servers import HTTP, serving, wait_healthy
 from tests.smallfs import Filler, small_fs
 from tests.waiting import wait_for
@@ -114,17 +114,17 @@ def test_the_daemon_keeps_its_sigterm_handler_across_ray_init(monkeypatch) -> No
     and stops cleanly) must still be the one that runs."""
     from types import SimpleNamespace
 
-    import service.daemon as daemon
-    from service.rayhead import UNUSED_OFF_ENV, WORKER_NICENESS_ENV
+    import service.control.daemon as daemon
+    from service.cluster.rayhead import UNUSED_OFF_ENV, WORKER_NICENESS_ENV
 
     def ray_init(**_: object) -> None:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
 
     fakes = {"ray": SimpleNamespace(init=ray_init),
-             "workers.group": SimpleNamespace(NAMESPACE="trident"),
-             "workers.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
+             "workers.launch.group": SimpleNamespace(NAMESPACE="trident"),
+             "workers.launch.launcher": SimpleNamespace(RayLauncher=lambda **_: "launcher")}
     monkeypatch.setattr(daemon.importlib, "import_module", fakes.__getitem__)
-    # A local Ray is on loopback (service.rayhead.LOOPBACK_ENV), its metrics collection off
+    # A local Ray is on loopback (service.cluster.rayhead.LOOPBACK_ENV), its metrics collection off
     # (UNUSED_OFF_ENV); undone after the test.
     for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "DASHBOARD_METRIC_PORT",
                  "AUTOSCALER_METRIC_PORT", *UNUSED_OFF_ENV, *WORKER_NICENESS_ENV):

@@ -1,5 +1,7 @@
-"""A checkpoint tag carries its ranks' step reports not acknowledged yet (`service.tag_steps`),
-and the controller stores them and indexes the tags it finds on disk (`service.tag_recovery`):
+"""A checkpoint tag carries its ranks' step reports not acknowledged yet
+(`service.files.tag_steps`),
+and the controller stores them and indexes the tags it finds on disk
+(`service.control.tag_recovery`):
 once, under the attempt that ran the steps, whatever the store had already. The ranks writing
 them, and a node's death on real Ray, are in test_tag_steps_ray.py."""
 
@@ -13,16 +15,16 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from service.checkpoint_tags import MARKER, tag
-from service.checkpoints import default_folder
-from service.protocols import PollResult
+from service.cluster.data_plane import PollResult
+from service.contract.states import JobState
+from service.control.tag_recovery import recover
+from service.files.checkpoint_dirs import default_folder
+from service.files.checkpoint_tags import MARKER, tag
+from service.files.tag_steps import write
 from service.settings import Settings
-from service.states import JobState
 from service.store import Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.metrics import MetricsIngest
-from service.tag_recovery import recover
-from service.tag_steps import write
 from tests.conftest import authed_client
 from tests.fakes import FakeGroup, FakeLauncher, make, step_report, submit
 from tests.waiting import DEADLINE_S, drive_until

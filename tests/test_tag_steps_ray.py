@@ -2,7 +2,7 @@
 ranks train and save tags while the controller makes no pass (a slow controller), then a
 node's death ends the attempt with those reports unpolled; the job resumes from the newest
 tag and succeeds, and every step 1..N is stored exactly once (the reports the tags carry,
-`service.tag_steps`, stored before the next attempt starts)."""
+`service.files.tag_steps`, stored before the next attempt starts)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from service.checkpoint_tags import newest_complete_step  # noqa: E402
-from service.checkpoints import default_folder  # noqa: E402
-from service.controller import Controller  # noqa: E402
-from service.jobs import submit  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
+from service.files.checkpoint_dirs import default_folder  # noqa: E402
+from service.files.checkpoint_tags import newest_complete_step  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.store.checkpoints import CheckpointIndex  # noqa: E402
+from service.submission.intake import submit  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.waiting import drive_until, wait_for  # noqa: E402
-from workers.launcher import RayLauncher  # noqa: E402
+from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.confine import mlflow_refusal
-from service.jobs import Submitter, submit
-from service.protocols import StepReport
-from service.spec import JobSpec
-from service.states import JobState
+from service.contract.reports import StepReport
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.metrics import MetricsIngest
 from service.store.tracking_exports import Export, Exports, Sink
+from service.submission.confine import mlflow_refusal
+from service.submission.intake import Submitter, submit
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
 from tests.conftest import tiny_spec

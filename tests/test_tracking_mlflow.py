@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from service.jobs import Submitter, submit
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
 from service.secrets import SecretBox
-from service.spec import JobSpec
-from service.states import JobState
 from service.store import Job, Store
 from service.store.metrics import MetricsIngest
 from service.store.tracking_exports import Exports, Sink
+from service.submission.intake import Submitter, submit
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
 from tests.conftest import tiny_spec

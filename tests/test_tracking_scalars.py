@@ -1,5 +1,5 @@
 """A stored step as named scalars (`service.tracking.scalars`), and the custom metrics a step
-report may carry (`service.protocols.StepReport.custom`): pure, no database."""
+report may carry (`service.contract.reports.StepReport.custom`): pure, no database."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from service.protocols import CUSTOM_MAX, CUSTOM_NAME_MAX, StepReport
+from service.contract.reports import CUSTOM_MAX, CUSTOM_NAME_MAX, StepReport
 from service.store import Metric
 from service.tracking.scalars import first_rank_of_stages, scalars_of, step_scalars
 from tests.conftest import stored_plan

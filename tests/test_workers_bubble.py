@@ -1,14 +1,15 @@
-"""The pipeline bubble measured on the rank (`workers.bubble`): what counts as waiting, and a
+"""The pipeline bubble measured on the rank (`workers.monitor.bubble`): what counts as waiting, and
+a
 real pp 2 run on gloo against a pp 1 run."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.workers_spawn import run_ranks
-from workers import bubble as bubble_mod
-from workers.bubble import BubbleMeter
+from workers.monitor import bubble as bubble_mod
+from workers.monitor.bubble import BubbleMeter
 
 
 class Clock:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.checkpoints import RECORD, RULE, CheckpointWriter, read_writer
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
+from service.files.checkpoint_dirs import RECORD, RULE, CheckpointWriter, read_writer
 from tests.smallfs import snapshot
 from tests.workers_spawn import run_ranks
 

@@ -23,15 +23,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from service.parallel import ParallelDims
+from service.contract.parallel import ParallelDims
+from service.contract.spec import JobSpec, ModelSpec
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
-from service.spec import JobSpec, ModelSpec
 from tests.servers import free_port
-from workers.model import Block, build_layers, init_weight, parameter_count
-from workers.seeded_init import BLOCK
-from workers.tp import RankGroups
+from workers.modeling.model import Block, build_layers, init_weight, parameter_count
+from workers.modeling.seeded_init import BLOCK
+from workers.modeling.tp import RankGroups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,7 +114,7 @@ def test_gradient_bytes_count_both_weight_decay_groups_under_zero():
     # per group and frees each group's fp32 gradient partition after its call. The report
     # still counts the whole model's fp32 gradients (dp 1: the whole partition), as it does
     # with one group.
-    from workers.train import RankContext, planned_row, train_rank
+    from workers.trainer.train import RankContext, planned_row, train_rank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     n = parameter_count(ModelShape.from_spec(ModelSpec(preset="gpt-tiny")))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.corpora import write_corpus
 from tests.workers_spawn import run_ranks
 

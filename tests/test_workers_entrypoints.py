@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.smallfs import Filler, free_bytes, small_fs
 from tests.workers_spawn import free_port, losses, run_ranks
-from workers.checkpoint import MARKER
+from workers.checkpoint.saving import MARKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +61,7 @@ def test_torchrun_runs_the_same_entry_point_without_the_control_plane():
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "workers.train",
+         "--master-port", str(free_port()), "-m", "workers.trainer.train",
          "--spec", "examples/gpt-tiny-dp2.yaml"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

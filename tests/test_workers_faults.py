@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.parallel import ParallelDims
-from service.spec import FaultSpec
-from workers import comm_timer, faults
-from workers.comm_timer import CommTimer
-from workers.faults import FaultInjector
-from workers.heartbeat import Heartbeat
+from service.contract.parallel import ParallelDims
+from service.contract.spec import FaultSpec
+from workers.monitor import comm_timer
+from workers.monitor.comm_timer import CommTimer
+from workers.rank import faults
+from workers.rank.faults import FaultInjector
+from workers.runtime.heartbeat import Heartbeat
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from service.contract.spec import JobSpec, ModelSpec
 from service.planner.shape import ModelShape
-from service.spec import JobSpec, ModelSpec
 from tests.workers_spawn import losses, run_ranks
-from workers.model import GPT, parameter_count
+from workers.modeling.model import GPT, parameter_count
 
 CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 N = parameter_count(CFG)
@@ -101,7 +101,7 @@ def test_interleaved_pp2_virtual2_dp2_zero1_with_full_recompute(reference):
     # torch.distributed.pipelining's interleaved 1F1B, ZeroRedundancyOptimizer over dp
     rows = run_ranks(spec(pp=2, virtual_stages=2, dp=2, zero=1, recompute="full"))[0]
     assert_same_losses(rows, reference, 4)
-    # Its waits on neighbouring stages are measured too (workers.bubble), and the single
+    # Its waits on neighbouring stages are measured too (workers.monitor.bubble), and the single
     # stage of the reference waits for none.
     assert all(0 <= r["bubble_s"] <= r["step_time_s"] for r in rows)
     assert all(sum(r["bubble_s"] for r in rows if r["rank"] == k) > 0 for k in range(4))
@@ -162,7 +162,7 @@ def test_fp16_is_refused_with_the_reason_on_a_device_without_fp16():
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from workers.train import RankContext, planned_row, train_rank
+    from workers.trainer.train import RankContext, planned_row, train_rank
 
     if torch.cuda.is_available() or get_accelerator().is_fp16_supported():
         pytest.skip("this device has fp16")

@@ -1,4 +1,4 @@
-"""The optimisation recipe (`workers.recipe`, `TrainSpec.lr_at`): the schedule's rate is the
+"""The optimisation recipe (`workers.trainer.recipe`, `TrainSpec.lr_at`): the schedule's rate is the
 formula at chosen steps, weight decay skips norms, biases and embeddings, clipping bounds the
 gradient the optimizer applies by the global norm, and a resumed run continues the schedule."""
 
@@ -13,12 +13,12 @@ import torch
 from pydantic import ValidationError
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from service.contract.spec import JobSpec, ModelSpec, TrainSpec
 from service.planner.shape import ModelShape
-from service.spec import JobSpec, ModelSpec, TrainSpec
 from tests.servers import free_port
 from tests.workers_spawn import run_ranks
-from workers import recipe
-from workers.model import GPT
+from workers.modeling.model import GPT
+from workers.trainer import recipe
 
 
 def test_warmup_then_cosine_to_min_lr_over_the_rest_of_the_run():
@@ -92,7 +92,7 @@ def _applied_norms(spec: JobSpec) -> tuple[list[float], list]:
     applied (read after the step, in torch's global post-step hook: ZeRO steps its inner
     optimizer once per parameter group, so the squares add up until the step's report) and
     the reports."""
-    from workers.train import RankContext, planned_row, train_rank
+    from workers.trainer.train import RankContext, planned_row, train_rank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     applied: list[float] = []

@@ -1,4 +1,5 @@
-"""A job's rendezvous listens on its master address only (`workers.rendezvous`): the store of
+"""A job's rendezvous listens on its master address only (`workers.runtime.rendezvous`): the store
+of
 rank 0 and every rank's gloo sockets, on loopback when the master is on loopback and on the
 node's address when it is not (as on a cluster of several hosts). Real processes, real gloo;
 the sockets as the kernel lists them (psutil)."""
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from workers.rendezvous import init_process_group, interface_of, listen_fd, socket_env
+from workers.runtime.rendezvous import init_process_group, interface_of, listen_fd, socket_env
 
 
 def _address_of_this_host(loopback: bool) -> str | None:

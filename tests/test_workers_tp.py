@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.parallel import ParallelDims
+from service.contract.parallel import ParallelDims
+from service.contract.spec import ModelSpec
 from service.planner.shape import ModelShape
-from service.spec import ModelSpec
 from tests import forked
 from tests.workers_spawn import free_port
-from workers import tp
-from workers.model import Block
+from workers.modeling import tp
+from workers.modeling.model import Block
 
 CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 
@@ -89,7 +89,7 @@ def test_one_block_issues_megatrons_collectives_and_matches_the_unsharded_block(
 
 
 def _vocab_rank(rank: int, port: int, sequence_parallel: bool, out: dict) -> None:
-    from workers.model import Embedding, Head, loss_for
+    from workers.modeling.model import Embedding, Head, loss_for
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -128,7 +128,7 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_vocabulary_parallel_embedding_head_and_loss_match_the_unsharded_ones(
         sequence_parallel):
-    from workers.model import Embedding, Head, loss_for
+    from workers.modeling.model import Embedding, Head, loss_for
 
     out = _run(sequence_parallel, _vocab_rank)
     emb, head = Embedding(CFG, 3), Head(CFG, 3)

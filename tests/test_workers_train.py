@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.workers_spawn import losses, run_ranks
 
 STEP_KEYS = {"kind", "rank", "step", "loss", "step_time_s", "tokens_per_s", "memory"}

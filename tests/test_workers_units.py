@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from service.parallel import ParallelDims, partition_balanced, stage_layers
+from service.contract.parallel import ParallelDims, partition_balanced, stage_layers
+from service.contract.spec import ModelSpec
 from service.planner.shape import ModelShape
-from service.spec import ModelSpec
-from workers import data
-from workers.memory import ActivationMeter
-from workers.model import GPT, Block, parameter_count
-from workers.pipeline import layer_parts
-from workers.tp import RankGroups
+from workers.modeling.model import GPT, Block, parameter_count
+from workers.modeling.tp import RankGroups
+from workers.monitor.memory import ActivationMeter
+from workers.trainer import data
+from workers.trainer.pipeline import layer_parts
 
 CFG = ModelShape.from_spec(ModelSpec(preset="gpt-tiny"))
 
@@ -80,7 +80,7 @@ def test_the_trainer_refuses_a_shape_it_would_build_differently_naming_the_trait
 
     import pytest
 
-    from workers.model import check_buildable
+    from workers.modeling.model import check_buildable
 
     gpt = ModelShape.from_spec(ModelSpec(layers=2, hidden=64, heads=4, vocab=128, seq_len=16))
     check_buildable(gpt)  # GPT style: biases, tied head, learned positions
@@ -93,7 +93,7 @@ def test_the_trainer_refuses_a_shape_it_would_build_differently_naming_the_trait
 
 
 def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
-    from workers.model import rotary
+    from workers.modeling.model import rotary
 
     q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8)
     scores = rotary(q) @ rotary(k).transpose(-1, -2)  # the same q and k at every position
@@ -104,7 +104,7 @@ def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
 
 
 def test_rotary_is_bit_for_bit_the_explicit_pairs_forward_and_backward():
-    from workers.model import rotary
+    from workers.modeling.model import rotary
 
     def pairs(x: torch.Tensor, base: float) -> torch.Tensor:  # the rotation written out
         s, d = x.shape[-2], x.shape[-1]
@@ -165,8 +165,8 @@ def test_activation_meter_counts_saved_activations_and_less_with_full_recompute(
 def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reason():
     import pytest
 
-    from service.spec import JobSpec
-    from workers.interleaved import check_supported
+    from service.contract.spec import JobSpec
+    from workers.trainer.interleaved import check_supported
 
     ok = JobSpec(name="v", model={"preset": "gpt-tiny"},
                  parallel={"pp": 2, "virtual_stages": 2, "dp": 2, "zero": 1},
@@ -178,8 +178,7 @@ def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reas
 
 
 def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
-    from workers import checkpoint
-
+    from workers.checkpoint import saving as checkpoint
     assert checkpoint.newest_complete_step(str(tmp_path / "missing")) == 0
     assert checkpoint.newest_complete_step(None) == 0
     for step, complete in ((2, True), (4, True), (6, False), (10, False)):
@@ -213,10 +212,10 @@ def test_parameters_partition_is_deepspeeds_own_balance():
 def test_each_rank_builds_the_parameters_the_plan_counts_for_its_stage_under_tp_and_pp():
     # The plan's per-stage parameter bytes (fp32, ZeRO-0: 4 bytes per parameter held) are
     # what every TP rank of that stage builds, embedding and vocabulary-split head included.
+    from service.contract.spec import JobSpec
     from service.planner import evaluate
     from service.planner.stored import plan_json
-    from service.spec import JobSpec
-    from workers.model import build_layers
+    from workers.modeling.model import build_layers
 
     for model in ({"preset": "gpt-tiny"},
                   {"layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "vocab": 202,
@@ -251,17 +250,17 @@ def test_a_ranks_program_is_resolved_from_its_spec_and_imported_only_when_it_run
     import sys
 
     from tests.conftest import tiny_spec
-    from workers import programs
-
+    from workers.runtime import programs
     code = f"""
 import json, sys
-from service.spec import JobSpec
-import workers.actor
-from workers.programs import for_spec
+from service.contract.spec import JobSpec
+import workers.rank.actor
+from workers.runtime.programs import for_spec
 plain = JobSpec.model_validate(json.loads({json.dumps(tiny_spec())!r}))
 custom = plain.model_copy(update={{"entrypoint": "tests.entrypoints:explode"}})
 print(json.dumps([for_spec(plain).name, for_spec(custom).name,
-                  sorted(m for m in ("torch", "deepspeed", "workers.train") if m in sys.modules)]))
+                  sorted(m for m in ("torch", "deepspeed", "workers.trainer.train") if m in
+                  sys.modules)]))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

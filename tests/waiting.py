@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.controller import Controller
-    from service.states import JobState
+    from service.contract.states import JobState
+    from service.control.controller import Controller
     from service.store import Store
 
 DEADLINE_S = 120.0

@@ -14,10 +14,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from service.checkpoints import CheckpointWriter
-from service.order_cache import OrderCache, ServerData
-from service.protocols import StepReport
-from service.spec import JobSpec
+from service.contract.reports import StepReport
+from service.contract.spec import JobSpec
+from service.files.checkpoint_dirs import CheckpointWriter
+from service.files.order_cache import OrderCache, ServerData
 from tests import forked
 from tests.servers import free_port
 
@@ -78,7 +78,7 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
     spec = JobSpec.model_validate_json(spec_json)
     if spec.resources.gpus_per_worker == 0:
         os.environ["DS_ACCELERATOR"] = "cpu"
-    from workers.train import RankContext, planned_row, train_rank
+    from workers.trainer.train import RankContext, planned_row, train_rank
 
     try:
         # Several attempts in one process, as a Ray actor may run them; an attempt with a

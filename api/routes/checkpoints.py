@@ -15,8 +15,8 @@ from starlette.types import Receive, Scope, Send
 from api.auth import Who, check_weights, require
 from api.deps import JobDep, StoreDep
 from api.schemas import CheckpointList, CheckpointOut, Refusal
-from service.checkpoints import ExportRefused, default_folder
-from service.export import (
+from service.files.checkpoint_dirs import ExportRefused, default_folder
+from service.files.export import (
     ExportsBusy,
     NoCompleteTag,
     complete_step,
@@ -86,8 +86,9 @@ def export_job(job: JobDep, request: Request, who: Who,
     """A job's checkpoint tag as a Hugging Face model (`config.json` and safetensors,
     sharded above 5 GiB with `model.safetensors.index.json`), as a tar of the folder
     `job-<id>-step<N>-hf/` that `transformers`' `from_pretrained` loads. The TP shards,
-    pipeline stages and ZeRO-3 partitions are joined (`service.export`, which runs
-    `workers.hf_export`). The job's weights are its owner's: admins export any job, members
+    pipeline stages and ZeRO-3 partitions are joined (`service.files.export`, which runs
+    `workers.checkpoint.hf_export`). The job's weights are its owner's: admins export any job,
+    members
     their own. The folder is written under the server's data directory (`exports/`), the tar
     streamed from its files, and the folder deleted once it is sent. At most
     `TRIDENT_EXPORT_MAX_CONCURRENT` exports run at once; one more is a 429."""

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import require
 from api.deps import ProbeId, StoreDep
 from api.schemas import ClusterView, ProbeList
-from service.hardware import PROFILES
+from service.contract.hardware import PROFILES
 from service.store import NotFound, Probe, Store
 
 router = APIRouter(tags=["cluster"])

@@ -11,11 +11,11 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import require
 from api.deps import JobDep, JobId, StoreDep, job_of
 from api.schemas import CommSteps, HangList, RanksGrid, Series
-from service.rank_status import rank_status
 from service.store import Metric
 from service.store.charts import MAX_POINTS, job_series
 from service.store.steps import StepSplit
 from service.store.views import rank_stacks
+from service.views.rank_status import rank_status
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 

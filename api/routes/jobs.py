@@ -35,20 +35,20 @@ from api.schemas import (
     metric_out_of,
 )
 from client.payloads import Sort
-from service.compare import compare
-from service.confine import Confinement
-from service.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
-from service.jobs import KeyReused, Submitter, submit_once
-from service.jobs import submit as submit_job
+from service.contract.spec import JobSpec, SpecError
+from service.contract.states import JobState, TransitionError
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
-from service.spec import JobSpec, SpecError
-from service.states import JobState, TransitionError
 from service.store import Job, NotFound, Store
 from service.store.dashboard import job_page, jobs_page, summary_of
 from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
 from service.store.tables import NAME_MAX
+from service.submission.confine import Confinement
+from service.submission.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
+from service.submission.intake import KeyReused, Submitter, submit_once
+from service.submission.intake import submit as submit_job
+from service.views.prediction import compare
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -109,7 +109,7 @@ CHECKS_BUSY: dict[int | str, dict[str, Any]] = {
           " every route), or every corpus check of the server's was under way"
           " (TRIDENT_DATA_CHECKS) for TRIDENT_DATA_CHECK_WAIT_S; Retry-After"}}
 """A submission's answers when it waited for a corpus check slot in vain
-(`service.data_check.CheckSlots`)."""
+(`service.submission.data_check.CheckSlots`)."""
 
 RECENT_STEPS = 1000
 """A job's page compares the plan with rank 0's newest this-many steps (newest attempt)."""

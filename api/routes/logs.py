@@ -1,6 +1,6 @@
 """`GET /api/v1/jobs/{id}/logs`: every rank's stdout and stderr, read or followed live.
 
-The files are written by the ranks (`workers.ranklog`) under `Settings.log_root`; this route
+The files are written by the ranks (`workers.runtime.ranklog`) under `Settings.log_root`; this route
 only reads them, by job id, attempt and rank (integers: the path cannot leave the log root).
 """
 
@@ -23,16 +23,16 @@ from pydantic import Field
 from api.auth import require
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.schemas import LogPage, Refusal
-from service.ranklogs import (
-    Chunk,
+from client.payloads import Chunk
+from service.contract.states import JobState
+from service.store import Job
+from service.views.ranklogs import (
     attempt_log_dir,
     offset_at,
     read_chunk,
     tail_offset,
     with_times,
 )
-from service.states import JobState
-from service.store import Job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from api.auth import require
 from api.deps import StoreDep, read_hf_configs
 from api.schemas import LayoutSearch, PlanOut
+from service.cluster.profiles import profile_for
+from service.contract.spec import JobSpec
 from service.planner import plan_command
 from service.planner.search import cpu_bound
-from service.profiles import profile_for
-from service.spec import JobSpec
 
 router = APIRouter(tags=["plan"])
 

@@ -17,9 +17,9 @@ from api.auth import Who, check_owner, check_weights, may, require
 from api.deps import JobDep, StoreDep
 from api.routes.jobs import CHECKS_BUSY, job_out, queue_job, submitter
 from api.schemas import JobOut
-from service.spec import JobSpec
-from service.spec_limits import recheck
-from service.specfile import set_field
+from service.contract.spec import JobSpec
+from service.contract.spec_limits import recheck
+from service.contract.specfile import set_field
 from service.store import Job, NotFound, Store
 from service.store.checkpoints import CheckpointIndex
 from service.store.dashboard import summary_of

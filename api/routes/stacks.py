@@ -1,6 +1,6 @@
 """`trident stacks` over REST: ask a running job's ranks for their Python stacks, read the answer.
 
-The API only stores the request; the controller asks the ranks (`service.stack_collect`) and
+The API only stores the request; the controller asks the ranks (`service.control.stack_collect`) and
 stores their stacks grouped. Asking is like cancelling (admins: any job; members: their own
 jobs), since it interrupts every rank for a moment; reading the answer is reading the job.
 """
@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from api.auth import Who, check_owner, require
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.schemas import Refusal
-from service.states import JobState
+from service.contract.states import JobState
 from service.store import NotFound
 from service.store.stack_requests import StackRequest, StackRequests, TooManyOpen
 

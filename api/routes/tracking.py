@@ -24,10 +24,10 @@ from api.schemas import (
     TrackerExport,
     TrackingInfo,
 )
-from service.comparison import MAX_JOBS, comparison
 from service.store import Job, NotFound
 from service.store.tracking_exports import Export, Exports, Sink
 from service.tracking.tensorboard_sink import job_dir
+from service.views.side_by_side import MAX_JOBS, comparison
 
 router = APIRouter(tags=["tracking"], dependencies=[Depends(require("jobs:read"))])
 

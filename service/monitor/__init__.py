@@ -2,7 +2,8 @@
 measure, these modules decide.
 
 - `bandwidth`: nccl-tests arithmetic (busbw factors, algbw, busbw, the profile's expected
-  busbw). The only part the workers import (`workers.comm_probe`, `workers.comm_timer`).
+  busbw). The only part the workers import (`workers.monitor.comm_probe`,
+  `workers.monitor.comm_timer`).
 - `probe`: a bandwidth probe's rows judged against a hardware profile.
 - `stragglers`: ranks whose compute time per step stays beyond their stage peers'.
 - `hang`: which ranks never arrived when a job stops making progress.

@@ -14,14 +14,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from service.cluster.profiles import profile_for
+from service.contract.parallel import Dim
+from service.contract.reports import HeartbeatReport, ProbeReport, StepReport
+from service.contract.spec import JobSpec
 from service.monitor.hang import Diagnosis, diagnose_hang
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import annotate_expected, flag_slow_groups
 from service.monitor.stragglers import compute_s, find_stragglers
-from service.parallel import Dim
-from service.profiles import profile_for
-from service.protocols import HeartbeatReport, ProbeReport, StepReport
-from service.spec import JobSpec
 from service.store import Job, ProbeStatus, Store
 from service.store.heartbeats import HeartbeatLog, HeartbeatThrottle
 

@@ -1,7 +1,8 @@
 """Bandwidth arithmetic as nccl-tests defines it: busbw factors, algbw, busbw, and the busbw
 a hardware profile predicts.
 
-Imported by the workers (`workers.comm_probe` measures with it, `workers.comm_timer` counts
+Imported by the workers (`workers.monitor.comm_probe` measures with it,
+`workers.monitor.comm_timer` counts
 bytes the same way) and by the rest of `service.monitor`; pure Python.
 
 Byte counts follow nccl-tests: the size S of an all-gather is the gathered (output) tensor, of
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from service.hardware import HardwareProfile
+from service.contract.hardware import HardwareProfile
 
 P2P_OPS = frozenset({"send", "recv", "send_recv"})
 """Point-to-point operations: a pair of ranks, busbw = algbw."""

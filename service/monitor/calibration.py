@@ -11,10 +11,10 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from service.hardware import HardwareProfile, get_profile
+from service.contract.hardware import HardwareProfile, get_profile
+from service.contract.reports import ClusterProbeReport
 from service.monitor.probe import annotate_expected, measured_link_bw
 from service.planner.calibrate import profile_from_measurements
-from service.protocols import ClusterProbeReport
 
 
 def calibrate(request: dict[str, Any],

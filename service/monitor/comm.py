@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.contract.parallel import Dim, ParallelDims
 from service.monitor.bandwidth import busbw_factor
-from service.parallel import Dim, ParallelDims
 from service.store import Job, Store
 
 
@@ -62,7 +62,8 @@ def summarize_comm(rank_reports: Mapping[int, Sequence[Mapping[str, Any]]],
     `predicted` is the plan's step-time split (`StoredPlan.time`: `step_s`, `tp_comm_s`, ...).
 
     `rank_reports[rank]` is a list of step reports `{"step", "step_time_s", "comm", "timed"}`
-    (the fields of `service.protocols.StepReport`; `comm` is `{dim: {op: {"time_s", "bytes",
+    (the fields of `service.contract.reports.StepReport`; `comm` is `{dim: {op: {"time_s",
+    "bytes",
     "calls"}}}`). Steps whose comm was not timed (GPU steps between CUDA-event samples) carry
     `"timed": False` and count toward bytes but not toward time.
     """

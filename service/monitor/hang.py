@@ -1,7 +1,7 @@
 """Hang diagnosis: when no rank made progress in time, which ranks never arrived.
 
 Called by the per-attempt health (`service.monitor.attempt`) on every poll with the ranks'
-heartbeats (`service.protocols.HeartbeatReport`).
+heartbeats (`service.contract.reports.HeartbeatReport`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from service.contract.parallel import ParallelDims
+from service.contract.reports import HeartbeatReport
 from service.monitor.bandwidth import P2P_OPS
-from service.parallel import ParallelDims
-from service.protocols import HeartbeatReport
 
 
 @dataclass

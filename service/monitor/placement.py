@@ -1,7 +1,7 @@
 """TP placement: warnings for TP groups placed across a slow link.
 
 Called by the per-attempt health (`service.monitor.attempt`) once the placement is known, with
-the node inventory (`service.inventory`, its `topology` link matrix on GPU nodes).
+the node inventory (`service.cluster.inventory`, its `topology` link matrix on GPU nodes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def tp_placement_warnings(tp_groups: Sequence[Sequence[int]], node_of_rank: Mapp
     """Warnings for TP groups placed across a slow link.
 
     A TP group spanning nodes always warns (TP collectives sit on the critical path). Inside a
-    GPU node whose inventory carries a topology matrix (`service.inventory`), a pair of the
+    GPU node whose inventory carries a topology matrix (`service.cluster.inventory`), a pair of the
     group's GPUs joined by PCIe or the inter-socket bus (PIX, PXB, PHB, NODE, SYS) warns.
     """
     out = []

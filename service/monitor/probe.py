@@ -1,8 +1,8 @@
 """A bandwidth probe's rows judged against a hardware profile.
 
 Callers: the controller's per-attempt health (`service.monitor.attempt`) on a job's probe,
-`service.calibration` on a `trident probe`, and `bench/bench_probe.py`. A row is one
-`service.protocols.ProbeRowModel` dumped: dim, group, op, bytes, time_s, algbw, busbw.
+`service.monitor.calibration` on a `trident probe`, and `bench/bench_probe.py`. A row is one
+`service.contract.reports.ProbeRowModel` dumped: dim, group, op, bytes, time_s, algbw, busbw.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from service.hardware import HardwareProfile
+from service.contract.hardware import HardwareProfile
 from service.monitor.bandwidth import crosses_nodes, expected_busbw
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from service.protocols import StepReport
+from service.contract.reports import StepReport
 
 
 def compute_s(report: StepReport) -> float | None:

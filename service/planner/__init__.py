@@ -7,7 +7,7 @@ functions exported here; see docs/planner.md for the model and the plan JSON.
 
 from service.planner.calibrate import fit_overheads, profile_from_measurements
 from service.planner.capacity import CanTrain, CapacityRow, can_train, capacity
-from service.planner.jobs import PlanInfeasible, plan_job
+from service.planner.job_plan import PlanInfeasible, plan_job
 from service.planner.plan import Plan, evaluate, structural_problems
 from service.planner.report import plan_command, render_plan, render_search
 from service.planner.scenario import Scenario, ZeroConfig

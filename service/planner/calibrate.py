@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from service.hardware import HardwareProfile
+from service.contract.hardware import HardwareProfile
 from service.planner.plan import Plan
 
 

@@ -3,7 +3,7 @@
 `can_train` answers "can 8 x A100-40GB train a 175B model, and with what?": the best
 fitting layout, or for each strategy its most frugal layout (micro-batch 1, full recompute,
 sequence parallel, the most sharding) and how far it is over device or host memory.
-`capacity` walks a model family (service.presets.FAMILIES) and reports, per strategy, the
+`capacity` walks a model family (service.contract.presets.FAMILIES) and reports, per strategy, the
 largest model that fits, with and without offload. Called by `trident plan` and the API.
 """
 
@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.hardware import GB, HardwareProfile, get_profile
+from service.contract.hardware import GB, HardwareProfile, get_profile
+from service.contract.presets import FAMILIES
+from service.contract.spec import JobSpec, Offload, ParallelSpec, Zero
 from service.planner.clusters import ClusterAnswer, smallest_clusters, what_it_takes_text
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.search import divisors, search
 from service.planner.shape import ModelShape
-from service.presets import FAMILIES
-from service.spec import JobSpec, Offload, ParallelSpec, Zero
 
 Pred = Callable[[ParallelSpec], bool]
 

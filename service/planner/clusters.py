@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.hardware import PROFILES, HardwareProfile
+from service.contract.hardware import PROFILES, HardwareProfile
+from service.contract.spec import JobSpec, ParallelSpec
 from service.planner.explain import layout_name
 from service.planner.memory import stage_memory
 from service.planner.plan import Plan
@@ -31,7 +32,6 @@ from service.planner.search import (
 )
 from service.planner.shape import ModelShape
 from service.planner.uncertainty import ranges
-from service.spec import JobSpec, ParallelSpec
 
 MAX_NODES = 4096
 """The most nodes a spec's cluster may have (ClusterSpec.nodes)."""
@@ -145,7 +145,7 @@ def smallest_clusters(spec: JobSpec, *, gpus_per_node: int = 8,
 
 def model_fits_cluster(spec: JobSpec, profile: HardwareProfile | None = None) -> bool:
     """Whether some layout of the spec's own cluster fits (at its most frugal)."""
-    from service.hardware import get_profile
+    from service.contract.hardware import get_profile
 
     prof = profile or get_profile(spec.target.gpu)
     return _some_family_fits(spec, ModelShape.from_spec(spec.model), prof, spec.world_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from service.hardware import GB
+from service.contract.hardware import GB
 
 if TYPE_CHECKING:
     from service.planner.plan import Plan

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.hardware import GB, HardwareProfile, get_profile
-from service.parallel import layer_split_errors
+from service.contract.hardware import GB, HardwareProfile, get_profile
+from service.contract.parallel import layer_split_errors
+from service.contract.spec import JobSpec, ParallelSpec
 from service.planner.memory import MemoryBreakdown, memory
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.timing import TimeBreakdown, step_time
-from service.spec import JobSpec, ParallelSpec
 
 
 def gb(x: float) -> str:

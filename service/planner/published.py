@@ -15,13 +15,13 @@ from typing import Any
 
 import yaml
 
-from service.hardware import get_profile
+from service.contract.hardware import get_profile
+from service.contract.presets import PRESETS
+from service.contract.spec import ParallelSpec
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.stacks import Stack, get_stack
-from service.presets import PRESETS
-from service.spec import ParallelSpec
 
 DATA_PATH = Path(__file__).with_name("data") / "published_runs.yaml"
 GIB = float(1 << 30)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.hardware import GB, HardwareProfile
+from service.contract.hardware import GB, HardwareProfile
+from service.contract.spec import JobSpec
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
 from service.planner.explain import explain, layout_name, tuning_notes
 from service.planner.plan import Plan, evaluate
 from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
 from service.planner.stored import plan_json
 from service.planner.uncertainty import ranges
-from service.spec import JobSpec
 
 
 def _gb(x: float) -> str:

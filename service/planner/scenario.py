@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.hardware import HardwareProfile
-from service.parallel import ParallelDims
+from service.contract.hardware import HardwareProfile
+from service.contract.parallel import ParallelDims
+from service.contract.spec import ParallelSpec
 from service.planner.shape import ModelShape
 from service.planner.stacks import Loss, Stack, get_stack, profile_efficiency
-from service.spec import ParallelSpec
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.hardware import HardwareProfile, get_profile
+from service.contract.hardware import HardwareProfile, get_profile
+from service.contract.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 from service.planner.explain import compare, explain, layout_name
 from service.planner.memory import stage_memory
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
-from service.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 
 SEARCH_BUDGET = 16_000
 """Candidates (layout families and layouts with their micro-batch) one search may look at."""
@@ -110,7 +110,7 @@ def cpu_bound(seconds: float = API_SEARCH_CPU_S) -> Iterator[None]:
     machine does not change which requests are refused; garbage collections the thread runs
     meanwhile do not count, `_discount_collections`). The clock starts at the first candidate
     a search charges, not on entry: what the request does before its search (the submission's
-    corpus check, `service.data_check`) is not the search's."""
+    corpus check, `service.submission.data_check`) is not the search's."""
     token = _BOUND.set(_Bound(seconds=seconds))
     try:
         yield

@@ -2,8 +2,9 @@
 
 `ModelShape.from_spec` turns a validated `ModelSpec` into plain numbers; memory.py, timing.py
 and capacity.py read only this object. Conventions for architectures follow
-`service.presets` (GPT: biases, LayerNorm, learned positions, tied head; Llama: none of
-those, SwiGLU, GQA). The built-in trainer (`workers.model`) builds its model from this object
+`service.contract.presets` (GPT: biases, LayerNorm, learned positions, tied head; Llama: none of
+those, SwiGLU, GQA). The built-in trainer (`workers.modeling.model`) builds its model from this
+object
 too, and refuses the traits it does not build, so planner and trainer count the same model.
 """
 
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, cast, get_args
 
-from service.parallel import stage_layers
-from service.presets import PRESETS
-from service.spec import ModelSpec
+from service.contract.parallel import stage_layers
+from service.contract.presets import PRESETS
+from service.contract.spec import ModelSpec
 
 Positions = Literal["learned", "rotary", "alibi"]
 
@@ -68,7 +69,8 @@ class ModelShape:
             qkv_bias=m.qkv_bias, gelu_tanh=m.activation == "gelu_tanh", norm_eps=m.norm_eps)
 
     def builtin_trainer_refusal(self) -> str | None:
-        """Why the built-in trainer (`workers.model`) would build a model other than the one
+        """Why the built-in trainer (`workers.modeling.model`) would build a model other than the
+        one
         counted here, naming the traits; None when it builds exactly this one. Checked at
         submission for jobs without an `entrypoint`, and again by the trainer."""
         traits = []
@@ -160,7 +162,8 @@ class ModelShape:
 
     def stages(self, pp: int, virtual_stages: int = 1,
                partition: str = "uniform") -> list[list[tuple[int, int]]]:
-        """Each pipeline rank's [start, end) block ranges (`service.parallel.stage_layers`)."""
+        """Each pipeline rank's [start, end) block ranges
+        (`service.contract.parallel.stage_layers`)."""
         return [list(r) for r in _stages(self, pp, virtual_stages, partition)]
 
     def stage_blocks(self, pp: int, virtual_stages: int = 1,

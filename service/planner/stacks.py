@@ -69,8 +69,8 @@ class Stack:
 
 PRIORS: dict[str, Stack] = {s.name: s for s in [
     Stack("trident", True, "deepspeed", 1.0, 0.05, 0.25 * (1 << 30),
-          "Trident's trainer (workers/model.py): torch scaled_dot_product_attention (a flash"
-          " kernel on GPUs), unfused layers, DeepSpeed 0.19 engine for ZeRO and pipelines;"
+          "Trident's trainer (workers/modeling/model.py): torch scaled_dot_product_attention"
+          " (a flash kernel on GPUs), unfused layers, DeepSpeed 0.19 engine for ZeRO and pipelines;"
           " efficiency shared with `deepspeed` (no published runs of its own); loss"
           " F.cross_entropy on fp32 logits", loss="pytorch"),
     Stack("megatron-lm", True, "megatron", 1.0, 0.03, 0.5 * (1 << 30),
@@ -154,7 +154,7 @@ def loss_bytes_per_logit(loss: Loss, act_bytes: int) -> float:
     Megatron's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py)
     computes the fp32 softmax in place and writes the gradient over it: one fp32 buffer next
     to the logits in the training precision. PyTorch's `F.cross_entropy(logits.float(), ...)`
-    (torchtitan, Trident's workers/model.py, Hugging Face models) saves log_softmax's fp32
+    (torchtitan, Trident's workers/modeling/model.py, Hugging Face models) saves log_softmax's fp32
     output; backward makes nll_loss's dense fp32 gradient and log_softmax's fp32 input
     gradient while it is alive: three fp32 tensors (torchtitan deletes the 16-bit logits
     before backward, and the fp32 copy is not saved). flash-attn's fused Triton cross

@@ -32,13 +32,13 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, core_schema
 
-from service.parallel import Dim, rank_layout
+from service.contract.parallel import Dim, rank_layout
+from service.contract.spec import ParallelSpec
 from service.planner.explain import explain, tuning_notes
 from service.planner.memory import MemoryBreakdown, stage_memory
 from service.planner.plan import Plan
 from service.planner.timing import TimeBreakdown
 from service.planner.uncertainty import ranges
-from service.spec import ParallelSpec
 
 # JSON numbers are kept as they were stored: an int stays an int (a plain `float` field would
 # turn 0 into 0.0 and change the JSON).
@@ -251,7 +251,7 @@ class StoredPlan(_View):
     mfu: Number | None = None
     chosen_by: Literal["spec", "search", "elastic"] = "spec"
     """`search` when the layout was chosen for `parallel: auto` (then `search` summarises it);
-    `elastic` when an elastic re-plan chose it (`service.elastic`)."""
+    `elastic` when an elastic re-plan chose it (`service.policy.elastic_replan`)."""
     _keys: tuple[str, ...] = PrivateAttr(default=())
     _memory_json: dict[str, Any] | None = PrivateAttr(default=None)
     _dumped: dict[tuple[Any, ...], dict[str, Any]] = PrivateAttr(default_factory=dict)

@@ -15,7 +15,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.store.dashboard import read_sessions
-from service.store.jobs import Job, Store
+from service.store.store import Job, Store
 from service.store.tables import AttemptRow, MetricRow, StepMetricRow
 
 MAX_POINTS = 2000

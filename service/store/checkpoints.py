@@ -3,11 +3,13 @@ ones retention deleted.
 
 Rank 0 reports with a step's report the tag it completed (`StepReport.checkpoint`,
 `checkpoint_bytes`) and the older tags it deleted then (`checkpoints_removed`, by the policy
-`checkpoint.keep_last` / `keep_every`, see `workers.checkpoint.prune`); the controller stores
-both here (`service.worker_reports`). A report sent again (a poll not acknowledged) writes the
+`checkpoint.keep_last` / `keep_every`, see `workers.checkpoint.saving.prune`); the controller stores
+both here (`service.control.worker_reports`). A report sent again (a poll not acknowledged) writes
+the
 same row again. The tags of a folder that no stored report named (rank 0's report died with
 its attempt), and those deleted unreported, are added and marked removed from the disk
-(`service.tag_recovery`). The bytes on disk of a job are the sum over its tags not removed: what
+(`service.control.tag_recovery`). The bytes on disk of a job are the sum over its tags not removed:
+what
 `trident checkpoints JOB`, `GET /api/v1/jobs/{id}/checkpoints` and `describe` show.
 """
 
@@ -21,7 +23,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.store.engine import EngineTx
-from service.store.jobs import Store
+from service.store.store import Store
 from service.store.tables import CheckpointRow, utcnow
 from service.store.views import aware
 
@@ -72,7 +74,7 @@ class CheckpointIndex(EngineTx):
                 _remove(s, job_id, removed)
 
     def gone(self, *, job_id: int, steps: list[int]) -> None:
-        """The tags of `steps` are no longer on disk (`service.tag_recovery`): removed."""
+        """The tags of `steps` are no longer on disk (`service.control.tag_recovery`): removed."""
         with self._tx() as s:
             _remove(s, job_id, steps)
 

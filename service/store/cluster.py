@@ -1,7 +1,7 @@
 """The cluster's records: probes (`trident probe`, an attempt's health probe), the nodes the
 controller last saw, and the calibrated hardware profiles that probes make.
 
-`ClusterRecords` is a part of `Store` (`service.store.jobs`), which inherits its methods and
+`ClusterRecords` is a part of `Store` (`service.store.store`), which inherits its methods and
 gives them its transactions: callers keep calling `store.list_nodes()`, and each method is one
 transaction handing out the immutable views of `service.store.views`, as the job methods do.
 """
@@ -58,7 +58,7 @@ class ClusterRecords:
 
     def claim_probes(self, *, scope: str, fence: Any = None) -> list[Probe]:
         """Pending probes of `scope`, marked running in the same transaction (with a `fence`,
-        a `service.store.jobs.Fence`, only while its holder holds that lease: NotHolder
+        a `service.store.store.Fence`, only while its holder holds that lease: NotHolder
         otherwise)."""
         with self._tx() as s:
             if fence is not None:

@@ -17,9 +17,9 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from client.payloads import one_line
-from service.states import JobState
-from service.store.jobs import Job, Metric, Store, job_in, secret_names_in
+from service.contract.states import JobState
 from service.store.metrics import Newest, newest_in
+from service.store.store import Job, Metric, Store, job_in, secret_names_in
 from service.store.tables import EventRow, JobRow, MetricRow, StepMetricRow
 
 SORTS = {"id": JobRow.id, "name": JobRow.name, "owner": JobRow.owner, "state": JobRow.state,

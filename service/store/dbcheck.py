@@ -10,7 +10,7 @@ URL, what is wrong and what to do, never a traceback:
 - while serving, the API answers 503 with `describe`'s text (`api.db_errors`), and the daemon
   logs it for every pass that fails on it;
 - at stop, `trident up` stops the Ray head it started when it cannot read which jobs are
-  still active on it (`api.cli._stop_head`).
+  still active on it (`cli.main._stop_head`).
 
 `check` on SQLite reads the schema (the header and the first pages: a damaged header is found
 at once), then runs `PRAGMA quick_check`, which reads every page of the file, for at most

@@ -1,5 +1,7 @@
-"""An elastic job's moves in the store (`service.elastic` decides them, `Rescaling.down` and
-`Rescaling.up` in `service.rescaling` carry them out): the queued jobs that ran before, which
+"""An elastic job's moves in the store (`service.policy.elastic_replan` decides them,
+`Rescaling.down` and
+`Rescaling.up` in `service.control.rescaling` carry them out): the queued jobs that ran before,
+which
 a re-plan looks at, and the change of a job's layout (its spec, plan and world size, with
 `jobs.elastic`), said by an `elastic` event in the same transaction.
 """
@@ -10,11 +12,11 @@ from typing import Any
 
 from sqlalchemy import select
 
+from service.contract.spec import JobSpec
+from service.contract.states import JobState, TransitionError
 from service.planner.stored import StoredPlan
-from service.spec import JobSpec
-from service.states import JobState, TransitionError
 from service.store.engine import EngineTx
-from service.store.jobs import Job, NotFound, Store
+from service.store.store import Job, NotFound, Store
 from service.store.tables import EventRow, JobRow, utcnow
 
 

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from service.store.engine import EngineTx
-from service.store.jobs import Store
+from service.store.store import Store
 from service.store.tables import RankHeartbeatRow
 from service.store.views import aware
 

@@ -4,7 +4,7 @@
 A token is 32 random bytes (URL-safe text, prefixed `trd_`), shown once and stored only as its
 SHA-256. Tokens are high-entropy, so a plain hash (no salt, no slow KDF) cannot be reversed
 by guessing, and a token check is one query on a unique index (`Identity.authenticate`), which
-keeps it off the request's critical path. Like `service.store.jobs`, every method is one
+keeps it off the request's critical path. Like `service.store.store`, every method is one
 transaction and hands out immutable views, never ORM rows.
 """
 
@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from client.payloads import Project, Token, User
 from service.store.audit_log import AuditLog
-from service.store.jobs import NotFound, Store
+from service.store.store import NotFound, Store
 from service.store.tables import (
     MembershipRow,
     ProjectRow,

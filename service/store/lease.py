@@ -25,7 +25,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from service.store.engine import EngineTx
-from service.store.jobs import Store
+from service.store.store import Store
 from service.store.tables import LeaseRow, utcnow
 from service.store.views import aware
 

@@ -20,7 +20,7 @@ transaction:
   reads them downsampled (`list_steps(every=N)`).
 
 Writes are batched: one INSERT of all per-rank rows of a poll, one read and one write per step
-touched. `service.store.jobs` keeps the queries of the other tables; this module keeps those of
+touched. `service.store.store` keeps the queries of the other tables; this module keeps those of
 `step_metrics` and the retention of `metrics` (every table is declared in
 `service.store.tables`).
 """
@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.store.engine import EngineTx
-from service.store.jobs import Metric, Store
+from service.store.store import Metric, Store
 from service.store.tables import MetricRow, StepMetricRow, utcnow
 from service.store.views import aware
 
@@ -225,7 +225,7 @@ class MetricsIngest(EngineTx):
             row.time = now
 
     def whole(self, *, job_id: int, attempt: int, step: int) -> bool:
-        """Whether every rank's report of the step is stored (`service.tag_recovery`)."""
+        """Whether every rank's report of the step is stored (`service.control.tag_recovery`)."""
         with self._tx() as s:
             return s.execute(select(StepMetricRow.step).where(
                 StepMetricRow.job_id == job_id, StepMetricRow.attempt == attempt,

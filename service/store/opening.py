@@ -1,10 +1,10 @@
 """Opening the database at start: check that it can be read, bring its schema up to date and
 (but in prod) make the first admin, saying in one line each what was found and done.
 
-`trident up` (`api.cli.up`, through `api.cli_identity.open_database`) and the API server's
+`trident up` (`cli.main.up`, through `cli.identity.open_database`) and the API server's
 own start (`python -m api.serve`) call `open_database` once, before anything serves, so that
 N API workers never migrate at once. The controller daemon and `trident controller` only
-`check` (`service.daemon.wait_for_database`): they never migrate, the API's start does. A
+`check` (`service.control.daemon.wait_for_database`): they never migrate, the API's start does. A
 database that cannot be read raises `Unreadable` with its line (`service.store.dbcheck`); the
 caller prints it and exits.
 """
@@ -18,8 +18,8 @@ from client.auth import token_file
 from service.store.bootstrap import bootstrap
 from service.store.dbcheck import check, readable
 from service.store.identity import Identity
-from service.store.jobs import Store
 from service.store.schema import upgrade
+from service.store.store import Store
 
 Say = Callable[[str], None]
 """Where a line for the operator goes (the CLI's `typer.echo`, the server's stdout)."""

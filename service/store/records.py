@@ -1,7 +1,7 @@
 """A job's run records: its events (state changes, placements, failures, hangs), as `Store`
 writes and reads them, and the per-rank metrics its ranks report, as `Store` reads them.
 
-`RunRecords` is a part of `Store` (`service.store.jobs`), which inherits its methods and gives
+`RunRecords` is a part of `Store` (`service.store.store`), which inherits its methods and gives
 them its engine and transactions, as `ClusterRecords` (`service.store.cluster`) is: callers
 keep calling `store.list_events(...)`. Writing the metrics (the controller's
 `MetricsIngest.record`), a large job's sampling and the per-step rows are

@@ -1,11 +1,11 @@
 """`trident stacks`: requests for a running job's Python stacks, and their answers.
 
 The API never calls Ray: `POST /jobs/{id}/stacks` stores a request here (pending), the
-controller's pass (`service.stack_collect`) asks every rank of the job's live group for its
+controller's pass (`service.control.stack_collect`) asks every rank of the job's live group for its
 threads' stacks beside its loop, and stores the answer grouped (ranks with identical stacks
 together); `GET /jobs/{id}/stacks/{request_id}` reads it back. Everything is bounded: at most
 `MAX_OPEN` requests of a job wait at once, a job keeps its newest `KEEP_PER_JOB` requests,
-and `service.stack_collect` bounds the answer's size. This module keeps the queries of the
+and `service.control.stack_collect` bounds the answer's size. This module keeps the queries of the
 `stack_requests` table (migration 0009, declared with every other table in
 `service.store.tables`).
 """
@@ -22,7 +22,7 @@ from sqlalchemy import (
 
 from client.payloads import StackRequest, StackStatus
 from service.store.engine import EngineTx
-from service.store.jobs import Store
+from service.store.store import Store
 from service.store.tables import JobRow, StackRequestRow, utcnow
 from service.store.views import NotFound, aware
 

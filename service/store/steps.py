@@ -1,6 +1,7 @@
 """A stored step, typed on the way out: what a metrics row's `data` column holds.
 
-`service.protocols.StepReport.row()` stores a step as the columns of `METRIC_COLUMNS` plus one
+`service.contract.reports.StepReport.row()` stores a step as the columns of `METRIC_COLUMNS` plus
+one
 `data` JSON column; `Metric.report` (`service.store.views`) reads that column once into a
 `StoredStep`: its collectives per dimension as `CommOpStats`, its memory as `MemoryReport`,
 whether its collectives were timed, its pipeline bubble, its custom metrics and the other
@@ -9,7 +10,7 @@ of `data` (a test greps for it).
 
 `Metric.step_split()` is the one place a step's seconds in each dimension's collectives and
 its compute (the rest of the step) are added up: the dashboard's communication steps, the
-ranks grid (`service.rank_status`), `GET /metrics`, the tracking scalars and the `/comm` view
+ranks grid (`service.views.rank_status`), `GET /metrics`, the tracking scalars and the `/comm` view
 read it.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.protocols import CommOpStats, CustomValue, MemoryReport
+from service.contract.reports import CommOpStats, CustomValue, MemoryReport
 
 NESTED = frozenset({"memory", "comm", "custom"})
 """Parts of `data` read into their own types, not as figures at its top."""

@@ -126,7 +126,8 @@ class JobRow(Base):
     """Attempts stopped for a job of higher priority (PREEMPTED -> QUEUED): they spend no
     retry."""
     elastic: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    """An elastic job re-planned to another layout (`service.elastic`): the layout it was
+    """An elastic job re-planned to another layout (`service.policy.elastic_replan`): the layout it
+    was
     submitted with and its moves up (NULL: never re-planned)."""
 
 
@@ -316,7 +317,8 @@ class AuditRow(Base):
 
 class JobSecretRow(Base):
     """A secret of a job (`JobSpec.secrets`), sealed with the server's key
-    (`service.secrets.SecretBox`): apart from the spec, never returned; the controller opens
+    (`service.secrets.SecretBox`): apart from the spec, never returned; the controller
+    opens
     it to give it to the ranks' environment."""
 
     __tablename__ = "job_secrets"
@@ -426,7 +428,7 @@ class StackRequestRow(Base):
     status: Mapped[str] = mapped_column(String(16))
     requested_by: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
     result: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    """`service.stack_collect.group_stacks`: threads, each with its groups of ranks."""
+    """`service.control.stack_collect.group_stacks`: threads, each with its groups of ranks."""
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -1,7 +1,8 @@
 """The exporter's cursors: per job and tracker, how far its stored steps went.
 
 A row (`service.store.tables.TrackingExportRow`) is made with its job (`Store.create_job`, from the
-trackers `service.jobs.submit` chose) and moved on by the exporter (`service.tracking.exporter`)
+trackers `service.submission.intake.submit` chose) and moved on by the exporter
+(`service.tracking.exporter`)
 only: the MLflow run once it is made, the cursor after each batch sent or dropped, the newest
 failure, the job state the tracker was told, and `done`. Every write is one transaction, and
 conditional where two exporters could meet (a controller that lost its lease finishing a
@@ -18,7 +19,7 @@ from enum import StrEnum
 from sqlalchemy import ColumnElement, and_, case, func, or_, select, update
 
 from service.store.engine import EngineTx
-from service.store.jobs import Store
+from service.store.store import Store
 from service.store.tables import JobRow, TrackingExportRow, utcnow
 from service.store.views import aware
 

@@ -1,13 +1,13 @@
 """What the store hands out: immutable views of its rows, never ORM objects.
 
-`service.store.jobs` and its neighbours build them; the API, the controller, the scheduler and
+`service.store.store` and its neighbours build them; the API, the controller, the scheduler and
 the CLI read them. The views an API answer carries (`Job`, `Event`, `Attempt`, `Probe`,
 `Node`) are the REST contract's (`client.payloads`), read here from their rows (`Job.from_row`,
 `event_of`, ...), so that the store and the wire share one shape and a client needs nothing
 of the store; `Metric` and `CalibratedProfile` are the server's own. A job's spec and plan are
 validated once, here, when its row is read: `Job.spec` is the `JobSpec` that runs, `Job.plan`
 the typed `StoredPlan`. A spec is read as stored (the limits added after it could have been
-written are not enforced, `service.spec_limits`), wherever a `Job` is validated: from its
+written are not enforced, `service.contract.spec_limits`), wherever a `Job` is validated: from its
 row, as an API answer, in a client.
 """
 
@@ -22,11 +22,11 @@ from sqlalchemy import Row
 
 from client import payloads
 from client.payloads import Attempt, AttemptStatus, Event, Node, Probe, ProbeStatus
-from service.hardware import HardwareProfile
+from service.contract.hardware import HardwareProfile
+from service.contract.spec import JobSpec
+from service.contract.spec_limits import STORED
+from service.contract.states import JobState
 from service.planner.stored import StoredPlan
-from service.spec import JobSpec
-from service.spec_limits import STORED
-from service.states import JobState
 from service.store.steps import StepSplit, StoredStep
 from service.store.tables import (
     AttemptRow,

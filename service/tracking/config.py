@@ -4,8 +4,9 @@ send them.
 `TrackingConfig.of(settings)` reads `TRIDENT_MLFLOW_URI` (every job's MLflow, unless its spec
 names another or turns tracking off), `TRIDENT_MLFLOW_URIS` (the others a spec may name), the
 server's MLflow credentials and `TRIDENT_TENSORBOARD` (event files under the data directory).
-The API confines a spec's `tracking.mlflow` to `mlflow_allowed` (`service.confine`).
-`targets` is what `service.jobs.submit` stores with a job (a cursor per tracker, the job's
+The API confines a spec's `tracking.mlflow` to `mlflow_allowed` (`service.submission.confine`).
+`targets` is what `service.submission.intake.submit` stores with a job (a cursor per tracker, the
+job's
 for good: a later change of the settings does not move a job's run); `make_sink` is what the
 exporter sends through.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.spec import TrackingSpec, normal_uri
+from service.contract.spec import TrackingSpec, normal_uri
 from service.store.tracking_exports import Sink
 
 if TYPE_CHECKING:

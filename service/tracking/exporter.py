@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from service.states import JobState
+from service.contract.states import JobState
 from service.store import Job, NotFound, Store
 from service.store.metrics import MetricsIngest
 from service.store.tables import utcnow

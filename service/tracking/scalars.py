@@ -13,7 +13,7 @@ Names are the store's own, so that a figure has one name everywhere (the metrics
 - `memory/stage<s>/<field>`: each pipeline stage's memory, from the first rank of the stage
   whose row is stored (rank 0 for stage 0);
 - custom metrics (`StepReport.custom`) with number values, under their own names (they may not
-  take a name of the report's fields, `service.protocols`).
+  take a name of the report's fields, `service.contract.reports`).
 
 A field that is None, not a number or not finite is left out of that step.
 """

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from service.states import JobState
+from service.contract.states import JobState
 from service.store import Job
 from service.store.tracking_exports import Export, Sink
 from service.tracking.scalars import StepScalars

@@ -1,0 +1,95 @@
+"""`trident data prepare` and `trident data inspect`: local commands (no server) that make and
+describe a corpus (`service.files.corpus_prepare`, `docs/data.md`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import fail
+
+data_app = typer.Typer(no_args_is_help=True,
+                       help="Make and inspect tokenized corpora (no server).")
+
+
+@data_app.command()
+def prepare(inputs: Annotated[list[Path], typer.Argument(
+                help=".jsonl (a text field per line), .txt (one document) or .parquet files.")],
+            out: Annotated[str, typer.Option(help="The corpus's prefix: writes PREFIX.bin and"
+                                             " PREFIX.idx.")],
+            tokenizer: Annotated[str, typer.Option(
+                help="gpt2 (GPT-2's BPE, offline), or the path of a tokenizer.json.")] = "gpt2",
+            field: Annotated[str, typer.Option(
+                help="The text field of .jsonl lines and the column of .parquet files.")]
+            = "text",
+            workers: Annotated[int, typer.Option(
+                min=0, max=256, help="Tokenizing processes; 0: one per CPU, at most 8.")] = 0,
+            ) -> None:
+    """Tokenize text into a corpus in Megatron's indexed dataset format (PREFIX.bin,
+    PREFIX.idx), an end-of-document token after each document; prints a summary (documents,
+    tokens, bytes, tokens per second).
+
+    Example: trident data prepare books/*.jsonl --tokenizer gpt2 --out /corpora/books/books
+    """
+    from service.files.corpus_prepare import PrepareError, on_terminal
+    from service.files.corpus_prepare import prepare as run
+
+    n = workers or max(1, min(8, os.cpu_count() or 1))
+    try:
+        if on_terminal():
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                          TimeElapsedColumn(), transient=True) as bar:
+                task = bar.add_task("tokenizing", total=None)
+                summary = run([str(p) for p in inputs], tokenizer, out, field=field, workers=n,
+                              progress=lambda d, t: bar.update(
+                                  task, description=f"{d} documents, {t} tokens"))
+        else:
+            summary = run([str(p) for p in inputs], tokenizer, out, field=field, workers=n)
+    except (PrepareError, OSError) as exc:
+        fail(str(exc))
+    typer.echo(summary.line())
+
+
+@data_app.command()
+def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no .bin/.idx).")],
+            tokenizer: Annotated[str | None, typer.Option(
+                help="Decode the samples with this tokenizer (gpt2 or a tokenizer.json).")]
+            = None,
+            samples: Annotated[int, typer.Option(min=0, max=100)] = 3,
+            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Print a corpus's header (magic, version, dtype), its counts (sequences, documents,
+    tokens), its largest token id, and its first documents (decoded with --tokenizer).
+
+    Example: trident data inspect /corpora/books/books --tokenizer gpt2
+    """
+    from service.files.corpus import CorpusError
+    from service.files.corpus_prepare import PrepareError
+    from service.files.corpus_prepare import inspect as run
+
+    try:
+        info = run(prefix, tokenizer, samples)
+    except (CorpusError, PrepareError) as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    typer.echo(f"{info['prefix']}: Megatron indexed dataset, magic {info['magic']!r}, version"
+               f" {info['version']}, dtype {info['dtype']}")
+    typer.echo(f"  {info['documents']} documents, {info['sequences']} sequences,"
+               f" {info['tokens']} tokens (mean {info['mean_sequence']:.1f} per sequence),"
+               f" largest token id {info['max_token']}")
+    typer.echo(f"  .idx {info['idx_bytes']} bytes, .bin {info['bin_bytes']} bytes")
+    for s in info["samples"]:
+        shown = json.dumps(s["text"]) if s["text"] is not None else s["ids"]
+        typer.echo(f"  [{s['sequence']}] {s['tokens']} tokens: {shown}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `trident data ...` to the `trident` app."""
+    app.add_typer(data_app, name="data")

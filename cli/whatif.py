@@ -1,0 +1,140 @@
+"""`trident plan --compare JOB`: a what-if against a job's measurement.
+
+The server plans the what-if (`POST /plan`, with the profile `trident probe` calibrated, as it
+planned the job) and gives the job's plan next to what its ranks measured. How far the
+measured step time is from the job's prediction (`measured / predicted`) is the correction
+this cluster and stack need: the what-if's expected step time is its prediction times that
+ratio, its tokens/s divided by it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from pydantic import BaseModel
+
+from cli.common import connect, fail
+from cli.spec import apply_sets, read_spec_file, validate_spec
+from client.payloads import JobOut, Measured, MeasuredMemory, Number, PlanOut
+from client.rest import model_json
+from service.planner.stored import PlannedLayout
+
+
+def _label(layout: PlannedLayout) -> str:
+    return f"{layout.label} mb{layout.micro_batch}"
+
+
+def _num(value: float | None, scale: float, unit: str, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:,.{digits}f} {unit}"
+
+
+# --- what `plan --compare --json` prints (docs/cli.md), its fields in this order ---------------
+
+class JobSide(BaseModel):
+    """The job: its layout, and its plan against its measurement."""
+
+    id: int
+    name: str
+    state: str
+    layout: str
+    steps_measured: int
+    step_s: Measured
+    tokens_per_s: Measured
+    memory_bytes: MeasuredMemory | None
+
+
+class WhatIfSide(BaseModel):
+    """The what-if's plan."""
+
+    layout: str
+    fits: bool
+    reasons: list[str]
+    step_s: Number
+    tokens_per_s: Number
+    memory_bytes: Number
+
+
+class Expected(BaseModel):
+    """The what-if's prediction times the job's measured/predicted step time."""
+
+    ratio: float | None
+    step_s: float | None
+    tokens_per_s: float | None
+
+
+class Comparison(BaseModel):
+    job: JobSide
+    what_if: WhatIfSide
+    expected: Expected
+
+
+def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
+    """The what-if next to the job: predictions, the job's measurement, and what the job's
+    measured/predicted ratio makes of the what-if."""
+    pvm = job.predicted_vs_measured
+    step = pvm.step_s if pvm else Measured()
+    ratio = step.ratio
+    what_step = plan.time.step_s
+    return Comparison(
+        job=JobSide(id=job.id, name=job.name, state=job.state.value,
+                    layout=_label(job.plan.layout),
+                    steps_measured=pvm.steps_measured if pvm else 0, step_s=step,
+                    tokens_per_s=pvm.tokens_per_s if pvm else Measured(),
+                    memory_bytes=pvm.memory_bytes if pvm else None),
+        what_if=WhatIfSide(layout=_label(plan.layout), fits=plan.fits, reasons=plan.reasons,
+                           step_s=what_step, tokens_per_s=plan.tokens_per_s,
+                           memory_bytes=plan.memory.total),
+        expected=Expected(ratio=ratio, step_s=what_step * ratio if ratio else None,
+                          tokens_per_s=plan.tokens_per_s / ratio if ratio else None))
+
+
+def render(rows: Comparison) -> str:
+    j, w, e = rows.job, rows.what_if, rows.expected
+    head = f"job {j.id} ({j.layout})"
+    width = max(26, len(head) + 2)
+    ratio = e.ratio
+    memory = j.memory_bytes
+
+    def row(label: str, left: str, right: str) -> str:
+        return f"{label:<24}{left:<{width}}{right}".rstrip()
+
+    misfit = "" if w.fits else f"  (does not fit: {'; '.join(w.reasons)})"
+    return "\n".join([
+        f"what-if against job {j.id} {j.name}: {j.state},"
+        f" {j.steps_measured} steady steps measured",
+        row("", head, f"what-if ({w.layout})"),
+        row("step time predicted", _num(j.step_s.predicted, 1e3, "ms"),
+            _num(w.step_s, 1e3, "ms")),
+        row("step time measured", _num(j.step_s.measured, 1e3, "ms"),
+            f"expected {_num(e.step_s, 1e3, 'ms')} (predicted x {ratio:.2f}, the job's"
+            " measured/predicted)" if ratio else "expected - (the job has no measured steps"
+            " yet)"),
+        row("tokens/s predicted", _num(j.tokens_per_s.predicted, 1, "", 0),
+            _num(w.tokens_per_s, 1, "", 0)),
+        row("tokens/s measured", _num(j.tokens_per_s.measured, 1, "", 0),
+            f"expected {_num(e.tokens_per_s, 1, '', 0)}" if ratio else "expected -"),
+        row("memory/GPU predicted", _num(memory.predicted if memory else None, 1e-9, "GB", 2),
+            _num(w.memory_bytes, 1e-9, "GB", 2) + misfit),
+        row("memory/GPU peak", _num(memory.measured_peak if memory else None, 1e-9, "GB", 2),
+            ""),
+    ])
+
+
+def what_if(server: str, job_id: int, spec: Path | None, sets: list[str],
+            as_json: bool) -> None:
+    """Plan `spec` (default: the job's stored spec) with `sets` applied, on the server, and
+    print it against job `job_id`'s measurement."""
+    with connect(server) as client:
+        job = client.get_job(job_id)
+        raw = read_spec_file(spec) if spec is not None else job.spec.model_dump(mode="json")
+        checked = validate_spec(apply_sets(raw, sets), str(spec or f"job {job_id}'s spec"),
+                                sets)
+        if checked.parallel == "auto":
+            fail("--compare needs an explicit layout: set parallel (e.g. --set"
+                 " parallel.tp=2), or run `trident plan SPEC` for the ranked layouts")
+        plan = client.plan(checked)
+    assert isinstance(plan, PlanOut)  # an explicit layout: one plan, not a search
+    rows = compare_rows(job, plan)
+    typer.echo(json.dumps(model_json(rows), indent=2) if as_json else render(rows))

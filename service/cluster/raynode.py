@@ -1,0 +1,149 @@
+"""`trident node start|stop`: a Ray node of this host, started the way Trident needs it.
+
+`start` runs `ray start --block` (head, or a worker joining `--address`) as a process of its
+own session, so that it outlives the command, with the node's labels
+(`service.cluster.node_labels`),
+its CPUs and GPUs, and Ray's token authentication (`service.cluster.rayhead.auth_env`). It listens
+on
+every interface of the host: that is how the other hosts reach it, and starting a node with it
+is how a cluster of several hosts opts in (`trident up`'s own head is on loopback only:
+`service.cluster.rayhead.LOOPBACK_ENV`; Ray replaces a loopback `--node-ip-address` here by the
+host's address, so that the others can join). It waits until Ray says the node runs and
+records what it started in `<data_dir>/node/state.json`: the pid (also its process group),
+the address, the temp dir and the log. `stop` stops that node and
+nothing else: SIGTERM to the recorded `ray start --block` (which stops the node's processes),
+then SIGKILL to what is left of its process group after the grace. It never runs `ray stop`,
+which would stop every Ray node of the host, other people's too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from service.cluster.rayhead import NO_LOG_MONITOR
+
+READY = "Ray runtime started"
+"""What `ray start` prints once the node runs (head or worker)."""
+
+
+@dataclass
+class NodeState:
+    """What `trident node start` started on this host (`<data_dir>/node/state.json`)."""
+
+    pid: int
+    role: str
+    """`head` or `worker`."""
+    address: str
+    """The head's GCS address (the one to join, and `trident up --ray-address`)."""
+    log: str
+    temp_dir: str | None
+    argv: list[str]
+
+
+def host_ip() -> str:
+    """This host's address as other hosts reach it, as Ray finds it (the source address of
+    the route to a public address; no packet is sent), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 80))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def state_path(data_dir: Path) -> Path:
+    return data_dir / "node" / "state.json"
+
+
+def read_state(data_dir: Path) -> NodeState | None:
+    try:
+        return NodeState(**json.loads(state_path(data_dir).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def alive(state: NodeState) -> bool:
+    """Whether the recorded `ray start --block` still runs (and its pid was not reused)."""
+    try:
+        cmd = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"--block" in cmd and b"start" in cmd and any(b"ray" in c for c in cmd[:3])
+
+
+def ray_start_argv(*, head: bool, address: str, num_cpus: int, num_gpus: int,
+                   labels: dict[str, str], node_ip: str | None, temp_dir: str | None
+                   ) -> list[str]:
+    """`ray start --block` for this node: the head listens on `address`'s port; a worker
+    joins the head at `address`."""
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--disable-usage-stats",
+            NO_LOG_MONITOR,
+            "--labels=" + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))]
+    if head:
+        argv += ["--head", f"--port={address.rpartition(':')[2]}", "--include-dashboard=false"]
+    else:
+        argv.append(f"--address={address}")
+    if node_ip:
+        argv.append(f"--node-ip-address={node_ip}")
+    if temp_dir:
+        argv.append(f"--temp-dir={temp_dir}")
+    return argv
+
+
+def start_node(data_dir: Path, *, role: str, address: str, argv: list[str],
+               env: dict[str, str], temp_dir: str | None, timeout_s: float) -> NodeState:
+    """Start the node and wait until Ray says it runs; RuntimeError (with the log's tail)
+    when it exits first or takes longer than `timeout_s`."""
+    known = read_state(data_dir)
+    if known is not None and alive(known):
+        raise RuntimeError(f"a node started from {data_dir} still runs (pid {known.pid}, "
+                           f"{known.role} of {known.address}): `trident node stop` it first")
+    log_path = data_dir / "node" / "ray-node.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    state = NodeState(pid=proc.pid, role=role, address=address, log=str(log_path),
+                      temp_dir=temp_dir, argv=argv)
+    state_path(data_dir).write_text(json.dumps(asdict(state)))
+    deadline = time.monotonic() + timeout_s
+    while READY not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = (f"exited with status {proc.returncode}" if proc.returncode is not None
+                   else f"did not start within {timeout_s:g} s")
+            stop_node(data_dir, grace_s=10)
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"ray start {why} (log {log_path}):\n{tail}")
+        time.sleep(0.2)
+    return state
+
+
+def stop_node(data_dir: Path, grace_s: float = 30.0) -> NodeState | None:
+    """Stop the node recorded under `data_dir` (and only it); the state of the node stopped,
+    or None when none was recorded or it no longer ran."""
+    state = read_state(data_dir)
+    if state is None:
+        return None
+    running = alive(state)
+    if running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while alive(state) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # `ray start --block` started the node's processes in its own process group (the
+        # session `start_node` gave it): whatever of it outlived the grace is ours to kill.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(state.pid, signal.SIGKILL)
+    state_path(data_dir).unlink(missing_ok=True)
+    return state if running else None

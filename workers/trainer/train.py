@@ -1,0 +1,507 @@
+"""The per-rank trainer: what one rank of a job runs, for every TP x PP x DP x ZeRO layout.
+
+Two programs of `workers.runtime.programs` live here: the built-in trainer (`train_rank`) and a
+custom
+entrypoint (`entrypoint_rank`), which share the set-up and tear-down (`rank_session`). Two
+callers: the Ray actor of `workers.launch.group` runs them on a thread (one actor per rank,
+rendezvous
+given in `RankContext`), and `python -m workers.trainer.train --spec SPEC.yaml` runs
+the same function under torchrun (rendezvous read from torchrun's environment), for debugging
+and as the baseline without orchestration.
+
+Each rank is given its row of the job's plan (`RankContext.plan`, a
+`service.planner.stored.RankPlan`: its stage, the layers it builds, its groups): the Ray
+actor gets the row of the stored plan from the controller's launcher; without a controller
+(torchrun, tests) `planned_row` takes it from the plan the control plane would store. The
+trainer builds from that row and never works the split out again.
+
+`train_rank` reads top to bottom: set up torch.distributed and the TP/PP/DP groups, build the
+model (each rank draws only its shards of the seeded weights: layout-invariant, and under
+ZeRO-3 partitioned over DP as each module is built: `construction`), parallelize
+(tensor parallel inside the layers, then activation checkpointing inside the blocks, then ZeRO
+wrapping last through `deepspeed.initialize`), resume, loop (report every optimizer step, save
+every `checkpoint.every_steps`: a save that fails is reported and the loop goes on), tear down.
+A spec with `entrypoint` runs that function instead of the built-in GPT loop, between the same
+set-up and tear-down, with the same data (`workers.trainer.evaluation.open_data`,
+`TrainContext.data`). A preempted job's ranks (`RankContext.save_now`) save where they stop.
+One module because it is one rank's run read top to bottom; its parts (data, model, pipeline,
+checkpoints, memory) are modules of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from service.contract import ds_config
+from service.contract.reports import MemoryReport, StepReport
+from service.contract.spec import JobSpec
+from service.files import tag_steps
+from service.planner import evaluate
+from service.planner.shape import ModelShape
+from service.planner.stored import RankPlan, StoredPlan, plan_json
+from workers.checkpoint import hf_weights
+from workers.checkpoint import saving as checkpoint
+from workers.modeling.model import GPT, Block, building, loss_for
+from workers.modeling.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
+from workers.monitor import memory
+from workers.monitor.bubble import BubbleMeter
+from workers.runtime import rendezvous
+from workers.runtime.deepspeed_import import deepspeed
+from workers.runtime.programs import RankContext, Report
+from workers.trainer import data, evaluation, recipe
+
+CustomReport = Callable[[StepReport | dict[str, Any]], None]
+"""A custom entrypoint's `TrainContext.report`: a `StepReport`, or a dict validated into one
+(values beyond its fields go in its `custom` dict)."""
+
+
+def steps_writer(ctx: RankContext, *saving: StepReport) -> Callable[[str], None] | None:
+    """What `checkpoint.save` writes into each tag of this rank (`service.files.tag_steps`): its
+    unacknowledged step reports and `saving`, the report of the step being saved (reported
+    once the tag is complete); None without a controller."""
+    pending = ctx.pending
+    if pending is None:
+        return None
+
+    def write(path: str) -> None:
+        tag_steps.write(path, job_id=ctx.writer.job_id if ctx.writer else None,
+                                attempt=ctx.attempt, world_size=ctx.world_size,
+                                rank=ctx.rank,
+                                reports=[*pending(), *(r.model_dump() for r in saving)])
+
+    return write
+
+
+def planned_row(spec: JobSpec, rank: int) -> RankPlan:
+    """Rank `rank`'s row of the plan the control plane stores for `spec`, for a run without a
+    controller (`main` under torchrun, tests, benches); the controller's launcher sends each
+    rank its row of the stored plan."""
+    return StoredPlan.from_json(plan_json(evaluate(spec))).rank_plan(rank)
+
+
+@dataclass
+class TrainContext:
+    """What a custom `entrypoint` function receives on every rank (after set-up)."""
+
+    spec: JobSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    groups: RankGroups
+    """This rank's coordinates and its tp/pp/dp process groups."""
+    ds_config: dict[str, Any]
+    """The DeepSpeed config the built-in trainer would use for this layout."""
+    report: CustomReport
+    checkpoint_dir: str | None
+    resume_step: int
+    """Steps already done by the newest complete checkpoint (0: start fresh)."""
+    stop: threading.Event
+    plan: RankPlan
+    """This rank's row of the job's plan: its stage, the layers it builds, its groups."""
+    attempt: int = 0
+    data: data.DataSource | None = None
+    """The job's data as the built-in trainer reads it (`workers.trainer.data`):
+    `micro_batches(step)`
+    is this rank's DP replica's micro-batches of step `step` (0-based), `eval_micro_batches`
+    the validation ones, `progress(samples)` the tokens, epoch and per-corpus draws of the
+    consumed samples. Resuming from `resume_step`, the consumed samples are
+    `resume_step * train.global_batch`: pass them to `checkpoint.save(...,
+    consumed_samples=...)`."""
+    save_steps: Callable[[str], None] | None = None
+    """Pass it to `checkpoint.save(..., steps=...)`: each tag then carries this rank's step
+    reports the controller has not acknowledged (report a step before saving it), stored
+    should the attempt end before they are polled (`service.files.tag_steps`)."""
+
+    def should_stop(self) -> bool:
+        """Collective: whether any rank was asked to stop; call it on every rank each step."""
+        return world_any(self.stop.is_set(), self.device)
+
+
+def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
+               step_started: Callable[[int], None] | None = None) -> None:
+    """The built-in trainer (`workers.runtime.programs.TRAINER`): set up torch.distributed, build
+    the
+    model, train spec.train.steps steps, report, tear down. Exceptions propagate; `stop` ends
+    the run cleanly between steps. The built-in trainer calls `step_started(step)` where a
+    step's timed work begins (the rank actor's communication timer starts the step there).
+    A spec with `entrypoint` runs that function instead, as `entrypoint_rank` does (torchrun's
+    `main` and the tests run every spec through here)."""
+    with rank_session(spec, ctx) as s:
+        if spec.entrypoint:
+            _run_entrypoint(spec, ctx, s, report, stop)
+        else:
+            _train_gpt(spec, ctx, s.device, s.groups, s.ds_config, report, stop, s.source,
+                       step_started)
+
+
+def entrypoint_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
+                    step_started: Callable[[int], None] | None = None) -> None:
+    """A spec's custom entrypoint (`workers.runtime.programs.ENTRYPOINT`) between the trainer's
+    set-up
+    and tear-down (`rank_session`); it marks no step starts (`step_started` is not called)."""
+    with rank_session(spec, ctx) as s:
+        _run_entrypoint(spec, ctx, s, report, stop)
+
+
+# --- set up and tear down -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankSession:
+    """What the trainer's set-up gives the program it runs."""
+
+    device: torch.device
+    groups: RankGroups
+    ds_config: dict[str, Any]
+    source: data.DataSource
+
+
+@contextmanager
+def rank_session(spec: JobSpec, ctx: RankContext) -> Iterator[RankSession]:
+    """Set up (`setup_rank`), claim the checkpoint folder before any rank reads it, build the
+    groups and check them against the rank's row of the plan, open the data; tear down after,
+    waiting for the peers only when the program ended well (peers may be gone after an error:
+    a barrier would hide it)."""
+    device = setup_rank(spec, ctx)
+    try:
+        checkpoint.claim_folder(ctx.checkpoint_dir, ctx.writer)  # before any rank reads it
+        groups = build_groups(spec.layout.dims, ctx.rank)
+        _check_row(ctx.plan, groups)
+        ds_config = deepspeed_config(spec, device)
+        source = evaluation.open_data(spec, ctx.rank, groups, device, ctx.server,
+                                      ctx.writer.owner if ctx.writer else "")
+        yield RankSession(device=device, groups=groups, ds_config=ds_config, source=source)
+    except BaseException:
+        teardown_rank(wait_for_peers=False)
+        raise
+    teardown_rank(wait_for_peers=True)
+
+
+def setup_rank(spec: JobSpec, ctx: RankContext) -> torch.device:
+    """The job's environment, the process group on the job's master address, DeepSpeed's
+    distributed state and the seed: the set-up every DeepSpeed program shares (scripts that
+    start ranks by hand call it too, `workers.rank.script_rank`). Returns the rank's device."""
+    for key, value in spec.env.items():
+        os.environ[key] = value
+    os.environ.update(MASTER_ADDR=ctx.master_addr, MASTER_PORT=str(ctx.master_port),
+                      RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      LOCAL_RANK=str(ctx.local_rank))
+    use_gpu = torch.cuda.is_available() and spec.resources.gpus_per_worker > 0
+    if not use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    layout = spec.layout
+    if layout.tp * layout.pp * layout.dp != ctx.world_size:
+        raise ValueError(f"tp({layout.tp}) * pp({layout.pp}) * dp({layout.dp}) ="
+                         f" {layout.tp * layout.pp * layout.dp} != world size {ctx.world_size}")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if spec.train.precision == "fp16":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError("train.precision: fp16 needs a device with fp16 arithmetic (a CUDA"
+                             f" GPU); {get_accelerator().device_name()} has none, use bf16")
+    # With one GPU visible per actor (Ray sets CUDA_VISIBLE_DEVICES) the device index is 0.
+    gpu = ctx.local_rank % max(1, torch.cuda.device_count()) if use_gpu else 0
+    if use_gpu:
+        torch.cuda.set_device(gpu)
+    # The group first, on the job's master address (workers.runtime.rendezvous); DeepSpeed then
+    # finds it initialised. Its timeout and device binding are what DeepSpeed would have used.
+    rendezvous.init_process_group(
+        "nccl" if use_gpu else "gloo", rank=ctx.rank, world_size=ctx.world_size,
+        master_addr=ctx.master_addr, port=ctx.master_port,
+        timeout=deepspeed.constants.default_pg_timeout,
+        device_id=torch.device("cuda", gpu) if use_gpu and ctx.world_size > 1 else None)
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo",
+                               auto_mpi_discovery=False, verbose=False,
+                               rank=ctx.rank, world_size=ctx.world_size)
+    torch.manual_seed(spec.train.seed)
+    return torch.device("cuda", gpu) if use_gpu else torch.device("cpu")
+
+
+def teardown_rank(wait_for_peers: bool) -> None:
+    """Destroy every process group so the same process can run another attempt."""
+    if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
+        dist.destroy_process_group()
+    from deepspeed.utils import groups as ds_groups
+    for name in ("_DATA_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_WORLD_GROUP", "mpu"):
+        if hasattr(ds_groups, name):
+            setattr(ds_groups, name, {} if name.startswith("_EXPERT") else None)
+
+
+def deepspeed_config(spec: JobSpec, device: torch.device | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of this layout on `device` (`service.contract.ds_config`, which `trident
+    plan --deepspeed-config` prints)."""
+    return ds_config.deepspeed_config(spec, cuda=device is not None and device.type == "cuda")
+
+
+# --- the built-in GPT trainer -------------------------------------------------------------------
+
+def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: RankGroups,
+               ds_config: dict[str, Any], report: Report, stop: threading.Event,
+               source: data.DataSource,
+               step_started: Callable[[int], None] | None = None) -> None:
+    layout, t = spec.layout, spec.train
+    shape = ModelShape.from_spec(spec.model)  # what the planner counted; built as it is
+    if layout.sequence_parallel and shape.seq_len % layout.tp:
+        raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
+                         f" seq_len({shape.seq_len})")
+
+    # Build and parallelize: tensor parallel and activation checkpointing live inside the
+    # layers (workers.modeling.model); ZeRO wraps last, in deepspeed.initialize, over the DP group.
+    # The pipeline's waits for neighbouring stages (none without a pipeline: a bubble of 0).
+    bubble = BubbleMeter(cuda=device.type == "cuda",
+                         sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
+    engine = build_engine(spec, shape, ctx.plan, device, groups, ds_config, bubble)
+    _check_stage(engine.module, ctx.plan)
+
+    inner = memory.innermost_optimizer(engine.optimizer)
+    if layout.virtual_stages == 1 and not layout.zero and t.precision == "fp32":
+        # DeepSpeed's fp32 path without ZeRO clips with a norm it keeps nowhere: clip here,
+        # by the same rule, where the engine then reads the norm (workers.trainer.recipe).
+        engine.clip_fp32_gradients = lambda: None  # type: ignore[union-attr,attr-defined]
+        recipe.clip_before_step(inner, list(engine.module.parameters()), groups, t.grad_clip)
+
+    state_meter = memory.ModelStateMeter(engine.module, engine.optimizer)
+    acts = memory.ActivationMeter(engine.module)
+
+    start = 0
+    skipped: list[str] | None = None  # damaged tags passed over: said with the first step
+    if ctx.checkpoint_dir:
+        resume = checkpoint.agreed_resume(ctx.checkpoint_dir)
+        skipped = resume.skipped or None
+        if resume.step:
+            start = checkpoint.load(engine, ctx.checkpoint_dir, resume.step, spec, groups)
+
+    tokens_per_step = t.global_batch * shape.seq_len
+    last: StepReport | None = None
+    for step in range(start, t.steps):
+        # Every rank stops at the same step boundary, even when `stop` reached some ranks a
+        # step later than others: a rank that left alone would leave its peers in a collective.
+        if world_any(stop.is_set(), device):
+            if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
+                    ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
+                report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec,
+                                            source.progress(step * t.global_batch).samples,
+                                            steps_writer(ctx)))
+            break
+        if bubble is not None:
+            bubble.begin_step(step + 1)
+        if step_started is not None:
+            step_started(step + 1)
+        t0 = time.perf_counter()
+        lr = t.lr_at(step + 1)
+        recipe.set_lr(engine.optimizer, lr)
+        batches = source.micro_batches(step)
+        with acts.track():
+            if layout.pp > 1:
+                loss = float(engine.train_batch(data_iter=_to(batches, device)))
+            else:
+                loss = _train_step(engine, _to(batches, device), groups, layout.dp,
+                                   loss_for(shape, groups))
+        dt = time.perf_counter() - t0
+        waited = bubble.end_step() if bubble is not None else 0.0
+        eval_loss = evaluation.evaluate(engine, source, layout.pp, groups, device,
+                                        loss_for(shape, groups)) \
+            if source.eval_due(step + 1, t.steps) else None
+        progress = source.progress((step + 1) * t.global_batch)
+        states = state_meter.read()
+        last = StepReport(
+            rank=ctx.rank, step=step + 1, loss=loss,
+            step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            lr=lr, grad_norm=_grad_norm(engine),
+            bubble_s=None if waited is None else min(waited, dt),
+            tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+            attempt=ctx.attempt, resumed_from=start, eval_loss=eval_loss,
+            resume_skipped=skipped if step == start else None,
+            tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
+            first_sample=step * t.global_batch,
+            memory=MemoryReport(
+                params_bytes=states.get("params", 0),
+                grads_bytes=states.get("grads", 0),
+                optimizer_bytes=states.get("optimizer", 0),
+                activations_peak_bytes=acts.peak,
+                process_peak_bytes=memory.process_peak_bytes(device),
+                process_peak_source="cuda_max_allocated" if device.type == "cuda"
+                else "rss_peak"))
+        if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
+                (step + 1) % spec.checkpoint.every_steps == 0:
+            # A save the disk refuses is reported with the step; training goes on. The tag
+            # carries this step's report too: it is reported only after the save.
+            saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1, spec,
+                                    consumed_samples=progress.samples,
+                                    steps=steps_writer(ctx, last))
+            last = last.model_copy(update={
+                "checkpoint": saved.path, "checkpoint_error": saved.error,
+                "checkpoint_bytes": saved.bytes,
+                "checkpoints_removed": list(saved.removed) or None})
+        report(last)
+    engine.destroy()
+
+
+def build_engine(spec: JobSpec, shape: ModelShape, row: RankPlan, device: torch.device,
+                 groups: RankGroups, ds_config: dict[str, Any],
+                 bubble: BubbleMeter | None = None) -> Any:
+    """This rank's stage of the model, built shard-only (`construction`) and wrapped in its
+    engine: DeepSpeed's (pp = 1, or its pipeline engine), or the interleaved one."""
+    layout, t = spec.layout, spec.train
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        # DeepSpeed has no interleaved schedule: torch.distributed.pipelining (see module).
+        from workers.trainer.interleaved import InterleavedEngine
+        return InterleavedEngine(spec, shape, groups, row.layers, device, bubble)
+    if layout.pp > 1:
+        from workers.trainer.pipeline import build_pipeline
+        with construction(spec, device, groups, ds_config):
+            model = build_pipeline(shape, t.seed, layout.dims, groups, layout.recompute,
+                                   row.stages, layout.sequence_parallel)
+        hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
+        recipe.mark_norm_owners(model, groups)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                          model_parameters=recipe.param_groups(model, t))
+        if bubble is not None:
+            bubble.attach_deepspeed(engine)
+        return engine
+    with construction(spec, device, groups, ds_config):
+        model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel)
+    hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
+    recipe.mark_norm_owners(model, groups)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=DeepSpeedMpu(groups),
+                                      model_parameters=recipe.param_groups(model, t))
+    return engine
+
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextmanager
+def construction(spec: JobSpec, device: torch.device, groups: RankGroups,
+                 ds_config: dict[str, Any]) -> Iterator[None]:
+    """Build this rank's stage holding only what the rank keeps.
+
+    Every layer draws only its TP shard (`workers.modeling.seeded_init`), on `device`, in the dtype
+    DeepSpeed trains the parameters in (it would cast them to it: same numbers, half the
+    bytes of an fp32 build in 16-bit training). Under ZeRO-3, inside `deepspeed.zero.Init`
+    over the DP group: each module's parameters are partitioned as soon as the module is
+    built, so a rank holds its partition of what it built so far and one module's TP shard
+    (the largest: the embedding or an MLP matrix), never the stage. The engine then finds the
+    parameters partitioned (`deepspeed.initialize`).
+    """
+    with ExitStack() as stack:
+        stack.enter_context(building(device, PARAM_DTYPES[spec.train.precision]))
+        if spec.layout.zero == 3:
+            stack.enter_context(deepspeed.zero.Init(
+                config_dict_or_path=ds_config, mpu=DeepSpeedMpu(groups),
+                data_parallel_group=groups.dp, mem_efficient_linear=False))
+        yield
+
+
+def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn) -> float:
+    """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
+    the global-batch mean loss (mean over micro-batches, then over DP replicas)."""
+    total = torch.zeros((), dtype=torch.float32)
+    count = 0
+    for x, y in batches:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+        total += loss.detach().float().cpu()
+        count += 1
+    total /= count
+    if dp > 1:
+        device_total = total.to(engine.device)
+        dp_all_reduce(device_total, groups.dp)
+        total = device_total.cpu() / dp
+    return float(total)
+
+
+def _grad_norm(engine) -> float | None:
+    """The engine's global gradient norm of the last step, before clipping, as a float."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def _to(batches, device: torch.device):
+    for x, y in batches:
+        yield x.to(device), y.to(device)
+
+
+def _check_row(row: RankPlan, groups: RankGroups) -> None:
+    """The rank's row of the plan puts it where its process groups do."""
+    assert (row.rank, row.pp, row.dp, row.tp) == (
+        groups.rank, groups.pp_rank, groups.dp_rank, groups.tp_rank), (
+        f"rank {groups.rank}'s row of the plan is rank {row.rank}'s (pp {row.pp}, dp {row.dp},"
+        f" tp {row.tp})")
+
+
+def _check_stage(module: torch.nn.Module, row: RankPlan) -> None:
+    """The blocks this rank built are its row's layer ranges, in order."""
+    built = [m.index for m in module.modules() if isinstance(m, Block)]
+    assert built == row.blocks, f"rank {row.rank} built blocks {built}, the plan says {row.blocks}"
+
+
+# --- custom entrypoints -------------------------------------------------------------------------
+
+def _run_entrypoint(spec: JobSpec, ctx: RankContext, s: RankSession, report: Report,
+                    stop: threading.Event) -> None:
+    assert spec.entrypoint is not None
+    module_name, func_name = spec.entrypoint.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    resume = checkpoint.agreed_resume(ctx.checkpoint_dir)
+    unsaid = list(resume.skipped)  # the damaged tags passed over go with its first report
+
+    def first_says(r: StepReport | dict[str, Any]) -> None:
+        step = StepReport.model_validate(r)
+        if unsaid:
+            step = step.model_copy(update={"resume_skipped": unsaid[:]})
+            unsaid.clear()
+        report(step)
+
+    func(TrainContext(spec=spec, rank=ctx.rank, world_size=ctx.world_size,
+                      local_rank=ctx.local_rank, device=s.device, groups=s.groups,
+                      ds_config=s.ds_config, checkpoint_dir=ctx.checkpoint_dir,
+                      report=first_says, resume_step=resume.step, stop=stop, plan=ctx.plan,
+                      attempt=ctx.attempt, data=s.source, save_steps=steps_writer(ctx)))
+
+
+# --- torchrun entry point -----------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    from service.contract.specfile import load_yaml
+
+    parser = argparse.ArgumentParser(description="Run one rank of a Trident job (torchrun).")
+    parser.add_argument("--spec", required=True, help="job spec, YAML or JSON")
+    parser.add_argument("--checkpoint-dir", default=None, help="overrides checkpoint.dir")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = JobSpec.model_validate(load_yaml(f))
+    env = os.environ
+    rank = int(env.get("RANK", 0))
+    ctx = RankContext(rank=rank, world_size=int(env.get("WORLD_SIZE", 1)),
+                      local_rank=int(env.get("LOCAL_RANK", 0)), plan=planned_row(spec, rank),
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(env.get("MASTER_PORT", 29500)),
+                      checkpoint_dir=args.checkpoint_dir or spec.checkpoint.dir,
+                      attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+    def report(r: StepReport) -> None:
+        if ctx.rank == 0:
+            print(r.model_dump_json(), flush=True)
+
+    train_rank(spec, ctx, report, threading.Event())
+
+
+if __name__ == "__main__":
+    main()
