@@ -29,12 +29,12 @@ from client.payloads import Sort
 from service.contract.ds_config import deepspeed_config
 from service.contract.hardware import PROFILES
 from service.contract.states import JobState
+from service.files.ranklogs import attempt_log_dir, rank_log_path
 from service.store import Job, NotFound
 from service.store.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
 from service.views.prediction import compare
-from service.views.ranklogs import attempt_log_dir, rank_log_path
 from service.views.side_by_side import HIDDEN_ENV, MAX_JOBS
 
 # Every page needs a log-in (`api.session`): the session cookie, or a Bearer token.

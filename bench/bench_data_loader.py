@@ -7,8 +7,7 @@
    into a sample-order cache in the same folder, and times it.
 3. Reads the micro-batches of one DP rank of a GPT-3 125M job (seq_len 2048, global batch 512,
    dp 8: 64 samples a step) step after step through `workers.trainer.data.TokenSource`, the
-   trainer's
-   own path, and reports its tokens per second against the tokens per second the planner
+   trainer's own path, and reports its tokens per second against the tokens per second the planner
    predicts one A100 rank trains at for that job (goal: 100x), and against a measured CPU step
    of gpt-tiny (2 ranks) for scale.
    Both per wall-clock second and per CPU second of the loader's process: on a shared machine

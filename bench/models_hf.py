@@ -4,8 +4,7 @@ The same Llama-style config (RMSNorm, SwiGLU, rotary, untied head) is trained on
 ranks (gloo), the same ZeRO stage, precision, batch and data, with the same DeepSpeed config
 (`service.contract.ds_config`, as the ranks pass it to `deepspeed.initialize`) and the same AdamW
 groups: once as Trident's model (`workers.trainer.train.build_engine`: shard-only construction),
-once
-as `transformers`' `LlamaForCausalLM` of that config (SDPA attention), built as
+once as `transformers`' `LlamaForCausalLM` of that config (SDPA attention), built as
 `transformers` builds it and wrapped by `deepspeed.initialize`. Each side runs in its own
 processes, one after the other, alternated A B B A (`bench/_hf_rank.py`). Reported, each
 side's best run: tokens per second (median step, the first left out; the slower rank),

@@ -3,8 +3,7 @@ cluster` (the nodes with the jobs on them, from the REST API).
 
 `node` is one of the few commands that does not talk to the API: it starts `ray start` on
 this host (`service.cluster.raynode`) with the node's GPU model, memory, profile and link matrix as
-Ray
-labels (`service.cluster.node_labels`), which the controller's inventory reads back.
+Ray labels (`service.cluster.node_labels`), which the controller's inventory reads back.
 """
 
 from __future__ import annotations

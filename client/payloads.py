@@ -13,7 +13,7 @@ This module imports nothing of the server: no SQLAlchemy, no FastAPI, nothing of
 What it reads of `service` is the vocabulary both sides share and a user writes: the job
 spec (`service.contract.spec`, with its limits), the job states (`service.contract.states`)
 and the stored plan (`service.planner.stored`). A rank's log chunk (`Chunk`) is defined here
-and read into by the server (`service.views.ranklogs`).
+and read into by the server (`service.files.ranklogs`).
 
 Compatibility, old clients and new servers: a server may add a field to an answer, never
 remove, rename or retype one a released client reads; a client ignores a field it does not
@@ -50,7 +50,7 @@ from service.planner.stored import PlannedLayout, StoredPlan
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of one rank's log (`service.views.ranklogs.read_chunk`)."""
+    """A piece of one rank's log (`service.files.ranklogs.read_chunk`)."""
 
     rank: int
     text: str

@@ -1,7 +1,6 @@
 """Secret values taken out of text: `redact`, for what the controller stores from a job's
 ranks (`service.secrets.JobSecrets.redactor`: errors, events, its own log lines) and for
-the
-ranks' own logs as they are written (`workers.runtime.ranklog`). Apart from
+the ranks' own logs as they are written (`workers.runtime.ranklog`). Apart from
 `service.secrets` so that
 a rank's process imports no store nor cipher to use it."""
 

@@ -121,7 +121,7 @@ class Settings(BaseSettings):
     `spec_file_read_s` is refused the same way)."""
     data_checks: int = Field(default=4, ge=1, le=256)
     """Corpus checks (a submission's `data.train` and `data.valid` read at submission,
-    `service.submission.data_check`) the server runs at once, across its API processes; a submission
+    `service.files.data_check`) the server runs at once, across its API processes; a submission
     that finds none free within `data_check_wait_s` is a 503."""
     data_checks_per_user: int = Field(default=2, ge=1, le=256)
     """Corpus checks one user's submissions run at once; a submission that finds none of its
@@ -228,5 +228,5 @@ class Settings(BaseSettings):
 
     @property
     def log_root(self) -> Path:
-        """Where rank logs live (`service.views.ranklogs`)."""
+        """Where rank logs live (`service.files.ranklogs`)."""
         return self.data_dir / "logs"

@@ -1,7 +1,6 @@
 """One rank of the construction-memory test: set up as the trainer does, build this rank's
 engine (`workers.trainer.train.build_engine`), and print, as one JSON line, its resident memory
-(bytes)
-before the construction (`before`), at the peak of the model's build (`built_peak`, read as
+(bytes) before the construction (`before`), at the peak of the model's build (`built_peak`, read as
 `deepspeed.initialize` is entered) and at the peak of the whole construction (`peak`).
 Usage: python tests/_construction_rank.py SPEC_JSON RANK WORLD PORT."""
 

@@ -3,8 +3,7 @@
 A spawned rank imports torch and DeepSpeed again (several CPU-seconds each, and the suite starts
 a few hundred ranks). These processes are forked from a fork server (`multiprocessing`'s
 "forkserver") whose server imported `workers.trainer.train` when it started, once per test process:
-a
-rank's process starts in milliseconds. A forked process starts from the server's state, not the
+a rank's process starts in milliseconds. A forked process starts from the server's state, not the
 test's: `process` gives it the test's environment as it is when the process is made, and the
 target's module is imported in the child as with spawn.
 

@@ -16,9 +16,9 @@ import pytest
 
 from api.auth import CSRF_HEADER, SESSION_COOKIE, csrf_token
 from service.contract.states import JobState
+from service.files.ranklogs import attempt_log_dir
 from service.settings import Settings
 from service.store import Store
-from service.views.ranklogs import attempt_log_dir
 from tests.conftest import tiny_spec
 from tests.servers import admin_headers, api_processes
 from tests.waiting import wait_for

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.contract.states import JobState
-from service.views.ranklogs import attempt_log_dir
+from service.files.ranklogs import attempt_log_dir
 from tests.cli_stack import TINY, Live, finish, spawn
 from tests.conftest import user_token
 from tests.servers import HTTP
@@ -184,7 +184,7 @@ def test_a_reconnected_stream_prints_only_what_was_not_printed() -> None:
     from dataclasses import replace
 
     from client.rest import unseen
-    from service.views.ranklogs import Chunk
+    from service.files.ranklogs import Chunk
 
     printed = {1: 13}
     chunk = Chunk(rank=1, text="ab\ncd\nef", next=18, skipped=0, size=18,

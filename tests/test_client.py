@@ -50,11 +50,11 @@ from service.contract.reports import ProbeRowModel
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.control.stack_collect import group_stacks
+from service.files.ranklogs import attempt_log_dir
 from service.store.heartbeats import HeartbeatLog
 from service.store.lease import Leader
 from service.store.stack_requests import StackRequests, StackStatus
 from service.store.tables import JobRow
-from service.views.ranklogs import attempt_log_dir
 from tests.cli_stack import Live
 from tests.conftest import record_steps, tiny_spec, user_token
 from tests.servers import free_port

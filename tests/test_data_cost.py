@@ -1,5 +1,5 @@
 """A submission costs what its spec says, not what its corpora weigh
-(`service.submission.data_check`,
+(`service.files.data_check`,
 `service.files.corpus`): a header check takes the same memory for 8x the sequences, a corpus listed
 128 times is read once, checks beyond the server's and the user's bounds wait and are then
 refused, and a slow check does not spend `parallel: auto`'s search budget."""
@@ -22,9 +22,9 @@ import pytest
 
 from api.app import create_app
 from service.files import corpus
+from service.files.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.settings import Settings
 from service.store import Store
-from service.submission.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from tests.conftest import tiny_spec, user_token
 from tests.corpora import write_corpus
 from tests.servers import ROOT, serving
@@ -193,7 +193,7 @@ def test_a_slow_data_check_does_not_spend_the_search_budget(
 HOLDER = """
 import sys
 from pathlib import Path
-from service.submission.data_check import CheckSlots
+from service.files.data_check import CheckSlots
 with CheckSlots(Path(sys.argv[1]), total=1, per_user=1, wait_s=0).held("carol"):
     print("held", flush=True)
     sys.stdin.read()

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from api.app import create_app
 from service.contract.spec import CorpusRef, JobSpec
+from service.files.data_check import changed, fingerprint
 from service.settings import Settings
 from service.store import Store
-from service.submission.data_check import changed, fingerprint
 from tests.conftest import tiny_spec, user_token
 from tests.corpora import write_corpus
 

@@ -1,6 +1,5 @@
 """DeepSpeed is imported without MLflow (`workers.runtime.deepspeed_import`): a rank's process does
-not
-pay for MLflow's import, which DeepSpeed's autotuner tries and Trident never uses, and MLflow
+not pay for MLflow's import, which DeepSpeed's autotuner tries and Trident never uses, and MLflow
 stays importable afterwards for whoever wants it; and DeepSpeed's CPU shared-memory op is never
 built (a compile under a lock file that a killed rank leaves behind); and DeepSpeed's Muon
 modules are stand-ins, so that no rank imports torch's inductor for kernels it never runs."""

@@ -16,8 +16,8 @@ import pytest
 
 from service.contract.states import JobState
 from service.files import corpus
+from service.files.data_check import held_out
 from service.files.order_cache import OrderCache, ServerData
-from service.submission.data_check import held_out
 from tests.conftest import tiny_spec
 from tests.corpora import write_corpus
 from tests.waiting import drive

@@ -12,6 +12,7 @@ it through a module outside it.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -33,7 +34,12 @@ def _modules() -> dict[str, Path]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the project's modules it imports."""
+    """Module -> the project's modules it imports (a copy: read once per test process)."""
+    return {module: set(targets) for module, targets in _read_graph().items()}
+
+
+@functools.cache
+def _read_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
@@ -132,6 +138,100 @@ def test_no_subpackage_is_left_and_entered_again() -> None:
     graph = by_subpackage(import_graph())
     found = cycles(graph)
     assert not found, "import loops: " + "; ".join(", ".join(_edges(graph, c)) for c in found)
+
+
+# --- the map: which package may import which (docs/architecture.md) ---------------------
+
+def area(module: str) -> str:
+    """The node of the map a module belongs to: `client`, `cli` and `api` whole, and each
+    package of `service/` and `workers/` (a top-level module of `service/` is its own)."""
+    parts = module.split(".")
+    return parts[0] if parts[0] in ("client", "cli", "api") else ".".join(parts[:2])
+
+
+ARROWS: dict[str, set[str]] = {
+    "service": set(), "workers": set(),  # the packages' own (empty) __init__ modules
+    # service/, from the bottom up
+    "service.contract": set(),
+    "service.planner": {"service.contract"},
+    "service.settings": {"service.contract"},
+    "service.redaction": set(),
+    "client": {"service.contract", "service.planner"},
+    "service.files": {"service.contract", "service.planner", "service.settings", "client"},
+    "service.store": {"service.contract", "service.planner", "client"},
+    "service.secrets": {"service.redaction", "service.store"},
+    "service.cluster": {"service.contract", "service.planner", "service.files", "service.store",
+                        "service.secrets"},
+    "service.monitor": {"service.contract", "service.planner", "service.store",
+                        "service.cluster"},
+    "service.policy": {"service.contract", "service.planner", "service.store", "service.cluster"},
+    "service.tracking": {"service.contract", "service.planner", "service.settings",
+                         "service.store"},
+    "service.views": {"service.planner", "service.store", "service.tracking", "client"},
+    "service.submission": {"service.contract", "service.planner", "service.files",
+                           "service.store", "service.secrets", "service.cluster",
+                           "service.policy", "service.tracking"},
+    "service.control": {"service.contract", "service.settings", "service.redaction",
+                        "service.files", "service.store", "service.secrets", "service.cluster",
+                        "service.monitor", "service.policy", "service.tracking"},
+    # the two programs on top of it
+    "api": {"client", "service.contract", "service.planner", "service.settings",
+            "service.files", "service.store", "service.secrets", "service.cluster",
+            "service.monitor", "service.tracking", "service.views", "service.submission",
+            "service.control"},
+    "cli": {"client", "api", "service.contract", "service.planner", "service.settings",
+            "service.files", "service.store", "service.secrets", "service.cluster",
+            "service.control"},
+    # workers/: a rank's packages from the bottom up, then the controller's side
+    "workers.runtime": {"service.contract", "service.planner", "service.files",
+                        "service.redaction"},
+    "workers.monitor": {"service.contract", "service.monitor", "workers.runtime"},
+    "workers.modeling": {"service.contract", "service.planner", "workers.runtime"},
+    "workers.checkpoint": {"service.contract", "service.planner", "service.files",
+                           "workers.modeling", "workers.monitor"},
+    "workers.trainer": {"service.contract", "service.planner", "service.files",
+                        "service.submission", "workers.runtime", "workers.monitor",
+                        "workers.modeling", "workers.checkpoint"},
+    "workers.rank": {"service.contract", "service.planner", "service.files", "workers.runtime",
+                     "workers.monitor", "workers.modeling", "workers.trainer"},
+    "workers.launch": {"service.contract", "service.planner", "service.files",
+                       "service.cluster", "workers.runtime", "workers.rank"},
+}
+"""Every package and the packages it may import (docs/architecture.md draws it). An arrow
+not here is a change of the architecture: add it here and to the map, or move the code."""
+
+
+def arrows_not_allowed(graph: Mapping[str, Iterable[str]],
+                       allowed: Mapping[str, set[str]]) -> list[str]:
+    """`a -> b (module -> module)` for every import between two areas that `allowed` lacks;
+    an area `allowed` does not name at all is reported too."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        a = area(module)
+        if a not in allowed:
+            found.append(f"{a}: not on the map ({module})")
+            continue
+        for target in sorted(targets):
+            b = area(target)
+            if b != a and b not in allowed[a]:
+                found.append(f"{a} -> {b} ({module} -> {target})")
+    return found
+
+
+def test_an_arrow_off_the_map_is_found() -> None:
+    graph = {"service.store.x": {"service.control.y"}, "service.newpkg.z": set(),
+             "service.control.y": {"service.store.x"}}
+    assert arrows_not_allowed(graph, ARROWS) == [
+        "service.newpkg: not on the map (service.newpkg.z)",
+        "service.store -> service.control (service.store.x -> service.control.y)"]
+
+
+def test_every_import_follows_the_map() -> None:
+    assert arrows_not_allowed(import_graph(), ARROWS) == []
+
+
+def test_the_map_has_no_loop() -> None:
+    assert cycles(ARROWS) == []
 
 
 # --- persistence stays in service/store/ --------------------------------------------------

@@ -1,7 +1,6 @@
 """The sample-order cache on real corpus files (Megatron's layout), through the rank-side data
 opening (`workers.trainer.data.open_source`): a job that lists one corpus 64 times writes an order
-no
-larger than the samples it needs, in the cache under the data directory and never beside the
+no larger than the samples it needs, in the cache under the data directory and never beside the
 corpus; another job with the same corpus reuses it; the least recently used orders go past the
 total bound, never one a job reads; the per-user bound refuses, at submission when the order
 alone is bigger, else when the rank builds it."""
@@ -172,7 +171,7 @@ def test_a_rank_refuses_a_bin_replaced_after_rank_0_checked_it(big: str, tmp_pat
     import shutil
 
     from service.contract.spec import CorpusRef
-    from service.submission.data_check import fingerprint
+    from service.files.data_check import fingerprint
 
     prefix = str(tmp_path / "web")
     for ext in (".idx", ".bin"):

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
+from service.files.ranklogs import attempt_log_dir, read_chunk
 from service.settings import Settings
 from service.store import Store
 from service.submission.intake import submit
-from service.views.ranklogs import attempt_log_dir, read_chunk
 from tests.conftest import authed_client, migrated_sqlite, tiny_spec, user_token
 from tests.smallfs import small_fs
 from tests.waiting import drive, wait_for
@@ -231,8 +231,7 @@ def test_a_full_disk_costs_the_lines_it_refuses_and_the_cap_still_holds(tmp_path
             for i in range(100):
                 print(f"refused {{i:02d}}".ljust(39, "."))  # nothing raises
             assert isinstance(sys.stdout, TolerantStream) and sys.stdout.refused.count > 0
-            filler.free()
-            assert log.look()  # the owed base, and the watcher's notice in the log
+            filler.free() assert log.look()  # the owed base, and the watcher's notice in the log
             assert (log.path.parent / "rank-1.log.base").read_text() == "2400"
             print("after the disk was freed")
             with open({str(snapshot)!r}, "w") as f:
@@ -357,7 +356,7 @@ def test_the_time_index_dates_each_line_and_rotates_with_the_log(tmp_path: Path)
     """The writer records `<time> <offset>` as the stream grows; readers date each line by the
     first record at or past its end, and find where output since a time starts. The index
     rotates with the log and counts toward its cap."""
-    from service.views.ranklogs import offset_at, tail_offset, time_index, with_times
+    from service.files.ranklogs import offset_at, tail_offset, time_index, with_times
 
     out = run_rank(tmp_path, """
         import time

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from service.files.corpus import Corpus
+from service.files.data_check import fingerprint
 from service.files.order_cache import OrderCache
-from service.submission.data_check import fingerprint
 from tests.corpora import write_corpus
 from workers.trainer import sample_order
 from workers.trainer.sample_order import Part, blend, build, epoch_documents, open_order

@@ -1,6 +1,5 @@
 """A job's rendezvous listens on its master address only (`workers.runtime.rendezvous`): the store
-of
-rank 0 and every rank's gloo sockets, on loopback when the master is on loopback and on the
+of rank 0 and every rank's gloo sockets, on loopback when the master is on loopback and on the
 node's address when it is not (as on a cluster of several hosts). Real processes, real gloo;
 the sockets as the kernel lists them (psutil)."""
 

@@ -88,8 +88,7 @@ def export_job(job: JobDep, request: Request, who: Who,
     `job-<id>-step<N>-hf/` that `transformers`' `from_pretrained` loads. The TP shards,
     pipeline stages and ZeRO-3 partitions are joined (`service.files.export`, which runs
     `workers.checkpoint.hf_export`). The job's weights are its owner's: admins export any job,
-    members
-    their own. The folder is written under the server's data directory (`exports/`), the tar
+    members their own. The folder is written under the server's data directory (`exports/`), the tar
     streamed from its files, and the folder deleted once it is sent. At most
     `TRIDENT_EXPORT_MAX_CONCURRENT` exports run at once; one more is a 429."""
     check_weights(who, job.owner)

@@ -37,6 +37,7 @@ from api.schemas import (
 from client.payloads import Sort
 from service.contract.spec import JobSpec, SpecError
 from service.contract.states import JobState, TransitionError
+from service.files.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.store import Job, NotFound, Store
@@ -45,7 +46,6 @@ from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
 from service.store.tables import NAME_MAX
 from service.submission.confine import Confinement
-from service.submission.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.submission.intake import KeyReused, Submitter, submit_once
 from service.submission.intake import submit as submit_job
 from service.views.prediction import compare
@@ -109,7 +109,7 @@ CHECKS_BUSY: dict[int | str, dict[str, Any]] = {
           " every route), or every corpus check of the server's was under way"
           " (TRIDENT_DATA_CHECKS) for TRIDENT_DATA_CHECK_WAIT_S; Retry-After"}}
 """A submission's answers when it waited for a corpus check slot in vain
-(`service.submission.data_check.CheckSlots`)."""
+(`service.files.data_check.CheckSlots`)."""
 
 RECENT_STEPS = 1000
 """A job's page compares the plan with rank 0's newest this-many steps (newest attempt)."""

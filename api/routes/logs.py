@@ -25,14 +25,14 @@ from api.deps import INT32_MAX, JobDep, StoreDep
 from api.schemas import LogPage, Refusal
 from client.payloads import Chunk
 from service.contract.states import JobState
-from service.store import Job
-from service.views.ranklogs import (
+from service.files.ranklogs import (
     attempt_log_dir,
     offset_at,
     read_chunk,
     tail_offset,
     with_times,
 )
+from service.store import Job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(require("jobs:read"))])
 

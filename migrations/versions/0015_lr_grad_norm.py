@@ -1,8 +1,7 @@
 """lr and grad_norm in metrics and step_metrics: the learning rate each step ran at and the
 global gradient norm before clipping, per rank and step and per step
 (`service.contract.reports.StepReport`), nullable (rows from before, custom entrypoints that
-report
-neither).
+report neither).
 
 Revision ID: 0015
 Revises: 0014

@@ -1,8 +1,7 @@
 """jobs.elastic: where an elastic job's layout came from, and its moves
 
 `jobs.elastic` (JSON, NULL for a job never re-planned) holds what `service.policy.elastic_replan`
-needs to
-move an elastic job back: the layout, micro-batch, cluster, world size and plan it was
+needs to move an elastic job back: the layout, micro-batch, cluster, world size and plan it was
 submitted with (`submitted`), and how many of its attempts ended in a move to a larger layout
 (`moves_up`: those spend no retry).
 

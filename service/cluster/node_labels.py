@@ -1,8 +1,7 @@
 """What a node tells the cluster about itself: Ray node labels from its inventory, and back.
 
 `trident node start` detects the node (`service.cluster.inventory.node_inventory`) and starts Ray
-with
-these labels (keys under `trident.io/`): `accelerator` (gpu or cpu), `gpus`, `gpu-model`,
+with these labels (keys under `trident.io/`): `accelerator` (gpu or cpu), `gpus`, `gpu-model`,
 `gpu-memory-gib`, `gpu-profile` (the `service.contract.hardware` profile the GPU matches, or the
 operator's `--gpu-profile`), `gpu-link` (nvlink: every GPU pair over NVLink; pcie: none;
 mixed; none: fewer than two GPUs) and, where a row fits a label value (63 characters), each

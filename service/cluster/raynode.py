@@ -4,8 +4,7 @@
 own session, so that it outlives the command, with the node's labels
 (`service.cluster.node_labels`),
 its CPUs and GPUs, and Ray's token authentication (`service.cluster.rayhead.auth_env`). It listens
-on
-every interface of the host: that is how the other hosts reach it, and starting a node with it
+on every interface of the host: that is how the other hosts reach it, and starting a node with it
 is how a cluster of several hosts opts in (`trident up`'s own head is on loopback only:
 `service.cluster.rayhead.LOOPBACK_ENV`; Ray replaces a loopback `--node-ip-address` here by the
 host's address, so that the others can join). It waits until Ray says the node runs and

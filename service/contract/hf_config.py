@@ -20,8 +20,7 @@ data directory, not another job's folder), off its event loop and within a time 
 the body is validated (`api.deps.read_hf_configs`, which installs the config it read:
 `prepared`); the CLI reads the local file. Only a regular file is read, of at most
 `TRIDENT_SPEC_FILE_MAX_BYTES` (`service.contract.specfiles`), and JSON nested deeper than Python's
-parser
-goes is refused as any other malformed config is. With no reader installed a spec naming a
+parser goes is refused as any other malformed config is. With no reader installed a spec naming a
 config without its dimensions is refused (a worker re-validating a stored spec never reads:
 the stored spec holds the dimensions read at submission).
 """

@@ -68,8 +68,7 @@ class StepReport(BaseModel):
     """One rank's account of one optimizer step.
 
     Built by the rank (`workers.trainer.train`; a custom entrypoint builds one or passes a dict
-    that is
-    validated into one), completed by the rank actor with the step's collectives (`comm`,
+    that is validated into one), completed by the rank actor with the step's collectives (`comm`,
     `timed`), sent across Ray as `model_dump()`, validated again by the controller and stored
     by `row()`: the columns of `METRIC_COLUMNS`, everything else once in `data`.
     """

@@ -137,8 +137,7 @@ class ModelSpec(_Strict):
     hf_config: OsPath | None = None
     """A Hugging Face `config.json` on the server (inside its checkpoint roots) that gives
     every dimension and trait (`service.contract.hf_config`: Llama, Mistral, Qwen2, GPT-2); the
-    fields
-    given beside it (`seq_len`, ...) override the config's. Read once at submission: the
+    fields given beside it (`seq_len`, ...) override the config's. Read once at submission: the
     stored spec holds the dimensions read."""
 
     @model_validator(mode="before")
@@ -436,7 +435,7 @@ class CorpusRef(_Strict):
     """Its share of the blend, relative to the others' (normalised to sum to 1)."""
     fingerprint: Annotated[str, Field(max_length=256)] | None = None
     """Set by the server at submission (size, modification time, inode and status-change
-    time of both files, `service.submission.data_check`); a submitted value is replaced. A rank that
+    time of both files, `service.files.data_check`); a submitted value is replaced. A rank that
     finds the corpus changed since fails the job, naming the file, without a retry."""
 
     @field_validator("path")
@@ -558,8 +557,7 @@ class JobSpec(_Strict):
     """Environment variables for every rank whose values are secret (tracker tokens, keys):
     write-only; no LD_*, PYTHON*, PATH (admins), as in `env`. Stored apart from the spec,
     encrypted (`service.secrets`), never returned by any route, page, event or export
-    (their
-    names are), given to the ranks' environment only. A dump of the spec leaves them out
+    (their names are), given to the ranks' environment only. A dump of the spec leaves them out
     (`secret_values` reads them)."""
     tracking: TrackingSpec = TrackingSpec()
     """Where the job's metrics go: MLflow, TensorBoard files (`docs/tracking.md`)."""

@@ -3,8 +3,7 @@ record): regular files only, and at most a bounded number of bytes.
 
 Called by `service.contract.hf_config` (the submission's `model.hf_config`) and
 `service.files.checkpoint_dirs.read_writer` (the records `checkpoint.dir` and `init.from_hf` are
-checked
-against). A FIFO, a socket or a device is refused before it is opened for reading: opening a
+checked against). A FIFO, a socket or a device is refused before it is opened for reading: opening a
 FIFO waits for a writer, and a read of one waits for its data, forever. The API also reads
 these files off its event loop and within a time limit (`api.deps.read_hf_configs`), which
 this module cannot give: a hung network mount hangs `stat` itself.

@@ -24,13 +24,11 @@ tags its predecessor never heard of are indexed.
 Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
 the job's checkpoint folder is made its own (`service.files.checkpoint_dirs`); a folder that is
-another
-job's fails the job without a retry too. A group whose ranks all finished ends SUCCEEDED
+another job's fails the job without a retry too. A group whose ranks all finished ends SUCCEEDED
 unless its last losses were all NaN or infinite (`succeed`: FAILED, without a retry). A
 queued job that cannot be placed may preempt running jobs of lower priority
 (`service.policy.preemption` chooses and words it; `Preemptions` in `service.control.preempting`
-asks them
-to save and stop, watches them while they do, and requeues them, beside the loop). An
+asks them to save and stop, watches them while they do, and requeues them, beside the loop). An
 elastic job that lost its ranks and waited `wait_s` for them is re-planned onto what is free,
 and with `scale_up` moved back when the room returns (`service.policy.elastic_replan` decides and
 words
@@ -72,6 +70,7 @@ from service.files.checkpoint_dirs import (
     JobFolders,
     seed,
 )
+from service.files.data_check import changed_corpus
 from service.monitor.attempt import AttemptHealth, record_stacks
 from service.policy.elastic_replan import fitting_ranks
 from service.policy.quota import Quota, held
@@ -83,7 +82,6 @@ from service.store.identity import Identity
 from service.store.metrics import MetricsIngest
 from service.store.quota_waits import QuotaNotes
 from service.store.stack_requests import StackRequests
-from service.submission.data_check import changed_corpus
 from service.tracking.config import TrackingConfig
 from service.tracking.exporter import Exporter
 

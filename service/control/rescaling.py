@@ -2,8 +2,7 @@
 moved back up when the room returns.
 
 `service.policy.elastic_replan` decides the layouts and words the moves; `Rescaling` carries them
-out and
-owns what that needs between passes: the jobs asked to save and stop to move up (`moving`),
+out and owns what that needs between passes: the jobs asked to save and stop to move up (`moving`),
 the reason each job was last not re-planned for (said once), and the room each move was last
 judged on (a planner search each, so judged again only when it changed). The controller
 (`service.control.controller`) calls `down` before admission (admission then places a re-planned

@@ -4,8 +4,7 @@ holds, and its `COMPLETE` marker with the size and SHA-256 of every file of the 
 The ranks write the marker when they save a tag and check it before they resume
 (`workers.checkpoint.saving`); the controller lists the complete tags of a job's folder
 (`service.control.tag_recovery`), the export reads the newest (`service.files.export`), a seeded
-tag takes
-its source's marker (`service.files.checkpoint_dirs.seed`). Whose folder holds the tags is
+tag takes its source's marker (`service.files.checkpoint_dirs.seed`). Whose folder holds the tags is
 `service.files.checkpoint_dirs`.
 """
 

@@ -6,8 +6,7 @@ The conversion itself (reading DeepSpeed's files with torch, joining shards, sta
 ZeRO-3 partitions) is the ranks' package's (`workers.checkpoint.hf_export`), run here as a process
 of its
 own (`python -m workers.checkpoint.hf_export`): the service never imports `workers` or torch, and
-the
-memory a large model's tensors take while they are joined is given back when that process
+the memory a large model's tensors take while they are joined is given back when that process
 ends, not kept by the API process.
 
 Exports take slots: at most `Settings.export_max_concurrent` run at once over every API

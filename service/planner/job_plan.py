@@ -1,8 +1,7 @@
 """What the control plane stores for a job: `plan_job`, and `PlanInfeasible`.
 
 Called at submission through `service.submission.intake.prepare` (the API turns `PlanInfeasible`
-into a
-422), which writes the layout the search chose for `parallel: "auto"` into the stored spec.
+into a 422), which writes the layout the search chose for `parallel: "auto"` into the stored spec.
 """
 
 from __future__ import annotations

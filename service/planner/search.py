@@ -110,7 +110,7 @@ def cpu_bound(seconds: float = API_SEARCH_CPU_S) -> Iterator[None]:
     machine does not change which requests are refused; garbage collections the thread runs
     meanwhile do not count, `_discount_collections`). The clock starts at the first candidate
     a search charges, not on entry: what the request does before its search (the submission's
-    corpus check, `service.submission.data_check`) is not the search's."""
+    corpus check, `service.files.data_check`) is not the search's."""
     token = _BOUND.set(_Bound(seconds=seconds))
     try:
         yield

@@ -4,8 +4,7 @@
 and capacity.py read only this object. Conventions for architectures follow
 `service.contract.presets` (GPT: biases, LayerNorm, learned positions, tied head; Llama: none of
 those, SwiGLU, GQA). The built-in trainer (`workers.modeling.model`) builds its model from this
-object
-too, and refuses the traits it does not build, so planner and trainer count the same model.
+object too, and refuses the traits it does not build, so planner and trainer count the same model.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ class ModelShape:
 
     def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.modeling.model`) would build a model other than the
-        one
-        counted here, naming the traits; None when it builds exactly this one. Checked at
+        one counted here, naming the traits; None when it builds exactly this one. Checked at
         submission for jobs without an `entrypoint`, and again by the trainer."""
         traits = []
         if self.positions == "alibi":

@@ -12,8 +12,7 @@ tp = pp = 1, ZeRO 1 or 2 on both sides (`workers.checkpoint.relayout` converts s
 DeepSpeed's universal form), or ZeRO 0 on both sides in fp32 or fp16 (the tag loads as it is,
 `workers.checkpoint.relayout.dp_free`); without offload, any change of tp, pp and ZeRO stage through
 Trident's layout-free form (`workers.checkpoint.layout_free`; ZeRO 0 in fp32 only); never
-interleaved
-stages. The fastest predicted step wins. The job's
+interleaved stages. The fastest predicted step wins. The job's
 stored spec, plan and world size become the new layout's; what it was submitted with is kept
 in `jobs.elastic` (`ElasticState`) to move back: with `scale_up`, once the free room plus what
 the job holds takes the submitted layout (moved back to as it was), or else a larger layout

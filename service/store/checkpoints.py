@@ -5,8 +5,7 @@ Rank 0 reports with a step's report the tag it completed (`StepReport.checkpoint
 `checkpoint_bytes`) and the older tags it deleted then (`checkpoints_removed`, by the policy
 `checkpoint.keep_last` / `keep_every`, see `workers.checkpoint.saving.prune`); the controller stores
 both here (`service.control.worker_reports`). A report sent again (a poll not acknowledged) writes
-the
-same row again. The tags of a folder that no stored report named (rank 0's report died with
+the same row again. The tags of a folder that no stored report named (rank 0's report died with
 its attempt), and those deleted unreported, are added and marked removed from the disk
 (`service.control.tag_recovery`). The bytes on disk of a job are the sum over its tags not removed:
 what

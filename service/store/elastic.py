@@ -1,8 +1,7 @@
 """An elastic job's moves in the store (`service.policy.elastic_replan` decides them,
 `Rescaling.down` and
 `Rescaling.up` in `service.control.rescaling` carry them out): the queued jobs that ran before,
-which
-a re-plan looks at, and the change of a job's layout (its spec, plan and world size, with
+which a re-plan looks at, and the change of a job's layout (its spec, plan and world size, with
 `jobs.elastic`), said by an `elastic` event in the same transaction.
 """
 

@@ -156,8 +156,7 @@ class Store(EngineTx, ClusterRecords, RunRecords):
         already, nothing is created and KeyTaken carries that job (the unique index on owner
         and key decides between concurrent submissions, so exactly one of them creates it).
         `secrets`: the job's sealed secrets by name (`service.secrets`), stored apart
-        from the
-        spec in the same transaction; `tracking`: the trackers its steps go to (sink ->
+        from the spec in the same transaction; `tracking`: the trackers its steps go to (sink ->
         target, `service.store.tracking_exports`), each a cursor at the start."""
         now = utcnow()
         values: dict[str, Any] = dict(

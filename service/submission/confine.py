@@ -1,7 +1,6 @@
 """Keeping a submitted spec inside its job: where it may write, what code it may run, and
 which environment variables it may set. Checked at submission (`service.submission.intake.submit`),
-with
-the server's settings and the submitter's role; each refusal is a SpecError naming the field.
+with the server's settings and the submitter's role; each refusal is a SpecError naming the field.
 
 - `checkpoint.dir` must resolve, after `..` and symlinks, inside one of the checkpoint roots
   (`TRIDENT_CHECKPOINT_ROOTS`, default the data directory), to a folder of the job's own: not a

@@ -19,6 +19,7 @@ from service.cluster.data_plane import NodeCapacity
 from service.cluster.profiles import profile_for
 from service.contract.hardware import HardwareProfile
 from service.contract.spec import JobSpec, SpecError
+from service.files.data_check import CheckSlots, check_data
 from service.planner import plan_job
 from service.planner.shape import ModelShape
 from service.planner.stored import StoredPlan
@@ -26,7 +27,6 @@ from service.policy.scheduler import bundles, pack
 from service.secrets import SecretBox
 from service.store import Job, KeyTaken, Node, Store
 from service.submission.confine import Confinement
-from service.submission.data_check import CheckSlots, check_data
 from service.tracking.config import TrackingConfig
 
 

@@ -6,8 +6,7 @@ names another or turns tracking off), `TRIDENT_MLFLOW_URIS` (the others a spec m
 server's MLflow credentials and `TRIDENT_TENSORBOARD` (event files under the data directory).
 The API confines a spec's `tracking.mlflow` to `mlflow_allowed` (`service.submission.confine`).
 `targets` is what `service.submission.intake.submit` stores with a job (a cursor per tracker, the
-job's
-for good: a later change of the settings does not move a job's run); `make_sink` is what the
+job's for good: a later change of the settings does not move a job's run); `make_sink` is what the
 exporter sends through.
 """
 

@@ -1,8 +1,7 @@
 """The model's tensors under canonical full (unsharded) names, whatever the layout.
 
 Every parameter of the built-in model (`workers.modeling.model`) has one canonical name, the same
-for
-every tp, pp and dp:
+for every tp, pp and dp:
 
 - `embed.tok` (vocab x hidden), `embed.pos` (seq_len x hidden, learned positions only);
 - `layers.<i>.<name>` for block i's parameters: `ln1.weight`, `ln1.bias`, `q.weight`,

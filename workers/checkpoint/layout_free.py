@@ -1,7 +1,6 @@
 """The layout-free checkpoint form: a DeepSpeed tag written under one layout (tp, pp, dp,
 ZeRO 0-3) as full per-parameter tensors under `workers.checkpoint.full_state`'s canonical names,
-converted
-once per tag by rank 0 and kept beside it, and loaded under any other layout of the model.
+converted once per tag by rank 0 and kept beside it, and loaded under any other layout of the model.
 
 `step<N>.full/` holds:
 
@@ -29,13 +28,11 @@ tensor), both moments (the same places in the optimizer's state, created as Adam
 would) and Adam's step count; the engine's step counters too.
 
 The interleaved engine (`workers.trainer.interleaved`, `virtual_stages` > 1) is loaded the same way
-as
-ZeRO 0 (its torch AdamW, or ZeroRedundancyOptimizer's local one, keeps per-parameter state).
+as ZeRO 0 (its torch AdamW, or ZeroRedundancyOptimizer's local one, keeps per-parameter state).
 
 Not covered, refused by name (`LayoutRefused`): a tag written with interleaved stages (its
 per-rank files are `workers.trainer.interleaved`'s, not read here); a ZeRO-0 tag in 16 bits (its
-fp32
-master weights are in DeepSpeed's FP16/BF16 optimizer state); resuming under ZeRO 0 in fp16
+fp32 master weights are in DeepSpeed's FP16/BF16 optimizer state); resuming under ZeRO 0 in fp16
 (FP16_Optimizer keeps its own flat fp32 copy). Tested in fp32 (tests/test_layout_free.py),
 optimizer offload included on CPU ranks (a ZeRO-2 tag written with it, a resume under ZeRO-3
 with optimizer and parameter offload: the tag's files and the engine's flat tensors are the

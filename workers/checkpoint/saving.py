@@ -8,8 +8,7 @@ the engine) plus a `COMPLETE` marker that rank 0 writes (atomically: a temporary
 once every rank has finished writing, each rank's step reports not acknowledged yet among
 what it wrote (`trident-steps/`, `service.files.tag_steps`). A tag without the marker (a rank died
 mid-save) is ignored on resume. The data position is the step itself (see `workers.trainer.data`);
-it
-is stored with the RNG states in DeepSpeed's client state.
+it is stored with the RNG states in DeepSpeed's client state.
 
 The marker records every file of the tag with its size and SHA-256 (each rank hashes what it
 wrote, rank 0 the rest: `_Held`, `_mark_complete`), and a tag is resumed from only when its
@@ -323,8 +322,7 @@ def prune(directory: str, newest: int, *, keep_last: int | None,
           keep_every: int | None) -> list[int]:
     """Rank 0, once tag `newest` is complete: delete the complete tags older than it that the
     policy does not keep (`service.files.checkpoint_dirs.retained`) and the partial ones older than
-    it;
-    the complete tags' steps deleted. Nothing newer than `newest` is touched, nor anything at
+    it; the complete tags' steps deleted. Nothing newer than `newest` is touched, nor anything at
     all without `keep_last`. A tag's marker goes first: a deletion cut short leaves a partial
     tag, never resumed from, deleted by the next prune."""
     if keep_last is None:

@@ -5,8 +5,7 @@ for the converters) are `service.files.checkpoint_dirs`' (the API and the contro
 
 Apart from `workers.checkpoint.saving` (which writes and loads tags) so that the converters
 (`workers.checkpoint.layout_free`) and the export (`workers.checkpoint.hf_export`) read tags
-without importing
-the trainer's save and load.
+without importing the trainer's save and load.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ LAYOUT = "trident-layout.json"
 so that a resume under another layout knows to go through the universal form."""
 FULL = ".full"
 """`step<N>.full/`: the tag in the layout-free form (`workers.checkpoint.layout_free`), converted
-once on
-the first resume under a layout DeepSpeed's universal form does not carry, and kept (deleted
+once on the first resume under a layout DeepSpeed's universal form does not carry, and kept (deleted
 with its tag)."""
 UNIVERSAL = ".universal"
 """`step<N>.universal/`: the tag in DeepSpeed's universal form (per parameter: fp32 weights,

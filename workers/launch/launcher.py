@@ -25,8 +25,8 @@ from service.cluster.node_labels import node_facts
 from service.contract.spec import JobSpec
 from service.files.checkpoint_dirs import CheckpointWriter
 from service.files.order_cache import ServerData
+from service.files.ranklogs import attempt_log_dir
 from service.planner.stored import StoredPlan
-from service.views.ranklogs import attempt_log_dir
 from workers.launch.group import (
     JOB_GROUP_PREFIX,
     NAMESPACE,

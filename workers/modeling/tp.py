@@ -282,8 +282,7 @@ class ColumnParallelLinear(nn.Module):
 
     Each rank draws only its rows [tp_rank*out/tp, ...) of the seeded weight `init`
     (`workers.modeling.seeded_init`: the same numbers whatever the layout), i.e. whole heads of
-    q/k/v
-    and whole columns of the MLP's inner dimension; the whole matrix never exists.
+    q/k/v and whole columns of the MLP's inner dimension; the whole matrix never exists.
     """
 
     def __init__(self, init: SeededInit, out_features: int, in_features: int, tp_rank: int,

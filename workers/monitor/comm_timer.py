@@ -18,8 +18,7 @@ Two ways in:
   DeepSpeed issues inside the engine (ZeRO reduce-scatter / all-gather, gradient all-reduce,
   pipeline send/recv) are counted too, attributed by their process group's ranks: a group
   equal to this rank's TP / DP / PP group of `service.contract.parallel` is that dimension, a send
-  or
-  recv goes to the dimension its peer shares with this rank. DeepSpeed's backend looks these
+  or recv goes to the dimension its peer shares with this rank. DeepSpeed's backend looks these
   functions up on `torch.distributed` at call time, except all-gather-into-tensor and
   reduce-scatter-tensor, which it caches when its backend is built: install first.
   DeepSpeed's own comms logger (`"comms_logger"` in the DS config) was not used: it keys

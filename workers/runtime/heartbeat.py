@@ -3,8 +3,7 @@
 The trainer loop owns the writes (`beat`, `entering`, `left`; or `in_collective` as a context
 manager, which `workers.monitor.comm_timer.CommTimer` calls for every collective it times). The Ray
 actor's poll thread calls `read()`, a `service.contract.reports.HeartbeatReport`, and ships it to
-the
-controller, which feeds `service.monitor.hang.diagnose_hang`. When the controller declares a
+the controller, which feeds `service.monitor.hang.diagnose_hang`. When the controller declares a
 hang it asks every rank for `dump_stacks()` and stores the text in the job's events.
 
 A write is a few attribute stores under a lock, cheap enough for every collective.

@@ -10,7 +10,7 @@ Size cap: a rank keeps at most `max_bytes` (`TRIDENT_RANK_LOG_MAX_BYTES`) per at
 `rank-<r>.log` grows past half of it, a watcher thread (every `CHECK_S`) moves it to
 `rank-<r>.log.1` (replacing the older one) and starts a new file, so the newest output (the
 traceback at the end) is always kept. `rank-<r>.log.base` holds the stream offset at which the
-current file starts, so that readers (`service.views.ranklogs`) can follow across a rotation. A rank
+current file starts, so that readers (`service.files.ranklogs`) can follow across a rotation. A rank
 writing faster than half the cap every `CHECK_S` overshoots by what it writes in that time.
 
 Time index: the process writes straight to the file, so no line carries its time. Instead the
@@ -52,8 +52,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from service.files.diskfull import Refused, TolerantStream
+from service.files.ranklogs import rank_log_path
 from service.redaction import REDACT_MIN_CHARS, redact
-from service.views.ranklogs import rank_log_path
 
 CHECK_S = 0.5
 """How often the watcher compares the file's size with the cap."""

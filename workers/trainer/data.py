@@ -248,9 +248,9 @@ def _build(spec: JobSpec, server: ServerData, user: str, train: list, valid: lis
            samples: int, eval_samples: int) -> tuple[str | None, list]:
     """Rank 0: the error that stops every rank (None: none), and the orders it built."""
     from service.files import corpus
+    from service.files.data_check import changed_corpus
     from service.files.order_cache import CacheRefused
     from service.submission.confine import data_refusal
-    from service.submission.data_check import changed_corpus
     from workers.trainer import sample_order
     roots = [Path(r) for r in server.data_roots]
     for ref in [*spec.data.train, *spec.data.valid]:

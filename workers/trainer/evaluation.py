@@ -1,6 +1,5 @@
 """The data side of a rank's loop beside the trainer (`workers.trainer.train`): opening the job's
-data
-source on every rank (rank 0 builds the sample order, the others wait), and measuring the
+data source on every rank (rank 0 builds the sample order, the others wait), and measuring the
 validation loss under every layout.
 """
 

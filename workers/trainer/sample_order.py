@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from service.files import corpus
+from service.files.data_check import fingerprint, held_out, opened_changed
 from service.files.order_cache import OrderCache
-from service.submission.data_check import fingerprint, held_out, opened_changed
 
 FORMAT = 2
 """Bumped when the index files change meaning: a new hash, a new entry."""

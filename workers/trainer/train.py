@@ -1,11 +1,9 @@
 """The per-rank trainer: what one rank of a job runs, for every TP x PP x DP x ZeRO layout.
 
 Two programs of `workers.runtime.programs` live here: the built-in trainer (`train_rank`) and a
-custom
-entrypoint (`entrypoint_rank`), which share the set-up and tear-down (`rank_session`). Two
+custom entrypoint (`entrypoint_rank`), which share the set-up and tear-down (`rank_session`). Two
 callers: the Ray actor of `workers.launch.group` runs them on a thread (one actor per rank,
-rendezvous
-given in `RankContext`), and `python -m workers.trainer.train --spec SPEC.yaml` runs
+rendezvous given in `RankContext`), and `python -m workers.trainer.train --spec SPEC.yaml` runs
 the same function under torchrun (rendezvous read from torchrun's environment), for debugging
 and as the baseline without orchestration.
 
@@ -133,8 +131,7 @@ class TrainContext:
 def train_rank(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Event,
                step_started: Callable[[int], None] | None = None) -> None:
     """The built-in trainer (`workers.runtime.programs.TRAINER`): set up torch.distributed, build
-    the
-    model, train spec.train.steps steps, report, tear down. Exceptions propagate; `stop` ends
+    the model, train spec.train.steps steps, report, tear down. Exceptions propagate; `stop` ends
     the run cleanly between steps. The built-in trainer calls `step_started(step)` where a
     step's timed work begins (the rank actor's communication timer starts the step there).
     A spec with `entrypoint` runs that function instead, as `entrypoint_rank` does (torchrun's

@@ -8,8 +8,7 @@ counted as `skipped`.
 
 The writer's time index (`rank-<r>.log.times`, `.times.1`: `<unix time> <offset>` lines, see
 `workers.runtime.ranklog`) gives each line the time by which it was written (`times`), and a time
-the
-offset from which to read (`offset_at`).
+the offset from which to read (`offset_at`).
 """
 
 from __future__ import annotations
