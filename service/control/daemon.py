@@ -43,10 +43,10 @@ from service.store.dbcheck import (
     check,
     damaged,
     describe,
-    readable,
     sqlite_path,
 )
 from service.store.lease import CONTROLLER, Leader, Role
+from service.store.opening import upgrade_schema
 from service.tracking.config import TrackingConfig
 
 log = logging.getLogger("trident.controller")
@@ -216,9 +216,8 @@ def wait_for_database(settings: Settings, stop: threading.Event) -> None:
 
 def run(settings: Settings, stop: threading.Event) -> int:
     """The daemon's loop until `stop` is set; its exit status (LEASE_LOST, or 0)."""
+    upgrade_schema(settings.db_url)
     store = Store(settings.db_url)
-    with readable(settings.db_url):
-        store.migrate()
     leader = Leader(store, duration_s=settings.lease_s)
     secret = settings.secrets_key.get_secret_value() if settings.secrets_key else None
     box = SecretBox.of(secret, settings.data_dir)

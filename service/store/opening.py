@@ -3,10 +3,11 @@
 
 `trident up` (`cli.main.up`, through `cli.identity.open_database`) and the API server's
 own start (`python -m api.serve`) call `open_database` once, before anything serves, so that
-N API workers never migrate at once. The controller daemon and `trident controller` only
-`check` (`service.control.daemon.wait_for_database`): they never migrate, the API's start does. A
-database that cannot be read raises `Unreadable` with its line (`service.store.dbcheck`); the
-caller prints it and exits.
+N API workers never migrate at once. The controller daemon (`service.control.daemon.run`, also
+under `trident controller`) waits until the database answers
+(`service.control.daemon.wait_for_database`), then brings its schema up to date here
+(`upgrade_schema`). A database that cannot be read raises `Unreadable` with its line
+(`service.store.dbcheck`); the caller prints it and exits.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ def open_database(url: str, data_dir: Path, *, first_admin: bool, say: Say) -> N
     with readable(url):
         if note := check(url):
             say(note)
+    upgrade_schema(url)
+    if first_admin:
+        announce_bootstrap(url, data_dir, say)
+
+
+def upgrade_schema(url: str) -> None:
+    """Bring the schema of the database at `url` to the newest revision; `Unreadable` when it
+    cannot be read. The controller's start: it does not read every table first, so that a
+    damaged one is what its passes report, one line each, while the rest goes on."""
+    with readable(url):
         upgrade(url)
-        if first_admin:
-            announce_bootstrap(url, data_dir, say)
 
 
 def announce_bootstrap(url: str, data_dir: Path, say: Say) -> None:
