@@ -1,8 +1,7 @@
 """A stored step, typed on the way out: what a metrics row's `data` column holds.
 
-`service.contract.reports.StepReport.row()` stores a step as the columns of `METRIC_COLUMNS` plus
-one
-`data` JSON column; `Metric.report` (`service.store.views`) reads that column once into a
+`service.contract.reports.StepReport.row()` stores a step as the columns of `METRIC_COLUMNS`
+plus one `data` JSON column; `Metric.report` (`service.store.views`) reads that column once into a
 `StoredStep`: its collectives per dimension as `CommOpStats`, its memory as `MemoryReport`,
 whether its collectives were timed, its pipeline bubble, its custom metrics and the other
 figures, under the step report's own names. No reader outside the store's views takes a key
@@ -10,8 +9,9 @@ of `data` (a test greps for it).
 
 `Metric.step_split()` is the one place a step's seconds in each dimension's collectives and
 its compute (the rest of the step) are added up: the dashboard's communication steps, the
-ranks grid (`service.views.rank_status`), `GET /metrics`, the tracking scalars and the `/comm` view
-read it.
+ranks grid (`service.views.rank_status`, and through it `GET /metrics`) and the tracking
+scalars read it. The `/comm` view (`service.monitor.comm.summarize_comm`) and `GET /metrics`'
+per-op gauges read `StoredStep.comm` per op, not a step's split.
 """
 
 from __future__ import annotations
