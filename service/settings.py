@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     tests of several API processes; never in production."""
     allow_faults: bool = False
     """Accept jobs with `faults` (fault injection for tests); never in production."""
+    light_ranks: bool = False
+    """Accept jobs with `program: light` and run their ranks as the light rank program
+    (`workers.rank.light`: steps on the clock, numbers not measured, no torch): for the tests
+    of the control plane; never in production."""
     checkpoint_roots: str = ""
     """Comma-separated directories a spec's `checkpoint.dir` must resolve inside (after `..`
     and symlinks); empty means `data_dir` alone."""
@@ -188,6 +192,8 @@ class Settings(BaseSettings):
                 raise ValueError("TRIDENT_RAY_ADDRESS must be set in prod")
             if self.allow_faults:
                 raise ValueError("TRIDENT_ALLOW_FAULTS must not be set in prod")
+            if self.light_ranks:
+                raise ValueError("TRIDENT_LIGHT_RANKS must not be set in prod")
             if self.debug_pid_header:
                 raise ValueError("TRIDENT_DEBUG_PID_HEADER must not be set in prod")
         return self

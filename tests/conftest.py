@@ -251,7 +251,8 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture
 def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
     """The API (a TestClient, an admin's token), its store and a controller on the real local
-    Ray, with faults allowed: what the Ray end-to-end tests drive one pass at a time."""
+    Ray, with faults and light ranks allowed (`program: light`, `workers.rank.light`): what
+    the Ray end-to-end tests drive one pass at a time."""
     from api.app import create_app
     from service.control.controller import Controller
     from service.files.order_cache import ServerData
@@ -259,8 +260,8 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
     from workers.launch.launcher import RayLauncher
 
     store = Store(migrated_sqlite(tmp_path / "e2e.db"))
-    settings = Settings(data_dir=tmp_path, allow_faults=True)
-    controller = Controller(store, RayLauncher(server=ServerData.of(settings)),
+    settings = Settings(data_dir=tmp_path, allow_faults=True, light_ranks=True)
+    controller = Controller(store, RayLauncher(server=ServerData.of(settings), light_ranks=True),
                             checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
                             cancel_grace_s=5)
     with authed_client(create_app(settings, store=store), store) as client:

@@ -242,7 +242,8 @@ def test_each_rank_builds_the_parameters_the_plan_counts_for_its_stage_under_tp_
 
 def test_a_ranks_program_is_resolved_from_its_spec_and_imported_only_when_it_runs():
     """The rank actor and the program seam load neither torch nor the trainer: a job's program
-    (its entrypoint, else the built-in trainer) is looked up by its spec, and its module is
+    (under `program: light` the light program or its entrypoint in it, else its entrypoint,
+    else the built-in trainer) is looked up by its spec, and its module is
     imported when a rank runs it; every registered program names a function that exists."""
     import importlib
     import json
@@ -258,18 +259,25 @@ import workers.rank.actor
 from workers.runtime.programs import for_spec
 plain = JobSpec.model_validate(json.loads({json.dumps(tiny_spec())!r}))
 custom = plain.model_copy(update={{"entrypoint": "tests.entrypoints:explode"}})
-print(json.dumps([for_spec(plain).name, for_spec(custom).name,
-                  sorted(m for m in ("torch", "deepspeed", "workers.trainer.train") if m in
-                  sys.modules)]))
+light = plain.model_copy(update={{"program": "light"}})
+light_custom = custom.model_copy(update={{"program": "light"}})
+print(json.dumps([for_spec(plain).name, for_spec(custom).name, for_spec(light).name,
+                  for_spec(light_custom).name,
+                  sorted(m for m in ("torch", "deepspeed", "workers.trainer.train")
+                         if m in sys.modules)]))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert json.loads(out.splitlines()[-1]) == ["trainer", "entrypoint", []]
-    assert set(programs.PROGRAMS) == {"trainer", "entrypoint", "cluster-probe"}
-    assert programs.PROGRAMS["trainer"].marks_steps
+    assert json.loads(out.splitlines()[-1]) == ["trainer", "entrypoint", "light",
+                                                "light-entrypoint", []]
+    assert set(programs.PROGRAMS) == {"trainer", "entrypoint", "cluster-probe", "light",
+                                      "light-entrypoint"}
+    assert programs.PROGRAMS["trainer"].marks_steps and programs.PROGRAMS["light"].marks_steps
     assert not programs.PROGRAMS["entrypoint"].marks_steps
+    assert [p.name for p in programs.PROGRAMS.values() if not p.torch] == [
+        "light", "light-entrypoint"]
     for program in programs.PROGRAMS.values():
         module, function = program.target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), program.name

@@ -166,6 +166,10 @@ def queue_job(store: Store, spec: JobSpec, request: Request, by: Submitter,
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
              "msg": "fault injection is disabled on this server (TRIDENT_ALLOW_FAULTS)"}])
+    if spec.program == "light" and not request.app.state.settings.light_ranks:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "program"], "type": "value_error",
+             "msg": "the light rank program is disabled on this server (TRIDENT_LIGHT_RANKS)"}])
     try:
         with cpu_bound():  # `parallel: auto` searches: at most API_SEARCH_CPU_S of CPU
             if idempotency_key is None:

@@ -573,6 +573,12 @@ class JobSpec(_Strict):
     until the cluster can hold its layout again."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None
     """Custom per-rank training function, "package.module:function"; default: built-in GPT."""
+    program: Literal["light"] | None = None
+    """`light`: the ranks run the light rank program (`workers.rank.light`), the job's steps
+    on the clock with numbers that are not measured and no model, torch nor DeepSpeed (with
+    `entrypoint`: that function, given a context without device, groups or data), for the
+    tests of the control plane only; refused unless the server sets TRIDENT_LIGHT_RANKS,
+    which prod refuses. None: the built-in trainer, or `entrypoint`."""
     monitor: MonitorSpec = MonitorSpec()
     """Health monitor settings."""
     faults: Annotated[list[FaultSpec], Field(max_length=16)] = Field(default_factory=list)

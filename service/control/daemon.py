@@ -90,7 +90,7 @@ def connect_ray(settings: Settings) -> object:
         signal.signal(signal.SIGTERM, ours)
     return launcher.RayLauncher(  # type: ignore[no-any-return]
         log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes,
-        server=ServerData.of(settings))
+        server=ServerData.of(settings), light_ranks=settings.light_ranks)
 
 
 def retry_wait_s(failures: int, poll_interval_s: float, lease_s: float) -> float:

@@ -54,20 +54,27 @@ class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
     def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20,
-                 server: ServerData | None = None) -> None:
+                 server: ServerData | None = None, light_ranks: bool = False) -> None:
         """`log_root`: where rank logs go (`Settings.log_root`; none: not captured);
         `server`: the server's data rules the ranks keep (its sample-order cache and data
-        roots; none: those of the ranks' environment)."""
+        roots; none: those of the ranks' environment); `light_ranks`: whether a job with
+        `program: light` may start (`Settings.light_ranks`)."""
         self._placing: list[RayWorkerGroup] = []
         self.log_root = log_root
         self.log_max_bytes = log_max_bytes
         self.server = server
+        self.light_ranks = light_ranks
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None,
               writer: CheckpointWriter | None = None) -> RayWorkerGroup:
         """A job's attempt (`train_group`); one that fails to start has released what it
-        claimed (placement group, ranks) when this raises."""
+        claimed (placement group, ranks) when this raises. A job with `program: light`
+        starts only where this launcher allows it (the API refuses such a job on a server
+        that does not; this holds should one reach a controller that does not either)."""
+        if spec.program == "light" and not self.light_ranks:
+            raise ValueError("program: light: the light rank program is disabled on this"
+                             " server (TRIDENT_LIGHT_RANKS)")
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
                             checkpoint_dir=checkpoint_dir, writer=writer,
                             log=self._rank_log(job_id, attempt), server=self.server)

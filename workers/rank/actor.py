@@ -9,7 +9,9 @@ carries them (`service.files.tag_steps`), so an attempt that ends before they ar
 of the steps its tags hold. Around the trainer the actor puts the health monitor: a
 heartbeat, the collective timer (installed before DeepSpeed builds its communication backend)
 and, before training, a bandwidth probe of the rank's TP, DP and PP groups on a process group
-of its own. Created by `workers.launch.group.RayWorkerGroup`.
+of its own. A program without torch collectives (the light program, `workers.rank.light`)
+gets the heartbeat and the faults' stall instead, and the actor imports no torch for it.
+Created by `workers.launch.group.RayWorkerGroup`.
 """
 
 from __future__ import annotations
@@ -124,9 +126,12 @@ class RankActor:
         program = for_spec(spec)
 
         def work() -> None:
-            if spec.monitor.probe and self.world_size > 1:
+            if spec.monitor.probe and self.world_size > 1 and program.torch:
                 self._probe(spec, master_addr, ports[1], local_rank)
-            self._train(spec, ctx, program)
+            if program.torch:
+                self._train(spec, ctx, program)
+            else:
+                self._train_light(spec, ctx, program)
 
         self._run(work)
 
@@ -223,6 +228,33 @@ class RankActor:
             program.run(spec, ctx, report, self._stop, started)
         finally:
             timer.uninstall()
+
+    def _train_light(self, spec: Any, ctx: Any, program: RankProgram) -> None:
+        """A program without torch collectives (the light program, `workers.rank.light`): no
+        collective timer (it would import torch), no probe; the program beats the heartbeat
+        and stalls for the job's faults before its own collectives
+        (`RankContext.stall_before_collective`), and its reports carry their own `comm`."""
+        from dataclasses import replace
+
+        from service.contract.reports import StepReport
+        from workers.rank.faults import FaultInjector
+
+        faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
+        arm_at_report = not program.marks_steps
+
+        def begin(step: int) -> None:
+            self.heartbeat.beat(step, "forward")
+            if arm_at_report:
+                faults.begin(step)
+
+        def report(r: StepReport) -> None:
+            self._put(r.model_dump())  # plain dicts across Ray, as `_train`'s
+            begin(r.step + 1)
+
+        ctx = replace(ctx, heartbeat=self.heartbeat,
+                      stall_before_collective=faults.stall_before_collective)
+        begin(1)
+        program.run(spec, ctx, report, self._stop, faults.begin)
 
     # --- polled by the group --------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """Fault injection for tests: hang, slow, fail or kill a chosen rank at a chosen step.
 
-Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the actor arms it on
-the rank's `CommTimer`. Hang and slow sleep right before the step's first collective, inside
-the step (so the step's compute time grows and peers wait in that collective), which is how
-a stuck or slow GPU looks from outside.
+Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the rank actor makes
+one injector per rank and calls `begin(step)` where each step starts. Hang and slow sleep
+right before the step's first collective, inside the step (so the step's compute time grows
+and peers wait in that collective), which is how a stuck or slow GPU looks from outside: for
+the torch programs the injector is armed on the rank's `workers.monitor.comm_timer.CommTimer`
+(`arm`), whose hook runs before every blocking collective; the light rank program
+(`workers.rank.light`), which has no torch collectives, calls `stall_before_collective`
+itself before its own. This module imports no torch, so that a light rank loads none.
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from workers.monitor.comm_timer import CommTimer
+
+class CollectiveHooks(Protocol):
+    """What the injector arms on: `workers.monitor.comm_timer.CommTimer` has this."""
+
+    def add_before_collective(self, fn: Callable[[], None]) -> None: ...
 
 
 class FaultInjector:
@@ -37,14 +45,16 @@ class FaultInjector:
         with self._lock:
             self._pending = sleep
 
-    def _before_collective(self) -> None:
+    def stall_before_collective(self) -> None:
+        """Sleep the step's hang or slow fault, once per step: called before each blocking
+        collective, outside its timing (the first call of a step sleeps, the others not)."""
         with self._lock:
             sleep, self._pending = self._pending, 0.0
         if sleep:
             time.sleep(sleep)
 
-    def arm(self, timer: CommTimer) -> None:
+    def arm(self, hooks: CollectiveHooks) -> None:
         """Sleep before the step's first collective, through the timer's hook (outside its
         timing, so the sleep is compute); the timer's `uninstall` disarms it."""
         if any(f.kind in ("hang", "slow") for f in self.faults):
-            timer.add_before_collective(self._before_collective)
+            hooks.add_before_collective(self.stall_before_collective)

@@ -5,10 +5,11 @@ A program is an object with a name and `run(spec, ctx, report, stop, started)` (
 is imported only when a rank runs it, so that a rank pays for what its program needs: the
 built-in trainer and a custom entrypoint import torch.distributed, DeepSpeed and the data
 (`workers.trainer.train`); the cluster probe imports torch alone
-(`workers.monitor.cluster_probe_rank`). The rank
-actor (`workers.rank.actor.RankActor`) resolves a job's program from its spec (`for_spec`) and runs
-it inside the health monitor it puts around every program (heartbeat, collective timer,
-faults); `trident probe`'s ranks run `CLUSTER_PROBE`.
+(`workers.monitor.cluster_probe_rank`); the light program imports neither
+(`workers.rank.light`: steps on the clock, for the tests of the control plane, on servers that
+allow it). The rank actor (`workers.rank.actor.RankActor`) resolves a job's program from its
+spec (`for_spec`) and runs it inside the health monitor it puts around every program
+(heartbeat, collective timer, faults); `trident probe`'s ranks run `CLUSTER_PROBE`.
 
 Also here, because every program and its callers share them without importing the trainer:
 `RankContext` (where a rank sits and how to reach the others) and the `Report` callback.
@@ -67,6 +68,13 @@ class RankContext:
     server: ServerData | None = None
     """The server's data rules: its sample-order cache and data roots (None: those of this
     environment's `TRIDENT_*` settings, as under torchrun)."""
+    heartbeat: Heartbeat | None = None
+    """The rank's heartbeat, for a program without torch collectives (`RankProgram.torch`
+    False): the collective timer beats it for the others."""
+    stall_before_collective: Callable[[], None] | None = None
+    """Called by a program without torch collectives before each of its own: the job's hang
+    and slow faults sleep there (`workers.rank.faults`); the collective timer calls it for
+    the others."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,12 @@ class RankProgram:
     """Whether it calls `started(step)` where a step's own work starts (the built-in trainer);
     the actor's monitor then counts a step's communication and arms its faults there, and
     otherwise when the previous step reports."""
+    torch: bool = True
+    """Whether it runs torch collectives: the actor's monitor then times them (the collective
+    timer, which imports torch, installed before the program runs) and probes the job's
+    groups first when its spec asks; a program without (the light program) beats the
+    heartbeat and stalls for the faults itself (`RankContext.heartbeat`,
+    `RankContext.stall_before_collective`) and is not probed."""
 
     def run(self, spec: JobSpec | None, ctx: Any, report: Callable[[Any], None],
             stop: threading.Event, started: StepStarted | None = None) -> None:
@@ -110,10 +124,25 @@ CLUSTER_PROBE = RankProgram("cluster-probe", "workers.monitor.cluster_probe_rank
 """`trident probe`: matmul FLOP/s of the rank and bandwidth inside and across nodes; its
 context is a `ProbeContext` and its report the probe's rows."""
 
-PROGRAMS: dict[str, RankProgram] = {p.name: p for p in (TRAINER, ENTRYPOINT, CLUSTER_PROBE)}
+LIGHT = RankProgram("light", "workers.rank.light:light_rank", marks_steps=True, torch=False)
+"""A spec's `program: light` (a server with `TRIDENT_LIGHT_RANKS` only): the job's steps on
+the clock, no model, no torch, no DeepSpeed; reports, heartbeats, prints and faults as the
+trainer's, with numbers that are not measured (`workers.rank.light`)."""
+
+LIGHT_ENTRYPOINT = RankProgram("light-entrypoint", "workers.rank.light:light_entrypoint",
+                               torch=False)
+"""A spec's custom `entrypoint` under `program: light`: the function with a context that has
+no device, groups nor data (`workers.rank.light.LightContext`)."""
+
+PROGRAMS: dict[str, RankProgram] = {p.name: p for p in (TRAINER, ENTRYPOINT, CLUSTER_PROBE,
+                                                        LIGHT, LIGHT_ENTRYPOINT)}
 """Every program a rank can run, by name."""
 
 
 def for_spec(spec: JobSpec) -> RankProgram:
-    """The program a job's ranks run: its custom entrypoint, else the built-in trainer."""
+    """The program a job's ranks run: under `program: light` the light program (or its
+    entrypoint with the light context); else its custom entrypoint, else the built-in
+    trainer."""
+    if spec.program == "light":
+        return LIGHT_ENTRYPOINT if spec.entrypoint else LIGHT
     return ENTRYPOINT if spec.entrypoint else TRAINER
