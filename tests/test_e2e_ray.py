@@ -1,5 +1,10 @@
 """End to end on a real local Ray: REST submit -> store -> controller -> Ray placement group
--> one actor per rank -> DeepSpeed ZeRO-2 over gloo -> metrics -> API."""
+-> one actor per rank -> DeepSpeed ZeRO-2 over gloo -> metrics -> API.
+
+The tests of numbers (losses, the collectives' attribution, the probe, checkpoints) train with
+DeepSpeed; those of the orchestration (hangs, stragglers, cancels, failures, what each rank is
+sent, re-attaching) run the light rank program (`program: light`, `workers.light_rank`),
+whose ranks report, beat, meet in a collective and fail on cue without torch."""
 
 from __future__ import annotations
 
@@ -96,14 +101,15 @@ def test_tiny_zero2_job_trains_to_success(stack) -> None:
 
 
 HANG_TIMEOUT_S = 15
-"""Long enough that start-up on a loaded 2-core machine (DeepSpeed building the engine while
-a peer waits in a collective) is not taken for a hang; short enough to keep the test quick."""
+"""Long enough that start-up on a loaded 2-core machine (a rank starting while a peer waits in
+a collective) is not taken for a hang; short enough to keep the test quick."""
 
 
 def test_hung_rank_is_named_within_the_timeout(stack) -> None:
     """Rank 1 sleeps in step 3 before its first collective; rank 0 waits for it there."""
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        program="light",
         train={"steps": 50, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False, "hang_timeout_s": HANG_TIMEOUT_S},
         faults=[{"kind": "hang", "rank": 1, "step": 3, "seconds": 180}])).json()["id"]
@@ -157,6 +163,7 @@ def test_failed_attempt_restarts_from_the_newest_checkpoint(stack) -> None:
 def test_slow_rank_is_reported_as_a_straggler(stack) -> None:
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        program="light",
         train={"steps": 12, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False, "straggler_min_steps": 4},
         faults=[{"kind": "slow", "rank": 1, "step": 3, "seconds": 0.3}])).json()["id"]
@@ -189,7 +196,7 @@ def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
 
 def test_cancel_is_done_in_one_pass_and_stops_the_workers(stack) -> None:
     client, store, controller = stack
-    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(program="light", train={
         "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"})).json()["id"]
     drive(controller, store, job_id, {JobState.RUNNING}, 180)
     drive_until(controller, lambda: bool(store.list_metrics(job_id=job_id)), 120,
@@ -214,12 +221,13 @@ def test_cancel_is_done_in_one_pass_and_stops_the_workers(stack) -> None:
 
 
 def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) -> None:
-    """Four training jobs (a rank each, of 0.5 CPU on the 2-CPU cluster), cancelled together:
+    """Four running jobs (a rank each, of 0.5 CPU on the 2-CPU cluster), cancelled together:
     all are CANCELLED by the next pass, and their groups are all released. One rank a job:
     what is counted is jobs and groups, and each rank is seconds of CPU to start."""
     client, store, controller = stack
-    spec = tiny_spec(train={"steps": 100000, "global_batch": 8, "micro_batch": 2,
-                            "precision": "fp32"}, monitor={"probe": False},
+    spec = tiny_spec(program="light", train={"steps": 100000, "global_batch": 8,
+                                             "micro_batch": 2, "precision": "fp32"},
+                     monitor={"probe": False},
                      parallel={"tp": 1, "pp": 1, "dp": 1, "zero": 2})
     jobs = [client.post("/api/v1/jobs", json=spec).json()["id"] for _ in range(4)]
     drive_until(controller, lambda: all(store.list_metrics(job_id=j) for j in jobs), 600,
@@ -247,7 +255,7 @@ def test_four_started_jobs_cancelled_at_once_are_cancelled_in_one_pass(stack) ->
 def test_worker_exception_fails_the_job_with_its_traceback(stack) -> None:
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
-        entrypoint="tests.entrypoints:explode")).json()["id"]
+        program="light", entrypoint="tests.entrypoints:explode")).json()["id"]
     assert drive(controller, store, job_id, {JobState.FAILED, JobState.SUCCEEDED},
                  180) == JobState.FAILED
     job = client.get(f"/api/v1/jobs/{job_id}").json()
@@ -263,7 +271,8 @@ def test_each_rank_is_sent_its_row_of_the_stored_plan(stack) -> None:
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
         model={"preset": "gpt-tiny", "layers": 5},
         parallel={"tp": 1, "pp": 2, "dp": 1, "partition": "parameters"},
-        monitor={"probe": False}, entrypoint="tests.entrypoints:rows")).json()["id"]
+        monitor={"probe": False}, program="light",
+        entrypoint="tests.entrypoints:rows")).json()["id"]
     planned = store.get_job(job_id=job_id).plan.to_json()
     stored = [[[0, 1]], [[1, 5]]]
     assert [r["layers"] for r in planned["rank_layout"]] != stored
@@ -287,14 +296,15 @@ def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) ->
     PLACING): the next controller re-attaches to the group where it was, launches its ranks
     and the job succeeds as attempt 1, though it allows no retry."""
     client, store, controller = stack
-    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(program="light", train={
         "steps": 4, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False})).json()["id"]
     controller.step()  # admitted: its placement group and actors are created
     assert store.get_job(job_id=job_id).state == JobState.PLACING
     controller.running.clear()  # this controller is gone; its group is detached
 
-    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+    successor = Controller(store, RayLauncher(light_ranks=True),
+                           checkpoint_root=controller.checkpoint_root,
                            start_timeout_s=120, cancel_grace_s=5)
     try:
         drive(successor, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 240)
@@ -312,7 +322,7 @@ def test_a_group_whose_job_ended_while_no_controller_watched_is_stopped(stack,
     """The job of a detached group was cancelled, or ended in the store, while no controller
     ran: the next controller's first pass stops the group on Ray (ranks and placement)."""
     client, store, controller = stack
-    job_id = client.post("/api/v1/jobs", json=tiny_spec(train={
+    job_id = client.post("/api/v1/jobs", json=tiny_spec(program="light", train={
         "steps": 100000, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False})).json()["id"]
     drive(controller, store, job_id, {JobState.RUNNING}, 180)
@@ -332,7 +342,8 @@ def test_a_group_whose_job_ended_while_no_controller_watched_is_stopped(stack,
     else:
         store.transition(job_id=job_id, to=JobState.FAILED, message="ended by an operator",
                          error="ended by an operator")
-    successor = Controller(store, RayLauncher(), checkpoint_root=controller.checkpoint_root,
+    successor = Controller(store, RayLauncher(light_ranks=True),
+                           checkpoint_root=controller.checkpoint_root,
                            start_timeout_s=120, cancel_grace_s=5)
     try:
         successor.step()
