@@ -1,5 +1,6 @@
 """A live API server (uvicorn on a free port) on a store of the test's own, with the CLI's
-token set: what the CLI tests run their commands against (the `live` fixture)."""
+token set: what the CLI tests run their commands against (the `live` fixture). It takes jobs
+with `program: light` (`TRIDENT_LIGHT_RANKS`: ranks of `workers.rank.light`)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Live:
 
 def live_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
     store = Store(migrated_sqlite(tmp_path / "cli.db"))
-    settings = Settings(data_dir=tmp_path)
+    settings = Settings(data_dir=tmp_path, light_ranks=True)
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
     with serving(create_app(settings, store=store)) as url:

@@ -1,7 +1,9 @@
 """The CLI against the whole stack on a real local Ray: the API, the controller (stepping in
 a thread, as the daemon does) and rank actors. `trident submit` exits 0 when the job
 succeeds, 1 when a rank raises (`tests.entrypoints:explode`) and 3 when it is cancelled;
-`trident logs -f` prints a running job's rank output until the cancel ends it."""
+`trident logs -f` prints a running job's rank output until the cancel ends it. The ranks are
+light (`program: light`, `workers.rank.light`): what is tested is the CLI and the control
+plane, not training."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def stack(local_ray: None, tmp_path: Path,  # noqa: F811
           monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
     stacked = live_stack(tmp_path, monkeypatch)
     live = next(stacked)
-    controller = Controller(live.store, RayLauncher(log_root=live.settings.log_root),
+    controller = Controller(live.store, RayLauncher(log_root=live.settings.log_root,
+                                                    light_ranks=True),
                             checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
                             cancel_grace_s=5)
     stop = threading.Event()
@@ -53,12 +56,13 @@ def stack(local_ray: None, tmp_path: Path,  # noqa: F811
 
 
 def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> None:
-    r = stack.cli("submit", TINY, "--set", "train.steps=4")
+    r = stack.cli("submit", TINY, "--set", "train.steps=4", "--set", "program=light")
     assert r.exit_code == 0, r.output
     assert "step     4/4" in r.stdout and r.stdout.splitlines()[-1].endswith("SUCCEEDED")
     assert "[placement]" in r.stdout
 
-    r = stack.cli("submit", TINY, "--set", "entrypoint=tests.entrypoints:explode")
+    r = stack.cli("submit", TINY, "--set", "entrypoint=tests.entrypoints:explode",
+                  "--set", "program=light")
     assert r.exit_code == 1, r.output
     assert r.stdout.splitlines()[-1].endswith("FAILED")
     # The rank's traceback as one line: its exception, and where the whole error is.
@@ -66,7 +70,7 @@ def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> 
     assert "RuntimeError: rank 1 exploded on purpose" in r.stderr and "trident describe" in r.stderr
 
     submit, submitted = spawn(stack, "submit", TINY, "--set",
-                              "entrypoint=tests.entrypoints:chatty")
+                              "entrypoint=tests.entrypoints:chatty", "--set", "program=light")
     logs = None
     try:
         wait_for("the chatty job running", lambda: any(

@@ -37,11 +37,12 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    settings = Settings(data_dir=tmp_path)
+    settings = Settings(data_dir=tmp_path, light_ranks=True)
     store = Store(settings.db_url)
     store.migrate()
     monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
-    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path / "ckpt",
+    controller = Controller(store, RayLauncher(light_ranks=True),
+                            checkpoint_root=tmp_path / "ckpt",
                             start_timeout_s=120, cancel_grace_s=5)
     try:
         with serving(create_app(settings, store=store)) as url:
@@ -60,8 +61,9 @@ def cli(url: str, *args: str) -> str:
 
 def test_views_of_a_real_job(served: tuple[str, Store, Controller]) -> None:
     url, store, controller = served
-    spec = tiny_spec(train={"steps": 30, "global_batch": 8, "micro_batch": 2,
-                            "precision": "fp32", "lr": 0.003},
+    spec = tiny_spec(program="light", train={"steps": 30, "global_batch": 8,
+                                             "micro_batch": 2, "precision": "fp32",
+                                             "lr": 0.003},
                      monitor={"probe": True, "probe_max_bytes": 64 << 10})
     job_id = submit(store, JobSpec.model_validate(spec)).id
     def stepped() -> bool:

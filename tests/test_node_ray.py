@@ -86,6 +86,7 @@ def test_a_job_runs_across_two_nodes_started_by_trident_node(
         up = Up(tmp_path / "up", free_port(), {
             "TRIDENT_RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token), "TRIDENT_ALLOW_FAULTS": "1",
+            "TRIDENT_LIGHT_RANKS": "1",
             "PYTHONPATH": str(ROOT)})
         up.wait_healthy()
         u = up  # for the closures below
@@ -98,8 +99,9 @@ def test_a_job_runs_across_two_nodes_started_by_trident_node(
             assert n["info"]["profile"] == "cpu" and n["info"]["resources"]["CPU"] == 1.0
 
         # One CPU per rank and per node: rank 0 on one node, rank 1 on the other.
-        spec = tiny_spec(train={"steps": 30, "global_batch": 8, "micro_batch": 2,
-                                "precision": "fp32"}, monitor={"probe": False},
+        spec = tiny_spec(program="light", train={"steps": 30, "global_batch": 8,
+                                                 "micro_batch": 2, "precision": "fp32"},
+                         monitor={"probe": False},
                          resources={"gpus_per_worker": 0, "cpus_per_worker": 1},
                          faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
         res = HTTP.post(f"{u.server}/api/v1/jobs", json=spec, headers=u.auth, timeout=30)

@@ -1,6 +1,7 @@
 """Placement on a Ray cluster of 2 simulated nodes with 4 logical GPUs each: a tp2 pp2 dp2 job
 (8 ranks) runs through the control plane to SUCCEEDED, and every TP group sits on one node.
-The nodes' GPUs are logical: ranks see no CUDA device and fall back to gloo on CPU."""
+The nodes' GPUs are logical: ranks see no CUDA device. The ranks are light (`program: light`,
+`workers.rank.light`): what is tested is where they land, not what they compute."""
 
 from __future__ import annotations
 
@@ -43,13 +44,14 @@ def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
     store = Store(f"sqlite:///{tmp_path / 'p.db'}")
     store.migrate()
     spec = JobSpec.model_validate(tiny_spec(
-        name="tp2pp2dp2",
+        name="tp2pp2dp2", program="light",
         train={"steps": 3, "global_batch": 8, "micro_batch": 1, "precision": "fp32"},
         parallel={"tp": 2, "pp": 2, "dp": 2, "zero": 1},
         resources={"gpus_per_worker": 1, "cpus_per_worker": 0.25},
         cluster={"gpu": "cpu", "nodes": 2, "gpus_per_node": 4}))
     job_id = submit(store, spec).id
-    controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
+    controller = Controller(store, RayLauncher(light_ranks=True), checkpoint_root=tmp_path,
+                            start_timeout_s=300)
     assert len(controller.launcher.total_capacity()) == 3  # head (no CPUs) + 2 GPU nodes
     try:
         deadline = time.monotonic() + 600

@@ -1,5 +1,6 @@
 """`trident stacks` on a real local Ray: REST request -> controller -> every rank actor's
-thread stacks -> stored grouped -> REST answer, while the job trains on."""
+thread stacks -> stored grouped -> REST answer, while the job runs on (light ranks:
+`program: light`, `workers.rank.light`, whose loop the work threads are seen in)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_stacks_of_a_training_job_are_grouped_and_show_the_training_loop(
         stack) -> None:  # noqa: F811
     client, store, controller = stack
     job_id = client.post("/api/v1/jobs", json=tiny_spec(
+        program="light",
         train={"steps": 400, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False},
         # Every step takes at least 0.2 s, so that the job outlasts the request.
@@ -47,10 +49,10 @@ def test_stacks_of_a_training_job_are_grouped_and_show_the_training_loop(
     train = res["threads"][0]
     assert train["thread"] == "train"
     assert sorted(r for g in train["groups"] for r in g["ranks"]) == [0, 1]
-    for g in train["groups"]:  # each rank's work thread is inside the training loop
-        assert "in train_rank" in g["stack"], g["stack"]
-        assert "workers/trainer/train.py" in g["stack"], g["stack"]
+    for g in train["groups"]:  # each rank's work thread is inside its program's step loop
+        assert "in _steps" in g["stack"], g["stack"]
+        assert "workers/rank/light.py" in g["stack"], g["stack"]
     assert {"MainThread"} <= {t["thread"] for t in res["threads"]}
     text = render(TypeAdapter(StackRequest).validate_python(req))
-    assert "=== thread train:" in text and "in train_rank" in text
+    assert "=== thread train:" in text and "in _steps" in text
     assert ("--- ranks 0-1 (2 of 2)" in text) == (len(train["groups"]) == 1)
