@@ -69,12 +69,11 @@ def tracked(ctx: Any) -> None:
     """The tracking test's job: checks that its secret reached this rank's environment as
     submitted (by its digest, never printing it) and that the server's own tracker token did
     not, then reports a step every 0.2 s, with a custom metric, until the file named by
-    TRIDENT_TEST_GO exists on any rank (the test's signal; at most an hour), and 3 more."""
+    TRIDENT_TEST_GO exists on any rank (the test's signal; at most an hour), and 3 more. Run
+    by light ranks (`program: light`): their context's `any` is the collective that tells."""
     import hashlib
     import os
     import time
-
-    from workers.modeling.tp import world_any
 
     value = os.environ.get("TRIDENT_TEST_SECRET")
     digest = hashlib.sha256((value or "").encode()).hexdigest()
@@ -95,8 +94,8 @@ def tracked(ctx: Any) -> None:
                     "step_time_s": now - last, "tokens_per_s": 2048 / (now - last),
                     "custom": {"accuracy": 1 - 1 / (step + 1)}})
         last = now
-        if more is None and world_any(os.path.exists(os.environ["TRIDENT_TEST_GO"])
-                                      or now > deadline, ctx.device):
+        if more is None and ctx.any(os.path.exists(os.environ["TRIDENT_TEST_GO"])
+                                    or now > deadline):
             more = 3
         if more is not None:
             more -= 1

@@ -1,6 +1,7 @@
 """The dashboard in a real browser (Playwright driving Debian's chromium) against a running
-stack: the API on a port, the controller stepping in a thread, a local Ray, real jobs (the
-built-in trainer, a chatty custom entrypoint, one that raises). One stack for every test of
+stack: the API on a port, the controller stepping in a thread, a local Ray, real jobs of
+light ranks (`program: light`, `workers.rank.light`: the steps of a job, a chatty custom
+entrypoint, one that raises, one that fails its first attempt). One stack for every test of
 the module. Each test saves a screenshot of its page under var/screenshots/.
 """
 
@@ -86,13 +87,14 @@ class Live:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     # address="local": a Ray of our own, never a cluster someone else started on this host.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    settings = Settings(data_dir=tmp_path_factory.mktemp("browser"))
+    settings = Settings(data_dir=tmp_path_factory.mktemp("browser"), light_ranks=True)
     store = Store(settings.db_url)
     store.migrate()
     token = user_token(store)
     AUTH["Authorization"] = f"Bearer {token}"
     controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                               log_max_bytes=settings.rank_log_max_bytes),
+                                               log_max_bytes=settings.rank_log_max_bytes,
+                                               light_ranks=True),
                             checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
                             cancel_grace_s=5)
     stop = threading.Event()
@@ -121,6 +123,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                                    env={"TRIDENT_TEST_GO": str(go)},
                                                    # it waits for its test without a heartbeat
                                                    monitor={"hang_timeout_s": 3600}))]:
+                spec["program"] = "light"
                 r = HTTP.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
                               headers=AUTH)
                 assert r.status_code == 201, r.text

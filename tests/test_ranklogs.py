@@ -111,7 +111,7 @@ def test_a_secrets_value_is_redacted_from_every_stream_of_the_rank(app_store) ->
 @pytest.mark.slow
 def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
         local_ray: None, tmp_path: Path) -> None:
-    """A real job on Ray (two ranks, the controller's launcher) whose entrypoint prints its
+    """A real job on Ray (two light ranks, the controller's launcher) whose entrypoint prints its
     secret to stdout and stderr and fails with it in a library's words: the rank logs on
     disk and as the log route serves them to a viewer hold `[secret NAME]`, as the job's
     error does."""
@@ -119,10 +119,12 @@ def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
     from service.secrets import SecretBox
     from workers.launch.launcher import RayLauncher
 
-    settings = Settings(data_dir=tmp_path, entrypoint_modules="tests.entrypoints")
+    settings = Settings(data_dir=tmp_path, entrypoint_modules="tests.entrypoints",
+                        light_ranks=True)
     store = Store(migrated_sqlite(tmp_path / "ray.db"))
     controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                               log_max_bytes=settings.rank_log_max_bytes),
+                                               log_max_bytes=settings.rank_log_max_bytes,
+                                               light_ranks=True),
                             checkpoint_root=settings.checkpoint_root, start_timeout_s=120,
                             box=SecretBox.of(None, tmp_path))
     member = {"Authorization": f"Bearer {user_token(store, 'alice', 'member')}"}
@@ -131,6 +133,7 @@ def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
         with TestClient(create_app(settings, store=store)) as client:
             r = client.post("/api/v1/jobs", headers=member, json=tiny_spec(
                 name="leaky", entrypoint="tests.entrypoints:leaky", monitor={"probe": False},
+                program="light",
                 secrets={"TRIDENT_TEST_SECRET": SECRET}))
             assert r.status_code == 201, r.text
             job_id = r.json()["id"]

@@ -1,4 +1,5 @@
-"""End to end, with Ray: a job with a secret trains on 2 CPU ranks under the controller, whose
+"""End to end, with Ray: a job with a secret runs on 2 light CPU ranks (`program: light`,
+`workers.rank.light`, its custom entrypoint reporting the steps) under the controller, whose
 exporter sends its steps to a real `mlflow server` and writes its TensorBoard files; the MLflow
 server is killed for 30 s in the middle of the job and started again.
 
@@ -92,7 +93,7 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
     data = tmp_path_factory.mktemp("tracking-e2e")
     settings = Settings(data_dir=data, mlflow_uri=mlflow_server.uri,
                         public_url="http://trident.test", mlflow_token="srv-token",
-                        entrypoint_modules="tests.entrypoints")
+                        entrypoint_modules="tests.entrypoints", light_ranks=True)
     store = Store(settings.db_url)
     store.migrate()
     headers = {"Authorization": f"Bearer {user_token(store)}"}
@@ -101,7 +102,8 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
     logging.getLogger().addHandler(handler)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                               log_max_bytes=settings.rank_log_max_bytes),
+                                               log_max_bytes=settings.rank_log_max_bytes,
+                                               light_ranks=True),
                             checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
                             box=SecretBox.of(None, data), tracking=TrackingConfig.of(settings))
     assert controller.exporter is not None
@@ -120,6 +122,7 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
         with serving(create_app(settings, store=store)) as url:
             sc = Scenario(url, store, settings, headers, {}, logs=logs)
             spec = tiny_spec(name="tracked", entrypoint="tests.entrypoints:tracked",
+                             program="light",
                              secrets={"TRIDENT_TEST_SECRET": SECRET},
                              env={"TRIDENT_TEST_GO": str(go), "TRIDENT_TEST_SECRET_SHA256":
                                   hashlib.sha256(SECRET.encode()).hexdigest()},
