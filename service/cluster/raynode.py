@@ -79,6 +79,13 @@ def alive(state: NodeState) -> bool:
     return b"--block" in cmd and b"start" in cmd and any(b"ray" in c for c in cmd[:3])
 
 
+START_WAIT_ENV = {"RAY_raylet_start_wait_time_s": "120"}
+"""How long `ray start` waits for its raylet to register with the GCS: 120 s, not Ray's 30.
+On a loaded host (a node joining while the head's host trains) registration took longer than
+30 s, and `ray start` then gave up on a node that would have come up. An operator's own
+setting in the environment wins; `trident node start --timeout` still bounds the whole start."""
+
+
 def ray_start_argv(*, head: bool, address: str, num_cpus: int, num_gpus: int,
                    labels: dict[str, str], node_ip: str | None, temp_dir: str | None
                    ) -> list[str]:
