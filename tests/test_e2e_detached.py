@@ -1,7 +1,9 @@
 """Jobs outlive the control plane, on real processes: `trident up` (API, supervised controller,
-its own Ray head), a real job of two DeepSpeed ranks, and then `kill -9` of the controller, of
+its own Ray head), a real job of two ranks, and then `kill -9` of the controller, of
 `trident up` itself, and a PostgreSQL outage. Each time the job keeps its attempt (no retry is
-used), succeeds, and every step of every rank is in /metrics exactly once."""
+used), succeeds, and every step of every rank is in /metrics exactly once. The ranks are light
+(`program: light`, `workers.rank.light`) but in the outage, which counts the checkpoints that
+DeepSpeed ranks complete while the database is away."""
 
 from __future__ import annotations
 
@@ -30,16 +32,20 @@ STEPS = 60
 def env() -> dict[str, str]:
     # A short lease, so that a killed controller's successor takes over within seconds.
     return {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2",
-            "TRIDENT_ALLOW_FAULTS": "1"}
+            "TRIDENT_ALLOW_FAULTS": "1", "TRIDENT_LIGHT_RANKS": "1"}
 
 
-def submit_long_job(up: Up, steps: int = STEPS) -> int:
+def submit_long_job(up: Up, steps: int = STEPS, *, light: bool = True) -> int:
+    """A job of two ranks, light ones unless `light` is False (DeepSpeed's, which save the
+    checkpoints every 20 steps)."""
     spec = tiny_spec(train={"steps": steps, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32", "lr": 0.003},
                      monitor={"probe": False}, max_retries=2,
                      checkpoint={"every_steps": 20},
                      # Every step takes at least 0.2 s, so that the job outlasts the kills.
                      faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.2}])
+    if light:
+        spec["program"] = "light"
     r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
     assert r.status_code == 201, r.text
     return int(r.json()["id"])
@@ -154,7 +160,7 @@ def test_a_database_outage_costs_the_job_nothing(tmp_path: Path, env: dict[str, 
     up = Up(tmp_path, free_port(), {**env, "TRIDENT_DATABASE_URL": pg.url})
     try:
         up.wait_healthy()
-        job_id = submit_long_job(up)
+        job_id = submit_long_job(up, light=False)
         wait_for("training", lambda: last_step(up, job_id) >= 3, 240, up.log)
         seen = last_step(up, job_id)
         pg.stop()

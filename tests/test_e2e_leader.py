@@ -3,7 +3,8 @@ it), real processes, against one database (SQLite and PostgreSQL) and one Ray cl
 lease holder acts, the other waits as standby without touching a job; after kill -9 of the
 leader's daemon a standby (the other controller's, or the one its supervisor starts again)
 takes the lease once it expires, re-attaches to the job's ranks (no attempt is started twice,
-no retry is used), and the job succeeds with every step of every rank stored exactly once."""
+no retry is used), and the job succeeds with every step of every rank stored exactly once. The
+ranks are light (`program: light`, `workers.rank.light`): what is tested is the hand-over."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class Daemon:
         env = {**os.environ, **head.env(), "PYTHONPATH": str(ROOT),
                "TRIDENT_DATA_DIR": str(data_dir), "TRIDENT_DATABASE_URL": db_url,
                "TRIDENT_RAY_ADDRESS": head.address, "TRIDENT_LEASE_S": str(LEASE_S),
-               "TRIDENT_POLL_INTERVAL_S": "0.2"}
+               "TRIDENT_POLL_INTERVAL_S": "0.2", "TRIDENT_LIGHT_RANKS": "1"}
         env.pop("TRIDENT_PARENT_PID", None)
         with self.log_path.open("w") as out:
             self.proc = subprocess.Popen(
@@ -89,6 +90,7 @@ def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over_after_k
     store.migrate()
     leases = Leases(store)
     spec = JobSpec.model_validate(tiny_spec(
+        program="light",
         train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
                "lr": 0.003},
         monitor={"probe": False}, max_retries=2, checkpoint={"every_steps": 20},
