@@ -1,6 +1,6 @@
 """The light rank program: a job's steps on the clock, without a model, torch or DeepSpeed.
 
-For the tests of the control plane (cancel, re-attach, views, logs, node loss, ...), which
+For the tests of the control plane (cancel, re-attach, views, logs, placement, ...), which
 need ranks that exist, report, beat, print and fail on cue, not ranks that train: a spec's
 `program: light` (`workers.runtime.programs.LIGHT`), which a server takes only with
 `TRIDENT_LIGHT_RANKS` (never in prod: `service.settings`, the API and the launcher refuse it
@@ -40,9 +40,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from service.contract.parallel import Dim
 from service.contract.reports import MemoryReport, StepReport
 
 if TYPE_CHECKING:
@@ -67,9 +68,9 @@ def made_up_loss(step: int) -> float:
 def collective_dim(plan: RankPlan, world_size: int) -> str:
     """The name the light collective goes by: the rank's dimension whose group is the whole
     world (dp first: the gradients' reduction it stands for), else `world`."""
-    for dim in ("dp", "tp", "pp"):
-        if len(plan.groups.get(dim, [])) == world_size:  # type: ignore[call-overload]
-            return dim
+    for dim in (Dim.DP, Dim.TP, Dim.PP):
+        if len(plan.groups.get(dim, [])) == world_size:
+            return str(dim)
     return "world"
 
 
@@ -281,7 +282,6 @@ class LightContext:
     link: LightLink
     attempt: int = 0
     resume_step: int = 0
-    save_steps: None = field(default=None)
 
     def should_stop(self) -> bool:
         """Collective: whether any rank was asked to stop; call it on every rank each step."""
