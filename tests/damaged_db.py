@@ -12,14 +12,13 @@ from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.store import Store
 from service.submission.intake import prepare
-from tests.conftest import tiny_spec
+from tests.conftest import migrated_sqlite, tiny_spec
 
 
 def fill_jobs(path: Path, n: int) -> list[int]:
     """A database at `path` (made and migrated if new) with `n` more cancelled jobs (each with
     its spec, plan and events: rows that span many pages); their ids."""
-    store = Store(f"sqlite:///{path}")
-    store.migrate()
+    store = Store(f"sqlite:///{path}" if path.exists() else migrated_sqlite(path))
     prepared = prepare(JobSpec.model_validate(tiny_spec()))
     ids = []
     try:

@@ -30,7 +30,7 @@ from service.store import Store
 from service.store.identity import Identity
 from service.store.lease import Leader
 from service.submission.intake import submit
-from tests.conftest import PG_ADMIN_URL, scratch_pg_database, tiny_spec, user_token
+from tests.conftest import PG_ADMIN_URL, migrated_sqlite, scratch_pg_database, tiny_spec, user_token
 
 FUZZER = "fuzzer"
 """The admin the requests are sent as: the fuzzing may revoke or disable anyone but it."""
@@ -62,10 +62,10 @@ sqlite_schema, postgres_schema = _schema("sqlite"), _schema("postgres")
 def _seed(url: str) -> dict[str, Any]:
     """Something to find: a job (id 1) and a node with its resources, so that the routes that
     read them and the submit-time placement check have data to work on; a controller holding
-    its lease, without which healthz is (by design) a 503; and the fuzzer's token."""
+    its lease, without which healthz is (by design) a 503; and the fuzzer's token. The
+    database at `url` is at the newest revision."""
     store = Store(url)
     try:
-        store.migrate()
         Leader(store, duration_s=3600, holder="test-controller").acquire_or_renew()
         secret = user_token(store, FUZZER, "admin")
         submit(store, JobSpec.model_validate(tiny_spec()))
@@ -85,13 +85,16 @@ def _scratch() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def sqlite_served() -> dict[str, Any]:
-    return _seed(URLS["sqlite"])
+    return _seed(migrated_sqlite(_DATA / "trident.db"))
 
 
 @pytest.fixture(scope="module")
 def postgres_served() -> Iterator[dict[str, Any]]:
     with scratch_pg_database(_PG_NAME) as url:
         assert url == URLS["postgres"]
+        made = Store(url)  # a database of the module's own, which the schema's app names
+        made.migrate()
+        made.close()
         yield _seed(url)
 
 

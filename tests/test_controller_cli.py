@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from service.store import Store
 from service.store.lease import CONTROLLER, Leases
+from tests.conftest import migrated_sqlite
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_trident_controller_restarts_a_killed_daemon_and_stops_on_sigterm(
         tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'trident.db'}"
+    url = migrated_sqlite(tmp_path / "trident.db")
     store = Store(url)
-    store.migrate()
     held, _ = Leases(store).acquire(name=CONTROLLER, holder="other:1:a", duration_s=600)
     assert held
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRIDENT_")}

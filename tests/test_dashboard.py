@@ -23,7 +23,7 @@ from service.store.dashboard import jobs_page, queue
 from service.store.heartbeats import HeartbeatLog
 from service.submission.intake import submit
 from service.views.rank_status import rank_status
-from tests.conftest import authed_client, record_steps, tiny_spec
+from tests.conftest import authed_client, migrated_sqlite, record_steps, tiny_spec
 
 VENDOR = Path(__file__).resolve().parent.parent / "api" / "static" / "vendor"
 
@@ -157,8 +157,7 @@ def test_ranks_grid_compares_memory_and_compute_per_stage(store: Store) -> None:
 
 @pytest.fixture
 def client(tmp_path: Path) -> Any:
-    store = Store(f"sqlite:///{tmp_path / 'd.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "d.db"))
     with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         yield c, store
 

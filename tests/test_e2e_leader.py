@@ -85,9 +85,7 @@ def holder_pid(lease: Lease) -> int:
 
 
 def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over_after_kill_9(
-        db_url: str, tmp_path: Path, ray_head: RayHead) -> None:
-    store = Store(db_url)
-    store.migrate()
+        store: Store, db_url: str, tmp_path: Path, ray_head: RayHead) -> None:
     leases = Leases(store)
     spec = JobSpec.model_validate(tiny_spec(
         program="light",
@@ -147,4 +145,3 @@ def test_two_controllers_only_the_leader_acts_and_the_standby_takes_over_after_k
     finally:
         for d in daemons:
             d.stop()
-        store.close()

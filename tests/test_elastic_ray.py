@@ -20,7 +20,7 @@ from service.contract.states import JobState  # noqa: E402
 from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
@@ -36,8 +36,7 @@ def test_a_job_that_loses_a_node_is_re_planned_onto_the_other_and_moves_back(
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    store = Store(f"sqlite:///{tmp_path / 'e.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "e.db"))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     try:
         # Two ranks of 1.5 CPUs: one on each node; one node holds one rank only. Slowed in

@@ -15,6 +15,7 @@ from service.settings import Settings
 from service.store import Store
 from service.store.lease import CONTROLLER, Leases
 from service.store.tables import utcnow
+from tests.conftest import migrated_sqlite
 from tests.servers import free_port
 
 
@@ -38,9 +39,8 @@ def test_api_that_does_not_answer_is_unhealthy() -> None:
 
 
 def test_controller_is_healthy_while_a_controller_holds_the_lease(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'trident.db'}"
+    url = migrated_sqlite(tmp_path / "trident.db")
     store = Store(url)
-    store.migrate()
     settings = Settings(data_dir=tmp_path, database_url=url)
     try:
         problem = check_controller(settings)

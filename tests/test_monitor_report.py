@@ -15,7 +15,7 @@ from service.monitor.comm import comm_view
 from service.store import Store
 from service.submission.intake import submit
 from service.views.prediction import compare
-from tests.conftest import record_steps, tiny_spec
+from tests.conftest import migrated_sqlite, record_steps, tiny_spec
 
 COMM = {"dp": {"all_reduce": {"time_s": 0.02, "bytes": 1e6, "calls": 2.0}}}
 
@@ -74,8 +74,7 @@ def test_the_bubble_is_stored_with_the_step_and_bounded_by_it():
 
 @pytest.fixture
 def job_store(tmp_path: Path):
-    s = Store(f"sqlite:///{tmp_path / 'r.db'}")
-    s.migrate()
+    s = Store(migrated_sqlite(tmp_path / "r.db"))
     yield s
     s.close()
 

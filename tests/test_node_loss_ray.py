@@ -19,7 +19,7 @@ from service.contract.states import JobState  # noqa: E402
 from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
@@ -31,8 +31,7 @@ def test_a_job_that_loses_a_node_waits_then_resumes_from_its_checkpoint(tmp_path
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    store = Store(f"sqlite:///{tmp_path / 'n.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "n.db"))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     try:
         # Two ranks of 1.5 CPUs: one on each node; one node alone cannot hold the job.

@@ -21,7 +21,7 @@ from service.contract.states import JobState  # noqa: E402
 from service.control.controller import Controller  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,8 +41,7 @@ def two_nodes() -> Iterator[Cluster]:
 
 def test_tp2_pp2_dp2_on_two_nodes_keeps_tp_groups_together(two_nodes: Cluster,
                                                           tmp_path: Path) -> None:
-    store = Store(f"sqlite:///{tmp_path / 'p.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "p.db"))
     spec = JobSpec.model_validate(tiny_spec(
         name="tp2pp2dp2", program="light",
         train={"steps": 3, "global_batch": 8, "micro_batch": 1, "precision": "fp32"},

@@ -20,7 +20,7 @@ from service.contract.spec import JobSpec
 from service.planner.search import cpu_bound
 from service.settings import Settings
 from service.store import Store
-from tests.conftest import authed_client, tiny_spec
+from tests.conftest import authed_client, migrated_sqlite, tiny_spec
 
 BIG = {"name": "gpt175b", "model": {"preset": "gpt3-175b"},
        "train": {"global_batch": 64, "micro_batch": 1},
@@ -31,8 +31,7 @@ BIG = {"name": "gpt175b", "model": {"preset": "gpt3-175b"},
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    store = Store(f"sqlite:///{tmp_path / 'p.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "p.db"))
     with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
         yield c
     store.close()

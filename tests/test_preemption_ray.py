@@ -19,7 +19,7 @@ from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.store.checkpoints import CheckpointIndex  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
@@ -40,8 +40,7 @@ def test_a_high_priority_job_preempts_a_running_one_which_resumes_and_succeeds(
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    store = Store(f"sqlite:///{tmp_path / 'p.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "p.db"))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     try:
         # No periodic checkpoint: the one it resumes from is the one the preemption asked for.

@@ -16,7 +16,7 @@ from pathlib import Path
 from api.app import create_app
 from service.cluster.supervisor import Supervisor, wait_exit
 from service.settings import Settings
-from service.store import Store
+from tests.conftest import migrated_sqlite
 from tests.servers import HTTP, serving, wait_healthy
 from tests.smallfs import Filler, small_fs
 from tests.waiting import wait_for
@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_killed_controller_is_restarted_and_health_returns(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'trident.db'}"
-    Store(url).migrate()
+    url = migrated_sqlite(tmp_path / "trident.db")
     with serving(create_app(Settings(data_dir=tmp_path, database_url=url))) as server:
         assert HTTP.get(server + "/api/v1/healthz").status_code == 503  # no controller yet
 

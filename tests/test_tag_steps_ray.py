@@ -22,7 +22,7 @@ from service.files.checkpoint_tags import newest_complete_step  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.store.checkpoints import CheckpointIndex  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until, wait_for  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
@@ -37,8 +37,7 @@ def test_a_node_lost_while_the_ranks_ran_ahead_of_the_polls_loses_no_step(
     nodes = [cluster.add_node(num_cpus=2) for _ in range(3)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    store = Store(f"sqlite:///{tmp_path / 'n.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "n.db"))
     controller = Controller(store, RayLauncher(), checkpoint_root=tmp_path, start_timeout_s=300)
     try:
         # Two ranks of 1.5 CPUs, one per node; two of the three nodes hold the job.
