@@ -38,11 +38,18 @@ class Live:
 def live_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
     store = Store(migrated_sqlite(tmp_path / "cli.db"))
     settings = Settings(data_dir=tmp_path, light_ranks=True)
-    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
-    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
     with serving(create_app(settings, store=store)) as url:
-        yield Live(url, store, settings)
+        yield live_on(monkeypatch, url, store, settings)
     store.close()
+
+
+def live_on(monkeypatch: pytest.MonkeyPatch, url: str, store: Store,
+            settings: Settings) -> Live:
+    """The CLI pointed at the API served at `url` (an admin's token, a configuration folder
+    of the data directory's)."""
+    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
+    monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(settings.data_dir / "config"))
+    return Live(url, store, settings)
 
 
 TINY = str(ROOT / "examples/tiny.yaml")

@@ -237,22 +237,76 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     server.kill()
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """A Ray of the module's own on this machine (2 CPUs, no dashboard)."""
-    import ray
+@pytest.fixture(scope="session")
+def shared_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The Ray of this test process (one per xdist worker), started by the first module that
+    runs on it and stopped at the session's end: a head of 2 CPUs (`tests.servers.ray_head`);
+    its address. Modules connect to it (`local_ray`) and each launcher on it has a namespace
+    of its own (`ray_namespace`), emptied when its test (or module) ends. The tests that
+    must own their Ray (several nodes, a node lost, `trident up`'s head, a killed head) start
+    their own."""
+    from tests.servers import ray_head
 
-    # "local": a new Ray of its own, never one that `ray start` left on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with ray_head(tmp_path_factory.mktemp("shared-ray") / "ray-head.log") as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def local_ray(shared_ray: str) -> Iterator[None]:
+    """This module's driver, connected to the test process's Ray (`shared_ray`), and
+    disconnected at its end (the head stays for the next module). While it is connected the
+    driver's environment says that the head starts its workers at niceness 0, as that of the
+    Ray Trident starts does (`service.rayhead.WORKER_NICENESS_ENV`): the ranks take no
+    runtime environment (`workers.actor.rank_runtime_env`)."""
+    import ray
+    from service.rayhead import WORKER_NICENESS_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in WORKER_NICENESS_ENV.items():
+            mp.setenv(k, v)
+        ray.init(address=shared_ray, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_namespace() -> Iterator[str]:
+    """A Ray namespace of its own for a launcher on the shared Ray
+    (`RayLauncher(namespace=...)`): its groups' names cannot meet another test's. On exit,
+    what is left on the Ray is stopped (the namespace's named actors, every placement group:
+    the head is this process's, and its modules run one after another), so that the next
+    test finds the Ray as empty as a Ray of its own."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    namespace = f"trident-test-{uuid.uuid4().hex[:10]}"
+    try:
+        yield namespace
+    finally:
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == namespace:
+                with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                    ray.kill(ray.get_actor(entry["name"], namespace=namespace),
+                             no_restart=True)
+        for pg_id, pg in ray.util.placement_group_table().items():
+            if pg["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+
+
+@pytest.fixture
+def ray_ns(local_ray: None) -> Iterator[str]:
+    """A Ray namespace of the test's own on the shared Ray (`ray_namespace`)."""
+    with ray_namespace() as namespace:
+        yield namespace
 
 
 @pytest.fixture
 def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
     """The API (a TestClient, an admin's token), its store and a controller on the real local
-    Ray, with faults and light ranks allowed (`program: light`, `workers.rank.light`): what
-    the Ray end-to-end tests drive one pass at a time."""
+    Ray (a namespace of the test's own), with faults and light ranks allowed (`program:
+    light`, `workers.rank.light`): what the Ray end-to-end tests drive one pass at a time."""
     from api.app import create_app
     from service.control.controller import Controller
     from service.files.order_cache import ServerData
@@ -261,12 +315,14 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
 
     store = Store(migrated_sqlite(tmp_path / "e2e.db"))
     settings = Settings(data_dir=tmp_path, allow_faults=True, light_ranks=True)
-    controller = Controller(store, RayLauncher(server=ServerData.of(settings), light_ranks=True),
-                            checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
-                            cancel_grace_s=5)
-    with authed_client(create_app(settings, store=store), store) as client:
-        yield client, store, controller
-    controller.shutdown(stop_jobs=True)
+    with ray_namespace() as namespace:
+        controller = Controller(store, RayLauncher(server=ServerData.of(settings),
+                                                   light_ranks=True, namespace=namespace),
+                                checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
+                                cancel_grace_s=5)
+        with authed_client(create_app(settings, store=store), store) as client:
+            yield client, store, controller
+        controller.shutdown(stop_jobs=True)
     store.close()
 
 

@@ -12,12 +12,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import uvicorn
+
+if TYPE_CHECKING:
+    from service.controller import Controller
+
+    from service.settings import Settings
+    from service.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository's root."""
@@ -123,3 +130,116 @@ def api_processes(data_dir: Path, workers: int, database_url: str = "") -> Itera
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@contextmanager
+def ray_head(log: Path, num_cpus: int = 2) -> Iterator[str]:
+    """A Ray head of the test process's own: `ray start --head --block` in a session of its
+    own, with `num_cpus` CPUs, without what Trident leaves out of the Ray it starts (the
+    dashboard, the log and autoscaler monitors, metrics: `service.rayhead`), its workers at
+    niceness 0 and without Ray's token (its drivers are this process, which has none); its
+    address once it answers. On exit it is stopped (SIGTERM to `ray start`, which stops the
+    head's processes), whatever still runs on it with it."""
+    from service.rayhead import (
+        NO_AUTOSCALER_MONITOR,
+        NO_LOG_MONITOR,
+        UNUSED_OFF_ENV,
+        WORKER_NICENESS_ENV,
+        answers,
+        metric_ports,
+    )
+
+    port = free_port()
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            f"--port={port}", f"--num-cpus={num_cpus}", "--include-dashboard=false",
+            NO_LOG_MONITOR, NO_AUTOSCALER_MONITOR, "--disable-usage-stats",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **UNUSED_OFF_ENV, **WORKER_NICENESS_ENV,
+           **metric_ports()}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not answers(address):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the tests' Ray head did not answer at {address}:\n"
+                                     f"{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@dataclass
+class Served:
+    """The served stack (`served_stack`): the API's URL, its store and settings, and the
+    controller on the test process's Ray."""
+
+    url: str
+    store: Store
+    settings: Settings
+    controller: Controller
+
+
+@contextmanager
+def served_stack(settings: Settings, *, step_s: float | None = 0.2,
+                 before: Callable[[Controller], object] | None = None,
+                 **controller: Any) -> Iterator[Served]:
+    """Ray, a controller and the served API, as `trident up` runs them but in this process:
+    a store at `settings`' database (a copy of the migrated template, `migrated_sqlite`),
+    a controller on the test process's Ray (its module holds `local_ray`) in a namespace of
+    its own (`ray_namespace`), with the daemon's launcher (rank logs under the data directory,
+    the server's data rules) and the checkpoints under the data directory (`controller`:
+    further `Controller` arguments; `before` is called with it first), stepping in a thread
+    every `step_s` as the daemon does (None: the test steps it), and the API app served by
+    uvicorn over the same store. On exit the thread stops, the controller shuts down with its
+    jobs, the namespace is emptied and the store closed."""
+    from service.controller import Controller
+    from service.order_cache import ServerData
+    from workers.launcher import RayLauncher
+
+    from api.app import create_app
+    from service.store import Store
+    from tests.conftest import migrated_sqlite, ray_namespace
+
+    assert not settings.database_url, "the served stack's store is a SQLite file of its own"
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(migrated_sqlite(settings.data_dir / "trident.db"))
+    stop = threading.Event()
+    driver = None
+    try:
+        with ray_namespace() as namespace:
+            launcher = RayLauncher(log_root=settings.log_root,
+                                   log_max_bytes=settings.rank_log_max_bytes,
+                                   server=ServerData.of(settings),
+                                   light_ranks=settings.light_ranks, namespace=namespace)
+            ctl = Controller(store, launcher, **{"checkpoint_root": settings.checkpoint_root,
+                                                 **controller})
+            if before is not None:
+                before(ctl)
+            if step_s is not None:
+                def drive() -> None:
+                    while not stop.is_set():
+                        ctl.step()
+                        stop.wait(step_s)
+
+                driver = threading.Thread(target=drive, name="controller", daemon=True)
+                driver.start()
+            try:
+                with serving(create_app(settings, store=store)) as url:
+                    yield Served(url, store, settings, ctl)
+            finally:
+                stop.set()
+                if driver is not None:
+                    driver.join(60)
+                ctl.shutdown(stop_jobs=True)
+    finally:
+        store.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,13 +24,10 @@ pytest.importorskip("playwright")
 
 from playwright.sync_api import Page, expect  # noqa: E402
 
-from api.app import create_app  # noqa: E402
-from service.control.controller import Controller  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.servers import HTTP, serving  # noqa: E402
-from workers.launch.launcher import RayLauncher  # noqa: E402
+from tests.servers import HTTP, served_stack  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -84,57 +80,33 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    # address="local": a Ray of our own, never a cluster someone else started on this host.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+def live(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     settings = Settings(data_dir=tmp_path_factory.mktemp("browser"), light_ranks=True)
-    store = Store(settings.db_url)
-    store.migrate()
-    token = user_token(store)
-    AUTH["Authorization"] = f"Bearer {token}"
-    controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                               log_max_bytes=settings.rank_log_max_bytes,
-                                               light_ranks=True),
-                            checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
-                            cancel_grace_s=5)
-    stop = threading.Event()
-
-    def drive() -> None:
-        while not stop.is_set():
-            controller.step()
-            stop.wait(0.2)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    try:
-        with serving(create_app(settings, store=store)) as url:
-            jobs = {}
-            go = settings.data_dir / "flaky-go"
-            # tiny's rate is small, as real ones are: its chart's ticks are 5e-5 apart
-            small_lr = {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
-                        "lr": 3e-4, "warmup_steps": 3}
-            for name, spec in [("tiny", tiny_spec(name="browser-tiny", train=small_lr)),
-                               ("chatty", tiny_spec(name="browser-chatty",
-                                                    entrypoint="tests.entrypoints:chatty")),
-                               ("explode", tiny_spec(name="browser-explode",
-                                                     entrypoint="tests.entrypoints:explode")),
-                               ("flaky", tiny_spec(name="browser-flaky", max_retries=1,
-                                                   entrypoint="tests.entrypoints:flaky",
-                                                   env={"TRIDENT_TEST_GO": str(go)},
-                                                   # it waits for its test without a heartbeat
-                                                   monitor={"hang_timeout_s": 3600}))]:
-                spec["program"] = "light"
-                r = HTTP.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
-                              headers=AUTH)
-                assert r.status_code == 201, r.text
-                jobs[name] = r.json()["id"]
-            yield Live(url, store, jobs, token, go)
-    finally:
-        stop.set()
-        driver.join(10)
-        controller.shutdown(stop_jobs=True)
-        store.close()
-        ray.shutdown()
+    with served_stack(settings, start_timeout_s=600, cancel_grace_s=5) as served:
+        url, store = served.url, served.store
+        token = user_token(store)
+        AUTH["Authorization"] = f"Bearer {token}"
+        jobs = {}
+        go = settings.data_dir / "flaky-go"
+        # tiny's rate is small, as real ones are: its chart's ticks are 5e-5 apart
+        small_lr = {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32",
+                    "lr": 3e-4, "warmup_steps": 3}
+        for name, spec in [("tiny", tiny_spec(name="browser-tiny", train=small_lr)),
+                           ("chatty", tiny_spec(name="browser-chatty",
+                                                entrypoint="tests.entrypoints:chatty")),
+                           ("explode", tiny_spec(name="browser-explode",
+                                                 entrypoint="tests.entrypoints:explode")),
+                           ("flaky", tiny_spec(name="browser-flaky", max_retries=1,
+                                               entrypoint="tests.entrypoints:flaky",
+                                               env={"TRIDENT_TEST_GO": str(go)},
+                                               # it waits for its test without a heartbeat
+                                               monitor={"hang_timeout_s": 3600}))]:
+            spec["program"] = "light"
+            r = HTTP.post(f"{url}/api/v1/jobs", json=spec, timeout=HTTP_TIMEOUT_S,
+                          headers=AUTH)
+            assert r.status_code == 201, r.text
+            jobs[name] = r.json()["id"]
+        yield Live(url, store, jobs, token, go)
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.submission.intake import Submitter  # noqa: E402
 from service.submission.intake import submit as submit_job  # noqa: E402
-from tests.conftest import tiny_spec, user_token  # noqa: E402
+from tests.conftest import migrated_sqlite, ray_namespace, tiny_spec, user_token  # noqa: E402
 from tests.smallfs import snapshot  # noqa: E402
 from tests.waiting import drive  # noqa: E402
-from workers.launch.group import NAMESPACE, RayWorkerGroup  # noqa: E402
+from workers.launch.group import RayWorkerGroup  # noqa: E402
 from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
-    store = Store(f"sqlite:///{tmp_path / 'e2e.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "e2e.db"))
     settings = Settings(data_dir=tmp_path / "data")
-    controller = Controller(store, RayLauncher(), checkpoint_root=settings.checkpoint_root,
-                            places=CheckpointPlaces(settings.checkpoint_root_dirs,
-                                                    settings.data_dir),
-                            start_timeout_s=120, cancel_grace_s=5)
-    with TestClient(create_app(settings, store=store)) as client:
-        yield client, store, controller
-    controller.shutdown(stop_jobs=True)
+    with ray_namespace() as namespace:
+        controller = Controller(store, RayLauncher(namespace=namespace),
+                                checkpoint_root=settings.checkpoint_root,
+                                places=CheckpointPlaces(settings.checkpoint_root_dirs,
+                                                        settings.data_dir),
+                                start_timeout_s=120, cancel_grace_s=5)
+        with TestClient(create_app(settings, store=store)) as client:
+            yield client, store, controller
+        controller.shutdown(stop_jobs=True)
     store.close()
 
 
@@ -101,9 +102,9 @@ def test_a_job_never_starts_on_another_owners_checkpoint_folder(stack) -> None:
 
     # Its ranks, started there all the same (as a controller from before the check would
     # start them): rank 0 refuses the folder before any rank resumes, and they fail.
-    group = RayLauncher().start(job_id=b, attempt=2, spec=spec, plan=job.plan,
-                                checkpoint_dir=str(theirs),
-                                writer=CheckpointWriter(job_id=b, owner="bob"))
+    group = RayLauncher(namespace=controller.launcher.namespace).start(
+        job_id=b, attempt=2, spec=spec, plan=job.plan, checkpoint_dir=str(theirs),
+        writer=CheckpointWriter(job_id=b, owner="bob"))
     try:
         deadline = time.monotonic() + 180
         poll = group.poll(1.0)
@@ -141,7 +142,8 @@ def test_a_start_that_fails_after_its_placement_group_releases_it_at_once(stack)
         def ping(self) -> bool:
             return True
 
-    squatter = Squatter.options(name=f"{group}-r1", namespace=NAMESPACE,  # type: ignore[attr-defined]
+    squatter = Squatter.options(name=f"{group}-r1",  # type: ignore[attr-defined]
+                                namespace=controller.launcher.namespace,
                                 lifetime="detached").remote()
     assert ray.get(squatter.ping.remote())
     try:

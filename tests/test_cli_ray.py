@@ -7,8 +7,6 @@ plane, not training."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,43 +14,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from service.control.controller import Controller  # noqa: E402
-from tests.cli_stack import (  # noqa: E402  # noqa: E402
-    TINY,  # noqa: E402
-    Live,
-    finish,
-    live_stack,
-    spawn,
-)
+from service.settings import Settings  # noqa: E402
+from tests.cli_stack import TINY, Live, finish, live_on, spawn  # noqa: E402
+from tests.servers import served_stack  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
-from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def stack(local_ray: None, tmp_path: Path,  # noqa: F811
-          monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
-    stacked = live_stack(tmp_path, monkeypatch)
-    live = next(stacked)
-    controller = Controller(live.store, RayLauncher(log_root=live.settings.log_root,
-                                                    light_ranks=True),
-                            checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
-                            cancel_grace_s=5)
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            controller.step()
-            time.sleep(0.1)
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    yield live
-    stop.set()
-    t.join(60)
-    controller.shutdown(stop_jobs=True)
-    next(stacked, None)
+def stack(local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Live]:
+    with served_stack(Settings(data_dir=tmp_path, light_ranks=True), step_s=0.1,
+                      start_timeout_s=120, cancel_grace_s=5) as served:
+        yield live_on(monkeypatch, served.url, served.store, served.settings)
 
 
 def test_submit_exit_codes_and_logs_follow_on_a_real_controller(stack: Live) -> None:

@@ -14,7 +14,6 @@ ray = pytest.importorskip("ray")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from api.app import create_app  # noqa: E402
 from cli.main import app  # noqa: E402
 from service.contract.spec import JobSpec  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
@@ -23,34 +22,22 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.servers import serving  # noqa: E402
+from tests.servers import served_stack  # noqa: E402
 from tests.waiting import drive, drive_until  # noqa: E402
-from workers.launch.launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 
 @pytest.fixture
-def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def served(local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
            ) -> Iterator[tuple[str, Store, Controller]]:
     monkeypatch.setenv("TRIDENT_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("TRIDENT_CONFIG_DIR", str(tmp_path / "config"))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    settings = Settings(data_dir=tmp_path, light_ranks=True)
-    store = Store(settings.db_url)
-    store.migrate()
-    monkeypatch.setenv("TRIDENT_TOKEN", user_token(store))
-    controller = Controller(store, RayLauncher(light_ranks=True),
-                            checkpoint_root=tmp_path / "ckpt",
-                            start_timeout_s=120, cancel_grace_s=5)
-    try:
-        with serving(create_app(settings, store=store)) as url:
-            yield url, store, controller
-    finally:
-        controller.shutdown(stop_jobs=True)
-        store.close()
-        ray.shutdown()
+    with served_stack(Settings(data_dir=tmp_path, light_ranks=True), step_s=None,
+                      start_timeout_s=120, cancel_grace_s=5) as stack:
+        monkeypatch.setenv("TRIDENT_TOKEN", user_token(stack.store))
+        yield stack.url, stack.store, stack.controller
 
 
 def cli(url: str, *args: str) -> str:

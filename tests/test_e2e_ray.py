@@ -303,7 +303,8 @@ def test_a_group_placed_but_not_launched_is_reattached_without_a_retry(stack) ->
     assert store.get_job(job_id=job_id).state == JobState.PLACING
     controller.running.clear()  # this controller is gone; its group is detached
 
-    successor = Controller(store, RayLauncher(light_ranks=True),
+    successor = Controller(store, RayLauncher(light_ranks=True,
+                                              namespace=controller.launcher.namespace),
                            checkpoint_root=controller.checkpoint_root,
                            start_timeout_s=120, cancel_grace_s=5)
     try:
@@ -342,7 +343,8 @@ def test_a_group_whose_job_ended_while_no_controller_watched_is_stopped(stack,
     else:
         store.transition(job_id=job_id, to=JobState.FAILED, message="ended by an operator",
                          error="ended by an operator")
-    successor = Controller(store, RayLauncher(light_ranks=True),
+    successor = Controller(store, RayLauncher(light_ranks=True,
+                                              namespace=controller.launcher.namespace),
                            checkpoint_root=controller.checkpoint_root,
                            start_timeout_s=120, cancel_grace_s=5)
     try:

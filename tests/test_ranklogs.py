@@ -110,7 +110,7 @@ def test_a_secrets_value_is_redacted_from_every_stream_of_the_rank(app_store) ->
 
 @pytest.mark.slow
 def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
-        local_ray: None, tmp_path: Path) -> None:
+        ray_ns: str, tmp_path: Path) -> None:
     """A real job on Ray (two light ranks, the controller's launcher) whose entrypoint prints its
     secret to stdout and stderr and fails with it in a library's words: the rank logs on
     disk and as the log route serves them to a viewer hold `[secret NAME]`, as the job's
@@ -124,7 +124,7 @@ def test_a_secret_a_rank_prints_on_ray_is_redacted_in_its_served_log(
     store = Store(migrated_sqlite(tmp_path / "ray.db"))
     controller = Controller(store, RayLauncher(log_root=settings.log_root,
                                                log_max_bytes=settings.rank_log_max_bytes,
-                                               light_ranks=True),
+                                               light_ranks=True, namespace=ray_ns),
                             checkpoint_root=settings.checkpoint_root, start_timeout_s=120,
                             box=SecretBox.of(None, tmp_path))
     member = {"Authorization": f"Bearer {user_token(store, 'alice', 'member')}"}
@@ -263,8 +263,7 @@ def test_a_full_disk_costs_the_lines_it_refuses_and_the_cap_still_holds(tmp_path
 
 @pytest.fixture
 def app_store(tmp_path: Path) -> tuple[TestClient, Store, Settings]:
-    store = Store(f"sqlite:///{tmp_path / 'logs.db'}")
-    store.migrate()
+    store = Store(migrated_sqlite(tmp_path / "logs.db"))
     settings = Settings(data_dir=tmp_path)
     return authed_client(create_app(settings, store=store), store), store, settings
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,8 +35,7 @@ from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from service.tracking.config import TrackingConfig  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
-from tests.servers import HTTP, serving  # noqa: E402
-from workers.launch.launcher import RayLauncher  # noqa: E402
+from tests.servers import HTTP, served_stack  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -88,38 +86,27 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
+def scenario(local_ray: None, mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Scenario]:
     data = tmp_path_factory.mktemp("tracking-e2e")
     settings = Settings(data_dir=data, mlflow_uri=mlflow_server.uri,
                         public_url="http://trident.test", mlflow_token="srv-token",
                         entrypoint_modules="tests.entrypoints", light_ranks=True)
-    store = Store(settings.db_url)
-    store.migrate()
-    headers = {"Authorization": f"Bearer {user_token(store)}"}
     logs: list[str] = []
     handler = _Records(logs)
     logging.getLogger().addHandler(handler)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                               log_max_bytes=settings.rank_log_max_bytes,
-                                               light_ranks=True),
-                            checkpoint_root=settings.checkpoint_root, start_timeout_s=600,
-                            box=SecretBox.of(None, data), tracking=TrackingConfig.of(settings))
-    assert controller.exporter is not None
-    controller.exporter.max_backoff_s = 4  # the test waits less once the server is back
-    stop = threading.Event()
 
-    def drive() -> None:
-        while not stop.is_set():
-            controller.step()
-            stop.wait(0.2)
+    def backoff(controller: Controller) -> None:
+        assert controller.exporter is not None
+        controller.exporter.max_backoff_s = 4  # the test waits less once the server is back
 
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
     go = data / "go"
     try:
-        with serving(create_app(settings, store=store)) as url:
+        with served_stack(settings, before=backoff, start_timeout_s=600,
+                          box=SecretBox.of(None, data),
+                          tracking=TrackingConfig.of(settings)) as served:
+            url, store = served.url, served.store
+            headers = {"Authorization": f"Bearer {user_token(store)}"}
             sc = Scenario(url, store, settings, headers, {}, logs=logs)
             spec = tiny_spec(name="tracked", entrypoint="tests.entrypoints:tracked",
                              program="light",
@@ -159,12 +146,7 @@ def scenario(mlflow_server: Any, tmp_path_factory: pytest.TempPathFactory
                   f" {time.time() - ended:.1f} s after the job ended")
             yield sc
     finally:
-        stop.set()
-        driver.join(10)
-        controller.shutdown(stop_jobs=True)
         logging.getLogger().removeHandler(handler)
-        store.close()
-        ray.shutdown()
 
 
 def test_no_training_step_is_lost_while_mlflow_is_down(scenario: Scenario) -> None:

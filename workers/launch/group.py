@@ -56,7 +56,8 @@ def rank_env(spec_env: dict[str, str], cpus: float, gpus: float) -> dict[str, st
 
 
 NAMESPACE = "trident"
-"""Ray namespace of the controller and of every group it names."""
+"""Ray namespace of the controller and of every group it names (the default of a launcher's:
+`workers.launcher.RayLauncher`; the tests give each launcher on a shared Ray one of its own)."""
 
 
 def rank_actor_name(group: str, rank: int) -> str:
@@ -67,14 +68,17 @@ class RayWorkerGroup:
     """The ranks of one attempt (or of one cluster probe) and their placement group.
 
     A job's group is detached and named (`trident-job<id>-a<attempt>`, its ranks `...-r<rank>`)
-    in the `trident` namespace: it lives on when the controller's process ends, and a new
-    controller re-attaches to it by name (`RayLauncher.attach`). Only `shutdown` ends it.
+    in the `trident` namespace (`namespace`): it lives on when the controller's process ends,
+    and a new controller re-attaches to it by name (`RayLauncher.attach`). Only `shutdown`
+    ends it. Its placement group is named in the driver's namespace (Ray names placement
+    groups there): the controller's, which is `NAMESPACE` too.
     """
 
     def __init__(self, *, name: str, world_size: int, ranks_per_bundle: int, cpus: float,
                  gpus: float, env: dict[str, str], strategy: str = "PACK",
                  launch: Callable[[Any, int, list[dict[str, Any]], int], Any] | None,
-                 detached: bool = False, attach: bool = False) -> None:
+                 detached: bool = False, attach: bool = False,
+                 namespace: str = NAMESPACE) -> None:
         self.name = name
         self.world_size = world_size
         self.tp = ranks_per_bundle
@@ -99,7 +103,7 @@ class RayWorkerGroup:
             if found is None:
                 raise LookupError(f"no placement group {name}")
             self.pg = found
-            self.actors = [ray.get_actor(rank_actor_name(name, r), namespace=NAMESPACE)
+            self.actors = [ray.get_actor(rank_actor_name(name, r), namespace=namespace)
                            for r in range(world_size)]
             self.phase = "running"
             return
@@ -112,7 +116,7 @@ class RayWorkerGroup:
                     num_cpus=cpus, num_gpus=gpus, runtime_env=rank_runtime_env(),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=r // self.tp),
-                    **({"name": rank_actor_name(name, r), "namespace": NAMESPACE, **lifetime}
+                    **({"name": rank_actor_name(name, r), "namespace": namespace, **lifetime}
                        if detached else {}),
                 ).remote(r, world_size, env))
         except BaseException:
@@ -322,9 +326,11 @@ def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_di
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                 checkpoint_dir: str | None, writer: CheckpointWriter | None = None,
                 log: tuple[str, int] | None = None,
-                server: ServerData | None = None) -> RayWorkerGroup:
+                server: ServerData | None = None,
+                namespace: str = NAMESPACE) -> RayWorkerGroup:
     """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
-    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there."""
+    `log` (directory, cap per rank) each rank's stdout and stderr go to a file there; its
+    ranks named in `namespace`."""
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
@@ -333,7 +339,7 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                           # their names tell the rank logs what to redact.
                           env=rank_env({**spec.env, **spec.secret_values(),
                                         **secret_names_env(spec.secrets)}, cpus, gpus),
-                          detached=True,
+                          detached=True, namespace=namespace,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                               writer=writer, server=server,
                                               checkpoint_dir=checkpoint_dir, log=log))

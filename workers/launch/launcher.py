@@ -3,7 +3,8 @@
 It starts worker groups (`workers.launch.group`), re-attaches to the detached groups of a controller
 that went away (by name), stops the groups no active attempt owns, and reports the cluster's
 nodes and capacity. The controller connects to Ray (namespace `workers.launch.group.NAMESPACE`)
-before it makes one.
+before it makes one; a launcher names its groups' ranks in that namespace unless given another
+(the tests run many controllers one after another on one Ray, each in a namespace of its own).
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ class RayLauncher:
     """Starts worker groups on the Ray cluster this process is connected to."""
 
     def __init__(self, log_root: Path | None = None, log_max_bytes: int = 16 << 20,
-                 server: ServerData | None = None, light_ranks: bool = False) -> None:
+                 server: ServerData | None = None, light_ranks: bool = False,
+                 namespace: str = NAMESPACE) -> None:
         """`log_root`: where rank logs go (`Settings.log_root`; none: not captured);
         `server`: the server's data rules the ranks keep (its sample-order cache and data
         roots; none: those of the ranks' environment); `light_ranks`: whether a job with
-        `program: light` may start (`Settings.light_ranks`)."""
+        `program: light` may start (`Settings.light_ranks`); `namespace`: the Ray namespace
+        its groups' ranks are named in, where it starts, re-attaches and sweeps them."""
+        self.namespace = namespace
         self._placing: list[RayWorkerGroup] = []
         self.log_root = log_root
         self.log_max_bytes = log_max_bytes
@@ -77,7 +81,8 @@ class RayLauncher:
                              " server (TRIDENT_LIGHT_RANKS)")
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
                             checkpoint_dir=checkpoint_dir, writer=writer,
-                            log=self._rank_log(job_id, attempt), server=self.server)
+                            log=self._rank_log(job_id, attempt), server=self.server,
+                            namespace=self.namespace)
         self._placing.append(group)
         return group
 
@@ -99,6 +104,7 @@ class RayLauncher:
                                    ranks_per_bundle=plan.layout.tp,
                                    cpus=spec.resources.cpus_per_worker,
                                    gpus=spec.resources.gpus_per_worker, env={}, attach=True,
+                                   namespace=self.namespace,
                                    launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                                        checkpoint_dir=checkpoint_dir,
                                                        writer=writer,
@@ -138,9 +144,9 @@ class RayLauncher:
         stopped: set[str] = set()
         for entry in ray.util.list_named_actors(all_namespaces=True):
             group = RANK_SUFFIX.sub("", entry["name"])
-            if entry["namespace"] == NAMESPACE and chosen(group):
+            if entry["namespace"] == self.namespace and chosen(group):
                 with contextlib.suppress(ValueError, RayError):  # gone meanwhile
-                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE),
+                    ray.kill(ray.get_actor(entry["name"], namespace=self.namespace),
                              no_restart=True)
                 stopped.add(group)
         for pg_id, pg in ray.util.placement_group_table().items():
