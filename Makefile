@@ -6,7 +6,7 @@ PORT ?= 8000
 SERVER := http://127.0.0.1:$(PORT)
 export TRIDENT_SERVER := $(SERVER)
 
-.PHONY: install demo test test-fast lint up stop clean gpu-check bench bench-quick
+.PHONY: install demo test test-tiers test-fast lint up stop clean gpu-check bench bench-quick
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,9 @@ demo: install
 	@bash examples/demo.sh
 
 # Two pytest-xdist workers, one test module each at a time (`--dist loadfile`: a module's
-# fixtures, its Ray or its `trident up`, stay in one process): the multi-process tests mostly
-# wait on their processes, so two of them share two cores well. TEST_WORKERS=0 runs serially.
+# fixtures, its `trident up` or its driver of the worker's one Ray, stay in one process): the
+# multi-process tests mostly wait on their processes, so two of them share two cores well.
+# TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 # `.ci/run` passes -v, so that a run cut short still names every test that ended.
 TEST_FLAGS ?= -q
@@ -52,6 +53,19 @@ test: install
 	bash .ci/start-postgres.sh
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(TEST_FLAGS) -n $(TEST_WORKERS) \
 		--dist loadfile --durations=25
+
+# The same tests tier by tier, cheapest first (tests/tiers.py), stopping at the first tier that
+# fails: what CI runs (`.ci/run`), so that a broken unit fails in a minute, not after the
+# end-to-end tests. Each tier collects only its own modules.
+TIERS := unit integration physics system browser
+test-tiers: install
+	bash .ci/start-postgres.sh
+	@for tier in $(TIERS); do \
+		echo "=== tier $$tier"; \
+		env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(TEST_FLAGS) -n $(TEST_WORKERS) \
+			--dist loadfile --durations=10 $$($(BIN)/python -m tests.tiers $$tier) \
+			|| { echo "=== tier $$tier failed: the tiers after it did not run"; exit 1; }; \
+	done
 
 test-fast: install
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \

@@ -23,6 +23,16 @@ from service.store import Store
 if TYPE_CHECKING:
     from service.control.controller import Controller
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its module's tier (`tests/tiers.py`)."""
+    from tests.tiers import tier_of
+
+    for item in items:
+        tier = tier_of(item.path.stem)
+        if tier is not None:  # a module in no tier fails tests/test_suite_rules.py
+            item.add_marker(tier)
+
+
 PG_ADMIN_URL = os.environ.get("TRIDENT_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

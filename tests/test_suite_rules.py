@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -79,3 +81,23 @@ def test_no_test_polls_a_bounded_number_of_times() -> None:
              if p.name not in RANK_CODE for node in ast.walk(tree)
              if isinstance(node, ast.For) and polls_a_bounded_number_of_times(node)]
     assert not found, found
+
+
+def test_every_test_module_is_in_exactly_one_tier() -> None:
+    """`tests/tiers.py` names each test module once, and only modules that exist."""
+    from tests.tiers import TIERS
+
+    listed = [m for modules in TIERS.values() for m in modules]
+    existing = {p.stem for p in TESTS.glob("test_*.py")}
+    twice = sorted({m for m in listed if listed.count(m) > 1})
+    assert not twice, f"in more than one tier: {twice}"
+    assert not existing - set(listed), f"in no tier: {sorted(existing - set(listed))}"
+    assert not set(listed) - existing, f"no such module: {sorted(set(listed) - existing)}"
+
+
+def test_every_test_is_marked_with_its_module_tier(request: pytest.FixtureRequest) -> None:
+    """The tier marks pytest selects on (`pytest -m unit`): this test's own, as every test's."""
+    from tests.tiers import TIERS
+
+    marks = {m.name for m in request.node.iter_markers()} & set(TIERS)
+    assert marks == {"unit"}, marks
