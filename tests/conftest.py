@@ -266,10 +266,11 @@ def local_ray(shared_ray: str) -> Iterator[None]:
     """This module's driver, connected to the test process's Ray (`shared_ray`), and
     disconnected at its end (the head stays for the next module). While it is connected the
     driver's environment says that the head starts its workers at niceness 0, as that of the
-    Ray Trident starts does (`service.rayhead.WORKER_NICENESS_ENV`): the ranks take no
-    runtime environment (`workers.actor.rank_runtime_env`)."""
+    Ray Trident starts does (`service.cluster.rayhead.WORKER_NICENESS_ENV`): the ranks take
+    no runtime environment (`workers.rank.actor.rank_runtime_env`)."""
     import ray
-    from service.rayhead import WORKER_NICENESS_ENV
+
+    from service.cluster.rayhead import WORKER_NICENESS_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         for k, v in WORKER_NICENESS_ENV.items():

@@ -21,8 +21,7 @@ import pytest
 import uvicorn
 
 if TYPE_CHECKING:
-    from service.controller import Controller
-
+    from service.control.controller import Controller
     from service.settings import Settings
     from service.store import Store
 
@@ -136,11 +135,11 @@ def api_processes(data_dir: Path, workers: int, database_url: str = "") -> Itera
 def ray_head(log: Path, num_cpus: int = 2) -> Iterator[str]:
     """A Ray head of the test process's own: `ray start --head --block` in a session of its
     own, with `num_cpus` CPUs, without what Trident leaves out of the Ray it starts (the
-    dashboard, the log and autoscaler monitors, metrics: `service.rayhead`), its workers at
-    niceness 0 and without Ray's token (its drivers are this process, which has none); its
-    address once it answers. On exit it is stopped (SIGTERM to `ray start`, which stops the
-    head's processes), whatever still runs on it with it."""
-    from service.rayhead import (
+    dashboard, the log and autoscaler monitors, metrics: `service.cluster.rayhead`), its
+    workers at niceness 0 and without Ray's token (its drivers are this process, which has
+    none); its address once it answers. On exit it is stopped (SIGTERM to `ray start`, which
+    stops the head's processes), whatever still runs on it with it."""
+    from service.cluster.rayhead import (
         NO_AUTOSCALER_MONITOR,
         NO_LOG_MONITOR,
         UNUSED_OFF_ENV,
@@ -202,13 +201,12 @@ def served_stack(settings: Settings, *, step_s: float | None = 0.2,
     every `step_s` as the daemon does (None: the test steps it), and the API app served by
     uvicorn over the same store. On exit the thread stops, the controller shuts down with its
     jobs, the namespace is emptied and the store closed."""
-    from service.controller import Controller
-    from service.order_cache import ServerData
-    from workers.launcher import RayLauncher
-
     from api.app import create_app
+    from service.control.controller import Controller
+    from service.files.order_cache import ServerData
     from service.store import Store
     from tests.conftest import migrated_sqlite, ray_namespace
+    from workers.launch.launcher import RayLauncher
 
     assert not settings.database_url, "the served stack's store is a SQLite file of its own"
     settings.data_dir.mkdir(parents=True, exist_ok=True)

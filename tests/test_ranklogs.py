@@ -234,7 +234,8 @@ def test_a_full_disk_costs_the_lines_it_refuses_and_the_cap_still_holds(tmp_path
             for i in range(100):
                 print(f"refused {{i:02d}}".ljust(39, "."))  # nothing raises
             assert isinstance(sys.stdout, TolerantStream) and sys.stdout.refused.count > 0
-            filler.free() assert log.look()  # the owed base, and the watcher's notice in the log
+            filler.free()
+            assert log.look()  # the owed base, and the watcher's notice in the log
             assert (log.path.parent / "rank-1.log.base").read_text() == "2400"
             print("after the disk was freed")
             with open({str(snapshot)!r}, "w") as f:

@@ -57,7 +57,8 @@ def rank_env(spec_env: dict[str, str], cpus: float, gpus: float) -> dict[str, st
 
 NAMESPACE = "trident"
 """Ray namespace of the controller and of every group it names (the default of a launcher's:
-`workers.launcher.RayLauncher`; the tests give each launcher on a shared Ray one of its own)."""
+`workers.launch.launcher.RayLauncher`; the tests give each launcher on a shared Ray one of its
+own)."""
 
 
 def rank_actor_name(group: str, rank: int) -> str:
