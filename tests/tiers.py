@@ -39,6 +39,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_cli_errors", "test_cli_jobs", "test_cli_logs", "test_cli_views", "test_client",
         "test_compare", "test_compose", "test_confine", "test_data_cost", "test_datadir",
         "test_dbcheck", "test_gpu_check", "test_healthcheck", "test_imports", "test_lease",
+        "test_light_rank",
         "test_migrations_drift", "test_node", "test_spec_files", "test_stacks", "test_store",
         "test_supervisor", "test_tracking_mlflow",
     ),
