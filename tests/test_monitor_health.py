@@ -1,6 +1,9 @@
 """Pure unit tests of service.monitor: nccl-tests arithmetic, slow groups, stragglers, hangs,
 TP placement warnings and the /comm summary."""
 
+from datetime import UTC, datetime
+from typing import Any
+
 import pytest
 
 from service.contract.hardware import get_profile
@@ -12,6 +15,7 @@ from service.monitor.hang import diagnose_hang
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import flag_slow_groups, measured_link_bw
 from service.monitor.stragglers import compute_s, find_stragglers
+from service.store import Metric
 
 CPU = get_profile("cpu")
 H100 = get_profile("h100-80gb")
@@ -155,13 +159,20 @@ def test_tp_placement_warnings():
     assert tp_placement_warnings([[0, 1]], node) == []  # CPU node: no link matrix
 
 
+def _stored(step: int, step_time_s: float, comm: dict[str, Any], *, rank: int = 0,
+            timed: bool = True) -> Metric:
+    """A stored step as the store reads it back (`service.store.views.Metric`)."""
+    return Metric(attempt=0, step=step, rank=rank, loss=None, step_time_s=step_time_s,
+                  tokens_per_s=0.0, data={"comm": comm, "timed": timed},
+                  time=datetime.now(UTC))
+
+
 def test_summarize_comm_per_dimension_with_prediction():
     dims = ParallelDims(tp=2, dp=2)
-    step = {"step_time_s": 1.0, "comm": {
-        "tp": {"all_reduce": {"time_s": 0.1, "bytes": 1_000_000, "calls": 4}},
-        "dp": {"reduce_scatter": {"time_s": 0.2, "bytes": 4_000_000, "calls": 1},
-               "all_gather": {"time_s": 0.1, "bytes": 4_000_000, "calls": 1}}}}
-    reports = {r: [dict(step, step=s) for s in range(3)] for r in range(4)}
+    comm = {"tp": {"all_reduce": {"time_s": 0.1, "bytes": 1_000_000, "calls": 4}},
+            "dp": {"reduce_scatter": {"time_s": 0.2, "bytes": 4_000_000, "calls": 1},
+                   "all_gather": {"time_s": 0.1, "bytes": 4_000_000, "calls": 1}}}
+    reports = {r: [_stored(s, 1.0, comm, rank=r) for s in range(3)] for r in range(4)}
     predicted = {"step_s": 0.8, "tp_comm_s": 0.08, "pp_comm_s": 0.0, "dp_comm_s": 0.4}
     out = summarize_comm(reports, dims, predicted, probe=[{"dim": "tp"}])
     tp, dp = out["dims"]["tp"], out["dims"]["dp"]
@@ -183,8 +194,7 @@ def test_summarize_comm_per_dimension_with_prediction():
 def test_summarize_comm_untimed_steps_count_bytes_not_time():
     s = {"tp": {"all_reduce": {"time_s": 0.5, "bytes": 100, "calls": 1}}}
     untimed = {"tp": {"all_reduce": {"time_s": 0.0, "bytes": 100, "calls": 1}}}
-    reports = {0: [{"step": 0, "step_time_s": 1.0, "comm": s},
-                   {"step": 1, "step_time_s": 1.0, "comm": untimed, "timed": False}]}
+    reports = {0: [_stored(0, 1.0, s), _stored(1, 1.0, untimed, timed=False)]}
     out = summarize_comm(reports, {"tp": 2})
     assert out["dims"]["tp"]["time_s_per_step"] == pytest.approx(0.5)
     assert out["dims"]["tp"]["bytes_per_step"] == 100

@@ -1,8 +1,10 @@
 """The `/comm` view: communication per parallel dimension over the stored step reports.
 
-`GET /api/v1/jobs/{id}/comm` calls `comm_view`, which reads the newest attempt's metrics rows
+`GET /api/v1/jobs/{id}/comm` calls `comm_view`, which reads the newest attempt's stored steps
 and the job's bandwidth probe from the store and hands them to `summarize_comm` (pure, tested
-on its own).
+on its own). A step's seconds per dimension are its `Metric.step_split()`, as everywhere a
+stored step is read; its bytes, calls and each op's seconds are its typed collectives
+(`Metric.report.comm`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from service.contract.parallel import Dim, ParallelDims
 from service.monitor.bandwidth import busbw_factor
-from service.store import Job, Store
+from service.store import Job, Metric, Store
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -52,7 +54,7 @@ def _bus_bytes(op: str, n: int, o: _OpTotals, timed: int, total: int) -> float:
     return o.bytes * (timed / total if total else 0.0) * factor
 
 
-def summarize_comm(rank_reports: Mapping[int, Sequence[Mapping[str, Any]]],
+def summarize_comm(rank_reports: Mapping[int, Sequence[Metric]],
                    group_size: Mapping[str, int] | ParallelDims,
                    predicted: Mapping[str, Any] | None = None,
                    probe: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -61,11 +63,10 @@ def summarize_comm(rank_reports: Mapping[int, Sequence[Mapping[str, Any]]],
 
     `predicted` is the plan's step-time split (`StoredPlan.time`: `step_s`, `tp_comm_s`, ...).
 
-    `rank_reports[rank]` is a list of step reports `{"step", "step_time_s", "comm", "timed"}`
-    (the fields of `service.contract.reports.StepReport`; `comm` is `{dim: {op: {"time_s",
-    "bytes",
-    "calls"}}}`). Steps whose comm was not timed (GPU steps between CUDA-event samples) carry
-    `"timed": False` and count toward bytes but not toward time.
+    `rank_reports[rank]` is that rank's stored steps whose collectives were counted
+    (`Metric.report.comm`: `{dim: {op: {"time_s", "bytes", "calls"}}}`). Steps whose
+    collectives were not timed (GPU steps between CUDA-event samples: `report.timed` False,
+    so no `step_split()`) count toward bytes but not toward time.
     """
     sizes = ({d.value: getattr(group_size, d.value) for d in Dim}
              if isinstance(group_size, ParallelDims) else dict(group_size))
@@ -76,22 +77,23 @@ def summarize_comm(rank_reports: Mapping[int, Sequence[Mapping[str, Any]]],
     for rank, reports in sorted(rank_reports.items()):
         if not reports:
             continue
-        timed = sum(1 for r in reports if r.get("timed", True))
-        rank_step_s = _mean([r["step_time_s"] for r in reports])
+        splits = [split for m in reports if (split := m.step_split()) is not None]
+        timed = len(splits)
+        rank_step_s = _mean([m.step_time_s for m in reports])
         step_times.append(rank_step_s)
         row: dict[str, Any] = {"rank": rank, "step_time_s": rank_step_s,
                                "steps": len(reports), "dims": {}}
-        for dim in sorted({d for r in reports for d in r["comm"]}):
+        for dim in sorted({d for m in reports for d in m.report.comm or {}}):
             ops: dict[str, _OpTotals] = {}
-            for r in reports:
-                for op, s in r["comm"].get(dim, {}).items():
+            for m in reports:
+                for op, s in (m.report.comm or {}).get(dim, {}).items():
                     o = ops.setdefault(op, _OpTotals())
                     o.bytes += s["bytes"]
                     o.calls += s["calls"]
-                    if r.get("timed", True):
+                    if m.report.timed:
                         o.time_s += s["time_s"]
             n = sizes.get(dim, 2)
-            t_total = sum(o.time_s for o in ops.values())
+            t_total = sum(x.dim_s(dim) for x in splits)
             t_step = t_total / max(timed, 1)
             b_step = sum(o.bytes for o in ops.values()) / len(reports)
             bus_bytes = sum(_bus_bytes(op, n, o, timed, len(reports)) for op, o in ops.items())
@@ -134,14 +136,12 @@ def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
     """`GET /api/v1/jobs/{id}/comm`: `summarize_comm` over the last `last` steps of the newest
     attempt, with the job's newest bandwidth probe (rows and summary)."""
     latest = store.latest_metric(job_id=job.id)
-    rank_reports: dict[int, list[dict[str, Any]]] = {}
+    rank_reports: dict[int, list[Metric]] = {}
     if latest is not None:
         for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
                                     after_step=max(0, latest.step - last)):
             if m.report.comm is not None:
-                rank_reports.setdefault(m.rank, []).append(
-                    {"step": m.step, "step_time_s": m.step_time_s,
-                     "timed": m.report.timed, "comm": m.report.comm})
+                rank_reports.setdefault(m.rank, []).append(m)
     probes = store.list_probes(job_id=job.id, limit=1)
     out = summarize_comm(rank_reports, job.plan.layout.dims, job.plan.time.to_json(),
                          probes[0].results if probes else [])

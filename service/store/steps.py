@@ -9,9 +9,10 @@ of `data` (a test greps for it).
 
 `Metric.step_split()` is the one place a step's seconds in each dimension's collectives and
 its compute (the rest of the step) are added up: the dashboard's communication steps, the
-ranks grid (`service.views.rank_status`, and through it `GET /metrics`) and the tracking
-scalars read it. The `/comm` view (`service.monitor.comm.summarize_comm`) and `GET /metrics`'
-per-op gauges read `StoredStep.comm` per op, not a step's split.
+ranks grid (`service.views.rank_status`, and through it `GET /metrics`), the tracking
+scalars and the monitor's `/comm` view (`service.monitor.comm.summarize_comm`, which reads
+each op's bytes and calls from `StoredStep.comm`) read it; `GET /metrics`' per-op gauges
+read `StoredStep.comm` as it is.
 """
 
 from __future__ import annotations
