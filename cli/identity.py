@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from cli.common import DEFAULT_SERVER, ServerOpt, connect, fail
-from client.auth import save_profile
 from client.rest import BadServerURL, TridentClient, model_json
+from client.token import save_profile
 
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")

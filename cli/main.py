@@ -2,7 +2,7 @@
 `client.TridentClient`, except `up` (starts the local stack), `controller` (runs the
 controller alone), `bootstrap` (the first admin) and `plan` (needs no server); every error
 is one line (`cli.common.Trident`). The API token comes from `TRIDENT_TOKEN`, a `trident login`
-profile, or a local server's bootstrap token file (`client.auth`); the identity commands
+profile, or a local server's bootstrap token file (`client.token`); the identity commands
 are in `cli.identity`, `submit`, `cancel` and `resubmit` in `cli.jobs`, `logs` and
 `events` in `cli.logs`, `status`, `describe` and `top` in `cli.status`,
 `cli.describe` and `cli.top`, `node` (starts this host's Ray node, no server) and

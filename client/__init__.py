@@ -2,7 +2,7 @@
 
 `TridentClient` (`client.rest`) has one method per route; `client.payloads` is the REST
 contract, the bodies those methods return and the rule that keeps old clients and new servers
-compatible; `client.auth` finds the token. Nothing here imports the server (SQLAlchemy,
+compatible; `client.token` finds the token. Nothing here imports the server (SQLAlchemy,
 FastAPI, `service.store`, `api`): `import client` is light enough for a laptop and a
 notebook (tests/test_imports.py). The `trident` CLI is built on it; docs/client.md is
 its guide.

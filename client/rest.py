@@ -2,7 +2,7 @@
 
 Every route has a method that returns the API's own models (`client.payloads`, the REST
 contract, which holds the rows an answer carries too, such as `Event` and `Probe`), never a
-dict to index. The token is found as the CLI finds it (`client.auth.token_for`:
+dict to index. The token is found as the CLI finds it (`client.token.token_for`:
 `TRIDENT_TOKEN`, the `trident login` profile, a local server's bootstrap token file) unless
 one is given. Refusals are exceptions that name the
 status and, for a 422, the field (`ApiError.field`); a server that does not answer is a
@@ -33,7 +33,6 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from client.auth import token_for
 from client.payloads import (
     AttemptList,
     AuditList,
@@ -69,6 +68,7 @@ from client.payloads import (
     UserList,
     WhoAmI,
 )
+from client.token import token_for
 from service.contract.spec import JobSpec
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"

@@ -254,7 +254,7 @@ def test_the_cli_finds_its_token_in_order(tmp_path: Path, monkeypatch: pytest.Mo
     machine only) the bootstrap file in TRIDENT_DATA_DIR, by default ./var: where `make demo`
     (examples/demo.sh: `trident up --data-dir var` from the repository) has its server write
     it, so the demo needs no step of its own."""
-    from client.auth import save_profile, token_for
+    from client.token import save_profile, token_for
 
     monkeypatch.delenv("TRIDENT_TOKEN", raising=False)
     monkeypatch.delenv("TRIDENT_DATA_DIR", raising=False)

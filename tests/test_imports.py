@@ -397,7 +397,7 @@ def test_the_client_imports_nothing_of_the_server() -> None:
 def test_import_client_loads_no_database_web_framework_or_store() -> None:
     """`python -c "import client"` in a fresh interpreter: what it loads is checked in
     `sys.modules` (a test process has the server loaded already)."""
-    probe = ("import sys, client, client.payloads, client.auth\n"
+    probe = ("import sys, client, client.payloads, client.token\n"
              "print('\\n'.join(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=ROOT, timeout=120, check=True).stdout.split()

@@ -13,7 +13,7 @@ import pytest
 
 from service.planner.fit import leave_one_source_out, means, uncertainty
 from service.planner.published import is_tuning, load_data
-from service.planner.stacks import FITTED_PATH
+from service.planner.software_stacks import FITTED_PATH
 
 # docs/planner.md, "Published runs": mean over held-out sources of each source's mean
 # absolute error. Lower them when the model improves; never raise them to make this pass.

@@ -13,7 +13,7 @@ from service.planner import ModelShape, sac
 from service.planner.fit import leave_one_source_out
 from service.planner.memory import layer_activation_bytes, model_state_bytes
 from service.planner.published import load_data
-from service.planner.stacks import get_stack, loss_bytes_per_logit
+from service.planner.software_stacks import get_stack, loss_bytes_per_logit
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256,
                        seq_len=8192, ffn_hidden=14336, swiglu=True, biases=False,

@@ -80,7 +80,7 @@ class HardwareProfile:
     reserved_bytes: float = 0.6 * GB
     """The CUDA context and kernel images of one process (on `cpu`: the calibrated bytes a
     rank takes besides tensors). NCCL buffers, framework buffers and allocator slack are
-    added by the planner (service.planner.stacks)."""
+    added by the planner (service.planner.software_stacks)."""
     nccl_channels: int = 16
     """NCCL channels per communicator (`NCCL_DEBUG=INFO` prints them); buffers are
     channels x peers x NCCL_BUFFSIZE."""

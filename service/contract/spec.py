@@ -59,7 +59,7 @@ Zero = Literal[0, 1, 2, 3]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Stack = Literal["trident", "megatron-lm", "megatron-deepspeed", "deepspeed", "fsdp"]
 """`train.stack`: the training software whose speed and memory the planner models
-(`service.planner.stacks` holds each stack's constants and their sources); only `trident`
+(`service.planner.software_stacks` holds each stack's constants and their sources); only `trident`
 runs on Trident's own workers, the others are for planning runs made elsewhere."""
 GPU_DEFAULT = "a100-80gb"
 """Profile assumed for GPU jobs that name no cluster."""

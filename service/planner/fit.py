@@ -3,7 +3,7 @@
 `python -m service.planner.fit` prints, for every source of `data/published_runs.yaml`, the
 error of its runs predicted with constants fitted WITHOUT that source (leave-one-source-out),
 for step time and for memory, and the means; `--write` also stores the constants fitted on
-every source in `data/fitted.json`, which the planner loads (service.planner.stacks).
+every source in `data/fitted.json`, which the planner loads (service.planner.software_stacks).
 
 What is fitted (everything else is read from datasheets, papers and framework code):
 - time: one efficiency factor per stack and one per GPU type (Megatron-LM on A100-80GB is
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.planner.published import Run, is_tuning, load_data, runs_by_source
-from service.planner.stacks import FITTED_PATH, PRIORS, Stack
+from service.planner.software_stacks import FITTED_PATH, PRIORS, Stack
 
 REFERENCE_GPU = "a100-80gb"
 REFERENCE_STACK = "megatron-lm"

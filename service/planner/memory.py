@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from service.planner import sac
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
-from service.planner.stacks import MIB as MIB_
-from service.planner.stacks import loss_bytes_per_logit, nccl_buffer_bytes
+from service.planner.software_stacks import MIB as MIB_
+from service.planner.software_stacks import loss_bytes_per_logit, nccl_buffer_bytes
 
 # Bytes per parameter at the peak of model states: (weights, gradients, optimizer), each
 # either whole on every DP rank or sharded over N. Entry: (param_full, param_shard,

@@ -21,7 +21,7 @@ from service.contract.spec import ParallelSpec
 from service.planner.plan import Plan, assess
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
-from service.planner.stacks import Stack, get_stack
+from service.planner.software_stacks import Stack, get_stack
 
 DATA_PATH = Path(__file__).with_name("data") / "published_runs.yaml"
 GIB = float(1 << 30)

@@ -21,7 +21,7 @@ w1, w3, w2; a fused-QKV GPT block: qkv, out, fc1, fc2):
 A linear with a bias runs as `aten.addmm`, which is not in the list and is not counted as an
 `mm`: a biased block keeps none of its matmul outputs and recomputes them all (only the
 attention output is kept). This is the `fsdp` stack's `selective` recompute
-(service.planner.stacks): torchtitan is where FSDP's selective checkpointing is published.
+(service.planner.software_stacks): torchtitan is where FSDP's selective checkpointing is published.
 """
 
 from __future__ import annotations

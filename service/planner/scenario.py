@@ -13,7 +13,7 @@ from service.contract.hardware import HardwareProfile
 from service.contract.parallel import ParallelDims
 from service.contract.spec import ParallelSpec
 from service.planner.shape import ModelShape
-from service.planner.stacks import Loss, Stack, get_stack, profile_efficiency
+from service.planner.software_stacks import Loss, Stack, get_stack, profile_efficiency
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Scenario:
     nodes: int
     zero_cfg: ZeroConfig = field(default_factory=ZeroConfig)
     stack: str = "trident"
-    """`train.stack`: whose kernels, buffers and optimizer layout (service.planner.stacks)."""
+    """`train.stack`: whose kernels, buffers and optimizer layout
+    (`service.planner.software_stacks`)."""
     constants: Stack | None = None
     """The stack's constants; None = `get_stack(stack)` (priors with the fitted values)."""
     gpu_efficiency: float | None = None

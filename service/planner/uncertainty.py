@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from service.planner.stacks import fitted_constants
+from service.planner.software_stacks import fitted_constants
 
 if TYPE_CHECKING:
     from service.planner.plan import Plan

@@ -8,7 +8,7 @@ import stat
 from contextlib import suppress
 from pathlib import Path
 
-from client.auth import token_file
+from client.token import token_file
 from service.store.identity import (
     BOOTSTRAP_USER,
     DEFAULT_PROJECT,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from client.auth import token_file
+from client.token import token_file
 from service.store.bootstrap import bootstrap
 from service.store.dbcheck import check, readable
 from service.store.identity import Identity
