@@ -3,7 +3,7 @@
 
 The tests of numbers (losses, the collectives' attribution, the probe, checkpoints) train with
 DeepSpeed; those of the orchestration (hangs, stragglers, cancels, failures, what each rank is
-sent, re-attaching) run the light rank program (`program: light`, `workers.light_rank`),
+sent, re-attaching) run the light rank program (`program: light`, `workers.rank.light`),
 whose ranks report, beat, meet in a collective and fail on cue without torch."""
 
 from __future__ import annotations
