@@ -1,13 +1,9 @@
-"""The `trident` CLI against a real API server (uvicorn on a free port), and the whole local
-stack (`trident up`) running the demo job."""
+"""The `trident` CLI against a real API server (uvicorn on a free port). The whole local stack
+(`trident up`) running the demo job is in tests/test_e2e_loopback.py, on its shared stack."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from service.settings import Settings
-from tests.servers import HTTP, ROOT, admin_headers, free_port, wait_healthy
+from tests.servers import HTTP, ROOT, admin_headers, free_port
 
 runner = CliRunner()
 
@@ -116,56 +112,6 @@ def test_submit_retries_under_one_idempotency_key(server: str, tmp_path: Path,
 def test_unreachable_server_is_a_clear_error() -> None:
     r = runner.invoke(app, ["status", "--server", f"http://127.0.0.1:{free_port()}"])
     assert r.exit_code == 2 and "cannot reach the Trident API" in r.output
-
-
-@pytest.mark.slow
-def test_trident_up_runs_the_demo_job(tmp_path: Path) -> None:
-    """The README's demo path: `trident up`, then `trident submit examples/tiny.yaml` (which
-    follows the job and exits 0 when it succeeds)."""
-    port = free_port()
-    server = f"http://127.0.0.1:{port}"
-    trident = str(Path(sys.executable).parent / "trident")
-    env = {**os.environ, "TRIDENT_DATA_DIR": str(tmp_path)}
-    up = subprocess.Popen([trident, "up", "--port", str(port)], env=env, cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_healthy(server, timeout_s=180)
-        done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"),
-                               "--server", server], capture_output=True, text=True, timeout=400,
-                              cwd=ROOT, env=env)
-        log = (tmp_path / "controller.log").read_text()
-        assert done.returncode == 0, done.stdout + done.stderr + log
-        assert "SUCCEEDED" in done.stdout and "step    30/30" in done.stdout
-        assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
-        page = HTTP.get(server + "/", headers=admin_headers(tmp_path)).text
-        assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
-    finally:
-        up.terminate()
-        out, _ = up.communicate(timeout=60)
-        from service.cluster.rayhead import stop_recorded_head
-
-        left_up = stop_recorded_head(tmp_path)  # only if a job was still active
-    assert f"its API token is in {tmp_path / 'admin.token'}" in out, out
-    # The controller's own SIGTERM handler ran: it logged, stopped and released its lease.
-    log = (tmp_path / "controller.log").read_text()
-    assert "signal SIGTERM: stopping" in log and re.search(r"controller \S+ stopped", log), log
-    # No job is active: the Ray head `trident up` started stops with it.
-    from service.cluster.rayhead import answers, live_head
-
-    assert not left_up, out
-    head = re.search(r"ray head at (\S+)", out)
-    assert head and live_head(tmp_path) is None and not answers(head.group(1)), out
-    # The controller ends with `trident up`.
-    controller_pid = int(re.search(r"controller pid (\d+)", out).group(1))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(controller_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
 
 
 def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,

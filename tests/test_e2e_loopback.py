@@ -3,23 +3,32 @@ up`, its controller, its Ray head and the head's processes and workers listen on
 loopback, while a job runs too (its ranks' rendezvous store and gloo sockets,
 `workers.runtime.rendezvous`); so is the Ray the controller daemon starts inside itself when it runs
 alone. Real processes, real Ray, a real job through the API; the sockets as the kernel lists
-them (`psutil.net_connections`)."""
+them (`psutil.net_connections`).
+
+One `trident up` serves the tests that neither stop nor kill it (the `up` fixture): the
+README's demo path and the sockets while a job runs; its stop, with no job active, is the
+module's last check (the fixture's end): a clean exit, the controller's own SIGTERM handler
+run, the Ray head and the controller ended with it."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from service.cluster.rayhead import UNUSED_OFF_ENV, answers, live_head
+from service.cluster.rayhead import UNUSED_OFF_ENV, answers, live_head, stop_recorded_head
+from service.contract.states import JobState
 from tests.conftest import tiny_spec
-from tests.servers import HTTP, ROOT, free_port
+from tests.servers import HTTP, ROOT, admin_headers, free_port
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -32,6 +41,70 @@ def loopback(ip: str) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped.is_loopback
     return addr.is_loopback
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """`trident up` as the README starts it (its API processes as a user's start makes
+    them: the machine's cores; a short poll interval, so that jobs start sooner), shared by
+    the module's tests, which leave no job active. At the end: SIGTERM, and what a stop
+    without active jobs does."""
+    data = tmp_path_factory.mktemp("up")
+    stack = Up(data, free_port(), {"TRIDENT_POLL_INTERVAL_S": "0.2"}, api_workers=0)
+    head = None
+    try:
+        stack.wait_healthy()
+        head = live_head(data)
+        yield stack
+        # A test that failed half way may have left its job active: cancelled, so that the
+        # stop below is still that of a stack without active jobs.
+        active = [j["id"] for j in stack.get("/jobs")["items"] if JobState(j["state"]).active]
+        for job_id in active:
+            HTTP.post(f"{stack.server}/api/v1/jobs/{job_id}/cancel", headers=stack.auth,
+                      timeout=30)
+        wait_for("no job active", lambda: not [
+            j for j in stack.get("/jobs")["items"] if JobState(j["state"]).active], 120,
+            stack.log)
+    finally:
+        out = stack.stop()
+        left_up = stop_recorded_head(data)  # only if a job was still active
+    assert stack.proc.returncode == 0, out
+    assert f"its API token is in {data / 'admin.token'}" in out, out
+    # The controller's own SIGTERM handler ran: it logged, stopped and released its lease.
+    log = (data / "controller.log").read_text()
+    assert "signal SIGTERM: stopping" in log and re.search(r"controller \S+ stopped", log), log
+    # No job is active: the Ray head `trident up` started stops with it.
+    assert not left_up, out
+    said = re.search(r"ray head at (\S+)", out)
+    assert said and live_head(data) is None and not answers(said.group(1)), out
+    assert head is not None and not answers(head), "the Ray head outlived trident up"
+    # The controller ends with `trident up`.
+    controller_pid = int(re.search(r"controller pid (\d+)", out).group(1))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(controller_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"controller {controller_pid} outlived `trident up`:\n{out}")
+
+
+def test_trident_up_runs_the_demo_job(up: Up) -> None:
+    """The README's demo path: `trident up`, then `trident submit examples/tiny.yaml` (which
+    follows the job and exits 0 when it succeeds)."""
+    trident = str(Path(sys.executable).parent / "trident")
+    env = {**os.environ, "TRIDENT_DATA_DIR": str(up.data_dir)}
+    done = subprocess.run([trident, "submit", str(ROOT / "examples/tiny.yaml"),
+                           "--server", up.server], capture_output=True, text=True, timeout=400,
+                          cwd=ROOT, env=env)
+    log = (up.data_dir / "controller.log").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr + log
+    assert "SUCCEEDED" in done.stdout and "step    30/30" in done.stdout
+    assert "dashboard" not in done.stdout  # the dashboard line comes from `up` / demo.sh
+    page = HTTP.get(up.server + "/", headers=admin_headers(up.data_dir)).text
+    assert '<td class="state SUCCEEDED">SUCCEEDED</td>' in page
 
 
 def test_loopback_tells_the_addresses_apart() -> None:
@@ -108,7 +181,7 @@ def check_metrics_off(pids: dict[int, str]) -> None:
 
 
 def submit_running_job(up: Up) -> int:
-    """A 2-rank job long enough to be checked while it trains (`--stop-jobs` ends it)."""
+    """A 2-rank job long enough to be checked while it trains (its test cancels it)."""
     spec = tiny_spec(train={"steps": 100_000, "global_batch": 8, "micro_batch": 2,
                             "precision": "fp32", "lr": 0.003}, monitor={"probe": False})
     r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
@@ -124,22 +197,20 @@ def submit_running_job(up: Up) -> int:
     return job_id
 
 
-def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: Path) -> None:
-    port = free_port()
-    # --stop-jobs: the job and the Ray head end with `trident up`, even when a check fails.
-    # Its API processes as a user's start makes them (the machine's cores).
-    up = Up(tmp_path, port, {"TRIDENT_LEASE_S": "3", "TRIDENT_POLL_INTERVAL_S": "0.2"},
-            "--stop-jobs", api_workers=0)
-    head = None
+def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(up: Up) -> None:
+    """(After it, the `up` fixture's end: the stack stops cleanly, its Ray head with it.)"""
+    port = int(up.server.rsplit(":", 1)[1])
+    job_id = None
     try:
-        up.wait_healthy()
         controller = up.controller_pid()
-        # The controller is a Ray driver: it listens for Ray's calls once connected.
+        job_id = submit_running_job(up)
+        # The controller is a Ray driver: it listens for Ray's calls once connected. Waited
+        # for with the job running, whose ranks are Ray workers that listen (the idle
+        # workers Ray starts ahead may be gone on a stack that has run jobs before).
         servers = (*NODE_SERVERS, "ray.util.client.server", "service.control.daemon")
         wait_for("every server of the stack listening",
                  lambda: all_listening(tree(up.proc.pid), servers), 180, up.log)
-        head = live_head(tmp_path)
-        job_id = submit_running_job(up)
+        head = live_head(up.data_dir)
         placement = up.get(f"/jobs/{job_id}/attempts")["items"][-1]["placement"]
         pids = tree(up.proc.pid)
         assert controller in pids, pids
@@ -164,9 +235,13 @@ def test_the_embedded_stack_listens_on_loopback_only_while_a_job_runs(tmp_path: 
         assert (master_addr, int(master_port)) in by_pid[ranks[0]], by_pid
         assert len(by_pid[ranks[1]]) > 1, by_pid  # its actor's server and its gloo sockets
     finally:
-        out = up.stop()
-    assert up.proc.returncode == 0, out
-    assert head is not None and not answers(head), "the Ray head outlived trident up"
+        # The shared stack stops with no job active (the `up` fixture checks that stop).
+        if job_id is not None:
+            r = HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
+                          timeout=30)
+            assert r.status_code == 202, r.text
+            wait_for("the job cancelled", lambda: up.get(f"/jobs/{job_id}")["state"]
+                     == "CANCELLED", 120, up.log)
 
 
 def test_the_daemon_alone_starts_its_ray_on_loopback(tmp_path: Path) -> None:

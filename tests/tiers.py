@@ -36,12 +36,11 @@ TIERS: dict[str, tuple[str, ...]] = {
     ),
     "integration": (
         "test_api", "test_api_properties", "test_api_workers", "test_auth", "test_bench",
-        "test_cli_errors", "test_cli_jobs", "test_cli_logs", "test_cli_views", "test_client",
-        "test_compare", "test_compose", "test_confine", "test_data_cost", "test_datadir",
-        "test_dbcheck", "test_gpu_check", "test_healthcheck", "test_imports", "test_lease",
-        "test_light_rank",
-        "test_migrations_drift", "test_node", "test_spec_files", "test_stacks", "test_store",
-        "test_supervisor", "test_tracking_mlflow",
+        "test_cli", "test_cli_errors", "test_cli_jobs", "test_cli_logs", "test_cli_views",
+        "test_client", "test_compare", "test_compose", "test_confine", "test_data_cost",
+        "test_datadir", "test_dbcheck", "test_gpu_check", "test_healthcheck", "test_imports",
+        "test_lease", "test_light_rank", "test_migrations_drift", "test_node",
+        "test_spec_files", "test_stacks", "test_store", "test_supervisor", "test_tracking_mlflow",
     ),
     "physics": (
         "test_checkpoint_integrity", "test_deepspeed_import", "test_ds_config",
@@ -55,7 +54,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_workers_train", "test_workers_units",
     ),
     "system": (
-        "test_checkpoint_ray", "test_cli", "test_cli_ray", "test_cli_views_ray",
+        "test_checkpoint_ray", "test_cli_ray", "test_cli_views_ray",
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",
         "test_e2e_one_stack", "test_e2e_ray", "test_elastic_ray", "test_node_loss_ray",
