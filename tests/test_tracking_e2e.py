@@ -279,7 +279,11 @@ def test_the_secret_is_in_the_ranks_environment_and_nowhere_else(scenario: Scena
     assert "its secret is in its environment" in (
         next(p for p in files if p.name == "rank-0.log").read_text())
     for p in files:
-        assert SECRET.encode() not in p.read_bytes(), f"the secret is in {p}"
+        try:
+            held = p.read_bytes()
+        except FileNotFoundError:  # a transient file gone since it was listed (SQLite's
+            continue               # journal of the MLflow server, which still writes)
+        assert SECRET.encode() not in held, f"the secret is in {p}"
     assert not [line for line in scenario.logs if SECRET in line]
     # Nor in the tracker.
     [e] = [e for e in scenario.get(f"/api/v1/jobs/{job_id}/tracking").json()["exports"]
