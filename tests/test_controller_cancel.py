@@ -180,3 +180,23 @@ def test_a_controller_that_stops_stores_what_its_cancelled_groups_drained(
     c.shutdown()  # no further pass: shutdown reaps the teardown it waited for
     assert [m.step for m in sqlite_store.list_metrics(job_id=job_id)] == [7]
     assert [e.kind for e in sqlite_store.list_events(job_id=job_id)][-1] == "teardown"
+
+
+def test_a_failed_groups_last_reports_are_stored(sqlite_store: Store, tmp_path: Path) -> None:
+    """A rank fails: the pass that sees it stops the group, while the ranks that did not fail
+    may hold steps that no poll brought yet. The teardown polls the group once more, and what
+    that brings is stored under the failed attempt, as for a cancel."""
+    failed = PollResult(state="failed", error="rank 1 died", failed_ranks=[1],
+                        reports=[step_report(0, 1, 5.0)], acks={0: 1})
+    late = PollResult(state="failed", error="rank 1 died", failed_ranks=[1],
+                      reports=[step_report(0, 2, 4.0)], acks={0: 2})
+    launcher = FakeLauncher([[RUNNING, failed, late], [RUNNING]])
+    job_id = submit(sqlite_store)
+    c = make(sqlite_store, launcher, tmp_path)
+    c.step(), c.step()
+    c.step()  # sees the failure: the attempt fails, the group is torn down
+    group = launcher.groups[0]
+    assert stopped(c, group)
+    assert group.poll_threads[-1] == f"teardown-job{job_id}"
+    c.step()  # reaps the teardown: the drained step is stored
+    assert [m.step for m in sqlite_store.list_metrics(job_id=job_id, attempt=1)] == [1, 2]

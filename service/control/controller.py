@@ -500,7 +500,8 @@ class Controller:
         elif poll.state == "succeeded":
             self.succeed(job, run, result)
         elif poll.state == "failed":
-            self.teardown(job.id, run)
+            # Drained: the ranks that did not fail may hold steps no poll brought yet.
+            self.teardown(job.id, run, drain=True)
             detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
             # A folder that is another job's now (rank 0 refused it) stays so, and a corpus
