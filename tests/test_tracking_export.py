@@ -246,3 +246,33 @@ def test_tensorboards_reader_reads_back_the_stored_scalars(sqlite_store: Store,
         assert e.wall_time == pytest.approx(stored[e.step].time.timestamp())
     assert [e.value for e in acc.Scalars("acc")] == [np.float32(s / 100) for s in sorted(stored)]
     assert {"loss", "step_time_s", "tokens_per_s", "mfu", "acc"} <= set(acc.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("away", [True, False])
+def test_a_round_that_fails_because_the_database_is_away_logs_no_traceback(
+        world, caplog: pytest.LogCaptureFixture, away: bool) -> None:
+    """The daemon says a database outage once (`service.control.daemon.Outage`): a tracking
+    round that fails meanwhile adds no traceback to the log (a pool reset, sqlalchemy's
+    `InvalidatePoolError`, counts as away too). Any other failure keeps its traceback."""
+    import concurrent.futures
+    import logging
+
+    from sqlalchemy.exc import OperationalError
+
+    store, tracker, clock, exporter = world
+    error = (OperationalError("select 1", {}, Exception("connection refused")) if away
+             else ValueError("a bug"))
+
+    def cycle() -> int:
+        raise error
+
+    exporter.cycle = cycle  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="trident.tracking")
+    exporter.step()  # the round starts on the exporter's thread, and fails there
+    concurrent.futures.wait([exporter._pending], timeout=30)
+    clock.now += 10
+    exporter.step()  # reaps the failed round
+    exporter.close()
+    with_tracebacks = [r for r in caplog.records if r.exc_info]
+    assert (with_tracebacks == []) is away, caplog.text
+    assert ("the database is away (OperationalError)" in caplog.text) is away, caplog.text

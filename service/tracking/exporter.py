@@ -36,8 +36,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sqlalchemy.exc import DisconnectionError
+
 from service.contract.states import JobState
 from service.store import Job, NotFound, Store
+from service.store.dbcheck import away
 from service.store.metrics import MetricsIngest
 from service.store.tables import utcnow
 from service.store.tracking_exports import Export, Exports, Sink
@@ -106,8 +109,13 @@ class Exporter:
             done, self._pending = self._pending, None
             try:
                 done.result()
-            except Exception:  # the next round starts over from the stored cursors
-                log.exception("a tracking round failed")
+            except Exception as exc:  # the next round starts over from the stored cursors
+                if away(exc) or isinstance(exc, DisconnectionError):
+                    # The database is away: the daemon says so, once an outage (`Outage`).
+                    log.debug("a tracking round failed: the database is away (%s)",
+                              type(exc).__name__)
+                else:
+                    log.exception("a tracking round failed")
         now = self.clock()
         if self._last is not None and now - self._last < self.every_s:
             return
