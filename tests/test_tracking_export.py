@@ -257,8 +257,11 @@ def test_a_round_that_fails_because_the_database_is_away_logs_no_traceback(
     import concurrent.futures
     import logging
 
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import InvalidatePoolError, OperationalError
 
+    from service.store.dbcheck import away as database_away
+
+    assert database_away(InvalidatePoolError())  # a pool reset says the database is away
     store, tracker, clock, exporter = world
     error = (OperationalError("select 1", {}, Exception("connection refused")) if away
              else ValueError("a bug"))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 QUICK_CHECK_S = 2.0
 """The most seconds `check` spends in SQLite's `PRAGMA quick_check` at start."""
@@ -77,8 +77,10 @@ def damaged(exc: BaseException) -> bool:
 
 def away(exc: BaseException) -> bool:
     """Whether a database error says the database is away (a server stopped, restarting or
-    unreachable; a file that cannot be opened), so that a retry may succeed."""
-    return isinstance(exc, OperationalError | InterfaceError) and not damaged(exc)
+    unreachable; a file that cannot be opened; the pool's connections reset, sqlalchemy's
+    `DisconnectionError`), so that a retry may succeed."""
+    return (isinstance(exc, OperationalError | InterfaceError | DisconnectionError)
+            and not damaged(exc))
 
 
 def restore_hint(url: str) -> str:

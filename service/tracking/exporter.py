@@ -36,8 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy.exc import DisconnectionError
-
 from service.contract.states import JobState
 from service.store import Job, NotFound, Store
 from service.store.dbcheck import away
@@ -110,7 +108,7 @@ class Exporter:
             try:
                 done.result()
             except Exception as exc:  # the next round starts over from the stored cursors
-                if away(exc) or isinstance(exc, DisconnectionError):
+                if away(exc):
                     # The database is away: the daemon says so, once an outage (`Outage`).
                     log.debug("a tracking round failed: the database is away (%s)",
                               type(exc).__name__)
