@@ -1,9 +1,10 @@
-"""`trident node start|stop` (this host's Ray node, the way Trident needs it) and `trident
-cluster` (the nodes with the jobs on them, from the REST API).
+"""`trident node start|stop` (this host's Ray node, the way Trident needs it), `trident node
+cordon|drain|uncordon HOST` (keep new ranks off a node, move its jobs; admins, through the REST
+API) and `trident cluster` (the nodes, their states and the jobs on them, from the REST API).
 
-`node` is one of the few commands that does not talk to the API: it starts `ray start` on
-this host (`service.cluster.raynode`) with the node's GPU model, memory, profile and link matrix as
-Ray labels (`service.cluster.node_labels`), which the controller's inventory reads back.
+`node start|stop` do not talk to the API: they start `ray start` on this host
+(`service.cluster.raynode`) with the node's GPU model, memory, profile and link matrix as Ray
+labels (`service.cluster.node_labels`), which the controller's inventory reads back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Annotated, Literal
 import typer
 
 from cli.common import DEFAULT_SERVER, ServerOpt, connect, fail
-from client.payloads import NodeInfo, NodeJob
+from client.payloads import Node, NodeInfo, NodeJob
 from client.rest import model_json
 
 DataDirOpt = Annotated[Path | None, typer.Option(
@@ -24,7 +25,12 @@ DataDirOpt = Annotated[Path | None, typer.Option(
     " default ./var.")]
 
 node_app = typer.Typer(no_args_is_help=True,
-                       help="This host's Ray node: start it (head or worker) or stop it.")
+                       help="This host's Ray node: start it (head or worker) or stop it;"
+                       " cordon, drain or uncordon a node of the cluster.")
+HostArg = Annotated[str, typer.Argument(
+    help="The node: its id (or a unique prefix), hostname or address, as `trident cluster`"
+    " shows them.", show_default=False)]
+ReasonOpt = Annotated[str, typer.Option(help="Why, for the others (at most 500 characters).")]
 
 
 def _data_dir(data_dir: Path | None) -> Path:
@@ -129,6 +135,55 @@ def node_stop(data_dir: DataDirOpt = None,
     typer.echo(f"ray {state.role} node stopped (pid {state.pid})")
 
 
+def _named(node: Node) -> str:
+    address = node.info.get("address")
+    return f"node {node.node_id[:12]} ({node.hostname}{', ' + address if address else ''})"
+
+
+@node_app.command("cordon")
+def node_cordon(host: HostArg, reason: ReasonOpt = "",
+                server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Place no new rank on a node; the jobs there run on. Admins only.
+
+    Example: trident node cordon gpu-07 --reason "fan noise, check Tuesday"
+    """
+    with connect(server) as client:
+        node = client.cordon_node(host, reason=reason)
+    assert node.cordon is not None
+    typer.echo(f"{_named(node)} {node.state} by {node.cordon.by}: {node.cordon.reason}")
+
+
+@node_app.command("drain")
+def node_drain(host: HostArg,
+               grace: Annotated[float, typer.Option(
+                   min=0, max=86400, help="Seconds the jobs there get to save a checkpoint"
+                   " and stop before they are stopped.")] = 300,
+               reason: ReasonOpt = "", server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Cordon a node, then move every job with ranks there: each saves a checkpoint at its
+    next step boundary, stops, and resumes from it on the other nodes (no retry spent). Admins
+    only; `trident cluster` shows the node drained once no job's ranks are left there.
+
+    Example: trident node drain gpu-07 --grace 600 --reason "BIOS update"
+    """
+    with connect(server) as client:
+        node = client.drain_node(host, grace_s=grace, reason=reason)
+        jobs = client.get_cluster().jobs.get(node.node_id) or []
+    moving = (f"jobs {', '.join(str(j.job_id) for j in jobs)} save a checkpoint and move"
+              f" within {grace:g} s" if jobs else "no job has ranks there")
+    typer.echo(f"{_named(node)} draining: {moving}")
+
+
+@node_app.command("uncordon")
+def node_uncordon(host: HostArg, server: ServerOpt = DEFAULT_SERVER) -> None:
+    """Let new ranks be placed on a node again. Admins only.
+
+    Example: trident node uncordon gpu-07
+    """
+    with connect(server) as client:
+        node = client.uncordon_node(host)
+    typer.echo(f"{_named(node)} {node.state}: new ranks may be placed there")
+
+
 def _jobs_cell(jobs: list[NodeJob]) -> str:
     from cli.stacks import rank_ranges
 
@@ -148,7 +203,7 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
     if output == "json":
         typer.echo(json.dumps(model_json(c), indent=2))
         return
-    typer.echo(f"{'NODE':<12}  {'HOST':<20} {'STATE':<5}  {'CPU':>5} {'GPU':>4}"
+    typer.echo(f"{'NODE':<12}  {'HOST':<20} {'STATE':<8}  {'CPU':>5} {'GPU':>4}"
                f"  {'HARDWARE':<38} {'LINK':<6}  JOBS")
     for n in c.nodes:
         info = NodeInfo.of(n)
@@ -158,11 +213,20 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
         if info.profile:
             what += f" ({info.profile})"
         typer.echo(f"{n.node_id[:12]:<12}  {n.hostname[:20]:<20}"
-                   f" {'alive' if n.alive else 'dead':<5}  {res.get('CPU', 0):>5g}"
+                   f" {_state(n):<8}  {res.get('CPU', 0):>5g}"
                    f" {res.get('GPU', 0):>4g}  {what[:38]:<38} {info.gpu_link or '-':<6}"
                    f"  {_jobs_cell(c.jobs.get(n.node_id) or [])}")
+    for n in c.nodes:
+        if n.cordon is not None:
+            typer.echo(f"{_named(n)} {n.state} by {n.cordon.by} at"
+                       f" {n.cordon.at:%Y-%m-%d %H:%M:%S}: {n.cordon.reason}")
     for name, p in c.profiles.items():
         typer.echo(f"profile {name}: calibrated by probe {p.probe_id}")
+
+
+def _state(node: Node) -> str:
+    """dead, alive (ready), or its cordon state."""
+    return "dead" if not node.alive else "alive" if node.state == "ready" else node.state
 
 
 def register(app: typer.Typer) -> None:

@@ -28,7 +28,7 @@ One module: it is the API's vocabulary, which a client reads top to bottom.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -194,6 +194,42 @@ class Node:
     updated_at: datetime
     info: dict[str, Any]
     """`service.cluster.inventory.node_inventory`: accelerator, GPUs and their link matrix, CPUs."""
+    state: NodeState = "ready"
+    """ready (new ranks may be placed here), cordoned (none are), draining (cordoned, and the
+    jobs with ranks here are asked to save and move), drained (a drain found none left)."""
+    cordon: NodeCordon | None = None
+    """Who cordoned it, when and why, and a drain's deadline; None while it is ready."""
+    events: list[NodeEvent] = field(default_factory=list)
+    """Its newest events (cordon, drain, drained, uncordon, lemon), oldest first."""
+
+
+NodeState = Literal["ready", "cordoned", "draining", "drained"]
+
+
+@dataclass(frozen=True)
+class NodeCordon:
+    """Why no new rank is placed on a node (`trident node cordon|drain`, the lemon rule)."""
+
+    by: str
+    """A user's name, or `trident` (the lemon rule)."""
+    at: datetime
+    reason: str
+    drain_deadline: datetime | None = None
+    """A drain's: by when the jobs with ranks there are stopped, saved or not."""
+    drained_at: datetime | None = None
+    """When the controller saw no active job's ranks left there."""
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """Something that happened to a node's cordon state."""
+
+    time: datetime
+    kind: str
+    """cordon, drain, drained, uncordon or lemon."""
+    by: str
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -53,6 +53,7 @@ from client.payloads import (
     LogPage,
     MetricList,
     NewToken,
+    Node,
     PlanOut,
     Probe,
     ProbeList,
@@ -595,6 +596,21 @@ class TridentClient:
     def get_cluster(self) -> ClusterView:
         """The nodes, the active jobs on each, the newest probe, the calibrated profiles."""
         return self._get(ClusterView, "/cluster")
+
+    def cordon_node(self, host: str, *, reason: str = "") -> Node:
+        """No new rank on the node `host` names (its id or a unique prefix, hostname or
+        address); admins only. The node as stored."""
+        return self._post(Node, f"/nodes/{quote(host, safe='')}/cordon", {"reason": reason})
+
+    def drain_node(self, host: str, *, grace_s: float = 300.0, reason: str = "") -> Node:
+        """Cordon the node and move the jobs with ranks there (each saves a checkpoint at its
+        next step boundary, within `grace_s`); admins only."""
+        return self._post(Node, f"/nodes/{quote(host, safe='')}/drain",
+                          {"reason": reason, "grace_s": grace_s})
+
+    def uncordon_node(self, host: str) -> Node:
+        """New ranks may be placed on the node again; admins only."""
+        return self._post(Node, f"/nodes/{quote(host, safe='')}/uncordon")
 
     def request_probe(self, *, ranks_per_node: int = 2, max_bytes: int = 64 << 20,
                       profile: str = "cpu") -> Probe:

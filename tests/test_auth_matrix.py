@@ -52,6 +52,9 @@ EXPECTED: dict[str, dict[str, str]] = {
     "jobs:export": {"admin": ANY, "member": OWN, "viewer": NONE},
     "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
+    "nodes:cordon": {"admin": ANY, "member": NONE, "viewer": NONE},
+    "nodes:drain": {"admin": ANY, "member": NONE, "viewer": NONE},
+    "nodes:uncordon": {"admin": ANY, "member": NONE, "viewer": NONE},
     "plan": {"admin": ANY, "member": ANY, "viewer": ANY},
     "self": {"admin": ANY, "member": ANY, "viewer": ANY},
     "tokens:manage": {"admin": ANY, "member": OWN, "viewer": OWN},
@@ -98,6 +101,11 @@ class World:
         req = StackRequests(self.store).create(job_id=job_id, requested_by=owner)
         return f"/api/v1/jobs/{job_id}/stacks/{req.id}"
 
+    def node(self) -> str:
+        """The hostname of the cluster's one (alive) node."""
+        self.store.upsert_nodes(nodes=[{"node_id": "f" * 56, "hostname": "matrix-host"}])
+        return "matrix-host"
+
     def token_id(self, user: str) -> int:
         return self.identity.create_token(user=user, name="t")[1].id
 
@@ -141,6 +149,12 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("GET", "/api/v1/compare"): lambda w, c, r: (
         f"/api/v1/compare?jobs={w.job(w.owner(c, r))}&jobs={w.job(c)}", None),
     ("GET", "/api/v1/cluster"): lambda w, c, r: ("/api/v1/cluster", None),
+    ("POST", "/api/v1/nodes/{host}/cordon"): lambda w, c, r: (
+        f"/api/v1/nodes/{w.node()}/cordon", {"reason": "matrix"}),
+    ("POST", "/api/v1/nodes/{host}/drain"): lambda w, c, r: (
+        f"/api/v1/nodes/{w.node()}/drain", {"grace_s": 1}),
+    ("POST", "/api/v1/nodes/{host}/uncordon"): lambda w, c, r: (
+        f"/api/v1/nodes/{w.node()}/uncordon", None),
     ("POST", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", {"ranks_per_node": 1}),
     ("GET", "/api/v1/probes"): lambda w, c, r: ("/api/v1/probes", None),
     ("GET", "/api/v1/probes/{probe_id}"): lambda w, c, r: (

@@ -1,17 +1,19 @@
-"""Cluster routes: the node inventory the controller records, and `trident probe` runs."""
+"""Cluster routes: the node inventory the controller records, its nodes' cordon and drain
+(`trident node cordon|drain|uncordon`, admins only), and `trident probe` runs."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import require
+from api.auth import Principal, require
 from api.deps import ProbeId, StoreDep
 from api.schemas import ClusterView, ProbeList
 from service.contract.hardware import PROFILES
-from service.store import NotFound, Probe, Store
+from service.store import Node, NotFound, Probe, Store
+from service.store.cluster import AmbiguousNode
 
 router = APIRouter(tags=["cluster"])
 _READ = [Depends(require("cluster:read"))]
@@ -43,6 +45,81 @@ def jobs_per_node(store: Store) -> dict[str, list[dict[str, Any]]]:
                 "state": job.state.value, "attempt": attempts[-1].number,
                 "ranks": sorted(on_node)})
     return out
+
+
+HOST_MAX = 255
+REASON_MAX = 500
+DRAIN_GRACE_MAX_S = 86400.0
+Host = Annotated[str, Path(min_length=1, max_length=HOST_MAX, pattern=r"^[A-Za-z0-9._:-]+$",
+                           description="A node: its id, a unique prefix of its id, its hostname"
+                           " or its address, as `trident cluster` shows them.")]
+
+
+class CordonRequest(BaseModel):
+    """Why a node is cordoned (`trident node cordon`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    reason: Annotated[str, Field(max_length=REASON_MAX)] = ""
+    """Why, for the others (shown by `trident cluster` and the dashboard)."""
+
+
+class DrainRequest(CordonRequest):
+    """A drain (`trident node drain`): cordon, and move the jobs with ranks there."""
+
+    grace_s: Annotated[float, Field(ge=0, le=DRAIN_GRACE_MAX_S)] = 300.0
+    """How long the jobs with ranks there get to save their checkpoint and stop, from the
+    controller's ask at their next step boundary; those that have not stopped by then are
+    stopped, and resume from their newest checkpoint."""
+
+
+def _node(store: Store, host: str) -> Node:
+    try:
+        return store.find_node(host)
+    except NotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+    except AmbiguousNode as exc:
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["path", "host"], "type": "value_error", "msg": str(exc)}]) from None
+
+
+def _reason(body: CordonRequest, what: str) -> str:
+    return body.reason.strip() or f"{what} with no reason given"
+
+
+@router.post("/nodes/{host}/cordon", response_model=Node)
+def cordon_node(store: StoreDep, host: Host,
+                who: Annotated[Principal, Depends(require("nodes:cordon"))],
+                body: CordonRequest = CordonRequest()) -> Node:  # noqa: B008  # immutable
+    """No new rank is placed on the node from the controller's next pass; the jobs there run
+    on. A node cordoned already stays as it was. The node, as stored."""
+    node = _node(store, host)
+    return store.cordon_node(node_id=node.node_id, by=who.name, reason=_reason(body, "cordoned"))
+
+
+@router.post("/nodes/{host}/drain", response_model=Node)
+def drain_node(store: StoreDep, host: Host,
+               who: Annotated[Principal, Depends(require("nodes:drain"))],
+               body: DrainRequest = DrainRequest()) -> Node:  # noqa: B008  # immutable
+    """Cordon the node, then ask every job with ranks there to save a checkpoint at its next
+    step boundary and stop; each is requeued (no retry spent) and resumes from that
+    checkpoint on the other nodes. The node's state is `draining` until none is left there,
+    then `drained`."""
+    node = _node(store, host)
+    if not node.alive:
+        raise HTTPException(status_code=409, detail=f"node {node.node_id[:12]} is dead: its"
+                            " jobs moved when it was lost; nothing to drain")
+    return store.cordon_node(node_id=node.node_id, by=who.name,
+                             reason=_reason(body, "drained"), drain_grace_s=body.grace_s)
+
+
+@router.post("/nodes/{host}/uncordon", response_model=Node)
+def uncordon_node(store: StoreDep, host: Host,
+                  who: Annotated[Principal, Depends(require("nodes:uncordon"))]) -> Node:
+    """New ranks may be placed on the node again (a drain in progress asks no more jobs to
+    move; those asked already move). The lemon rule counts its failures afresh."""
+    node = _node(store, host)
+    return store.uncordon_node(node_id=node.node_id, by=who.name)
 
 
 class ProbeRequest(BaseModel):

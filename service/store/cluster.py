@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, select, update
@@ -31,6 +32,22 @@ _NODES = select(NodeRow.__table__).order_by(NodeRow.node_id)
 _PROFILE = select(ProfileRow.__table__).where(ProfileRow.name == bindparam("name"))
 # Every submission reads the nodes and its profile: one statement each, built once per
 # process, outside a transaction (`service.store.engine.reads`).
+
+NODE_EVENTS = 20
+"""A node keeps its newest this many events (`Node.events`)."""
+LEMON_BY = "trident"
+"""Who cordoned a node the lemon rule cordoned."""
+
+
+class AmbiguousNode(ValueError):
+    """A HOST (`Store.find_node`) that names more than one node."""
+
+
+def _event(row: NodeRow, kind: str, by: str, message: str, **data: Any) -> None:
+    events = list(row.events or [])
+    events.append({"time": utcnow().isoformat(), "kind": kind, "by": by, "message": message,
+                   "data": data})
+    row.events = events[-NODE_EVENTS:]  # a new list: SQLAlchemy sees a JSON change so
 
 
 class ClusterRecords:
@@ -115,6 +132,105 @@ class ClusterRecords:
         with self._reads.connect() as c:
             rows = c.execute(_NODES).all()
         return [node_of(r) for r in rows]  # type: ignore[arg-type]  # same names
+
+    def find_node(self, host: str) -> Node:
+        """The node `host` names: its id, a unique prefix of its id, its hostname or its
+        address (as `trident cluster` shows them). Where several match, the one alive among
+        them. NotFound when none does; AmbiguousNode when several (alive) do."""
+        nodes = self.list_nodes()
+        exact = [n for n in nodes if n.node_id == host]
+        if exact:
+            return exact[0]
+        found = [n for n in nodes if n.node_id.startswith(host)
+                 or host in (n.hostname, n.info.get("address"))]
+        if len(found) > 1 and sum(n.alive for n in found) >= 1:
+            found = [n for n in found if n.alive]
+        if not found:
+            raise NotFound(f"no node {host!r}: give a node id (or a unique prefix of one), a"
+                           " hostname or an address, as `trident cluster` shows them")
+        if len(found) > 1:
+            named = ", ".join(f"{n.node_id[:12]} ({n.hostname}, {n.info.get('address', '-')})"
+                              for n in found[:5])
+            raise AmbiguousNode(f"{host!r} names {len(found)} nodes: {named}; give a node id"
+                                " (or a longer prefix of one)")
+        return found[0]
+
+    def cordon_node(self, *, node_id: str, by: str, reason: str,
+                    drain_grace_s: float | None = None) -> Node:
+        """No new rank is placed on the node from the controller's next pass (a node cordoned
+        already stays so, as it was cordoned). With `drain_grace_s`, a drain too: the jobs with
+        ranks there are asked to save a checkpoint and move, and get that long to stop (a drain
+        of a node draining or drained starts again, with this deadline)."""
+        with self._tx() as s:
+            row = s.get(NodeRow, node_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"no node {node_id!r}")
+            now = utcnow()
+            if row.cordoned_at is None:
+                row.cordoned_at, row.cordoned_by, row.cordon_reason = now, by[:255], reason
+                if drain_grace_s is None:
+                    _event(row, "cordon", by, f"cordoned by {by}: {reason}")
+            if drain_grace_s is not None:
+                row.drain_deadline = now + timedelta(seconds=drain_grace_s)
+                row.drained_at = None
+                _event(row, "drain", by, f"drained by {by}: {reason}; its jobs save a"
+                       f" checkpoint and move within {drain_grace_s:g} s",
+                       grace_s=drain_grace_s)
+            s.flush()
+            return node_of(row)
+
+    def uncordon_node(self, *, node_id: str, by: str) -> Node:
+        """New ranks may be placed on the node again (a drain in progress stops asking)."""
+        with self._tx() as s:
+            row = s.get(NodeRow, node_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"no node {node_id!r}")
+            if row.cordoned_at is not None:
+                row.cordoned_at = row.cordoned_by = row.cordon_reason = None
+                row.drain_deadline = row.drained_at = None
+                row.failures = None  # the lemon rule counts afresh
+                _event(row, "uncordon", by, f"uncordoned by {by}: new ranks may be placed here")
+            s.flush()
+            return node_of(row)
+
+    def node_drained(self, *, node_id: str, moved: Sequence[int]) -> None:
+        """The controller saw a draining node without active ranks: the drain is done."""
+        with self._tx() as s:
+            row = s.get(NodeRow, node_id, with_for_update=True)
+            if row is None or row.drain_deadline is None or row.drained_at is not None:
+                return
+            row.drained_at = utcnow()
+            jobs = f" (moved: job {', '.join(map(str, moved))})" if moved else ""
+            _event(row, "drained", LEMON_BY, f"drained: no active job's ranks left here{jobs}",
+                   moved=list(moved))
+
+    def note_node_failures(self, *, node_ids: Sequence[str], job_id: int, attempt: int,
+                           threshold: int, window_s: float) -> list[Node]:
+        """An attempt whose ranks on `node_ids` failed: each node counts it within its window;
+        those where `threshold` failed attempts are counted now are cordoned (the lemon rule),
+        with the reason. The nodes cordoned by this call."""
+        cordoned = []
+        with self._tx() as s:
+            now = utcnow()
+            since = (now - timedelta(seconds=window_s)).isoformat()
+            for node_id in sorted(set(node_ids)):
+                row = s.get(NodeRow, node_id, with_for_update=True)
+                if row is None:
+                    continue
+                kept = [f for f in row.failures or [] if f["time"] >= since]
+                kept.append({"time": now.isoformat(), "job_id": job_id, "attempt": attempt})
+                row.failures = kept[-max(threshold, 1):]
+                if row.cordoned_at is not None or len(kept) < threshold:
+                    continue
+                named = ", ".join(f"job {f['job_id']} attempt {f['attempt']}"
+                                  for f in row.failures)
+                reason = (f"lemon: ranks here failed {len(kept)} attempts within"
+                          f" {window_s:g} s ({named}); cordoned until an admin uncordons it")
+                row.cordoned_at, row.cordoned_by, row.cordon_reason = now, LEMON_BY, reason
+                _event(row, "lemon", LEMON_BY, reason, failures=row.failures)
+                s.flush()
+                cordoned.append(node_of(row))
+        return cordoned
 
     def save_profile(self, *, name: str, profile: dict[str, Any],
                      probe_id: int | None = None) -> None:

@@ -214,6 +214,21 @@ class NodeRow(Base):
     alive: Mapped[bool] = mapped_column(Boolean, default=True)
     info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    cordoned_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    """Since when no new rank is placed here (`trident node cordon`, a drain, the lemon rule);
+    NULL: schedulable."""
+    cordoned_by: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    """Who cordoned it: a user's name, or `trident` (the lemon rule)."""
+    cordon_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    drain_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                            nullable=True)
+    """A drain's: by when the jobs with ranks here must have saved and stopped."""
+    drained_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    """When the controller saw the drain done: no active job's ranks left here."""
+    events: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    """The node's newest events (cordon, drain, drained, uncordon, lemon), oldest first."""
+    failures: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    """Failed attempts with ranks here within the lemon rule's window (`Settings.lemon_*`)."""
 
 
 class ProfileRow(Base):

@@ -173,8 +173,21 @@ def probe_of(r: ProbeRow) -> Probe:
 
 
 def node_of(r: NodeRow) -> Node:
+    cordon = None
+    state: payloads.NodeState = "ready"
+    if r.cordoned_at is not None:
+        cordon = payloads.NodeCordon(by=r.cordoned_by or "", at=_utc(r.cordoned_at),
+                                     reason=r.cordon_reason or "",
+                                     drain_deadline=aware(r.drain_deadline),
+                                     drained_at=aware(r.drained_at))
+        state = ("cordoned" if r.drain_deadline is None else
+                 "drained" if r.drained_at is not None else "draining")
+    events = [payloads.NodeEvent(time=_utc(datetime.fromisoformat(e["time"])), kind=e["kind"],
+                                 by=e.get("by", ""), message=e.get("message", ""),
+                                 data=e.get("data") or {}) for e in r.events or []]
     return Node(node_id=r.node_id, hostname=r.hostname, alive=r.alive,
-                updated_at=_utc(r.updated_at), info=r.info)
+                updated_at=_utc(r.updated_at), info=r.info, state=state, cordon=cordon,
+                events=events)
 
 
 @dataclass(frozen=True)
