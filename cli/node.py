@@ -73,8 +73,13 @@ def node_start(
     """
     from service.cluster.inventory import node_inventory
     from service.cluster.node_labels import node_labels
-    from service.cluster.rayhead import auth_env
-    from service.cluster.raynode import START_WAIT_ENV, host_ip, ray_start_argv, start_node
+    from service.cluster.rayhead import HEALTH_CHECK_ENV, auth_env
+    from service.cluster.raynode import (
+                START_WAIT_ENV,
+        host_ip,
+        ray_start_argv,
+        start_node,
+    )
     from service.contract.hardware import PROFILES
     from service.secrets import without_server_secrets
 
@@ -100,7 +105,8 @@ def node_start(
     auth = auth_env(token) if token is not None else {}
     try:
         state = start_node(root, role="head" if head else "worker", address=where, argv=argv,
-                           env={**START_WAIT_ENV, **without_server_secrets(os.environ), **auth},
+                           env={**START_WAIT_ENV, **(HEALTH_CHECK_ENV if head else {}),
+                                **without_server_secrets(os.environ), **auth},
                            temp_dir=str(temp_dir) if temp_dir else None, timeout_s=timeout)
     except RuntimeError as exc:
         fail(str(exc), 1)

@@ -52,6 +52,22 @@ Trident starts (`trident up`'s head and the daemon's own) and its drivers, never
 named by `TRIDENT_RAY_ADDRESS`, whose metrics are its operator's."""
 
 
+HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "2000",
+                    "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_timeout_ms": "2000",
+                    "RAY_health_check_failure_threshold": "5"}
+"""How the head's GCS finds a host gone: a check of each raylet every second, one unanswered
+for 2 s failed, five failed in a row and the node is dead (Ray's defaults: every 3 s, 10 s,
+five). A host powered off answers nothing or refuses at once: it is dead within about 5 s
+instead of 15 s (killed) to 65 s (cut off) with Ray's; measured on the hosts harness in
+`docs/reliability.md`. Five in a row, not fewer, so that a raylet busy for a moment on a
+loaded host (its check is a gRPC call served by its own thread) is not taken for dead. A
+node's death is what the controller acts on (its ranks' actors die with it, and the
+attempt's poll says so), so this is the time to detect a lost host. Set on the heads that
+`trident node start` (`service.cluster.raynode`) and `trident up` start (only the GCS reads
+them); an operator's own setting in the environment wins."""
+
+
 NO_LOG_MONITOR = "--include-log-monitor=false"
 """`ray start`'s flag that leaves out the node's log monitor, which Trident does not use (on
 every node it starts, head and workers: `service.cluster.raynode`). Ray's log monitor tails every
@@ -138,7 +154,8 @@ class RayHead:
                 "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
                 f"--dashboard-agent-listen-port={_free_port()}"]
         # Its processes run jobs: without the server's secrets (`service.secrets`).
-        self.supervisor = Supervisor(argv, env={**without_server_secrets(os.environ),
+        self.supervisor = Supervisor(argv, env={**HEALTH_CHECK_ENV,
+                                                **without_server_secrets(os.environ),
                                                 **self.env(), **metric_ports()},
                                      name="ray head",
                                      log_path=data_dir / "ray-head.log",

@@ -1,0 +1,259 @@
+"""Several hosts on this machine: network namespaces on a bridge, each a Ray node of its own.
+
+`Hosts` makes one private /24 on a bridge of its own (`10.213.X.0/24`, X free on this machine;
+the bridge holds `.1`), the cluster's head on the bridge's address in this (the root)
+namespace, and each host a network namespace with its own address (`.11`, `.12`, ...) on a
+veth pair into the bridge, running `trident node start --address HEAD` as an operator runs it
+there, with the head's token (`--node-ip-address` its own address). The namespaces get no
+default route: their traffic reaches the bridge's /24 and nothing else. What a test then
+does to a host is what happens to one in a data centre:
+
+- `kill(host)`: every process in its namespace killed at once (a power-off);
+- `partition(host)` / `heal(host)`: its link down (the bridge's end of its veth), then up;
+- `slow(host, rate)`: its link limited to `rate` both ways (`tc ... tbf`; this kernel has no
+  `netem`, so a delay cannot be added, only a rate limit and the queueing it makes);
+- `add()`: one more host (a spare joining).
+
+Everything is torn down on `close()` (a context manager), also when the test fails: every
+process in the namespaces, the namespaces, the veths, the bridge, the head. It needs root
+(CI runs as root); `available()` says whether this machine can make hosts, and why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBNET_PREFIX = "10.213"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check,
+                          timeout=30)
+
+
+def available() -> str | None:
+    """None when this machine can make hosts (root, `ip`, network namespaces), else why not."""
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (`ip`, `tc`) is not installed"
+    name = f"trprobe{secrets.token_hex(3)}"
+    r = _ip("netns", "add", name, check=False)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+def _free_subnet() -> str:
+    """A `10.213.X` no interface of this machine has an address in."""
+    used = _ip("-o", "-4", "addr").stdout
+    free = [x for x in range(1, 255) if f" {SUBNET_PREFIX}.{x}." not in used]
+    return f"{SUBNET_PREFIX}.{random.choice(free)}"
+
+
+@dataclass
+class Host:
+    """One host: its namespace, its address, its end of the bridge and its node's data dir."""
+
+    index: int
+    netns: str
+    address: str
+    link: str
+    """The bridge's end of the host's veth (down: the host is cut off)."""
+    inner: str
+    """The host's own end of its veth, inside its namespace."""
+    data_dir: Path
+    temp_dir: str
+    node_log: str = ""
+    alive: bool = True
+
+    def pids(self) -> list[int]:
+        r = _ip("netns", "pids", self.netns, check=False)
+        return [int(p) for p in r.stdout.split()]
+
+
+@dataclass
+class Hosts:
+    """A head on a bridge and hosts in network namespaces, each a `trident node start` node."""
+
+    root: Path
+    cpus_per_host: int = 2
+    head_cpus: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the environment of every node (head and hosts) and of the test's driver."""
+    hosts: list[Host] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.id = secrets.token_hex(3)
+        self.subnet = _free_subnet()
+        self.head_ip = f"{self.subnet}.1"
+        self.bridge = f"trb{self.id}"
+        self.port = 6379
+        self.short = tempfile.mkdtemp(prefix="trh-", dir="/tmp")
+        self.head_dir = self.root / "head"
+        self.token = self.head_dir / "ray" / "auth_token"
+
+    @property
+    def address(self) -> str:
+        """The head's GCS address (what `trident up --ray-address` and the hosts join)."""
+        return f"{self.head_ip}:{self.port}"
+
+    @property
+    def driver_env(self) -> dict[str, str]:
+        """The environment of a driver of this cluster (the controller): its token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token), **self.env}
+
+    def __enter__(self) -> Hosts:
+        # One cluster of hosts at a time on this machine (two test processes may each want
+        # one): each is several Ray nodes, and the machine has few cores.
+        self._lock = open("/tmp/trident-hosts.lock", "w")  # noqa: SIM115
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            self._bridge_up()
+            self._start_head()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _bridge_up(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.head_ip}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def _node(self, *args: str, netns: str | None = None,
+              timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """`trident node ...` as an operator runs it on a host (in its namespace)."""
+        argv = [sys.executable, "-m", "cli.main", "node", *args]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **self.env})
+
+    def _start_head(self) -> None:
+        """The head as `trident node start --head` starts it (`service.cluster.raynode`), on
+        the bridge's address, but with free ports for the servers Ray gives a fixed one (its
+        client server, 10001, and the dashboard agent's HTTP, 52365), which other Rays of
+        this machine's tests may hold in this namespace."""
+        from service.cluster.rayhead import HEALTH_CHECK_ENV, auth_env, metric_ports
+        from service.cluster.raynode import (
+                        START_WAIT_ENV,
+            ray_start_argv,
+            start_node,
+        )
+        from tests.servers import free_port
+
+        self.port = free_port()
+        argv = ray_start_argv(head=True, address=self.address, num_cpus=self.head_cpus,
+                              num_gpus=0, labels={"trident.io/accelerator": "cpu"},
+                              node_ip=self.head_ip, temp_dir=f"{self.short}/head")
+        argv += [f"--ray-client-server-port={free_port()}",
+                 f"--dashboard-agent-listen-port={free_port()}"]
+        env = {**START_WAIT_ENV, **HEALTH_CHECK_ENV, **os.environ, **metric_ports(),
+               **self.env, **auth_env(self.token)}
+        start_node(self.head_dir, role="head", address=self.address, argv=argv, env=env,
+                   temp_dir=f"{self.short}/head", timeout_s=180)
+
+    def add(self, cpus: int | None = None) -> Host:
+        """One more host, joined to the head; returns once its node runs."""
+        i = len(self.hosts) + 1
+        host = Host(index=i, netns=f"trh-{self.id}-{i}", address=f"{self.subnet}.{10 + i}",
+                    link=f"tv{self.id}{i}", inner=f"tv{self.id}{i}p",
+                    data_dir=self.root / f"host{i}", temp_dir=f"{self.short}/h{i}")
+        self.hosts.append(host)
+        _ip("netns", "add", host.netns)
+        _ip("link", "add", host.link, "type", "veth", "peer", "name", host.inner)
+        _ip("link", "set", host.link, "master", self.bridge)
+        _ip("link", "set", host.link, "up")
+        _ip("link", "set", host.inner, "netns", host.netns)
+        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.inner)
+        _ip("-n", host.netns, "link", "set", host.inner, "up")
+        _ip("-n", host.netns, "link", "set", "lo", "up")
+        self.start_node(host, cpus)
+        return host
+
+    def start_node(self, host: Host, cpus: int | None = None) -> None:
+        """`trident node start` on `host`, joining the head (again, after a power-off)."""
+        r = self._node("start", "--address", self.address, "--auth-token-file",
+                       str(self.token), "--node-ip-address", host.address, "--num-cpus",
+                       str(self.cpus_per_host if cpus is None else cpus), "--num-gpus", "0",
+                       "--temp-dir", host.temp_dir, "--data-dir", str(host.data_dir),
+                       netns=host.netns)
+        if r.returncode != 0:
+            raise RuntimeError(f"host {host.index} did not join: {r.stdout}{r.stderr}")
+        host.node_log = str(host.data_dir / "node" / "ray-node.log")
+        host.alive = True
+
+    def kill(self, host: Host) -> float:
+        """Power `host` off: SIGKILL every process in its namespace at once; the time it
+        happened (`time.time()`)."""
+        pids = host.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        host.alive = False
+        return time.time()
+
+    def partition(self, host: Host) -> float:
+        """Cut `host` off the network (its link down); when it happened."""
+        _ip("link", "set", host.link, "down")
+        return time.time()
+
+    def heal(self, host: Host) -> float:
+        _ip("link", "set", host.link, "up")
+        return time.time()
+
+    def slow(self, host: Host, rate: str = "8mbit") -> None:
+        """Limit `host`'s link to `rate` each way (a token bucket on both ends of its veth)."""
+        for args in (["tc", "qdisc", "replace", "dev", host.link],
+                     ["ip", "netns", "exec", host.netns, "tc", "qdisc", "replace", "dev",
+                      host.inner]):
+            subprocess.run([*args, "root", "tbf", "rate", rate, "burst", "32kbit",
+                            "latency", "400ms"], check=True, capture_output=True, timeout=30)
+
+    def close(self) -> None:
+        """Tear everything down, whatever state it is in."""
+        for host in self.hosts:
+            if host.alive:
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    self._node("stop", "--data-dir", str(host.data_dir), "--grace", "5",
+                               netns=host.netns, timeout_s=60)
+            self.kill(host)
+            _ip("netns", "del", host.netns, check=False)
+            _ip("link", "del", host.link, check=False)
+        from service.cluster.raynode import stop_node
+
+        stop_node(self.head_dir, grace_s=5)
+        _ip("link", "del", self.bridge, check=False)
+        shutil.rmtree(self.short, ignore_errors=True)
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()
+            self._lock = None
+
+
+@contextlib.contextmanager
+def hosts(root: Path, n: int, **kwargs: object) -> Iterator[Hosts]:
+    """`Hosts` with `n` hosts joined."""
+    with Hosts(root, **kwargs) as cluster:  # type: ignore[arg-type]
+        for _ in range(n):
+            cluster.add()
+        yield cluster

@@ -1,0 +1,166 @@
+"""Jobs across hosts in network namespaces (`tests.hosts`): three hosts of 2 CPUs, each a
+`trident node start` node joined to a head on the bridge, and the control plane (`trident up
+--ray-address`) on the head's host.
+
+A dp job trains with one rank on each of two hosts (their collectives cross the bridge); a
+tp2 x pp2 job puts each tensor-parallel pair inside a host and its pipeline stages on two;
+a host powered off mid-step (every process in its namespace killed at once) ends the attempt,
+which resumes from the newest checkpoint on the hosts left (the third is the spare), every step
+stored once and no more redone than the checkpoint interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import tiny_spec
+from tests.hosts import Hosts, available
+from tests.servers import HTTP, ROOT, free_port
+from tests.up import Up
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
+    """Three hosts, and `trident up` on the head's host driving them."""
+    with Hosts(tmp_path_factory.mktemp("hosts")) as hosts:
+        for _ in range(3):
+            hosts.add()
+        data = tmp_path_factory.mktemp("up")
+        up = Up(data, free_port(), {"TRIDENT_RAY_ADDRESS": hosts.address,
+                                    "PYTHONPATH": str(ROOT), **hosts.driver_env})
+        try:
+            up.wait_healthy()
+            wait_for("three hosts in the inventory", lambda: len(
+                [n for n in up.get("/cluster")["nodes"] if n["alive"]]) == 4, 120, up.log)
+            yield hosts, up
+        finally:
+            up.stop()
+
+
+@pytest.fixture
+def stack(cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
+    """The cluster, with every host a test powered off started again after it."""
+    yield cluster
+    hosts, _ = cluster
+    for host in hosts.hosts:
+        if not host.alive:
+            hosts.start_node(host)
+
+
+def submit(up: Up, spec: dict[str, Any]) -> int:
+    r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    assert r.status_code == 201, r.text
+    return int(r.json()["id"])
+
+
+def finish(up: Up, job_id: int, timeout_s: float = 600) -> dict[str, Any]:
+    wait_for(f"job {job_id} finished", lambda: up.get(f"/jobs/{job_id}")["state"] in (
+        "SUCCEEDED", "FAILED", "CANCELLED"), timeout_s, up.log)
+    return dict(up.get(f"/jobs/{job_id}"))
+
+
+def steps(up: Up, job_id: int, attempt: int | None = None) -> list[dict[str, Any]]:
+    params: dict[str, Any] = {} if attempt is None else {"attempt": attempt}
+    return list(up.get(f"/jobs/{job_id}/metrics", **params)["items"])
+
+
+def stored_once(items: list[dict[str, Any]], total: int) -> dict[int, list[int]]:
+    """Each attempt's steps (rank 0's), checked: no step stored twice by one attempt, each
+    attempt's steps one run without a gap, and the job's history (a step's newest values:
+    a resumed attempt redoes the steps after its checkpoint) every step from 1 to `total`."""
+    by_attempt: dict[int, list[int]] = {}
+    for m in items:
+        by_attempt.setdefault(m["attempt"], []).append(m["step"])
+    for got in by_attempt.values():
+        assert got == list(range(got[0], got[0] + len(got))), by_attempt
+    newest = {step: a for a, got in sorted(by_attempt.items()) for step in got}
+    assert sorted(newest) == list(range(1, total + 1)), by_attempt
+    return by_attempt
+
+
+def attempts(up: Up, job_id: int) -> list[dict[str, Any]]:
+    return list(up.get(f"/jobs/{job_id}/attempts")["items"])
+
+
+def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, tiny_spec(
+        name="two-hosts", train={"steps": 6, "global_batch": 8, "micro_batch": 2,
+                                 "precision": "fp32"},
+        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5}))
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    [attempt] = attempts(up, job_id)
+    ranks = attempt["placement"]["ranks"]
+    ips = {r["ip"] for r in ranks}
+    assert ips <= {h.address for h in hosts.hosts} and len(ips) == 2, ranks
+    # Rank 0 serves the rendezvous on its host's address, which the other host reached.
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+    assert attempt["placement"]["master"].rpartition(":")[0] == rank0["ip"]
+    assert [m["step"] for m in steps(up, job_id)] == list(range(1, 7))
+
+
+def test_tp_pairs_stay_inside_a_host_and_pipeline_stages_span_two(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, tiny_spec(
+        name="tp-pp", parallel={"tp": 2, "pp": 2, "dp": 1, "zero": 0},
+        model={"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32},
+        train={"steps": 4, "global_batch": 4, "micro_batch": 1, "precision": "fp32"},
+        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1}))
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    [attempt] = attempts(up, job_id)
+    ip = {r["rank"]: r["ip"] for r in attempt["placement"]["ranks"]}
+    # Ranks 0,1 are stage 0's tensor-parallel pair, 2,3 stage 1's (tp varies fastest).
+    assert ip[0] == ip[1] and ip[2] == ip[3] and ip[0] != ip[2], ip
+    assert {ip[0], ip[2]} <= {h.address for h in hosts.hosts}
+    assert [m["step"] for m in steps(up, job_id)] == list(range(1, 5))
+
+
+def test_a_host_powered_off_mid_step_resumes_from_the_checkpoint_on_the_spare(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    every, total = 3, 60
+    job_id = submit(up, tiny_spec(
+        name="host-loss", max_retries=2, checkpoint={"every_steps": every},
+        train={"steps": total, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False},
+        resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5}))
+    wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
+    first = attempts(up, job_id)[0]
+    victim_ip = next(r["ip"] for r in first["placement"]["ranks"] if r["rank"] == 1)
+    victim = next(h for h in hosts.hosts if h.address == victim_ip)
+    killed_at = hosts.kill(victim)
+    seen = [0]  # the newest step of the first attempt stored, as it goes
+
+    def resumed() -> bool:
+        got = steps(up, job_id)
+        seen[0] = max([seen[0]] + [m["step"] for m in got if m["attempt"] == 1])
+        return any(m["attempt"] >= 2 for m in got)
+
+    wait_for("a step after the host's loss", resumed, 300, up.log)
+    first_step_s = time.time() - killed_at
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    tried = attempts(up, job_id)
+    assert tried[0]["status"] == "failed", tried[0]
+    later = {r["ip"] for a in tried[1:] for r in a["placement"]["ranks"]}
+    assert victim_ip not in later and len(later) == 2, (victim_ip, later)
+    # Every step stored once, and the resumed attempt began right after a checkpoint no
+    # older than one interval before the newest step the first attempt stored.
+    by_attempt = stored_once(steps(up, job_id), total)
+    resumed_from = by_attempt[2][0] - 1
+    assert resumed_from % every == 0 and seen[0] - resumed_from <= every, (
+        seen[0], resumed_from)
+    assert by_attempt[1][-1] == seen[0]
+    assert first_step_s < 60, first_step_s
