@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     """A job whose ranks finish but whose last this many step losses (or every loss of its
     last attempt, when it ran fewer steps) were NaN or infinite ends FAILED, not SUCCEEDED:
     its weights diverged or were damaged, and the checkpoints it saved hold them."""
+    lemon_failures: int = Field(default=0, ge=0, le=1000)
+    """The lemon rule: a node whose ranks failed this many attempts within `lemon_window_s`
+    is cordoned by itself (`trident node uncordon` lets ranks back); 0, the default: never."""
+    lemon_window_s: float = Field(default=3600.0, gt=0, le=30 * 86400)
+    """The lemon rule's window: the failed attempts counted against a node are those that
+    failed this recently."""
     lease_s: float = Field(default=15.0, gt=0, le=600)
     """How long the controller's lease lasts unrenewed: a standby controller (or the one
     `trident up` restarts) takes over at most this long after the leader dies. The leader

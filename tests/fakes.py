@@ -93,6 +93,10 @@ class FakeLauncher:
         self.live: dict[tuple[int, int], FakeGroup] = {}
         """Groups that outlive a controller, by (job, attempt): what `attach` finds."""
         self.swept: list[tuple[int, int]] = []
+        self.cordoned: frozenset[str] = frozenset()
+
+    def cordon(self, node_ids: frozenset[str]) -> None:
+        self.cordoned = frozenset(node_ids)
 
     def attach(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                checkpoint_dir: str | None, writer: CheckpointWriter | None) -> FakeGroup | None:
@@ -110,7 +114,7 @@ class FakeLauncher:
         return [NodeCapacity("n0", self.cpus, 0)]
 
     def free_capacity(self) -> list[NodeCapacity]:
-        return self.total_capacity()
+        return [n for n in self.total_capacity() if n.node_id not in self.cordoned]
 
     def inventory(self) -> list[dict[str, Any]]:
         return [{"node_id": "n0", "hostname": "fake", "accelerator": "cpu"}]

@@ -334,3 +334,29 @@ def test_the_header_reads_and_stays_on_one_line(live: Live, page: Page) -> None:
     for box in (button, name):  # on the links' line, not wrapped below them
         assert abs(box["y"] + box["height"] / 2 - middle) < 4, (box, first)
     assert button["x"] + button["width"] <= 1400
+
+
+def test_the_cluster_page_shows_a_cordoned_node_and_its_events(live: Live, page: Page) -> None:
+    deadline = time.monotonic() + 120
+    while not (nodes := [n for n in get(f"{live.url}/api/v1/cluster").json()["nodes"]
+                         if n["alive"]]):
+        assert time.monotonic() < deadline, "no node recorded"
+        time.sleep(0.5)
+    node_id = nodes[0]["node_id"]
+    r = HTTP.post(f"{live.url}/api/v1/nodes/{node_id}/cordon", json={"reason": "browser check"},
+                  headers=AUTH, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    try:
+        page.goto(live.url + "/cluster")
+        cell = page.locator("td.node-state.cordoned")
+        expect(cell).to_contain_text("cordoned by admin")
+        expect(cell).to_contain_text("browser check")
+        page.locator("summary", has_text="events (1)").click()
+        expect(page.locator(".node-events li")).to_contain_text(
+            "cordon · cordoned by admin: browser check")
+    finally:
+        r = HTTP.post(f"{live.url}/api/v1/nodes/{node_id}/uncordon", headers=AUTH,
+                      timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+    page.goto(live.url + "/cluster")
+    expect(page.locator("td.node-state").first).to_have_text("ready")

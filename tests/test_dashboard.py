@@ -187,6 +187,22 @@ def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
     assert c.get(f"/jobs/{job_id}/logs/rank-5.log").status_code == 404
 
 
+def test_the_cluster_page_shows_each_nodes_state_and_events(client: Any) -> None:
+    c, store = client
+    store.upsert_nodes(nodes=[{"node_id": "a" * 56, "hostname": "gpu-1"},
+                              {"node_id": "b" * 56, "hostname": "gpu-2"},
+                              {"node_id": "c" * 56, "hostname": "gpu-3"}])
+    store.cordon_node(node_id="a" * 56, by="admin", reason="fan <noise>")
+    store.cordon_node(node_id="b" * 56, by="admin", reason="BIOS", drain_grace_s=60)
+    text = c.get("/cluster").text
+    cells = re.findall(r'<td class="node-state (\w+)">([^<]*)</td>', text)
+    assert [(state, cell.split(" ago: ")[0].split(" by ")[0]) for state, cell in cells] == [
+        ("cordoned", "cordoned"), ("draining", "draining"), ("ready", "ready")]
+    assert cells[0][1].endswith("ago: fan &lt;noise&gt;")  # escaped
+    assert cells[1][1].startswith("draining by admin") and "BIOS (deadline " in cells[1][1]
+    assert text.count("<summary>events (1)</summary>") == 2
+
+
 def test_hangs_group_identical_stacks(client: Any) -> None:
     c, store = client
     job_id = started(store)

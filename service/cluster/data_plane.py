@@ -74,9 +74,18 @@ class NodeCapacity:
 class Launcher(Protocol):
     """Creates worker groups on a cluster and says what the cluster has free."""
 
-    def free_capacity(self) -> list[NodeCapacity]: ...
+    def free_capacity(self) -> list[NodeCapacity]:
+        """What is free, on the nodes not cordoned (`cordon`)."""
+        ...
 
-    def total_capacity(self) -> list[NodeCapacity]: ...
+    def total_capacity(self) -> list[NodeCapacity]:
+        """Every live node's resources, cordoned ones included (a cordon is for a while: a
+        job that needs the node waits for it instead of failing as impossible)."""
+        ...
+
+    def cordon(self, node_ids: frozenset[str]) -> None:
+        """Keep new groups off these nodes (and only these) from now on: their room is not
+        free, and no group started after this is placed there."""
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None, writer: CheckpointWriter | None) -> WorkerGroup:

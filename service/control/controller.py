@@ -37,6 +37,8 @@ stop for a move up and watches them, beside the loop). Those collaborators move 
 the controller's hands (`service.control.control_pass.Loop`: `move`, `record`, `teardown`,
 `succeed`,
 `fail_attempt`, `fenced`); the controller keeps admission, placement, watching and endings.
+Cordoned nodes are kept off placement, drained nodes' jobs moved (as preempted ones are) and
+the lemon rule applied by `Cordons` (`service.control.cordons`).
 One module because it is one pass (about 600 lines), each of whose parts hands its work to
 the modules named here.
 """
@@ -55,6 +57,7 @@ from service.contract.spec_limits import recheck
 from service.contract.states import JobState, TransitionError
 from service.control.cluster_probes import ClusterProbes
 from service.control.control_pass import Change, LiveAttempt, StepResult
+from service.control.cordons import Cordons
 from service.control.node_survey import NodeSurvey
 from service.control.pace import FAST_FOR_S, Activity
 from service.control.preempting import Preemptions
@@ -122,7 +125,8 @@ class Controller:
                  places: CheckpointPlaces | None = None, box: SecretBox | None = None,
                  tracking: TrackingConfig | None = None,
                  preempt_grace_s: float = 300.0, tag_steps_max_bytes: int = 64 << 20,
-                 nonfinite_loss_steps: int = 10) -> None:
+                 nonfinite_loss_steps: int = 10, lemon_failures: int = 0,
+                 lemon_window_s: float = 3600.0) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -171,6 +175,9 @@ class Controller:
         self.rescaling = Rescaling(self, store, launcher, grace_s=preempt_grace_s,
                                    poll_timeout_s=poll_timeout_s)
         """Elastic jobs re-planned down and moved up, beside the loop."""
+        self.cordons = Cordons(self, store, launcher, self.teardowns, self.preemptions,
+                               lemon_failures=lemon_failures, lemon_window_s=lemon_window_s)
+        """Cordoned nodes kept off placement, drained nodes' jobs moved, the lemon rule."""
         self.stopped_at: dict[int, float] = {}
         """When each job's last group was seen stopped (`time.monotonic()`), until its restart
         is placed or requeued (`_restart`)."""
@@ -215,6 +222,7 @@ class Controller:
             self._read_folders = True
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
+        self.cordons.step(result, stopping=self.rescaling.moving)
         self.rescaling.down()
         self._admit(result, active, keeping)
         self.rescaling.up(active, self.blocked)
@@ -502,6 +510,7 @@ class Controller:
         elif poll.state == "failed":
             # Drained: the ranks that did not fail may hold steps no poll brought yet.
             self.teardown(job.id, run, drain=True)
+            self.cordons.failed(job, run, poll.failed_ranks)
             detail = run.redact(poll.error or "a rank failed")
             ranks = f"rank(s) {poll.failed_ranks} failed" if poll.failed_ranks else "failed"
             # A folder that is another job's now (rank 0 refused it) stays so, and a corpus

@@ -229,6 +229,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
                                                   settings.data_dir),
                           start_timeout_s=settings.start_timeout_s,
                           nonfinite_loss_steps=settings.nonfinite_loss_steps,
+                          lemon_failures=settings.lemon_failures,
+                          lemon_window_s=settings.lemon_window_s,
                           cancel_grace_s=settings.cancel_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
                           tracking=TrackingConfig.of(settings),

@@ -75,20 +75,34 @@ class Preemptions:
         poll = run.group.poll(self.poll_timeout_s)
         result.metrics += self.loop.record(job, run, poll)
         victim = self.victims.get(job.id)
-        late = victim is None or time.monotonic() - victim.asked > self.grace_s
+        grace_s = self.grace_s if victim is None or victim.grace_s is None else victim.grace_s
+        late = victim is None or time.monotonic() - victim.asked > grace_s
         if poll.state == "succeeded":
             self.loop.succeed(job, run, result)
         elif poll.state in ("stopped", "failed") or late:
             self.loop.teardown(job.id, run)
             why = {"stopped": "its ranks saved and stopped",
                    "failed": f"its ranks stopped with an error: {run.redact(poll.error or '')}"
-                   }.get(poll.state, f"its ranks did not stop within {self.grace_s:g} s")
+                   }.get(poll.state, f"its ranks did not stop within {grace_s:g} s")
             self.requeue(job, run.attempt, why, result)
 
     def requeue(self, job: Job, attempt: int, why: str, result: StepResult) -> None:
         """Back to the queue, by its priority, the attempt ended preempted (no retry spent);
-        its quota note says by whom."""
+        its quota note says by whom (or the drain of which node it moves off)."""
         victim = self.victims.get(job.id)
+        if victim is not None and victim.node is not None:
+            self.store.end_attempt(job_id=job.id, number=attempt,
+                                   status=AttemptStatus.PREEMPTED,
+                                   error=f"moved off {victim.node} (drained): {why}")
+            moved = self.loop.move(job, JobState.QUEUED, f"requeued to move off {victim.node}"
+                                   f" (drained; {why}); it resumes from its newest checkpoint on"
+                                   " the other nodes, without spending a retry", result,
+                                   attempt=attempt)
+            if moved is not None:
+                self.quota_notes.note(job.id, f"moved off {victim.node} (drained); resumes"
+                                      " from its checkpoint when there is room", kind="drained",
+                                      data={"node": victim.node})
+            return
         by = f"job {victim.by}" if victim else "a job of higher priority"
         self.store.end_attempt(job_id=job.id, number=attempt, status=AttemptStatus.PREEMPTED,
                                error=f"preempted by {by}: {why}")

@@ -32,11 +32,15 @@ from service.store.views import aware
 
 @dataclass
 class Victim:
-    """A job asked to checkpoint and stop, for `by`."""
+    """A job asked to checkpoint and stop, for job `by`, or to move off a drained `node`."""
 
-    by: int
+    by: int | None
     asked: float
     """`time.monotonic()` when it was asked."""
+    node: str | None = None
+    """The drained node it moves off (`service.control.cordons`), as its events name it."""
+    grace_s: float | None = None
+    """How long it has to stop (None: the controller's preemption grace)."""
 
 
 def holds(placement: Mapping[str, Any] | None, job: Job) -> dict[str, tuple[float, float]]:

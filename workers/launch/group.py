@@ -16,13 +16,14 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
 from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
     get_placement_group,
     placement_group,
     remove_placement_group,
@@ -79,7 +80,7 @@ class RayWorkerGroup:
                  gpus: float, env: dict[str, str], strategy: str = "PACK",
                  launch: Callable[[Any, int, list[dict[str, Any]], int], Any] | None,
                  detached: bool = False, attach: bool = False,
-                 namespace: str = NAMESPACE) -> None:
+                 namespace: str = NAMESPACE, avoid: Collection[str] = ()) -> None:
         self.name = name
         self.world_size = world_size
         self.tp = ranks_per_bundle
@@ -109,7 +110,8 @@ class RayWorkerGroup:
             self.phase = "running"
             return
         lifetime = {"lifetime": "detached"} if detached else {}
-        self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime)
+        self.pg = placement_group(self.bundles, strategy=strategy, name=name, **lifetime,
+                                  bundle_label_selector=avoiding(avoid, len(self.bundles)))
         self.actors = []
         try:
             for r in range(world_size):
@@ -324,14 +326,22 @@ def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_di
     return launch
 
 
+def avoiding(nodes: Collection[str], bundles: int) -> list[dict[str, str]] | None:
+    """Ray's bundle label selectors that keep every bundle off `nodes` (cordoned: their
+    ids, by Ray's `ray.io/node-id` label); None when there are none to avoid."""
+    if not nodes:
+        return None
+    return [{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(nodes))})"} for _ in range(bundles)]
+
+
 def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                 checkpoint_dir: str | None, writer: CheckpointWriter | None = None,
                 log: tuple[str, int] | None = None,
                 server: ServerData | None = None,
-                namespace: str = NAMESPACE) -> RayWorkerGroup:
+                namespace: str = NAMESPACE, avoid: Collection[str] = ()) -> RayWorkerGroup:
     """A job's attempt: one bundle per TP group, ranks probe (if asked) and train; with
     `log` (directory, cap per rank) each rank's stdout and stderr go to a file there; its
-    ranks named in `namespace`."""
+    ranks named in `namespace`, placed on no node of `avoid` (cordoned)."""
     cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
     return RayWorkerGroup(name=job_group_name(job_id, attempt), world_size=plan.world_size,
                           ranks_per_bundle=plan.layout.tp, cpus=cpus, gpus=gpus,
@@ -340,7 +350,7 @@ def train_group(*, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
                           # their names tell the rank logs what to redact.
                           env=rank_env({**spec.env, **spec.secret_values(),
                                         **secret_names_env(spec.secrets)}, cpus, gpus),
-                          detached=True, namespace=namespace,
+                          detached=True, namespace=namespace, avoid=avoid,
                           launch=train_launch(attempt=attempt, spec=spec, plan=plan,
                                               writer=writer, server=server,
                                               checkpoint_dir=checkpoint_dir, log=log))

@@ -68,6 +68,15 @@ class RayLauncher:
         self.log_max_bytes = log_max_bytes
         self.server = server
         self.light_ranks = light_ranks
+        self.cordoned: frozenset[str] = frozenset()
+        """Nodes no new group is placed on (`cordon`)."""
+
+    def cordon(self, node_ids: frozenset[str]) -> None:
+        """From now on keep new groups off these nodes (and only these): their room is not
+        free (`free_capacity`), and each new placement group's bundles carry a label selector
+        that excludes them (Ray's `ray.io/node-id` label), so Ray itself never places a rank
+        there. Groups placed already stay where they are."""
+        self.cordoned = frozenset(node_ids)
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
               checkpoint_dir: str | None,
@@ -82,7 +91,7 @@ class RayLauncher:
         group = train_group(job_id=job_id, attempt=attempt, spec=spec, plan=plan,
                             checkpoint_dir=checkpoint_dir, writer=writer,
                             log=self._rank_log(job_id, attempt), server=self.server,
-                            namespace=self.namespace)
+                            namespace=self.namespace, avoid=self.cordoned)
         self._placing.append(group)
         return group
 
@@ -198,11 +207,13 @@ class RayLauncher:
                 for n, r in sorted(total_resources_per_node().items())]
 
     def free_capacity(self) -> list[NodeCapacity]:
-        """Ray's free resources, less what groups still waiting for placement will take."""
+        """Ray's free resources, less what groups still waiting for placement will take;
+        none on a cordoned node."""
         from ray._private.state import available_resources_per_node
 
         free = {n: [r.get("CPU", 0.0), r.get("GPU", 0.0)]
-                for n, r in sorted(available_resources_per_node().items())}
+                for n, r in sorted(available_resources_per_node().items())
+                if n not in self.cordoned}
         self._placing = [g for g in self._placing if g.phase == "placing"]
         for group in self._placing:
             for b in group.bundles:
