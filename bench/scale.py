@@ -174,6 +174,8 @@ class FullClusterLauncher:
     def inventory(self) -> list[dict[str, Any]]:
         return [{"node_id": "n0", "hostname": "bench", "accelerator": "cpu"}]
 
+    def cordon(self, node_ids: frozenset[str]) -> None: ...
+
     def attach(self, **kw: Any) -> _Group:
         return _Group()
 
