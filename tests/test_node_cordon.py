@@ -147,3 +147,96 @@ def test_the_lemon_rule_cordons_a_node_after_n_failed_attempts_within_its_window
     store.uncordon_node(node_id=A, by="admin")
     assert store.note_node_failures(node_ids=[A], job_id=4, attempt=1, threshold=2,
                                     window_s=600) == []
+
+
+def test_a_drain_asks_only_the_jobs_on_its_node_and_stops_those_late_after_its_grace(
+        store: Store) -> None:
+    """`Cordons` with the controller's hands faked (`FakeLoop`): the drained node's job is
+    asked to save and stop, one elsewhere is not; ranks that do not stop within the grace are
+    stopped, the job requeued without a retry spent; the node is drained once their group
+    stopped; an uncordon gives the node back to the launcher."""
+    from service.cluster.data_plane import PollResult
+    from service.contract.states import JobState
+    from service.control.control_pass import StepResult
+    from service.control.cordons import Cordons
+    from service.control.preempting import Preemptions
+    from service.control.teardown import Teardowns
+    from service.store import AttemptStatus
+    from service.store.quota_waits import QuotaNotes
+    from tests.fakes import FakeGroup, FakeLauncher, FakeLoop, live, submit
+
+    store.upsert_nodes(nodes=[{"node_id": A, "hostname": "gpu-1"},
+                              {"node_id": B, "hostname": "gpu-2"}])
+    hands = FakeLoop(store, Teardowns(0.1))
+    launcher = FakeLauncher([])
+    preemptions = Preemptions(hands, store, launcher, hands.teardowns,  # type: ignore[arg-type]
+                              QuotaNotes(store), grace_s=300, poll_timeout_s=0)
+    cordons = Cordons(hands, store, launcher, hands.teardowns,  # type: ignore[arg-type]
+                      preemptions)
+    # Its ranks never stop by themselves: polls after the ask still say running.
+    on_a = live(store, hands, FakeGroup([PollResult(state="running")],
+                                        after_cancel=PollResult(state="running")),
+                submit(store, name="on-a"), {"ranks": [{"rank": 0, "node_id": A},
+                                                       {"rank": 1, "node_id": B}]})
+    on_b = live(store, hands, FakeGroup([PollResult(state="running")]),
+                submit(store, name="on-b"), {"ranks": [{"rank": 0, "node_id": B}]})
+    store.cordon_node(node_id=A, by="admin", reason="BIOS", drain_grace_s=0)
+    result = StepResult()
+    cordons.step(result)
+    assert launcher.cordoned == {A} and ("fenced", 0) in hands.calls
+    assert [(c.job_id, c.to) for c in result.changes] == [(on_a.id, JobState.PREEMPTED)]
+    assert hands.running[on_a.id].group.preempted
+    assert not hands.running[on_b.id].group.preempted
+    [asked] = [e for e in store.list_events(job_id=on_a.id) if e.data.get("to") == "PREEMPTED"]
+    assert asked.message.startswith("node a10000000000 (gpu-1) is drained by admin (BIOS)")
+    cordons.step(StepResult())  # asked once: not again, and not drained while it is there
+    assert [n.state for n in store.list_nodes()] == ["draining", "ready"]
+
+    preemptions.watch(store.get_job(job_id=on_a.id), hands.running[on_a.id], StepResult())
+    job = store.get_job(job_id=on_a.id)
+    assert (job.state, job.preemptions) == (JobState.QUEUED, 1)
+    [attempt] = store.list_attempts(job_id=on_a.id)
+    assert attempt.status == AttemptStatus.PREEMPTED
+    assert attempt.error == "moved off node a10000000000 (gpu-1) (drained): its ranks did not" \
+        " stop within 0 s"
+    assert job.waiting == "moved off node a10000000000 (gpu-1) (drained); resumes from its" \
+        " checkpoint when there is room"
+    assert hands.teardowns.wait(30)
+    cordons.step(StepResult())
+    node = store.list_nodes()[0]
+    assert node.state == "drained" and node.events[-1].data["moved"] == [on_a.id]
+    assert store.get_job(job_id=on_b.id).state == JobState.RUNNING
+
+    store.uncordon_node(node_id=A, by="admin")
+    cordons.step(StepResult())
+    assert launcher.cordoned == frozenset()
+
+
+def test_the_lemon_rule_counts_only_the_nodes_of_the_failed_ranks(store: Store) -> None:
+    from service.cluster.data_plane import PollResult
+    from service.control.cordons import Cordons
+    from service.control.preempting import Preemptions
+    from service.control.teardown import Teardowns
+    from service.store.quota_waits import QuotaNotes
+    from tests.fakes import FakeGroup, FakeLauncher, FakeLoop, live, submit
+
+    store.upsert_nodes(nodes=[{"node_id": A, "hostname": "gpu-1"},
+                              {"node_id": B, "hostname": "gpu-2"}])
+    hands = FakeLoop(store, Teardowns(0.1))
+    launcher = FakeLauncher([])
+    preemptions = Preemptions(hands, store, launcher, hands.teardowns,  # type: ignore[arg-type]
+                              QuotaNotes(store), grace_s=300, poll_timeout_s=0)
+    job = live(store, hands, FakeGroup([PollResult(state="running")]), submit(store),
+               {"ranks": [{"rank": 0, "node_id": A}, {"rank": 1, "node_id": B}]})
+    run = hands.running[job.id]
+    off = Cordons(hands, store, launcher, hands.teardowns, preemptions)  # type: ignore[arg-type]
+    off.failed(job, run, [1])  # the rule is off by default
+    assert [n.cordon for n in store.list_nodes()] == [None, None]
+    on = Cordons(hands, store, launcher, hands.teardowns,  # type: ignore[arg-type]
+                 preemptions, lemon_failures=1, lemon_window_s=60)
+    on.failed(job, run, [1])
+    assert [n.state for n in store.list_nodes()] == ["ready", "cordoned"]
+    [event] = [e for e in store.list_events(job_id=job.id) if e.kind == "node"]
+    assert event.message.startswith("node a20000000000 (gpu-2) cordoned by the lemon rule:"
+                                    f" lemon: ranks here failed 1 attempt within 60 s (job"
+                                    f" {job.id} attempt 1)")

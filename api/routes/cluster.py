@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Principal, require
 from api.deps import ProbeId, StoreDep
-from api.schemas import ClusterView, ProbeList
+from api.schemas import ClusterView, ProbeList, Refusal
 from service.contract.hardware import PROFILES
 from service.store import Node, NotFound, Probe, Store
 from service.store.cluster import AmbiguousNode
@@ -97,7 +97,8 @@ def cordon_node(store: StoreDep, host: Host,
     return store.cordon_node(node_id=node.node_id, by=who.name, reason=_reason(body, "cordoned"))
 
 
-@router.post("/nodes/{host}/drain", response_model=Node)
+@router.post("/nodes/{host}/drain", response_model=Node,
+             responses={409: {"model": Refusal, "description": "The node is dead"}})
 def drain_node(store: StoreDep, host: Host,
                who: Annotated[Principal, Depends(require("nodes:drain"))],
                body: DrainRequest = DrainRequest()) -> Node:  # noqa: B008  # immutable

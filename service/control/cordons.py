@@ -12,9 +12,11 @@ once they stopped (or the drain's grace is over) it is requeued without spending
 admission then places it on the nodes not cordoned, where it resumes from that checkpoint.
 
 The lemon rule (`Settings.lemon_failures`, `lemon_window_s`; off by default): each attempt
-that fails counts against the nodes of its failed ranks (every node of the attempt when the
-failure names no rank); a node with that many failed attempts within the window is cordoned
-by itself, with the reason on the node and an event on the job whose failure tipped it.
+whose ranks failed (an error, a rank or its node lost; not a hang, nor a group that did not
+start in time) counts against the nodes of its failed ranks (every node of the attempt when
+the failure names no rank); a node with that many failed attempts within the window is
+cordoned by itself, with the reason on the node and an event on the job whose failure tipped
+it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Cordons:
             there = [j for j, run in self.loop.running.items() if node.node_id in _nodes(run)]
             for job_id in there:
                 run = self.loop.running[job_id]
-                if job_id not in stopping and job_id not in self.preemptions.victims:
+                if job_id not in stopping:  # one asked already is PREEMPTED: not again
                     self._move(job_id, run, node, result)
             moved = self.moved[node.node_id]
             if not there and not any(self.teardowns.busy(("job", j)) for j in moved):

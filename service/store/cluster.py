@@ -224,7 +224,8 @@ class ClusterRecords:
                     continue
                 named = ", ".join(f"job {f['job_id']} attempt {f['attempt']}"
                                   for f in row.failures)
-                reason = (f"lemon: ranks here failed {len(kept)} attempts within"
+                attempts = "attempt" if len(kept) == 1 else "attempts"
+                reason = (f"lemon: ranks here failed {len(kept)} {attempts} within"
                           f" {window_s:g} s ({named}); cordoned until an admin uncordons it")
                 row.cordoned_at, row.cordoned_by, row.cordon_reason = now, LEMON_BY, reason
                 _event(row, "lemon", LEMON_BY, reason, failures=row.failures)

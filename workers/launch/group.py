@@ -365,8 +365,10 @@ RANK_SUFFIX = re.compile(r"-r\d+$")
 
 
 def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus: float,
-                        gpus: float, max_bytes: int) -> RayWorkerGroup:
-    """`trident probe`: one bundle per node (strictly spread), ranks_per_node ranks each."""
+                        gpus: float, max_bytes: int,
+                        avoid: Collection[str] = ()) -> RayWorkerGroup:
+    """`trident probe`: one bundle per node (strictly spread), ranks_per_node ranks each,
+    none on the nodes of `avoid` (cordoned)."""
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
         return actor.start_cluster_probe.remote(infos[0]["ip"], infos[0]["free_ports"][0],
@@ -375,4 +377,5 @@ def cluster_probe_group(*, probe_id: int, nodes: int, ranks_per_node: int, cpus:
     return RayWorkerGroup(name=f"trident-probe{probe_id}", world_size=nodes * ranks_per_node,
                           ranks_per_bundle=ranks_per_node, cpus=cpus, gpus=gpus,
                           env=rank_env({}, cpus, gpus),
-                          strategy="STRICT_SPREAD" if nodes > 1 else "PACK", launch=launch)
+                          strategy="STRICT_SPREAD" if nodes > 1 else "PACK", launch=launch,
+                          avoid=avoid)

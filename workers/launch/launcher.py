@@ -75,7 +75,7 @@ class RayLauncher:
         """From now on keep new groups off these nodes (and only these): their room is not
         free (`free_capacity`), and each new placement group's bundles carry a label selector
         that excludes them (Ray's `ray.io/node-id` label), so Ray itself never places a rank
-        there. Groups placed already stay where they are."""
+        there; `trident probe` leaves them out. Groups placed already stay where they are."""
         self.cordoned = frozenset(node_ids)
 
     def start(self, *, job_id: int, attempt: int, spec: JobSpec, plan: StoredPlan,
@@ -166,9 +166,10 @@ class RayLauncher:
 
     def start_cluster_probe(self, *, probe_id: int, ranks_per_node: int,
                             max_bytes: int) -> RayWorkerGroup:
-        """Probe every node that can hold `ranks_per_node` ranks (one GPU each on GPU nodes,
-        else a share of the node's CPUs)."""
-        total = [n for n in self.total_capacity() if n.cpus > 0 or n.gpus > 0]
+        """Probe every node not cordoned that can hold `ranks_per_node` ranks (one GPU each
+        on GPU nodes, else a share of the node's CPUs)."""
+        total = [n for n in self.total_capacity()
+                 if (n.cpus > 0 or n.gpus > 0) and n.node_id not in self.cordoned]
         gpu_nodes = [n for n in total if n.gpus >= ranks_per_node]
         nodes = gpu_nodes or [n for n in total if n.cpus > 0]
         if not nodes:
@@ -177,7 +178,7 @@ class RayLauncher:
         cpus = min(1.0, min(n.cpus for n in nodes) / ranks_per_node)
         return cluster_probe_group(probe_id=probe_id, nodes=len(nodes),
                                    ranks_per_node=ranks_per_node, cpus=cpus, gpus=gpus,
-                                   max_bytes=max_bytes)
+                                   max_bytes=max_bytes, avoid=self.cordoned)
 
     def inventory(self) -> list[dict[str, Any]]:
         """Every live node's inventory, gathered by a zero-CPU task pinned to that node, with
