@@ -1,18 +1,26 @@
 """`trident node start|stop`: a Ray node of this host, started the way Trident needs it.
 
-`start` runs `ray start --block` (head, or a worker joining `--address`) as a process of its
-own session, so that it outlives the command, with the node's labels
+`start` runs `ray start --block` (head, or a worker joining `--address`) under a keeper
+(`keep`), a process of its own session, so that it outlives the command, with the node's labels
 (`service.cluster.node_labels`),
 its CPUs and GPUs, and Ray's token authentication (`service.cluster.rayhead.auth_env`). It listens
 on every interface of the host: that is how the other hosts reach it, and starting a node with it
 is how a cluster of several hosts opts in (`trident up`'s own head is on loopback only:
 `service.cluster.rayhead.LOOPBACK_ENV`; Ray replaces a loopback `--node-ip-address` here by the
 host's address, so that the others can join). It waits until Ray says the node runs and
-records what it started in `<data_dir>/node/state.json`: the pid (also its process group),
-the address, the temp dir and the log. `stop` stops that node and
-nothing else: SIGTERM to the recorded `ray start --block` (which stops the node's processes),
-then SIGKILL to what is left of its process group after the grace. It never runs `ray stop`,
-which would stop every Ray node of the host, other people's too.
+records what it started in `<data_dir>/node/state.json`: the keeper's pid (also its process
+group), the address, the temp dir and the log. `stop` stops that node and nothing else:
+SIGTERM to the recorded keeper (which stops `ray start --block`, which stops the node's
+processes), then SIGKILL to what is left of its process group after the grace. It never runs
+`ray stop`, which would stop every Ray node of the host, other people's too.
+
+The keeper starts `ray start --block` again whenever it ends after it ran (with a backoff from
+1 s to 30 s), so that a host rejoins by itself: a node cut off from the head for longer than
+the head's health checks allow (`service.cluster.rayhead.HEALTH_CHECK_ENV`) is marked dead, and
+its raylet, once it hears so, exits (Ray never takes a dead node back); a worker whose head
+restarted loses its raylet too. Without the keeper the host would stay out until someone ran
+`trident node start` again. A first start that fails before Ray says the node runs ends the
+keeper with its status (a wrong address or token is an error to show, not to retry).
 """
 
 from __future__ import annotations
@@ -70,13 +78,66 @@ def read_state(data_dir: Path) -> NodeState | None:
         return None
 
 
+KEEPER = "service.cluster.raynode"
+"""The module whose `keep` runs `ray start --block` for `trident node start`."""
+
+
 def alive(state: NodeState) -> bool:
-    """Whether the recorded `ray start --block` still runs (and its pid was not reused)."""
+    """Whether the recorded keeper of `ray start --block` still runs (and its pid was not
+    reused)."""
     try:
         cmd = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"--block" in cmd and b"start" in cmd and any(b"ray" in c for c in cmd[:3])
+    return KEEPER.encode() in cmd[:3] and b"--block" in cmd and b"start" in cmd
+
+
+def keep(argv: list[str], log_path: Path, *, backoff_min_s: float = 1.0,
+         backoff_max_s: float = 30.0, stable_s: float = 60.0) -> int:
+    """Run `argv` (`ray start --block`), its output appended to `log_path`, and run it again
+    whenever it ends, until SIGTERM or SIGINT (passed on to it; then its status). The backoff
+    doubles from `backoff_min_s` to `backoff_max_s` and starts over once a run lasted
+    `stable_s`. A first run that ends before `READY` is in its output ends the keeper with
+    its status."""
+    stopping = False
+    child: subprocess.Popen[bytes] | None = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    backoff, runs = backoff_min_s, 0
+    while True:
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with log_path.open("ab") as out:
+            # The keeper's own process group: `stop_node`'s SIGKILL reaches it all.
+            child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        runs += 1
+        began = time.monotonic()
+        code = child.wait()
+        ran = time.monotonic() - began
+        if stopping:
+            return code
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            was_ready = READY.encode() in f.read()
+        if runs == 1 and not was_ready:
+            return code or 1
+        backoff = backoff_min_s if ran >= stable_s else backoff
+        with log_path.open("a") as f:
+            f.write(f"\ntrident node: ray exited with status {code} after {ran:.0f} s;"
+                    f" starting it again (joining the cluster) in {backoff:g} s\n")
+        deadline = time.monotonic() + backoff
+        while not stopping and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if stopping:
+            return code
+        backoff = min(backoff * 2, backoff_max_s)
 
 
 START_WAIT_ENV = {"RAY_raylet_start_wait_time_s": "120"}
@@ -116,8 +177,10 @@ def start_node(data_dir: Path, *, role: str, address: str, argv: list[str],
                            f"{known.role} of {known.address}): `trident node stop` it first")
     log_path = data_dir / "node" / "ray-node.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+    log_path.write_bytes(b"")
+    keeper = [sys.executable, "-m", KEEPER, str(log_path), *argv]
+    with log_path.open("ab") as out:  # what the keeper itself says before it runs
+        proc = subprocess.Popen(keeper, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     state = NodeState(pid=proc.pid, role=role, address=address, log=str(log_path),
                       temp_dir=temp_dir, argv=argv)
@@ -147,9 +210,13 @@ def stop_node(data_dir: Path, grace_s: float = 30.0) -> NodeState | None:
         deadline = time.monotonic() + grace_s
         while alive(state) and time.monotonic() < deadline:
             time.sleep(0.2)
-        # `ray start --block` started the node's processes in its own process group (the
-        # session `start_node` gave it): whatever of it outlived the grace is ours to kill.
+        # The keeper, `ray start --block` and the node's processes are one process group
+        # (the session `start_node` gave the keeper): what outlived the grace is ours to kill.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(state.pid, signal.SIGKILL)
     state_path(data_dir).unlink(missing_ok=True)
     return state if running else None
+
+
+if __name__ == "__main__":  # the keeper: python -m service.cluster.raynode LOG ARGV...
+    sys.exit(keep(sys.argv[2:], Path(sys.argv[1])))
