@@ -35,6 +35,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tests.servers import HTTP, free_port
+from tests.up import Up
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET_PREFIX = "10.213"
@@ -160,8 +165,6 @@ class Hosts:
             ray_start_argv,
             start_node,
         )
-        from tests.servers import free_port
-
         self.port = free_port()
         argv = ray_start_argv(head=True, address=self.address, num_cpus=self.head_cpus,
                               num_gpus=0, labels={"trident.io/accelerator": "cpu"},
@@ -251,9 +254,68 @@ class Hosts:
 
 
 @contextlib.contextmanager
-def hosts(root: Path, n: int, **kwargs: object) -> Iterator[Hosts]:
-    """`Hosts` with `n` hosts joined."""
-    with Hosts(root, **kwargs) as cluster:  # type: ignore[arg-type]
+def up_on_hosts(root: Path, n: int) -> Iterator[tuple[Hosts, Up]]:
+    """`n` hosts, and `trident up --ray-address` on the head's host driving them (faults and
+    light ranks allowed), once its inventory has every host."""
+    with Hosts(root / "hosts") as cluster:
         for _ in range(n):
             cluster.add()
-        yield cluster
+        (root / "up").mkdir()
+        up = Up(root / "up", free_port(), {"TRIDENT_RAY_ADDRESS": cluster.address,
+                                          "TRIDENT_ALLOW_FAULTS": "1",
+                                          "TRIDENT_LIGHT_RANKS": "1",
+                                          "PYTHONPATH": str(ROOT), **cluster.driver_env})
+        try:
+            up.wait_healthy()
+            all_joined(cluster, up)
+            yield cluster, up
+        finally:
+            up.stop()
+
+
+def all_joined(cluster: Hosts, up: Up, timeout_s: float = 120) -> None:
+    """Until the control plane's inventory has a live node at every host's address (a host
+    powered on again, or back on the network, takes seconds to join)."""
+    def joined() -> bool:
+        live = {x["info"].get("address") for x in up.get("/cluster")["nodes"] if x["alive"]}
+        return {h.address for h in cluster.hosts} <= live
+    wait_for("every host in the inventory", joined, timeout_s, up.log)
+
+
+# What the tests on hosts read of a job, through the REST API of `up_on_hosts`' stack.
+
+def submit(up: Up, spec: dict[str, Any]) -> int:
+    r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
+    assert r.status_code == 201, r.text
+    return int(r.json()["id"])
+
+
+def finish(up: Up, job_id: int, timeout_s: float = 600) -> dict[str, Any]:
+    wait_for(f"job {job_id} finished", lambda: up.get(f"/jobs/{job_id}")["state"] in (
+        "SUCCEEDED", "FAILED", "CANCELLED"), timeout_s, up.log)
+    return dict(up.get(f"/jobs/{job_id}"))
+
+
+def steps(up: Up, job_id: int, attempt: int | None = None) -> list[dict[str, Any]]:
+    params: dict[str, Any] = {} if attempt is None else {"attempt": attempt}
+    return list(up.get(f"/jobs/{job_id}/metrics", **params)["items"])
+
+
+def stored_once(items: list[dict[str, Any]], total: int) -> dict[int, list[int]]:
+    """Each attempt's steps (rank 0's), checked: no step stored twice by one attempt, each
+    attempt's steps one run without a gap, and the job's history (a step's newest values:
+    a resumed attempt redoes the steps after its checkpoint) every step from 1 to `total`."""
+    by_attempt: dict[int, list[int]] = {}
+    for m in items:
+        by_attempt.setdefault(m["attempt"], []).append(m["step"])
+    for got in by_attempt.values():
+        assert got == list(range(got[0], got[0] + len(got))), by_attempt
+    newest = {step: a for a, got in sorted(by_attempt.items()) for step in got}
+    assert sorted(newest) == list(range(1, total + 1)), by_attempt
+    return by_attempt
+
+
+def attempts(up: Up, job_id: int) -> list[dict[str, Any]]:
+    return list(up.get(f"/jobs/{job_id}/attempts")["items"])
+
+

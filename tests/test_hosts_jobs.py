@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from tests.conftest import tiny_spec
-from tests.hosts import Hosts, available
-from tests.servers import HTTP, ROOT, free_port
+from tests.hosts import (
+    Hosts,
+    all_joined,
+    attempts,
+    available,
+    finish,
+    steps,
+    stored_once,
+    submit,
+    up_on_hosts,
+)
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -30,19 +38,8 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
     """Three hosts, and `trident up` on the head's host driving them."""
-    with Hosts(tmp_path_factory.mktemp("hosts")) as hosts:
-        for _ in range(3):
-            hosts.add()
-        data = tmp_path_factory.mktemp("up")
-        up = Up(data, free_port(), {"TRIDENT_RAY_ADDRESS": hosts.address,
-                                    "PYTHONPATH": str(ROOT), **hosts.driver_env})
-        try:
-            up.wait_healthy()
-            wait_for("three hosts in the inventory", lambda: len(
-                [n for n in up.get("/cluster")["nodes"] if n["alive"]]) == 4, 120, up.log)
-            yield hosts, up
-        finally:
-            up.stop()
+    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
+        yield stack
 
 
 @pytest.fixture
@@ -53,41 +50,7 @@ def stack(cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
     for host in hosts.hosts:
         if not host.alive:
             hosts.start_node(host)
-
-
-def submit(up: Up, spec: dict[str, Any]) -> int:
-    r = HTTP.post(f"{up.server}/api/v1/jobs", json=spec, headers=up.auth, timeout=30)
-    assert r.status_code == 201, r.text
-    return int(r.json()["id"])
-
-
-def finish(up: Up, job_id: int, timeout_s: float = 600) -> dict[str, Any]:
-    wait_for(f"job {job_id} finished", lambda: up.get(f"/jobs/{job_id}")["state"] in (
-        "SUCCEEDED", "FAILED", "CANCELLED"), timeout_s, up.log)
-    return dict(up.get(f"/jobs/{job_id}"))
-
-
-def steps(up: Up, job_id: int, attempt: int | None = None) -> list[dict[str, Any]]:
-    params: dict[str, Any] = {} if attempt is None else {"attempt": attempt}
-    return list(up.get(f"/jobs/{job_id}/metrics", **params)["items"])
-
-
-def stored_once(items: list[dict[str, Any]], total: int) -> dict[int, list[int]]:
-    """Each attempt's steps (rank 0's), checked: no step stored twice by one attempt, each
-    attempt's steps one run without a gap, and the job's history (a step's newest values:
-    a resumed attempt redoes the steps after its checkpoint) every step from 1 to `total`."""
-    by_attempt: dict[int, list[int]] = {}
-    for m in items:
-        by_attempt.setdefault(m["attempt"], []).append(m["step"])
-    for got in by_attempt.values():
-        assert got == list(range(got[0], got[0] + len(got))), by_attempt
-    newest = {step: a for a, got in sorted(by_attempt.items()) for step in got}
-    assert sorted(newest) == list(range(1, total + 1)), by_attempt
-    return by_attempt
-
-
-def attempts(up: Up, job_id: int) -> list[dict[str, Any]]:
-    return list(up.get(f"/jobs/{job_id}/attempts")["items"])
+    all_joined(*cluster)
 
 
 def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up]) -> None:

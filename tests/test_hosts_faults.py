@@ -1,0 +1,137 @@
+"""Faults of hosts in network namespaces (`tests.hosts`), with `trident up --ray-address` on
+the head's host: a host cut off (its link down) for longer than the head's health checks
+allow, then back; a host lost with no spare, for a job that waits and for an elastic one that
+re-plans onto the hosts left. Each asserts the steps stored, not only how the job ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import tiny_spec
+from tests.hosts import (
+    Hosts,
+    all_joined,
+    attempts,
+    available,
+    finish,
+    steps,
+    stored_once,
+    submit,
+    up_on_hosts,
+)
+from tests.up import Up
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+EVERY, TOTAL = 3, 60
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
+    """Three hosts, and `trident up` on the head's host driving them."""
+    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
+        yield stack
+
+
+@pytest.fixture
+def stack(cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
+    """The cluster, with every host a test cut off or powered off back after it."""
+    yield cluster
+    hosts, _ = cluster
+    for host in hosts.hosts:
+        hosts.heal(host)
+        if not host.alive:
+            hosts.start_node(host)
+    all_joined(*cluster)
+
+
+def spec(name: str, dp: int, **over: Any) -> dict[str, Any]:
+    """`TOTAL` steps of a dp job of one rank a host (1.5 of a host's 2 CPUs), a checkpoint
+    every `EVERY` steps."""
+    return tiny_spec(
+        name=name, max_retries=2, checkpoint={"every_steps": EVERY},
+        parallel={"tp": 1, "pp": 1, "dp": dp, "zero": 2},
+        train={"steps": TOTAL, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5},
+        **over)
+
+
+def alive_at(up: Up, address: str) -> bool:
+    """Whether the control plane's inventory has a live node at `address`."""
+    return any(n["alive"] and n["info"].get("address") == address
+               for n in up.get("/cluster")["nodes"])
+
+
+def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_back(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, spec("partition", 2))
+    wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
+    first = attempts(up, job_id)[0]
+    cut_ip = next(r["ip"] for r in first["placement"]["ranks"] if r["rank"] == 1)
+    cut = next(h for h in hosts.hosts if h.address == cut_ip)
+    hosts.partition(cut)
+    wait_for("a step after the partition", lambda: any(
+        m["attempt"] >= 2 for m in steps(up, job_id)), 300, up.log)
+    failed = attempts(up, job_id)[0]
+    assert failed["status"] == "failed" and failed["ended_at"], failed
+    hosts.heal(cut)
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    by_attempt = stored_once(steps(up, job_id), TOTAL)
+    later = {r["ip"] for a in attempts(up, job_id)[1:] for r in a["placement"]["ranks"]}
+    assert cut_ip not in later, later
+    # The cut-off rank never wrote into the job: attempt 1 stored nothing once it ended
+    # (its steps end where the new attempt's checkpoint was, give or take the interval).
+    assert by_attempt[1][-1] - (by_attempt[2][0] - 1) <= EVERY, by_attempt
+    # Back on the network, the host is a node of the cluster again, nobody having asked.
+    wait_for("the cut-off host back in the cluster", lambda: alive_at(up, cut_ip), 120,
+             up.log)
+
+
+def test_a_host_lost_with_no_spare_waits_queued_until_a_host_comes_back(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, spec("no-spare", 3))
+    wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
+    victim = next(h for h in hosts.hosts if h.address == next(
+        r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"] if r["rank"] == 2))
+    hosts.kill(victim)
+    wait_for("QUEUED", lambda: up.get(f"/jobs/{job_id}")["state"] == "QUEUED", 300, up.log)
+    events = up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
+    queued = [e for e in events if e["kind"] == "state" and e["data"].get("to") == "QUEUED"]
+    assert "no longer has room" in queued[-1]["message"], queued
+    time.sleep(5)  # it waits: not failed as impossible
+    assert up.get(f"/jobs/{job_id}")["state"] == "QUEUED"
+    hosts.start_node(victim)  # the host powers on again and joins
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    by_attempt = stored_once(steps(up, job_id), TOTAL)
+    assert sorted(by_attempt) == [1, 2] and (by_attempt[2][0] - 1) % EVERY == 0
+
+
+def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_left(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, spec("elastic", 3, elastic={"min_ranks": 2, "wait_s": 3}))
+    wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
+    victim = next(h for h in hosts.hosts if h.address == next(
+        r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"] if r["rank"] == 2))
+    hosts.kill(victim)
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    assert job["world_size"] == 2, job
+    events = up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
+    [down] = [e for e in events if e["kind"] == "elastic"]
+    assert down["data"]["to"]["world_size"] == 2, down
+    by_attempt = stored_once(steps(up, job_id), TOTAL)
+    later = {r["ip"] for a in attempts(up, job_id)[1:] for r in a["placement"]["ranks"]}
+    assert victim.address not in later and len(later) == 2, later
+    assert (by_attempt[2][0] - 1) % EVERY == 0
