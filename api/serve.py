@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 MAX_DEFAULT_WORKERS = 4
 HEALTHCHECK_TIMEOUT_S = 120
@@ -76,15 +77,44 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(host: str, port: int, workers: int, log_level: str = "warning") -> None:
-    """uvicorn with `workers` processes of `api.app:app` (settings from the environment)."""
+def serve(host: str, port: int, workers: int, log_level: str = "warning", *,
+          on_signal: Callable[[], None] | None = None,
+          graceful_s: int | None = None) -> None:
+    """uvicorn with `workers` processes of `api.app:app` (settings from the environment).
+    `on_signal` is called as SIGTERM or SIGINT arrives (`trident up` begins its stop then);
+    `graceful_s` bounds each worker's graceful shutdown (uvicorn's
+    `timeout_graceful_shutdown`: its requests in flight)."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     # uvicorn kills a worker that does not answer its supervisor's ping within the health
     # check's time-out (5 s by default), and starts another: on a loaded machine a worker
     # still importing the app misses it, and the workers are replaced forever.
-    uvicorn.run("api.app:app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S)
+    if on_signal is None or workers <= 1:
+        uvicorn.run("api.app:app", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level, timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S,
+                    timeout_graceful_shutdown=graceful_s)
+        return
+
+    class Workers(Multiprocess):
+        """uvicorn's supervisor of the worker processes, whose SIGTERM and SIGINT also
+        call `on_signal`, as they arrive."""
+
+        def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+            super().__init__(config, sockets)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._signal)
+
+        def _signal(self, sig: int, _frame: object) -> None:
+            assert on_signal is not None
+            on_signal()
+            self.signal_queue.append(sig)
+
+    config = uvicorn.Config("api.app:app", factory=True, host=host, port=port,
+                            workers=workers, log_level=log_level,
+                            timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S,
+                            timeout_graceful_shutdown=graceful_s)
+    Workers(config, [config.bind_socket()]).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,7 +63,9 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
            " train on and the next `trident up` re-attaches them).")] = False) -> None:
     """Start the local stack: the API, the controller and (with no --ray-address) a local Ray
     head, each restarted whenever it exits. SIGTERM or Ctrl-C stops the API and the
-    controller; running jobs train on unless --stop-jobs. A data dir serves one `trident up`
+    controller, and the head unless jobs are active, within TRIDENT_STOP_GRACE_S (30 s) of
+    the signal whatever the database or Ray is doing; running jobs train on unless
+    --stop-jobs. A data dir serves one `trident up`
     at a time: a second one on it exits, naming the pid that holds it. A --port in use is one
     line, before anything starts. A database it cannot read is one line (which, what is
     wrong, how to restore it) and exit status 1, before anything starts. --api-workers N
@@ -107,81 +109,55 @@ def up(host: Annotated[str, typer.Option(help="API bind address.")] = "127.0.0.1
         fail(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}; stop what holds"
              " it, or give this one another --port")
     open_database(settings)
+    from cli.stopping import API_SHARE, Stop
     from service.cluster.rayhead import RayHead
     from service.cluster.supervisor import Supervisor
 
-    head = None
-    if not settings.ray_address:
-        # Its own supervised process, so that jobs outlive the controller and `trident up`.
-        head = RayHead(settings.data_dir)
-        env.update(head.env())
-        env["TRIDENT_RAY_ADDRESS"] = head.start()
-        typer.echo(f"ray head at {head.address}"
-                   f"{' (already running: adopted)' if head.adopted else ''}")
-    log_path = settings.data_dir / "controller.log"
-    env["TRIDENT_PARENT_PID"] = str(os.getpid())
-    # The controller runs beside the API, in a process of its own, started again whenever it
-    # exits (with backoff); it acts once it holds the lease.
-    controller = Supervisor([sys.executable, "-m", "service.control.daemon"], env=env,
-                            log_path=log_path,
-                            on_start=lambda pid: typer.echo(f"controller pid {pid}"
-                                                            f" (log: {log_path})"))
-    typer.echo(f"dashboard: http://{host}:{port}/   API: http://{host}:{port}/api/v1")
-    # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so that the
-    # `finally` below stops the controller instead of leaving it orphaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    workers = api_workers or default_workers()
-    typer.echo(f"API: {workers} process(es)")
-    controller.start()
-    reserved.close()  # the API binds it now
+    # From here every SIGTERM or Ctrl-C is a stop that ends what was started within the grace
+    # (`cli.stopping`), the head's start included.
+    stop = Stop(settings.stop_grace_s, settings.db_url, stop_jobs)
+    signal.signal(signal.SIGTERM, stop.signal)
+    signal.signal(signal.SIGINT, stop.signal)
     try:
+        if not settings.ray_address:
+            # Its own supervised process, so that jobs outlive the controller and `trident up`.
+            stop.head = head = RayHead(settings.data_dir)
+            env.update(head.env())
+            env["TRIDENT_RAY_ADDRESS"] = head.start()
+            typer.echo(f"ray head at {head.address}"
+                       f"{' (already running: adopted)' if head.adopted else ''}")
+        log_path = settings.data_dir / "controller.log"
+        env["TRIDENT_PARENT_PID"] = str(os.getpid())
+        # The controller runs beside the API, in a process of its own, started again whenever
+        # it exits (with backoff); it acts once it holds the lease.
+        stop.controller = controller = Supervisor(
+            [sys.executable, "-m", "service.control.daemon"], env=env, log_path=log_path,
+            on_start=lambda pid: typer.echo(f"controller pid {pid} (log: {log_path})"))
+        typer.echo(f"dashboard: http://{host}:{port}/   API: http://{host}:{port}/api/v1")
+        workers = api_workers or default_workers()
+        typer.echo(f"API: {workers} process(es)")
+        controller.start()
+        reserved.close()  # the API binds it now
+        # uvicorn takes SIGTERM and SIGINT while it serves: the stop begins at its signal.
+        graceful_s = max(1, int(API_SHARE * settings.stop_grace_s))  # uvicorn's are whole
         if workers > 1:
             # Processes of their own sharing the port (`api.serve`), each building the app
             # from the environment set above; each stops if this process is killed.
             os.environ[PARENT_ENV] = str(os.getpid())
-            serve(host, port, workers)
+            serve(host, port, workers, on_signal=stop.begin, graceful_s=graceful_s)
         else:
+
+            class Server(uvicorn.Server):
+                def handle_exit(self, sig: int, frame: Any) -> None:
+                    stop.begin()
+                    super().handle_exit(sig, frame)
+
             served = create_app(settings)
             freeze_startup_objects()  # full collections skip start-up's objects
-            uvicorn.run(served, host=host, port=port, log_level="warning")
+            Server(uvicorn.Config(served, host=host, port=port, log_level="warning",
+                                  timeout_graceful_shutdown=graceful_s)).run()
     finally:
-        controller.stop(30)
-        if head is not None:
-            _stop_head(head, settings, stop_jobs)
-
-
-def _stop_head(head: Any, settings: Any, stop_jobs: bool) -> None:
-    """Stop the local Ray head, unless jobs are still active on it (they train on, and the
-    next `trident up` adopts the head and re-attaches them).
-
-    When the store cannot say which jobs are active, the head is stopped all the same if the
-    database is damaged or is a SQLite file that cannot be opened: no controller can re-attach
-    a job without its records, so jobs left on the head would only hold its resources,
-    unseen. A server database that is only away (PostgreSQL restarting) keeps the head: the
-    records are intact, and the next `trident up` adopts the head and re-attaches the jobs."""
-    from service.store import Store
-    from service.store.dbcheck import away, describe, sqlite_path
-
-    store = Store(settings.db_url)
-    try:
-        active = [] if stop_jobs else store.active_jobs()
-    except Exception as exc:  # any failure to read is the database's
-        if away(exc) and sqlite_path(settings.db_url) is None:
-            typer.echo(f"{describe(settings.db_url, exc)}; the Ray head at {head.address}"
-                       " keeps running, for the jobs that may be active on it: the next"
-                       " `trident up` re-attaches them")
-            return
-        typer.echo(f"{describe(settings.db_url, exc)}; stopping the Ray head at"
-                   f" {head.address} all the same: no controller can re-attach its jobs"
-                   " without their records")
-        active = []
-    finally:
-        store.close()
-    if active:
-        typer.echo(f"{len(active)} job(s) still active keep the Ray head at {head.address}"
-                   " running; `trident up` re-attaches them (--stop-jobs stops them)")
-        return
-    head.stop()
+        stop.finish()
 
 
 @app.command()

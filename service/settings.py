@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     """Whether a controller stopped by a signal stops its jobs' worker groups too. By default
     they train on, detached, and the next controller re-attaches them (`trident up
     --stop-jobs` sets it)."""
+    stop_grace_s: float = Field(default=30.0, ge=5, le=600)
+    """How long a stop of `trident up` (SIGTERM, Ctrl-C) may take, from the signal, whatever
+    the database or Ray is doing: by then every process it started and stops has ended,
+    killed if it had to be (`cli.stopping`)."""
     poll_interval_s: float = Field(default=0.5, gt=0, le=60)
     """How often the controller steps (0.1 s at most while a job's group starts; longer,
     up to `poll_max_interval_s`, while every group trains and nothing changes:

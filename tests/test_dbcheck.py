@@ -12,13 +12,12 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from cli.main import _stop_head
+from cli.stopping import stop_head
 from service.control.daemon import DATABASE_UNREADABLE
 from service.settings import Settings
 from service.store import Store
@@ -26,6 +25,7 @@ from service.store.dbcheck import Unreadable, check, describe, readable
 from tests.conftest import user_token
 from tests.damaged_db import damage_header, damage_pages, fill_jobs, malformed, table_pages
 from tests.servers import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,13 +146,56 @@ def test_every_kind_of_route_answers_503_naming_the_damage(tmp_path: Path) -> No
         store.close()
 
 
+def test_a_header_damaged_under_a_serving_app_is_a_503_on_every_route(tmp_path: Path) -> None:
+    """The app's pooled connections were opened before the header was overwritten, and SQLite
+    would let them read on from what they hold: a checkout looks at the header (once a second
+    at most), so every kind of route, and healthz, meets the damage as a new connection does."""
+    db = tmp_path / "trident.db"
+    [job_id, *_] = fill_jobs(db, 20)
+    store = Store(f"sqlite:///{db}")
+    token = user_token(store)
+    try:
+        with TestClient(create_app(Settings(data_dir=tmp_path), store=store),
+                        headers={"Authorization": f"Bearer {token}"}) as c:
+            for path in ("/api/v1/jobs", f"/api/v1/jobs/{job_id}", "/", "/metrics"):
+                assert c.get(path).status_code == 200, path  # connections now in the pool
+            damage_header(db)
+            assert malformed(db) == "file is not a database"
+            # The header is looked at once a second at most (HEADER_CHECK_EVERY_S).
+            wait_for("a 503 once the header is looked at again",
+                     lambda: c.get("/api/v1/jobs").status_code == 503, 30)
+            for path in ("/api/v1/jobs", f"/api/v1/jobs/{job_id}"):
+                r = c.get(path)
+                assert r.status_code == 503, (path, r.status_code, r.text)
+                assert r.json()["detail"] == (
+                    "the database is damaged (DatabaseError: file is not a database); an"
+                    " operator must restore it from a backup"), r.text
+            r = c.get(f"/jobs/{job_id}")
+            assert r.status_code == 503 and r.headers["content-type"].startswith("text/html")
+            assert "file is not a database" in r.text
+            r = c.get("/metrics")
+            assert r.status_code == 503 and r.text.startswith(
+                "the database is damaged (DatabaseError: file is not a database)"), r.text
+            r = c.get("/api/v1/healthz")
+            assert r.status_code == 503 and r.json()["database"] == "damaged: DatabaseError"
+    finally:
+        store.close()
+
+
 class _Head:
+    """What `stop_head` is given of a head: it says whether it was stopped (the real head's
+    stop is tests/test_e2e_damaged_db.py's)."""
+
     address = "127.0.0.1:6379"
 
     def __init__(self) -> None:
         self.stopped = False
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float) -> bool:
+        self.stopped = True
+        return True
+
+    def kill(self) -> None:
         self.stopped = True
 
 
@@ -165,17 +208,56 @@ def test_trident_up_stops_its_head_when_the_database_cannot_say_which_jobs_are_a
     fill_jobs(db, 200)
     damage_pages(db, table_pages(db, "jobs"))
     head = _Head()
-    _stop_head(head, SimpleNamespace(db_url=f"sqlite:///{db}"), stop_jobs=False)
+    assert stop_head(head, f"sqlite:///{db}", stop_jobs=False)
     out = capsys.readouterr().out
     assert head.stopped, out
     assert f"the database {db} is damaged" in out and "stopping the Ray head" in out, out
+    assert len(out.strip().splitlines()) == 1, out
+
+    damage_header(db)
+    head = _Head()
+    assert stop_head(head, f"sqlite:///{db}", stop_jobs=False)
+    out = capsys.readouterr().out
+    assert head.stopped and "(DatabaseError: file is not a database)" in out, out
+    assert len(out.strip().splitlines()) == 1, out
 
     head = _Head()
-    _stop_head(head, SimpleNamespace(
-        db_url="postgresql+psycopg://postgres@127.0.0.1:1/test?connect_timeout=2"), False)
+    assert not stop_head(
+        head, "postgresql+psycopg://postgres@127.0.0.1:1/test?connect_timeout=2", False)
     out = capsys.readouterr().out
     assert not head.stopped, out
     assert "keeps running" in out and "cannot reach the database" in out, out
+
+
+def test_trident_up_keeps_its_head_when_the_database_does_not_answer_in_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A database that does not answer (here another process holds the SQLite file's lock,
+    which SQLite would wait 30 s for) within the stop's bound: its records may be intact, so
+    the head stays for the next `trident up`, in one line, and the stop goes on at once."""
+    import time
+
+    db = tmp_path / "trident.db"
+    fill_jobs(db, 3)
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        head = _Head()
+        began = time.monotonic()
+        assert not stop_head(head, f"sqlite:///{db}", stop_jobs=False, answer_s=1)
+        took = time.monotonic() - began
+        out = capsys.readouterr().out
+        assert not head.stopped, out
+        assert took < 3, took
+        assert out.strip() == (
+            f"the database {db} did not say within 1 s which jobs are active; the Ray head at"
+            " 127.0.0.1:6379 keeps running, for the jobs that may be active on it: the next"
+            " `trident up` re-attaches them"), out
+        # --stop-jobs asks the store nothing: the head stops.
+        assert stop_head(head, f"sqlite:///{db}", stop_jobs=True, answer_s=1)
+        assert head.stopped
+    finally:
+        holder.close()
 
 
 def test_readable_turns_a_driver_error_into_the_line(tmp_path: Path) -> None:

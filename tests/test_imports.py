@@ -424,8 +424,9 @@ writes (`service.contract.specfile`) and a probe's result rows
 (`service.contract.reports.ProbeRowModel`)."""
 RUNS_HERE = {
     "cli.main": {"api.app", "api.serve", "service.files.datadir", "service.control.heap",
-                 "service.cluster.rayhead", "service.settings", "service.store",
-                 "service.store.dbcheck", "service.cluster.supervisor"},
+                 "service.cluster.rayhead", "service.settings", "service.store.dbcheck",
+                 "service.cluster.supervisor"},
+    "cli.stopping": {"service.store", "service.store.dbcheck"},
     "cli.identity": {"service.settings", "service.store", "service.store.bootstrap",
                      "service.store.dbcheck", "service.store.identity",
                      "service.store.opening", "service.store.schema"},
@@ -436,7 +437,8 @@ RUNS_HERE = {
 }
 """The commands that run a part of the server on this machine, and what of it they import:
 `trident up` and `trident controller` (`cli.main`) start the API, the Ray head and the
-controller; `trident bootstrap` (`cli.identity`) makes the first admin in the database;
+controller, and `trident up`'s stop (`cli.stopping`) asks the database which jobs are
+active; `trident bootstrap` (`cli.identity`) makes the first admin in the database;
 `trident node start/stop` (`cli.node`) run a Ray node of this machine; `trident data
 prepare/inspect` (`cli.data`) work on local corpus files. Every other command talks to a
 server through `client.TridentClient` only."""

@@ -61,6 +61,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",
         "test_e2e_one_stack", "test_e2e_ray", "test_elastic_ray", "test_hosts_faults",
+        "test_e2e_stop",
         "test_hosts_jobs", "test_node_cordon_ray", "test_node_loss_ray", "test_node_ray",
         "test_placement_ray",
         "test_preemption_ray", "test_ranklogs", "test_stacks_ray", "test_tag_steps_ray",

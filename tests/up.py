@@ -4,11 +4,14 @@ that kill, restart and outage it read of it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tests.servers import HTTP, ROOT, wait_healthy
 
@@ -34,7 +37,8 @@ class Up:
 
     def log(self) -> str:
         """The tails of `trident up`'s own output, its controller's log and its head's."""
-        self.out.flush()
+        if not self.out.closed:
+            self.out.flush()
         parts = [f"--- trident up\n{Path(self.out.name).read_text()[-3000:]}"]
         for name in ("controller.log", "ray-head.log"):
             path = self.data_dir / name
@@ -60,6 +64,26 @@ class Up:
     def controller_pid(self) -> int:
         return int(self.get("/healthz")["controller"]["holder"].split(":")[1])
 
+    def stop_within(self, grace_s: float, sig: int = signal.SIGTERM
+                    ) -> tuple[float, list[str]]:
+        """`sig` (SIGTERM, or SIGINT as Ctrl-C sends it) to `trident up`, then wait, until
+        `grace_s` after the signal at most, for it and every process it had started by then
+        (its descendants: the API, the controller, the Ray head's processes and workers) to
+        be gone. The seconds from the signal until the last of them was gone (`grace_s` or
+        more: some were not), and what was still running then. Its output is `stop()`'s."""
+        started = {p.pid: _cmdline(p) for p in
+                   psutil.Process(self.proc.pid).children(recursive=True)}
+        began = time.monotonic()
+        self.proc.send_signal(sig)
+        deadline = began + grace_s
+        while True:
+            running = [f"{pid} {cmd}" for pid, cmd in started.items() if alive(pid)]
+            if self.proc.poll() is None:
+                running.insert(0, f"{self.proc.pid} trident up")
+            if not running or time.monotonic() >= deadline:
+                return time.monotonic() - began, running
+            time.sleep(0.05)
+
     def stop(self) -> str:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -71,6 +95,13 @@ class Up:
 def last_step(up: Up, job_id: int) -> int:
     items = up.get(f"/jobs/{job_id}/metrics", after_step=0)["items"]
     return max((m["step"] for m in items), default=0)
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:100]
+    except psutil.Error:
+        return "?"
 
 
 def alive(pid: int) -> bool:

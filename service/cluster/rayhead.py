@@ -14,6 +14,7 @@ keep training on it and are re-attached by the next controller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.cluster.supervisor import Supervisor
+from service.cluster.supervisor import Supervisor, kill_session
 from service.secrets import without_server_secrets
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -196,37 +197,89 @@ class RayHead:
         return self.address
 
     @property
+    def pid(self) -> int | None:
+        """The pid of the `ray start --block` this `trident up` started (None: adopted)."""
+        return self.supervisor.pid
+
+    @property
     def adopted(self) -> bool:
         return self._adopting
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> bool:
         """Stop the head (and everything on it), whether this `trident up` started it or
-        adopted it."""
+        adopted it: SIGTERM to its `ray start --block`, then SIGKILL to what is left of its
+        session once it has ended or `grace_s` is over (a head whose processes are stopped
+        or hung ends so too). Returns within `grace_s` and a second or two; whether it
+        ended by itself (False: it was killed)."""
+        deadline = time.monotonic() + grace_s
+        ended = True
         if self._adopting:
             self._adopting = False
-            self._stop_adopted(grace_s)
-        self.supervisor.stop(grace_s)
+            ended = self._stop_adopted(grace_s)
+        ended = self.supervisor.stop(max(0.0, deadline - time.monotonic())) and ended
         self.state_path.unlink(missing_ok=True)
+        return ended
 
-    def _stop_adopted(self, grace_s: float) -> None:
-        stop_recorded_head(self.dir.parent, grace_s)
+    def kill(self) -> None:
+        """SIGKILL the head's process group now (the one this `trident up` started, or the
+        one it adopted)."""
+        self.supervisor.kill()
+        kill_recorded_head(self.dir.parent)
+
+    def _stop_adopted(self, grace_s: float) -> bool:
+        """Whether the adopted head ended by itself within `grace_s` (or was gone)."""
+        return _stop_recorded(self.dir.parent, grace_s) is not False
 
 
-def stop_recorded_head(data_dir: Path, grace_s: float = 30.0) -> bool:
-    """Stop the head recorded under `data_dir` that is not this process's child (started by
-    an earlier `trident up`): SIGTERM to its `ray start --block` process, which stops the
-    head's processes. Whether one was running."""
+def _recorded_pid(data_dir: Path) -> int | None:
+    """The pid of the `ray start --block` recorded under `data_dir` (started by an earlier
+    `trident up`, in a session of its own), if that process still runs it."""
     state = data_dir / "ray" / "head.json"
     try:
         recorded = json.loads(state.read_text())
         pid, address = int(recorded["pid"]), str(recorded["address"])
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
     if b"--block" not in cmd or f"--port={address.rpartition(':')[2]}".encode() not in cmd:
-        return False  # the pid was reused
-    os.kill(pid, signal.SIGTERM)
+        return None  # the pid was reused
+    return pid
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_recorded_head(data_dir: Path) -> None:
+    """SIGKILL the session of the head recorded under `data_dir` (its `ray start` led it)."""
+    pid = _recorded_pid(data_dir)
+    if pid is not None:
+        kill_session(pid)
+
+
+def _stop_recorded(data_dir: Path, grace_s: float) -> bool | None:
+    """`stop_recorded_head`'s work: None when no head was running, else whether it ended by
+    itself within `grace_s`."""
+    pid = _recorded_pid(data_dir)
+    if pid is None:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while answers(address) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return True
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ended = not _running(pid)
+    kill_session(pid)
+    return ended
+
+
+def stop_recorded_head(data_dir: Path, grace_s: float = 30.0) -> bool:
+    """Stop the head recorded under `data_dir` that is not this process's child (started by
+    an earlier `trident up`): SIGTERM to its `ray start --block` process, which stops the
+    head's processes, then SIGKILL to what is left of its session once that process has
+    ended or `grace_s` is over (its address is not asked: a stopped head's port still takes
+    connections). Whether one was running."""
+    return _stop_recorded(data_dir, grace_s) is not None

@@ -5,7 +5,8 @@ The backoff doubles from `backoff_min_s` to `backoff_max_s` and starts over once
 run `stable_s`, so a daemon that dies at start-up does not spin, and one that ran for hours is
 back within a second. Every start and exit is a line in the controller's log (a file, or
 stderr for `trident controller`, whose output a container runtime or systemd collects). `stop`
-sends SIGTERM (the daemon stops its loop and releases its lease), then SIGKILL after a grace.
+sends SIGTERM (the daemon stops its loop and releases its lease), then SIGKILL to the
+process's group after a grace (each process is started in a session of its own).
 
 Supervision survives its own log: a line the disk refuses (a full data directory) is counted
 and said once a line goes through again (`service.files.diskfull`), a callback or a start that
@@ -18,6 +19,7 @@ still runs, which is then watched, not started twice.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -64,6 +66,23 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
     finally:
         os.close(fd)
     return proc.wait() if ready else None
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`, stopped ones included. A supervised process
+    leads a session of its own (`Supervisor._spawn`), which is the pid it was given, and
+    what it starts stays in it: its process group is not enough, as Ray's workers take
+    groups of their own. Linux keeps a pid from reuse while a session bears it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sid, signal.SIGKILL)
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc (not Linux): the group it is
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)
 
 
 class Supervisor:
@@ -206,21 +225,47 @@ class Supervisor:
                    f" {self.backoff_min_s if ran >= self.stable_s else backoff:g} s")
         return ran
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """Stop restarting, and stop the running daemon: SIGTERM, then SIGKILL after
-        `grace_s`."""
+    def signal_stop(self) -> None:
+        """Stop restarting, and send the running process SIGTERM, once (a second one would
+        reach it in its shutdown, where a handler of Ray's, for one, raises `SystemExit`);
+        returns at once (`stop` waits). `trident up` calls it when its own signal arrives,
+        so that the controller stops beside the API rather than after it."""
+        with self._lock:
+            first = not self._stop.is_set()
+            self._stop.set()
+            proc = self.proc
+        if first and proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+
+    def kill(self) -> None:
+        """Stop restarting, and SIGKILL the process and whatever it started now: every
+        process of the session it was given (`_spawn`, `kill_session`), stopped (SIGSTOP)
+        ones included."""
         with self._lock:
             self._stop.set()
             proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self._note(f"{self.name} pid {proc.pid} did not stop in {grace_s:g} s: killed")
-                proc.kill()
-                proc.wait()
-        self._thread.join(5)
+        if proc is not None:
+            kill_session(proc.pid)
+
+    def stop(self, grace_s: float = 30.0) -> bool:
+        """Stop restarting, and stop the running process: SIGTERM, then, once it has ended
+        or `grace_s` is over, SIGKILL to whatever is left of its session (what it started
+        that outlived it: a Ray head's processes when `ray start` was killed). Returns
+        within `grace_s` and a second, whatever the process does; whether it ended by
+        itself (False: it was killed)."""
+        deadline = time.monotonic() + grace_s
+        self.signal_stop()
+        proc = self.proc
+        ended = True
+        if proc is not None:
+            if wait_exit(proc, max(0.0, deadline - time.monotonic())) is None:
+                ended = False
+                self._note(f"{self.name} pid {proc.pid} did not stop in {grace_s:.1f} s: killed")
+            self.kill()
+            wait_exit(proc, 1.0)  # reaped: a stopped process ends at SIGKILL too
+        self._thread.join(max(0.1, min(5.0, deadline - time.monotonic())))
+        return ended
 
 
 def run_controller(env: dict[str, str], grace_s: float = 30.0) -> int:

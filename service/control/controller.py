@@ -249,7 +249,7 @@ class Controller:
         """The controller is stopping (daemon exit). Groups are detached: they train on and the
         next controller re-attaches them, unless `stop_jobs`, which stops every group this
         controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
-        (all at once, inside the 30 s `trident up` gives the daemon to exit)."""
+        (all at once, inside the part of `trident up`'s stop it is given: `cli.stopping`)."""
         self.nodes.close()
         if self.exporter is not None:
             self.exporter.close()

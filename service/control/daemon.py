@@ -232,6 +232,9 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           lemon_failures=settings.lemon_failures,
                           lemon_window_s=settings.lemon_window_s,
                           cancel_grace_s=settings.cancel_grace_s,
+                          # Within the part of `trident up`'s stop it is given
+                          # (`cli.stopping.CONTROLLER_SHARE`).
+                          shutdown_timeout_s=0.4 * settings.stop_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
                           tracking=TrackingConfig.of(settings),
                           tag_steps_max_bytes=settings.tag_steps_max_bytes)
@@ -291,8 +294,12 @@ def run(settings: Settings, stop: threading.Event) -> int:
                 loop.controller.shutdown(stop_jobs=settings.stop_jobs and stop.is_set())
             try:
                 leader.release()  # the standby need not wait for the lease to expire
-            except Exception:
-                log.exception("releasing the lease failed; it expires by itself")
+            except Exception as exc:
+                if damaged(exc):  # one line, as every pass that failed on it
+                    log.error("releasing the lease failed (%s); it expires by itself",
+                              describe(settings.db_url, exc))
+                else:
+                    log.exception("releasing the lease failed; it expires by itself")
         store.close()
         log.info("controller %s stopped", leader.holder)
     return status

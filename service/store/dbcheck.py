@@ -9,8 +9,9 @@ URL, what is wrong and what to do, never a traceback:
   admin) in `readable`; `Unreadable` carries the line they print before they exit;
 - while serving, the API answers 503 with `describe`'s text (`api.db_errors`), and the daemon
   logs it for every pass that fails on it;
-- at stop, `trident up` stops the Ray head it started when it cannot read which jobs are
-  still active on it (`cli.main._stop_head`).
+- at stop, when `trident up` cannot read which jobs are still active on the Ray head it
+  started, it stops the head if the database is damaged and keeps it if the database is
+  away, in one line, within its stop's grace (`cli.stopping.stop_head`).
 
 `check` on SQLite reads the schema (the header and the first pages: a damaged header is found
 at once), then runs `PRAGMA quick_check`, which reads every page of the file, for at most
@@ -18,6 +19,13 @@ at once), then runs `PRAGMA quick_check`, which reads every page of the file, fo
 million metric rows, 2.3 GB) it takes 6.5 s with the file in the page cache and 40 s from
 disk. So a large file is checked only in part at start, and a damaged page found later is
 the 503 of the request that reads it.
+
+A header damaged under a running process is not seen by the connections it opened before:
+SQLite reads on from what they hold. So a checkout of a pooled SQLite connection has a new
+connection of its own read the header (`header_sound`, `service.store.engine.make_engine`),
+once a second at most (about 0.15 ms each time, more than a request's own work): a header
+SQLite refuses discards the pooled connection, and the new one the pool opens meets the
+damage as SQLite reports it (`file is not a database`), the request's 503.
 """
 
 from __future__ import annotations
@@ -39,6 +47,25 @@ _SQLITE_DAMAGE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 """SQLite's codes (and the extended ones under them) of a file whose content is damaged."""
 _PG_DAMAGE = ("XX001", "XX002")
 """PostgreSQL's SQLSTATEs data_corrupted and index_corrupted."""
+
+
+def header_sound(path: Path) -> bool:
+    """Whether a new connection to the SQLite file at `path` reads its header (page 1) as a
+    database's. Through SQLite itself, never a file descriptor of our own: closing one would
+    drop the locks the process's SQLite connections hold on the file. Only damage says no; a
+    file that cannot be opened or is busy is not this check's to judge (the request's own
+    connection says what is wrong)."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1)
+    except sqlite3.Error:
+        return True
+    try:
+        conn.execute("PRAGMA schema_version").fetchall()
+    except sqlite3.DatabaseError as exc:
+        return not damaged(exc)
+    finally:
+        conn.close()
+    return True
 
 
 class Unreadable(RuntimeError):

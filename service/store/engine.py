@@ -18,7 +18,10 @@ from typing import Any
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
+
+from service.store.dbcheck import header_sound, sqlite_path
 
 
 def _finite(value: Any) -> Any:
@@ -136,6 +139,11 @@ class _Connection(sqlite3.Connection):
             self.pass_turn()
 
 
+HEADER_CHECK_EVERY_S = 1.0
+"""How often an engine's SQLite checkouts look at the file's header (`dbcheck.header_sound`):
+a header damaged under a running process is a 503 within this long."""
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys, a busy timeout, and writers that
     wait in line in the process (`_Writers`) and take the write lock quickly
@@ -157,6 +165,22 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
+
+        path = sqlite_path(url)
+        checked = [-HEADER_CHECK_EVERY_S]  # when the header was last found sound
+
+        @event.listens_for(engine, "checkout")
+        def _header(_dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+            # A connection opened before the header was damaged reads on from its cache and
+            # never sees it: discard it; the new one meets the damage (`dbcheck`). Once a
+            # second at most (a new connection costs more than a request's own work); once
+            # damaged, at every checkout, so that each pooled connection is discarded.
+            now = time.monotonic()
+            if path is None or now - checked[0] < HEADER_CHECK_EVERY_S:
+                return
+            if not header_sound(path):
+                raise DisconnectionError(f"the header of {path} is not SQLite's")
+            checked[0] = now
 
         @event.listens_for(engine, "begin")
         def _begin(conn: Any) -> None:
