@@ -195,7 +195,6 @@ class Stop:
         self.api_done = True
         self.begin()
         self._done.wait()
-        self.step = "this process's exit"
 
     def _run(self) -> None:
         try:
@@ -217,16 +216,14 @@ class Stop:
             self._done.set()
 
     def _watch(self) -> None:
+        """Until `WATCHDOG_MARGIN_S` before the end of the grace; if this process still runs
+        then (a step that outlived its bound, or a thread that holds its exit), kill what is
+        left and end it."""
         assert self.began is not None
         end = self.at(1.0) - WATCHDOG_MARGIN_S
-        while not (self._done.is_set() and self.api_done):
-            wait = end - time.monotonic()
-            if wait <= 0:
-                break
-            self._done.wait(min(wait, 0.2))
-        else:
-            return
-        if self.step == "this process's exit":
+        while (wait := end - time.monotonic()) > 0:
+            time.sleep(min(wait, 0.5))
+        if self._done.is_set() and self.api_done:
             what = "this process's exit (a thread still in a call)"
         else:
             what = self.step if self.api_done else f"the API and {self.step}"
