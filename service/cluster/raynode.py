@@ -123,9 +123,9 @@ def keep(argv: list[str], log_path: Path, *, backoff_min_s: float = 1.0,
         ran = time.monotonic() - began
         if stopping:
             return code
-        with log_path.open("rb") as f:
-            f.seek(offset)
-            was_ready = READY.encode() in f.read()
+        with log_path.open("rb") as out_read:
+            out_read.seek(offset)
+            was_ready = READY.encode() in out_read.read()
         if runs == 1 and not was_ready:
             return code or 1
         backoff = backoff_min_s if ran >= stable_s else backoff
