@@ -200,7 +200,12 @@ class Node:
     cordon: NodeCordon | None = None
     """Who cordoned it, when and why, and a drain's deadline; None while it is ready."""
     events: list[NodeEvent] = field(default_factory=list)
-    """Its newest events (cordon, drain, drained, uncordon, lemon), oldest first."""
+    """Its newest events (cordon, drain, drained, uncordon, lemon, slow_link, link_ok), oldest
+    first."""
+    slow_link: NodeEvent | None = None
+    """The `slow_link` event of the probe that last found this node's links slow (a job's
+    bandwidth probe, `service.monitor.links`: what they measured, against what, which job);
+    None when none did or a later probe found them healthy (a `link_ok` event)."""
 
 
 NodeState = Literal["ready", "cordoned", "draining", "drained"]
@@ -222,11 +227,11 @@ class NodeCordon:
 
 @dataclass(frozen=True)
 class NodeEvent:
-    """Something that happened to a node's cordon state."""
+    """Something that happened to a node: its cordon state, or a probe's verdict on its links."""
 
     time: datetime
     kind: str
-    """cordon, drain, drained, uncordon or lemon."""
+    """cordon, drain, drained, uncordon, lemon, slow_link or link_ok."""
     by: str
     message: str
     data: dict[str, Any] = field(default_factory=dict)

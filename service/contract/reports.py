@@ -253,6 +253,10 @@ class ProbeReport(BaseModel):
     kind: Literal["probe"]
     rank: int = Field(ge=0, le=65535)
     rows: list[ProbeRowModel] = Field(max_length=10000)
+    round: int = Field(default=0, ge=0, le=10_000_000)
+    """0: the probe before training; n: the n-th during training (`monitor.probe_every_s`)."""
+    step: int | None = Field(default=None, ge=0, le=10_000_000)
+    """The step after which a probe during training ran."""
 
 
 class ClusterProbeReport(BaseModel):

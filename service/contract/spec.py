@@ -381,6 +381,10 @@ class ElasticSpec(_Strict):
     is free again, save a checkpoint now and resume on it."""
 
 
+MIN_PROBE_EVERY_S = 5.0
+"""The shortest interval between a job's periodic bandwidth probes (`monitor.probe_every_s`)."""
+
+
 class MonitorSpec(_Strict):
     """The health monitor: bandwidth probe, communication accounting, hangs, stragglers."""
 
@@ -398,7 +402,21 @@ class MonitorSpec(_Strict):
     straggler_min_steps: Annotated[int, Field(ge=1, le=10000)] = 5
     """... for this many consecutive steps."""
     slow_group_threshold: Annotated[float, Field(gt=0, le=1)] = 0.5
-    """A probed group below this fraction of the profile's expected bandwidth is flagged."""
+    """A probed group below this fraction of the profile's expected bandwidth is flagged; a
+    link between hosts below this fraction of the cluster's fastest is slow
+    (`service.monitor.links`)."""
+    probe_every_s: Annotated[float, Field(ge=0, le=86400)] = 600.0
+    """Probe again every this many seconds of training, at a step boundary, to find a link
+    that became slow (the built-in trainer; 0: only before training). Each probe costs the
+    job about a second (gloo, the default sizes); a slow link is named within two intervals."""
+
+    @field_validator("probe_every_s")
+    @classmethod
+    def _probe_interval(cls, v: float) -> float:
+        if 0 < v < MIN_PROBE_EVERY_S:
+            raise ValueError(f"{v:g} s: probe at most every {MIN_PROBE_EVERY_S:g} s, or 0 for"
+                             " only before training")
+        return v
 
 
 class FaultSpec(_Strict):

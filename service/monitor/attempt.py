@@ -3,8 +3,9 @@ TP placement and hangs.
 
 The controller creates an `AttemptHealth` when it starts an attempt and feeds it each poll:
 the placement once known, every validated report, the ranks' heartbeats. It records its
-findings as events of the attempt (`probe`, `warning`, `straggler`, `hang`, `stacks`) and
-stores the job's probe; `hung` tells the controller when to stop the group.
+findings as events of the attempt (`probe`, `warning`, `straggler`, `hang`, `stacks`,
+`slow_link`, `link_ok`) and stores the job's probes (and a slow link on its node); `hung`
+tells the controller when to stop the group.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from service.contract.parallel import Dim
 from service.contract.reports import HeartbeatReport, ProbeReport, StepReport
 from service.contract.spec import JobSpec
 from service.monitor.hang import Diagnosis, diagnose_hang
+from service.monitor.links import LinkVerdict, comm_s_by_host, judge_links, slow_link_message
 from service.monitor.placement import tp_placement_warnings
 from service.monitor.probe import annotate_expected, flag_slow_groups
 from service.monitor.stragglers import compute_s, find_stragglers
@@ -27,6 +29,8 @@ from service.store.heartbeats import HeartbeatLog, HeartbeatThrottle
 
 COMPUTE_WINDOW = 50
 """Compute times kept per rank for straggler detection (steps)."""
+COMM_WINDOW = 5
+"""Collective times kept per rank, the evidence a slow-link event carries (steps)."""
 
 
 class AttemptHealth:
@@ -42,8 +46,12 @@ class AttemptHealth:
         self.heartbeats: dict[int, HeartbeatReport] = {}
         self.compute: dict[int, deque[float]] = {}
         self.stragglers: set[int] = set()
-        self.probe_rows: list[dict[str, Any]] = []
-        self.probe_ranks: set[int] = set()
+        self.probe_rounds: dict[int, tuple[list[dict[str, Any]], set[int]]] = {}
+        """Each probe round's rows and the ranks whose rows are in, until all are."""
+        self.slow_hosts: set[str] = set()
+        """The nodes this attempt's probes named as having a slow link, until healthy again."""
+        self.comm: dict[int, deque[float]] = {}
+        """Each rank's seconds a step in collectives, its newest `COMM_WINDOW` steps."""
         self.node_of_rank: dict[int, str] = {}
         self.beats = HeartbeatThrottle(HeartbeatLog(store), job.id, attempt)
         """The heartbeat times the API reads (`GET /metrics`, the ranks grid)."""
@@ -72,28 +80,76 @@ class AttemptHealth:
         compute = compute_s(report)
         if compute is not None:
             self.compute.setdefault(report.rank, deque(maxlen=COMPUTE_WINDOW)).append(compute)
+            comm = sum(o["time_s"] for ops in (report.comm or {}).values() for o in ops.values())
+            self.comm.setdefault(report.rank, deque(maxlen=COMM_WINDOW)).append(comm)
 
     def probe_report(self, report: ProbeReport) -> None:
-        """Collect every rank's probe rows; when all are in, store them and flag slow groups
-        against the profile this cluster plans with (calibrated if `trident probe` ran)."""
-        self.probe_rows.extend(r.model_dump() for r in report.rows)
-        self.probe_ranks.add(report.rank)
-        if len(self.probe_ranks) < self.world_size:
+        """Collect every rank's rows of a probe round; when all are in, store them and judge
+        them against the profile this cluster plans with (calibrated if `trident probe` ran):
+        slow groups (warnings, the probe before training only) and slow links between hosts
+        (`service.monitor.links`, every round)."""
+        rows, ranks = self.probe_rounds.setdefault(report.round, ([], set()))
+        rows.extend(r.model_dump() for r in report.rows)
+        ranks.add(report.rank)
+        if len(ranks) < self.world_size:
             return
+        del self.probe_rounds[report.round]
         monitor = self.spec.monitor
         profile = profile_for(self.store, self.spec.target.gpu)
         nodes = self.node_of_rank or None
-        rows = annotate_expected(self.probe_rows, profile, nodes)
-        slow = flag_slow_groups(self.probe_rows, profile, monitor.slow_group_threshold, nodes)
+        annotated = annotate_expected(rows, profile, nodes)
+        first = report.round == 0
+        slow = flag_slow_groups(rows, profile, monitor.slow_group_threshold, nodes) \
+            if first else []
         probe = self.store.create_probe(scope="job", job_id=self.job_id, attempt=self.attempt,
                                         status=ProbeStatus.RUNNING,
-                                        request={"max_bytes": monitor.probe_max_bytes})
-        self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=rows,
-                                summary={"slow_groups": slow, "profile": profile.name})
-        self._event("probe", f"bandwidth probe: {len(rows)} measurements, {len(slow)} slow"
-                    " group(s)", {"probe_id": probe.id})
-        for w in slow:
-            self._event("warning", str(w.get("message", w)), w)
+                                        request={"max_bytes": monitor.probe_max_bytes,
+                                                 "round": report.round, "step": report.step})
+        verdict = judge_links(rows, self.node_of_rank, threshold=monitor.slow_group_threshold,
+                              expected_bw=profile.inter_node_bw)
+        self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=annotated,
+                                summary={"slow_groups": slow, "profile": profile.name,
+                                         "round": report.round, "step": report.step,
+                                         "slow_hosts": [s.node_id for s in verdict.slow],
+                                         "host_pairs": [{"nodes": list(k), "bw": bw} for k, bw
+                                                        in sorted(verdict.pairs.items())]})
+        if first:
+            self._event("probe", f"bandwidth probe: {len(annotated)} measurements, {len(slow)}"
+                        " slow group(s)", {"probe_id": probe.id})
+            for w in slow:
+                self._event("warning", str(w.get("message", w)), w)
+        self._links(verdict, probe.id, report.step)
+
+    def _links(self, verdict: LinkVerdict, probe_id: int, step: int | None) -> None:
+        """Name each host a probe round found slow (a `slow_link` event of the job, once
+        while it stays slow, and on the node), and clear those found healthy again."""
+        address = {n.node_id: str(n.info.get("address") or n.hostname)
+                   for n in self.store.list_nodes()}
+        by = f"job {self.job_id}"
+        comm = {r: list(t) for r, t in self.comm.items()}
+        for host in verdict.slow:
+            where = address.get(host.node_id, host.node_id[:12])
+            message = slow_link_message(host, where)
+            data = {"node_id": host.node_id, "address": where, "bw": host.bw,
+                    "reference_bw": host.reference_bw, "ratio": host.ratio,
+                    "either_end": host.either_end, "pairs": host.pairs, "probe_id": probe_id,
+                    "step": step, "job_id": self.job_id,
+                    **comm_s_by_host(comm, self.node_of_rank, host.node_id)}
+            marked = self.store.mark_slow_link(node_id=host.node_id, slow=True, by=by,
+                                               message=message, data=data)
+            if marked or host.node_id not in self.slow_hosts:
+                self.slow_hosts.add(host.node_id)
+                self._event("slow_link", message, data)
+        for node_id in verdict.healthy:
+            where = address.get(node_id, node_id[:12])
+            message = f"link healthy again: host {where} (node {node_id[:12]})"
+            cleared = self.store.mark_slow_link(node_id=node_id, slow=False, by=by,
+                                                message=message,
+                                                data={"probe_id": probe_id, "step": step})
+            if cleared or node_id in self.slow_hosts:
+                self.slow_hosts.discard(node_id)
+                self._event("link_ok", message, {"node_id": node_id, "address": where,
+                                                 "probe_id": probe_id, "step": step})
 
     def polled(self, heartbeats: Mapping[int, HeartbeatReport],
                received: float | None = None) -> None:

@@ -26,6 +26,7 @@ from service.store.views import (
     ProbeStatus,
     node_of,
     probe_of,
+    slow_link_event,
 )
 
 _NODES = select(NodeRow.__table__).order_by(NodeRow.node_id)
@@ -232,6 +233,20 @@ class ClusterRecords:
                 s.flush()
                 cordoned.append(node_of(row))
         return cordoned
+
+    def mark_slow_link(self, *, node_id: str, slow: bool, by: str, message: str,
+                       data: dict[str, Any] | None = None) -> bool:
+        """A probe found the node's links slow (`slow`), or healthy: a `slow_link` or a
+        `link_ok` event on the node when that changes what its events say (`Node.slow_link`:
+        the newer of the two kinds). Whether it changed."""
+        with self._tx() as s:
+            row = s.get(NodeRow, node_id, with_for_update=True)
+            if row is None:
+                return False
+            if (slow_link_event(row.events) is not None) == slow:
+                return False
+            _event(row, "slow_link" if slow else "link_ok", by, message, **(data or {}))
+            return True
 
     def save_profile(self, *, name: str, profile: dict[str, Any],
                      probe_id: int | None = None) -> None:

@@ -172,6 +172,19 @@ def probe_of(r: ProbeRow) -> Probe:
                  finished_at=aware(r.finished_at))
 
 
+LINK_EVENTS = ("slow_link", "link_ok")
+"""A node's events that say whether a probe last found its links slow (`slow_link`) or
+healthy (`link_ok`): `service.monitor.links` judges, `Store.mark_slow_link` records."""
+
+
+def slow_link_event(events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The node's newest link event when it says slow, else None."""
+    for e in reversed(events or []):
+        if e.get("kind") in LINK_EVENTS:
+            return e if e["kind"] == "slow_link" else None
+    return None
+
+
 def node_of(r: NodeRow) -> Node:
     cordon = None
     state: payloads.NodeState = "ready"
@@ -185,9 +198,11 @@ def node_of(r: NodeRow) -> Node:
     events = [payloads.NodeEvent(time=_utc(datetime.fromisoformat(e["time"])), kind=e["kind"],
                                  by=e.get("by", ""), message=e.get("message", ""),
                                  data=e.get("data") or {}) for e in r.events or []]
+    slow = slow_link_event(r.events)
+    slow_link = None if slow is None else events[(r.events or []).index(slow)]
     return Node(node_id=r.node_id, hostname=r.hostname, alive=r.alive,
                 updated_at=_utc(r.updated_at), info=r.info, state=state, cordon=cordon,
-                events=events)
+                events=events, slow_link=slow_link)
 
 
 @dataclass(frozen=True)
