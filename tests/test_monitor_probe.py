@@ -94,3 +94,48 @@ def test_a_budgeted_probe_times_fewer_calls_on_every_rank_alike(tmp_path):
     assert all(r["iters"] == 1 for r in slow if r["bytes"] == BIG)
     assert all(r["iters"] == 20 for r in fast)
     assert all(r["time_s"] > 0 for r in slow + fast)
+
+
+def test_host_pairs_ring_the_first_rank_of_each_host():
+    from service.monitor.links import HOST_DIM as JUDGED
+    from workers.monitor.comm_probe import HOST_DIM, host_pairs
+
+    assert HOST_DIM == JUDGED  # what the ranks measure is what the controller judges
+    assert host_pairs(["a", "a", "b", "b", "c", "c"]) == [(0, 2), (2, 4), (4, 0)]
+    assert host_pairs(["b", "a", "b", "a"]) == [(0, 1)]  # two hosts: one pair
+    assert host_pairs(["a", "a"]) == [] and host_pairs([]) == []
+
+
+NODES = ["a", "a", "b", "c"]
+
+
+def _rounds_rank(rank, world):
+    import itertools
+
+    from workers.monitor.probe_rounds import ProbeRounds
+
+    ticks = itertools.count(0, 4)  # each look at the clock: 4 s later
+    put = []
+    rounds = ProbeRounds(ParallelDims(dp=4), rank, every_s=10, max_bytes=4096,
+                         node_id=NODES[rank], put=put.append, clock=lambda: next(ticks))
+    probed = [step for step in range(1, 8) if rounds.at_boundary(step, stopping=step == 7)]
+    return {"probed": probed, "put": put}
+
+
+@pytest.mark.slow
+def test_probe_rounds_run_on_every_rank_at_the_same_step_boundaries(tmp_path):
+    got = run_ranks(_rounds_rank, 4, tmp_path)
+    # Rank 0's clock decides: 4 s a look, due from 10 s after the last probe; a rank 0 that
+    # is stopping does not probe.
+    assert [g["probed"] for g in got] == [[3, 6]] * 4
+    for rank, g in enumerate(got):
+        assert [(p["kind"], p["rank"], p["round"], p["step"]) for p in g["put"]] == [
+            ("probe", rank, 1, 3), ("probe", rank, 2, 6)]
+    rows = {rank: {(r["dim"], tuple(r["group"]), r["op"]) for r in g["put"][0]["rows"]}
+            for rank, g in enumerate(got)}
+    # The DP group's all-reduce (its first rank reports), and the pairs between hosts a
+    # (ranks 0, 1), b (2) and c (3), each reported by its sender.
+    assert rows == {0: {("dp", (0, 1, 2, 3), "all_reduce"), ("host", (0, 2), "send_recv")},
+                    1: set(), 2: {("host", (2, 3), "send_recv")},
+                    3: {("host", (3, 0), "send_recv")}}
+    assert all(r["bytes"] == 4096 and r["algbw"] > 0 for r in got[3]["put"][1]["rows"])

@@ -8,6 +8,7 @@ measure, these modules decide.
 - `stragglers`: ranks whose compute time per step stays beyond their stage peers'.
 - `hang`: which ranks never arrived when a job stops making progress.
 - `placement`: TP groups placed across a slow link.
+- `links`: which host has a slow link, from a probe round's pairs between hosts.
 - `comm`: the `GET /api/v1/jobs/{id}/comm` view over the stored step reports.
 - `attempt`: one running attempt's health state, fed by the controller's poll loop.
 - `cluster_probe`: `trident probe` runs, started and collected by the controller.

@@ -1,10 +1,12 @@
 """Collective bandwidth probe: how fast each TP group, DP group and PP neighbour pair really is.
 
-Called on every rank of a worker group before training (unless the job turns the probe off)
-and by `trident probe` across the cluster: `probe_layout(dims, rank)` after
-`init_process_group`. Every rank must call it (the groups are built collectively); each group's
-first rank (and each pair's sender) returns the rows, the others return []. The caller gathers
-the rows of all ranks, and `service.monitor.probe.flag_slow_groups` judges them.
+Called on every rank of a worker group before training (unless the job turns the probe off),
+again at step boundaries during training (`workers.monitor.probe_rounds`), and by `trident
+probe` across the cluster: `probe_layout(dims, rank)` after `init_process_group`, and
+`probe_hosts` for the links between hosts (pairs of ranks on different hosts). Every rank
+must call it (the groups are built collectively); each group's first rank (and each pair's
+sender) returns the rows, the others return []. The caller gathers the rows of all ranks, and
+`service.monitor.probe.flag_slow_groups` and `service.monitor.links.judge_links` judge them.
 
 Rows are JSON-ready: `{dim, group, op, bytes, time_s, algbw, busbw, iters}`, with nccl-tests
 definitions: `bytes` is the all-reduce tensor, the gathered all-gather output, the full
@@ -255,14 +257,15 @@ def pp_pairs(dims: ParallelDims) -> list[tuple[int, int]]:
 def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAULT_SIZES,
                  ops: Iterable[str] = DEFAULT_OPS, iters: int = 20, warmup: int = 3,
                  groups: dict[str, dict[tuple[int, ...], Any]] | None = None,
-                 point_s: float | None = None,
-                 heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
+                 point_s: float | None = None, heartbeat: Heartbeat | None = None,
+                 beat_step: int = -1) -> list[dict[str, Any]]:
     """Probe this rank's TP group, DP group and PP neighbour pairs; every rank calls it.
 
     `groups` reuses the trainer's process groups ({dim: {ranks: group}}); by default they are
     built here. All groups of one dimension run concurrently, as they do in training. Returns
     the rows this rank reports (first rank of a group, sender of a pair). `point_s` bounds
-    each point's time after its first call (see `JOB_PROBE_POINT_S`).
+    each point's time after its first call (see `JOB_PROBE_POINT_S`); the heartbeat says
+    `probe` at `beat_step` (-1: before training).
     """
     sizes, ops = list(sizes), list(ops)
     if dims.world_size != dist.get_world_size():
@@ -270,7 +273,7 @@ def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAUL
                          f"{dist.get_world_size()}")
     groups = build_groups(dims) if groups is None else groups
     if heartbeat is not None:
-        heartbeat.beat(-1, "probe")
+        heartbeat.beat(beat_step, "probe")
     rows: list[dict[str, Any]] = []
     for dim in (Dim.TP, Dim.DP):
         mine = tuple(dims.group_of(rank, dim))
@@ -283,3 +286,44 @@ def probe_layout(dims: ParallelDims, rank: int, *, sizes: Iterable[int] = DEFAUL
             rows += probe_pair(src, dst, sizes=sizes, iters=iters, warmup=warmup,
                                point_s=point_s, heartbeat=heartbeat)
     return rows
+
+
+HOST_DIM = "host"
+"""The rows' dim of the pairs between hosts (`service.monitor.links.HOST_DIM`)."""
+
+
+def host_pairs(node_of_rank: Sequence[str]) -> list[tuple[int, int]]:
+    """The pairs of ranks that measure the links between hosts (`node_of_rank[r]`: rank r's
+    node): the lowest rank of each host to that of the next host, in a ring (two hosts: one
+    pair). Each host's link is crossed by two pairs that share no other host, from three hosts
+    on, so that the host common to the slow pairs can be named (`service.monitor.links`); a
+    ring keeps the probe's time linear in the hosts."""
+    leads: dict[str, int] = {}
+    for rank, node in enumerate(node_of_rank):
+        leads.setdefault(node, rank)
+    first = sorted(leads.values())
+    if len(first) < 3:
+        return [(first[0], first[1])] if len(first) == 2 else []
+    return [(first[i], first[(i + 1) % len(first)]) for i in range(len(first))]
+
+
+def probe_hosts(node_of_rank: Sequence[str], rank: int, *, sizes: Iterable[int],
+                point_s: float | None = None,
+                heartbeat: Heartbeat | None = None) -> list[dict[str, Any]]:
+    """send/recv between hosts over `host_pairs`, one pair at a time (each rank takes its
+    pairs in their global order: the first pair not done always has both ranks at it); every
+    rank calls it, and the sender of each pair returns its rows (dim `host`)."""
+    sizes = list(sizes)
+    rows: list[dict[str, Any]] = []
+    for src, dst in host_pairs(node_of_rank):
+        if rank in (src, dst):
+            rows += probe_pair(src, dst, sizes=sizes, dim=HOST_DIM, point_s=point_s,
+                               heartbeat=heartbeat)
+    return rows
+
+
+def node_ids(node_id: str) -> list[str]:
+    """Every rank's node id, gathered over the default process group (collective)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, node_id)
+    return [str(n) for n in out]

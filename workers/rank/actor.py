@@ -8,9 +8,11 @@ controller that restarts and re-attaches misses none, and each checkpoint tag a 
 carries them (`service.files.tag_steps`), so an attempt that ends before they are polled loses none
 of the steps its tags hold. Around the trainer the actor puts the health monitor: a
 heartbeat, the collective timer (installed before DeepSpeed builds its communication backend)
-and, before training, a bandwidth probe of the rank's TP, DP and PP groups on a process group
-of its own. A program without torch collectives (the light program, `workers.rank.light`)
-gets the heartbeat and the faults' stall instead, and the actor imports no torch for it.
+and, before training, a bandwidth probe of the rank's TP, DP and PP groups and of the links
+between hosts on a process group of its own, again every `monitor.probe_every_s` at a step
+boundary (`workers.monitor.probe_rounds`). A program without torch collectives (the light
+program, `workers.rank.light`) gets the heartbeat and the faults' stall instead, and the
+actor imports no torch for it.
 Created by `workers.launch.group.RayWorkerGroup`.
 """
 
@@ -166,7 +168,13 @@ class RankActor:
         import torch
         import torch.distributed as dist
 
-        from workers.monitor.comm_probe import JOB_PROBE_POINT_S, job_sizes, probe_layout
+        from workers.monitor.comm_probe import (
+            JOB_PROBE_POINT_S,
+            job_sizes,
+            node_ids,
+            probe_hosts,
+            probe_layout,
+        )
         from workers.runtime import rendezvous
         from workers.runtime.nccl_env import pg_timeout
 
@@ -178,9 +186,12 @@ class RankActor:
                                       world_size=self.world_size, master_addr=master_addr,
                                       port=port, timeout=pg_timeout(spec.monitor.hang_timeout_s))
         try:
-            rows = probe_layout(spec.layout.dims, self.rank,
-                                sizes=job_sizes(spec.monitor.probe_max_bytes),
+            sizes = job_sizes(spec.monitor.probe_max_bytes)
+            rows = probe_layout(spec.layout.dims, self.rank, sizes=sizes,
                                 point_s=JOB_PROBE_POINT_S, heartbeat=self.heartbeat)
+            rows += probe_hosts(node_ids(ray.get_runtime_context().get_node_id()), self.rank,
+                                sizes=sizes, point_s=JOB_PROBE_POINT_S,
+                                heartbeat=self.heartbeat)
             dist.barrier()
         finally:
             dist.destroy_process_group()
@@ -194,6 +205,16 @@ class RankActor:
         timer = CommTimer(self.rank, spec.layout.dims, heartbeat=self.heartbeat,
                           sample_every=spec.monitor.comm_sample_every)
         faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
+        monitor = spec.monitor
+        rounds = None
+        if monitor.probe and monitor.probe_every_s and self.world_size > 1 and \
+                program.marks_steps:  # the built-in trainer: every rank reports every step
+            from workers.monitor.probe_rounds import ProbeRounds
+
+            rounds = ProbeRounds(spec.layout.dims, self.rank, every_s=monitor.probe_every_s,
+                                 max_bytes=monitor.probe_max_bytes,
+                                 node_id=ray.get_runtime_context().get_node_id(),
+                                 put=self._put, heartbeat=self.heartbeat)
 
         # The built-in trainer says where each step's own work starts (`step_started`, just
         # before the step's clock starts): the step's communication is counted from there, and
@@ -218,6 +239,8 @@ class RankActor:
             # Plain dicts across Ray; the controller validates them back into a StepReport.
             self._put(r.model_copy(update={"comm": summary["comm"],
                                            "timed": summary["timed"]}).model_dump())
+            if rounds is not None:  # between steps: the next step's start drops its counts
+                rounds.at_boundary(r.step, self._stop.is_set())
             begin(r.step + 1)
 
         # Before deepspeed.initialize, which caches the collectives it calls.
