@@ -200,7 +200,7 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
             output: Annotated[Literal["table", "json"], typer.Option(
                 "--output", "-o", help="table, or the API's JSON.")] = "table") -> None:
     """The cluster's nodes as the controller last saw them, with the jobs on each (job id
-    and its ranks there), and the calibrated profiles.
+    and its ranks there), each cordon and slow link, and the calibrated profiles.
 
     Example: trident cluster -o json
     """
@@ -226,6 +226,10 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
         if n.cordon is not None:
             typer.echo(f"{_named(n)} {n.state} by {n.cordon.by} at"
                        f" {n.cordon.at:%Y-%m-%d %H:%M:%S}: {n.cordon.reason}")
+    for n in c.nodes:
+        if n.slow_link is not None:
+            typer.echo(f"{_named(n)} slow link since {n.slow_link.time:%Y-%m-%d %H:%M:%S}"
+                       f" ({n.slow_link.by}): {n.slow_link.message}")
     for name, p in c.profiles.items():
         typer.echo(f"profile {name}: calibrated by probe {p.probe_id}")
 

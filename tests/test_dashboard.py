@@ -203,6 +203,21 @@ def test_the_cluster_page_shows_each_nodes_state_and_events(client: Any) -> None
     assert text.count("<summary>events (1)</summary>") == 2
 
 
+def test_the_cluster_page_shows_a_slow_link(client: Any) -> None:
+    c, store = client
+    store.upsert_nodes(nodes=[{"node_id": "a" * 56, "hostname": "h1"},
+                              {"node_id": "b" * 56, "hostname": "h2"}])
+    store.mark_slow_link(node_id="b" * 56, slow=True, by="job 3",
+                         message="slow link: host 10.0.0.12 <measured> 1 MB/s")
+    text = c.get("/cluster").text
+    cells = re.findall(r'<td class="node-link (\w+)">([^<]*)</td>', text)
+    assert [state for state, _ in cells] == ["ok", "slow"]
+    assert cells[1][1].startswith("slow link: host 10.0.0.12 &lt;measured&gt; 1 MB/s (job 3, ")
+    store.mark_slow_link(node_id="b" * 56, slow=False, by="job 3", message="healthy")
+    cells = re.findall(r'<td class="node-link (\w+)">', c.get("/cluster").text)
+    assert cells == ["ok", "ok"]
+
+
 def test_hangs_group_identical_stacks(client: Any) -> None:
     c, store = client
     job_id = started(store)

@@ -62,3 +62,24 @@ def test_a_member_or_an_unknown_host_gets_one_line(live: Live,
     assert r.exit_code == 2, r.output
     assert "only admins drain nodes" in r.output and len(r.output.strip().splitlines()) == 1
     assert live.store.list_nodes()[0].state == "ready"
+
+
+def test_the_cluster_shows_a_node_a_probe_found_with_a_slow_link_until_it_is_healthy(
+        live: Live) -> None:
+    live.store.upsert_nodes(nodes=[
+        {"node_id": A, "hostname": "gpu-1", "address": "10.0.0.1", "accelerator": "cpu",
+         "cpus": 4, "resources": {"CPU": 4.0}}])
+    said = "slow link: host 10.0.0.1 measured 1 MB/s to its peers"
+    assert live.store.mark_slow_link(node_id=A, slow=True, by="job 7", message=said,
+                                     data={"bw": 1e6})
+    assert not live.store.mark_slow_link(node_id=A, slow=True, by="job 8", message=said)
+    lines = live.cli("cluster").output.splitlines()
+    assert any(ln.startswith(f"node {A[:12]} (gpu-1, 10.0.0.1) slow link since ")
+               and ln.endswith(f"(job 7): {said}") for ln in lines), lines
+    [node] = json.loads(live.cli("cluster", "-o", "json").output)["nodes"]
+    assert node["slow_link"]["message"] == said and node["slow_link"]["data"] == {"bw": 1e6}
+    assert live.store.mark_slow_link(node_id=A, slow=False, by="job 7", message="healthy")
+    assert "slow link" not in live.cli("cluster").output
+    [node] = json.loads(live.cli("cluster", "-o", "json").output)["nodes"]
+    assert node["slow_link"] is None
+    assert [e["kind"] for e in node["events"]] == ["slow_link", "link_ok"]
