@@ -86,6 +86,19 @@ class Host:
     temp_dir: str
     node_log: str = ""
     alive: bool = True
+    cut_joins: int | None = None
+    """While the host is (or was) cut off: how many times its node had joined before, so that
+    its joining again (its keeper restarts Ray once the head has marked it dead) is seen."""
+
+    def joins(self) -> int:
+        """How many times the host's node has said it runs (`trident node start`'s keeper
+        starts Ray again after it ends: each start that joined says so once)."""
+        from service.cluster.raynode import READY
+
+        try:
+            return Path(self.node_log).read_text(errors="replace").count(READY)
+        except OSError:
+            return 0
 
     def pids(self) -> list[int]:
         r = _ip("netns", "pids", self.netns, check=False)
@@ -218,6 +231,8 @@ class Hosts:
 
     def partition(self, host: Host) -> float:
         """Cut `host` off the network (its link down); when it happened."""
+        if host.cut_joins is None:
+            host.cut_joins = host.joins()
         _ip("link", "set", host.link, "down")
         return time.time()
 
@@ -274,12 +289,16 @@ def up_on_hosts(root: Path, n: int) -> Iterator[tuple[Hosts, Up]]:
 
 
 def all_joined(cluster: Hosts, up: Up, timeout_s: float = 120) -> None:
-    """Until the control plane's inventory has a live node at every host's address (a host
-    powered on again, or back on the network, takes seconds to join)."""
-    def joined() -> bool:
-        live = {x["info"].get("address") for x in up.get("/cluster")["nodes"] if x["alive"]}
-        return {h.address for h in cluster.hosts} <= live
-    wait_for("every host in the inventory", joined, timeout_s, up.log)
+    """Until every host's node runs: a host back on the network after the head marked it
+    dead joins again (its keeper restarts Ray) within seconds, a host powered on again has
+    joined once `start_node` returns."""
+    for host in cluster.hosts:
+        if host.cut_joins is None:
+            continue
+        before = host.cut_joins
+        wait_for(f"host {host.address} joined again", lambda h=host, n=before: h.joins() > n,
+                 timeout_s, up.log)
+        host.cut_joins = None
 
 
 # What the tests on hosts read of a job, through the REST API of `up_on_hosts`' stack.

@@ -1,7 +1,8 @@
 """Faults of hosts in network namespaces (`tests.hosts`), with `trident up --ray-address` on
 the head's host: a host cut off (its link down) for longer than the head's health checks
 allow, then back; a host lost with no spare, for a job that waits and for an elastic one that
-re-plans onto the hosts left. Each asserts the steps stored, not only how the job ended.
+re-plans onto the hosts left; a host drained for maintenance. Each asserts the steps stored,
+not only how the job ended.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.hosts import (
     submit,
     up_on_hosts,
 )
+from tests.servers import HTTP
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -135,3 +137,30 @@ def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_
     later = {r["ip"] for a in attempts(up, job_id)[1:] for r in a["placement"]["ranks"]}
     assert victim.address not in later and len(later) == 2, later
     assert (by_attempt[2][0] - 1) % EVERY == 0
+
+
+def test_a_drained_host_loses_no_step_and_gets_no_ranks_until_uncordoned(
+        stack: tuple[Hosts, Up]) -> None:
+    hosts, up = stack
+    job_id = submit(up, spec("drain", 2))
+    wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
+    drained_ip = next(r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"]
+                      if r["rank"] == 1)
+    r = HTTP.post(f"{up.server}/api/v1/nodes/{drained_ip}/drain", headers=up.auth,
+                  json={"reason": "maintenance", "grace_s": 60}, timeout=30)
+    assert r.status_code == 200, r.text
+    job = finish(up, job_id)
+    assert job["state"] == "SUCCEEDED", (job["error"], up.log())
+    tried = attempts(up, job_id)
+    assert [a["status"] for a in tried] == ["preempted", "succeeded"], tried
+    later = {r["ip"] for r in tried[1]["placement"]["ranks"]}
+    assert drained_ip not in later and len(later) == 2, later
+    # No step lost nor redone: the first attempt saved at the step it stopped after, and
+    # the second began at the next one.
+    by_attempt = stored_once(steps(up, job_id), TOTAL)
+    assert by_attempt[2][0] == by_attempt[1][-1] + 1, by_attempt
+    nodes = [n for n in up.get("/cluster")["nodes"] if n["info"].get("address") == drained_ip]
+    assert [n["state"] for n in nodes if n["alive"]] == ["drained"], nodes
+    r = HTTP.post(f"{up.server}/api/v1/nodes/{drained_ip}/uncordon", headers=up.auth,
+                  timeout=30)
+    assert r.status_code == 200, r.text

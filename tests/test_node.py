@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from service.cluster.inventory import parse_topo_matrix
 from service.cluster.node_labels import PREFIX, gpu_link, node_facts, node_labels
-from service.cluster.raynode import NodeState, read_state, state_path, stop_node
+from service.cluster.raynode import READY, NodeState, keep, read_state, state_path, stop_node
 from service.contract.hardware import profile_for_gpu
 from service.contract.states import JobState
 from service.settings import Settings
@@ -25,6 +29,7 @@ from service.store import Store
 from tests.fakes import submit
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -118,6 +123,51 @@ def test_node_stop_stops_only_what_it_recorded(tmp_path: Path) -> None:
     assert read_state(tmp_path) is not None
     assert stop_node(tmp_path, grace_s=1) is None
     assert read_state(tmp_path) is None and not state_path(tmp_path).exists()
+
+
+def _fake_ray(tmp_path: Path, *, ready: bool, code: int) -> list[str]:
+    """A stand-in for `ray start --block` (which needs a head to join): says `READY` or not,
+    counts its runs in a file, exits with `code`."""
+    script = tmp_path / "fake_ray.py"
+    script.write_text(
+        "import pathlib, sys\n"
+        f"runs = pathlib.Path({str(tmp_path / 'runs')!r})\n"
+        "runs.write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else '1')\n"
+        + (f"print({READY!r}, flush=True)\n" if ready else "")
+        + f"sys.exit({code})\n")
+    return [sys.executable, str(script), "start", "--block"]
+
+
+def test_the_node_keeper_starts_ray_again_when_it_ends_after_it_ran(tmp_path: Path) -> None:
+    """A node marked dead (its raylet exits) or whose head restarted joins again by itself;
+    SIGTERM stops the keeper and what it runs."""
+    log = tmp_path / "node.log"
+    keeper = subprocess.Popen([sys.executable, "-c",
+                               "import sys; from pathlib import Path;"
+                               " from service.cluster.raynode import keep;"
+                               " sys.exit(keep(sys.argv[2:], Path(sys.argv[1]),"
+                               " backoff_min_s=0.05, backoff_max_s=0.1))",
+                               str(log), *_fake_ray(tmp_path, ready=True, code=1)],
+                              cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while int((tmp_path / "runs").read_text() if (tmp_path / "runs").exists() else 0) < 3:
+            assert keeper.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        keeper.send_signal(signal.SIGTERM)
+        keeper.wait(30)
+    text = log.read_text()
+    assert text.count(READY) >= 3
+    assert "ray exited with status 1" in text and "starting it again" in text
+
+
+def test_a_node_that_never_joined_is_not_started_again(tmp_path: Path) -> None:
+    """A first start that fails before Ray says it runs (a wrong address or token) ends the
+    keeper with its status: an error to show, not to retry."""
+    log = tmp_path / "node.log"
+    assert keep(_fake_ray(tmp_path, ready=False, code=7), log, backoff_min_s=0.05) == 7
+    assert (tmp_path / "runs").read_text() == "1" and "starting it again" not in log.read_text()
 
 
 def test_cluster_shows_the_jobs_on_each_node(server: str, tmp_path: Path) -> None:  # noqa: F811
