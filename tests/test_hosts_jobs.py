@@ -28,6 +28,7 @@ from tests.hosts import (
     submit,
     up_on_hosts,
 )
+from tests.servers import HTTP
 from tests.up import Up
 from tests.waiting import wait_for
 
@@ -69,6 +70,12 @@ def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up
     rank0 = next(r for r in ranks if r["rank"] == 0)
     assert attempt["placement"]["master"].rpartition(":")[0] == rank0["ip"]
     assert [m["step"] for m in steps(up, job_id)] == list(range(1, 7))
+    # Each rank's output, the one on the other host too, through the API.
+    logs = up.get(f"/jobs/{job_id}/logs")["ranks"]
+    assert sorted(c["rank"] for c in logs if c["text"]) == [0, 1], logs
+    # The inventory has the hosts by their addresses, alive.
+    live = {n["info"].get("address") for n in up.get("/cluster")["nodes"] if n["alive"]}
+    assert {h.address for h in hosts.hosts} <= live, live
 
 
 def test_tp_pairs_stay_inside_a_host_and_pipeline_stages_span_two(
@@ -97,11 +104,20 @@ def test_a_host_powered_off_mid_step_resumes_from_the_checkpoint_on_the_spare(
         name="host-loss", max_retries=2, checkpoint={"every_steps": every},
         train={"steps": total, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False},
+        # Slower steps in the first attempt: the stacks are asked for before the fault.
+        faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.3}],
         resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5}))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     first = attempts(up, job_id)[0]
     victim_ip = next(r["ip"] for r in first["placement"]["ranks"] if r["rank"] == 1)
     victim = next(h for h in hosts.hosts if h.address == victim_ip)
+    # Both ranks' stacks, from both hosts, while it trains.
+    r = HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/stacks", headers=up.auth, timeout=30)
+    assert r.status_code == 202, r.text
+    path = f"/jobs/{job_id}/stacks/{r.json()['id']}"
+    wait_for("the stacks", lambda: up.get(path)["status"] == "done", 120, up.log)
+    result = up.get(path)["result"]
+    assert result["ranks"] == 2 and result["missing"] == [], result
     killed_at = hosts.kill(victim)
     seen = [0]  # the newest step of the first attempt stored, as it goes
 
