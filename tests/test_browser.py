@@ -360,3 +360,33 @@ def test_the_cluster_page_shows_a_cordoned_node_and_its_events(live: Live, page:
         assert r.status_code == 200, r.text
     page.goto(live.url + "/cluster")
     expect(page.locator("td.node-state").first).to_have_text("ready")
+
+
+def test_the_cluster_and_job_pages_show_a_slow_link(live: Live, page: Page) -> None:
+    """What a job's probe that found a slow link leaves (`service.monitor.attempt`: the node's
+    mark and the job's event; named on real hosts by `tests/test_hosts_links.py`), as the
+    pages show it. Last in this module: it adds events to the node the cordon check reads."""
+    deadline = time.monotonic() + 120
+    while not (nodes := [n for n in get(f"{live.url}/api/v1/cluster").json()["nodes"]
+                         if n["alive"]]):
+        assert time.monotonic() < deadline, "no node recorded"
+        time.sleep(0.5)
+    node_id, job_id = nodes[0]["node_id"], live.jobs["tiny"]
+    said = (f"slow link: host 10.0.0.12 (node {node_id[:12]}) measured 4.79 MB/s to its peers,"
+            " against 2.53e+03 MB/s between the other hosts (0.0019x)")
+    live.store.add_event(job_id=job_id, kind="slow_link", message=said,
+                         data={"node_id": node_id})
+    assert live.store.mark_slow_link(node_id=node_id, slow=True, by=f"job {job_id}",
+                                     message=said)
+    try:
+        page.goto(live.url + "/cluster")
+        expect(page.locator("td.node-link.slow")).to_contain_text(said)
+        expect(page.locator("td.node-link.slow")).to_contain_text(f"(job {job_id}, ")
+        page.goto(f"{live.url}/jobs/{job_id}")
+        expect(page.locator("#events")).to_contain_text(f"slow_link{said}")
+    finally:
+        live.store.mark_slow_link(node_id=node_id, slow=False, by=f"job {job_id}",
+                                  message="link healthy again")
+    page.goto(live.url + "/cluster")
+    expect(page.locator("td.node-link.slow")).to_have_count(0)
+    expect(page.locator("td.node-link.ok").first).to_have_text("ok")
