@@ -177,6 +177,36 @@ def test_slow_rank_is_reported_as_a_straggler(stack) -> None:
         stragglers[0]["message"]
 
 
+def test_a_pipeline_job_probes_again_during_training_at_step_boundaries(stack) -> None:
+    """`monitor.probe_every_s`: the ranks of a pp2 job (the built-in trainer) probe again
+    between steps, every rank at the same boundary (else they would block each other in the
+    probe), and train on; each round is stored with the step it followed."""
+    client, store, controller = stack
+    r = client.post("/api/v1/jobs", json=tiny_spec(
+        parallel={"tp": 1, "pp": 2, "dp": 1},
+        train={"steps": 150, "global_batch": 4, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe_max_bytes": 64 << 10, "probe_every_s": 5}))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                 300) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    metrics = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["step"] for m in metrics] == list(range(1, 151))
+    probes = sorted(store.list_probes(job_id=job_id), key=lambda p: p.summary["round"])
+    rounds = [(p.summary["round"], p.summary["step"]) for p in probes]
+    print("probe rounds (round, after step):", rounds)
+    assert rounds[0] == (0, None) and len(rounds) >= 2, rounds
+    assert [n for n, _ in rounds] == list(range(len(rounds)))
+    steps = [s for _, s in rounds[1:]]
+    assert steps == sorted(set(steps)) and all(1 <= s <= 150 for s in steps), rounds
+    for p in probes[1:]:  # no TP or DP group here: the pipeline's pair; one host: no pairs
+        assert {(r["dim"], tuple(r["group"]), r["op"]) for r in p.results} == {
+            ("pp", (0, 1), "send_recv")}, p.results
+        assert p.summary["slow_hosts"] == [] and p.summary["host_pairs"] == []
+    kinds = [e.kind for e in store.list_events(job_id=job_id, limit=1000)]
+    assert kinds.count("probe") == 1 and "slow_link" not in kinds
+
+
 def test_cluster_probe_calibrates_the_cpu_profile(stack) -> None:
     client, store, controller = stack
     probe = client.post("/api/v1/probes", json={"ranks_per_node": 2,
