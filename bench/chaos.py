@@ -18,7 +18,8 @@ Per run: **detect** (the fault to the end of the attempt, as stored: the control
 the attempt is over), **first step** (the fault to the first step stored after it), **redone**
 (steps the first attempt stored after the checkpoint the next one resumed from) and
 **effective** (seconds of the job's kept steps over the job's wall time, from its start to its
-end: the share of time spent training). The table goes to stdout, the runs to
+end: the share of time spent training; the same job with no fault, run each round, gives the
+share that start-up and checkpoints alone leave). The table goes to stdout, the runs to
 `var/bench/chaos.json`, and with `--docs` the table replaces the one between the markers in
 `docs/reliability.md`. Needs root; takes about a minute a run.
 """
@@ -56,6 +57,10 @@ from tests.waiting import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY, FAULT_AT = 60, 3, 5
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+RAY_DEFAULTS = {"RAY_health_check_initial_delay_ms": "5000", "RAY_health_check_period_ms": "3000",
+                "RAY_health_check_timeout_ms": "10000", "RAY_health_check_failure_threshold": "5"}
+"""Ray's own health-check settings (`--ray-defaults`), against which the head's are measured
+(`service.cluster.rayhead.HEALTH_CHECK_ENV`)."""
 
 
 def job_spec(name: str, dp: int, **over: Any) -> dict[str, Any]:
@@ -103,6 +108,24 @@ DRILLS: dict[str, tuple[dict[str, Any], Callable[[Hosts, Up, Host], Callable[[],
 }
 
 
+def effective(up: Up, job_id: int, job: dict[str, Any], got: list[dict[str, Any]]) -> float:
+    """Seconds of the job's kept steps (a redone step's newest run) over its wall time."""
+    newest = {m["step"]: m for m in got}  # later attempts' rows come later: they win
+    began = _t(attempts(up, job_id)[0]["started_at"])
+    return sum(m["step_time_s"] for m in newest.values()) / (_t(job["finished_at"]) - began)
+
+
+def run_baseline(hosts: Hosts, up: Up) -> dict[str, Any]:
+    """The same job as `loss+spare`'s with no fault: the share of its time spent training
+    that start-up and checkpoints alone leave."""
+    job_id = submit(up, DRILLS["loss+spare"][0])
+    job = finish(up, job_id)
+    if job["state"] != "SUCCEEDED":
+        raise RuntimeError(f"baseline: job {job_id} {job['state']}: {job['error']}")
+    return {"drill": "no fault", "job": job_id,
+            "effective": effective(up, job_id, job, steps(up, job_id))}
+
+
 def run_drill(hosts: Hosts, up: Up, name: str) -> dict[str, Any]:
     """One run of drill `name`: its figures, with the cluster restored after it."""
     spec, fault = DRILLS[name]
@@ -124,14 +147,11 @@ def run_drill(hosts: Hosts, up: Up, name: str) -> dict[str, Any]:
     got = steps(up, job_id)
     by_attempt = stored_once(got, STEPS)
     first = attempts(up, job_id)[0]
-    newest = {m["step"]: m for m in got}  # later attempts' rows come later: they win
-    kept_s = sum(m["step_time_s"] for m in newest.values())
-    wall_s = _t(job["finished_at"]) - _t(first["started_at"])
     after = min(_t(m["time"]) for m in got if m["attempt"] >= 2)
     return {"drill": name, "job": job_id, "detect_s": _t(first["ended_at"]) - fault_at,
             "first_step_s": after - fault_at,
             "redone": by_attempt[1][-1] - (by_attempt[2][0] - 1),
-            "effective": kept_s / wall_s, "attempts": len(by_attempt), "wall_s": wall_s}
+            "effective": effective(up, job_id, job, got), "attempts": len(by_attempt)}
 
 
 def _med(runs: list[dict[str, Any]], key: str, fmt: str,
@@ -144,6 +164,10 @@ def table(runs: list[dict[str, Any]]) -> str:
     """The median (and the worst) of each figure per drill, as a Markdown table."""
     lines = ["| drill | runs | detect s | first step s | steps redone | effective |",
              "|---|---|---|---|---|---|"]
+    base = [r for r in runs if r["drill"] == "no fault"]
+    if base:
+        lines.append(f"| no fault | {len(base)} | - | - | - |"
+                     f" {_med(base, 'effective', '.2f', min)} |")
     for name in DRILLS:
         rs = [r for r in runs if r["drill"] == name]
         if not rs:
@@ -169,24 +193,31 @@ def main(argv: list[str] | None = None) -> int:
                    help="Only this drill (again for more); default every drill.")
     p.add_argument("--docs", action="store_true", help="Write the table into"
                    " docs/reliability.md.")
+    p.add_argument("--ray-defaults", action="store_true", help="The head with Ray's own"
+                   " health-check settings, not Trident's (prints; never writes the docs).")
     args = p.parse_args(argv)
     if (why := available()) is not None:
         print(f"bench.chaos: cannot make hosts here: {why}", file=sys.stderr)
         return 2
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp, \
-            up_on_hosts(Path(tmp), 3) as (hosts, up):
+            up_on_hosts(Path(tmp), 3, RAY_DEFAULTS if args.ray_defaults else None) as (
+                hosts, up):
         for i in range(args.runs):
+            base = run_baseline(hosts, up)
+            runs.append({**base, "run": i + 1})
+            print(json.dumps(base), flush=True)
             for name in args.drill or DRILLS:
                 run = run_drill(hosts, up, name)
                 runs.append({**run, "run": i + 1})
                 print(json.dumps(run), flush=True)
-    out = ROOT / "var" / "bench" / "chaos.json"
+    out = ROOT / "var" / "bench" / ("chaos-ray-defaults.json" if args.ray_defaults
+                                     else "chaos.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(runs, indent=2))
     text = table(runs)
     print(text)
-    if args.docs:
+    if args.docs and not args.ray_defaults:
         write_docs(text)
     return 0
 

@@ -269,10 +269,12 @@ class Hosts:
 
 
 @contextlib.contextmanager
-def up_on_hosts(root: Path, n: int) -> Iterator[tuple[Hosts, Up]]:
+def up_on_hosts(root: Path, n: int, env: dict[str, str] | None = None
+                ) -> Iterator[tuple[Hosts, Up]]:
     """`n` hosts, and `trident up --ray-address` on the head's host driving them (faults and
-    light ranks allowed), once its inventory has every host."""
-    with Hosts(root / "hosts") as cluster:
+    light ranks allowed), once its inventory has every host; `env` added to every node's
+    environment (the head's: after Trident's settings, which it can override)."""
+    with Hosts(root / "hosts", env=dict(env or {})) as cluster:
         for _ in range(n):
             cluster.add()
         (root / "up").mkdir()
@@ -289,9 +291,11 @@ def up_on_hosts(root: Path, n: int) -> Iterator[tuple[Hosts, Up]]:
 
 
 def all_joined(cluster: Hosts, up: Up, timeout_s: float = 120) -> None:
-    """Until every host's node runs: a host back on the network after the head marked it
-    dead joins again (its keeper restarts Ray) within seconds, a host powered on again has
-    joined once `start_node` returns."""
+    """Until every host's node runs and the control plane's inventory says so: a host back
+    on the network after the head marked it dead joins again (its keeper restarts Ray)
+    within seconds, a host powered on again has joined once `start_node` returns; the
+    inventory (which the API's placement check reads) follows within its survey period.
+    Then it lists one live node at each host's address and the head, and no other."""
     for host in cluster.hosts:
         if host.cut_joins is None:
             continue
@@ -299,6 +303,12 @@ def all_joined(cluster: Hosts, up: Up, timeout_s: float = 120) -> None:
         wait_for(f"host {host.address} joined again", lambda h=host, n=before: h.joins() > n,
                  timeout_s, up.log)
         host.cut_joins = None
+    want = sorted([cluster.head_ip, *(h.address for h in cluster.hosts)])
+
+    def listed() -> bool:
+        nodes = up.get("/cluster")["nodes"]
+        return sorted(n["info"].get("address") for n in nodes if n["alive"]) == want
+    wait_for("every host in the inventory", listed, timeout_s, up.log)
 
 
 # What the tests on hosts read of a job, through the REST API of `up_on_hosts`' stack.

@@ -11,6 +11,7 @@ stored once and no more redone than the checkpoint interval.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -59,7 +60,7 @@ def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up
     job_id = submit(up, tiny_spec(
         name="two-hosts", train={"steps": 6, "global_batch": 8, "micro_batch": 2,
                                  "precision": "fp32"},
-        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5}))
+        resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5}))
     job = finish(up, job_id)
     assert job["state"] == "SUCCEEDED", (job["error"], up.log())
     [attempt] = attempts(up, job_id)
@@ -70,6 +71,10 @@ def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up
     rank0 = next(r for r in ranks if r["rank"] == 0)
     assert attempt["placement"]["master"].rpartition(":")[0] == rank0["ip"]
     assert [m["step"] for m in steps(up, job_id)] == list(range(1, 7))
+    # The bandwidth probe measured the dp group, whose two ranks are on two hosts.
+    probe = up.get(f"/jobs/{job_id}/comm")["probe"]
+    assert any(row["dim"] == "dp" and sorted(row["group"]) == [0, 1] and row["busbw"] > 0
+               for row in probe), probe
     # Each rank's output, the one on the other host too, through the API.
     logs = up.get(f"/jobs/{job_id}/logs")["ranks"]
     assert sorted(c["rank"] for c in logs if c["text"]) == [0, 1], logs
@@ -118,6 +123,14 @@ def test_a_host_powered_off_mid_step_resumes_from_the_checkpoint_on_the_spare(
     wait_for("the stacks", lambda: up.get(path)["status"] == "done", 120, up.log)
     result = up.get(path)["result"]
     assert result["ranks"] == 2 and result["missing"] == [], result
+    # Rank 0's rendezvous store listens on its host's own address, not on every interface.
+    master = first["placement"]["master"]
+    rank0_host = next(h for h in hosts.hosts if h.address == master.rpartition(":")[0])
+    listening = subprocess.run(["ip", "netns", "exec", rank0_host.netns, "ss", "-Htln"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout
+    port = master.rpartition(":")[2]
+    assert f"{master} " in listening and f"0.0.0.0:{port} " not in listening \
+        and f"*:{port} " not in listening, listening
     killed_at = hosts.kill(victim)
     seen = [0]  # the newest step of the first attempt stored, as it goes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from service.cluster.data_plane import NodeCapacity
 from service.control.node_survey import NodeSurvey
 from service.store import Store
 from tests.waiting import wait_for
@@ -72,4 +73,38 @@ def test_a_failed_inventory_keeps_the_recorded_nodes(sqlite_store: Store) -> Non
     wait_for("a third inventory", third_started)
     assert launcher.calls >= 3
     assert [(n.node_id, n.alive) for n in sqlite_store.list_nodes()] == [("n0", True)]
+    survey.close()
+
+
+def test_a_node_that_dies_or_joins_is_surveyed_at_once_not_when_the_period_is_over(
+        sqlite_store: Store) -> None:
+    class Changing:
+        """A cluster whose live nodes are `live`; its inventory lists them."""
+
+        def __init__(self) -> None:
+            self.live = ["n0", "n1"]
+            self.calls = 0
+
+        def total_capacity(self) -> list[NodeCapacity]:
+            return [NodeCapacity(n, 2.0, 0.0) for n in self.live]
+
+        def inventory(self) -> list[dict[str, Any]]:
+            self.calls += 1
+            return [{"node_id": n, "hostname": n} for n in self.live]
+
+    launcher = Changing()
+    survey = NodeSurvey(sqlite_store, launcher, every_s=3600.0,  # type: ignore[arg-type]
+                        watch_every_s=0.0)
+    survey.step()
+    for _ in range(3):
+        survey.step()  # nothing changed: no inventory before the hour is over
+    assert launcher.calls == 1
+    launcher.live = ["n0", "n2"]  # n1 died, n2 joined
+
+    def stored() -> bool:
+        survey.step()
+        return {n.node_id for n in sqlite_store.list_nodes() if n.alive} == {"n0", "n2"}
+
+    wait_for("the new nodes in the inventory", stored)
+    assert launcher.calls == 2
     survey.close()
