@@ -71,20 +71,38 @@ def test_four_hosts_in_a_ring_and_several_ranks_a_host() -> None:
 
 def test_two_hosts_are_judged_against_the_profile_and_both_ends_named() -> None:
     nodes = {0: "node-a", 1: "node-b"}
-    slow = judge_links([pair(0, 1, 1e6)], nodes, expected_bw=1e9)
+    sizes: list[int] = []
+
+    def expected(nbytes: int) -> float:  # the profile's, at the size judged
+        sizes.append(nbytes)
+        return 1e9
+
+    slow = judge_links([pair(0, 1, 1e6), pair(0, 1, 1e3, nbytes=4096)], nodes,
+                       expected_bw=expected)
+    assert sizes == [MiB]
     assert [(s.node_id, s.either_end) for s in slow.slow] == [("node-a", True),
                                                               ("node-b", True)]
     assert "or its one peer" in slow_link_message(slow.slow[0], "10.0.0.11")
-    fine = judge_links([pair(0, 1, 0.9e9)], nodes, expected_bw=1e9)
+    fine = judge_links([pair(0, 1, 0.9e9)], nodes, expected_bw=expected)
     assert fine.slow == [] and fine.healthy == ["node-a", "node-b"]
     # Without a profile's figure, one pair says nothing.
     assert judge_links([pair(0, 1, 1e6)], nodes).slow == []
 
 
+def test_pairs_probed_only_below_a_mebibyte_are_not_judged() -> None:
+    """Latency-bound sizes (a job's small `monitor.probe_max_bytes`) judge nothing: the
+    slowest pair there may be noise."""
+    rows = [pair(a, b, x, nbytes=64 << 10)
+            for (a, b), x in {(0, 1): 900e6, (1, 2): 1e6, (2, 0): 1e6}.items()]
+    v = judge_links(rows, ONE_RANK_A_HOST)
+    assert v.slow == [] and v.healthy == [] and v.pairs == {}
+    assert judge_links(rows, ONE_RANK_A_HOST, min_bytes=64 << 10).slow[0].node_id == "node-c"
+
+
 def test_pairs_inside_one_host_and_ranks_without_a_placement_are_left_out() -> None:
     nodes = {0: "node-a", 1: "node-a", 2: "node-b"}
     got = host_pair_bw([pair(0, 1, 1e3), pair(1, 2, 5e8), pair(2, 7, 1.0)], nodes)
-    assert got == {("node-a", "node-b"): (5e8, [1, 2])}
+    assert got == {("node-a", "node-b"): (5e8, [1, 2], MiB)}
     assert judge_links([], nodes).slow == []
 
 

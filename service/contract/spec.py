@@ -408,7 +408,8 @@ class MonitorSpec(_Strict):
     probe_every_s: Annotated[float, Field(ge=0, le=86400)] = 600.0
     """Probe again every this many seconds of training, at a step boundary, to find a link
     that became slow (the built-in trainer; 0: only before training). Each probe costs the
-    job about a second (gloo, the default sizes); a slow link is named within two intervals."""
+    job about a second (gloo, the default sizes); a slow link is named within two intervals
+    (judged where `probe_max_bytes` is 1 MiB or more: `service.monitor.links`)."""
 
     @field_validator("probe_every_s")
     @classmethod

@@ -19,6 +19,7 @@ from service.cluster.profiles import profile_for
 from service.contract.parallel import Dim
 from service.contract.reports import HeartbeatReport, ProbeReport, StepReport
 from service.contract.spec import JobSpec
+from service.monitor.bandwidth import expected_busbw
 from service.monitor.hang import Diagnosis, diagnose_hang
 from service.monitor.links import LinkVerdict, comm_s_by_host, judge_links, slow_link_message
 from service.monitor.placement import tp_placement_warnings
@@ -106,7 +107,8 @@ class AttemptHealth:
                                         request={"max_bytes": monitor.probe_max_bytes,
                                                  "round": report.round, "step": report.step})
         verdict = judge_links(rows, self.node_of_rank, threshold=monitor.slow_group_threshold,
-                              expected_bw=profile.inter_node_bw)
+                              expected_bw=lambda n: expected_busbw("send_recv", 2, n, profile,
+                                                                   cross_node=True))
         self.store.finish_probe(probe_id=probe.id, status=ProbeStatus.DONE, results=annotated,
                                 summary={"slow_groups": slow, "profile": profile.name,
                                          "round": report.round, "step": report.step,

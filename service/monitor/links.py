@@ -10,12 +10,13 @@ dim `host`, op `send_recv`.
 The rule, peer-relative (a link is judged against the other links of the same cluster, not
 against a hardware profile, which a CPU cluster on a bridge or a mixed fabric matches badly):
 
-- each host pair's bandwidth is its row at the largest probed size (bandwidth-bound);
+- each host pair's bandwidth is its row at the largest probed size, when that is 1 MiB or more
+  (`MIN_JUDGED_BYTES`: bandwidth-bound);
 - a pair is slow below `threshold` times the fastest pair of the round;
 - a host is named when every pair it is in is slow and some pair without it is healthy: the
   host common to the slow pairs. With two hosts there is one pair and nothing to compare it
-  with; it is judged against the profile's inter-node bandwidth (`expected_bw`), and both ends
-  are named, since either may be the slow one.
+  with; it is judged against the profile's inter-node bandwidth at that size (`expected_bw`),
+  and both ends are named, since either may be the slow one.
 
 The ranks' collective times (the step reports' `comm`, seconds a step) go with the verdict as
 evidence: those of the named host's ranks against the others'. In a ring all-reduce every rank
@@ -25,7 +26,7 @@ waits for the slowest link, so they show that the job is slowed, not where.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +65,20 @@ class LinkVerdict:
     """Each host pair's bandwidth (bytes/s), its node ids sorted."""
 
 
-def host_pair_bw(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, str]
-                 ) -> dict[tuple[str, str], tuple[float, list[int]]]:
+MIN_JUDGED_BYTES = 1 << 20
+"""Pairs are judged at their largest probed size only when it is at least this (1 MiB): below,
+a round trip's latency weighs as much as the link's rate, and a pair slower than another by
+noise alone would name a host. A job probing smaller messages (`monitor.probe_max_bytes`) is
+not judged for slow links."""
+
+
+def host_pair_bw(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, str],
+                 min_bytes: int = MIN_JUDGED_BYTES
+                 ) -> dict[tuple[str, str], tuple[float, list[int], int]]:
     """Each pair of hosts' send/recv bandwidth at its largest probed size (algbw: one way),
-    with the ranks that measured it. Rows of other dims, and pairs on one host, are left out;
-    two pairs of the same hosts keep the slower."""
+    with the ranks that measured it and that size. Rows of other dims, pairs on one host, and
+    pairs whose largest size is below `min_bytes` are left out; two pairs of the same hosts
+    keep the slower."""
     largest: dict[tuple[int, ...], Mapping[str, Any]] = {}
     for row in rows:
         if row.get("dim") != HOST_DIM or row.get("op") != "send_recv":
@@ -76,9 +86,10 @@ def host_pair_bw(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, s
         key = tuple(row["group"])
         if key not in largest or row["bytes"] > largest[key]["bytes"]:
             largest[key] = row
-    out: dict[tuple[str, str], tuple[float, list[int]]] = {}
+    out: dict[tuple[str, str], tuple[float, list[int], int]] = {}
     for ranks, row in largest.items():
-        if len(ranks) != 2 or any(r not in node_of_rank for r in ranks):
+        if len(ranks) != 2 or any(r not in node_of_rank for r in ranks) or \
+                row["bytes"] < min_bytes:
             continue
         a, b = (node_of_rank[r] for r in ranks)
         if a == b:
@@ -86,30 +97,37 @@ def host_pair_bw(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, s
         key = (a, b) if a < b else (b, a)
         bw = float(row["algbw"])
         if key not in out or bw < out[key][0]:
-            out[key] = (bw, list(ranks))
+            out[key] = (bw, list(ranks), int(row["bytes"]))
     return out
 
 
 def judge_links(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, str], *,
-                threshold: float = 0.5, expected_bw: float | None = None) -> LinkVerdict:
-    """The hosts whose links are slow in one probe round (see the module's rule)."""
-    pairs = host_pair_bw(rows, node_of_rank)
+                threshold: float = 0.5,
+                expected_bw: Callable[[int], float] | None = None,
+                min_bytes: int = MIN_JUDGED_BYTES) -> LinkVerdict:
+    """The hosts whose links are slow in one probe round (see the module's rule).
+    `expected_bw(nbytes)`: the profile's one-way bandwidth between two hosts for a message of
+    that size (alpha-beta: `service.monitor.bandwidth.expected_busbw` of send_recv), which
+    judges the one pair of two hosts."""
+    pairs = host_pair_bw(rows, node_of_rank, min_bytes)
     if not pairs:
         return LinkVerdict()
     hosts = sorted({h for key in pairs for h in key})
-    best = max(bw for bw, _ in pairs.values())
-    slow_pairs = {key for key, (bw, _) in pairs.items() if bw < threshold * best}
-    healthy_bw = [bw for key, (bw, _) in pairs.items() if key not in slow_pairs]
+    best = max(bw for bw, _, _ in pairs.values())
+    slow_pairs = {key for key, (bw, _, _) in pairs.items() if bw < threshold * best}
+    healthy_bw = [bw for key, (bw, _, _) in pairs.items() if key not in slow_pairs]
 
     def of(host: str) -> list[dict[str, Any]]:
-        return [{"peer": key[1] if key[0] == host else key[0], "ranks": ranks, "bw": bw}
-                for key, (bw, ranks) in sorted(pairs.items()) if host in key]
+        return [{"peer": key[1] if key[0] == host else key[0], "ranks": ranks, "bw": bw,
+                 "bytes": nbytes}
+                for key, (bw, ranks, nbytes) in sorted(pairs.items()) if host in key]
 
     slow: list[SlowHost] = []
     if len(hosts) == 2:
-        [(key, (bw, _))] = pairs.items()
-        if expected_bw and bw < threshold * expected_bw:
-            slow = [SlowHost(h, bw, expected_bw, of(h), either_end=True) for h in key]
+        [(key, (bw, _, nbytes))] = pairs.items()
+        expected = expected_bw(nbytes) if expected_bw is not None else 0.0
+        if expected and bw < threshold * expected:
+            slow = [SlowHost(h, bw, expected, of(h), either_end=True) for h in key]
     elif healthy_bw:
         reference = statistics.median(healthy_bw)
         for h in hosts:
@@ -120,7 +138,7 @@ def judge_links(rows: Sequence[Mapping[str, Any]], node_of_rank: Mapping[int, st
                 slow.append(SlowHost(h, statistics.median(bws), reference, of(h)))
     named = {s.node_id for s in slow}
     return LinkVerdict(slow=slow, healthy=[h for h in hosts if h not in named],
-                       pairs={key: bw for key, (bw, _) in pairs.items()})
+                       pairs={key: bw for key, (bw, _, _) in pairs.items()})
 
 
 def comm_s_by_host(comm_s: Mapping[int, Sequence[float]], node_of_rank: Mapping[int, str],
