@@ -12,7 +12,10 @@ the REST API what happened:
   2), which re-plans onto the two left;
 - `partition`: the host's link down until the job has moved on, then up again;
 - `drain`: `POST /nodes/{host}/drain` (cordon, then a checkpoint at the next step boundary
-  and a move), then uncordoned.
+  and a move), then uncordoned;
+- `slow link`: a job over the three hosts probing every 10 s, the host of rank 2 limited to
+  40 Mbit/s each way (`tc ... tbf`): the seconds until the monitor names it, whether it
+  named the right one, and until it clears it once the limit is lifted.
 
 Per run: **detect** (the fault to the end of the attempt, as stored: the controller knowing
 the attempt is over), **first step** (the fault to the first step stored after it), **redone**
@@ -126,6 +129,45 @@ def run_baseline(hosts: Hosts, up: Up) -> dict[str, Any]:
             "effective": effective(up, job_id, job, steps(up, job_id))}
 
 
+PROBE_EVERY_S = 10.0
+
+
+def run_slow_link(hosts: Hosts, up: Up) -> dict[str, Any]:
+    """A dp job over the three hosts probing every `PROBE_EVERY_S`; rank 2's host limited to
+    40 Mbit/s each way once a round during training ran: seconds until the host is named (a
+    `slow_link` event), and until it is cleared once the limit is lifted (`link_ok`)."""
+    job_id = submit(up, {**job_spec("slow-link", 3), "train": {
+        "steps": 100_000, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
+        "monitor": {"probe_max_bytes": 1 << 20, "probe_every_s": PROBE_EVERY_S}})
+
+    def events(kind: str) -> list[dict[str, Any]]:
+        return [e for e in up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
+                if e["kind"] == kind]
+
+    def probed() -> bool:
+        summary = up.get(f"/jobs/{job_id}/comm")["probe_summary"]
+        return summary is not None and int(summary.get("round", 0)) >= 1
+
+    wait_for("a probe round during training", probed, 300, up.log)
+    host = next(h for h in hosts.hosts if h.address == next(
+        r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"] if r["rank"] == 2))
+    slowed_at = time.time()
+    hosts.slow(host, "40mbit")
+    try:
+        wait_for("the slow link named", lambda: bool(events("slow_link")), 300, up.log)
+    finally:
+        hosts.unslow(host)
+    healed_at = time.time()
+    wait_for("the link healthy again", lambda: bool(events("link_ok")), 300, up.log)
+    named, ok = events("slow_link")[0], events("link_ok")[0]
+    HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
+              timeout=30).raise_for_status()
+    finish(up, job_id)
+    return {"drill": "slow link", "job": job_id, "detect_s": _t(named["time"]) - slowed_at,
+            "cleared_s": _t(ok["time"]) - healed_at, "named": named["data"]["address"],
+            "right_host": named["data"]["address"] == host.address}
+
+
 def run_drill(hosts: Hosts, up: Up, name: str) -> dict[str, Any]:
     """One run of drill `name`: its figures, with the cluster restored after it."""
     spec, fault = DRILLS[name]
@@ -168,6 +210,12 @@ def table(runs: list[dict[str, Any]]) -> str:
     if base:
         lines.append(f"| no fault | {len(base)} | - | - | - |"
                      f" {_med(base, 'effective', '.2f', min)} |")
+    slow = [r for r in runs if r["drill"] == "slow link"]
+    if slow:
+        right = sum(r["right_host"] for r in slow)
+        lines.append(f"| slow link (probe every {PROBE_EVERY_S:g} s) | {len(slow)} |"
+                     f" {_med(slow, 'detect_s', '.1f')}, the right host {right}/{len(slow)}"
+                     f" | - | - | - |")
     for name in DRILLS:
         rs = [r for r in runs if r["drill"] == name]
         if not rs:
@@ -189,7 +237,7 @@ def write_docs(text: str, path: Path = ROOT / "docs" / "reliability.md") -> None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="Runs of each drill.")
-    p.add_argument("--drill", action="append", choices=sorted(DRILLS),
+    p.add_argument("--drill", action="append", choices=sorted([*DRILLS, "slow link"]),
                    help="Only this drill (again for more); default every drill.")
     p.add_argument("--docs", action="store_true", help="Write the table into"
                    " docs/reliability.md.")
@@ -207,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             base = run_baseline(hosts, up)
             runs.append({**base, "run": i + 1})
             print(json.dumps(base), flush=True)
-            for name in args.drill or DRILLS:
-                run = run_drill(hosts, up, name)
+            for name in args.drill or [*DRILLS, "slow link"]:
+                run = (run_slow_link(hosts, up) if name == "slow link"
+                       else run_drill(hosts, up, name))
                 runs.append({**run, "run": i + 1})
                 print(json.dumps(run), flush=True)
     out = ROOT / "var" / "bench" / ("chaos-ray-defaults.json" if args.ray_defaults

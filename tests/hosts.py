@@ -248,6 +248,13 @@ class Hosts:
             subprocess.run([*args, "root", "tbf", "rate", rate, "burst", "32kbit",
                             "latency", "400ms"], check=True, capture_output=True, timeout=30)
 
+    def unslow(self, host: Host) -> None:
+        """Lift `slow`'s limit from both ends of `host`'s veth."""
+        for args in (["tc", "qdisc", "del", "dev", host.link, "root"],
+                     ["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev",
+                      host.inner, "root"]):
+            subprocess.run(args, check=True, capture_output=True, timeout=30)
+
     def close(self) -> None:
         """Tear everything down, whatever state it is in."""
         for host in self.hosts:

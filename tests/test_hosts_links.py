@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import tiny_spec
-from tests.hosts import ROOT, Host, Hosts, attempts, available, steps, submit, up_on_hosts
+from tests.hosts import ROOT, Hosts, attempts, available, steps, submit, up_on_hosts
 from tests.servers import HTTP
 from tests.up import Up
 from tests.waiting import wait_for
@@ -38,14 +38,6 @@ and a step of the tiny model still takes a second or two over it."""
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
     with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
         yield stack
-
-
-def unslow(host: Host) -> None:
-    """Lift `Hosts.slow`'s limit from both ends of the host's veth."""
-    for args in (["tc", "qdisc", "del", "dev", host.link, "root"],
-                 ["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.inner,
-                  "root"]):
-        subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
 def events(up: Up, job_id: int, kind: str) -> list[dict[str, Any]]:
@@ -84,7 +76,7 @@ def test_a_slow_link_is_named_within_two_probe_intervals_and_cleared_once_health
         wait_for("the slow link named", lambda: bool(events(up, job_id, "slow_link")),
                  2 * PROBE_EVERY_S + 60, up.log)
     finally:
-        unslow(slow)
+        hosts.unslow(slow)
     healed_at = time.time()
     [named] = events(up, job_id, "slow_link")
     took = at(named) - slowed_at
