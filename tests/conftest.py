@@ -22,6 +22,8 @@ from service.store import Store
 
 if TYPE_CHECKING:
     from service.control.controller import Controller
+    from tests.hosts import Hosts
+    from tests.up import Up
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test is marked with its module's tier (`tests/tiers.py`)."""
@@ -353,3 +355,28 @@ def server_on_each_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     from tests.servers import first_start
 
     yield from first_start(tmp_path, monkeypatch, db_url)
+
+
+@pytest.fixture(scope="module")
+def hosts_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
+    """Three hosts in network namespaces (`tests.hosts`) and `trident up --ray-address` on the
+    head's host driving them, for one module (the tests on hosts); needs root."""
+    from tests.hosts import up_on_hosts
+
+    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
+        yield stack
+
+
+@pytest.fixture
+def on_hosts(hosts_cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
+    """`hosts_cluster`, and after the test every host it cut off back on the network, every
+    one it powered off started again, and all of them in the inventory."""
+    from tests.hosts import all_joined
+
+    yield hosts_cluster
+    hosts, up = hosts_cluster
+    for host in hosts.hosts:
+        hosts.heal(host)
+        if not host.alive:
+            hosts.start_node(host)
+    all_joined(hosts, up)

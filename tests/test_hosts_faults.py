@@ -8,7 +8,6 @@ not only how the job ended.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +15,12 @@ import pytest
 from tests.conftest import tiny_spec
 from tests.hosts import (
     Hosts,
-    all_joined,
     attempts,
     available,
     finish,
     steps,
     stored_once,
     submit,
-    up_on_hosts,
 )
 from tests.servers import HTTP
 from tests.up import Up
@@ -33,25 +30,6 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available() is not None, reason=str(available()))]
 
 EVERY, TOTAL = 3, 60
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
-    """Three hosts, and `trident up` on the head's host driving them."""
-    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
-        yield stack
-
-
-@pytest.fixture
-def stack(cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
-    """The cluster, with every host a test cut off or powered off back after it."""
-    yield cluster
-    hosts, _ = cluster
-    for host in hosts.hosts:
-        hosts.heal(host)
-        if not host.alive:
-            hosts.start_node(host)
-    all_joined(*cluster)
 
 
 def spec(name: str, dp: int, **over: Any) -> dict[str, Any]:
@@ -72,8 +50,8 @@ def alive_at(up: Up, address: str) -> bool:
 
 
 def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_back(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, spec("partition", 2))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     first = attempts(up, job_id)[0]
@@ -99,8 +77,8 @@ def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_ba
 
 
 def test_a_host_lost_with_no_spare_waits_queued_until_a_host_comes_back(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, spec("no-spare", 3))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     victim = next(h for h in hosts.hosts if h.address == next(
@@ -120,8 +98,8 @@ def test_a_host_lost_with_no_spare_waits_queued_until_a_host_comes_back(
 
 
 def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_left(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, spec("elastic", 3, elastic={"min_ranks": 2, "wait_s": 3}))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     victim = next(h for h in hosts.hosts if h.address == next(
@@ -140,8 +118,8 @@ def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_
 
 
 def test_a_drained_host_loses_no_step_and_gets_no_ranks_until_uncordoned(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, spec("drain", 2))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     drained_ip = next(r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"]

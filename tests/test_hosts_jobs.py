@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import tiny_spec
 from tests.hosts import (
     Hosts,
-    all_joined,
     attempts,
     available,
     finish,
     steps,
     stored_once,
     submit,
-    up_on_hosts,
 )
 from tests.servers import HTTP
 from tests.up import Up
@@ -37,26 +34,8 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available() is not None, reason=str(available()))]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
-    """Three hosts, and `trident up` on the head's host driving them."""
-    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
-        yield stack
-
-
-@pytest.fixture
-def stack(cluster: tuple[Hosts, Up]) -> Iterator[tuple[Hosts, Up]]:
-    """The cluster, with every host a test powered off started again after it."""
-    yield cluster
-    hosts, _ = cluster
-    for host in hosts.hosts:
-        if not host.alive:
-            hosts.start_node(host)
-    all_joined(*cluster)
-
-
-def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, tiny_spec(
         name="two-hosts", train={"steps": 6, "global_batch": 8, "micro_batch": 2,
                                  "precision": "fp32"},
@@ -84,8 +63,8 @@ def test_a_dp_job_trains_with_a_rank_on_each_of_two_hosts(stack: tuple[Hosts, Up
 
 
 def test_tp_pairs_stay_inside_a_host_and_pipeline_stages_span_two(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     job_id = submit(up, tiny_spec(
         name="tp-pp", parallel={"tp": 2, "pp": 2, "dp": 1, "zero": 0},
         model={"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32},
@@ -102,8 +81,8 @@ def test_tp_pairs_stay_inside_a_host_and_pipeline_stages_span_two(
 
 
 def test_a_host_powered_off_mid_step_resumes_from_the_checkpoint_on_the_spare(
-        stack: tuple[Hosts, Up]) -> None:
-    hosts, up = stack
+        on_hosts: tuple[Hosts, Up]) -> None:
+    hosts, up = on_hosts
     every, total = 3, 60
     job_id = submit(up, tiny_spec(
         name="host-loss", max_retries=2, checkpoint={"every_steps": every},

@@ -13,14 +13,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
 import pytest
 
 from tests.conftest import tiny_spec
-from tests.hosts import ROOT, Hosts, attempts, available, steps, submit, up_on_hosts
+from tests.hosts import ROOT, Hosts, attempts, available, steps, submit
 from tests.servers import HTTP
 from tests.up import Up
 from tests.waiting import wait_for
@@ -32,12 +31,6 @@ PROBE_EVERY_S = 10.0
 RATE = "40mbit"
 """5 MB/s: about a hundredth of what the bridge carries between two namespaces' gloo ranks,
 and a step of the tiny model still takes a second or two over it."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, Up]]:
-    with up_on_hosts(tmp_path_factory.mktemp("hosts"), 3) as stack:
-        yield stack
 
 
 def events(up: Up, job_id: int, kind: str) -> list[dict[str, Any]]:
@@ -55,8 +48,8 @@ def node_at(up: Up, address: str) -> dict[str, Any]:
 
 
 def test_a_slow_link_is_named_within_two_probe_intervals_and_cleared_once_healthy(
-        cluster: tuple[Hosts, Up]) -> None:
-    hosts, up = cluster
+        hosts_cluster: tuple[Hosts, Up]) -> None:
+    hosts, up = hosts_cluster
     job_id = submit(up, tiny_spec(
         name="slow-link", parallel={"tp": 1, "pp": 1, "dp": 3, "zero": 2},
         train={"steps": 100_000, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},

@@ -240,3 +240,24 @@ def test_the_lemon_rule_counts_only_the_nodes_of_the_failed_ranks(store: Store) 
     assert event.message.startswith("node a20000000000 (gpu-2) cordoned by the lemon rule:"
                                     f" lemon: ranks here failed 1 attempt within 60 s (job"
                                     f" {job.id} attempt 1)")
+
+
+def test_a_cordoned_host_that_rejoins_as_a_new_ray_node_stays_cordoned(store: Store) -> None:
+    """Ray gives a host that rejoins (a reboot, or cut off long enough to be marked dead) a
+    new node id: the cordon is the host's, at its address, and goes over to the new node."""
+    store.upsert_nodes(nodes=[{"node_id": A, "hostname": "gpu-1", "address": "10.0.0.1"},
+                              {"node_id": B, "hostname": "gpu-2", "address": "10.0.0.2"}])
+    store.cordon_node(node_id=A, by="admin", reason="fan replaced")
+    store.upsert_nodes(nodes=[{"node_id": B, "hostname": "gpu-2", "address": "10.0.0.2"}])
+    again = "a3" + "0" * 54
+    store.upsert_nodes(nodes=[{"node_id": again, "hostname": "gpu-1", "address": "10.0.0.1"},
+                              {"node_id": B, "hostname": "gpu-2", "address": "10.0.0.2"}])
+    nodes = {n.node_id: n for n in store.list_nodes()}
+    assert nodes[again].cordon is not None and nodes[again].cordon.reason == "fan replaced"
+    assert nodes[again].state == "cordoned"
+    assert "rejoined as a new Ray node" in nodes[again].events[-1].message
+    assert nodes[A].cordon is None and not nodes[A].alive
+    assert nodes[B].cordon is None  # a host that was not cordoned is not made so
+    store.uncordon_node(node_id=again, by="admin")
+    assert store.find_node("10.0.0.1").node_id == again
+    assert store.find_node("10.0.0.1").state == "ready"

@@ -40,6 +40,20 @@ LEMON_BY = "trident"
 """Who cordoned a node the lemon rule cordoned."""
 
 
+
+def _carry_cordon(old: NodeRow, new: NodeRow) -> None:
+    """`new` (a node rejoined at `old`'s address) cordoned as `old` was; `old` no longer."""
+    now = utcnow()
+    new.cordoned_at, new.cordoned_by, new.cordon_reason = (old.cordoned_at, old.cordoned_by,
+                                                          old.cordon_reason)
+    new.drained_at = old.drained_at or (now if old.drain_deadline is not None else None)
+    new.drain_deadline = old.drain_deadline
+    new.events = list(old.events or [])
+    _event(new, "cordon", "trident", f"rejoined as a new Ray node (was {old.node_id[:12]}):"
+           " still cordoned")
+    old.cordoned_at = old.cordoned_by = old.cordon_reason = None
+    old.drain_deadline = old.drained_at = None
+
 class AmbiguousNode(ValueError):
     """A HOST (`Store.find_node`) that names more than one node."""
 
@@ -114,16 +128,27 @@ class ClusterRecords:
             return [probe_of(r) for r in rows]
 
     def upsert_nodes(self, *, nodes: Sequence[dict[str, Any]]) -> None:
-        """Record the live nodes; nodes not in the list are marked dead, not forgotten."""
+        """Record the live nodes; nodes not in the list are marked dead, not forgotten.
+
+        A node new at the address of a dead cordoned one (its host rejoined: after a reboot,
+        or after it was cut off long enough for Ray to mark it dead, Ray gives it a new node
+        id) takes that cordon over, with an event saying so: an operator cordons a host, not
+        one run of its Ray. A drain carried over is done (its jobs moved when the host was
+        lost); the host stays cordoned until `uncordon`."""
         with self._tx() as s:
             seen = {n["node_id"] for n in nodes}
-            for row in s.execute(select(NodeRow)).scalars():
+            rows = list(s.execute(select(NodeRow)).scalars())
+            for row in rows:
                 row.alive = row.node_id in seen
+            cordoned = {str(r.info.get("address")): r for r in rows
+                        if not r.alive and r.cordoned_at is not None and r.info.get("address")}
             for n in nodes:
                 found = s.get(NodeRow, n["node_id"])
                 row = found if found is not None else NodeRow(node_id=n["node_id"])
                 if found is None:
                     s.add(row)
+                    if (old := cordoned.pop(str(n.get("address")), None)) is not None:
+                        _carry_cordon(old, row)
                 row.hostname = str(n.get("hostname", ""))[:255]
                 row.info = n
                 row.alive = True
