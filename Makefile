@@ -33,6 +33,13 @@ install: $(BIN)/python
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
 		|| { $$SUDO apt-get update -q \
 		     && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; }
+	@# Debian's iproute2 (ip, tc, ss): the tests on hosts make network namespaces with it
+	@# (tests/hosts.py; as root, which CI is).
+	@command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 \
+		|| { $$SUDO apt-get update -q \
+		     && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }; }
 
 demo: install
 	@bash examples/demo.sh
