@@ -210,20 +210,19 @@ def table(runs: list[dict[str, Any]]) -> str:
     if base:
         lines.append(f"| no fault | {len(base)} | - | - | - |"
                      f" {_med(base, 'effective', '.2f', min)} |")
+    for name in DRILLS:
+        rs = [r for r in runs if r["drill"] == name]
+        if not rs:
+            continue
+        lines.append(f"| {name} | {len(rs)} | {_med(rs, 'detect_s', '.1f')} |"
+                     f" {_med(rs, 'first_step_s', '.1f')} | {_med(rs, 'redone', '.0f')} |"
+                     f" {_med(rs, 'effective', '.2f', min)} |")
     slow = [r for r in runs if r["drill"] == "slow link"]
     if slow:
         right = sum(r["right_host"] for r in slow)
         lines.append(f"| slow link (probe every {PROBE_EVERY_S:g} s) | {len(slow)} |"
                      f" {_med(slow, 'detect_s', '.1f')}, the right host {right}/{len(slow)}"
                      f" | - | - | - |")
-    for name in DRILLS:
-        rs = [r for r in runs if r["drill"] == name]
-        if not rs:
-            continue
-
-        lines.append(f"| {name} | {len(rs)} | {_med(rs, 'detect_s', '.1f')} |"
-                     f" {_med(rs, 'first_step_s', '.1f')} | {_med(rs, 'redone', '.0f')} |"
-                     f" {_med(rs, 'effective', '.2f', min)} |")
     return "\n".join(lines)
 
 
