@@ -71,6 +71,28 @@ def _free_subnet() -> str:
     return f"{SUBNET_PREFIX}.{random.choice(free)}"
 
 
+def sweep() -> list[str]:
+    """Remove what a harness killed before its teardown left (its namespaces, the processes
+    in them, its links); called holding the lock, so none of it is another harness's. The
+    names removed."""
+    gone = []
+    for line in _ip("netns", "list").stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith("trh-"):
+            continue
+        for pid in _ip("netns", "pids", name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", name, check=False)
+        gone.append(name)
+    for line in _ip("-o", "link").stdout.splitlines():
+        name = line.split(": ")[1].split("@")[0] if ": " in line else ""
+        if name.startswith(("trb", "tv")) and len(name) >= 9:
+            _ip("link", "del", name, check=False)
+            gone.append(name)
+    return gone
+
+
 @dataclass
 class Host:
     """One host: its namespace, its address, its end of the bridge and its node's data dir."""
@@ -141,6 +163,7 @@ class Hosts:
         # one): each is several Ray nodes, and the machine has few cores.
         self._lock = open("/tmp/trident-hosts.lock", "w")  # noqa: SIM115
         fcntl.flock(self._lock, fcntl.LOCK_EX)
+        sweep()
         try:
             self._bridge_up()
             self._start_head()
