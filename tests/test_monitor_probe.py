@@ -139,3 +139,42 @@ def test_probe_rounds_run_on_every_rank_at_the_same_step_boundaries(tmp_path):
                     1: set(), 2: {("host", (2, 3), "send_recv")},
                     3: {("host", (3, 0), "send_recv")}}
     assert all(r["bytes"] == 4096 and r["algbw"] > 0 for r in got[3]["put"][1]["rows"])
+
+
+def _stalled_pair_rank(rank, world, fastest):
+    """Ranks 0 -> 1 over 1 MiB, 20 round trips; rank 1 stalls 0.3 s once, mid-measurement,
+    as a process of a busy host does when its scheduler runs something else."""
+    import time
+
+    import torch.distributed as dist
+
+    from workers.monitor.comm_probe import probe_pair
+
+    recv, calls = dist.recv, [0]
+
+    def stalling_recv(*args, **kwargs):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 10:
+            time.sleep(0.3)
+        return recv(*args, **kwargs)
+
+    dist.recv = stalling_recv
+    try:
+        return probe_pair(0, 1, sizes=[1 << 20], iters=20, warmup=1, dim="host",
+                          fastest=fastest)
+    finally:
+        dist.recv = recv
+
+
+@pytest.mark.slow
+def test_the_links_between_hosts_are_timed_by_their_fastest_round_trip(tmp_path):
+    """A moment's stall of one end (a busy host) does not read as a slow link: the host pairs
+    take the fastest round trip, where the mean of the same trips is many times slower."""
+    (tmp_path / "fastest").mkdir()
+    (tmp_path / "mean").mkdir()
+    fastest = run_ranks(_stalled_pair_rank, 2, tmp_path / "fastest", True)[0][0]
+    mean = run_ranks(_stalled_pair_rank, 2, tmp_path / "mean", False)[0][0]
+    # 20 trips of 1 MiB over loopback take well under 0.3 s: the stall dominates the mean.
+    assert mean["time_s"] > 0.3 / 20 / 2, mean
+    assert fastest["time_s"] < mean["time_s"] / 5, (fastest, mean)
+    assert fastest["iters"] == mean["iters"] == 20
