@@ -59,12 +59,13 @@ HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "2000",
                     "RAY_health_check_failure_threshold": "5"}
 """How the head's GCS finds a host gone: a check of each raylet every second, one unanswered
 for 2 s failed, five failed in a row and the node is dead (Ray's defaults: every 3 s, 10 s,
-five). A host powered off answers nothing or refuses at once: it is dead within about 5 s
-instead of 15 s (killed) to 65 s (cut off) with Ray's; measured on the hosts harness in
-`docs/reliability.md`. Five in a row, not fewer, so that a raylet busy for a moment on a
-loaded host (its check is a gRPC call served by its own thread) is not taken for dead. A
-node's death is what the controller acts on (its ranks' actors die with it, and the
-attempt's poll says so), so this is the time to detect a lost host. Set on the heads that
+five). A host whose raylet refuses at once is dead within about 5 s (Ray's: 15 s); one that
+answers nothing, powered off or cut off, within about 15 s (Ray's: up to 65 s; measured on
+the hosts harness, `docs/reliability.md`: 15.4 s against 63.8 s). Five in a row, not fewer,
+so that a raylet busy for a moment on a loaded host (its check is a gRPC call served by its
+own thread) is not taken for dead. A node's death is what the controller acts on when no
+collective failed first (its ranks' actors die with it, and the attempt's poll says so), so
+this is the longest time to detect a lost host. Set on the heads that
 `trident node start` (`service.cluster.raynode`) and `trident up` start (only the GCS reads
 them); an operator's own setting in the environment wins."""
 
