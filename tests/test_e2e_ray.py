@@ -185,7 +185,10 @@ def test_a_pipeline_job_probes_again_during_training_at_step_boundaries(stack) -
     r = client.post("/api/v1/jobs", json=tiny_spec(
         parallel={"tp": 1, "pp": 2, "dp": 1},
         train={"steps": 150, "global_batch": 4, "micro_batch": 2, "precision": "fp32"},
-        monitor={"probe_max_bytes": 64 << 10, "probe_every_s": 5}))
+        monitor={"probe_max_bytes": 64 << 10, "probe_every_s": 5},
+        # Steps of at least 0.1 s: the training lasts 15 s or more however fast the machine,
+        # so rounds come during it (the tiny model's own steps can take 5 s all told).
+        faults=[{"kind": "slow", "rank": 0, "step": 1, "seconds": 0.1}]))
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
