@@ -40,6 +40,16 @@ LEMON_BY = "trident"
 """Who cordoned a node the lemon rule cordoned."""
 
 
+class AmbiguousNode(ValueError):
+    """A HOST (`Store.find_node`) that names more than one node."""
+
+
+def _event(row: NodeRow, kind: str, by: str, message: str, **data: Any) -> None:
+    events = list(row.events or [])
+    events.append({"time": utcnow().isoformat(), "kind": kind, "by": by, "message": message,
+                   "data": data})
+    row.events = events[-NODE_EVENTS:]  # a new list: SQLAlchemy sees a JSON change so
+
 
 def _carry_cordon(old: NodeRow, new: NodeRow) -> None:
     """`new` (a node rejoined at `old`'s address) cordoned as `old` was; `old` no longer."""
@@ -53,16 +63,6 @@ def _carry_cordon(old: NodeRow, new: NodeRow) -> None:
            " still cordoned")
     old.cordoned_at = old.cordoned_by = old.cordon_reason = None
     old.drain_deadline = old.drained_at = None
-
-class AmbiguousNode(ValueError):
-    """A HOST (`Store.find_node`) that names more than one node."""
-
-
-def _event(row: NodeRow, kind: str, by: str, message: str, **data: Any) -> None:
-    events = list(row.events or [])
-    events.append({"time": utcnow().isoformat(), "kind": kind, "by": by, "message": message,
-                   "data": data})
-    row.events = events[-NODE_EVENTS:]  # a new list: SQLAlchemy sees a JSON change so
 
 
 class ClusterRecords:
