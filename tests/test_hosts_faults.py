@@ -8,6 +8,7 @@ not only how the job ended.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -68,8 +69,12 @@ def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_ba
     by_attempt = stored_once(steps(up, job_id), TOTAL)
     later = {r["ip"] for a in attempts(up, job_id)[1:] for r in a["placement"]["ranks"]}
     assert cut_ip not in later, later
-    # The cut-off rank never wrote into the job: attempt 1 stored nothing once it ended
-    # (its steps end where the new attempt's checkpoint was, give or take the interval).
+    # The cut-off rank never wrote into the job: attempt 1 has no step from after it ended,
+    # its link back up included, and its steps end within an interval of the checkpoint
+    # the new attempt resumed from.
+    ended = datetime.fromisoformat(failed["ended_at"])
+    assert all(datetime.fromisoformat(m["time"]) <= ended
+               for m in steps(up, job_id, attempt=1)), (ended, steps(up, job_id, attempt=1))
     assert by_attempt[1][-1] - (by_attempt[2][0] - 1) <= EVERY, by_attempt
     # Back on the network, the host is a node of the cluster again, nobody having asked.
     wait_for("the cut-off host back in the cluster", lambda: alive_at(up, cut_ip), 120,
