@@ -40,13 +40,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import tiny_spec
 from tests.hosts import (
     Host,
     Hosts,
     all_joined,
     attempts,
     available,
+    dp_job,
+    events,
     finish,
     steps,
     stored_once,
@@ -64,15 +65,6 @@ RAY_DEFAULTS = {"RAY_health_check_initial_delay_ms": "5000", "RAY_health_check_p
                 "RAY_health_check_timeout_ms": "10000", "RAY_health_check_failure_threshold": "5"}
 """Ray's own health-check settings (`--ray-defaults`), against which the head's are measured
 (`service.cluster.rayhead.HEALTH_CHECK_ENV`)."""
-
-
-def job_spec(name: str, dp: int, **over: Any) -> dict[str, Any]:
-    return tiny_spec(
-        name=name, max_retries=2, checkpoint={"every_steps": EVERY},
-        parallel={"tp": 1, "pp": 1, "dp": dp, "zero": 2},
-        train={"steps": STEPS, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
-        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5},
-        **over)
 
 
 def _t(stamp: str) -> float:
@@ -103,11 +95,11 @@ def _drain(hosts: Hosts, up: Up, host: Host) -> Callable[[], None]:
 
 
 DRILLS: dict[str, tuple[dict[str, Any], Callable[[Hosts, Up, Host], Callable[[], None]]]] = {
-    "loss+spare": (job_spec("loss-spare", 2), _power_off),
-    "loss, elastic": (job_spec("loss-elastic", 3, elastic={"min_ranks": 2, "wait_s": 3}),
-                      _power_off),
-    "partition": (job_spec("partition", 2), _cut_off),
-    "drain": (job_spec("drain", 2), _drain),
+    "loss+spare": (dp_job("loss-spare", 2, steps=STEPS, every=EVERY), _power_off),
+    "loss, elastic": (dp_job("loss-elastic", 3, steps=STEPS, every=EVERY,
+                             elastic={"min_ranks": 2, "wait_s": 3}), _power_off),
+    "partition": (dp_job("partition", 2, steps=STEPS, every=EVERY), _cut_off),
+    "drain": (dp_job("drain", 2, steps=STEPS, every=EVERY), _drain),
 }
 
 
@@ -136,13 +128,9 @@ def run_slow_link(hosts: Hosts, up: Up) -> dict[str, Any]:
     """A dp job over the three hosts probing every `PROBE_EVERY_S`; rank 2's host limited to
     40 Mbit/s each way once a round during training ran: seconds until the host is named (a
     `slow_link` event), and until it is cleared once the limit is lifted (`link_ok`)."""
-    job_id = submit(up, {**job_spec("slow-link", 3), "train": {
+    job_id = submit(up, {**dp_job("slow-link", 3, steps=STEPS, every=EVERY), "train": {
         "steps": 100_000, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
         "monitor": {"probe_max_bytes": 1 << 20, "probe_every_s": PROBE_EVERY_S}})
-
-    def events(kind: str) -> list[dict[str, Any]]:
-        return [e for e in up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
-                if e["kind"] == kind]
 
     def probed() -> bool:
         summary = up.get(f"/jobs/{job_id}/comm")["probe_summary"]
@@ -154,12 +142,14 @@ def run_slow_link(hosts: Hosts, up: Up) -> dict[str, Any]:
     slowed_at = time.time()
     hosts.slow(host, "40mbit")
     try:
-        wait_for("the slow link named", lambda: bool(events("slow_link")), 300, up.log)
+        wait_for("the slow link named", lambda: bool(events(up, job_id, "slow_link")), 300,
+                 up.log)
     finally:
         hosts.unslow(host)
     healed_at = time.time()
-    wait_for("the link healthy again", lambda: bool(events("link_ok")), 300, up.log)
-    named, ok = events("slow_link")[0], events("link_ok")[0]
+    wait_for("the link healthy again", lambda: bool(events(up, job_id, "link_ok")), 300,
+             up.log)
+    named, ok = events(up, job_id, "slow_link")[0], events(up, job_id, "link_ok")[0]
     HTTP.post(f"{up.server}/api/v1/jobs/{job_id}/cancel", headers=up.auth,
               timeout=30).raise_for_status()
     finish(up, job_id)

@@ -360,6 +360,26 @@ def steps(up: Up, job_id: int, attempt: int | None = None) -> list[dict[str, Any
     return list(up.get(f"/jobs/{job_id}/metrics", **params)["items"])
 
 
+def dp_job(name: str, dp: int, *, steps: int = 60, every: int = 3,
+           **over: Any) -> dict[str, Any]:
+    """A tiny GPT job of `steps` steps with one rank a host (1.5 of a host's 2 CPUs, `dp`
+    ranks), a checkpoint every `every` steps, no probe: what the host drills run."""
+    from tests.conftest import tiny_spec
+
+    return tiny_spec(
+        name=name, max_retries=2, checkpoint={"every_steps": every},
+        parallel={"tp": 1, "pp": 1, "dp": dp, "zero": 2},
+        train={"steps": steps, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
+        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5},
+        **over)
+
+
+def events(up: Up, job_id: int, kind: str) -> list[dict[str, Any]]:
+    """A job's events of one kind, oldest first."""
+    return [e for e in up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
+            if e["kind"] == kind]
+
+
 def stored_once(items: list[dict[str, Any]], total: int) -> dict[int, list[int]]:
     """Each attempt's steps (rank 0's), checked: no step stored twice by one attempt, each
     attempt's steps one run without a gap, and the job's history (a step's newest values:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any
 
 import pytest
 
-from tests.conftest import tiny_spec
 from tests.hosts import (
     Hosts,
     attempts,
     available,
+    dp_job,
     finish,
     steps,
     stored_once,
@@ -33,17 +32,6 @@ pytestmark = [pytest.mark.slow,
 EVERY, TOTAL = 3, 60
 
 
-def spec(name: str, dp: int, **over: Any) -> dict[str, Any]:
-    """`TOTAL` steps of a dp job of one rank a host (1.5 of a host's 2 CPUs), a checkpoint
-    every `EVERY` steps."""
-    return tiny_spec(
-        name=name, max_retries=2, checkpoint={"every_steps": EVERY},
-        parallel={"tp": 1, "pp": 1, "dp": dp, "zero": 2},
-        train={"steps": TOTAL, "global_batch": 12, "micro_batch": 2, "precision": "fp32"},
-        monitor={"probe": False}, resources={"gpus_per_worker": 0, "cpus_per_worker": 1.5},
-        **over)
-
-
 def alive_at(up: Up, address: str) -> bool:
     """Whether the control plane's inventory has a live node at `address`."""
     return any(n["alive"] and n["info"].get("address") == address
@@ -53,7 +41,7 @@ def alive_at(up: Up, address: str) -> bool:
 def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_back(
         on_hosts: tuple[Hosts, Up]) -> None:
     hosts, up = on_hosts
-    job_id = submit(up, spec("partition", 2))
+    job_id = submit(up, dp_job("partition", 2, steps=TOTAL, every=EVERY))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     first = attempts(up, job_id)[0]
     cut_ip = next(r["ip"] for r in first["placement"]["ranks"] if r["rank"] == 1)
@@ -84,7 +72,7 @@ def test_a_host_cut_off_is_left_behind_and_rejoins_by_itself_once_its_link_is_ba
 def test_a_host_lost_with_no_spare_waits_queued_until_a_host_comes_back(
         on_hosts: tuple[Hosts, Up]) -> None:
     hosts, up = on_hosts
-    job_id = submit(up, spec("no-spare", 3))
+    job_id = submit(up, dp_job("no-spare", 3, steps=TOTAL, every=EVERY))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     victim = next(h for h in hosts.hosts if h.address == next(
         r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"] if r["rank"] == 2))
@@ -105,7 +93,8 @@ def test_a_host_lost_with_no_spare_waits_queued_until_a_host_comes_back(
 def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_left(
         on_hosts: tuple[Hosts, Up]) -> None:
     hosts, up = on_hosts
-    job_id = submit(up, spec("elastic", 3, elastic={"min_ranks": 2, "wait_s": 3}))
+    job_id = submit(up, dp_job("elastic", 3, steps=TOTAL, every=EVERY,
+                               elastic={"min_ranks": 2, "wait_s": 3}))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     victim = next(h for h in hosts.hosts if h.address == next(
         r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"] if r["rank"] == 2))
@@ -125,7 +114,7 @@ def test_an_elastic_job_that_loses_a_host_with_no_spare_re_plans_onto_the_hosts_
 def test_a_drained_host_loses_no_step_and_gets_no_ranks_until_uncordoned(
         on_hosts: tuple[Hosts, Up]) -> None:
     hosts, up = on_hosts
-    job_id = submit(up, spec("drain", 2))
+    job_id = submit(up, dp_job("drain", 2, steps=TOTAL, every=EVERY))
     wait_for("step 5", lambda: any(m["step"] >= 5 for m in steps(up, job_id)), 300, up.log)
     drained_ip = next(r["ip"] for r in attempts(up, job_id)[0]["placement"]["ranks"]
                       if r["rank"] == 1)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import tiny_spec
-from tests.hosts import ROOT, Hosts, attempts, available, steps, submit
+from tests.hosts import ROOT, Hosts, attempts, available, events, steps, submit
 from tests.servers import HTTP
 from tests.up import Up
 from tests.waiting import wait_for
@@ -31,11 +31,6 @@ PROBE_EVERY_S = 10.0
 RATE = "40mbit"
 """5 MB/s: about a hundredth of what the bridge carries between two namespaces' gloo ranks,
 and a step of the tiny model still takes a second or two over it."""
-
-
-def events(up: Up, job_id: int, kind: str) -> list[dict[str, Any]]:
-    return [e for e in up.get(f"/jobs/{job_id}/events", limit=1000)["items"]
-            if e["kind"] == kind]
 
 
 def at(event: dict[str, Any]) -> float:
