@@ -36,6 +36,7 @@ from api.routes import (
     checkpoints,
     cluster,
     dashboard,
+    goodput,
     identity,
     jobs,
     logs,
@@ -202,6 +203,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(identity.router)
     v1.include_router(stacks.router)
     v1.include_router(tracking.router)
+    v1.include_router(goodput.router)
 
     @app.get("/metrics", tags=["system"], response_class=Response,
              dependencies=[Depends(require("metrics:read"))],

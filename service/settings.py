@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.contract.hardware import PROFILES
+from service.contract.prices import ProfilePrice
+
 
 def default_data_dir() -> Path:
     return Path.cwd() / "var"
@@ -59,6 +62,11 @@ class Settings(BaseSettings):
     """A job whose ranks finish but whose last this many step losses (or every loss of its
     last attempt, when it ran fewer steps) were NaN or infinite ends FAILED, not SUCCEEDED:
     its weights diverged or were damaged, and the checkpoints it saved hold them."""
+    prices: dict[str, ProfilePrice] = Field(default_factory=dict, max_length=256)
+    """What an hour of a node profile's devices costs, by profile name (`cpu`, `a100-80gb`,
+    ...), as JSON: `{"a100-80gb": {"gpu_hour": 1.8}, "cpu": {"cpu_hour": 0.04}}`. The goodput
+    ledger's costs, the plan's cost and the projects' money budgets read them; empty, the
+    default: no money is shown anywhere (docs/goodput.md)."""
     lemon_failures: int = Field(default=0, ge=0, le=1000)
     """The lemon rule: a node whose ranks failed this many attempts within `lemon_window_s`
     is cordoned by itself (`trident node uncordon` lets ranks back); 0, the default: never."""
@@ -174,6 +182,15 @@ class Settings(BaseSettings):
     database; unset: a key file the server makes in `data_dir` (`secrets.key`, mode 600).
     The API and the controller must share it (`service.secrets`). Checked when they start
     (a wrong one is a message without the value, never pydantic's, which quotes it)."""
+
+    @field_validator("prices")
+    @classmethod
+    def _priced_profiles(cls, v: dict[str, ProfilePrice]) -> dict[str, ProfilePrice]:
+        unknown = sorted(set(v) - set(PROFILES))
+        if unknown:
+            raise ValueError(f"prices: unknown node profile(s) {unknown}; known:"
+                             f" {sorted(PROFILES)}")
+        return v
 
     @field_validator("mlflow_uri")
     @classmethod

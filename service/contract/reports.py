@@ -138,6 +138,17 @@ class StepReport(BaseModel):
     """Tokens the job has trained on after this step (consumed samples * seq_len)."""
     epoch: float | None = Field(default=None, ge=0)
     """Passes over the first training corpus after this step (kind `tokens`)."""
+    ended_at: float | None = Field(default=None, ge=0, le=1e11)
+    """When this rank's optimizer update of the step ended (Unix seconds, the rank's clock):
+    the goodput ledger's step boundary (`service.store.goodput`; None: the time the step was
+    stored stands in)."""
+    eval_s: float | None = Field(default=None, ge=0, le=86400)
+    """Seconds the evaluation after this step took (None: none ran)."""
+    save_s: float | None = Field(default=None, ge=0, le=86400)
+    """Seconds the checkpoint save after this step kept the loop waiting (None: none)."""
+    load_s: float | None = Field(default=None, ge=0, le=86400)
+    """With an attempt's first step: seconds it took to load the checkpoint it resumed
+    from (None: it started fresh)."""
     first_sample: int | None = Field(default=None, ge=0)
     """Global number of this step's first sample: the step read samples [first_sample,
     first_sample + global_batch) of the job's sample order (`workers.trainer.data`)."""

@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -139,6 +139,24 @@ def kept(rows: Sequence[dict[str, Any]], world_size: int) -> list[dict[str, Any]
     return [r for r in rows if r["rank"] % stride == 0 or r["step_time_s"] > slow]
 
 
+def _merge_spans(row: StepMetricRow, reports: Iterable[dict[str, Any]]) -> None:
+    """The goodput ledger's step columns, over the ranks reported so far: the step ended
+    when its slowest rank's update did, and its evaluation, save and load took as long as
+    the longest rank's."""
+    for r in reports:
+        data = r.get("data") or {}
+        ended = data.get("ended_at")
+        if ended is not None:
+            at = datetime.fromtimestamp(ended, UTC)
+            current = aware(row.ended_at)
+            if current is None or at > current:
+                row.ended_at = at
+        for name in ("eval_s", "save_s", "load_s"):
+            value = data.get(name)
+            if value is not None and (getattr(row, name) is None or value > getattr(row, name)):
+                setattr(row, name, value)
+
+
 class MetricsIngest(EngineTx):
     """Writes and reads a job's metrics at any number of ranks, on the store's transactions."""
 
@@ -217,9 +235,10 @@ class MetricsIngest(EngineTx):
             if row.lr is None:  # one value for the step, whichever rank brings it
                 row.lr, row.grad_norm = first.get("lr"), first.get("grad_norm")
             data = first.get("data") or {}
-            for name in ("eval_loss", "tokens", "epoch"):  # the same on every rank
+            for name in ("eval_loss", "tokens", "epoch", "resumed_from"):  # every rank's
                 if getattr(row, name) is None and data.get(name) is not None:
                     setattr(row, name, data[name])
+            _merge_spans(row, fresh.values())
             row.rank_bits = None if row.ranks >= world_size else \
                 bits.to_bytes((world_size + 7) // 8, "little")
             row.time = now

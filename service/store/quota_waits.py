@@ -34,9 +34,14 @@ class QuotaNotes(EngineTx):
             if row is None or row.waiting == reason or (
                     reason is not None and row.state != JobState.QUEUED.value):
                 return False
+            was = row.waiting
             row.waiting = reason
             row.updated_at = utcnow()
             if reason is not None:
                 s.add(EventRow(job_id=job_id, kind=kind, message=reason,
                                data={"project": row.project, **(data or {})}))
+            elif kind == "quota" and was is not None:  # the ledger's end of a quota wait
+                s.add(EventRow(job_id=job_id, kind=kind, message="its project's quota no"
+                               " longer holds it", data={"project": row.project,
+                                                         "cleared": True}))
             return True

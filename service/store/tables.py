@@ -129,6 +129,9 @@ class JobRow(Base):
     """An elastic job re-planned to another layout (`service.policy.elastic_replan`): the layout it
     was
     submitted with and its moves up (NULL: never re-planned)."""
+    ledger: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """An ended job's goodput ledger (`service.store.goodput`), kept once computed (NULL: not
+    ended, or not read since; migration 0020)."""
 
 
 class AttemptRow(Base):
@@ -298,6 +301,18 @@ class ProjectRow(Base):
     """CPUs its running CPU-only jobs may hold together (NULL: no limit)."""
     max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """The highest `priority` its members may give a job (NULL: no cap)."""
+    budget_gpu_hours: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """GPU-hours its jobs may spend from `budget_since` (NULL: no budget; migration 0020)."""
+    budget_cpu_hours: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """CPU-hours its CPU-only jobs may spend from `budget_since` (NULL: no budget)."""
+    budget_cost: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Money its jobs may spend from `budget_since`, at `TRIDENT_PRICES` (NULL: no budget)."""
+    budget_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                          nullable=True)
+    """Since when its budget is counted (set with the budget)."""
+    budget_warned_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                              nullable=True)
+    """When its jobs were warned that 80 % of the budget is spent (NULL: not yet)."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -427,6 +442,16 @@ class StepMetricRow(Base):
     """Tokens the job had trained on after the step (migration 0014)."""
     epoch: Mapped[float | None] = mapped_column(Float, nullable=True)
     """Passes over the first training corpus after the step (migration 0014)."""
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    """When the step's optimizer update ended, on its slowest rank's clock (migration 0020)."""
+    eval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Seconds the evaluation after the step took (the longest rank's)."""
+    save_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Seconds the checkpoint save after the step blocked the loop (the longest rank's)."""
+    load_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """On an attempt's first step: seconds it took to load the checkpoint it resumed from."""
+    resumed_from: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The step of the checkpoint the attempt resumed from (0: it started fresh)."""
 
 
 class StackRequestRow(Base):

@@ -255,7 +255,7 @@ def _steps(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Even
             tokens_per_s=t.global_batch * spec.model.seq_len / max(step_time, 1e-9),
             lr=t.lr_at(step), grad_norm=1.0 / math.sqrt(step), memory=_peak_memory(),
             tp_rank=row.tp, pp_rank=row.pp, dp_rank=row.dp, attempt=ctx.attempt,
-            resumed_from=0, comm=link.take_comm(), timed=True,
+            resumed_from=0, comm=link.take_comm(), timed=True, ended_at=time.time(),
             tokens=step * t.global_batch * spec.model.seq_len,
             first_sample=(step - 1) * t.global_batch))
         print(f"light rank {ctx.rank} step {step}/{t.steps}: loss {loss:.4f} (made up,"

@@ -277,11 +277,14 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
 
     start = 0
     skipped: list[str] | None = None  # damaged tags passed over: said with the first step
+    load_s: float | None = None  # the load's time: said with the first step too
     if ctx.checkpoint_dir:
         resume = checkpoint.agreed_resume(ctx.checkpoint_dir)
         skipped = resume.skipped or None
         if resume.step:
+            t_load = time.perf_counter()
             start = checkpoint.load(engine, ctx.checkpoint_dir, resume.step, spec, groups)
+            load_s = time.perf_counter() - t_load
 
     tokens_per_step = t.global_batch * shape.seq_len
     last: StepReport | None = None
@@ -310,10 +313,14 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp,
                                    loss_for(shape, groups))
         dt = time.perf_counter() - t0
+        ended_at = time.time()
         waited = bubble.end_step() if bubble is not None else 0.0
-        eval_loss = evaluation.evaluate(engine, source, layout.pp, groups, device,
-                                        loss_for(shape, groups)) \
-            if source.eval_due(step + 1, t.steps) else None
+        eval_loss = eval_s = None
+        if source.eval_due(step + 1, t.steps):
+            t_eval = time.perf_counter()
+            eval_loss = evaluation.evaluate(engine, source, layout.pp, groups, device,
+                                            loss_for(shape, groups))
+            eval_s = time.perf_counter() - t_eval
         progress = source.progress((step + 1) * t.global_batch)
         states = state_meter.read()
         last = StepReport(
@@ -324,6 +331,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
             attempt=ctx.attempt, resumed_from=start, eval_loss=eval_loss,
             resume_skipped=skipped if step == start else None,
+            ended_at=ended_at, eval_s=eval_s, load_s=load_s if step == start else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=step * t.global_batch,
             memory=MemoryReport(
@@ -338,12 +346,13 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 (step + 1) % spec.checkpoint.every_steps == 0:
             # A save the disk refuses is reported with the step; training goes on. The tag
             # carries this step's report too: it is reported only after the save.
+            t_save = time.perf_counter()
             saved = checkpoint.save(engine, ctx.checkpoint_dir, step + 1, spec,
                                     consumed_samples=progress.samples,
                                     steps=steps_writer(ctx, last))
             last = last.model_copy(update={
                 "checkpoint": saved.path, "checkpoint_error": saved.error,
-                "checkpoint_bytes": saved.bytes,
+                "checkpoint_bytes": saved.bytes, "save_s": time.perf_counter() - t_save,
                 "checkpoints_removed": list(saved.removed) or None})
         report(last)
     engine.destroy()
