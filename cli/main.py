@@ -7,7 +7,7 @@ are in `cli.identity`, `submit`, `cancel` and `resubmit` in `cli.jobs`, `logs` a
 `events` in `cli.logs`, `status`, `describe` and `top` in `cli.status`,
 `cli.describe` and `cli.top`, `node` (starts this host's Ray node, no server) and
 `cluster` in `cli.node`, `stacks` in `cli.stacks`, `data` (local: corpora) in
-`cli.data`.
+`cli.data`, `goodput` in `cli.goodput`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from cli import checkpoints as cli_checkpoints
 from cli import describe as cli_describe
+from cli import goodput as cli_goodput
 from cli import jobs as cli_jobs
 from cli import logs as cli_logs
 from cli import status as cli_status
@@ -238,6 +239,7 @@ cli_jobs.register(app)
 cli_logs.register(app)
 cli_tracking.register(app)
 cli_checkpoints.register(app)
+cli_goodput.register(app)
 short_helps(app)
 
 

@@ -33,6 +33,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from client.ledger import GoodputSummary, Ledger
 from client.payloads import (
     AttemptList,
     AuditList,
@@ -520,6 +521,20 @@ class TridentClient:
     def compare(self, job_ids: list[int]) -> Comparison:
         """Jobs side by side (2 to 8): figures, differing spec fields, curves."""
         return self._get(Comparison, "/compare", jobs=list(job_ids))
+
+    # -- goodput ---------------------------------------------------------------------------------
+
+    def job_goodput(self, job_id: int) -> Ledger:
+        """Where a job's wall time went, by category (they add up to it), what its ranks
+        held meanwhile, its ETTR, goodput in tokens and (where prices are set) its cost."""
+        return self._get(Ledger, f"/jobs/{job_id}/goodput")
+
+    def goodput(self, *, since: datetime | None = None, until: datetime | None = None,
+                project: str | None = None, owner: str | None = None) -> GoodputSummary:
+        """The ledgers of the jobs that lived in [since, until], summed per project, per
+        owner and over the cluster, with the jobs that lost the most time."""
+        return self._get(GoodputSummary, "/goodput", since=since, until=until,
+                         project=project, owner=owner)
 
     # -- rank logs -------------------------------------------------------------------------------
 

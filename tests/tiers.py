@@ -38,7 +38,8 @@ TIERS: dict[str, tuple[str, ...]] = {
     ),
     "integration": (
         "test_api", "test_api_properties", "test_api_workers", "test_auth", "test_bench",
-        "test_cli", "test_cli_errors", "test_cli_jobs", "test_cli_logs", "test_cli_views",
+        "test_cli", "test_cli_errors", "test_cli_goodput", "test_cli_jobs", "test_cli_logs",
+        "test_cli_views",
         "test_client", "test_compare", "test_compose", "test_confine", "test_data_cost",
         "test_datadir", "test_dbcheck", "test_gpu_check", "test_healthcheck", "test_imports",
         "test_lease", "test_light_rank", "test_migrations_drift", "test_node",
