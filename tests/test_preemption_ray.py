@@ -18,6 +18,7 @@ from service.contract.states import JobState  # noqa: E402
 from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
 from service.store.checkpoints import CheckpointIndex  # noqa: E402
+from service.store.goodput import GoodputLedger  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
 from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
@@ -77,6 +78,24 @@ def test_a_high_priority_job_preempts_a_running_one_which_resumes_and_succeeds(
                    for e in events)
         assert any(e.kind == "preempting" and e.data["victims"] == [low]
                    for e in store.list_events(job_id=high, limit=1000))
+        # Its ledger: the wait after its preemption is a preempted wait, as long as the high
+        # job held the room; its ranks were stopping from the request to their stop; nothing
+        # was redone (it saved where it stopped).
+        ledger = GoodputLedger(store).ledger(low)
+        requeued = next(e.time for e in events if e.data.get("from") == "PREEMPTED")
+        placed = next(e.time for e in events if e.data.get("to") == "PLACING" and
+                      e.time > requeued)
+        assert ledger.queued_reasons["preempted"] == pytest.approx(
+            (placed - requeued).total_seconds(), abs=0.01)
+        high_ran = store.list_attempts(job_id=high)[0]
+        assert high_ran.ended_at is not None
+        assert ledger.queued_reasons["preempted"] >= (
+            high_ran.ended_at - max(high_ran.started_at, requeued)).total_seconds()
+        asked = next(e.time for e in events if e.data.get("to") == "PREEMPTED")
+        assert ledger.total("stopping").seconds == pytest.approx(
+            (requeued - asked).total_seconds(), abs=0.01)
+        assert (ledger.steps_counted, ledger.steps_lost) == (30, 0)
+        assert ledger.total("lost").seconds == 0
     finally:
         controller.shutdown(stop_jobs=True)
         ray.shutdown()

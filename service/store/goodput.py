@@ -101,6 +101,8 @@ class _Window:
     hung: bool = False
     placed: datetime | None = None
     cancel: datetime | None = None
+    """When its ranks were asked to stop (a cancel, a preemption, a drain, a move): the rest
+    of its window is stopping."""
 
 
 class _Builder:
@@ -434,13 +436,16 @@ def _windows(spans: list[tuple[JobState, datetime, datetime, dict[str, Any], str
                 error = str(data.get("error") or "") + message
                 open_.hung = "hung:" in error
                 open_.placed = placed.get(open_.attempt)
-                open_.cancel = cancel_at if cancel_at and cancel_at < z else None
+                if cancel_at is not None and open_.start <= cancel_at < z:
+                    open_.cancel = min(cancel_at, open_.cancel or cancel_at)
                 out.append(open_)
                 open_ = None
             elif to == JobState.PREEMPTED.value:
                 open_.cancel = z  # the stop was asked for here
-    if open_ is not None:
+    if open_ is not None:  # it still runs
         open_.placed = placed.get(open_.attempt)
+        if cancel_at is not None and open_.start <= cancel_at:
+            open_.cancel = min(cancel_at, open_.cancel or cancel_at)
         out.append(open_)
     return out
 
@@ -481,14 +486,15 @@ def _extras(s: Session, job_id: int, attempt: int, lo: int, hi: int) -> tuple[fl
 
 def _attempt(s: Session, b: _Builder, job_id: int, w: _Window, loop: _Loop | None,
              boundary: int | None, *, ranks: int) -> tuple[int, int]:
-    """Add one attempt's window; (steps that count, steps lost)."""
-    a, z = w.start, w.end
+    """Add one attempt's window; (steps that count, steps lost). Once its ranks were asked
+    to stop, the rest of the window is stopping: the loop is read up to then."""
+    a, end = w.start, w.end
+    z = _clamp(w.cancel, a, end) if w.cancel is not None else end
     placed = _clamp(w.placed or a, a, z)
     if loop is None:
         b.add(a, placed, "placement", ranks=ranks, attempt=w.attempt)
-        b.add(placed, z, _tail(w), ranks=ranks, attempt=w.attempt) if w.ended_to in (
-            JobState.PREEMPTED, JobState.CANCELLED, JobState.QUEUED) else \
-            b.add(placed, z, "start", ranks=ranks, attempt=w.attempt)
+        b.add(placed, z, "start", ranks=ranks, attempt=w.attempt)
+        b.add(z, end, "stopping", ranks=ranks, attempt=w.attempt)
         return 0, 0
     begin = _clamp(loop.begin, placed, z)
     first_end = _clamp(loop.ended[loop.first], begin, z)
@@ -524,19 +530,23 @@ def _attempt(s: Session, b: _Builder, job_id: int, w: _Window, loop: _Loop | Non
     after = min(z, last_end + timedelta(seconds=ev + sv))
     b.add(last_end, after, "evaluation" if ev >= sv else "checkpoint_save",
           {"evaluation": ev, "checkpoint_save": sv}, ranks=ranks, attempt=w.attempt)
+    if w.cancel is not None:  # the step on its way when the ranks were asked to stop
+        b.add(after, z, "training", ranks=ranks, attempt=w.attempt)
+        b.add(z, end, "stopping", ranks=ranks, attempt=w.attempt)
+        return counted, lost
     tail = _tail(w)
-    b.add(after, z, "stall" if tail == "recovery" and w.hung else tail, ranks=ranks,
+    b.add(after, end, "stall" if tail == "recovery" and w.hung else tail, ranks=ranks,
           attempt=w.attempt)
     return counted, lost
 
 
 def _tail(w: _Window) -> Category:
+    if w.ended_to in (JobState.QUEUED, JobState.CANCELLED):
+        return "stopping"
     if w.ended_to is None:
         return "training"  # it still runs: its next step is on its way
     if w.ended_to == JobState.SUCCEEDED:
         return "finishing"
-    if w.ended_to in (JobState.QUEUED, JobState.CANCELLED) or w.cancel is not None:
-        return "stopping"
     return "recovery"
 
 
