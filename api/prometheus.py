@@ -12,6 +12,14 @@ duration comes from the controller's lease row (the controller is another proces
 exporter's counts (steps sent to each tracker, dropped, exports failing now) from its cursors
 in the store (`service.store.tracking_exports`). Custom metrics (`StepReport.custom`, numbers) of an
 active job's newest step are `trident_job_custom{name=...}`.
+
+The goodput ledgers (docs/goodput.md) of every job, summed: `trident_job_seconds_total{category}`
+(wall seconds) and per project `trident_project_gpu_seconds_total{project,category}` (GPU
+ranks) and `trident_project_cpu_seconds_total{project,category}` (CPU ranks); a job without a
+project is `project=""`. They are read once a scrape (`GoodputLedger.ledgers`: an ended job's
+ledger is kept on its row, a live one's computed up to now). A live job's last stretch is
+named when it ends (its tail, counted as training while it runs, may turn out lost work or a
+stall): a category can then go down, which Prometheus's `rate` reads as a counter reset.
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from client.ledger import CATEGORIES
 from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.dashboard import count_by_state, measured_bubble_ratio
+from service.store.goodput import GoodputLedger
 from service.store.lease import CONTROLLER, Leases
 from service.store.tables import utcnow
 from service.store.tracking_exports import Exports
@@ -60,6 +70,7 @@ class StoreCollector(Collector):
         yield jobs
         yield from self._controller(store)
         yield from self._tracking(store)
+        yield from self._goodput(store)
         fams = {
             "info": _g("trident_job_info", "An active job (value 1) and its layout.",
                        ["job_id", "name", "owner", "state", "tp", "pp", "dp", "zero"]),
@@ -131,6 +142,32 @@ class StoreCollector(Collector):
             dropped.add_metric([sink.value], d)
             failing.add_metric([sink.value], f)
         yield from (sent, dropped, failing)
+
+    def _goodput(self, store: Store) -> Iterator[Metric]:
+        wall = {c: 0.0 for c in CATEGORIES}
+        held: dict[str, dict[str, list[float]]] = {}  # project -> category -> [gpu-s, cpu-s]
+        for ledger in GoodputLedger(store).ledgers():
+            per = held.setdefault(ledger.project or "", {c: [0.0, 0.0] for c in CATEGORIES})
+            for c in ledger.categories:
+                wall[c.category] += c.seconds
+                per[c.category][0] += c.gpu_seconds
+                per[c.category][1] += c.cpu_seconds
+        seconds = CounterMetricFamily("trident_job_seconds", "Wall seconds of every job, by"
+                                      " goodput ledger category (docs/goodput.md).",
+                                      labels=["category"])
+        for category, s in wall.items():
+            seconds.add_metric([category], s)
+        gpu = CounterMetricFamily("trident_project_gpu_seconds", "GPU-seconds held by a"
+                                  " project's jobs, by goodput ledger category.",
+                                  labels=["project", "category"])
+        cpu = CounterMetricFamily("trident_project_cpu_seconds", "CPU-seconds held by a"
+                                  " project's jobs on CPU ranks, by goodput ledger category.",
+                                  labels=["project", "category"])
+        for project, cats in sorted(held.items()):
+            for category, (g, c) in cats.items():
+                gpu.add_metric([project, category], g)
+                cpu.add_metric([project, category], c)
+        yield from (seconds, gpu, cpu)
 
     def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
         jid = [str(job.id)]

@@ -151,8 +151,9 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     for name, fam in fams.items():  # conventions: counters end in _total, no unitless time
         assert name.startswith("trident_")
         assert fam.type in ("gauge", "histogram", "counter"), name
-        if fam.type == "counter":  # the exporter's steps sent and dropped
-            assert name.startswith("trident_tracking_")
+        if fam.type == "counter":  # the exporter's steps sent and dropped, the ledgers
+            assert name.startswith(("trident_tracking_", "trident_job_seconds",
+                                    "trident_project_"))
             assert all(s.name == f"{name}_total" for s in fam.samples), fam.samples
 
 
@@ -186,3 +187,56 @@ def test_custom_metrics_and_the_exporters_counts_are_exposed(store: Store, tmp_p
     assert value(dropped, sink="mlflow") == 2 and value(dropped, sink="tensorboard") == 0
     failing = fams["trident_tracking_failing_exports"]
     assert value(failing, sink="mlflow") == 1 and value(failing, sink="tensorboard") == 0
+
+
+def test_goodput_counters_sum_every_jobs_ledger(store: Store, tmp_path) -> None:
+    """`trident_job_seconds_total{category}` is the jobs' ledgers summed, and the GPU- and
+    CPU-seconds per project are their projects' ledgers; a queued job's wait grows from one
+    scrape to the next."""
+    from service.store.views import AttemptStatus
+    from service.submission.intake import Submitter
+
+    ended = []
+    for project, name in (("default", "a"), ("vision", "b"), ("vision", "c")):
+        job = submit(store, JobSpec.model_validate(tiny_spec(name=name)),
+                     by=Submitter(owner="alice", project=project))
+        for to in (JobState.PLACING, JobState.RUNNING):
+            store.transition(job_id=job.id, to=to, message=to.value)
+        store.start_attempt(job_id=job.id)
+        for step in (1, 2, 3):
+            time.sleep(0.02)
+            record_steps(store, job_id=job.id, attempt=1, rows=[
+                {**report(step, r, peak=1), "data": {"ended_at": time.time()}} for r in (0, 1)])
+        store.end_attempt(job_id=job.id, number=1, status=AttemptStatus.SUCCEEDED)
+        store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="done")
+        ended.append(job.id)
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as client:
+        ledgers = {j: client.get(f"/api/v1/jobs/{j}/goodput").json() for j in ended}
+        fams = scrape(client)
+        seconds = fams["trident_job_seconds"]
+        assert all(s.name == "trident_job_seconds_total" for s in seconds.samples)
+        for category in ("training", "start", "finishing", "queued"):
+            assert value(seconds, category=category) == pytest.approx(sum(
+                c["seconds"] for lg in ledgers.values() for c in lg["categories"]
+                if c["category"] == category), abs=1e-9)
+        assert value(seconds, category="training") > 0
+        total = sum(s.value for s in seconds.samples)
+        assert total == pytest.approx(sum(lg["wall_s"] for lg in ledgers.values()))
+        cpu, gpu = fams["trident_project_cpu_seconds"], fams["trident_project_gpu_seconds"]
+        for project, jobs in (("default", ended[:1]), ("vision", ended[1:])):
+            want = sum(c["cpu_seconds"] for j in jobs for c in ledgers[j]["categories"]
+                       if c["category"] == "training")
+            assert value(cpu, project=project, category="training") == pytest.approx(want)
+            assert want > 0
+            # CPU ranks (tiny_spec): no GPU-seconds.
+            assert value(gpu, project=project, category="training") == 0
+        # A queued job: its wait is counted, and grows; it holds nothing.
+        waiting = submit(store, JobSpec.model_validate(tiny_spec(name="w")),
+                         by=Submitter(owner="bob", project="queue"))
+        first = value(scrape(client)["trident_job_seconds"], category="queued")
+        time.sleep(0.2)
+        again = scrape(client)
+        assert value(again["trident_job_seconds"], category="queued") >= first + 0.2
+        assert value(again["trident_project_cpu_seconds"], project="queue",
+                     category="queued") == 0
+        assert store.get_job(job_id=waiting.id).state == JobState.QUEUED
