@@ -164,9 +164,9 @@ class StoreCollector(Collector):
                                   " project's jobs on CPU ranks, by goodput ledger category.",
                                   labels=["project", "category"])
         for project, cats in sorted(held.items()):
-            for category, (g, c) in cats.items():
-                gpu.add_metric([project, category], g)
-                cpu.add_metric([project, category], c)
+            for category, (gpu_s, cpu_s) in cats.items():
+                gpu.add_metric([project, category], gpu_s)
+                cpu.add_metric([project, category], cpu_s)
         yield from (seconds, gpu, cpu)
 
     def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
