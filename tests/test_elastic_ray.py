@@ -19,6 +19,7 @@ from service.contract.spec import JobSpec  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
 from service.control.controller import Controller  # noqa: E402
 from service.store import AttemptStatus, Store  # noqa: E402
+from service.store.goodput import GoodputLedger  # noqa: E402
 from service.submission.intake import submit  # noqa: E402
 from tests.conftest import migrated_sqlite, tiny_spec  # noqa: E402
 from tests.waiting import drive_until  # noqa: E402
@@ -93,6 +94,17 @@ def test_a_job_that_loses_a_node_is_re_planned_onto_the_other_and_moves_back(
         assert len({r["node_id"] for r in third.placement["ranks"]}) == 2
         steps = [m.step for m in store.list_metrics(job_id=job_id)]
         assert sorted(steps) == list(range(1, STEPS + 1)), "every step stored once"
+        # Its ledger: each attempt's ranks held as placed (one rank while re-planned down),
+        # and the move back up, asked for and saved, is stopping, not a failure's recovery.
+        ledger = GoodputLedger(store).ledger(job_id)
+        assert ledger.steps_counted == STEPS
+        assert {seg.ranks for seg in ledger.segments if seg.attempt == 2} == {1}
+        assert {seg.ranks for seg in ledger.segments if seg.attempt in (1, 3)} == {2}
+        events = store.list_events(job_id=job_id, limit=1000)
+        move = next(e.time for e in events if e.kind == "state" and e.attempt == 2 and
+                    e.data["to"] == "RESTARTING")
+        assert [seg.category for seg in ledger.segments if seg.start == move] == ["stopping"]
+        assert ledger.total("recovery").seconds > 0  # the lost node's
     finally:
         controller.shutdown(stop_jobs=True)
         store.close()

@@ -34,9 +34,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from client.ledger import Category, Ledger, QueueReason, Segment
+from client.payloads import AttemptStatus
 from service.contract.states import JobState
 from service.store.ledger_sums import summed
-from service.store.tables import CheckpointRow, EventRow, JobRow, StepMetricRow
+from service.store.tables import AttemptRow, CheckpointRow, EventRow, JobRow, StepMetricRow
 from service.store.views import aware
 
 
@@ -72,6 +73,8 @@ class _Window:
     ended_to: JobState | None
     """The state the attempt's last change moved the job to (None: it still runs)."""
     hung: bool = False
+    moved: bool = False
+    """It ended to move the job to another layout (its ranks saved and stopped on request)."""
     placed: datetime | None = None
     cancel: datetime | None = None
     """When its ranks were asked to stop (a cancel, a preemption, a drain, a move): the rest
@@ -123,6 +126,7 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
     spans: list[tuple[JobState, datetime, datetime, dict[str, Any], str]] = []
     current, since = JobState.QUEUED, start
     previous = JobState.QUEUED
+    began: int | None = None  # the attempt of the change that began the current span
     quota: list[tuple[datetime, bool]] = []  # (time, waiting for quota from then)
     placed: dict[int, datetime] = {}
     cancel_at: datetime | None = None
@@ -138,9 +142,12 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
         elif kind == "state":
             to = JobState(data.get("to", current))
             spans.append((current, since, at, {**data, "attempt": attempt, "previous":
-                                               previous.value}, message or ""))
-            previous, current, since = current, to, at
-    spans.append((current, since, end, {"previous": previous.value}, ""))
+                                               previous.value, "began": began}, message or ""))
+            previous, current, since, began = current, to, at, attempt
+    spans.append((current, since, end, {"previous": previous.value, "began": began}, ""))
+    # Attempts that ended to move the job (an elastic move up) stopped on request too.
+    moved = set(s.execute(select(AttemptRow.number).where(
+        AttemptRow.job_id == row.id, AttemptRow.status == AttemptStatus.MOVED.value)).scalars())
 
     ranks_default = row.world_size
     windows = _windows(spans, placed, cancel_at)
@@ -152,8 +159,10 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
         if state_ == JobState.QUEUED:
             _queued(b, a, z, quota, preempted=data["previous"] == JobState.PREEMPTED.value)
         elif state_ == JobState.RESTARTING:
-            b.add(a, z, "recovery", ranks=ranks_default)
+            b.add(a, z, "stopping" if data["began"] in moved else "recovery",
+                  ranks=ranks_default)
     for w in windows:
+        w.moved = w.attempt in moved
         loop = loops.get(w.attempt)
         later = [n for n in loops if n > w.attempt]
         boundary: int | None = None
@@ -332,7 +341,7 @@ def _attempt(s: Session, b: _Builder, job_id: int, w: _Window, loop: _Loop | Non
 
 
 def _tail(w: _Window) -> Category:
-    if w.ended_to in (JobState.QUEUED, JobState.CANCELLED):
+    if w.moved or w.ended_to in (JobState.QUEUED, JobState.CANCELLED):
         return "stopping"
     if w.ended_to is None:
         return "training"  # it still runs: its next step is on its way
