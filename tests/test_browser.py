@@ -24,6 +24,7 @@ pytest.importorskip("playwright")
 
 from playwright.sync_api import Page, expect  # noqa: E402
 
+from service.contract.prices import ProfilePrice  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store import Store  # noqa: E402
 from tests.conftest import tiny_spec, user_token  # noqa: E402
@@ -81,7 +82,9 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    settings = Settings(data_dir=tmp_path_factory.mktemp("browser"), light_ranks=True)
+    # CPU-hours priced: the pages show the ledgers' costs
+    settings = Settings(data_dir=tmp_path_factory.mktemp("browser"), light_ranks=True,
+                        prices={"cpu": ProfilePrice(cpu_hour=0.25)})
     with served_stack(settings, start_timeout_s=600, cancel_grace_s=5) as served:
         url, store = served.url, served.store
         token = user_token(store)
@@ -365,7 +368,7 @@ def test_the_cluster_page_shows_a_cordoned_node_and_its_events(live: Live, page:
 def test_the_cluster_and_job_pages_show_a_slow_link(live: Live, page: Page) -> None:
     """What a job's probe that found a slow link leaves (`service.monitor.attempt`: the node's
     mark and the job's event; named on real hosts by `tests/test_hosts_links.py`), as the
-    pages show it. Last in this module: it adds events to the node the cordon check reads."""
+    pages show it. After the cordon check: it adds events to the node that check reads."""
     deadline = time.monotonic() + 120
     while not (nodes := [n for n in get(f"{live.url}/api/v1/cluster").json()["nodes"]
                          if n["alive"]]):
@@ -390,3 +393,150 @@ def test_the_cluster_and_job_pages_show_a_slow_link(live: Live, page: Page) -> N
     page.goto(live.url + "/cluster")
     expect(page.locator("td.node-link.slow")).to_have_count(0)
     expect(page.locator("td.node-link.ok").first).to_have_text("ok")
+
+
+def num(text: str | None) -> float | None:
+    """A number a page left in an attribute (None: it left none, or a blank)."""
+    return float(text) if text else None
+
+
+def shown_seconds(page: Page, table: str) -> dict[str, float | None]:
+    """The seconds per category a legend shows, as it holds them (`data-seconds`)."""
+    rows = page.locator(f"{table} tr[data-category]")
+    return {r.get_attribute("data-category") or "": num(r.get_attribute("data-seconds"))
+            for r in rows.all()}
+
+
+def api_seconds(categories: list[dict[str, Any]]) -> dict[str, float]:
+    return {c["category"]: c["seconds"] for c in categories}
+
+
+def settled(read_page: Any, read_api: Any, timeout: float = 90) -> tuple[Any, Any]:
+    """What the page shows and what the API answers, once they agree (a ledger takes in its
+    job's last stored steps for a minute after it ends, and the page follows it): the pair
+    last read, equal unless they never agreed within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown, answered = read_page(), read_api()
+        if shown == answered or time.monotonic() > deadline:
+            return shown, answered
+        time.sleep(1)
+
+
+def test_the_job_pages_ledger_shows_the_apis_seconds(live: Live, page: Page) -> None:
+    """The job page's stacked bar and legend, its timeline and its figures, against
+    `GET /api/v1/jobs/{id}/goodput` (the seconds as the page holds them, exactly); a picture
+    of the ledger in var/screenshots/."""
+    job = live.wait("tiny", TERMINAL, 600)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    url = f"{live.url}/api/v1/jobs/{job['id']}/goodput"
+    page.goto(f"{live.url}/jobs/{job['id']}")
+    box = page.locator("#goodput")
+    expect(box.locator(".gp-bar span").first).to_be_visible()
+
+    def read_page() -> dict[str, Any]:
+        return {"legend": shown_seconds(page, "#goodput .gp-legend"),
+                "bar": {s.get_attribute("data-category"): num(s.get_attribute("data-seconds"))
+                        for s in box.locator(".gp-bar span").all()},
+                "ettr": num(box.locator("#gp-ettr").get_attribute("data-value")),
+                "steps": box.locator("#gp-steps").get_attribute("data-value"),
+                "cost": num(box.locator("#gp-cost").get_attribute("data-value"))}
+
+    def read_api() -> dict[str, Any]:
+        ledger = get(url).json()
+        return {"legend": api_seconds(ledger["categories"]),
+                "bar": {c: v for c, v in api_seconds(ledger["categories"]).items() if v > 0},
+                "ettr": ledger["ettr"],
+                "steps": f"{ledger['steps_counted']}/{ledger['steps_lost']}",
+                "cost": ledger["cost"]}
+
+    shown, answered = settled(read_page, read_api)
+    assert shown == answered
+    ledger = get(url).json()
+    assert list(shown["legend"]) == [c["category"] for c in ledger["categories"]]  # all, in order
+    assert shown["bar"]["training"] > 0 and shown["steps"] == "6/0"
+    assert ledger["cost"] > 0 and ledger["planned_cost"] > 0  # CPU-hours are priced here
+    expect(box.locator("#gp-cost")).to_contain_text("at its plan")
+    expect(box.locator("#gp-training")).to_contain_text(" / ")  # measured / predicted
+    # The timeline: a stretch per segment, a mark per attempt; the bar fills its box.
+    expect(box.locator(".gp-timeline .gp-seg")).to_have_count(len(ledger["segments"]))
+    attempts = {s["attempt"] for s in ledger["segments"] if s["attempt"] is not None}
+    expect(box.locator(".gp-attempt")).to_have_count(len(attempts))
+    widths = box.locator(".gp-bar").evaluate(
+        "b => [b.clientWidth,"
+        " [...b.children].reduce((a, s) => a + s.getBoundingClientRect().width, 0)]")
+    assert widths[1] == pytest.approx(widths[0], abs=2), widths
+    for row in box.locator(".gp-legend tbody th").all():  # the legend reads (WCAG AA)
+        assert row.evaluate(_CONTRAST) >= 4.5, row.inner_text()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    box.screenshot(path=str(SHOTS / "job-goodput-ledger.png"))
+
+
+def test_the_job_pages_timeline_marks_each_attempt(live: Live, page: Page) -> None:
+    """A job that failed its first attempt and succeeded in its second: two attempts on its
+    timeline, and its legend's seconds the API's."""
+    live.go.touch()  # the flaky job's first attempt fails (if it has not yet)
+    job = live.wait("flaky", TERMINAL, 600)
+    assert job["state"] == "SUCCEEDED" and job["attempts"] == 2, job
+    url = f"{live.url}/api/v1/jobs/{job['id']}/goodput"
+    page.goto(f"{live.url}/jobs/{job['id']}")
+    expect(page.locator("#goodput .gp-bar span").first).to_be_visible()
+    shown, answered = settled(lambda: shown_seconds(page, "#goodput .gp-legend"),
+                              lambda: api_seconds(get(url).json()["categories"]))
+    assert shown == answered
+    expect(page.locator("#goodput .gp-attempt")).to_have_text(["attempt 1", "attempt 2"])
+
+
+def test_the_cluster_page_shows_the_apis_totals(live: Live, page: Page) -> None:
+    """The cluster page's totals over its window against `GET /api/v1/goodput` over the same
+    window (the one the page's answer names): the cluster's categories, each project and
+    owner, the jobs that lost the most time, linked to their pages."""
+    job = live.wait("tiny", TERMINAL, 600)
+    assert job["state"] == "SUCCEEDED", job["error"]
+    page.goto(f"{live.url}/cluster?window=all")
+    box = page.locator("#cluster-goodput")
+    expect(page.locator("#gp-window")).to_have_value("all")
+
+    def read_page() -> dict[str, Any]:
+        page.reload()
+        expect(box.locator("#gp-cluster")).to_be_visible()
+        rows = {t: {r.get_attribute("data-key"): tuple(
+            num(r.get_attribute(f"data-{k}")) for k in ("wall", "gpu-seconds", "cpu-seconds",
+                                                          "cost"))
+            for r in box.locator(f"#gp-{t} tbody tr").all()} for t in ("projects", "owners")}
+        return {"until": box.get_attribute("data-until"), "since": box.get_attribute("data-since"),
+                "legend": shown_seconds(page, "#cluster-goodput .gp-legend"),
+                "wall": num(box.locator("#gp-cluster").get_attribute("data-wall")),
+                "lost": [int(r.get_attribute("data-job") or 0)
+                         for r in box.locator("#gp-top-lost tbody tr").all()], **rows}
+
+    def read_api(window: dict[str, Any]) -> dict[str, Any]:
+        params = {"until": window["until"], **({"since": window["since"]}
+                                               if window["since"] else {})}
+        s = get(f"{live.url}/api/v1/goodput", params=params).json()
+        return {"until": window["until"], "since": window["since"],
+                "legend": api_seconds(s["cluster"]["categories"]),
+                "wall": s["cluster"]["wall_s"], "lost": [j["job_id"] for j in s["top_lost"]],
+                **{t: {g["key"]: (g["wall_s"], g["gpu_seconds"], g["cpu_seconds"], g["cost"])
+                       for g in s[t]} for t in ("projects", "owners")}}
+
+    last: dict[str, Any] = {}
+
+    def page_then_window() -> dict[str, Any]:
+        last.clear()
+        last.update(read_page())
+        return last
+
+    shown, answered = settled(page_then_window, lambda: read_api(last))
+    assert shown == answered
+    assert shown["since"] == "" and shown["wall"] > 0 and shown["owners"]["admin"][0] > 0
+    assert shown["legend"]["training"] > 0
+    for job_id in shown["lost"]:  # linked to their pages
+        expect(box.locator(f"#gp-top-lost tr[data-job='{job_id}'] a")).to_have_attribute(
+            "href", f"/jobs/{job_id}")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    box.screenshot(path=str(SHOTS / "cluster-goodput.png"))
+    # Another window: the page asks for it and says which it read.
+    page.select_option("#gp-window", "24h")
+    expect(box).to_have_attribute("data-since", re.compile(r"^\d{4}-"))
+    assert "window=24h" in page.url
