@@ -8,8 +8,11 @@ the module. Each test saves a screenshot of its page under var/screenshots/.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -425,8 +428,8 @@ def settled(read_page: Any, read_api: Any, timeout: float = 90) -> tuple[Any, An
 
 def test_the_job_pages_ledger_shows_the_apis_seconds(live: Live, page: Page) -> None:
     """The job page's stacked bar and legend, its timeline and its figures, against
-    `GET /api/v1/jobs/{id}/goodput` (the seconds as the page holds them, exactly); a picture
-    of the ledger in var/screenshots/."""
+    `GET /api/v1/jobs/{id}/goodput` and `trident goodput ID -o json` run as a process (the
+    seconds as the page holds them, exactly); a picture of the ledger in var/screenshots/."""
     job = live.wait("tiny", TERMINAL, 600)
     assert job["state"] == "SUCCEEDED", job["error"]
     url = f"{live.url}/api/v1/jobs/{job['id']}/goodput"
@@ -435,7 +438,8 @@ def test_the_job_pages_ledger_shows_the_apis_seconds(live: Live, page: Page) -> 
     expect(box.locator(".gp-bar span").first).to_be_visible()
 
     def read_page() -> dict[str, Any]:
-        return {"legend": shown_seconds(page, "#goodput .gp-legend"),
+        legend = shown_seconds(page, "#goodput .gp-legend")
+        return {"legend": legend, "cli": legend,
                 "bar": {s.get_attribute("data-category"): num(s.get_attribute("data-seconds"))
                         for s in box.locator(".gp-bar span").all()},
                 "ettr": num(box.locator("#gp-ettr").get_attribute("data-value")),
@@ -444,7 +448,14 @@ def test_the_job_pages_ledger_shows_the_apis_seconds(live: Live, page: Page) -> 
 
     def read_api() -> dict[str, Any]:
         ledger = get(url).json()
+        proc = subprocess.run(  # the CLI as a user runs it
+            [sys.executable, "-m", "cli.main", "goodput", str(job["id"]), "-o", "json",
+             "--server", live.url], env={**os.environ, "PYTHONPATH": str(ROOT),
+                                         "TRIDENT_TOKEN": live.token},
+            cwd=ROOT, capture_output=True, text=True, timeout=HTTP_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stderr
         return {"legend": api_seconds(ledger["categories"]),
+                "cli": api_seconds(json.loads(proc.stdout)["categories"]),
                 "bar": {c: v for c, v in api_seconds(ledger["categories"]).items() if v > 0},
                 "ettr": ledger["ettr"],
                 "steps": f"{ledger['steps_counted']}/{ledger['steps_lost']}",
