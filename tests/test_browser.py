@@ -551,3 +551,37 @@ def test_the_cluster_page_shows_the_apis_totals(live: Live, page: Page) -> None:
     page.select_option("#gp-window", "24h")
     expect(box).to_have_attribute("data-since", re.compile(r"^\d{4}-"))
     assert "window=24h" in page.url
+
+
+def test_a_queued_jobs_page_says_what_it_would_cost_at_its_plan(live: Live, page: Page) -> None:
+    """Before a job runs, its page says what its plan would cost (its ledger's
+    `planned_cost`) and why it waits: here its project's quota, smaller than the job."""
+    r = HTTP.post(f"{live.url}/api/v1/projects", json={"name": "held", "cpus": 0.5},
+                  headers=AUTH, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 201, r.text
+    spec = tiny_spec(name="browser-held")
+    spec["program"] = "light"
+    r = HTTP.post(f"{live.url}/api/v1/jobs", params={"project": "held"}, json=spec,
+                  headers=AUTH, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    try:
+        deadline = time.monotonic() + 120
+        while "quota" not in (ledger := get(f"{live.url}/api/v1/jobs/{job_id}/goodput")
+                              .json())["queued_reasons"]:
+            assert time.monotonic() < deadline, ledger
+            time.sleep(0.5)
+        assert ledger["state"] == "QUEUED" and ledger["planned_cost"] > 0, ledger
+        page.goto(f"{live.url}/jobs/{job_id}")
+        cost = page.locator("#gp-cost")
+        expect(cost).to_contain_text("would cost ")
+        expect(cost).to_contain_text(" at its plan")
+        assert num(cost.get_attribute("data-value")) == ledger["planned_cost"]
+        expect(page.locator("#gp-queued")).to_contain_text("its project's quota")
+        expect(page.locator("#goodput .gp-bar span")).to_have_count(1)  # queued, all of it
+        expect(page.locator("#goodput .gp-bar span")).to_have_attribute("data-category",
+                                                                         "queued")
+    finally:
+        r = HTTP.post(f"{live.url}/api/v1/jobs/{job_id}/cancel", headers=AUTH,
+                      timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 202, r.text
