@@ -154,8 +154,8 @@ def shown_spec(request: Request, job: Job, *, names: bool = True) -> dict[str, A
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
-    """One job, in tabs: overview (with its trackers and its secrets' names), metrics,
-    ranks, communication, logs, hangs."""
+    """One job, in tabs: overview (its goodput ledger, drawn by goodput.js, its trackers and
+    its secrets' names), metrics, ranks, communication, logs, hangs."""
     metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
         "job": job, "spec_yaml": yaml.safe_dump(shown_spec(request, job), sort_keys=False),
@@ -225,7 +225,8 @@ def plan_page(request: Request, store: StoreDep,
 
 @router.get("/cluster", response_class=HTMLResponse)
 def cluster_page(request: Request, store: StoreDep) -> HTMLResponse:
-    """Nodes with GPUs/CPUs and the jobs holding them, link matrices, the newest probe and
+    """Nodes with GPUs/CPUs and the jobs holding them, link matrices, the jobs' goodput
+    totals over a window (`GET /api/v1/goodput`, drawn by goodput.js), the newest probe and
     the calibrated profiles."""
     holders: dict[str, list[tuple[int, int]]] = {}
     for job in store.active_jobs():

@@ -77,12 +77,16 @@ const GOODPUT = (function () {
     const t0 = Date.parse(ledger.start), t1 = Date.parse(ledger.end);
     const span = Math.max(1, t1 - t0);
     const at = t => (100 * (Date.parse(t) - t0) / span).toFixed(3);
-    let lastAttempt = null;
+    let lastAttempt = null, lastLeft = -100;
     const marks = [], lines = [];
     const segs = ledger.segments.map(s => {
       if (s.attempt !== null && s.attempt !== undefined && s.attempt !== lastAttempt) {
         lastAttempt = s.attempt;
-        marks.push(`<span class="gp-attempt" data-attempt="${s.attempt}" style="left:${at(s.start)}%">attempt ${s.attempt}</span>`);
+        const left = Number(at(s.start));
+        // Attempts close together: their numbers alone, so that the marks' labels do not overlap.
+        const text = left - lastLeft < 8 ? `${s.attempt}` : `attempt ${s.attempt}`;
+        lastLeft = left;
+        marks.push(`<span class="gp-attempt" data-attempt="${s.attempt}" title="attempt ${s.attempt}" style="left:${left}%">${text}</span>`);
         lines.push(`<span class="gp-line" style="left:${at(s.start)}%"></span>`);
       }
       const secs = Object.entries(s.seconds).filter(([, v]) => v > 0)
