@@ -7,7 +7,8 @@ and these step columns. `ended_at` is the step's end on its slowest rank's clock
 `save_s`, `load_s` the longest any rank spent on them; `resumed_from` the step of the
 checkpoint the attempt resumed from (0: fresh). A project's budget (`budget_gpu_hours`,
 `budget_cpu_hours`, `budget_cost`, counted from `budget_since`; `budget_warned_at`: when its
-80 % warning was given). `jobs.ledger`: an ended job's ledger, kept once computed. All
+80 % warning was given). `ix_step_metrics_extras` holds the few steps with an evaluation or a
+save, which the ledger sums. `jobs.ledger`: an ended job's ledger, kept once computed. All
 nullable: the rows there are keep their meaning (a step without them is timed by when it was
 stored).
 
@@ -25,6 +26,7 @@ depends_on = None
 
 _STEPS = (("ended_at", sa.DateTime(timezone=True)), ("eval_s", sa.Float()),
           ("save_s", sa.Float()), ("load_s", sa.Float()), ("resumed_from", sa.Integer()))
+_EXTRAS = "eval_s IS NOT NULL OR save_s IS NOT NULL"
 _PROJECTS = (("budget_gpu_hours", sa.Float()), ("budget_cpu_hours", sa.Float()),
              ("budget_cost", sa.Float()), ("budget_since", sa.DateTime(timezone=True)),
              ("budget_warned_at", sa.DateTime(timezone=True)))
@@ -36,9 +38,12 @@ def upgrade() -> None:
     for name, kind in _PROJECTS:
         op.add_column("projects", sa.Column(name, kind, nullable=True))
     op.add_column("jobs", sa.Column("ledger", sa.JSON(), nullable=True))
+    op.create_index("ix_step_metrics_extras", "step_metrics", ["job_id", "attempt", "step"],
+                    sqlite_where=sa.text(_EXTRAS), postgresql_where=sa.text(_EXTRAS))
 
 
 def downgrade() -> None:
+    op.drop_index("ix_step_metrics_extras", table_name="step_metrics")
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("ledger")
     with op.batch_alter_table("projects") as batch:

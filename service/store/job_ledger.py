@@ -19,8 +19,10 @@ A job's wall time, from its submission to its end (or now), is split into the ca
   ended: finishing (it succeeded), stopping (preempted, drained, moved or cancelled), stall
   then recovery (a hang: stalled until it was declared), recovery (a failure).
 
-Only the step columns are summed in SQL; a job of a million steps reads a few rows per
-attempt.
+A job's steps are read by index seeks: each attempt's first and last (and the one at its
+checkpoint boundary), and the few that evaluated or saved (`ix_step_metrics_extras`): a
+long job's ledger costs what its evaluations and saves do, not its steps (`python -m
+bench.ledger`: 59 ms for a million steps on SQLite, 28 ms on PostgreSQL).
 """
 
 from __future__ import annotations
@@ -30,14 +32,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from client.ledger import Category, Ledger, QueueReason, Segment
 from client.payloads import AttemptStatus
 from service.contract.states import JobState
 from service.store.ledger_sums import summed
-from service.store.tables import AttemptRow, CheckpointRow, EventRow, JobRow, StepMetricRow
+from service.store.tables import (
+    AttemptRow,
+    CheckpointRow,
+    EventRow,
+    JobRow,
+    StepMetricRow,
+)
 from service.store.views import aware
 
 
@@ -251,21 +259,21 @@ def _windows(spans: list[tuple[JobState, datetime, datetime, dict[str, Any], str
 
 
 def _loops(s: Session, job_id: int) -> dict[int, _Loop]:
-    """Each attempt's first and last steps, and what the ledger sums of the rest."""
+    """Each attempt's first and last steps (two index seeks each)."""
     out: dict[int, _Loop] = {}
-    rows = s.execute(
-        select(StepMetricRow.attempt, func.min(StepMetricRow.step), func.max(StepMetricRow.step))
-        .where(StepMetricRow.job_id == job_id).group_by(StepMetricRow.attempt)).all()
-    for attempt, first, last in rows:
-        ends = {r.step: r for r in s.execute(
-            select(StepMetricRow).where(StepMetricRow.job_id == job_id,
-                                        StepMetricRow.attempt == attempt,
-                                        StepMetricRow.step.in_((first, last)))).scalars()}
-        f, la = ends[first], ends[last]
+    numbers = s.execute(select(AttemptRow.number).where(AttemptRow.job_id == job_id)).scalars()
+    for attempt in numbers:
+        of = select(StepMetricRow).where(StepMetricRow.job_id == job_id,
+                                         StepMetricRow.attempt == attempt)
+        f = s.execute(of.order_by(StepMetricRow.step).limit(1)).scalar()
+        if f is None:
+            continue
+        la = s.execute(of.order_by(StepMetricRow.step.desc()).limit(1)).scalar()
+        assert la is not None
         f_end = _end_of(f)
         out[attempt] = _Loop(
-            first=first, last=last, begin=f_end - timedelta(seconds=f.step_time_max),
-            ended={first: f_end, last: _end_of(la)}, load_s=f.load_s or 0.0,
+            first=f.step, last=la.step, begin=f_end - timedelta(seconds=f.step_time_max),
+            ended={f.step: f_end, la.step: _end_of(la)}, load_s=f.load_s or 0.0,
             resumed_from=f.resumed_from, world_size=f.world_size)
     return out
 
@@ -280,7 +288,10 @@ def _extras(s: Session, job_id: int, attempt: int, lo: int, hi: int) -> tuple[fl
         return 0.0, 0.0
     ev, sv = s.execute(select(func.sum(StepMetricRow.eval_s), func.sum(StepMetricRow.save_s))
                        .where(StepMetricRow.job_id == job_id, StepMetricRow.attempt == attempt,
-                              StepMetricRow.step >= lo, StepMetricRow.step <= hi)).one()
+                              StepMetricRow.step >= lo, StepMetricRow.step <= hi,
+                              or_(StepMetricRow.eval_s.is_not(None),
+                                  StepMetricRow.save_s.is_not(None)))  # the index's rows
+                       ).one()
     return float(ev or 0.0), float(sv or 0.0)
 
 

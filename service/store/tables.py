@@ -28,6 +28,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     cast,
+    text,
     type_coerce,
 )
 from sqlalchemy.engine import Dialect
@@ -411,10 +412,18 @@ class TrackingExportRow(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+EXTRAS = "eval_s IS NOT NULL OR save_s IS NOT NULL"
+"""The steps `ix_step_metrics_extras` holds."""
+
+
 class StepMetricRow(Base):
     """One optimizer step of one attempt, over all of its ranks (migration 0008)."""
 
     __tablename__ = "step_metrics"
+    # The goodput ledger sums the evaluations and saves of an attempt's steps: only the few
+    # steps that had one are in this index, so the sum reads those alone (migration 0020).
+    __table_args__ = (Index("ix_step_metrics_extras", "job_id", "attempt", "step",
+                            sqlite_where=text(EXTRAS), postgresql_where=text(EXTRAS)),)
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
                                         primary_key=True)
