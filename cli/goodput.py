@@ -20,6 +20,7 @@ import typer
 from cli.common import DEFAULT_SERVER, ServerOpt, connect, fail
 from cli.format import Output, clock, columns, dump, span
 from client.ledger import GoodputSummary, GroupTotals, Ledger
+from service.contract.prices import money as _money
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -52,8 +53,6 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
-def _money(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.2f}"
 
 
 def _hours(s: float) -> str:

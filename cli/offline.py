@@ -4,14 +4,32 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import TypeAdapter, ValidationError
 
 from cli.common import DEFAULT_SERVER, ServerOpt, fail
 from cli.spec import SetOpt, load_spec
 from cli.whatif import what_if
+from service.contract.prices import ProfilePrice
+
+
+def local_price(profile: str) -> ProfilePrice | None:
+    """This shell's price of `profile` (`TRIDENT_PRICES`, as the server reads it); a value
+    that is not prices is a one-line error."""
+    raw = os.environ.get("TRIDENT_PRICES", "").strip()
+    if not raw:
+        return None
+    try:
+        prices = TypeAdapter(dict[str, ProfilePrice]).validate_json(raw)
+    except ValidationError as exc:
+        fail("TRIDENT_PRICES: " + "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}"
+            for e in exc.errors()))
+    return prices.get(profile)
 
 
 def plan(spec: Annotated[Path | None, typer.Argument(
@@ -29,7 +47,8 @@ def plan(spec: Annotated[Path | None, typer.Argument(
              " says), its `deepspeed:` section merged in.")] = False,
          ) -> None:
     """Predict memory and step time, with no server: an explicit layout exactly as given
-    (even when it does not fit), or for `parallel: auto` the best layouts. With --compare
+    (even when it does not fit), or for `parallel: auto` the best layouts; where
+    TRIDENT_PRICES prices the spec's profile, what its steps would cost. With --compare
     JOB, a what-if: the plan next to that job's plan and measurement, and the step time the
     job's measured/predicted ratio makes of it.
 
@@ -51,8 +70,9 @@ def plan(spec: Annotated[Path | None, typer.Argument(
         typer.echo(json.dumps(ds_config(job, cuda=job.resources.gpus_per_worker > 0),
                               indent=2, sort_keys=True))
         return
+    job = load_spec(spec, sets)
     try:
-        out = plan_command(load_spec(spec, sets), top=top, as_json=as_json)
+        out = plan_command(job, top=top, as_json=as_json, price=local_price(job.target.gpu))
     except ValueError as exc:
         fail(str(exc))
     typer.echo(json.dumps(out, indent=2) if as_json else out)

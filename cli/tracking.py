@@ -2,7 +2,8 @@
 TensorBoard on the event files the control plane writes.
 
 `compare` prints what `GET /compare` answers (`TridentClient.compare`): a table of each job's
-headline figures (steps, loss, eval loss, step time and tokens/s predicted and measured, MFU)
+headline figures (steps, loss, eval loss, step time and tokens/s predicted and measured, MFU,
+ETTR)
 and the spec fields whose values differ; `-o json` prints the whole comparison, curves
 included. `tensorboard` asks the server where the files are (`GET /tracking`,
 `GET /jobs/{id}/tracking`) and prints the directory, or with `--serve` starts TensorBoard on
@@ -55,9 +56,10 @@ def render(c: Comparison) -> str:
                      f"{r.step if r.step is not None else '-'}/{r.total_steps}",
                      NONFINITE if r.loss_nonfinite else _num(r.loss),
                      _num(r.eval_loss), _pair(pm.step_s, secs), _pair(pm.tokens_per_s),
-                     f"{_pct(r.mfu)} / {_pct(r.mfu_predicted)}"])
+                     f"{_pct(r.mfu)} / {_pct(r.mfu_predicted)}", _pct(r.ettr)])
     out = [columns(["ID", "NAME", "STATE", "LAYOUT", "STEP", "LOSS", "EVAL_LOSS",
-                    "S/STEP (MEAS/PRED)", "TOKENS/S (MEAS/PRED)", "MFU (MEAS/PRED)"], rows)]
+                    "S/STEP (MEAS/PRED)", "TOKENS/S (MEAS/PRED)", "MFU (MEAS/PRED)", "ETTR"],
+                   rows)]
     out.append("")
     if not c.differences:
         out.append("The specs are the same.")
@@ -78,7 +80,7 @@ def compare(jobs: JobIds, server: ServerOpt = DEFAULT_SERVER,
                 help="table (default), json or yaml (the whole comparison, curves included)."
             )] = Output.table) -> None:
     """Compare 2 to 8 jobs: a table of their figures (step, loss, eval loss, step time,
-    tokens/s and MFU measured against predicted), the spec fields that differ, and their
+    tokens/s and MFU measured against predicted, ETTR), the spec fields that differ, and their
     custom metrics; the dashboard's jobs page opens the same comparison with charts.
 
     Example: trident compare 12 15 -o json

@@ -781,6 +781,9 @@ class ComparedRun(BaseModel):
     custom: dict[str, float]
     """The newest step's custom metrics (numbers)."""
     predicted_vs_measured: PredictedVsMeasured
+    ettr: float | None = None
+    """The effective training time ratio so far: its goodput ledger's training seconds over
+    its wall seconds (docs/goodput.md; None: no wall time yet)."""
 
 
 class SpecDifference(BaseModel):
@@ -820,6 +823,9 @@ class PlanOut(StoredPlan):
 
     fits: bool
     reasons: list[str] = Field(default_factory=list)
+    cost: float | None = None
+    """What its `train.steps` steps would cost: step time x steps x ranks at the profile's
+    price per GPU-hour (CPU-hour on CPU ranks), `TRIDENT_PRICES` (None: not priced)."""
 
 
 class LayoutSearch(BaseModel):

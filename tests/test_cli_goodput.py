@@ -23,7 +23,7 @@ import yaml
 from api.app import create_app
 from cli.goodput import when
 from client.ledger import CATEGORIES
-from service.contract.prices import ProfilePrice
+from service.contract.prices import ProfilePrice, money
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.settings import Settings
@@ -145,13 +145,13 @@ def test_job_table(priced: tuple[Live, dict[str, int]]) -> None:
                                                          abs=0.05)
         assert float(rank_s) == pytest.approx(c["rank_seconds"], abs=0.05)
         assert float(cpu_s) == pytest.approx(c["cpu_seconds"], abs=0.05)
-        assert float(cost) == pytest.approx(c["cost"], abs=0.005)
+        assert cost == money(c["cost"])
     assert float(rows["total"][1]) == pytest.approx(d["wall_s"], abs=0.05)
     assert rows["total"][2] == "100.0%"
     text = "\n".join(lines)
     assert f"ETTR:         {100 * d['ettr']:.1f}%" in text
     assert "Steps:        6 counted, 2 lost" in text
-    assert f"Cost:         {d['cost']:,.2f}" in text
+    assert f"Cost:         {money(d['cost'])}" in text
 
 
 def test_unpriced_job_has_no_money(live: Live) -> None:

@@ -66,6 +66,11 @@ def test_compare_route_lines_up_curves_figures_and_differences(live: Live) -> No
     assert pm["step_s"]["measured"] == pytest.approx(0.1 * 1.01)
     assert pm["step_s"]["predicted"] == pytest.approx(b.plan.time.step_s)
     assert c["runs"][0]["mfu_predicted"] == pytest.approx(b.plan.model_dump()["mfu"])
+    # Each job's ETTR is its goodput ledger's.
+    for run in c["runs"]:
+        ledger = HTTP.get(f"{live.url}/api/v1/jobs/{run['id']}/goodput",
+                          headers={"Authorization": f"Bearer {_token()}"}).json()
+        assert run["ettr"] == ledger["ettr"] and 0 < run["ettr"] <= 1
     diff = {d["field"]: d["values"] for d in c["differences"]}
     assert diff == {"name": ["lr-small", "lr-big"], "train.steps": [8, 5],
                     "train.lr": [0.001, 0.01]}
@@ -83,6 +88,8 @@ def test_compare_route_lines_up_curves_figures_and_differences(live: Live) -> No
     lines = text.output.splitlines()
     assert lines[0].split()[:3] == ["ID", "NAME", "STATE"]
     assert lines[1].split()[:5] == [str(a.id), "lr-small", "SUCCEEDED", "tp1", "pp1"]
+    assert lines[0].split()[-1] == "ETTR"
+    assert lines[1].split()[-1] == f"{100 * c['runs'][0]['ettr']:.1f}%"
     assert any(line.split() == ["train.lr", "0.001", "0.01"] for line in lines)
     assert any(line.split()[:1] == ["accuracy"] for line in lines)
 

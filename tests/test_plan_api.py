@@ -16,6 +16,7 @@ from api.app import create_app
 from api.routes import jobs as jobs_route
 from api.routes import plan as plan_route
 from cli.main import app as cli
+from service.contract.prices import money
 from service.contract.spec import JobSpec
 from service.planner.search import cpu_bound
 from service.settings import Settings
@@ -172,3 +173,53 @@ def test_a_request_spends_a_bounded_cpu_time_in_the_layout_search(
     r = client.post("/api/v1/plan", json=tiny_spec(parallel="auto", cluster={
         "gpu": "cpu", "nodes": 1, "gpus_per_node": 2}))
     assert r.status_code == 200, r.text
+
+
+BIG_STEPS = JobSpec.model_validate(BIG).train.steps
+PRICES = {"cpu": {"cpu_hour": 0.5}, "a100-40gb": {"gpu_hour": 2.0, "cpu_hour": 0.5}}
+
+
+def test_a_priced_plan_says_what_its_steps_would_cost(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """cost = step time x train.steps x ranks x the price per GPU-hour (CPU-hour on CPU
+    ranks), on the API and in `trident plan` (TRIDENT_PRICES); none without a price."""
+    store = Store(migrated_sqlite(tmp_path / "p.db"))
+    settings = Settings(data_dir=tmp_path, prices=PRICES)
+    with authed_client(create_app(settings, store=store), store) as client:
+        plan = client.post("/api/v1/plan", json=tiny_spec()).json()
+        # 6 steps on 2 CPU ranks of 0.5 CPU each, at 0.5 a CPU-hour.
+        assert plan["cost"] == pytest.approx(plan["time"]["step_s"] * 6 * 2 * 0.5 * 0.5 / 3600)
+        big = client.post("/api/v1/plan", json={**BIG, "train": {**BIG["train"],
+                                                                 "steps": 1000}}).json()
+        # 8 GPU ranks at 2.0 a GPU-hour: their CPUs are in the GPU's price.
+        assert big["cost"] == pytest.approx(big["time"]["step_s"] * 1000 * 8 * 2.0 / 3600)
+        auto = client.post("/api/v1/plan", json=tiny_spec(parallel="auto", cluster={
+            "gpu": "cpu", "nodes": 1, "gpus_per_node": 2})).json()
+        best = auto["best"]
+        assert best["cost"] == pytest.approx(best["time"]["step_s"] * 6 * 2 * 0.25 / 3600)
+    store.close()
+    store = Store(migrated_sqlite(tmp_path / "q.db"))
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as client:
+        assert client.post("/api/v1/plan", json=tiny_spec()).json().get("cost") is None
+    store.close()
+    runner = CliRunner()
+    spec = tmp_path / "big.yaml"
+    spec.write_text(yaml.safe_dump(BIG))
+    monkeypatch.setenv("TRIDENT_PRICES", json.dumps(PRICES))
+    r = runner.invoke(cli, ["plan", str(spec), "--json"])
+    assert r.exit_code == 0, r.output
+    step_s = json.loads(r.output)["time"]["step_s"]
+    cost = json.loads(r.output)["cost"]
+    assert cost == pytest.approx(step_s * BIG_STEPS * 8 * 2.0 / 3600)
+    r = runner.invoke(cli, ["plan", str(spec)])
+    assert r.exit_code == 0, r.output
+    assert (f"  cost: {money(cost)} ({BIG_STEPS} steps x {step_s:.4g} s x 8 ranks of 1 GPU(s) at 2"
+            " per GPU-hour, a100-40gb prices)") in r.output
+    monkeypatch.setenv("TRIDENT_PRICES", '{"cpu": {"cpu_hour": -1}}')
+    r = runner.invoke(cli, ["plan", str(spec)])
+    assert r.exit_code == 2
+    assert r.output.strip() == ("error: TRIDENT_PRICES: cpu.cpu_hour: Input should be greater"
+                                " than or equal to 0")
+    monkeypatch.delenv("TRIDENT_PRICES")
+    r = runner.invoke(cli, ["plan", str(spec)])
+    assert r.exit_code == 0 and "cost:" not in r.output

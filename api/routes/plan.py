@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from api.auth import require
 from api.deps import StoreDep, read_hf_configs
@@ -20,7 +20,7 @@ router = APIRouter(tags=["plan"])
 # Unset fields stay out, so that the answer is the planner's JSON as it made it.
 @router.post("/plan", response_model=PlanOut | LayoutSearch, response_model_exclude_unset=True,
              dependencies=[Depends(require("plan")), Depends(read_hf_configs)])
-def plan(spec: JobSpec, store: StoreDep,
+def plan(spec: JobSpec, store: StoreDep, request: Request,
          top: Annotated[int, Query(ge=1, le=100)] = 5) -> dict[str, Any]:
     """Predicted memory and step time: for an explicit layout exactly that layout (even when
     it does not fit, with `fits: false` and the reasons); for `parallel: "auto"` the ranked
@@ -32,11 +32,15 @@ def plan(spec: JobSpec, store: StoreDep,
     calibrated by `trident probe` when there is one. A request spends at most
     `API_SEARCH_CPU_S` (0.5 s) of CPU in the layout search: a larger search is a 422 saying
     so, and `what_it_takes` that did not fit in it is null with `what_it_takes_error` (`trident
-    plan` and `trident capacity` answer locally, unbounded)."""
+    plan` and `trident capacity` answer locally, unbounded). Where the server prices the
+    spec's profile (`TRIDENT_PRICES`), the plan (for `auto`, the best one) carries `cost`:
+    its step time x `train.steps` x its ranks at the price per GPU-hour (CPU-hour on CPU
+    ranks)."""
     profile = profile_for(store, spec.target.gpu)
+    price = request.app.state.settings.prices.get(spec.target.gpu)
     try:
         with cpu_bound():
-            out = plan_command(spec, top=top, as_json=True, profile=profile)
+            out = plan_command(spec, top=top, as_json=True, profile=profile, price=price)
     except ValueError as exc:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "parallel"], "msg": str(exc), "type": "value_error"}]) from None

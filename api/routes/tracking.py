@@ -92,7 +92,8 @@ def compare_jobs(jobs: JobIds, store: StoreDep, who: Who) -> Comparison:
             layout=h.job.plan.layout.label, world_size=h.job.world_size, step=h.step,
             total_steps=h.job.spec.train.steps, loss=h.loss, loss_nonfinite=h.loss_nonfinite,
             eval_loss=h.eval_loss, mfu=h.mfu, mfu_predicted=h.mfu_predicted, custom=h.custom,
-            predicted_vs_measured=PredictedVsMeasured.model_validate(h.predicted_vs_measured))
+            predicted_vs_measured=PredictedVsMeasured.model_validate(h.predicted_vs_measured),
+            ettr=h.ettr)
             for h in heads],
         differences=[SpecDifference(field=f, values=v) for f, v in diffs],
         curves=[RunCurves(job_id=c.job_id, step=c.step, elapsed_s=c.elapsed_s,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.contract.hardware import GB, HardwareProfile
+from service.contract.prices import ProfilePrice, money, run_cost
 from service.contract.spec import JobSpec
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
 from service.planner.explain import explain, layout_name, tuning_notes
@@ -108,30 +109,63 @@ def _takes_json(takes: list[Any] | None, cut: str | None) -> dict[str, Any]:
     return {"what_it_takes": [a.to_json() for a in takes]} if takes else {}
 
 
+def plan_cost(spec: JobSpec, plan: Plan, price: ProfilePrice | None) -> float | None:
+    """What the plan's `train.steps` steps would cost at `price`: its step time times the
+    steps, on its ranks, at their GPUs' (or, on CPU ranks, CPUs') price per hour."""
+    return run_cost(price, step_s=plan.time.step_s, steps=spec.train.steps,
+                    ranks=plan.world_size, gpus_per_rank=spec.resources.gpus_per_worker,
+                    cpus_per_rank=spec.resources.cpus_per_worker)
+
+
+def cost_text(spec: JobSpec, plan: Plan, price: ProfilePrice) -> str:
+    """The plan's cost line (`plan_cost`), with its arithmetic."""
+    cost = plan_cost(spec, plan, price)
+    gpus = spec.resources.gpus_per_worker
+    unit = (f"{gpus} GPU(s) at {price.gpu_hour or 0:g} per GPU-hour" if gpus else
+            f"{spec.resources.cpus_per_worker:g} CPU(s) at {price.cpu_hour or 0:g} per CPU-hour")
+    return (f"  cost: {money(cost)} ({spec.train.steps} steps x {plan.time.step_s:.4g} s"
+            f" x {plan.world_size} ranks of {unit}, {spec.target.gpu} prices)")
+
+
 def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
-                 profile: HardwareProfile | None = None) -> str | dict[str, Any]:
+                 profile: HardwareProfile | None = None,
+                 price: ProfilePrice | None = None) -> str | dict[str, Any]:
     """What `trident plan SPEC [--top N] [--json]` prints.
 
     An explicit layout is evaluated exactly, even when it does not fit (the text then lists
     the nearest layouts that fit); `parallel: auto` searches and shows the top N and the best
-    plan in full.
+    plan in full. With a `price` (the spec's profile's, `TRIDENT_PRICES`) the plan (or the
+    best one) says what its steps would cost: `cost` in its JSON, a `cost:` line in the text.
     """
     from service.planner.clusters import what_it_takes_text
 
+    priced = price is not None and (price.gpu_hour is not None or price.cpu_hour is not None)
     if isinstance(spec.parallel, str):
         res = search(spec, profile=profile)
         takes, cut = _what_it_takes(spec, profile) if res.best is None else (None, None)
         if as_json:
-            return res.to_json(top) | _takes_json(takes, cut)
+            out = res.to_json(top) | _takes_json(takes, cut)
+            if priced and res.best is not None and out.get("best") is not None:
+                out["best"]["cost"] = plan_cost(spec, res.best, price)
+            return out
         text = render_search(res, top)
         if takes:
             text += "\n\n" + what_it_takes_text(takes)
-        return text + ("\n\n" + render_plan(res.ranked[0]) if res.ranked else "")
+        if res.ranked:
+            text += "\n\n" + render_plan(res.ranked[0])
+            if priced and price is not None:
+                text += "\n" + cost_text(spec, res.ranked[0], price)
+        return text
     plan = evaluate(spec, profile=profile)
     takes, cut = _what_it_takes(spec, profile) if not plan.fits else (None, None)
     if as_json:
-        return plan_json(plan) | _takes_json(takes, cut)
+        out = plan_json(plan) | _takes_json(takes, cut)
+        if priced:
+            out["cost"] = plan_cost(spec, plan, price)
+        return out
     text = render_plan(plan)
+    if priced and price is not None:
+        text += "\n" + cost_text(spec, plan, price)
     if takes:  # nothing of this world size fits: no nearest layout to search for
         return (text + "\n\nNearest layouts that fit:\n  none of this world size\n\n"
                 + what_it_takes_text(takes))

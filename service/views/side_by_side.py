@@ -5,7 +5,9 @@ Read by `GET /api/v1/compare` (which `trident compare` and the comparison page u
 curves are rank 0's steps as named scalars (`service.tracking.scalars`: the names a tracker
 gets, custom metrics included), by step and by seconds since the job started; a step a later
 attempt ran again shows the later attempt's value, as the job's page does. Long runs are
-sampled to about `MAX_POINTS` steps. A spec's `env` values are shown only where the reader may
+sampled to about `MAX_POINTS` steps. Each job's effective training time ratio (ETTR) is its
+goodput ledger's (`service.store.goodput`, docs/goodput.md): training seconds over its wall
+seconds so far. A spec's `env` values are shown only where the reader may
 read them (`shows_env`); secrets are never in a spec.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from service.store import Job, Store
 from service.store.dashboard import recent_metrics
+from service.store.goodput import GoodputLedger
 from service.store.metrics import MetricsIngest
 from service.tracking.scalars import StepScalars, custom, mfu_per_token_s, step_scalars
 from service.tracking.sinks import spec_json
@@ -60,6 +63,8 @@ class Headline:
     mfu_predicted: float | None
     custom: dict[str, float]
     predicted_vs_measured: dict[str, Any]
+    ettr: float | None = None
+    """Training seconds over wall seconds, from its goodput ledger."""
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -131,7 +136,8 @@ def headline(store: Store, job: Job, series: Curve) -> Headline:
                     mfu_predicted=per_token * float(job.plan.tokens_per_s)
                     if per_token is not None else None,
                     custom=custom(latest) if latest else {},
-                    predicted_vs_measured=compare(job.plan, recent))
+                    predicted_vs_measured=compare(job.plan, recent),
+                    ettr=GoodputLedger(store).ledger(job.id).ettr)
 
 
 def comparison(store: Store, jobs: Sequence[Job], shows_env: Callable[[Job], bool]
