@@ -264,6 +264,7 @@ class FakeTracker:
         self.target = target
         self.steps: list[tuple[int, int, dict[str, float]]] = []
         self.told: list[tuple[str, bool]] = []
+        self.summaries: list[dict[str, float]] = []
         self.opened = 0
         self.down = False
         self.refuse: set[int] = set()
@@ -286,6 +287,10 @@ class FakeTracker:
     def tell(self, job: Job, export: Export, *, final: bool) -> None:
         self._answer()
         self.told.append((job.state.value, final))
+
+    def summarize(self, job: Job, export: Export, values: dict[str, float]) -> None:
+        self._answer()
+        self.summaries.append(values)
 
     def close(self) -> None:
         pass

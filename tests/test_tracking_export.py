@@ -17,6 +17,7 @@ from service.contract.reports import StepReport
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.store import Job, Store
+from service.store.goodput import GoodputLedger
 from service.store.metrics import MetricsIngest
 from service.store.tracking_exports import Export, Exports, Sink
 from service.submission.confine import mlflow_refusal
@@ -161,6 +162,29 @@ def test_the_final_state_goes_once_every_step_went(world) -> None:
     assert export(store, job).done
     exporter.cycle()
     assert tracker.told == [("CANCELLED", True)] and Exports(store).pending() == []
+
+
+def test_an_ended_jobs_ledger_goes_once_and_only_once_it_ended(world) -> None:
+    store, tracker, _, exporter = world
+    job = running_job(store)
+    report(store, job, range(1, 4))
+    exporter.cycle()
+    assert tracker.summaries == []  # it runs: its ledger is not a run's yet
+    store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="test")
+    tracker.down = True  # not sent: tried again with the state
+    exporter.cycle()
+    assert tracker.summaries == [] and not export(store, job).done
+    tracker.down = False
+    exporter.clock.now += 60
+    exporter.cycle()
+    exporter.cycle()
+    assert len(tracker.summaries) == 1
+    ledger = GoodputLedger(store).ledger(job.id)
+    assert tracker.summaries[0] == {
+        "goodput.wall_s": ledger.wall_s, "goodput.ettr": ledger.ettr,
+        **{f"goodput.{c.category}_s": c.seconds for c in ledger.categories},
+        "goodput.steps_counted": 3.0, "goodput.steps_lost": 0.0,
+        "goodput.tokens_per_s": ledger.goodput_tokens_per_s}
 
 
 def test_a_later_attempt_goes_after_the_earlier(world) -> None:

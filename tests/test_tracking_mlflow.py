@@ -19,6 +19,7 @@ from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.secrets import SecretBox
 from service.store import Job, Store
+from service.store.goodput import GoodputLedger
 from service.store.metrics import MetricsIngest
 from service.store.tracking_exports import Exports, Sink
 from service.submission.intake import Submitter, submit
@@ -119,6 +120,40 @@ def test_a_job_is_an_mlflow_run_with_its_parameters_steps_tags_and_final_state(
     assert "phase" not in run.data.metrics  # a text value is kept with the step, not a metric
     e = Exports(sqlite_store).get(job_id=job.id, sink=Sink.MLFLOW)
     assert e is not None and (e.exported, e.dropped, e.done) == (STEPS, 0, True)
+
+
+def test_an_ended_run_gets_its_goodput_ledger_once(sqlite_store: Store, mlflow_server: Any,
+                                                   tmp_path: Path) -> None:
+    """The ETTR and each category's seconds of the job's ledger, as run metrics, when (and
+    only when) the job ended; a later round sends them no more."""
+    uri = mlflow_server.uri
+    # A server of its own (its URL tags the run): the session's MLflow has other job 1's.
+    cfg = TrackingConfig(mlflow_uri=uri, mlflow_allowed=frozenset({uri}),
+                         public_url="https://ledger.example.org")
+    job = make_job(sqlite_store, cfg, tmp_path)
+    MetricsIngest(sqlite_store).record(job_id=job.id, attempt=1, world_size=2,
+                                       rows=rows(range(1, 4), 2))
+    exporter = Exporter(sqlite_store, cfg.make_sink, allowed=cfg.allows, settle_s=0)
+    assert exporter.cycle() == 3
+    client = mlflow.MlflowClient(uri)
+    assert not any(k.startswith("goodput.") for k in run_of(sqlite_store, job, uri).data.metrics)
+    sqlite_store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="test")
+    exporter.cycle()
+    exporter.cycle()
+    exporter.close()
+    run = run_of(sqlite_store, job, uri)
+    assert run.info.status == "FINISHED"
+    ledger = GoodputLedger(sqlite_store).ledger(job.id)
+    got = {k: v for k, v in run.data.metrics.items() if k.startswith("goodput.")}
+    assert got["goodput.ettr"] == pytest.approx(ledger.ettr) and 0 < got["goodput.ettr"] <= 1
+    for c in ledger.categories:
+        assert got[f"goodput.{c.category}_s"] == pytest.approx(c.seconds)
+    assert got["goodput.wall_s"] == pytest.approx(ledger.wall_s)
+    assert got["goodput.steps_counted"] == 3 and got["goodput.steps_lost"] == 0
+    # Once: one value each, at the last step.
+    history = client.get_metric_history(run.info.run_id, "goodput.ettr")
+    assert [(m.step, m.value) for m in history] == [(3, pytest.approx(ledger.ettr))]
+    assert len(client.get_metric_history(run.info.run_id, "goodput.training_s")) == 1
 
 
 class _TokenProxy(BaseHTTPRequestHandler):

@@ -21,7 +21,9 @@ Failures:
 A job's final state goes out as soon as it ends and every stored step went; the export is
 `done` then for a job that succeeded, and for one that failed or was cancelled once it has
 been over for `settle_s` (the last poll of a group stopped beside the loop can store steps
-just after its job ended) and those steps went too.
+just after its job ended) and those steps went too. Just before, its goodput ledger
+(`service.store.goodput`) goes to the tracker once, as figures of the whole run
+(`goodput_metrics`: the ETTR and each category's seconds).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from datetime import datetime, timedelta
 from service.contract.states import JobState
 from service.store import Job, NotFound, Store
 from service.store.dbcheck import away
+from service.store.goodput import GoodputLedger
 from service.store.metrics import MetricsIngest
 from service.store.tables import utcnow
 from service.store.tracking_exports import Export, Exports, Sink
@@ -54,6 +57,22 @@ BATCHES_PER_ROUND = 5
 does not keep the other jobs' exports waiting: the rest goes in the next rounds."""
 
 SinkMaker = Callable[[Sink, str], TrackerSink]
+
+
+def goodput_metrics(store: Store, job_id: int) -> dict[str, float]:
+    """A job's goodput ledger as run metrics (docs/goodput.md): `goodput.ettr`, each
+    category's seconds (`goodput.training_s`, `goodput.lost_s`, ...), `goodput.wall_s`, the
+    steps counted and lost, and goodput in tokens per wall second."""
+    ledger = GoodputLedger(store).ledger(job_id)
+    out = {"goodput.wall_s": ledger.wall_s,
+           **{f"goodput.{c.category}_s": c.seconds for c in ledger.categories},
+           "goodput.steps_counted": float(ledger.steps_counted),
+           "goodput.steps_lost": float(ledger.steps_lost)}
+    if ledger.ettr is not None:
+        out["goodput.ettr"] = ledger.ettr
+    if ledger.goodput_tokens_per_s is not None:
+        out["goodput.tokens_per_s"] = ledger.goodput_tokens_per_s
+    return out
 
 
 @dataclass
@@ -217,6 +236,8 @@ class Exporter:
         settled = final and (job.state == JobState.SUCCEEDED or utcnow() - (
             job.finished_at or job.updated_at) >= timedelta(seconds=self.settle_s))
         if export.state != job.state.value or (settled and not export.done):
+            if settled and not export.done:  # once: a done export is never sent again
+                sink.summarize(job, export, goodput_metrics(self.store, job.id))
             sink.tell(job, export, final=final)
             self.exports.told(job_id=job.id, sink=export.sink, state=job.state.value,
                               done=settled)

@@ -10,7 +10,9 @@ each request waits at most `REQUEST_TIMEOUT_S`.
 A run is found again by its tags (`trident.job_id`, and `trident.url` when the server has a
 public URL), so a run made just before a crash is not made twice. Metrics go with
 `log_batch` in MLflow's batch limits (1,000 values, 100 parameters or tags a request); a value
-MLflow has already (same name, step, time and value) is kept once by the server.
+MLflow has already (same name, step, time and value) is kept once by the server. An ended job's
+goodput ledger goes once, as metrics at its last step and end time (`goodput.ettr`,
+`goodput.training_s`, ...: `exporter.goodput_metrics`).
 """
 
 from __future__ import annotations
@@ -194,6 +196,15 @@ class MlflowSink:
                        int(end.timestamp() * 1000))
         else:
             self._call(self.client.update_run, export.run_id, status=status)
+
+    def summarize(self, job: Job, export: Export, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        assert export.run_id is not None
+        end = job.finished_at or job.updated_at
+        at = int(end.timestamp() * 1000)
+        self._call(self.client.log_batch, export.run_id, metrics=[
+            Metric(name, value, at, export.step) for name, value in sorted(values.items())])
 
     def close(self) -> None:
         pass

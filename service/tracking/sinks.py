@@ -55,6 +55,9 @@ class TrackerSink(Protocol):
     def tell(self, job: Job, export: Export, *, final: bool) -> None:
         """Tell the tracker the job's state (`final`: it ended, every step was sent)."""
 
+    def summarize(self, job: Job, export: Export, values: dict[str, float]) -> None:
+        """Record figures of the whole run, once it ended (`exporter.goodput_metrics`)."""
+
     def close(self) -> None: ...
 
 
@@ -108,3 +111,4 @@ RUN_STATUS = {JobState.QUEUED: "SCHEDULED", JobState.PLACING: "SCHEDULED",
               JobState.SUCCEEDED: "FINISHED", JobState.FAILED: "FAILED",
               JobState.CANCELLED: "KILLED", JobState.PREEMPTED: "RUNNING"}
 """A job's state as an MLflow run status."""
+

@@ -69,6 +69,10 @@ class TensorBoardSink:
     def discard(self, run_id: str) -> None:
         pass
 
+    def summarize(self, job: Job, export: Export, values: dict[str, float]) -> None:
+        """Nothing: TensorBoard's scalars are per step; the ledger is the API's and the CLI's
+        (`trident goodput`)."""
+
     def send(self, job: Job, export: Export, steps: Sequence[StepScalars]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
