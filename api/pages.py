@@ -31,6 +31,7 @@ from service.contract.hardware import PROFILES
 from service.contract.states import JobState
 from service.files.ranklogs import attempt_log_dir, rank_log_path
 from service.store import Job, NotFound
+from service.store.budgets import WARN_AT, Budgets, spent_text, worst
 from service.store.dashboard import count_by_state, jobs_page, queue, recent_metrics
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
@@ -130,7 +131,20 @@ def jobs(request: Request, store: StoreDep, state: States = None, name: Name = "
     """The jobs list: filters, sort, paging, progress; live rows."""
     ctx = _jobs_context(store, state, name, owner, sort, desc, page, per_page)
     ctx["counts"] = count_by_state(store)
+    ctx["budgets"] = budget_banner(store, request)
     return templates.TemplateResponse(request, "jobs.html", ctx)
+
+
+def budget_banner(store: Any, request: Request) -> list[dict[str, Any]]:
+    """The projects that spent `WARN_AT` (80 %) of a budget or more: the jobs page's banner,
+    each with the budget it spent the most of and what was spent."""
+    out = []
+    for status in Budgets(store, request.app.state.settings.prices).statuses():
+        top = worst(status)
+        if top is not None and top[1] >= WARN_AT:
+            out.append({"project": status.project, "used": top[1],
+                        "text": spent_text(status, top[0], top[2], top[3])})
+    return out
 
 
 @router.get("/ui/jobs/rows", response_class=HTMLResponse)

@@ -3,6 +3,7 @@ talks to the REST API through `client.TridentClient`, as the caller's token allo
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,7 @@ from client.token import save_profile
 
 user_app = typer.Typer(no_args_is_help=True, help="Users and their roles (admins).")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens: yours, or (admins) anyone's.")
-project_app = typer.Typer(no_args_is_help=True, help="Projects and their quotas.")
+project_app = typer.Typer(no_args_is_help=True, help="Projects, their quotas and budgets.")
 
 
 def _quota(q: float | None) -> str:
@@ -174,6 +175,45 @@ def project_quota(name: str, server: ServerOpt = DEFAULT_SERVER,
         p = client.set_quota(name, gpus=gpus, cpus=cpus, max_priority=max_priority)
     typer.echo(f"project {p.name}: quota {_quota(p.gpu_quota)} GPUs,"
                f" {_quota(p.cpu_quota)} CPUs, max priority {_quota(p.max_priority)}")
+
+
+@project_app.command("budget")
+def project_budget(name: str, server: ServerOpt = DEFAULT_SERVER,
+                   gpu_hours: Annotated[float | None, typer.Option(
+                       min=0, max=1e9, help="GPU-hours its jobs may spend.")] = None,
+                   cpu_hours: Annotated[float | None, typer.Option(
+                       min=0, max=1e9, help="CPU-hours its ranks without a GPU may spend.")]
+                   = None,
+                   cost: Annotated[float | None, typer.Option(
+                       min=0, max=1e9, help="Money its jobs may spend, at the server's"
+                       " prices (TRIDENT_PRICES).")] = None,
+                   since: Annotated[datetime | None, typer.Option(
+                       help="Count from this time (default: now; UTC when no zone).")] = None,
+                   stop_running: Annotated[bool, typer.Option(
+                       "--stop-running", help="Cancel its running jobs once a budget is"
+                       " spent (default: they finish; new jobs are refused).")] = False,
+                   remove: Annotated[bool, typer.Option(
+                       "--remove", help="Remove its budget.")] = False) -> None:
+    """Set a project's budget (admins): its jobs are warned at 80 % of it and new ones refused
+    at 100 %. Setting it again starts the count again (from now, or --since).
+
+    Example: trident project budget vision --gpu-hours 5000 --since 2026-12-01
+    """
+    with connect(server) as client:
+        if remove:
+            p = client.remove_budget(name)
+        else:
+            p = client.set_budget(name, gpu_hours=gpu_hours, cpu_hours=cpu_hours, cost=cost,
+                                  since=since, stop_running=stop_running)
+    typer.echo(f"project {p.name}: {_budget(p)}")
+
+
+def _budget(p: Any) -> str:
+    if p.budget_since is None:
+        return "no budget"
+    return (f"budget {_quota(p.budget_gpu_hours)} GPU-hours, {_quota(p.budget_cpu_hours)}"
+            f" CPU-hours, {_quota(p.budget_cost)} in cost since {model_json(p.budget_since)}"
+            + ("; running jobs stopped when spent" if p.budget_stop_running else ""))
 
 
 @project_app.command("list")

@@ -271,6 +271,17 @@ class Project:
     max_priority: int | None = None
     """The highest `priority` its members may give a job (None: no cap; admins are not
     capped)."""
+    budget_gpu_hours: float | None = None
+    """GPU-hours its jobs may spend from `budget_since` (None: no such budget); at 100 % its
+    new jobs are refused (docs/goodput.md)."""
+    budget_cpu_hours: float | None = None
+    """CPU-hours its ranks without a GPU may spend from `budget_since` (None: none)."""
+    budget_cost: float | None = None
+    """Money its jobs may spend from `budget_since` at the server's prices (None: none)."""
+    budget_since: datetime | None = None
+    """Since when its budget is counted (None: it has no budget)."""
+    budget_stop_running: bool = False
+    """Whether its running jobs are cancelled once a budget is spent (False: they finish)."""
 
 
 @dataclass(frozen=True)

@@ -699,6 +699,19 @@ class TridentClient:
                                           json={"gpus": gpus, "cpus": cpus,
                                                 "max_priority": max_priority}))
 
+    def set_budget(self, project: str, *, gpu_hours: float | None = None,
+                   cpu_hours: float | None = None, cost: float | None = None,
+                   since: datetime | None = None, stop_running: bool = False) -> Project:
+        """Set a project's budget (any of GPU-hours, CPU-hours, money), counted from `since`
+        (default: now)."""
+        return _parse(Project, self._send("PUT", f"/projects/{project}/budget", json={
+            "gpu_hours": gpu_hours, "cpu_hours": cpu_hours, "cost": cost,
+            "since": since.isoformat() if since is not None else None,
+            "stop_running": stop_running}))
+
+    def remove_budget(self, project: str) -> Project:
+        return _parse(Project, self._send("DELETE", f"/projects/{project}/budget"))
+
     def add_member(self, project: str, user: str) -> Project:
         return self._post(Project, f"/projects/{project}/members", {"user": user})
 

@@ -176,6 +176,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("GET", "/api/v1/projects"): lambda w, c, r: ("/api/v1/projects", None),
     ("PUT", "/api/v1/projects/{name}/quota"): lambda w, c, r: (
         f"/api/v1/projects/{w.project(c, r)}/quota", {"gpus": 8}),
+    ("PUT", "/api/v1/projects/{name}/budget"): lambda w, c, r: (
+        f"/api/v1/projects/{w.project(c, r)}/budget", {"gpu_hours": 8}),
+    ("DELETE", "/api/v1/projects/{name}/budget"): lambda w, c, r: (
+        f"/api/v1/projects/{w.project(c, r)}/budget", None),
     ("POST", "/api/v1/projects/{name}/members"): lambda w, c, r: (
         f"/api/v1/projects/{w.project(c, r)}/members", {"user": "bob"}),
     ("GET", "/api/v1/audit"): lambda w, c, r: ("/api/v1/audit", None),

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from api.auth import require
 from api.deps import JobDep, StoreDep
 from client.ledger import GoodputSummary, Ledger
+from service.store.budgets import Budgets
 from service.store.goodput import GoodputLedger
 from service.store.tables import NAME_MAX
 
@@ -47,13 +48,17 @@ def job_goodput(job: JobDep, ledger: LedgersDep) -> Ledger:
 
 
 @router.get("/goodput", response_model=GoodputSummary, dependencies=_READ)
-def goodput(ledger: LedgersDep, since: When = None, until: When = None,
+def goodput(ledger: LedgersDep, store: StoreDep, since: When = None, until: When = None,
             project: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX)] = None,
             owner: Annotated[str | None, Query(min_length=1, max_length=NAME_MAX)] = None,
             ) -> GoodputSummary:
     """The ledgers of the jobs that lived in [since, until] (each clipped to it), summed per
-    project, per owner and over the cluster, with the jobs that lost the most time."""
+    project, per owner and over the cluster, with the jobs that lost the most time, and
+    what the projects with a budget spent of it (since it was set)."""
     lo, hi = _utc(since, "since"), _utc(until, "until")
     if lo is not None and hi is not None and hi <= lo:
         raise HTTPException(status_code=422, detail="until: must be after since")
-    return ledger.summary(since=lo, until=hi, project=project, owner=owner)
+    out = ledger.summary(since=lo, until=hi, project=project, owner=owner)
+    # The projects' budgets, each counted over its own window (not [since, until]).
+    budgets = Budgets(store, ledger.prices).statuses([project] if project else None)
+    return out.model_copy(update={"budgets": budgets})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
@@ -33,6 +33,8 @@ ProjectPath = Annotated[str, Path(min_length=1, max_length=NAME_MAX, pattern=NAM
                                   description="A project's name.")]
 TokenId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A token's id.")]
 Quota = Annotated[float, Field(ge=0, le=1_000_000)] | None
+Hours = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] | None
+"""A budget's amount: hours of GPUs or CPUs, or money."""
 MaxPriority = Annotated[int, Field(ge=-1000, le=1000)] | None
 """A project's priority cap, within the range of `JobSpec.priority`."""
 
@@ -50,6 +52,11 @@ IdentityDep = Annotated[Identity, Depends(_identity)]
 
 def _not_found(exc: NotFound) -> HTTPException:
     return HTTPException(status_code=404, detail=str(exc))
+
+
+def _invalid(*loc: str, msg: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=[
+        {"loc": list(loc), "msg": msg, "type": "value_error"}])
 
 
 def _conflict(exc: Conflict) -> HTTPException:
@@ -197,6 +204,22 @@ class QuotaIn(_Body):
     (none: no cap; admins are not capped)."""
 
 
+class BudgetIn(_Body):
+    gpu_hours: Hours = None
+    """GPU-hours its jobs may spend from `since` (none: no such budget)."""
+    cpu_hours: Hours = None
+    """CPU-hours its ranks without a GPU may spend from `since` (none: no such budget)."""
+    cost: Hours = None
+    """Money its jobs may spend from `since`, at the server's prices (`TRIDENT_PRICES`; a
+    server without prices refuses it)."""
+    since: Annotated[datetime | None, Field(strict=False)] = None
+    """Since when it is counted (default: now; not in the future; UTC when it names no
+    zone)."""
+    stop_running: bool = False
+    """Cancel the project's running jobs once a budget is spent (default: they finish; only
+    new jobs are refused)."""
+
+
 class MemberIn(_Body):
     user: Name
 
@@ -234,6 +257,42 @@ def set_quota(name: ProjectPath, body: QuotaIn, identity: IdentityDep) -> Projec
     try:
         return identity.set_quota(name=name, gpu_quota=body.gpus, cpu_quota=body.cpus,
                                   max_priority=body.max_priority)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+@router.put("/projects/{name}/budget", tags=["identity"], dependencies=_MANAGE)
+def set_budget(name: ProjectPath, body: BudgetIn, request: Request,
+               identity: IdentityDep) -> Project:
+    """Set a project's budget: GPU-hours, CPU-hours and money (any of them), counted from
+    `since` (default: now); its 80 % warning is given again. The controller warns its jobs at
+    80 % of a budget; at 100 % its new jobs are refused (422), and with `stop_running` its
+    running jobs are cancelled. DELETE removes it."""
+    if body.gpu_hours is None and body.cpu_hours is None and body.cost is None:
+        raise _invalid("body", "gpu_hours", msg="give gpu_hours, cpu_hours or cost (DELETE"
+                       " /api/v1/projects/{name}/budget removes a budget)")
+    if body.cost is not None and not request.app.state.settings.prices:
+        raise _invalid("body", "cost", msg="this server sets no prices (TRIDENT_PRICES): a"
+                       " budget in money would never be spent; give gpu_hours or cpu_hours")
+    since = body.since
+    if since is not None:
+        since = since if since.tzinfo is not None else since.replace(tzinfo=UTC)
+        if since.year < 2000 or since > datetime.now(UTC) + timedelta(minutes=1):
+            raise _invalid("body", "since", msg=f"{since.isoformat()} is not between 2000"
+                           " and now")
+    try:
+        return identity.set_budget(name=name, gpu_hours=body.gpu_hours,
+                                   cpu_hours=body.cpu_hours, cost=body.cost, since=since,
+                                   stop_running=body.stop_running)
+    except NotFound as exc:
+        raise _not_found(exc) from None
+
+
+@router.delete("/projects/{name}/budget", tags=["identity"], dependencies=_MANAGE)
+def remove_budget(name: ProjectPath, identity: IdentityDep) -> Project:
+    """Remove a project's budget: its jobs are no longer counted, warned nor refused."""
+    try:
+        return identity.set_budget(name=name)
     except NotFound as exc:
         raise _not_found(exc) from None
 

@@ -41,6 +41,7 @@ from service.files.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.monitor.comm import comm_view
 from service.planner.search import cpu_bound
 from service.store import Job, NotFound, Store
+from service.store.budgets import Budgets
 from service.store.dashboard import job_page, jobs_page, summary_of
 from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
@@ -162,6 +163,7 @@ def queue_job(store: Store, spec: JobSpec, request: Request, by: Submitter,
              "msg": "set by POST /api/v1/jobs/{id}/resubmit with from_checkpoint only"
              " (trident resubmit JOB --from-checkpoint)"}])
     _check_priority(spec, request, by)
+    _check_budget(store, request, by, idempotency_key)
     if spec.faults and not request.app.state.settings.allow_faults:
         raise HTTPException(status_code=422, detail=[
             {"loc": ["body", "faults"], "type": "value_error",
@@ -210,6 +212,20 @@ def _check_priority(spec: JobSpec, request: Request, by: Submitter) -> None:
             f"priority: {spec.priority} is above project {by.project}'s cap (max_priority"
             f" {cap}); an admin sets it with trident project quota {by.project}"
             " --max-priority N"))
+
+
+def _check_budget(store: Store, request: Request, by: Submitter,
+                  idempotency_key: str | None) -> None:
+    """A project that spent a budget of its gets no new job (a 422 naming the budget and what
+    was spent, `service.store.budgets`); a retry of a submission that created its job gets
+    that job as ever."""
+    if by.project is None or (idempotency_key is not None and store.job_by_idempotency_key(
+            owner=by.owner, key=idempotency_key) is not None):
+        return
+    refusal = Budgets(store, request.app.state.settings.prices).refusal(by.project)
+    if refusal is not None:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["query", "project"], "msg": refusal, "type": "value_error"}])
 
 
 _READ = [Depends(require("jobs:read"))]

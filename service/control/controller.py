@@ -38,7 +38,9 @@ the controller's hands (`service.control.control_pass.Loop`: `move`, `record`, `
 `succeed`,
 `fail_attempt`, `fenced`); the controller keeps admission, placement, watching and endings.
 Cordoned nodes are kept off placement, drained nodes' jobs moved (as preempted ones are) and
-the lemon rule applied by `Cordons` (`service.control.cordons`).
+the lemon rule applied by `Cordons` (`service.control.cordons`). Projects' budgets are read
+every few seconds by `BudgetWatch` (`service.control.budget_watch`): the 80 % warning, and
+the stop at 100 % where the admin asked for it.
 One module because it is one pass (about 600 lines), each of whose parts hands its work to
 the modules named here.
 """
@@ -48,13 +50,16 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from service.cluster.data_plane import Launcher, PollResult
+from service.contract.prices import ProfilePrice
 from service.contract.spec import JobSpec
 from service.contract.spec_limits import recheck
 from service.contract.states import JobState, TransitionError
+from service.control.budget_watch import EVERY_S, BudgetWatch
 from service.control.cluster_probes import ClusterProbes
 from service.control.control_pass import Change, LiveAttempt, StepResult
 from service.control.cordons import Cordons
@@ -126,7 +131,9 @@ class Controller:
                  tracking: TrackingConfig | None = None,
                  preempt_grace_s: float = 300.0, tag_steps_max_bytes: int = 64 << 20,
                  nonfinite_loss_steps: int = 10, lemon_failures: int = 0,
-                 lemon_window_s: float = 3600.0) -> None:
+                 lemon_window_s: float = 3600.0,
+                 prices: Mapping[str, ProfilePrice] | None = None,
+                 budget_every_s: float = EVERY_S) -> None:
         self.store = store
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
@@ -178,6 +185,8 @@ class Controller:
         self.cordons = Cordons(self, store, launcher, self.teardowns, self.preemptions,
                                lemon_failures=lemon_failures, lemon_window_s=lemon_window_s)
         """Cordoned nodes kept off placement, drained nodes' jobs moved, the lemon rule."""
+        self.budgets = BudgetWatch(store, prices, every_s=budget_every_s)
+        """Projects' budgets: the 80 % warning, the stop at 100 % (`stop_running`)."""
         self.stopped_at: dict[int, float] = {}
         """When each job's last group was seen stopped (`time.monotonic()`), until its restart
         is placed or requeued (`_restart`)."""
@@ -223,6 +232,7 @@ class Controller:
         if not self._swept:  # once the groups there are to re-attach are re-attached
             self._sweep()
         self.cordons.step(result, stopping=self.rescaling.moving)
+        self.budgets.step(active)
         self.rescaling.down()
         self._admit(result, active, keeping)
         self.rescaling.up(active, self.blocked)

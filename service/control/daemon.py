@@ -231,6 +231,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           nonfinite_loss_steps=settings.nonfinite_loss_steps,
                           lemon_failures=settings.lemon_failures,
                           lemon_window_s=settings.lemon_window_s,
+                          prices=settings.prices,
                           cancel_grace_s=settings.cancel_grace_s,
                           # Within the part of `trident up`'s stop it is given
                           # (`cli.stopping.CONTROLLER_SHARE`).

@@ -273,7 +273,11 @@ class Identity(AuditLog):
                             .where(MembershipRow.project == row.name)
                             .order_by(UserRow.name)).scalars()
         return Project(name=row.name, gpu_quota=row.gpu_quota, cpu_quota=row.cpu_quota,
-                       members=list(members), max_priority=row.max_priority)
+                       members=list(members), max_priority=row.max_priority,
+                       budget_gpu_hours=row.budget_gpu_hours,
+                       budget_cpu_hours=row.budget_cpu_hours, budget_cost=row.budget_cost,
+                       budget_since=aware(row.budget_since),
+                       budget_stop_running=bool(row.budget_stop_running))
 
     def create_project(self, *, name: str, gpu_quota: float | None = None,
                        cpu_quota: float | None = None,
@@ -308,6 +312,23 @@ class Identity(AuditLog):
                 raise NotFound(f"project {name!r} not found")
             row.gpu_quota, row.cpu_quota = gpu_quota, cpu_quota
             row.max_priority = max_priority
+            return self._project(s, row)
+
+    def set_budget(self, *, name: str, gpu_hours: float | None = None,
+                   cpu_hours: float | None = None, cost: float | None = None,
+                   since: datetime | None = None, stop_running: bool = False) -> Project:
+        """Set a project's budget, counted from `since` (default: now), its 80 % warning not
+        given yet; with no amount at all, remove it (`service.store.budgets` counts it)."""
+        with self._tx() as s:
+            row = s.get(ProjectRow, name)
+            if row is None:
+                raise NotFound(f"project {name!r} not found")
+            kept = any(v is not None for v in (gpu_hours, cpu_hours, cost))
+            row.budget_gpu_hours, row.budget_cpu_hours = gpu_hours, cpu_hours
+            row.budget_cost = cost
+            row.budget_since = (since or utcnow()) if kept else None
+            row.budget_stop_running = stop_running if kept else None
+            row.budget_warned_at = None
             return self._project(s, row)
 
     def add_member(self, *, project: str, user: str) -> Project:

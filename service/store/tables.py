@@ -314,6 +314,9 @@ class ProjectRow(Base):
     budget_warned_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
                                                               nullable=True)
     """When its jobs were warned that 80 % of the budget is spent (NULL: not yet)."""
+    budget_stop_running: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    """Whether its running jobs are stopped once the budget is spent (NULL, false: they are
+    left to finish; migration 0021)."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
