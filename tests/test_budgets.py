@@ -50,7 +50,7 @@ def held_job(store: Store, project: str = "vision", *, end: bool = True) -> tupl
         store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="done")
     times = {e.data.get("to"): e.time for e in store.list_events(job_id=job.id, limit=100)
              if e.kind == "state"}
-    until = times.get("SUCCEEDED", datetime.now(UTC))
+    until = store.get_job(job_id=job.id).finished_at or datetime.now(UTC)  # the ledger's end
     return job.id, (until - times["PLACING"]).total_seconds() * 2 * 0.5
 
 
