@@ -280,6 +280,11 @@ def test_the_comparison_page_overlays_the_jobs_and_lists_what_differs(live: Live
     page.click("#compare-selected")
     page.wait_for_url(f"{live.url}/compare?jobs={ids[0]}&jobs={ids[1]}")
     expect(page.locator("#run-rows tr[data-job]")).to_have_count(2)
+    # The ended job's ETTR is its ledger's.
+    ettr = get(f"{live.url}/api/v1/jobs/{ids[0]}/goodput").json()["ettr"]
+    cell = page.locator(f"#run-rows tr[data-job='{ids[0]}'] td.ettr")
+    expect(cell).to_have_text(f"{100 * ettr:.1f}%")
+    assert float(cell.get_attribute("data-value") or "nan") == ettr
     # Both loss curves on one chart: uPlot's legend holds one series per job.
     chart = page.locator("#chart-loss")
     expect(chart).to_have_attribute("data-series", "2")

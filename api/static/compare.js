@@ -21,7 +21,8 @@
         `<td>${r.step ?? "-"} / ${r.total_steps}</td><td>${r.loss_nonfinite ? '<span class="nonfinite" title="the loss of this step was NaN or infinite">NaN/inf</span>' : num(r.loss)}</td><td>${num(r.eval_loss)}</td>` +
         `<td>${fmtSecs(pm.step_s.predicted)}</td><td>${fmtSecs(pm.step_s.measured)}</td>` +
         `<td>${num(pm.tokens_per_s.predicted)}</td><td>${num(pm.tokens_per_s.measured)}</td>` +
-        `<td>${pct(r.mfu_predicted)}</td><td>${pct(r.mfu)}</td></tr>`;
+        `<td>${pct(r.mfu_predicted)}</td><td>${pct(r.mfu)}</td>` +
+        `<td class="ettr" data-value="${r.ettr ?? ""}">${pct(r.ettr)}</td></tr>`;
     }).join("");
   }
 
