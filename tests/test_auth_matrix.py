@@ -146,9 +146,6 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("GET", "/api/v1/jobs/{job_id}/tracking"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/tracking", None),
     ("GET", "/api/v1/tracking"): lambda w, c, r: ("/api/v1/tracking", None),
-    ("GET", "/api/v1/jobs/{job_id}/goodput"): lambda w, c, r: (
-        f"/api/v1/jobs/{w.job(w.owner(c, r))}/goodput", None),
-    ("GET", "/api/v1/goodput"): lambda w, c, r: ("/api/v1/goodput", None),
     ("GET", "/api/v1/compare"): lambda w, c, r: (
         f"/api/v1/compare?jobs={w.job(w.owner(c, r))}&jobs={w.job(c)}", None),
     ("GET", "/api/v1/cluster"): lambda w, c, r: ("/api/v1/cluster", None),
