@@ -116,7 +116,8 @@ def test_unreachable_server_is_a_clear_error() -> None:
 
 def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """login, whoami, user add/list/disable, token create/list/revoke, project add/quota/list;
+    """login, whoami, user add/list/disable, token create/list/revoke, project
+    add/quota/budget/list;
     the token comes from TRIDENT_TOKEN, else the login profile, else the bootstrap file."""
     server = server_on_each_db
     def run(*args: str) -> str:
@@ -152,6 +153,13 @@ def test_identity_commands_over_the_api(server_on_each_db: str, tmp_path: Path,
     assert "quota 8 GPUs, 16 CPUs, max priority 10" in run(
         "project", "quota", "vision", "--gpus", "8", "--cpus", "16", "--max-priority", "10")
     assert re.search(r"vision +GPUs +8 +CPUs +16 +alice", run("project", "list"))
+    assert ("project vision: budget - GPU-hours, 12.5 CPU-hours, - in cost since"
+            " 2026-12-01T00:00:00Z; running jobs stopped when spent") in run(
+        "project", "budget", "vision", "--cpu-hours", "12.5", "--since", "2026-12-01",
+        "--stop-running")
+    r = runner.invoke(app, ["project", "budget", "vision", "--cost", "5", "--server", server])
+    assert r.exit_code == 2 and "cost: this server sets no prices" in r.output, r.output
+    assert "project vision: no budget" in run("project", "budget", "vision", "--remove")
     laptop = next(line.split()[0] for line in run("token", "list").splitlines()
                   if "laptop" in line)
     assert "revoked" in run("token", "revoke", laptop)

@@ -335,6 +335,13 @@ def test_identity(live: Live, client: TridentClient) -> None:
         assert str(unknown.value).startswith("401: token 'laptop' of alice was revoked")
         assert unknown.value.server == live.url
     assert client.set_quota("vision", gpus=16, cpus=4).cpu_quota == 4
+    budget = client.set_budget("vision", gpu_hours=100, stop_running=True)
+    assert (budget.budget_gpu_hours, budget.budget_stop_running) == (100, True)
+    assert budget.budget_since is not None
+    with pytest.raises(Invalid) as bad:
+        client.set_budget("vision", gpu_hours=-1)
+    assert bad.value.status == 422 and bad.value.field == "gpu_hours"
+    assert client.remove_budget("vision").budget_since is None
     assert client.add_member("vision", "admin").members == ["admin", "alice"]
     assert {p.name: p.gpu_quota for p in client.list_projects().items}["vision"] == 16
     assert client.disable_user("alice").disabled
