@@ -262,3 +262,30 @@ def test_a_spent_budget_that_stops_running_jobs_cancels_them(store: Store) -> No
     assert stopped[0].message.startswith("project vision: budget spent: ")
     assert stopped[0].message.endswith("its jobs are cancelled (stop_running)")
     assert store.get_job(job_id=queued).state == JobState.CANCELLED
+
+
+# --- the revision ---------------------------------------------------------------------------
+
+def test_the_stop_running_revision_both_ways_keeps_projects_and_members(db_url: str) -> None:
+    """0021 adds `budget_stop_running` and its downgrade drops it alone: the projects, their
+    budgets and their members stay (recreating the table on SQLite would cascade to them)."""
+    from sqlalchemy import text
+
+    from service.store.schema import downgrade, upgrade
+
+    upgrade(db_url)
+    s = Store(db_url)
+    try:
+        ident = Identity(s)
+        ident.create_project(name="vision")
+        ident.create_user(name="alice", role="member", projects=["vision"])
+        ident.set_budget(name="vision", gpu_hours=3, stop_running=True)
+        downgrade(db_url, "0020")
+        with s.engine.begin() as c:
+            assert c.execute(text("SELECT count(*) FROM memberships")).scalar_one() == 1
+            assert c.execute(text("SELECT budget_gpu_hours FROM projects")).scalar_one() == 3
+        upgrade(db_url)
+        p = ident.get_project(name="vision")
+        assert (p.members, p.budget_gpu_hours, p.budget_stop_running) == (["alice"], 3, False)
+    finally:
+        s.close()

@@ -22,5 +22,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("projects") as batch:
-        batch.drop_column("budget_stop_running")
+    # Not a batch: recreating `projects` on SQLite would cascade to its memberships.
+    op.drop_column("projects", "budget_stop_running")
