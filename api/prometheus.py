@@ -19,12 +19,16 @@ ranks) and `trident_project_cpu_seconds_total{project,category}` (CPU ranks); a 
 project is `project=""`. They are read once a scrape (`GoodputLedger.ledgers`: an ended job's
 ledger is kept on its row, a live one's computed up to now). A live job's last stretch is
 named when it ends (its tail, counted as training while it runs, may turn out lost work or a
-stall): a category can then go down, which Prometheus's `rate` reads as a counter reset.
+stall): a category can then go down, which Prometheus's `rate` reads as a counter reset. The
+first read of a job's ledger after it settled computes and keeps it (a few ms a job; once, for
+every job, after an upgrade): while a scrape computes them, another scrape of the same process
+answers the totals of the scrape before instead of computing them again beside it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -61,6 +65,10 @@ class StoreCollector(Collector):
     def __init__(self, store: Callable[[], Store], per_rank: bool) -> None:
         self.store = store
         self.per_rank = per_rank
+        self._ledgers = threading.Lock()
+        """Held while a scrape reads the ledgers (`_goodput`)."""
+        self._last: tuple[dict[str, float], dict[str, dict[str, list[float]]]] | None = None
+        """The goodput totals the last scrape that read them found."""
 
     def collect(self) -> Iterator[Metric]:
         store = self.store()
@@ -143,15 +151,32 @@ class StoreCollector(Collector):
             failing.add_metric([sink.value], f)
         yield from (sent, dropped, failing)
 
+    def _goodput_totals(self, store: Store
+                        ) -> tuple[dict[str, float], dict[str, dict[str, list[float]]]] | None:
+        """(wall seconds by category, project -> category -> [GPU-s, CPU-s]) of every job's
+        ledger; the last scrape's while another scrape reads them (None: none read yet)."""
+        if not self._ledgers.acquire(blocking=False):
+            return self._last
+        try:
+            wall = {c: 0.0 for c in CATEGORIES}
+            held: dict[str, dict[str, list[float]]] = {}
+            for ledger in GoodputLedger(store).ledgers():
+                per = held.setdefault(ledger.project or "",
+                                      {c: [0.0, 0.0] for c in CATEGORIES})
+                for c in ledger.categories:
+                    wall[c.category] += c.seconds
+                    per[c.category][0] += c.gpu_seconds
+                    per[c.category][1] += c.cpu_seconds
+            self._last = wall, held
+            return self._last
+        finally:
+            self._ledgers.release()
+
     def _goodput(self, store: Store) -> Iterator[Metric]:
-        wall = {c: 0.0 for c in CATEGORIES}
-        held: dict[str, dict[str, list[float]]] = {}  # project -> category -> [gpu-s, cpu-s]
-        for ledger in GoodputLedger(store).ledgers():
-            per = held.setdefault(ledger.project or "", {c: [0.0, 0.0] for c in CATEGORIES})
-            for c in ledger.categories:
-                wall[c.category] += c.seconds
-                per[c.category][0] += c.gpu_seconds
-                per[c.category][1] += c.cpu_seconds
+        totals = self._goodput_totals(store)
+        if totals is None:  # the first read is under way: no counters rather than zeros
+            return
+        wall, held = totals
         seconds = CounterMetricFamily("trident_job_seconds", "Wall seconds of every job, by"
                                       " goodput ledger category (docs/goodput.md).",
                                       labels=["category"])

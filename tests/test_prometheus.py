@@ -240,3 +240,33 @@ def test_goodput_counters_sum_every_jobs_ledger(store: Store, tmp_path) -> None:
         assert value(again["trident_project_cpu_seconds"], project="queue",
                      category="queued") == 0
         assert store.get_job(job_id=waiting.id).state == JobState.QUEUED
+
+
+def test_a_scrape_beside_one_reading_the_ledgers_answers_the_last_totals(store: Store) -> None:
+    """Ledgers are read by one scrape at a time: one beside it answers the totals of the
+    scrape before (none before the first: no goodput counters rather than zeros)."""
+    from api.prometheus import StoreCollector
+    from service.submission.intake import Submitter
+
+    collector = StoreCollector(lambda: store, per_rank=False)
+    names = ("trident_job_seconds", "trident_project_gpu_seconds",
+             "trident_project_cpu_seconds")
+
+    def goodput() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(f.name, tuple(sorted(s.labels.items()))): s.value
+                for f in collector.collect() if f.name in names for s in f.samples}
+
+    submit(store, JobSpec.model_validate(tiny_spec()), by=Submitter(project="first"))
+    with collector._ledgers:  # a scrape reads them now
+        assert goodput() == {}
+    before = goodput()
+    assert before[("trident_job_seconds", (("category", "queued"),))] > 0
+    submit(store, JobSpec.model_validate(tiny_spec()), by=Submitter(project="second"))
+    time.sleep(0.05)
+    with collector._ledgers:
+        assert goodput() == before
+    after = goodput()
+    assert after[("trident_job_seconds", (("category", "queued"),))] > before[
+        ("trident_job_seconds", (("category", "queued"),))]
+    assert ("trident_project_cpu_seconds", (("category", "queued"), ("project", "second"))) \
+        in after
