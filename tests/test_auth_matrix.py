@@ -186,7 +186,8 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("GET", "/metrics"): lambda w, c, r: ("/metrics", None),
     **{("GET", f"/api/v1/jobs/{{job_id}}/{view}"): (
         lambda w, c, r, view=view: (f"/api/v1/jobs/{w.job(w.owner(c, r))}/{view}", None))
-       for view in ("logs", "series", "ranks", "comm/steps", "hangs")},
+       for view in ("logs", "series", "ranks", "comm/steps", "hangs", "goodput")},
+    ("GET", "/api/v1/goodput"): lambda w, c, r: (f"/api/v1/goodput?owner={w.owner(c, r)}", None),
 }
 """One example request per route. Where the relation matters it picks the object: the
 caller's own job or token, another user's, or one of another project (submit: the caller's
