@@ -592,3 +592,28 @@ def test_a_queued_jobs_page_says_what_it_would_cost_at_its_plan(live: Live, page
         r = HTTP.post(f"{live.url}/api/v1/jobs/{job_id}/cancel", headers=AUTH,
                       timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 202, r.text
+
+
+def test_the_cluster_page_shows_a_spent_budget(live: Live, page: Page) -> None:
+    """A project's budget of none of its hours, spent from the start: the cluster page's row
+    says so, with the share `GET /api/v1/goodput` gives."""
+    r = HTTP.post(f"{live.url}/api/v1/projects", json={"name": "budgeted"}, headers=AUTH,
+                  timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 201, r.text
+    r = HTTP.put(f"{live.url}/api/v1/projects/budgeted/budget", headers=AUTH,
+                 timeout=HTTP_TIMEOUT_S, json={"cpu_hours": 0})
+    assert r.status_code == 200, r.text
+    try:
+        answered = next(b for b in get(f"{live.url}/api/v1/goodput").json()["budgets"]
+                        if b["project"] == "budgeted")
+        assert answered["used"] >= 1 and answered["cpu_hours"] == 0, answered
+        page.goto(f"{live.url}/cluster")
+        row = page.locator("#gp-budgets tr[data-project='budgeted']")
+        expect(row).to_have_attribute("data-used", str(answered["used"]).removesuffix(".0"))
+        expect(row).to_contain_text("spent: new jobs are refused")
+        expect(row).to_contain_text("0 of 0")  # CPU-hours spent of the budget's
+        expect(row.locator("meter")).to_have_attribute("value", "1")
+    finally:
+        r = HTTP.delete(f"{live.url}/api/v1/projects/budgeted/budget", headers=AUTH,
+                        timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 200, r.text

@@ -177,6 +177,23 @@ const GOODPUT = (function () {
         `<td class="gp-mini">${bar(g.categories, g.wall_s, `${g.key || "no project"}: time by category`)}</td></tr>`).join("") +
       `</tbody></table></div>`;
   }
+  // Each project's budget and what its jobs spent of it since it was set; 80 % and more is
+  // said in words as well as by the meter.
+  function budgets(list) {
+    if (!list || !list.length) return "";
+    const of = (spent, limit, f) => limit === null || limit === undefined ? "-" : `${f(spent)} of ${f(limit)}`;
+    const h = x => (x ?? 0).toPrecision(3);
+    return `<h3>Budgets</h3><table class="grid" id="gp-budgets"><thead><tr><th scope="col">project</th>` +
+      `<th scope="col">since</th><th scope="col">GPU-hours</th><th scope="col">CPU-hours</th>` +
+      `<th scope="col">cost</th><th scope="col">used</th></tr></thead><tbody>` +
+      list.map(b => `<tr data-project="${esc(b.project)}" data-used="${b.used}">` +
+        `<th scope="row">${esc(b.project)}</th><td>${b.since ? esc(new Date(b.since).toLocaleString()) : "-"}</td>` +
+        `<td>${of(b.spent_gpu_hours, b.gpu_hours, h)}</td><td>${of(b.spent_cpu_hours, b.cpu_hours, h)}</td>` +
+        `<td>${of(b.spent_cost, b.cost, money)}</td>` +
+        `<td><meter min="0" max="1" low="0.8" high="0.999" optimum="0" value="${Math.min(1, b.used)}"></meter> ` +
+        `${pct(b.used)}${b.used >= 1 ? " <strong>spent: new jobs are refused</strong>" : b.used >= 0.8 ? " <strong>over 80 %</strong>" : ""}</td></tr>`).join("") +
+      `</tbody></table>`;
+  }
   function cluster(box) {
     const select = box.querySelector("#gp-window");
     const wanted = new URLSearchParams(location.search).get("window");
@@ -201,7 +218,7 @@ const GOODPUT = (function () {
         `to ${esc(new Date(s.until).toLocaleString())})</p>` +
         bar(c.categories, c.wall_s, "Cluster time by category") + legend(c.categories, c.wall_s, priced) +
         groups("Per project", "gp-projects", s.projects, priced) +
-        groups("Per owner", "gp-owners", s.owners, priced) +
+        groups("Per owner", "gp-owners", s.owners, priced) + budgets(s.budgets) +
         `<h3>Jobs that lost the most time</h3>` + (s.top_lost.length
           ? `<table class="grid" id="gp-top-lost"><thead><tr><th scope="col">job</th><th scope="col">project</th>` +
             `<th scope="col">owner</th><th scope="col">lost work, recovery and stalls</th><th scope="col">ETTR</th></tr></thead><tbody>` +
