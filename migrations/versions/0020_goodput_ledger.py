@@ -43,12 +43,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Not batches: recreating `jobs` or `projects` on SQLite would cascade to the rows that
+    # refer to them (events, memberships).
     op.drop_index("ix_step_metrics_extras", table_name="step_metrics")
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("ledger")
-    with op.batch_alter_table("projects") as batch:
-        for name, _ in _PROJECTS:
-            batch.drop_column(name)
-    with op.batch_alter_table("step_metrics") as batch:
-        for name, _ in _STEPS:
-            batch.drop_column(name)
+    op.drop_column("jobs", "ledger")
+    for name, _ in _PROJECTS:
+        op.drop_column("projects", name)
+    for name, _ in _STEPS:
+        op.drop_column("step_metrics", name)
