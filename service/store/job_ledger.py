@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session
 
 from client.ledger import Category, Ledger, QueueReason, Segment
 from client.payloads import AttemptStatus
+from service.contract.spec import GPU_DEFAULT
 from service.contract.states import JobState
 from service.store.ledger_sums import summed
 from service.store.tables import (
@@ -193,7 +194,7 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
     steps_planned = int(train.get("steps") or 0)
     base = Ledger(
         job_id=row.id, name=row.name, project=row.project, owner=row.owner, state=row.state,
-        profile=str((spec.get("cluster") or {}).get("gpu") or "cpu"), start=start, end=end,
+        profile=_profile(spec, gpus=float(row.gpus or 0.0)), start=start, end=end,
         ended=state.terminal, wall_s=0.0, categories=[], steps_counted=counted,
         steps_lost=lost, tokens=counted * tokens_per_step, ranks=ranks_default,
         gpus_per_rank=float(row.gpus or 0.0), cpus_per_rank=float(row.cpus or 0.0),
@@ -201,6 +202,15 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
         # rank-seconds of the plan: `_priced` turns them into money
         planned_cost=step_s * steps_planned * row.world_size if step_s else None)
     return summed(base, b.segments, start=start, end=end)
+
+
+def _profile(spec: Mapping[str, Any], *, gpus: float) -> str:
+    """The node profile the job is priced at: its `cluster`'s, or, as the planner targets it
+    (`JobSpec.target`), `cpu` for ranks without a GPU and the default GPU otherwise."""
+    cluster = spec.get("cluster") or {}
+    if cluster.get("gpu"):
+        return str(cluster["gpu"])
+    return "cpu" if gpus == 0 else GPU_DEFAULT
 
 
 def _queued(b: _Builder, a: datetime, z: datetime, quota: list[tuple[datetime, bool]], *,
