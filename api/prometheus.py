@@ -30,18 +30,19 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from client.ledger import CATEGORIES
+from client.ledger import CATEGORIES, Ledger
 from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.dashboard import count_by_state, measured_bubble_ratio
-from service.store.goodput import GoodputLedger
+from service.store.goodput import SETTLED, GoodputLedger
 from service.store.lease import CONTROLLER, Leases
 from service.store.tables import utcnow
 from service.store.tracking_exports import Exports
@@ -59,6 +60,25 @@ def _g(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+Totals = tuple[dict[str, float], dict[str, dict[str, list[float]]]]
+"""(wall seconds by category, project -> category -> [GPU-s, CPU-s]) of jobs' ledgers."""
+
+
+def _add(into: Totals, ledgers: Iterable[Ledger]) -> None:
+    wall, held = into
+    for ledger in ledgers:
+        per = held.setdefault(ledger.project or "", {c: [0.0, 0.0] for c in CATEGORIES})
+        for c in ledger.categories:
+            wall[c.category] += c.seconds
+            per[c.category][0] += c.gpu_seconds
+            per[c.category][1] += c.cpu_seconds
+
+
+def _copy(totals: Totals) -> Totals:
+    wall, held = totals
+    return dict(wall), {p: {c: list(v) for c, v in cats.items()} for p, cats in held.items()}
+
+
 class StoreCollector(Collector):
     """Reads jobs, their newest steps and the controller's lease at every scrape."""
 
@@ -67,8 +87,12 @@ class StoreCollector(Collector):
         self.per_rank = per_rank
         self._ledgers = threading.Lock()
         """Held while a scrape reads the ledgers (`_goodput`)."""
-        self._last: tuple[dict[str, float], dict[str, dict[str, list[float]]]] | None = None
+        self._last: Totals | None = None
         """The goodput totals the last scrape that read them found."""
+        self._settled: Totals = ({c: 0.0 for c in CATEGORIES}, {})
+        """The goodput totals of the jobs that ended before `_horizon` (kept: theirs are
+        final)."""
+        self._horizon: datetime | None = None
 
     def collect(self) -> Iterator[Metric]:
         store = self.store()
@@ -151,22 +175,20 @@ class StoreCollector(Collector):
             failing.add_metric([sink.value], f)
         yield from (sent, dropped, failing)
 
-    def _goodput_totals(self, store: Store
-                        ) -> tuple[dict[str, float], dict[str, dict[str, list[float]]]] | None:
+    def _goodput_totals(self, store: Store) -> Totals | None:
         """(wall seconds by category, project -> category -> [GPU-s, CPU-s]) of every job's
         ledger; the last scrape's while another scrape reads them (None: none read yet)."""
         if not self._ledgers.acquire(blocking=False):
             return self._last
         try:
-            wall = {c: 0.0 for c in CATEGORIES}
-            held: dict[str, dict[str, list[float]]] = {}
-            for ledger in GoodputLedger(store).ledgers():
-                per = held.setdefault(ledger.project or "",
-                                      {c: [0.0, 0.0] for c in CATEGORIES})
-                for c in ledger.categories:
-                    wall[c.category] += c.seconds
-                    per[c.category][0] += c.gpu_seconds
-                    per[c.category][1] += c.cpu_seconds
+            # The jobs that ended long enough ago are added once to running totals (their
+            # ledgers never change); the others are read whole at every scrape.
+            ledgers = GoodputLedger(store)
+            upto = utcnow() - SETTLED
+            _add(self._settled, ledgers.settled(after=self._horizon, upto=upto))
+            self._horizon = upto
+            wall, held = _copy(self._settled)
+            _add((wall, held), ledgers.unsettled(after=upto))
             self._last = wall, held
             return self._last
         finally:

@@ -7,6 +7,11 @@ a ledger that read every step would grow with them (`--large / --small` times).
 
     python -m bench.ledger                      # SQLite, 10,000 and 1,000,000 steps
     python -m bench.ledger --db postgres        # the local PostgreSQL (a database of its own)
+
+And what `GET /metrics`' goodput counters cost with a history of ended jobs (every ledger
+summed at each scrape; the first computes and keeps them on their rows):
+
+    python -m bench.ledger --scrape 1000        # 1,000 ended jobs, three scrapes
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import create_engine, insert, text, update
 
 from bench.harness import alternate, fmt_s
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.store import AttemptStatus, Store
 from service.store.goodput import GoodputLedger
-from service.store.tables import StepMetricRow
+from service.store.tables import JobRow, StepMetricRow
 from service.submission.intake import submit
 
 PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -77,7 +82,12 @@ def main() -> None:
     p.add_argument("--small", type=int, default=10_000)
     p.add_argument("--large", type=int, default=1_000_000)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--scrape", type=int, default=0, metavar="JOBS",
+                   help="time /metrics' goodput counters over this many ended jobs instead")
     args = p.parse_args()
+    if args.scrape:
+        scrape(args.scrape)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         url = scratch_pg() if args.db == "postgres" else f"sqlite:///{Path(tmp) / 'ledger.db'}"
         store = Store(url)
@@ -100,6 +110,31 @@ def main() -> None:
         store.close()
         if args.db == "postgres":
             scratch_pg(drop=True)
+
+
+def scrape(n: int) -> None:
+    from api.prometheus import StoreCollector
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(f"sqlite:///{Path(tmp) / 'scrape.db'}")
+        store.migrate()
+        spec = JobSpec.model_validate(SPEC)
+        for _ in range(n):
+            job = submit(store, spec)
+            store.start_attempt(job_id=job.id)
+            store.transition(job_id=job.id, to=JobState.PLACING, message="admitted", attempt=1)
+            store.transition(job_id=job.id, to=JobState.RUNNING, message="running", attempt=1)
+            store.end_attempt(job_id=job.id, number=1, status=AttemptStatus.SUCCEEDED)
+            store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="done", attempt=1)
+        with store._tx() as s:  # ended long enough ago for their ledgers to be kept
+            s.execute(update(JobRow).values(finished_at=datetime.now(UTC) - timedelta(hours=1)))
+        collector = StoreCollector(lambda: store, per_rank=False)
+        for k in range(3):
+            t = time.perf_counter()
+            list(collector._goodput(store))
+            print(f"{n:,} ended jobs, scrape {k + 1}: goodput counters"
+                  f" {fmt_s(time.perf_counter() - t)}")
+        store.close()
 
 
 def scratch_pg(drop: bool = False) -> str:

@@ -4,7 +4,7 @@ SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -270,3 +270,37 @@ def test_a_scrape_beside_one_reading_the_ledgers_answers_the_last_totals(store: 
         ("trident_job_seconds", (("category", "queued"),))]
     assert ("trident_project_cpu_seconds", (("category", "queued"), ("project", "second"))) \
         in after
+
+
+def test_an_ended_job_is_added_to_the_running_totals_once_it_has_settled(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose ledger can no longer change (it ended `SETTLED` ago) is summed once into
+    totals the collector keeps; a scrape then reads only the others. Its seconds are counted
+    once in every scrape: before it settled, as it settles, and after."""
+    import api.prometheus
+    import service.store.goodput
+    from api.prometheus import StoreCollector
+    from service.store.goodput import GoodputLedger
+    from service.store.views import AttemptStatus
+
+    settle = timedelta(seconds=0.5)
+    monkeypatch.setattr(api.prometheus, "SETTLED", settle)
+    monkeypatch.setattr(service.store.goodput, "SETTLED", settle)
+    job = submit(store, JobSpec.model_validate(tiny_spec()))
+    store.start_attempt(job_id=job.id)
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=job.id, to=to, message=to.value, attempt=1)
+    store.end_attempt(job_id=job.id, number=1, status=AttemptStatus.SUCCEEDED)
+    store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="done", attempt=1)
+    wall = GoodputLedger(store).ledger(job.id).wall_s
+    collector = StoreCollector(lambda: store, per_rank=False)
+
+    def total() -> float:
+        return sum(s.value for f in collector.collect() if f.name == "trident_job_seconds"
+                   for s in f.samples)
+
+    assert total() == pytest.approx(wall)  # not settled yet: read whole
+    time.sleep(0.6)
+    assert total() == pytest.approx(wall)  # settles: added to the kept totals
+    assert collector._horizon is not None and collector._settled[0]["start"] > 0
+    assert total() == pytest.approx(wall)  # kept, and not read again

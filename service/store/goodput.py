@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -105,6 +106,28 @@ class GoodputLedger(EngineTx):
                 if ledger.wall_s > 0:
                     out.append(self._priced(ledger))
             return out
+
+    def settled(self, *, after: datetime | None, upto: datetime) -> list[Ledger]:
+        """The whole ledgers of the jobs that ended in (after, upto], `upto` at least `SETTLED`
+        ago: what a running total adds once and keeps (`GET /metrics`), since such a job's
+        ledger never changes again."""
+        upto = min(upto, utcnow() - SETTLED)
+        q = select(JobRow).where(JobRow.finished_at.is_not(None), JobRow.finished_at <= upto)
+        if after is not None:
+            q = q.where(JobRow.finished_at > after)
+        return self._whole(q)
+
+    def unsettled(self, *, after: datetime) -> list[Ledger]:
+        """The whole ledgers of the jobs that have not ended, or ended after `after`: the
+        rest of every job's, beside `settled(upto=after)`."""
+        return self._whole(select(JobRow).where(
+            JobRow.finished_at.is_(None) | (JobRow.finished_at > after)))
+
+    def _whole(self, q: Any) -> list[Ledger]:
+        now = utcnow()
+        with self._tx() as s:
+            return [self._priced(self._ledger_of(s, row, now))
+                    for row in s.execute(q.order_by(JobRow.id)).scalars()]
 
     def summary(self, *, since: datetime | None = None, until: datetime | None = None,
                 project: str | None = None, owner: str | None = None,
