@@ -22,7 +22,9 @@ def prepare(inputs: Annotated[list[Path], typer.Argument(
             out: Annotated[str, typer.Option(help="The corpus's prefix: writes PREFIX.bin and"
                                              " PREFIX.idx.")],
             tokenizer: Annotated[str, typer.Option(
-                help="gpt2 (GPT-2's BPE, offline), or the path of a tokenizer.json.")] = "gpt2",
+                help="gpt2 (GPT-2's BPE, offline), a Hugging Face tokenizer folder"
+                     " (tokenizer.json + tokenizer_config.json) or a tokenizer.json.")]
+            = "gpt2",
             field: Annotated[str, typer.Option(
                 help="The text field of .jsonl lines and the column of .parquet files.")]
             = "text",
@@ -30,8 +32,9 @@ def prepare(inputs: Annotated[list[Path], typer.Argument(
                 min=0, max=256, help="Tokenizing processes; 0: one per CPU, at most 8.")] = 0,
             ) -> None:
     """Tokenize text into a corpus in Megatron's indexed dataset format (PREFIX.bin,
-    PREFIX.idx), an end-of-document token after each document; prints a summary (documents,
-    tokens, bytes, tokens per second).
+    PREFIX.idx): the tokenizer's BOS before each document where its config adds one, an
+    end-of-document token (EOS) after each; prints a summary (documents, tokens, bytes,
+    tokens per second, the special tokens used).
 
     Example: trident data prepare books/*.jsonl --tokenizer gpt2 --out /corpora/books/books
     """
@@ -59,12 +62,14 @@ def prepare(inputs: Annotated[list[Path], typer.Argument(
 @data_app.command()
 def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no .bin/.idx).")],
             tokenizer: Annotated[str | None, typer.Option(
-                help="Decode the samples with this tokenizer (gpt2 or a tokenizer.json).")]
+                help="Decode the samples with this tokenizer (gpt2, a tokenizer folder or a"
+                     " tokenizer.json) and show its special tokens.")]
             = None,
             samples: Annotated[int, typer.Option(min=0, max=100)] = 3,
             as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Print a corpus's header (magic, version, dtype), its counts (sequences, documents,
-    tokens), its largest token id, and its first documents (decoded with --tokenizer).
+    tokens), its largest token id, and its first documents (decoded with --tokenizer, whose
+    special tokens it shows: BOS, EOS, whether a BOS is added and why, a chat template).
 
     Example: trident data inspect /corpora/books/books --tokenizer gpt2
     """
@@ -85,6 +90,11 @@ def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no 
                f" {info['tokens']} tokens (mean {info['mean_sequence']:.1f} per sequence),"
                f" largest token id {info['max_token']}")
     typer.echo(f"  .idx {info['idx_bytes']} bytes, .bin {info['bin_bytes']} bytes")
+    if (specials := info["special_tokens"]) is not None:
+        from service.files.corpus_prepare import special_line
+
+        typer.echo(f"  tokenizer: {special_line(specials)}; chat template:"
+                   f" {'yes' if specials['chat_template'] else 'no'}")
     for s in info["samples"]:
         shown = json.dumps(s["text"]) if s["text"] is not None else s["ids"]
         typer.echo(f"  [{s['sequence']}] {s['tokens']} tokens: {shown}")

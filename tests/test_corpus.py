@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from service.files import corpus
-from service.files.corpus_prepare import Gpt2, PrepareError, inspect, prepare
+from service.files.corpus_prepare import PrepareError, inspect, prepare
+from service.files.tokenizer import Gpt2
 
 
 def _megatron():
@@ -88,7 +89,7 @@ def test_prepare_refuses_bad_inputs(tmp_path):
     with pytest.raises(PrepareError, match="not .jsonl, .txt or .parquet"):
         (tmp_path / "x.csv").write_text("a")
         prepare([str(tmp_path / "x.csv")], "gpt2", str(tmp_path / "o"))
-    with pytest.raises(PrepareError, match="neither 'gpt2' nor a tokenizer.json"):
+    with pytest.raises(PrepareError, match="neither 'gpt2' nor a tokenizer folder"):
         prepare([str(tmp_path / "x.jsonl")], "nope", str(tmp_path / "o"))
     assert not os.path.exists(tmp_path / "o.bin") and not os.path.exists(tmp_path / "o.bin.tmp")
 
@@ -194,3 +195,89 @@ def test_the_header_checks_hold_across_chunks(tmp_path, monkeypatch):
     assert refused(lengths + 4 * 9, struct.pack("<i", -1)) == "a sequence length is negative"
     assert "the byte offset of sequence 7 is 1" in refused(pointers + 8 * 7, struct.pack("<q", 1))
     assert "without going back" in refused(bounds + 8 * 4, struct.pack("<q", 2))  # 2nd chunk
+
+
+# --- tokenizers as the model expects them ----------------------------------------------------
+
+def _docs(tmp_path, texts: list[str]) -> str:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+@pytest.mark.parametrize("template_bos,config,bos", [
+    (True, {}, True),                           # Llama 3: the post-processor's template
+    (False, {"add_bos_token": True}, True),     # Llama 2, Mistral: the config's key
+    (True, {"add_bos_token": False}, False),    # the config's key wins over the template
+    (False, {}, False),                         # Qwen: neither
+])
+def test_a_tokenizer_folder_adds_bos_as_transformers_does(tmp_path, template_bos, config, bos):
+    """`prepare` reading a tokenizer folder writes each document as `transformers`' tokenizer
+    of that folder encodes it (`add_special_tokens=True`), followed by EOS. `add_bos_token`
+    is honoured as Llama's tokenizer classes do (they rewrite the post-processor from it);
+    the generic class read here ignores the key, so then the BOS is checked apart."""
+    from transformers import AutoTokenizer
+
+    from tests.tokenizer_folders import make, vocab
+
+    folder = make(tmp_path / "tok", template_bos=template_bos, config=config)
+    texts = ["hello world", "what is two plus three", "the sky is blue <s> </s>"]
+    prefix = str(tmp_path / "c")
+    s = prepare([_docs(tmp_path, texts)], str(folder), prefix)
+    c = corpus.Corpus(prefix)
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    v = vocab()
+    for i, text in enumerate(texts):
+        keyed = "add_bos_token" in config
+        want = ([v["<s>"]] if keyed and bos else []) + \
+            hf(text, add_special_tokens=not keyed)["input_ids"] + [v["</s>"]]
+        assert c[i].tolist() == want
+        assert (c[i][0] == v["<s>"]) == bos
+    # Text spelling a special token is that token, as in transformers (split_special_tokens
+    # false), and the EOS still ends the document.
+    assert c[2].tolist()[-3:] == [v["<s>"], v["</s>"], v["</s>"]]
+    assert (s.specials["bos"] is not None) == bos
+    assert s.specials["eos"] == {"token": "</s>", "id": v["</s>"]}
+    assert ("BOS <s> (1) before each document" in s.line()) == bos
+
+
+def test_tokenizer_refusals_name_the_key(tmp_path):
+    from tests.tokenizer_folders import make
+
+    for config, words in [({"eos_token": "<eot>"}, "eos_token '<eot>' is not a token"),
+                          ({"add_bos_token": "yes"}, "add_bos_token must be true or false"),
+                          ({"add_bos_token": True, "bos_token": "<bos>"},
+                           "bos_token '<bos>' is not a token")]:
+        folder = make(tmp_path / "t", template_bos=False, config=config)
+        with pytest.raises(PrepareError, match=words):
+            prepare([_docs(tmp_path, ["hello"])], str(folder), str(tmp_path / "o"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PrepareError, match="holds no tokenizer.json"):
+        prepare([_docs(tmp_path, ["hello"])], str(tmp_path / "empty"), str(tmp_path / "o"))
+    (tmp_path / "t" / "tokenizer_config.json").write_text("[1")
+    with pytest.raises(PrepareError, match="tokenizer_config.json is not JSON"):
+        prepare([_docs(tmp_path, ["hello"])], str(tmp_path / "t"), str(tmp_path / "o"))
+
+
+def test_cli_inspect_shows_the_special_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.tokenizer_folders import make
+
+    folder = make(tmp_path / "tok")
+    prefix = str(tmp_path / "c")
+    r = CliRunner().invoke(app, ["data", "prepare", _docs(tmp_path, ["hello world"]),
+                                 "--out", prefix, "--tokenizer", str(folder),
+                                 "--workers", "2"])
+    assert r.exit_code == 0, r.output
+    assert "BOS <s> (1) before each document, EOS </s> (2) after each" in r.output
+    r = CliRunner().invoke(app, ["data", "inspect", prefix, "--tokenizer", str(folder)])
+    assert r.exit_code == 0, r.output
+    assert ("tokenizer: BOS <s> (1) before each document, EOS </s> (2) after each; chat"
+            " template: yes") in r.output
+    assert '"<s> hello world </s>"' in r.output
+    r = CliRunner().invoke(app, ["data", "inspect", prefix, "--tokenizer", "gpt2", "--json"])
+    specials = json.loads(r.output)["special_tokens"]
+    assert specials["bos"] is None and specials["eos"] == {"token": "<|endoftext|>",
+                                                           "id": 50256}

