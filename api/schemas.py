@@ -139,4 +139,5 @@ def metric_out_of(m: Metric) -> MetricOut:
                      tokens_per_s=m.tokens_per_s, lr=m.lr,
                      grad_norm=m.grad_norm, memory=d.get("memory", {}), time=m.time,
                      eval_loss=d.get("eval_loss"), tokens=d.get("tokens"), epoch=d.get("epoch"),
-                     first_sample=d.get("first_sample"), drawn=d.get("drawn"))
+                     first_sample=d.get("first_sample"), batch=d.get("batch"),
+                     drawn=d.get("drawn"))

@@ -482,7 +482,10 @@ class MetricOut(BaseModel):
     epoch: float | None = None
     """Passes over the first training corpus after this step (kind `tokens`)."""
     first_sample: int | None = None
-    """The step read global samples [first_sample, first_sample + global_batch)."""
+    """The step read global samples [first_sample, first_sample + batch), as its loaders
+    returned them."""
+    batch: int | None = None
+    """Global samples the step read (its global batch; the ramp's while it ramps)."""
     drawn: dict[str, int] | None = None
     """Samples drawn so far from each training corpus, by path (kind `tokens`)."""
 

@@ -1,6 +1,8 @@
 """The trainer on corpora (gloo, several processes): the same samples, losses and validation
-losses under every layout (DP, pipeline, interleaved pipeline), and a resumed run reads exactly
-the samples the uninterrupted run read."""
+losses under every layout (DP, pipeline, interleaved pipeline), a resumed run reads exactly
+the samples the uninterrupted run read, and a run resumed with another global batch reads on
+from the next unread sample. The sample numbers compared are those the loaders returned
+(`StepReport.first_sample` and `batch`, `workers.trainer.data.DataSource.read`)."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(root / "phrases"), str(root / "noise")
 
 
-def spec(corpora: tuple[str, str], steps: int = STEPS, **parallel) -> JobSpec:
+def spec(corpora: tuple[str, str], steps: int = STEPS, global_batch: int = 8,
+         **parallel) -> JobSpec:
     return JobSpec(name="data", model={"preset": "gpt-tiny"}, parallel=parallel,
-                   train={"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
-                          "precision": "fp32"},
+                   train={"steps": steps, "global_batch": global_batch, "micro_batch": 2,
+                          "lr": 1e-3, "precision": "fp32"},
                    data={"kind": "tokens", "valid_fraction": 0.1, "eval_every": 2,
                          "eval_batches": 2,
                          "train": [{"path": corpora[0], "weight": 0.75},
@@ -53,6 +56,7 @@ def reference(corpora: tuple[str, str]) -> list[dict]:
 def test_the_reference_run_reads_its_order_and_evaluates(reference: list[dict]) -> None:
     assert [r["step"] for r in reference] == [1, 2, 3, 4]
     assert [r["first_sample"] for r in reference] == [0, 8, 16, 24]
+    assert [r["batch"] for r in reference] == [8, 8, 8, 8]
     assert [r["tokens"] for r in reference] == [8 * 32 * s for s in (1, 2, 3, 4)]
     assert [r.get("eval_loss") is not None for r in reference] == [False, True, False, True]
     drawn = reference[-1]["drawn"]
@@ -93,3 +97,34 @@ def test_a_resumed_run_reads_what_the_straight_run_read(corpora: tuple[str, str]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # fp32: identical
     assert [r.get("eval_loss") for r in resumed] == [r.get("eval_loss") for r in straight]
     assert resumed[-1]["drawn"] == straight[-1]["drawn"]
+
+
+def spans(rows: list[dict]) -> list[int]:
+    """The global sample numbers the steps of `rows` read, step after step."""
+    return [j for r in rows for j in range(r["first_sample"], r["first_sample"] + r["batch"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [(8, 16), (16, 8)], ids=["8-to-16", "16-to-8"])
+def test_a_run_resumed_with_another_global_batch_reads_the_samples_that_follow(
+        corpora: tuple[str, str], tmp_path: Path, before: int, after: int) -> None:
+    """32 samples at one global batch, saved; resumed at another: every DP rank of both runs
+    read exactly the order's first samples, each once, in order (16 to 8 takes the order
+    past the `steps * global_batch` samples the resumed spec alone would build)."""
+    done = 32 // before
+    first_spec = spec(corpora, steps=done, global_batch=before, dp=2)
+    first_spec = first_spec.model_copy(update={"checkpoint": first_spec.checkpoint.model_copy(
+        update={"every_steps": done})})
+    steps = done + 48 // after
+    (first,) = run_ranks(first_spec, checkpoint_dir=str(tmp_path / "ck"))
+    (second,) = run_ranks(spec(corpora, steps=steps, global_batch=after, dp=2),
+                          checkpoint_dir=str(tmp_path / "ck"))
+    for rank in (0, 1):
+        a, b = by_step(first, rank), by_step(second, rank)
+        assert {r["resumed_from"] for r in b} == {done}
+        assert [r["batch"] for r in a + b] == [before] * done + [after] * (steps - done)
+        assert spans(a) + spans(b) == list(range(80))  # the union, in order, once each
+        assert b[-1]["tokens"] == 80 * 32
+    # The same samples as a straight run of the same numbers: drawn from the same corpora.
+    straight = by_step(run_ranks(spec(corpora, steps=10, global_batch=8, dp=2))[0])
+    assert by_step(second)[-1]["drawn"] == straight[-1]["drawn"]

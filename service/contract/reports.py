@@ -150,8 +150,12 @@ class StepReport(BaseModel):
     """With an attempt's first step: seconds it took to load the checkpoint it resumed
     from (None: it started fresh)."""
     first_sample: int | None = Field(default=None, ge=0)
-    """Global number of this step's first sample: the step read samples [first_sample,
-    first_sample + global_batch) of the job's sample order (`workers.trainer.data`)."""
+    """Global number of this step's first sample, as the loaders of the rank's DP group
+    returned it: the step read samples [first_sample, first_sample + batch) of the job's
+    sample order (`workers.trainer.data`). None on a pipeline stage that reads no data."""
+    batch: int | None = Field(default=None, ge=1)
+    """Global samples this step read (its global batch, the ramp's while `train.batch_ramp`
+    ramps), counted from what the loaders of the rank's DP group returned."""
     drawn: dict[Annotated[str, Field(max_length=4096)], Annotated[int, Field(ge=0)]] | None = \
         Field(default=None, max_length=64)
     """Samples drawn so far from each training corpus, by path (kind `tokens`)."""

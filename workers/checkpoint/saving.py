@@ -7,8 +7,10 @@ Layout: `<dir>/step<N>/` is one DeepSpeed tag (model and ZeRO shards of every ra
 the engine) plus a `COMPLETE` marker that rank 0 writes (atomically: a temporary file renamed)
 once every rank has finished writing, each rank's step reports not acknowledged yet among
 what it wrote (`trident-steps/`, `service.files.tag_steps`). A tag without the marker (a rank died
-mid-save) is ignored on resume. The data position is the step itself (see `workers.trainer.data`);
-it is stored with the RNG states in DeepSpeed's client state.
+mid-save) is ignored on resume. The data position is the consumed samples (the global samples
+read so far, `workers.trainer.data`), stored with the step and the RNG states in DeepSpeed's
+client state and returned by `load`: a run resumed with another global batch, or during a
+batch ramp, reads on from the next unread sample.
 
 The marker records every file of the tag with its size and SHA-256 (each rank hashes what it
 wrote, rank 0 the rest: `_Held`, `_mark_complete`), and a tag is resumed from only when its
@@ -70,6 +72,15 @@ from service.files.checkpoint_tags import (
 from service.files.tag_steps import STEPS_DIR
 from workers.checkpoint import relayout
 from workers.checkpoint.tag_forms import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes
+
+
+class Position(NamedTuple):
+    """Where a loaded tag leaves the run."""
+
+    step: int
+    """Optimizer steps done."""
+    samples: int | None
+    """Global samples consumed (None: a tag written without them)."""
 
 
 class Resume(NamedTuple):
@@ -373,10 +384,11 @@ def _write_layout(path: str, spec: JobSpec) -> None:
 
 
 def load(engine, directory: str, step: int, spec: JobSpec | None = None,
-         groups: Any = None) -> int:
+         groups: Any = None) -> Position:
     """Collective: restore the engine (weights, optimizer, ZeRO shards) and RNG; returns the
-    number of completed steps. A tag another layout wrote (`written_by`) is loaded from a
-    form converted once by rank 0 and kept beside it (`workers.checkpoint.relayout`)."""
+    completed steps and the samples they consumed. A tag another layout wrote (`written_by`)
+    is loaded from a form converted once by rank 0 and kept beside it
+    (`workers.checkpoint.relayout`)."""
     name = tag(step)
     if spec is not None:
         how = relayout.how(directory, step, spec)
@@ -384,7 +396,7 @@ def load(engine, directory: str, step: int, spec: JobSpec | None = None,
             client = relayout.load_layout_free(engine, directory, step, spec, groups)
             if client.get("rng") is not None:
                 _set_rng_state(client["rng"])  # rank 0's of the old layout
-            return int(client["data_position"])
+            return _position(client)
         if how == "universal":
             name = relayout.universal_tag(directory, step)
             engine._config.load_universal_checkpoint = True  # DeepSpeed's own switch
@@ -392,4 +404,9 @@ def load(engine, directory: str, step: int, spec: JobSpec | None = None,
     if path is None:
         raise RuntimeError(f"checkpoint {directory}/{tag(step)} could not be loaded")
     _set_rng_state(client["rng"])
-    return int(client["data_position"])
+    return _position(client)
+
+
+def _position(client: dict[str, Any]) -> Position:
+    samples = client.get("consumed_samples")
+    return Position(int(client["data_position"]), None if samples is None else int(samples))

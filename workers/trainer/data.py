@@ -1,10 +1,13 @@
 """A job's data as its ranks read it: synthetic sequences, or the global sample order of its
 corpora (`workers.trainer.sample_order`), behind one seam (`DataSource`).
 
-Every source is a function of the global sample number: step t (0-based) reads samples
-[t * global_batch, (t + 1) * global_batch), DP replica d the d-th contiguous slice of that, cut
-into micro-batches. So the order does not depend on TP, PP or DP, and the data position of a run
-is its consumed samples (`step * global_batch`, stored in each checkpoint). Evaluation reads the
+Every source is a function of the global sample number: a step that has consumed samples c
+so far and trains on a global batch of b reads samples [c, c + b), DP replica d the d-th
+contiguous slice of that, cut into micro-batches (`micro_batches_at`). So the order does not
+depend on TP, PP or DP, and the data position of a run is its consumed samples, stored in each
+checkpoint and read back on resume: a run resumed with another `train.global_batch` (or
+during `train.batch_ramp`) reads on from the next unread sample. The loader keeps the global
+sample numbers it returned (`read`), which the step reports are made of. Evaluation reads the
 same `data.eval_batches` global batches of the validation order every time.
 
 Synthetic token data: a deterministic function of (seed, global sample index).
@@ -14,9 +17,7 @@ drawn from the sample's own generator, and 10% of the tokens replaced by random 
 same quarter). A model learns it in two phases, both visible within a few dozen steps: first that
 only a quarter of the tokens occur (ln V -> ln V/4), then the stride (after two tokens the rest
 is predictable). So the loss really falls, and since every sample
-depends only on its index the data does not depend on the layout: step t uses samples
-[t * global_batch, (t + 1) * global_batch), DP replica d takes the d-th contiguous slice of that
-and cuts it into micro-batches. The data position of a run is therefore just its step.
+depends only on its index the data does not depend on the layout.
 
 Called by `workers.trainer.train` (and by custom entrypoints, through `TrainContext.data`).
 """
@@ -98,6 +99,9 @@ class DataSource:
     dp_rank: int
     eval_every: int = 0
     eval_batches: int = 0
+    read: list[int] = field(default_factory=list)
+    """The global sample numbers this replica's loader returned for the last training batch
+    (`micro_batches_at`), in order, as each micro-batch was read."""
 
     def sample(self, j: int) -> np.ndarray | torch.Tensor:
         """The seq_len + 1 tokens of global training sample j."""
@@ -107,31 +111,48 @@ class DataSource:
         """The seq_len + 1 tokens of validation sample j."""
         return sample(self.seed, EVAL_OFFSET + j, self.seq_len, self.vocab)
 
-    def replica_samples(self, first: int) -> range:
-        """The sample numbers this DP replica reads of the global batch starting at `first`."""
-        per = self.global_batch // self.dp
+    def replica_samples(self, first: int, count: int | None = None) -> range:
+        """The sample numbers this DP replica reads of the global batch of `count` samples
+        (default `global_batch`) starting at `first`."""
+        per = (self.global_batch if count is None else count) // self.dp
         return range(first + self.dp_rank * per, first + (self.dp_rank + 1) * per)
 
-    def _batches(self, numbers: range, get: Callable[[int], np.ndarray | torch.Tensor]
-                 ) -> Iterator[Batch]:
+    def _batches(self, numbers: range, get: Callable[[int], np.ndarray | torch.Tensor],
+                 seen: list[int] | None = None) -> Iterator[Batch]:
         for m in range(0, len(numbers), self.micro_batch):
-            rows = torch.stack([torch.as_tensor(get(j), dtype=torch.int64)
-                                for j in numbers[m:m + self.micro_batch]])
+            chunk = numbers[m:m + self.micro_batch]
+            rows = torch.stack([torch.as_tensor(get(j), dtype=torch.int64) for j in chunk])
+            if seen is not None:
+                seen.extend(chunk)
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def _rows(self, numbers: range, order: Any) -> Iterator[Batch]:
+    def _rows(self, numbers: range, order: Any, seen: list[int] | None = None
+              ) -> Iterator[Batch]:
         """Micro-batches of `numbers` read straight into one int64 array each."""
         for m in range(0, len(numbers), self.micro_batch):
             chunk = numbers[m:m + self.micro_batch]
             rows = np.empty((len(chunk), self.seq_len + 1), dtype=np.int64)
             for i, j in enumerate(chunk):
                 order.tokens(j, rows[i])
+            if seen is not None:
+                seen.extend(chunk)
             t = torch.from_numpy(rows)
             yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
+    def micro_batches_at(self, consumed: int, count: int) -> Iterator[Batch]:
+        """This DP replica's micro-batches of the global batch of `count` samples that follows
+        the `consumed` samples read so far; the sample numbers returned go into `read`."""
+        self.read = []
+        return self._batches(self.replica_samples(consumed, count), self.sample, self.read)
+
     def micro_batches(self, step: int) -> Iterator[Batch]:
-        """This DP replica's micro-batches of optimizer step `step` (0-based)."""
-        return self._batches(self.replica_samples(step * self.global_batch), self.sample)
+        """This DP replica's micro-batches of optimizer step `step` (0-based) of a run that
+        kept `global_batch` from the start."""
+        return self.micro_batches_at(step * self.global_batch, self.global_batch)
+
+    def cover(self, samples: int) -> None:
+        """Collective (every rank, the same `samples`): make the first `samples` training
+        samples readable (synthetic data always are)."""
 
     def eval_due(self, step: int, last: int) -> bool:
         """Whether the validation loss is measured after step `step` (1-based) of `last`."""
@@ -154,6 +175,8 @@ class TokenSource(DataSource):
     train_order: object = None
     valid_order: object = None
     paths: list[str] = field(default_factory=list)
+    reopen: Callable[[int], object] | None = None
+    """Collective: the training order of at least that many samples (built by rank 0)."""
     _drawn_at: tuple[int, np.ndarray] | None = None
 
     def sample(self, j: int) -> np.ndarray:
@@ -162,8 +185,16 @@ class TokenSource(DataSource):
     def eval_sample(self, j: int) -> np.ndarray:
         return self.valid_order.tokens(j)  # type: ignore[attr-defined]
 
-    def micro_batches(self, step: int) -> Iterator[Batch]:
-        return self._rows(self.replica_samples(step * self.global_batch), self.train_order)
+    def micro_batches_at(self, consumed: int, count: int) -> Iterator[Batch]:
+        self.read = []
+        return self._rows(self.replica_samples(consumed, count), self.train_order, self.read)
+
+    def cover(self, samples: int) -> None:
+        """The order is built for `train.steps * train.global_batch` samples; a run resumed
+        from a larger batch than its own needs more. The order of more samples begins with
+        the order of fewer (`workers.trainer.sample_order`): the same samples, more of them."""
+        if samples > len(self.train_order) and self.reopen is not None:  # type: ignore[arg-type]
+            self.train_order = self.reopen(samples)
 
     def eval_micro_batches(self, batch: int) -> Iterator[Batch]:
         return self._rows(self.replica_samples(batch * self.global_batch), self.valid_order)
@@ -235,9 +266,24 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
         train_order = sample_order.build(cache, user, train, t.seed, m.seq_len, samples)
         valid_order = sample_order.build(cache, user, valid, t.seed + 1, m.seq_len,
                                          eval_samples) if valid else None
+
+    def reopen(more: int) -> object:
+        problem: str | None = None
+        order = None
+        if rank == 0:
+            try:
+                order = sample_order.build(server.orders, user, train, t.seed, m.seq_len, more)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                problem = f"data: {exc}"
+        problem = share(problem)
+        if problem is not None:
+            raise DataChanged(problem)
+        barrier()
+        return order or sample_order.build(server.orders, user, train, t.seed, m.seq_len, more)
+
     return TokenSource(**common,  # type: ignore[arg-type]
                        train_order=train_order, valid_order=valid_order,
-                       paths=[p.prefix for p in train_order.parts])
+                       paths=[p.prefix for p in train_order.parts], reopen=reopen)
 
 
 class DataChanged(RuntimeError):

@@ -115,9 +115,9 @@ class TrainContext:
     `micro_batches(step)`
     is this rank's DP replica's micro-batches of step `step` (0-based), `eval_micro_batches`
     the validation ones, `progress(samples)` the tokens, epoch and per-corpus draws of the
-    consumed samples. Resuming from `resume_step`, the consumed samples are
-    `resume_step * train.global_batch`: pass them to `checkpoint.save(...,
-    consumed_samples=...)`."""
+    consumed samples; `micro_batches_at(consumed, count)` reads the global batch of `count`
+    samples after `consumed`. Pass the samples consumed to `checkpoint.save(...,
+    consumed_samples=...)`: `checkpoint.load` returns them on resume."""
     save_steps: Callable[[str], None] | None = None
     """Pass it to `checkpoint.save(..., steps=...)`: each tag then carries this rank's step
     reports the controller has not acknowledged (report a step before saving it), stored
@@ -275,7 +275,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     state_meter = memory.ModelStateMeter(engine.module, engine.optimizer)
     acts = memory.ActivationMeter(engine.module)
 
-    start = 0
+    start = consumed = 0  # steps done, and the global samples they read
     skipped: list[str] | None = None  # damaged tags passed over: said with the first step
     load_s: float | None = None  # the load's time: said with the first step too
     if ctx.checkpoint_dir:
@@ -283,10 +283,13 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         skipped = resume.skipped or None
         if resume.step:
             t_load = time.perf_counter()
-            start = checkpoint.load(engine, ctx.checkpoint_dir, resume.step, spec, groups)
+            start, samples = checkpoint.load(engine, ctx.checkpoint_dir, resume.step, spec,
+                                             groups)
+            # A tag written without its samples: a run that kept one global batch.
+            consumed = start * t.global_batch if samples is None else samples
             load_s = time.perf_counter() - t_load
+    source.cover(consumed + (t.steps - start) * t.global_batch)
 
-    tokens_per_step = t.global_batch * shape.seq_len
     last: StepReport | None = None
     for step in range(start, t.steps):
         # Every rank stops at the same step boundary, even when `stop` reached some ranks a
@@ -294,8 +297,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if world_any(stop.is_set(), device):
             if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
                     ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
-                report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec,
-                                            source.progress(step * t.global_batch).samples,
+                report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec, consumed,
                                             steps_writer(ctx)))
             break
         if bubble is not None:
@@ -305,7 +307,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         t0 = time.perf_counter()
         lr = t.lr_at(step + 1)
         recipe.set_lr(engine.optimizer, lr)
-        batches = source.micro_batches(step)
+        batch = t.global_batch
+        batches = source.micro_batches_at(consumed, batch)
         with acts.track():
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
@@ -321,11 +324,13 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             eval_loss = evaluation.evaluate(engine, source, layout.pp, groups, device,
                                             loss_for(shape, groups))
             eval_s = time.perf_counter() - t_eval
-        progress = source.progress((step + 1) * t.global_batch)
+        first_read, read = _read_span(source.read, groups, device)
+        consumed += batch
+        progress = source.progress(consumed)
         states = state_meter.read()
         last = StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
-            step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+            step_time_s=dt, tokens_per_s=batch * shape.seq_len / dt,
             lr=lr, grad_norm=_grad_norm(engine),
             bubble_s=None if waited is None else min(waited, dt),
             tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
@@ -333,7 +338,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             resume_skipped=skipped if step == start else None,
             ended_at=ended_at, eval_s=eval_s, load_s=load_s if step == start else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
-            first_sample=step * t.global_batch,
+            first_sample=first_read, batch=read or None,
             memory=MemoryReport(
                 params_bytes=states.get("params", 0),
                 grads_bytes=states.get("grads", 0),
@@ -431,6 +436,23 @@ def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn) -> float:
         dp_all_reduce(device_total, groups.dp)
         total = device_total.cpu() / dp
     return float(total)
+
+
+def _read_span(read: list[int], groups: RankGroups, device: torch.device
+               ) -> tuple[int | None, int]:
+    """Collective over the DP group: the first global sample number its replicas' loaders
+    returned this step and how many they returned in all (None, 0: this pipeline stage reads
+    no data). A replica reads a contiguous slice, the replicas one after the other: the step
+    read [first, first + count), as the step report says."""
+    dp = groups.dims.dp
+    box = torch.zeros((dp, 2), dtype=torch.int64, device=device)
+    if read:
+        box[groups.dp_rank] = torch.tensor([min(read) + 1, len(read)], dtype=torch.int64)
+    if dp > 1:
+        dist.all_reduce(box, group=groups.dp)
+    rows = box.tolist()
+    firsts = [f - 1 for f, n in rows if n]
+    return (min(firsts) if firsts else None), sum(n for _, n in rows)
 
 
 def _grad_norm(engine) -> float | None:
