@@ -34,7 +34,8 @@ step's report (`StepReport.checkpoint_bytes`, `checkpoints_removed`), and the co
 the job's tags and their bytes (`service.store.checkpoints`).
 
 Called by `workers.trainer.train`; `agreed_resume_step` and `newest_complete_step` also by custom
-entrypoints.
+entrypoints. One module because saving, marking, pruning and resuming are one protocol over the
+same tag and its marker: each step of it relies on what the others write.
 """
 
 from __future__ import annotations
