@@ -66,20 +66,27 @@ def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no 
                      " tokenizer.json) and show its special tokens.")]
             = None,
             samples: Annotated[int, typer.Option(min=0, max=100)] = 3,
+            index: Annotated[bool, typer.Option(
+                "--index", help="Record the scan of its token ids under the server's data"
+                " directory (TRIDENT_DATA_DIR), where the controller finds it: a corpus"
+                " without PREFIX.meta.json (prepared by Megatron's own tool) is then never"
+                " scanned before a job.")] = False,
             as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Print a corpus's header (magic, version, dtype), its counts (sequences, documents,
-    tokens), its largest token id, and its first documents (decoded with --tokenizer, whose
-    special tokens it shows: BOS, EOS, whether a BOS is added and why, a chat template).
+    tokens), its largest token id (from PREFIX.meta.json or the data directory's record when
+    one describes the files, else scanned), and its first documents (decoded with --tokenizer,
+    whose special tokens it shows: BOS, EOS, whether a BOS is added and why, a chat template).
 
-    Example: trident data inspect /corpora/books/books --tokenizer gpt2
+    Example: trident data inspect /corpora/books/books --tokenizer gpt2 --index
     """
     from service.files.corpus import CorpusError
     from service.files.corpus_prepare import PrepareError
     from service.files.corpus_prepare import inspect as run
+    from service.settings import Settings
 
     try:
-        info = run(prefix, tokenizer, samples)
-    except (CorpusError, PrepareError) as exc:
+        info = run(prefix, tokenizer, samples, data_dir=Settings().data_dir, index=index)
+    except (CorpusError, PrepareError, OSError) as exc:
         fail(str(exc))
     if as_json:
         typer.echo(json.dumps(info, indent=2))
@@ -88,7 +95,7 @@ def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no 
                f" {info['version']}, dtype {info['dtype']}")
     typer.echo(f"  {info['documents']} documents, {info['sequences']} sequences,"
                f" {info['tokens']} tokens (mean {info['mean_sequence']:.1f} per sequence),"
-               f" largest token id {info['max_token']}")
+               f" largest token id {info['max_token']} ({SCAN_SAID[info['scan']]})")
     typer.echo(f"  .idx {info['idx_bytes']} bytes, .bin {info['bin_bytes']} bytes")
     if (specials := info["special_tokens"]) is not None:
         from service.files.corpus_prepare import special_line
@@ -98,6 +105,10 @@ def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no 
     for s in info["samples"]:
         shown = json.dumps(s["text"]) if s["text"] is not None else s["ids"]
         typer.echo(f"  [{s['sequence']}] {s['tokens']} tokens: {shown}")
+
+
+SCAN_SAID = {"meta": "from PREFIX.meta.json", "data_dir": "from the data directory's record",
+             "scanned": "scanned now", "recorded": "scanned now, recorded in the data directory"}
 
 
 def register(app: typer.Typer) -> None:

@@ -332,7 +332,7 @@ def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, 
         controller = Controller(store, RayLauncher(server=ServerData.of(settings),
                                                    light_ranks=True, namespace=namespace),
                                 checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
-                                cancel_grace_s=5)
+                                cancel_grace_s=5, data_dir=tmp_path)
         with authed_client(create_app(settings, store=store), store) as client:
             yield client, store, controller
         controller.shutdown(stop_jobs=True)

@@ -220,7 +220,7 @@ def served_stack(settings: Settings, *, step_s: float | None = 0.2,
                                    server=ServerData.of(settings),
                                    light_ranks=settings.light_ranks, namespace=namespace)
             ctl = Controller(store, launcher, **{"checkpoint_root": settings.checkpoint_root,
-                                                 **controller})
+                                                 "data_dir": settings.data_dir, **controller})
             if before is not None:
                 before(ctl)
             if step_s is not None:

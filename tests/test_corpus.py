@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.files import corpus
+from service.files import corpus, corpus_scan
 from service.files.corpus_prepare import PrepareError, inspect, prepare
 from service.files.tokenizer import Gpt2
 
@@ -80,6 +80,9 @@ def test_prepared_corpus_reads_through_megatron(tmp_path):
     info = inspect(prefix, "gpt2")
     assert info["documents"] == 3 and info["samples"][0]["text"].startswith("The quick")
     assert info["max_token"] == 50256
+    # Recorded by prepare beside the .idx, for the files as written: what a scan finds.
+    assert info["scan"] == "meta"
+    assert corpus_scan.read_meta(prefix) == corpus_scan.scan(prefix)
 
 
 def test_prepare_refuses_bad_inputs(tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from api.app import create_app
-from service.files import corpus
+from service.files import corpus_scan
 from service.files.data_check import CHECK_SLOTS, ChecksBusy, CheckSlots
 from service.settings import Settings
 from service.store import Store
@@ -172,15 +172,15 @@ def test_a_slow_data_check_does_not_spend_the_search_budget(
     """A check that spends more CPU than `parallel: auto`'s search may (0.5 s), then an auto
     layout of 8 ranks: planned, not refused for the search's budget."""
     write_corpus(corpora / "web", [[1] * 300] * 20)
-    real = corpus.check
+    real = corpus_scan.scan
 
-    def slow(prefix: str, vocab: int) -> corpus.Header:
+    def slow(prefix: str) -> corpus_scan.Scan:
         start = time.thread_time()
         while time.thread_time() - start < 0.7:
             pass
-        return real(prefix, vocab)
+        return real(prefix)
 
-    monkeypatch.setattr(corpus, "check", slow)
+    monkeypatch.setattr(corpus_scan, "scan", slow)
     spec = tokens_spec(corpora / "web", parallel="auto",
                        train={"steps": 6, "global_batch": 64, "precision": "fp32"},
                        cluster={"gpu": "cpu", "nodes": 1, "gpus_per_node": 8})

@@ -434,14 +434,15 @@ RUNS_HERE = {
     "cli.node": {"service.cluster.inventory", "service.cluster.node_labels",
                  "service.cluster.rayhead", "service.cluster.raynode",
                  "service.secrets", "service.settings"},
-    "cli.data": {"service.files.corpus", "service.files.corpus_prepare"},
+    "cli.data": {"service.files.corpus", "service.files.corpus_prepare", "service.settings"},
 }
 """The commands that run a part of the server on this machine, and what of it they import:
 `trident up` and `trident controller` (`cli.main`) start the API, the Ray head and the
 controller, and `trident up`'s stop (`cli.stopping`) asks the database which jobs are
 active; `trident bootstrap` (`cli.identity`) makes the first admin in the database;
 `trident node start/stop` (`cli.node`) run a Ray node of this machine; `trident data
-prepare/inspect` (`cli.data`) work on local corpus files. Every other command talks to a
+prepare/inspect` (`cli.data`) work on local corpus files (`inspect --index` records its scan
+in the server's data directory, `TRIDENT_DATA_DIR`). Every other command talks to a
 server through `client.TridentClient` only."""
 
 

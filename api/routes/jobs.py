@@ -90,7 +90,8 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
         tracking=request.app.state.tracking,
         box=request.app.state.box, checks=CheckSlots(
             folder=settings.data_dir / CHECK_SLOTS, total=settings.data_checks,
-            per_user=settings.data_checks_per_user, wait_s=settings.data_check_wait_s))
+            per_user=settings.data_checks_per_user, wait_s=settings.data_check_wait_s),
+        data_dir=settings.data_dir)
 
 
 def job_out(store: Store, job: Job, who: Principal, *, secrets: list[str] | None = None,

@@ -63,6 +63,7 @@ from service.control.budget_watch import EVERY_S, BudgetWatch
 from service.control.cluster_probes import ClusterProbes
 from service.control.control_pass import Change, LiveAttempt, StepResult
 from service.control.cordons import Cordons
+from service.control.corpus_admission import READY, SCANNING, CorpusAdmission
 from service.control.node_survey import NodeSurvey
 from service.control.pace import FAST_FOR_S, Activity
 from service.control.preempting import Preemptions
@@ -133,8 +134,11 @@ class Controller:
                  nonfinite_loss_steps: int = 10, lemon_failures: int = 0,
                  lemon_window_s: float = 3600.0,
                  prices: Mapping[str, ProfilePrice] | None = None,
-                 budget_every_s: float = EVERY_S) -> None:
+                 budget_every_s: float = EVERY_S, data_dir: Path | None = None) -> None:
         self.store = store
+        self.corpora = CorpusAdmission(data_dir)
+        """Queued jobs' corpora that no record describes, scanned before admission, beside
+        the loop (`data_dir`: the server's, where the scans are recorded)."""
         self.ingest = MetricsIngest(store)
         """Step reports go through it: a job-level row per step, per-rank rows sampled."""
         self.fence = fence
@@ -249,7 +253,7 @@ class Controller:
         runs = list(self.running.values())
         now = time.monotonic()
         beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
-                  or self.rescaling.moving or self.preemptions.victims)
+                  or self.rescaling.moving or self.preemptions.victims or self.corpora.scanning)
         return Activity(
             starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
             changed=bool(result.changes), steady=bool(runs) and not beside,
@@ -261,6 +265,7 @@ class Controller:
         controller watches. Teardowns in flight are waited for, up to `shutdown_timeout_s`
         (all at once, inside the part of `trident up`'s stop it is given: `cli.stopping`)."""
         self.nodes.close()
+        self.corpora.close()
         if self.exporter is not None:
             self.exporter.close()
         if stop_jobs:
@@ -309,7 +314,20 @@ class Controller:
             queued = self.store.queued_jobs(limit=ADMIT_PAGE, offset=offset)
             if not queued:
                 return
-            adm = admit(queued, self.launcher.free_capacity(), self.launcher.total_capacity(),
+            ready = []
+            for job in queued:
+                verdict = self.corpora.verdict(job)
+                if verdict == READY:
+                    ready.append(job)
+                elif verdict == SCANNING:
+                    offset += 1  # stays queued while its corpus is scanned
+                else:
+                    self.move(job, JobState.FAILED, verdict, result, error=verdict)
+            if not ready:
+                if len(queued) < ADMIT_PAGE:
+                    return
+                continue
+            adm = admit(ready, self.launcher.free_capacity(), self.launcher.total_capacity(),
                         quotas=quotas, holding=holding, restarting=keeping)
             for job, why in adm.impossible:
                 if job.attempts:  # it ran here: the cluster shrank, and may grow back
@@ -329,7 +347,7 @@ class Controller:
                 if placing is not None:
                     self._place(placing, result)
             skipped = len(adm.impossible) + len(adm.waiting)
-            if adm.admitted or skipped < len(queued) or len(queued) < ADMIT_PAGE:
+            if adm.admitted or skipped < len(ready) or len(queued) < ADMIT_PAGE:
                 self.blocked = adm.blocked.id if adm.blocked is not None else None
                 restart = adm.blocked is not None and adm.blocked.state == JobState.RESTARTING
                 if adm.blocked is not None and not adm.admitted and not restart:

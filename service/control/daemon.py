@@ -237,7 +237,7 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           # (`cli.stopping.CONTROLLER_SHARE`).
                           shutdown_timeout_s=0.4 * settings.stop_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
-                          tracking=TrackingConfig.of(settings),
+                          tracking=TrackingConfig.of(settings), data_dir=settings.data_dir,
                           tag_steps_max_bytes=settings.tag_steps_max_bytes)
 
     loop = LeaderLoop(leader, make_controller)

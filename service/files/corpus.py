@@ -243,7 +243,7 @@ def _arrays(ipath: str, n: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return lengths, pointers, docs
 
 
-def _bin_chunks(header: Header) -> Iterator[tuple[int, np.ndarray]]:
+def bin_chunks(header: Header) -> Iterator[tuple[int, np.ndarray]]:
     """(first token, tokens) of the corpus's `.bin`, `SCAN_CHUNK` tokens at a time, read into
     one buffer (no mapping: the pages read do not stay the reader's)."""
     path = bin_path(header.prefix)
@@ -263,7 +263,7 @@ def _bin_chunks(header: Header) -> Iterator[tuple[int, np.ndarray]]:
 def max_token(header: Header) -> int:
     """The largest token id in the corpus's `.bin` (-1 when it holds none), read in chunks of
     `SCAN_CHUNK` tokens so that memory stays bounded."""
-    return max((int(chunk.max()) for _, chunk in _bin_chunks(header)), default=-1)
+    return max((int(chunk.max()) for _, chunk in bin_chunks(header)), default=-1)
 
 
 def check(prefix: str, vocab: int) -> Header:
@@ -272,7 +272,7 @@ def check(prefix: str, vocab: int) -> Header:
     header = read_header(prefix)
     if header.dtype_code in (1, 8) and (255 if header.dtype_code == 1 else 65535) < vocab:
         return header  # every id the dtype can hold is inside the vocabulary
-    for start, chunk in _bin_chunks(header):
+    for start, chunk in bin_chunks(header):
         top, low = int(chunk.max()), int(chunk.min())
         if top >= vocab:
             where = start + int(np.argmax(chunk >= vocab))

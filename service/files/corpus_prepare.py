@@ -8,7 +8,9 @@ end-of-document token (EOS), by a pool of `workers` processes (tokenizing is the
 part); the parent writes the documents in input order with Megatron's own
 `IndexedDatasetBuilder`, so the result is a Megatron indexed dataset by construction (read back
 by `service.files.corpus`). The files are written under temporary names and renamed when complete:
-a corpus at `PREFIX` is never half written.
+a corpus at `PREFIX` is never half written. Its largest token id and token count are written
+beside it, in `PREFIX.meta.json` (`service.files.corpus_scan`), so that no submission reads its
+`.bin` to check it against a vocabulary.
 
 Tokenizers (`gpt2`, a Hugging Face tokenizer folder or `tokenizer.json`) and how each puts
 BOS and EOS around a document: `service.files.tokenizer`.
@@ -23,11 +25,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service.files import corpus
+from service.files import corpus, corpus_scan
 from service.files.tokenizer import PrepareError, Tokenizer, load_tokenizer  # noqa: F401
 
 INPUT_SUFFIXES = (".jsonl", ".txt", ".parquet")
@@ -197,7 +200,13 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
                 _encode_chunk, _chunks(inputs, field))
         else:
             results = pool.imap(_encode_chunk, _chunks(inputs, field), chunksize=1)
+        top, top_at, low = -1, -1, 0  # the corpus's token ids, for its PREFIX.meta.json
         for ids, lengths, size in results:
+            if len(ids):
+                i = int(np.argmax(ids))
+                if int(ids[i]) > top:
+                    top, top_at = int(ids[i]), tokens + i
+                low = min(low, int(ids.min()))
             start = 0
             for length in lengths.tolist():
                 builder.add_document(ids[start:start + length], [length])
@@ -210,6 +219,9 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
         builder.finalize(tmp_idx)
         os.replace(tmp_bin, corpus.bin_path(out))
         os.replace(tmp_idx, corpus.idx_path(out))
+        corpus_scan.write_meta(out, corpus_scan.Scan(
+            fingerprint=corpus_scan.scan_print(out), tokens=tokens, max_token=top,
+            max_at=top_at, min_token=low))
     finally:
         if pool is not None:
             pool.terminate()
@@ -222,12 +234,26 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
 
 
 def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
-            chars: int = 200) -> dict[str, Any]:
+            chars: int = 200, data_dir: Path | None = None,
+            index: bool = False) -> dict[str, Any]:
     """The header of corpus `prefix`, its counts, its largest token id, and the first
     `samples` documents decoded (with `tokenizer`) or as ids, and the special tokens the
     tokenizer has (BOS, EOS, whether it adds a BOS and why, whether it has a chat
-    template)."""
+    template). The largest id is read from the corpus's record when one describes it
+    (`service.files.corpus_scan.recorded`: its `PREFIX.meta.json`, or `data_dir`'s), else
+    scanned; with `index`, a scan is recorded under `data_dir`, where the controller finds it.
+    `scan` says which: `meta`, `data_dir`, `scanned` or `recorded` (scanned now and
+    recorded)."""
     h = corpus.read_header(prefix)
+    found = corpus_scan.recorded(prefix, data_dir)
+    if found is not None:
+        how = "meta" if found == corpus_scan.read_meta(prefix) else "data_dir"
+    else:
+        found = corpus_scan.scan(prefix)
+        how = "scanned"
+        if index and data_dir is not None:
+            corpus_scan.record(data_dir, prefix, found)
+            how = "recorded"
     c = corpus.Corpus(prefix)
     tok = load_tokenizer(tokenizer) if tokenizer else None
     shown = []
@@ -240,7 +266,7 @@ def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
     return {"prefix": prefix, "magic": corpus.MAGIC.decode("latin-1"),
             "version": corpus.VERSION, "dtype": h.dtype.__name__, "sequences": h.sequences,
             "documents": h.documents, "tokens": h.tokens, "idx_bytes": h.idx_bytes,
-            "bin_bytes": h.bin_bytes, "max_token": corpus.max_token(h),
+            "bin_bytes": h.bin_bytes, "max_token": found.max_token, "scan": how,
             "mean_sequence": float(lengths.mean()) if len(c) else 0.0,
             "special_tokens": tok.specials() if tok else None, "samples": shown}
 

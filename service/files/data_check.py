@@ -2,12 +2,17 @@
 by the ranks before they read them.
 
 At submission (`service.submission.intake.submit`, after `service.submission.confine` kept the
-paths inside the data
-roots) every corpus of `data.train` and `data.valid` is read (`service.files.corpus.check`): a
-missing file, a wrong magic or version, counts that disagree with the `.idx`'s or the `.bin`'s
-size, a token id at or above `model.vocab`, or fewer tokens than one global batch needs
-(`global_batch * seq_len + 1`, in the training and the held-out part of each corpus alike) is
-a SpecError on `data.train.<i>.path` (or `data.valid.<i>.path`) naming the file and the reason.
+paths inside the data roots) the `.idx` of every corpus of `data.train` and `data.valid` is read
+(`service.files.corpus.read_header`; the `.bin` is only `stat`ed): a missing file, a wrong
+magic or version, counts that disagree with the `.idx`'s or the `.bin`'s size, or fewer tokens
+than one global batch needs (`global_batch * seq_len + 1`, in the training and the held-out
+part of each corpus alike) is a SpecError on `data.train.<i>.path` (or `data.valid.<i>.path`)
+naming the file and the reason. So is a token id at or above `model.vocab` when the corpus's
+largest token id is known already (`service.files.corpus_scan.recorded`: its
+`PREFIX.meta.json`, or the data directory's record of an earlier scan), or when its `.bin` is
+small enough to scan here (`corpus_scan.INLINE_BYTES`). A larger corpus never scanned is
+accepted: the controller scans it before it admits the job, and fails the job with the same
+reason when a token id is out of the vocabulary (`service.control.corpus_admission`).
 
 What a submission costs the API follows its spec, not its corpora: the files are read in
 bounded chunks (`service.files.corpus`), each distinct corpus once however often it is listed, and
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.contract.spec import CorpusRef, JobSpec, SpecError
-from service.files import corpus
+from service.files import corpus, corpus_scan
 from service.files.datadir import try_lock
 
 
@@ -181,19 +186,36 @@ class ChecksBusy(Exception):
         self.message = message
 
 
-def check_data(spec: JobSpec, slots: CheckSlots | None = None, user: str = "") -> JobSpec:
+def check_data(spec: JobSpec, slots: CheckSlots | None = None, user: str = "",
+               data_dir: Path | None = None) -> JobSpec:
     """SpecError naming the first corpus of `spec` that cannot be trained on and why; else the
     spec with every corpus's fingerprint. Each distinct corpus (by the real paths of its
     files) is checked once however often it is listed; with `slots`, inside one of `user`'s
-    and the server's check slots (ChecksBusy when none is free in time)."""
+    and the server's check slots (ChecksBusy when none is free in time). With `data_dir` (the
+    server's), a `.bin` is read only when it is at most `corpus_scan.INLINE_BYTES` and no record
+    says what it holds (the scan is recorded there); without it (a caller with no server) every
+    corpus with no record is scanned here."""
     data = spec.data
     if data.kind != "tokens":
         return spec
     with slots.held(user) if slots is not None else nullcontext():
-        return _checked(spec)
+        return _checked(spec, data_dir)
 
 
-def _checked(spec: JobSpec) -> JobSpec:
+def check_tokens(header: corpus.Header, vocab: int, data_dir: Path | None) -> None:
+    """CorpusError when corpus `header` holds a token id outside `vocab`, as far as is known
+    without a scan of a large `.bin` (see `check_data`)."""
+    prefix = header.prefix
+    if not corpus_scan.needs_scan(header, vocab):
+        return
+    found = corpus_scan.recorded(prefix, data_dir)
+    if found is None and (data_dir is None or header.bin_bytes <= corpus_scan.INLINE_BYTES):
+        found = corpus_scan.scan_once(prefix, data_dir)
+    if found is not None and (why := found.refusal(vocab)):
+        raise corpus.CorpusError(corpus.bin_path(prefix), why)
+
+
+def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
     data = spec.data
     need = spec.train.global_batch * spec.model.seq_len + 1
     checked: dict[tuple[str, str], tuple[corpus.Header, str]] = {}
@@ -208,7 +230,8 @@ def _checked(spec: JobSpec) -> JobSpec:
                 refs.append(ref.model_copy(update={"fingerprint": checked[key][1]}))
                 continue
             try:
-                header = corpus.check(ref.path, spec.model.vocab)
+                header = corpus.read_header(ref.path)
+                check_tokens(header, spec.model.vocab, data_dir)
                 fp = fingerprint(ref.path)
             except corpus.CorpusError as exc:
                 raise SpecError(field, str(exc)) from None

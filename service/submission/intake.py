@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from service.cluster.data_plane import NodeCapacity
 from service.cluster.profiles import profile_for
@@ -90,6 +91,9 @@ class Submitter:
     """Seals the spec's `secrets` for the store (None: a spec with secrets is refused)."""
     checks: CheckSlots | None = None
     """How many corpus checks may run at once (None: no bound; the API's are its settings)."""
+    data_dir: Path | None = None
+    """The server's data directory, where corpus scans are recorded (None: a corpus no record
+    describes is scanned at submission, whatever its size; `service.files.data_check`)."""
 
 
 def submit_once(store: Store, spec: JobSpec, key: str,
@@ -127,7 +131,7 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
     if by.confinement is not None:
         by.confinement.check(spec)
     # After confinement: no file outside the data roots is read.
-    spec = check_data(spec, by.checks, by.owner)
+    spec = check_data(spec, by.checks, by.owner, by.data_dir)
     if spec.secrets and by.box is None:
         raise SpecError("secrets", "this server keeps no secrets")
     sealed = by.box.seal_all(spec.secret_values()) if by.box is not None else {}
