@@ -10,12 +10,16 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from service.contract.states import JobState
-from service.files import corpus
+from service.files import corpus, corpus_scan
+from service.files.corpus_scan import FOLDER
 from service.files.data_check import held_out
 from service.files.order_cache import OrderCache, ServerData
 from tests.conftest import tiny_spec
@@ -207,3 +211,45 @@ def test_a_job_listing_one_corpus_64_times_caches_only_its_samples(stack, tmp_pa
         assert 0 < used <= cache.user_bytes, used
     assert written[0] == written[1]  # read again, not rewritten
     assert sorted(os.listdir(tmp_path / "corpora")) == before
+
+
+@contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """`folder` read-only inside the block: mode 0555, and for root (whom modes do not stop)
+    the immutable attribute (`chattr +i`); skipped where neither holds."""
+    mode = folder.stat().st_mode
+    folder.chmod(0o555)
+    immutable = os.geteuid() == 0 and subprocess.run(
+        ["chattr", "+i", str(folder)], capture_output=True, check=False).returncode == 0
+    try:
+        try:
+            (folder / ".probe").touch()
+        except OSError:
+            pass
+        else:
+            (folder / ".probe").unlink()
+            pytest.skip(f"{folder} cannot be made read-only here")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(mode)
+
+
+def test_a_corpus_in_a_read_only_folder_trains(stack, tmp_path) -> None:
+    """A corpus prepared by Megatron's tool (no `PREFIX.meta.json`) in a folder nobody may
+    write: submitted (its scan recorded under the data directory), its sample order built
+    under the data directory, trained to the end on real ranks; the folder as it was."""
+    client, store, controller = stack
+    folder = tmp_path / "corpora"
+    prefix = _phrases(folder)
+    before = sorted(os.listdir(folder))
+    with read_only(folder):
+        r = client.post("/api/v1/jobs", json=_resume_spec(prefix))
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
+                     900) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    assert sorted(os.listdir(folder)) == before
+    assert corpus_scan.recorded(prefix, tmp_path) is not None
+    assert os.listdir(tmp_path / FOLDER)

@@ -11,7 +11,9 @@ waits on it; the result is recorded under the data directory (`<data_dir>/corpus
 keyed by the files' fingerprint, so no later job scans it again. Until its scans are done a
 job stays queued and the jobs behind it are admitted as if it were not there; once they are
 done it is admitted as any job, or FAILED with `data.train.<i>.path: <file>: token id ... is at
-or above the model's vocabulary model.vocab(...)` (no retry: the corpus would not change).
+or above the model's vocabulary model.vocab(...)` (no retry: the corpus would not change). A
+corpus that changed since it was checked at submission (`service.files.data_check.changed`)
+is not scanned: the job is admitted, and its rank 0 fails it saying so (`workers.trainer.data`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from service.contract.spec import JobSpec
 from service.files import corpus, corpus_scan
+from service.files.data_check import changed
 from service.store import Job
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ class CorpusAdmission:
         for name in ("train", "valid"):
             for i, ref in enumerate(getattr(spec.data, name)):
                 field = f"data.{name}.{i}.path"
+                if changed(ref):  # not the files checked at submission: rank 0 fails the
+                    continue  # job saying so (and where the path leads now), not retried
                 try:
                     found = self._scan(ref.path, spec.model.vocab)
                 except (corpus.CorpusError, OSError) as exc:
@@ -84,9 +89,6 @@ class CorpusAdmission:
     def _scan(self, prefix: str, vocab: int) -> corpus_scan.Scan | None:
         """The scan of corpus `prefix` (None: under way). CorpusError or OSError when it
         cannot be read."""
-        header = corpus.read_header(prefix)
-        if not corpus_scan.needs_scan(header, vocab):
-            return corpus_scan.Scan(corpus_scan.scan_print(prefix), header.tokens, -1, -1, 0)
         found = corpus_scan.recorded(prefix, self.data_dir)
         if found is not None:
             return found
@@ -94,6 +96,9 @@ class CorpusAdmission:
         with self._lock:
             future = self._scans.get(key)
             if future is None:
+                header = corpus.read_header(prefix)
+                if not corpus_scan.needs_scan(header, vocab):
+                    return corpus_scan.Scan(key[1], header.tokens, -1, -1, 0)
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="corpus-scan")
                 log.info("scanning %s for its largest token id (no record describes it)",

@@ -94,13 +94,16 @@ class Header:
         return DTYPES[self.dtype_code]
 
 
-def read_header(prefix: str) -> Header:
+def read_header(prefix: str, tokens: int | None = None) -> Header:
     """The header of corpus `prefix`, after checking that both files exist and are regular
     files, the magic, version and dtype are Megatron's, the `.idx` holds exactly its arrays,
     the document boundaries run from 0 to the sequence count without going back, the byte
     offsets are those of the lengths and the `.bin` holds exactly the tokens the lengths count.
     CorpusError otherwise. The arrays are read `CHECK_CHUNK` sequences at a time: the memory
-    it takes does not grow with the corpus (the API checks every `.idx` of a submission)."""
+    it takes does not grow with the corpus. With `tokens` (the count a record of these very
+    files says: `service.files.corpus_scan`, made after this check passed on them), the arrays
+    are not read again: the fixed header, the `.idx`'s size and the `.bin`'s against `tokens`
+    are checked, whatever the corpus's size."""
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for path in (ipath, bpath):
         if not os.path.isfile(path):
@@ -110,7 +113,7 @@ def read_header(prefix: str) -> Header:
         bin_bytes = os.path.getsize(bpath)
         with _opened(ipath) as fd:
             idx_bytes = os.fstat(fd).st_size
-            return _checked(prefix, fd, idx_bytes, bin_bytes)
+            return _checked(prefix, fd, idx_bytes, bin_bytes, tokens)
     except OSError as exc:
         raise CorpusError(ipath, f"cannot be read ({exc.strerror})") from None
 
@@ -129,7 +132,8 @@ def _opened(path: str) -> Iterator[int]:
         os.close(fd)
 
 
-def _checked(prefix: str, fd: int, idx_bytes: int, bin_bytes: int) -> Header:
+def _checked(prefix: str, fd: int, idx_bytes: int, bin_bytes: int,
+             known: int | None) -> Header:
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     head = os.pread(fd, HEADER_BYTES, 0)
     if len(head) < HEADER_BYTES or head[:9] != MAGIC:
@@ -151,9 +155,12 @@ def _checked(prefix: str, fd: int, idx_bytes: int, bin_bytes: int) -> Header:
                           f" {idx_bytes}")
     if d < 1:
         raise CorpusError(ipath, "no document boundaries (a Megatron index holds at least 0)")
-    _check_boundaries(ipath, fd, n, d)
     size = np.dtype(DTYPES[code]).itemsize
-    tokens = _check_offsets(ipath, fd, n, size)
+    if known is not None:
+        tokens = known
+    else:
+        _check_boundaries(ipath, fd, n, d)
+        tokens = _check_offsets(ipath, fd, n, size)
     if bin_bytes != tokens * size:
         raise CorpusError(bpath, f"counts disagree with the file's size: the index counts"
                           f" {tokens} tokens of {size} bytes = {tokens * size} bytes, the file"

@@ -3,7 +3,8 @@ by the ranks before they read them.
 
 At submission (`service.submission.intake.submit`, after `service.submission.confine` kept the
 paths inside the data roots) the `.idx` of every corpus of `data.train` and `data.valid` is read
-(`service.files.corpus.read_header`; the `.bin` is only `stat`ed): a missing file, a wrong
+(`service.files.corpus.read_header`: its fixed header alone when a record of the files gives
+their token count, every array otherwise; the `.bin` is only `stat`ed): a missing file, a wrong
 magic or version, counts that disagree with the `.idx`'s or the `.bin`'s size, or fewer tokens
 than one global batch needs (`global_batch * seq_len + 1`, in the training and the held-out
 part of each corpus alike) is a SpecError on `data.train.<i>.path` (or `data.valid.<i>.path`)
@@ -202,13 +203,28 @@ def check_data(spec: JobSpec, slots: CheckSlots | None = None, user: str = "",
         return _checked(spec, data_dir)
 
 
-def check_tokens(header: corpus.Header, vocab: int, data_dir: Path | None) -> None:
+def read_checked(prefix: str, vocab: int, data_dir: Path | None) -> corpus.Header:
+    """The header of corpus `prefix` (`corpus.read_header`: its arrays read only when no record
+    of the files gives their token count), after `check_tokens`."""
+    try:
+        found = corpus_scan.recorded(prefix, data_dir)
+    except OSError:  # a file missing: read_header says which
+        found = None
+    header = corpus.read_header(prefix, found.tokens if found is not None else None)
+    check_tokens(header, vocab, data_dir, found)
+    return header
+
+
+def check_tokens(header: corpus.Header, vocab: int, data_dir: Path | None,
+                 found: corpus_scan.Scan | None = None) -> None:
     """CorpusError when corpus `header` holds a token id outside `vocab`, as far as is known
-    without a scan of a large `.bin` (see `check_data`)."""
+    without a scan of a large `.bin` (see `check_data`); `found`: its record, looked up
+    already."""
     prefix = header.prefix
     if not corpus_scan.needs_scan(header, vocab):
         return
-    found = corpus_scan.recorded(prefix, data_dir)
+    if found is None:
+        found = corpus_scan.recorded(prefix, data_dir)
     if found is None and (data_dir is None or header.bin_bytes <= corpus_scan.INLINE_BYTES):
         found = corpus_scan.scan_once(prefix, data_dir)
     if found is not None and (why := found.refusal(vocab)):
@@ -230,8 +246,7 @@ def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
                 refs.append(ref.model_copy(update={"fingerprint": checked[key][1]}))
                 continue
             try:
-                header = corpus.read_header(ref.path)
-                check_tokens(header, spec.model.vocab, data_dir)
+                header = read_checked(ref.path, spec.model.vocab, data_dir)
                 fp = fingerprint(ref.path)
             except corpus.CorpusError as exc:
                 raise SpecError(field, str(exc)) from None
