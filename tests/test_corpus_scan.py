@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -236,3 +237,23 @@ def test_inspect_index_records_the_scan_where_the_controller_finds_it(
     again = inspect(prefix, samples=0, data_dir=data_dir)
     assert again["scan"] == "data_dir" and again["max_token"] == 17
     assert not os.path.exists(corpus_scan.meta_path(prefix))  # the corpus folder untouched
+
+
+def test_the_inspect_command_records_under_trident_data_dir(root: Path, data_dir: Path) -> None:
+    """`trident data inspect PREFIX --index` records the scan in `TRIDENT_DATA_DIR`; the next
+    inspect reads it from there and says so."""
+    prefix = str(root / "megatron")
+    sparse_corpus(Path(prefix), 1000, last=17, doc=100)
+    env = {**os.environ, "TRIDENT_DATA_DIR": str(data_dir)}
+
+    def run(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "data", "inspect", prefix,
+                               "--samples", "0", *extra], capture_output=True, text=True,
+                              env=env, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "largest token id 17 (scanned now, recorded in the data directory)" \
+        in run("--index")
+    assert "largest token id 17 (from the data directory's record)" in run()
+    assert corpus_scan.recorded(prefix, data_dir) is not None
