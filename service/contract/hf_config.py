@@ -7,11 +7,13 @@ attention, tied or untied head), `Qwen2ForCausalLM` (Llama with biases on q, k a
 learned positions, biases, tied head). The norms' epsilon is read into `norm_eps`. The
 rotary base comes from `transformers` 5's `rope_parameters` (`{"rope_theta": ...,
 "rope_type": "default"}`, with `rope_theta: null` at the top) or from
-`transformers` 4's top-level `rope_theta`. A field the built-in trainer cannot honour is refused
-naming it (`HfConfigError.field`): RoPE scaling, a head size other than hidden / heads, partial
-biases (`attention_bias`, `mlp_bias`), a sliding window shorter than the sequence, an
-activation other than the family's, GPT-2's attention variants (`scale_attn_by_inverse_layer_idx`,
-`reorder_and_upcast_attn`).
+`transformers` 4's top-level `rope_theta`. A sliding window (Mistral's `sliding_window`,
+Qwen2's with `use_sliding_window` from `max_window_layers`, or `layer_types`) is read into
+`sliding_window` and `full_attention_layers`. A field the built-in trainer cannot honour is
+refused naming it (`HfConfigError.field`): RoPE scaling, a head size other than hidden / heads,
+partial biases (`attention_bias`, `mlp_bias`), `layer_types` that mix sliding and full layers
+in another order than full first, an activation other than the family's, GPT-2's attention
+variants (`scale_attn_by_inverse_layer_idx`, `reorder_and_upcast_attn`).
 
 The spec field `model.hf_config: PATH` reads a config through `read_fields`, with the reader
 the caller installs (`reading`): the API's submission route reads inside the server's
@@ -202,19 +204,37 @@ def _llama(c: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         if c.get(flag):
             raise HfConfigError(flag, "biases on some linear layers only are not built")
     seq = seq_len or int(c["max_position_embeddings"])
-    window = c.get("sliding_window")
-    if c["model_type"] == "qwen2" and not c.get("use_sliding_window", False):
-        window = None  # Qwen2 keeps the field but slides only with use_sliding_window
-    if window is not None and window < seq:
-        raise HfConfigError("sliding_window", f"sliding_window({window}) < seq_len({seq}):"
-                            " the trainer's attention is full causal")
-    return {"layers": int(c["num_hidden_layers"]), "hidden": hidden, "heads": heads,
+    return {**sliding_window(c),
+            "layers": int(c["num_hidden_layers"]), "hidden": hidden, "heads": heads,
             "kv_heads": int(c.get("num_key_value_heads") or heads),
             "vocab": int(c["vocab_size"]), "seq_len": seq,
             "ffn_hidden": int(c["intermediate_size"]), "activation": "swiglu",
             "tied": bool(c.get("tie_word_embeddings", False)), "rope_theta": rope_theta(c),
             "qkv_bias": c["model_type"] == "qwen2",
             "norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+
+
+def sliding_window(c: dict[str, Any]) -> dict[str, Any]:
+    """`sliding_window` and `full_attention_layers` as `transformers` builds them: Mistral
+    slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
+    from layer `max_window_layers` on; a `layer_types` list (transformers 5 writes it) says it
+    layer by layer, and must be full layers first, then sliding ones."""
+    window = c.get("sliding_window")
+    layers = int(c["num_hidden_layers"])
+    if c["model_type"] == "qwen2" and not c.get("use_sliding_window", False):
+        window = None  # Qwen2 keeps the field but slides only with use_sliding_window
+    if window is None:
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise HfConfigError("sliding_window", f"{window!r} is not a positive whole number")
+    full = int(c.get("max_window_layers", 0)) if c["model_type"] == "qwen2" else 0
+    types = c.get("layer_types")
+    if isinstance(types, list):
+        full = sum(1 for t in types if t == "full_attention")
+        if types != ["full_attention"] * full + ["sliding_attention"] * (len(types) - full):
+            raise HfConfigError("layer_types", "the trainer builds full-attention layers"
+                                " first, then sliding-window ones; this order is not built")
+    return {"sliding_window": window, "full_attention_layers": min(full, layers)}
 
 
 def _gpt2(c: dict[str, Any], seq_len: int | None) -> dict[str, Any]:

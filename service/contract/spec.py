@@ -134,6 +134,13 @@ class ModelSpec(_Strict):
     norm_eps: Annotated[float, Field(gt=0, le=1.0)] | None = None
     """The norms' epsilon (Llama: `rms_norm_eps`, GPT-2: `layer_norm_epsilon`); default:
     torch's (LayerNorm 1e-5, RMSNorm the dtype's machine epsilon)."""
+    sliding_window: Annotated[int, Field(ge=1, le=1_048_576)] | None = None
+    """Sliding-window attention (Mistral's `sliding_window`, Qwen2's with
+    `use_sliding_window`): a token attends to itself and the `sliding_window - 1` tokens before
+    it; None (or a window of seq_len or more): full causal attention."""
+    full_attention_layers: Annotated[int, Field(ge=0, le=1024)] = 0
+    """With `sliding_window`: the first this many blocks attend fully, the others slide
+    (Qwen2's `max_window_layers`; Mistral: 0, every block slides)."""
     hf_config: OsPath | None = None
     """A Hugging Face `config.json` on the server (inside its checkpoint roots) that gives
     every dimension and trait (`service.contract.hf_config`: Llama, Mistral, Qwen2, GPT-2); the
@@ -488,6 +495,13 @@ class DataSpec(_Strict):
     eval_batches: Annotated[int, Field(ge=1, le=10_000)] = 4
     """Global batches per evaluation: the same first `eval_batches * train.global_batch`
     samples of the validation order every time, so evaluations compare."""
+    document_mask: bool = False
+    """Kind `tokens`: attention never crosses a document boundary inside a packed window,
+    and positions restart at 0 in each document (Megatron's `reset_attention_mask` and
+    `reset_position_ids`); the documents are the corpus's sequences (`docs/data.md`)."""
+    eod_loss_mask: bool = False
+    """Kind `tokens`: no loss on the prediction made at each document's last token, its EOD
+    (of the next document's first token; Megatron's `eod_mask_loss`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> DataSpec:
@@ -498,6 +512,10 @@ class DataSpec(_Strict):
                                     " 'synthetic' draws its data from the seed")
             if self.valid_fraction:
                 raise SpecError("data.valid_fraction", "valid_fraction is for kind 'tokens'")
+            for name in ("document_mask", "eod_loss_mask"):
+                if getattr(self, name):
+                    raise SpecError(f"data.{name}", "documents are a corpus's: kind 'tokens';"
+                                    " a synthetic sample is one sequence")
             return self
         if not self.train:
             raise SpecError("data.train", "kind 'tokens' needs at least one training corpus")

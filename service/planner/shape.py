@@ -50,6 +50,11 @@ class ModelShape:
     """The GELU MLP uses GELU's tanh approximation (GPT-2's `gelu_new`)."""
     norm_eps: float | None = None
     """The norms' epsilon (None: torch's default)."""
+    sliding_window: int | None = None
+    """Blocks from `full_attention_layers` on attend to this many tokens at most (themselves
+    included); None: full causal attention."""
+    full_attention_layers: int = 0
+    """Blocks before this one attend fully even with a sliding window (Qwen2)."""
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> ModelShape:
@@ -65,7 +70,8 @@ class ModelShape:
             positions=cast(Positions, positions),
             tied=m.tied if m.tied is not None else bool(traits.get("tied", not swiglu)),
             dropout=bool(traits.get("dropout", not swiglu)), rope_theta=m.rope_theta,
-            qkv_bias=m.qkv_bias, gelu_tanh=m.activation == "gelu_tanh", norm_eps=m.norm_eps)
+            qkv_bias=m.qkv_bias, gelu_tanh=m.activation == "gelu_tanh", norm_eps=m.norm_eps,
+            sliding_window=m.sliding_window, full_attention_layers=m.full_attention_layers)
 
     def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.modeling.model`) would build a model other than the
@@ -81,6 +87,15 @@ class ModelShape:
             return None
         return ("the built-in trainer builds " + " and ".join(traits) + "; use an entrypoint"
                 " for this model")
+
+    def window(self, layer: int) -> int | None:
+        """Block `layer`'s sliding window, None when it attends to every earlier token of its
+        sequence (no window, a window of seq_len or more, or a block before
+        `full_attention_layers`)."""
+        w = self.sliding_window
+        if w is None or w >= self.seq_len or layer < self.full_attention_layers:
+            return None
+        return w
 
     @property
     def activation(self) -> Literal["gelu", "swiglu"]:

@@ -77,7 +77,8 @@ def _norm(shape: ModelShape) -> nn.Module:
     return nn.RMSNorm(shape.hidden, eps=shape.norm_eps)
 
 
-def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+def rotary(x: torch.Tensor, base: float = 10000.0,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate (batch, heads, seq, head_dim) queries or keys by their position (RoPE, with the
     halves of each head as the pairs, as Llama's Hugging Face port does).
 
@@ -85,9 +86,14 @@ def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     (length, head size, base, device, dtype) (`rotary_tables`): two products and a sum per
     element, each the same IEEE operation on the same operands as the explicit pairs
     `[x1 cos - x2 sin, x1 sin + x2 cos]`, so the result (and its gradient) is bit for bit that
-    of the pairs, without drawing the tables again at every block and step."""
+    of the pairs, without drawing the tables again at every block and step.
+
+    `positions` (batch, seq): each token's position (with document masks, restarting at 0 in
+    each document: `document_positions`); None: 0 .. seq-1."""
     s, d = x.shape[-2], x.shape[-1]
     cos, sin = rotary_tables(s, d, float(base), x.device, x.dtype)
+    if positions is not None:
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -104,6 +110,70 @@ def rotary_tables(s: int, d: int, base: float, device: torch.device,
         angle = torch.outer(torch.arange(s, dtype=torch.float32, device=device), inv)
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+Documents = torch.Tensor
+"""(batch, seq) int64: the document each input token belongs to, numbered from 0 in each
+window (`data.document_mask`: `workers.trainer.data`). It travels with the hidden states
+through every block and pipeline stage (an integer tensor: no gradient), replicated over TP."""
+
+
+def document_positions(documents: Documents) -> torch.Tensor:
+    """(batch, seq) positions that restart at 0 where each document starts (Megatron's
+    `reset_position_ids`)."""
+    s = documents.shape[-1]
+    index = torch.arange(s, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=-1).values
+
+
+def attention_bias(s: int, window: int | None, documents: Documents | None,
+                   device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive attention mask (0 where a query sees a key, -inf elsewhere) of causal
+    attention limited to a sliding `window` (a query sees itself and the window - 1 tokens
+    before it, as `transformers`' `sliding_window_overlay`: `kv > q - window`) and to each
+    token's own document (Megatron's `reset_attention_mask`): (batch or 1, 1, s, s), or None
+    for plain causal attention (`scaled_dot_product_attention(is_causal=True)`).
+
+    An explicit mask for `scaled_dot_product_attention`, not a flex_attention block mask:
+    torch's flex_attention has no backward on CPU (eager), and this one runs the same on CPU
+    and GPU (the memory-efficient kernel there). The kernels compute every block, masked or
+    not: a document mask saves no FLOPs, and costs the mask's memory (`service.planner.memory`).
+    One mask per (documents, window, dtype) is built per forward, shared by the blocks of a
+    stage (`_bias_for`)."""
+    if documents is None and (window is None or window >= s):
+        return None
+    q = torch.arange(s, device=device)
+    seen = q[None, :] <= q[:, None]
+    if window is not None and window < s:
+        seen = seen & (q[None, :] > q[:, None] - window)
+    seen = seen[None, None]
+    if documents is not None:
+        seen = seen & (documents[:, None, :, None] == documents[:, None, None, :])
+    bias = torch.zeros(seen.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~seen, float("-inf"))
+
+
+def _bias_for(s: int, window: int | None, documents: Documents | None, device: torch.device,
+              dtype: torch.dtype) -> torch.Tensor | None:
+    """`attention_bias`, built once per documents tensor (kept on it: every block of a stage
+    gets the same tensor object, each micro-batch a new one) or per (s, window) without one."""
+    if documents is None:
+        return _window_bias(s, window, device, dtype)
+    key = (s, window, dtype)
+    cache: dict = documents.__dict__.setdefault("_attention_bias", {})
+    if key not in cache:
+        with torch.no_grad():
+            cache[key] = attention_bias(s, window, documents, device, dtype)
+    return cache[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _window_bias(s: int, window: int | None, device: torch.device,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+    with torch.inference_mode(False), torch.no_grad():
+        return attention_bias(s, window, None, device, dtype)
 
 
 def init_weight(seed: int, layer: int, name: str, shape: tuple[int, int],
@@ -159,7 +229,11 @@ class Embedding(nn.Module):
         if self.sp_group is not None and self.pos is not None:
             all_reduce_grads_over_tp([self.pos], self.sp_group)  # each rank adds its chunk's
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, Documents]
+                ) -> torch.Tensor | tuple[torch.Tensor, Documents]:
+        """Tokens (batch, seq), or (tokens, documents) with document masks: then the output
+        is (hidden states, documents), which every block passes on."""
+        tokens, documents = inputs if isinstance(inputs, tuple) else (inputs, None)
         s = tokens.shape[1]
         if self.group is None:
             x = F.embedding(tokens, self.tok)
@@ -169,12 +243,12 @@ class Embedding(nn.Module):
         else:
             x = reduce_from_tp(local_lookup(tokens, self.tok, self.vocab_start), self.group)
         if self.pos is not None:
-            pos = self.pos[:s]
+            pos = self.pos[:s] if documents is None else self.pos[document_positions(documents)]
             if self.sp_group is not None:
-                pos = pos.chunk(dist.get_world_size(self.sp_group))[
+                pos = pos.chunk(dist.get_world_size(self.sp_group), dim=-2)[
                     dist.get_rank(self.sp_group)]
             x = x + pos
-        return x
+        return x if documents is None else (x, documents)
 
 
 class Block(nn.Module):
@@ -196,6 +270,8 @@ class Block(nn.Module):
         r = groups.tp_rank if groups else 0
         self.group = groups.tp if groups and groups.tp_size > 1 else None
         self.index, self.shape, self.recompute = index, shape, recompute
+        self.window = shape.window(index)
+        """This block's sliding window (None: full causal attention)."""
         self.heads, self.kv_heads = shape.heads // tp, shape.kv_heads // tp
         h, d, f = shape.hidden, shape.head_dim, shape.ffn_hidden
         out_std = INIT_STD / math.sqrt(2 * shape.layers)  # GPT-2: scale residual projections
@@ -234,11 +310,16 @@ class Block(nn.Module):
             return reduce_scatter_seq(x, self.sp_group)
         return reduce_from_tp(x, self.group)
 
-    def _attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=self.heads != self.kv_heads)
+    def _attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention, masked by `bias` (`attention_bias`: a sliding window, document
+        boundaries) when given."""
+        gqa = self.heads != self.kv_heads
+        if bias is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
 
-    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         x = self._enter_tp(self.ln1(x))
         b, s, _ = x.shape
         d = self.shape.head_dim
@@ -246,13 +327,16 @@ class Block(nn.Module):
         k = self.k(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.shape.positions == "rotary":
-            q, k = rotary(q, self.shape.rope_theta), rotary(k, self.shape.rope_theta)
+            positions = None if documents is None else document_positions(documents)
+            q = rotary(q, self.shape.rope_theta, positions)
+            k = rotary(k, self.shape.rope_theta, positions)
+        bias = _bias_for(s, self.window, documents, x.device, q.dtype)
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
             # the attention core, whose saved activations grow with s^2.
-            y = self.checkpoint(self._attention_core, q, k, v)
+            y = self.checkpoint(self._attention_core, q, k, v, bias)
         else:
-            y = self._attention_core(q, k, v)
+            y = self._attention_core(q, k, v, bias)
         y = y.transpose(1, 2).reshape(b, s, self.heads * d)
         out = self._leave_tp(self.o(y))
         return out if self.o_bias is None else out + self.o_bias
@@ -264,15 +348,20 @@ class Block(nn.Module):
         out = self._leave_tp(self.down(y))
         return out if self.down_bias is None else out + self.down_bias
 
-    def _block(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._attention(x)
+    def _block(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self._attention(x, documents)
         return x + self._mlp(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, Documents]
+                ) -> torch.Tensor | tuple[torch.Tensor, Documents]:
+        """Hidden states, or (hidden states, documents) with document masks (passed on)."""
+        x, documents = inputs if isinstance(inputs, tuple) else (inputs, None)
         if self.recompute == "full" and torch.is_grad_enabled():
             # Full recompute: keep only the block input, recompute the rest in backward.
-            return self.checkpoint(self._block, x)
-        return self._block(x)
+            x = self.checkpoint(self._block, x, documents)
+        else:
+            x = self._block(x, documents)
+        return x if documents is None else (x, documents)
 
 
 class Head(nn.Module):
@@ -310,7 +399,8 @@ class Head(nn.Module):
         if self.sp_group is not None:
             all_reduce_grads_over_tp(list(self.ln.parameters()), self.sp_group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, Documents]) -> torch.Tensor:
+        x = inputs[0] if isinstance(inputs, tuple) else inputs
         x = self.ln(x)
         x = gather_seq(x, self.sp_group) if self.sp_group is not None else \
             copy_to_tp(x, self.group)
@@ -382,7 +472,8 @@ class GPT(nn.Module):
         self.layers = nn.Sequential(*build_layers(shape, seed, groups, recompute,
                                                   sequence_parallel=sequence_parallel))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | tuple[torch.Tensor, Documents]) -> torch.Tensor:
+        """Logits of tokens (batch, seq), or of (tokens, documents) with document masks."""
         return self.layers(tokens)
 
 

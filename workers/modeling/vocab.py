@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 from workers.modeling.tp import tp_all_reduce
 
+IGNORE = -100
+"""A label that takes no loss (cross_entropy's default `ignore_index`;
+`workers.trainer.data.IGNORE`)."""
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`loss(logits, labels)`: the mean next-token cross entropy of a micro-batch."""
 
@@ -93,10 +96,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
 
 
 def make_loss(start: int, group: dist.ProcessGroup | None) -> LossFn:
-    """The mean next-token cross entropy of a micro-batch from this rank's logit slice."""
+    """The mean next-token cross entropy of a micro-batch from this rank's logit slice, over
+    its labels but the IGNORE ones (`data.eod_loss_mask`)."""
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         flat = logits.reshape(-1, logits.shape[-1])
         if group is None:
-            return F.cross_entropy(flat.float(), labels.reshape(-1))
-        return vocab_parallel_cross_entropy(flat, labels.reshape(-1), start, group).mean()
+            return F.cross_entropy(flat.float(), labels.reshape(-1), ignore_index=IGNORE)
+        labels = labels.reshape(-1)
+        kept = labels != IGNORE
+        per_token = vocab_parallel_cross_entropy(flat, labels, start, group)
+        # As cross_entropy's ignore_index: the mean over the labels that take a loss
+        return (per_token * kept).sum() / kept.sum().clamp(min=1)
     return loss

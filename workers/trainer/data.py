@@ -34,6 +34,7 @@ import torch
 
 from service.contract.spec import JobSpec
 from service.files.order_cache import ServerData
+from workers.modeling.vocab import IGNORE
 
 NOISE = 0.1
 EVAL_OFFSET = 1 << 40
@@ -70,7 +71,16 @@ def micro_batches(*, seed: int, step: int, dp_rank: int, dp: int, global_batch: 
         yield batch(seed, first + m * micro_batch, micro_batch, seq_len, vocab)
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Any, torch.Tensor]
+"""(inputs, labels): inputs are tokens (batch, seq), or (tokens, documents) with
+`data.document_mask`; labels are the next tokens, IGNORE where no loss is taken."""
+
+
+def to_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
+    """`batches` with every tensor moved to `device`."""
+    for x, y in batches:
+        x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+        yield x, y.to(device)
 
 
 @dataclass
@@ -102,6 +112,10 @@ class DataSource:
     read: list[int] = field(default_factory=list)
     """The global sample numbers this replica's loader returned for the last training batch
     (`micro_batches_at`), in order, as each micro-batch was read."""
+    document_mask: bool = False
+    """Inputs are (tokens, documents): `workers.modeling.model.Documents` (corpora only)."""
+    eod_loss_mask: bool = False
+    """Labels after a document's EOD token are IGNORE (corpora only)."""
 
     def sample(self, j: int) -> np.ndarray | torch.Tensor:
         """The seq_len + 1 tokens of global training sample j."""
@@ -128,7 +142,9 @@ class DataSource:
 
     def _rows(self, numbers: range, order: Any, seen: list[int] | None = None
               ) -> Iterator[Batch]:
-        """Micro-batches of `numbers` read straight into one int64 array each."""
+        """Micro-batches of `numbers` read straight into one int64 array each; with
+        `document_mask` the inputs are (tokens, documents), with `eod_loss_mask` the labels
+        of the predictions made at a document's last token (its EOD) are IGNORE."""
         for m in range(0, len(numbers), self.micro_batch):
             chunk = numbers[m:m + self.micro_batch]
             rows = np.empty((len(chunk), self.seq_len + 1), dtype=np.int64)
@@ -137,7 +153,17 @@ class DataSource:
             if seen is not None:
                 seen.extend(chunk)
             t = torch.from_numpy(rows)
-            yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            if not (self.document_mask or self.eod_loss_mask):
+                yield x, y
+                continue
+            docs = np.empty_like(rows)
+            for i, j in enumerate(chunk):
+                order.documents(j, docs[i])
+            d = torch.from_numpy(docs)
+            if self.eod_loss_mask:  # input i ends its document: the next token is another's
+                y = y.masked_fill(d[:, 1:] != d[:, :-1], IGNORE)
+            yield ((x, d[:, :-1].contiguous()) if self.document_mask else x), y
 
     def micro_batches_at(self, consumed: int, count: int) -> Iterator[Batch]:
         """This DP replica's micro-batches of the global batch of `count` samples that follows
@@ -282,6 +308,7 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
         return order or sample_order.build(server.orders, user, train, t.seed, m.seq_len, more)
 
     return TokenSource(**common,  # type: ignore[arg-type]
+                       document_mask=d.document_mask, eod_loss_mask=d.eod_loss_mask,
                        train_order=train_order, valid_order=valid_order,
                        paths=[p.prefix for p in train_order.parts], reopen=reopen)
 

@@ -61,5 +61,4 @@ def evaluate(engine, source: data.DataSource, pp: int, groups: RankGroups,
 
 
 def _to(batches, device: torch.device):
-    for x, y in batches:
-        yield x.to(device), y.to(device)
+    return data.to_device(batches, device)

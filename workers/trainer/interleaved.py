@@ -54,6 +54,26 @@ def check_supported(spec: JobSpec) -> None:
             f" zero({p.zero}), offload={p.offload!r}, precision={t.precision!r}")
 
 
+class _Chunk(nn.Sequential):
+    """A model chunk called as the schedule calls a stage: with the inputs as separate
+    arguments (tokens and documents; hidden states and documents), which the layers take
+    as one tuple (`workers.modeling.model.Documents`)."""
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        x: torch.Tensor | tuple[torch.Tensor, ...] = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def _joined(xs: tuple) -> tuple[torch.Tensor, ...]:
+    """The schedule's arguments: the micro-batches' inputs joined along the batch (each
+    input a tensor, or a tuple of tokens and documents)."""
+    if isinstance(xs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*xs, strict=True))
+    return (torch.cat(xs),)
+
+
 class InterleavedEngine:
     """This rank's model chunks, their pipeline stages, the schedule and the optimizer."""
 
@@ -70,7 +90,7 @@ class InterleavedEngine:
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
         with building(device):  # each rank draws its shards on its device (fp32 only here)
-            chunks = [nn.Sequential(*build_layers(shape, t.seed, groups, p.recompute, rng,
+            chunks = [_Chunk(*build_layers(shape, t.seed, groups, p.recompute, rng,
                                                   checkpoint=torch_checkpoint,
                                                   sequence_parallel=p.sequence_parallel))
                       for rng in layers]
@@ -109,14 +129,14 @@ class InterleavedEngine:
         assert len(xs) == self.micro_batches
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
-        args = (torch.cat(xs),) if self.has_first else ()
+        args = _joined(xs) if self.has_first else ()
         target = torch.cat(ys) if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
         self._average_gradients_over_dp()
         self._grad_norm = recipe.global_grad_norm(self.params, self.groups)
         recipe.clip_grads(self.params, self._grad_norm, self.grad_clip)
         self.optimizer.step()
-        loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
+        loss = torch.zeros((), dtype=torch.float32, device=ys[0].device)
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
             loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp
@@ -131,11 +151,11 @@ class InterleavedEngine:
         averaged over DP, the same on every rank (as DeepSpeed's `eval_batch`)."""
         xs, ys = zip(*data_iter, strict=True)
         losses: list[torch.Tensor] = []
-        args = (torch.cat(xs),) if self.has_first else ()
+        args = _joined(xs) if self.has_first else ()
         target = torch.cat(ys) if self.has_last else None
         with torch.no_grad():
             self.schedule.eval(*args, target=target, losses=losses if self.has_last else None)
-        loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
+        loss = torch.zeros((), dtype=torch.float32, device=ys[0].device)
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
             loss = dp_all_reduce(loss, self.groups.dp) / self.groups.dims.dp

@@ -32,6 +32,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -284,19 +285,35 @@ class Order:
         """(corpus, that corpus's window) of global sample j."""
         return int(self.which[j]), int(self.window[j])
 
-    def tokens(self, j: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The `seq_len + 1` tokens (int64) of global sample j, written into `out` when given
-        (Megatron's `GPTDataset._query_document_sample_shuffle_indices`)."""
+    def _spans(self, j: int) -> Iterator[tuple[corpus.Corpus, int, int, int, int]]:
+        """(corpus, sequence, offset in it, length, where in the window) of each piece of
+        the corpus's sequences global sample j is made of, in order."""
         data = self.corpora[int(self.which[j])]
-        if out is None:
-            out = np.empty(self.seq_len + 1, dtype=np.int64)
         at, offset = 0, int(self.offset[j])
         for k in range(int(self.ptr[j]), int(self.ptr[j + 1])):
             seq = int(self.seqs[k])
             length = min(self.seq_len + 1 - at, int(data.lengths[seq]) - offset)
-            out[at:at + length] = data.get(seq, offset, length)
+            yield data, seq, offset, length, at
             at, offset = at + length, 0
         assert at == self.seq_len + 1, (j, at)
+
+    def tokens(self, j: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The `seq_len + 1` tokens (int64) of global sample j, written into `out` when given
+        (Megatron's `GPTDataset._query_document_sample_shuffle_indices`)."""
+        if out is None:
+            out = np.empty(self.seq_len + 1, dtype=np.int64)
+        for data, seq, offset, length, at in self._spans(j):
+            out[at:at + length] = data.get(seq, offset, length)
+        return out
+
+    def documents(self, j: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The document of each of global sample j's `seq_len + 1` tokens, numbered 0, 1, ...
+        in the window: the corpus's sequences (each a document ending with its EOD token)
+        it spans, in order; written into `out` when given."""
+        if out is None:
+            out = np.empty(self.seq_len + 1, dtype=np.int64)
+        for n, (_, _, _, length, at) in enumerate(self._spans(j)):
+            out[at:at + length] = n
         return out
 
     def drawn(self, consumed: int) -> list[int]:

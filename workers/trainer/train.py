@@ -462,8 +462,7 @@ def _grad_norm(engine) -> float | None:
 
 
 def _to(batches, device: torch.device):
-    for x, y in batches:
-        yield x.to(device), y.to(device)
+    return data.to_device(batches, device)
 
 
 def _check_row(row: RankPlan, groups: RankGroups) -> None:
