@@ -162,6 +162,20 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
     return per * sbh * scale
 
 
+def attention_mask_bytes(sc: Scenario, stage: int, in_flight: float) -> float:
+    """The explicit attention masks a stage holds (`workers.modeling.model.attention_bias`:
+    an additive mask in the activations' dtype, s x s per sample): with document masks one per
+    micro-batch in flight (its blocks share it, their backward keeps it) and per kind of block
+    on the stage (full, sliding); with a sliding window alone one (1, 1, s, s) mask, shared by
+    every micro-batch. Plain causal attention needs none."""
+    shape = sc.shape
+    kinds = {shape.window(i) for start, end in sc.stage_ranges[stage] for i in range(start, end)}
+    s2 = float(shape.seq_len) ** 2 * sc.act_bytes
+    if sc.document_mask:
+        return in_flight * sc.micro_batch * s2 * len(kinds)
+    return s2 * sum(1 for w in kinds if w is not None)
+
+
 def in_flight_micro_batches(sc: Scenario, stage: int) -> float:
     """Micro-batches of activations stage `stage` holds at its peak, in units of its layers.
 
@@ -262,6 +276,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         # Embedding output and its dropout mask, per in-flight micro-batch.
         activations += in_flight * sbh * (w + (1 if shape.dropout else 0)) / (
             lay.tp if lay.sequence_parallel else 1)
+    activations += attention_mask_bytes(sc, stage, in_flight)
     logits = 0.0
     if stage == lay.pp - 1:
         # Vocab-parallel logits and the loss's fp32 buffers, as the stack's loss holds them.

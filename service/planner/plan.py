@@ -188,7 +188,8 @@ def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None
         profile=profile or get_profile(spec.target.gpu),
         gpus_per_node=spec.target.gpus_per_node,
         nodes=max(spec.target.nodes, -(-world // spec.target.gpus_per_node)),
-        zero_cfg=zero_cfg or ZeroConfig(), stack=spec.train.stack)
+        zero_cfg=zero_cfg or ZeroConfig(), stack=spec.train.stack,
+        document_mask=spec.data.document_mask)
 
 
 def assess(sc: Scenario, *, job: str = "") -> Plan:

@@ -63,6 +63,9 @@ class Scenario:
     loss: Loss | None = None
     """Override of the stack's loss kernel (stacks.loss_bytes_per_logit), for a published run
     whose framework computes its loss otherwise."""
+    document_mask: bool = False
+    """`data.document_mask`: each micro-batch's attention mask is built per sample
+    (`service.planner.memory.attention_mask_bytes`)."""
 
     @property
     def stack_constants(self) -> Stack:
