@@ -200,3 +200,25 @@ def test_a_sliding_window_model_gives_transformers_logits(make: Any, tmp_path: P
         unwindowed = full(x)
     assert (got - expected).abs().max().item() < 1e-4
     assert (unwindowed - expected).abs().max().item() > 1e-3  # the window matters here
+
+
+def test_the_planner_counts_the_masks_a_stage_holds(tmp_path: Path) -> None:
+    from service.planner.memory import stage_memory
+    from service.planner.plan import scenario_for
+
+    masked = spec(corpus(tmp_path), tmp_path, {"pp": 2}, global_batch=4)
+    plain = masked.model_copy(update={"data": masked.data.model_copy(
+        update={"document_mask": False})})
+    windowed = plain.model_copy(update={"model": plain.model.model_copy(
+        update={"sliding_window": 5, "full_attention_layers": 3})})
+    s2 = SEQ * SEQ * 4  # fp32 mask elements of one sample
+
+    def activations(s: JobSpec, stage: int) -> float:
+        return stage_memory(scenario_for(s, s.layout), stage).activations
+
+    # 1F1B over 2 micro-batches of 2 samples: stage 0 holds 2 in flight, stage 1 one
+    assert activations(masked, 0) - activations(plain, 0) == 2 * 2 * s2
+    assert activations(masked, 1) - activations(plain, 1) == 1 * 2 * s2
+    # blocks 0-1 attend fully (no mask), blocks 2-3 slide: one shared mask on stage 1
+    assert activations(windowed, 0) == activations(plain, 0)
+    assert activations(windowed, 1) - activations(plain, 1) == s2
