@@ -30,11 +30,18 @@ def prepare(inputs: Annotated[list[Path], typer.Argument(
             = "text",
             workers: Annotated[int, typer.Option(
                 min=0, max=256, help="Tokenizing processes; 0: one per CPU, at most 8.")] = 0,
+            chat: Annotated[bool, typer.Option(
+                "--chat", help="Conversations (.jsonl, {\"messages\": [...]}) for fine-tuning:"
+                " rendered with the tokenizer folder's chat template, with a loss mask"
+                " (PREFIX_loss_mask) where only the assistant's tokens train.")] = False,
             ) -> None:
     """Tokenize text into a corpus in Megatron's indexed dataset format (PREFIX.bin,
     PREFIX.idx): the tokenizer's BOS before each document where its config adds one, an
     end-of-document token (EOS) after each; prints a summary (documents, tokens, bytes,
     tokens per second, the special tokens used).
+
+    With --chat, conversations become a fine-tuning corpus and its loss mask
+    (PREFIX_loss_mask.bin/.idx, same documents), in one process.
 
     Example: trident data prepare books/*.jsonl --tokenizer gpt2 --out /corpora/books/books
     """
@@ -43,7 +50,11 @@ def prepare(inputs: Annotated[list[Path], typer.Argument(
 
     n = workers or max(1, min(8, os.cpu_count() or 1))
     try:
-        if on_terminal():
+        if chat:
+            from service.files.chat_prepare import prepare_chat
+
+            summary = prepare_chat([str(p) for p in inputs], tokenizer, out)
+        elif on_terminal():
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             with Progress(SpinnerColumn(), TextColumn("{task.description}"),
@@ -102,6 +113,9 @@ def inspect(prefix: Annotated[str, typer.Argument(help="The corpus's prefix (no 
 
         typer.echo(f"  tokenizer: {special_line(specials)}; chat template:"
                    f" {'yes' if specials['chat_template'] else 'no'}")
+    if info["loss_mask"] is not None:
+        typer.echo(f"  loss mask {info['loss_mask']}: {info['trained_tokens']} of"
+                   f" {info['tokens']} tokens train")
     for s in info["samples"]:
         shown = json.dumps(s["text"]) if s["text"] is not None else s["ids"]
         typer.echo(f"  [{s['sequence']}] {s['tokens']} tokens: {shown}")

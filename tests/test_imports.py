@@ -434,7 +434,8 @@ RUNS_HERE = {
     "cli.node": {"service.cluster.inventory", "service.cluster.node_labels",
                  "service.cluster.rayhead", "service.cluster.raynode",
                  "service.secrets", "service.settings"},
-    "cli.data": {"service.files.corpus", "service.files.corpus_prepare", "service.settings"},
+    "cli.data": {"service.files.corpus", "service.files.corpus_prepare", "service.settings",
+                 "service.files.chat_prepare"},
 }
 """The commands that run a part of the server on this machine, and what of it they import:
 `trident up` and `trident controller` (`cli.main`) start the API, the Ray head and the

@@ -157,7 +157,9 @@ class Summary:
     def line(self) -> str:
         return (f"{self.prefix}: {self.documents} documents, {self.tokens} tokens,"
                 f" {self.bytes} bytes of text, {self.tokens_per_s:,.0f} tokens/s"
-                f" ({self.tokenizer}, vocabulary {self.vocab}; {special_line(self.specials)})")
+                f" ({self.tokenizer}, vocabulary {self.vocab}; {special_line(self.specials)})"
+                + (f"; loss mask {self.prefix}_loss_mask: {self.specials['trained_tokens']}"
+                   f" tokens train" if "trained_tokens" in self.specials else ""))
 
 
 def special_line(specials: dict[str, Any]) -> str:
@@ -263,12 +265,16 @@ def inspect(prefix: str, tokenizer: str | None = None, samples: int = 3,
                       "text": tok.decode(ids)[:chars] if tok else None,
                       "ids": None if tok else ids[:32]})
     lengths = c.lengths
+    mask = prefix + "_loss_mask"
+    trained = int(corpus.Corpus(mask).tokens.sum(dtype=np.int64)) \
+        if os.path.exists(corpus.idx_path(mask)) else None
     return {"prefix": prefix, "magic": corpus.MAGIC.decode("latin-1"),
             "version": corpus.VERSION, "dtype": h.dtype.__name__, "sequences": h.sequences,
             "documents": h.documents, "tokens": h.tokens, "idx_bytes": h.idx_bytes,
             "bin_bytes": h.bin_bytes, "max_token": found.max_token, "scan": how,
             "mean_sequence": float(lengths.mean()) if len(c) else 0.0,
-            "special_tokens": tok.specials() if tok else None, "samples": shown}
+            "special_tokens": tok.specials() if tok else None, "loss_mask": mask
+            if trained is not None else None, "trained_tokens": trained, "samples": shown}
 
 
 def on_terminal() -> bool:
