@@ -52,6 +52,11 @@ def test_chat_corpus_and_its_loss_mask(tmp_path):
         answers = [m["content"].split() + ["<|end|>"] for m in conv if m["role"] == "assistant"]
         assert trained == [w for a in answers for w in a]
     assert s.specials["trained_tokens"] == 3 + 2 + 3
+    from service.files import corpus_scan
+
+    meta = corpus_scan.read_meta(prefix)
+    assert meta is not None and meta.tokens == tokens.header.tokens
+    assert meta.max_token == max(max(tokens[i].tolist()) for i in range(2))
     assert "loss mask " + prefix + "_loss_mask: 8 tokens train" in s.line()
 
 

@@ -14,7 +14,8 @@ not prefixes of one another cannot say which tokens those are, and is refused.
 
 Output: `PREFIX.bin/.idx` (the tokens) and `PREFIX_loss_mask.bin/.idx` (uint8, 1 where the
 token trains), both Megatron indexed datasets with the same sequences and document boundaries,
-written with Megatron's `IndexedDatasetBuilder` under temporary names, renamed when complete.
+written with Megatron's `IndexedDatasetBuilder` under temporary names, renamed when complete;
+then the tokens' `PREFIX.meta.json` (`service.files.corpus_scan`), as for text.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from service.files import corpus
+from service.files import corpus, corpus_scan
 from service.files.corpus_prepare import Summary, megatron_builder
 from service.files.tokenizer import HfTokenizer, PrepareError, load_tokenizer
 
@@ -133,12 +134,15 @@ def prepare_chat(inputs: list[str], tokenizer: str, out: str,
     builder_class = megatron_builder()
     t0 = time.perf_counter()
     docs = tokens = nbytes = trained = 0
+    top, top_at = -1, -1  # the largest token id, for PREFIX.meta.json
     try:
         tok_builder = builder_class(tmps[0], dtype=corpus.token_dtype(chat.tok.vocab))
         mask_builder = builder_class(tmps[2], dtype=np.uint8)
         for path in inputs:
             for number, messages in conversations(path):
                 ids, mask = chat.encode(f"{path}:{number}", messages)
+                if max(ids) > top:
+                    top, top_at = max(ids), tokens + ids.index(max(ids))
                 tok_builder.add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
                 mask_builder.add_document(np.asarray(mask, dtype=np.int64), [len(mask)])
                 docs += 1
@@ -151,6 +155,9 @@ def prepare_chat(inputs: list[str], tokenizer: str, out: str,
         mask_builder.finalize(tmps[3])
         for tmp, target in zip(tmps, targets, strict=True):
             os.replace(tmp, target)
+        corpus_scan.write_meta(out, corpus_scan.Scan(
+            fingerprint=corpus_scan.scan_print(out), tokens=tokens, max_token=top,
+            max_at=top_at, min_token=0))
     finally:
         for tmp in tmps:
             if os.path.exists(tmp):
