@@ -28,7 +28,8 @@ from service.contract.spec import JobSpec
 from service.planner.shape import ModelShape
 from tests.corpora import write_corpus
 from tests.workers_spawn import TEST_SERVER, run_ranks
-from workers.checkpoint.hf_weights import load_init
+from workers.checkpoint.full_state import gather_full
+from workers.checkpoint.hf_weights import load_init, save_hf
 from workers.modeling.model import GPT, attention_bias, document_positions
 from workers.modeling.vocab import IGNORE, make_loss
 from workers.trainer import data
@@ -139,18 +140,22 @@ def test_ranks_give_each_documents_logits_alone(parallel: dict, tmp_path: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"tp": 2, "pp": 2}, {"pp": 2, "virtual_stages": 2}],
-                         ids=["tp2-pp2", "pp2-interleaved"])
-def test_a_pipelines_step_loss_is_the_documents_loss_alone(parallel: dict,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2, "pp": 2}, {"pp": 2, "virtual_stages": 2},
+    {"tp": 2, "sequence_parallel": True, "recompute": "full"},
+    {"dp": 2, "recompute": "selective"}],
+    ids=["tp2-pp2", "pp2-interleaved", "tp2-sp-full-recompute", "dp2-selective"])
+def test_a_steps_loss_is_the_documents_loss_alone(parallel: dict, tmp_path: Path) -> None:
     s = spec(corpus(tmp_path), tmp_path, parallel, entrypoint=False, eod_loss_mask=True,
              global_batch=4)  # two micro-batches: the interleaved schedule needs pp of them
     model = GPT(ModelShape.from_spec(s.model), s.train.seed).eval()
     losses = []
     with torch.no_grad():
-        for (x, docs), y in data.open_source(s, 0, 0, server=TEST_SERVER).micro_batches(0):
-            kept = y != IGNORE
-            losses.append(F.cross_entropy(alone(model, x, docs)[kept], y[kept]).item())
+        for replica in range(s.layout.dp):
+            source = data.open_source(s, replica, 0, server=TEST_SERVER)
+            for (x, docs), y in source.micro_batches(0):
+                kept = y != IGNORE
+                losses.append(F.cross_entropy(alone(model, x, docs)[kept], y[kept]).item())
     expected = sum(losses) / len(losses)  # the step's loss: the micro-batches' mean
     rows = run_ranks(s, timeout=600)[0]
     assert abs(rows[0]["loss"] - expected) < TOL
@@ -200,6 +205,12 @@ def test_a_sliding_window_model_gives_transformers_logits(make: Any, tmp_path: P
         unwindowed = full(x)
     assert (got - expected).abs().max().item() < 1e-4
     assert (unwindowed - expected).abs().max().item() > 1e-3  # the window matters here
+    # exported, the window goes with the weights: transformers builds the same model again
+    save_hf(shape, gather_full(model), str(tmp_path / "export"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        assert (back.eval()(x).logits - expected).abs().max().item() < 1e-4
 
 
 def test_the_planner_counts_the_masks_a_stage_holds(tmp_path: Path) -> None:

@@ -247,7 +247,8 @@ def to_hf(shape: ModelShape, full: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` from which `transformers` builds the model of `shape`."""
+    """The `config.json` from which `transformers` builds the model of `shape` (with a sliding
+    window: Mistral's or Qwen2's, `_windows`)."""
     kind = family(shape)
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -259,7 +260,12 @@ def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": shape.tied, "dtype": dtype}
     eps = shape.norm_eps if shape.norm_eps is not None else torch.finfo(torch.float32).eps
-    return {"architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"],
+    windows = _windows(shape, kind)
+    if windows.get("model_type") == "mistral":
+        kind = "mistral"
+    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        kind, "LlamaForCausalLM")
+    return {"architectures": [arch], **windows,
             "model_type": kind, "num_hidden_layers": shape.layers,
             "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
             "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
@@ -269,7 +275,25 @@ def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
             "rope_theta": shape.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "use_sliding_window": False, "dtype": dtype}
+            "dtype": dtype}
+
+
+def _windows(shape: ModelShape, kind: str) -> dict[str, Any]:
+    """The config fields of `shape`'s sliding window (`model.sliding_window`): Qwen2's
+    `use_sliding_window` from `max_window_layers` on; a Llama-style model that slides in every
+    layer is a Mistral (the same weights); one that slides after full layers is no family."""
+    if all(shape.window(i) is None for i in range(shape.layers)):
+        return {"use_sliding_window": False, "sliding_window": None}
+    full = shape.full_attention_layers
+    if kind == "qwen2":
+        return {"use_sliding_window": True, "sliding_window": shape.sliding_window,
+                "max_window_layers": full,
+                "layer_types": ["full_attention" if i < full else "sliding_attention"
+                                for i in range(shape.layers)]}
+    if full:
+        raise ValueError("model: full_attention_layers with a sliding window and no q/k/v"
+                         " biases is no Hugging Face family the export writes")
+    return {"model_type": "mistral", "sliding_window": shape.sliding_window}
 
 
 def save_hf(shape: ModelShape, full: dict[str, torch.Tensor], out: str,
