@@ -1,5 +1,5 @@
-"""Hugging Face models in and out (issue 22): a tiny Llama-style and a tiny GPT-2-style model
-made here with random weights and `save_pretrained`, started with `init.from_hf` under tp 1,
+"""Hugging Face models in and out (issue 22): a tiny Llama-style, a tiny Mistral (a sliding
+window shorter than the sequence) and a tiny GPT-2-style model made here with random weights and `save_pretrained`, started with `init.from_hf` under tp 1,
 tp 2 x pp 2 and dp 2 with ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4
 (fp32), and `workers.checkpoint.full_state.gather_full` gives back the file's tensors; after
 training,
@@ -30,6 +30,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
 )
 
 from api.app import create_app
@@ -74,7 +76,15 @@ def gpt2() -> GPT2LMHeadModel:
                                       n_positions=SEQ, bos_token_id=0, eos_token_id=0))
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2}
+def mistral() -> MistralForCausalLM:
+    """A sliding window (5) shorter than the sequence: the window's mask under every layout."""
+    return MistralForCausalLM(MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=SEQ, sliding_window=5,
+        rms_norm_eps=1e-6, tie_word_embeddings=False))
+
+
+FAMILIES = {"llama": llama, "gpt2": gpt2, "mistral": mistral}
 
 
 def saved(make: Any, where: Path) -> Path:
