@@ -1,8 +1,8 @@
 """Hugging Face models in and out (issue 22): a tiny Llama-style, a tiny Mistral (a sliding
 window shorter than the sequence) and a tiny GPT-2-style model made here with random weights
 and `save_pretrained`, started with `init.from_hf` under tp 1, tp 2 x pp 2 and dp 2 with
-ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4 (fp32), and `workers.checkpoint.full_state.gather_full` gives back the file's tensors; after
-training,
+ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4 (fp32), and
+`workers.checkpoint.full_state.gather_full` gives back the file's tensors; after training,
 the checkpoint exported as a Hugging Face folder (files, route, `TridentClient`) is loaded by
 `transformers` and gives the logits of Trident's own evaluation of that checkpoint; the
 `trident export` command against a live API gives a folder of a tag's weights that
