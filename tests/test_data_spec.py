@@ -198,3 +198,54 @@ def test_a_held_out_part_too_small_is_refused(client: TestClient, root: Path) ->
     loc, msg = refusal(submit(client, train=[{"path": str(root / "c")}],
                               valid=[{"path": str(root / "v")}]))
     assert loc == ["body", "data", "valid", "0", "path"] and "too few tokens" in msg
+
+
+def _train(**over: Any) -> dict[str, Any]:
+    return {"steps": 6, "global_batch": 16, "micro_batch": 2, "precision": "fp32", **over}
+
+
+@pytest.mark.parametrize(("train", "parallel", "loc", "words"), [
+    (_train(batch_ramp={"start": 16, "increment": 4, "samples": 32}), None,
+     ["body", "train", "batch_ramp", "start"], "start(16) is not below global_batch(16)"),
+    (_train(batch_ramp={"start": 4, "increment": 8, "samples": 32}), None,
+     ["body", "train", "batch_ramp", "increment"],
+     "increment(8) does not divide global_batch(16) - start(4) = 12"),
+    (_train(batch_ramp={"start": 4, "increment": 4, "samples": 0}), None,
+     ["body", "train", "batch_ramp", "samples"], "greater than or equal to 1"),
+    (_train(batch_ramp={"start": 4, "increment": 4}), None,
+     ["body", "train", "batch_ramp", "samples"], "Field required"),
+    (_train(batch_ramp={"start": 6, "increment": 2, "samples": 32}), None,
+     ["body", "train", "batch_ramp", "start"],
+     "start(6) is not divisible by micro_batch(2) * dp(2) = 4"),
+    (_train(batch_ramp={"start": 4, "increment": 2, "samples": 32}), None,
+     ["body", "train", "batch_ramp", "increment"],
+     "increment(2) is not divisible by micro_batch(2) * dp(2) = 4"),
+    (_train(batch_ramp={"start": 8, "increment": 4, "samples": 32}),
+     {"tp": 1, "pp": 2, "dp": 1, "zero": 0, "virtual_stages": 2},
+     ["body", "train", "batch_ramp"], "a batch ramp needs virtual_stages 1"),
+])
+def test_a_batch_ramp_is_refused_naming_its_field(client: TestClient, train: dict[str, Any],
+                                                 parallel: dict[str, Any] | None,
+                                                 loc: list[Any], words: str) -> None:
+    over: dict[str, Any] = {"train": train}
+    if parallel is not None:
+        over["parallel"] = parallel
+    got_loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(**over)))
+    assert got_loc[:len(loc)] == loc and words in msg, (got_loc, msg)
+
+
+def test_a_good_batch_ramp_is_accepted_and_ramps_as_megatrons(client: TestClient) -> None:
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator,
+    )
+    ramp = {"start": 8, "increment": 4, "samples": 50}
+    r = client.post("/api/v1/jobs", json=tiny_spec(train=_train(batch_ramp=ramp)))
+    assert r.status_code == 201, r.text
+    t = JobSpec.model_validate(tiny_spec(train=_train(batch_ramp=ramp))).train
+    megatron = RampupBatchsizeNumMicroBatchesCalculator(
+        16, 2, 2, False, 0, ramp["start"], ramp["increment"], ramp["samples"])
+    for consumed in range(0, 120):
+        megatron.update(consumed, consistency_check=True)
+        assert t.batch_at(consumed) == megatron.get_current_global_batch_size(), consumed
+    assert {t.batch_at(c) for c in range(120)} == {8, 12, 16}
+    assert JobSpec.model_validate(tiny_spec(train=_train())).train.batch_at(0) == 16

@@ -425,3 +425,23 @@ def test_the_cpu_bound_counts_the_search_not_the_garbage_collections_in_its_thre
     monkeypatch.setattr(search_module, "assess", slow)
     with cpu_bound(bound), pytest.raises(SearchOutOfTime, match=f"{bound:g} s of CPU"):
         search(small)  # the search's own work counts
+
+
+def test_search_with_a_batch_ramp_plans_the_full_batch_in_whole_micro_batches() -> None:
+    """Every layout ranked runs each batch of the ramp as whole micro-batches on every replica
+    (start 12, increment 4: dp * micro_batch divides 4; dp 8 is refused), with one schedule
+    (no interleaving), and is timed at the full batch."""
+    spec = job("gpt3-1.3b", gb=64).model_copy(deep=True)
+    spec = JobSpec.model_validate({**spec.model_dump(exclude_unset=True), "train": {
+        "global_batch": 64, "micro_batch": 1, "precision": "bf16",
+        "batch_ramp": {"start": 12, "increment": 4, "samples": 1000}}})
+    res = search(spec)
+    plain = search(job("gpt3-1.3b", gb=64))
+    assert res.ranked
+    for p in res.ranked:
+        lay = p.layout_json()
+        assert 4 % (lay["dp"] * lay["micro_batch"]) == 0 and lay["virtual_stages"] == 1, lay
+    assert any(4 % (p.layout_json()["dp"] * p.layout_json()["micro_batch"])
+               for p in plain.ranked)  # without the ramp such layouts are ranked
+    assert any("train.batch_ramp" in r.reason for r in res.rejected)
+    assert all(p.scenario.global_batch == 64 for p in res.ranked)

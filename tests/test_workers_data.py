@@ -33,10 +33,11 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def spec(corpora: tuple[str, str], steps: int = STEPS, global_batch: int = 8,
-         **parallel) -> JobSpec:
+         ramp: dict | None = None, every: int = 0, **parallel) -> JobSpec:
     return JobSpec(name="data", model={"preset": "gpt-tiny"}, parallel=parallel,
                    train={"steps": steps, "global_batch": global_batch, "micro_batch": 2,
-                          "lr": 1e-3, "precision": "fp32"},
+                          "lr": 1e-3, "precision": "fp32", "batch_ramp": ramp},
+                   checkpoint={"every_steps": every},
                    data={"kind": "tokens", "valid_fraction": 0.1, "eval_every": 2,
                          "eval_batches": 2,
                          "train": [{"path": corpora[0], "weight": 0.75},
@@ -128,3 +129,28 @@ def test_a_run_resumed_with_another_global_batch_reads_the_samples_that_follow(
     # The same samples as a straight run of the same numbers: drawn from the same corpora.
     straight = by_step(run_ranks(spec(corpora, steps=10, global_batch=8, dp=2))[0])
     assert by_step(second)[-1]["drawn"] == straight[-1]["drawn"]
+
+
+RAMP = {"start": 8, "increment": 4, "samples": 32}
+"""8, 8, 12, 12, then 16 (Megatron's ramp: an increment every 16 samples, 32 samples)."""
+
+
+@pytest.mark.slow
+def test_a_batch_ramp_is_read_from_the_loaders_and_honoured_across_a_resume(
+        corpora: tuple[str, str], tmp_path: Path) -> None:
+    ramped = spec(corpora, steps=6, global_batch=16, ramp=RAMP, every=3, dp=2, zero=1)
+    straight = by_step(run_ranks(ramped)[0])
+    first, second = run_ranks(ramped, checkpoint_dir=str(tmp_path / "ck"), attempts=[3, None])
+    resumed = by_step(first)[:3] + by_step(second)
+    assert by_step(second)[0]["resumed_from"] == 3
+    assert [r["batch"] for r in straight] == [8, 8, 12, 12, 16, 16]
+    assert spans(straight) == list(range(72))
+    assert [r["batch"] for r in resumed] == [8, 8, 12, 12, 16, 16]
+    assert spans(resumed) == list(range(72))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # fp32: identical
+    # The first two steps train on a global batch of 8 as a job of 8 does: the same samples
+    # and the same update (DeepSpeed accumulates 2 micro-batches a replica, not 4), at the
+    # same rates (the schedule is a function of the step and `steps`).
+    eight = by_step(run_ranks(spec(corpora, steps=6, global_batch=8, dp=2, zero=1))[0])[:2]
+    assert [r["loss"] for r in straight[:2]] == [r["loss"] for r in eight]
+    assert straight[-1]["tokens"] == 72 * 32

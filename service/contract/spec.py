@@ -189,13 +189,34 @@ class ModelSpec(_Strict):
         return self
 
 
+class BatchRamp(_Strict):
+    """A global batch that grows from `start` to `train.global_batch` by `increment`, over the
+    first `samples` samples (Megatron's `--rampup-batch-size START INCREMENT SAMPLES`,
+    `megatron.core.num_microbatches_calculator`): the batch of a step is a function of the
+    samples consumed before it (`TrainSpec.batch_at`), so a resumed run ramps on where the
+    checkpoint left it."""
+
+    start: Annotated[int, Field(ge=1, le=1_048_576)]
+    """The first steps' global batch: below `train.global_batch`, a multiple of micro_batch *
+    dp."""
+    increment: Annotated[int, Field(ge=1, le=1_048_576)]
+    """What the batch grows by each time; divides `global_batch - start`, a multiple of
+    micro_batch * dp."""
+    samples: Annotated[int, Field(ge=1, le=1 << 40)]
+    """Samples the ramp takes: after them every step trains on `train.global_batch`."""
+
+
 class TrainSpec(_Strict):
     """The optimisation run."""
 
     steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     """Optimizer steps to run."""
     global_batch: Annotated[int, Field(ge=1, le=1_048_576)] = 8
-    """Sequences per optimizer step, across all data-parallel replicas."""
+    """Sequences per optimizer step, across all data-parallel replicas (after the ramp, with
+    `batch_ramp`)."""
+    batch_ramp: BatchRamp | None = None
+    """Ramp the global batch up to `global_batch` (None: every step trains on `global_batch`).
+    `steps` still counts optimizer steps, whatever their batch."""
     micro_batch: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)] = 1
     """Sequences per forward/backward pass on one rank."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
@@ -237,7 +258,29 @@ class TrainSpec(_Strict):
             raise ValidationError.from_exception_data(type(self).__name__, [{
                 "type": "value_error", "loc": ("min_lr",), "input": self.min_lr,
                 "ctx": {"error": error}}])
+        ramp = self.batch_ramp
+        if ramp is not None:
+            if ramp.start >= self.global_batch:
+                _refuse(("batch_ramp", "start"), ramp.start,
+                        f"start({ramp.start}) is not below global_batch({self.global_batch}),"
+                        " the batch the ramp grows to")
+            if (self.global_batch - ramp.start) % ramp.increment:
+                _refuse(("batch_ramp", "increment"), ramp.increment,
+                        f"increment({ramp.increment}) does not divide global_batch"
+                        f"({self.global_batch}) - start({ramp.start}) ="
+                        f" {self.global_batch - ramp.start}")
         return self
+
+    def batch_at(self, consumed: int) -> int:
+        """The global batch of the step that follows `consumed` samples: Megatron's ramp
+        (`RampupBatchsizeNumMicroBatchesCalculator.update`): `global_batch` once more than
+        `samples` were consumed, else `start` plus an `increment` for every
+        `samples / increments` samples consumed."""
+        ramp = self.batch_ramp
+        if ramp is None or consumed > ramp.samples:
+            return self.global_batch
+        per_increment = ramp.samples / ((self.global_batch - ramp.start) // ramp.increment)
+        return ramp.start + int(consumed / per_increment) * ramp.increment
 
     def decay_span(self) -> int:
         """Steps of the decay: `decay_steps`, or the rest of the run after the warmup."""
@@ -254,6 +297,12 @@ class TrainSpec(_Strict):
         if self.decay == "linear":
             return self.lr - (self.lr - self.min_lr) * progress
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _refuse(loc: tuple[str, ...], value: object, why: str) -> None:
+    """A model validator's refusal at the field `loc` (inside its model), as a field's own."""
+    raise ValidationError.from_exception_data("TrainSpec", [{
+        "type": "value_error", "loc": loc, "input": value, "ctx": {"error": ValueError(why)}}])
 
 
 class ParallelSpec(_Strict):
@@ -739,6 +788,18 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
             "train.global_batch",
             f"global_batch({t.global_batch}) is not divisible by micro_batch({t.micro_batch})"
             f" * dp({p.dp}) = {t.micro_batch * p.dp}"))
+    if t.batch_ramp is not None:
+        unit = t.micro_batch * p.dp
+        for name in ("start", "increment"):
+            value = getattr(t.batch_ramp, name)
+            if value % unit:
+                errs.append(SpecError(
+                    f"train.batch_ramp.{name}", f"{name}({value}) is not divisible by"
+                    f" micro_batch({t.micro_batch}) * dp({p.dp}) = {unit}: every batch of the"
+                    " ramp is whole micro-batches on every replica"))
+        if p.virtual_stages > 1:
+            errs.append(SpecError("train.batch_ramp", "a batch ramp needs virtual_stages 1:"
+                                  " the interleaved schedule keeps one micro-batch count"))
     if p.zero >= 2 and p.pp > 1:
         errs.append(SpecError(
             "parallel.zero",

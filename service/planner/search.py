@@ -236,6 +236,12 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
                 res.rejected.append(Rejection(
                     fam, f"global_batch({gb_}) is not divisible by dp({dp})"))
                 continue
+            if (ramp := spec.train.batch_ramp) is not None and (
+                    ramp.start % dp or ramp.increment % dp):
+                res.rejected.append(Rejection(
+                    fam, f"train.batch_ramp: start({ramp.start}) and increment"
+                         f"({ramp.increment}) are not both divisible by dp({dp})"))
+                continue
             for zero, offload in ZERO_OFFLOAD:
                 lay0 = ParallelSpec(tp=tp, pp=pp, dp=dp, zero=zero, offload=offload,
                                     recompute="full", sequence_parallel=tp > 1)
@@ -284,9 +290,13 @@ def _search_family(res: SearchResult, sc0: Scenario, fam: dict[str, Any], cap: f
     tp, pp, dp = lay0.tp, lay0.pp, lay0.dp
     per_replica = sc0.global_batch // dp
     # Interleaving only over even splits; uneven stages run the plain 1F1B schedule.
+    # A batch ramp: every batch of it whole micro-batches on every replica, and one schedule
+    # (no interleaving); the rest is planned at the full batch, what the run ends at.
+    ramp = spec.train.batch_ramp
     vs = [1] + ([v for v in divisors(sc0.shape.layers // pp) if v > 1]
-                if pp > 1 and sc0.shape.layers % pp == 0 else [])
-    mbs = [mb for mb in divisors(per_replica) if mb <= MAX_MICRO_BATCH]
+                if pp > 1 and sc0.shape.layers % pp == 0 and ramp is None else [])
+    mbs = [mb for mb in divisors(per_replica) if mb <= MAX_MICRO_BATCH and (
+        ramp is None or not (ramp.start % (mb * dp) or ramp.increment % (mb * dp)))]
     for recompute in RECOMPUTE:
         for sp in ([False, True] if tp > 1 else [False]):
             for v in vs:

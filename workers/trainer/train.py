@@ -291,6 +291,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     source.cover(consumed + (t.steps - start) * t.global_batch)
 
     last: StepReport | None = None
+    planned = t.global_batch  # the batch the engine was built for
     for step in range(start, t.steps):
         # Every rank stops at the same step boundary, even when `stop` reached some ranks a
         # step later than others: a rank that left alone would leave its peers in a collective.
@@ -307,14 +308,19 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         t0 = time.perf_counter()
         lr = t.lr_at(step + 1)
         recipe.set_lr(engine.optimizer, lr)
-        batch = t.global_batch
+        batch = t.batch_at(consumed)  # train.batch_ramp: a function of the samples consumed
+        if batch != planned:  # DeepSpeed accumulates that many micro-batches from now on
+            engine.set_train_batch_size(batch)
+            planned = batch
         batches = source.micro_batches_at(consumed, batch)
         with acts.track():
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
             else:
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp,
-                                   loss_for(shape, groups))
+                                   loss_for(shape, groups),
+                                   batch // (t.micro_batch * layout.dp)
+                                   if t.batch_ramp is not None else None)
         dt = time.perf_counter() - t0
         ended_at = time.time()
         waited = bubble.end_step() if bubble is not None else 0.0
@@ -419,12 +425,18 @@ def construction(spec: JobSpec, device: torch.device, groups: RankGroups,
         yield
 
 
-def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn) -> float:
+def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn,
+                micro: int | None = None) -> float:
     """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
-    the global-batch mean loss (mean over micro-batches, then over DP replicas)."""
+    the global-batch mean loss (mean over micro-batches, then over DP replicas). `micro`: the
+    step's micro-batches when their number changes between steps (a batch ramp): the last
+    is marked as the accumulation boundary, DeepSpeed's count of micro-steps since the start
+    no longer saying where it is."""
     total = torch.zeros((), dtype=torch.float32)
     count = 0
     for x, y in batches:
+        if micro is not None:
+            engine.set_gradient_accumulation_boundary(count + 1 == micro)
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
