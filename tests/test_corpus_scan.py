@@ -257,3 +257,25 @@ def test_the_inspect_command_records_under_trident_data_dir(root: Path, data_dir
         in run("--index")
     assert "largest token id 17 (from the data directory's record)" in run()
     assert corpus_scan.recorded(prefix, data_dir) is not None
+
+
+def test_a_stopping_controller_does_not_wait_for_a_scan(
+        client: TestClient, sqlite_store: Store, root: Path, data_dir: Path,
+        tmp_path: Path) -> None:
+    """A scan of 8 GiB of tokens under way when the controller shuts down ends at its next
+    chunk: nothing is recorded, and the job stays queued for the next controller."""
+    prefix = root / "huge"
+    sparse_corpus(prefix, 4 << 30)
+    job_id = submit(client, prefix).json()["id"]
+    c, launcher = _controller(sqlite_store, data_dir, tmp_path)
+    c.step()
+    assert c.corpora.scanning
+    time.sleep(0.2)
+    c.shutdown()
+    deadline = time.monotonic() + 3  # the whole scan takes tens of seconds
+    while c.corpora.scanning and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not c.corpora.scanning
+    assert corpus_scan.recorded(str(prefix), data_dir) is None
+    assert sqlite_store.get_job(job_id=job_id).state == JobState.QUEUED
+    assert launcher.started == []

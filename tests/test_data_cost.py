@@ -174,11 +174,11 @@ def test_a_slow_data_check_does_not_spend_the_search_budget(
     write_corpus(corpora / "web", [[1] * 300] * 20)
     real = corpus_scan.scan
 
-    def slow(prefix: str) -> corpus_scan.Scan:
+    def slow(prefix: str, stop: threading.Event | None = None) -> corpus_scan.Scan:
         start = time.thread_time()
         while time.thread_time() - start < 0.7:
             pass
-        return real(prefix)
+        return real(prefix, stop)
 
     monkeypatch.setattr(corpus_scan, "scan", slow)
     spec = tokens_spec(corpora / "web", parallel="auto",

@@ -46,6 +46,8 @@ class CorpusAdmission:
         self._ready: set[int] = set()
         """Jobs whose corpora all passed (not looked at again)."""
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        """Set by `close`: a scan under way ends at its next chunk."""
 
     def verdict(self, job: Job) -> str:
         """READY, SCANNING (a scan of one of its corpora is under way), or why the job cannot
@@ -64,6 +66,9 @@ class CorpusAdmission:
             return any(not f.done() for f in self._scans.values())
 
     def close(self) -> None:
+        """Stop: a scan under way ends within a chunk (the controller's exit does not wait for
+        it); nothing half done is recorded."""
+        self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -112,4 +117,4 @@ class CorpusAdmission:
         return future.result()
 
     def _run(self, prefix: str) -> corpus_scan.Scan:
-        return corpus_scan.scan_once(prefix, self.data_dir)
+        return corpus_scan.scan_once(prefix, self.data_dir, self._stop)

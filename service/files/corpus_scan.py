@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -111,13 +112,16 @@ def needs_scan(header: corpus.Header, vocab: int) -> bool:
     return top is None or top >= vocab
 
 
-def scan(prefix: str) -> Scan:
+def scan(prefix: str, stop: threading.Event | None = None) -> Scan:
     """Read corpus `prefix`'s `.bin` (in chunks: memory stays bounded) for its token ids.
-    CorpusError when a file is not a corpus, or when it changed while being read."""
+    CorpusError when a file is not a corpus, when it changed while being read, or when `stop`
+    was set (checked between chunks: a controller that stops does not wait for a scan)."""
     before = _print_or_error(prefix)
     header = corpus.read_header(prefix)
     top, at, low = -1, -1, 0
     for start, chunk in corpus.bin_chunks(header):
+        if stop is not None and stop.is_set():
+            raise corpus.CorpusError(corpus.bin_path(prefix), "the scan was stopped")
         i = int(chunk.argmax())
         if int(chunk[i]) > top:
             top, at = int(chunk[i]), start + i
@@ -177,11 +181,11 @@ def recorded(prefix: str, data_dir: Path | None) -> Scan | None:
     return None
 
 
-def scan_once(prefix: str, data_dir: Path | None) -> Scan:
+def scan_once(prefix: str, data_dir: Path | None, stop: threading.Event | None = None) -> Scan:
     """`recorded`, else `scan` (and `record` it when there is a data directory)."""
     found = recorded(prefix, data_dir)
     if found is None:
-        found = scan(prefix)
+        found = scan(prefix, stop)
         if data_dir is not None:
             record(data_dir, prefix, found)
     return found
