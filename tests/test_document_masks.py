@@ -119,10 +119,14 @@ def test_eod_loss_mask_takes_exactly_the_eod_predictions_out(tmp_path: Path) -> 
     assert abs(make_loss(0, None)(logits, y).item() - by_hand.item()) < 1e-6
 
 
-def test_masks_are_refused_for_synthetic_data() -> None:
+def test_masks_for_synthetic_data_and_windowless_full_layers_are_refused() -> None:
     with pytest.raises(ValueError, match="data.document_mask"):
         JobSpec.model_validate({"name": "x", "model": {"preset": "gpt-tiny"},
                                 "data": {"document_mask": True}})
+    for model, why in [({"full_attention_layers": 1}, "needs a sliding_window"),
+                       ({"sliding_window": 4, "full_attention_layers": 9}, "> layers")]:
+        with pytest.raises(ValueError, match=why):
+            JobSpec.model_validate({"name": "x", "model": {"preset": "gpt-tiny", **model}})
 
 
 @pytest.mark.slow

@@ -186,6 +186,12 @@ class ModelSpec(_Strict):
             raise ValueError(f"hidden({self.hidden}) is not divisible by heads({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads({self.heads}) is not divisible by kv_heads({self.kv_heads})")
+        if self.full_attention_layers and self.sliding_window is None:
+            raise ValueError(f"full_attention_layers({self.full_attention_layers}) needs a"
+                             " sliding_window (the blocks after them slide)")
+        if self.full_attention_layers > self.layers:
+            raise ValueError(f"full_attention_layers({self.full_attention_layers}) >"
+                             f" layers({self.layers})")
         return self
 
 
