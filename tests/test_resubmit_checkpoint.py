@@ -69,10 +69,12 @@ def test_the_owner_resubmits_from_a_checkpoint_on_another_layout(store: Store, t
     bob = auth(store, "bob")
     r = api.post(f"/api/v1/jobs/{source}/resubmit", headers=alice,
                  json={"from_checkpoint": 0, "set": {"parallel.dp": 1, "parallel.zero": 1,
-                                                     "train.steps": 8}})
+                                                     "train.steps": 8,
+                                                     "train.global_batch": 16}})
     assert r.status_code == 201, r.text
     new = store.get_job(job_id=r.json()["id"])
     assert new.owner == "alice" and new.world_size == 1 and new.spec.train.steps == 8
+    assert new.spec.train.global_batch == 16  # its ranks read on from the tag's samples
     assert new.spec.checkpoint.resume_from is not None
     assert new.spec.checkpoint.resume_from.model_dump() == {"job": source, "step": 4}
     assert new.spec.checkpoint.dir is None
@@ -216,6 +218,34 @@ def test_ranks_started_from_a_seeded_tag_train_on_as_the_source_would_have(
     (whole,) = run_ranks(spec(6))
     assert {r["resumed_from"] for r in continued} == {4}
     assert losses(continued) == losses(whole)[4:]
+
+
+@pytest.mark.slow
+def test_a_resubmission_with_another_global_batch_reads_the_samples_that_follow(
+        tmp_path: Path) -> None:
+    """A source of 4 steps at a global batch of 8 (32 samples); the new job, seeded from its
+    step 4 with `--set train.global_batch=16`, reads samples 32 to 63 in its 2 steps: the
+    sample numbers its ranks' loaders returned, every DP rank, each sample once."""
+    def spec(steps: int, global_batch: int) -> JobSpec:
+        return JobSpec.model_validate(tiny_spec(
+            parallel={"dp": 2, "zero": 1}, checkpoint={"every_steps": 2},
+            train={"steps": steps, "global_batch": global_batch, "micro_batch": 2,
+                   "lr": 1e-3, "precision": "fp32"}))
+
+    source = tmp_path / "source"
+    (first,) = run_ranks(spec(4, 8), checkpoint_dir=str(source),
+                         writer=CheckpointWriter(1, "alice"))
+    mine = tmp_path / "mine"
+    claim(mine, CheckpointWriter(2, "alice"))
+    assert seed(mine, source, CheckpointWriter(1, "alice"), 4) is not None
+    (continued,) = run_ranks(spec(6, 16), checkpoint_dir=str(mine),
+                             writer=CheckpointWriter(2, "alice"))
+    for rank in (0, 1):
+        rows = sorted((r for r in first + continued if r["rank"] == rank),
+                      key=lambda r: r["step"])
+        assert [r["batch"] for r in rows] == [8, 8, 8, 8, 16, 16]
+        assert [j for r in rows for j in range(r["first_sample"],
+                                               r["first_sample"] + r["batch"])] == list(range(64))
 
 
 def test_the_cli_resubmits_from_a_checkpoint(store: Store, tmp_path: Path,
