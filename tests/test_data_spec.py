@@ -249,3 +249,34 @@ def test_a_good_batch_ramp_is_accepted_and_ramps_as_megatrons(client: TestClient
         assert t.batch_at(consumed) == megatron.get_current_global_batch_size(), consumed
     assert {t.batch_at(c) for c in range(120)} == {8, 12, 16}
     assert JobSpec.model_validate(tiny_spec(train=_train())).train.batch_at(0) == 16
+
+
+def chat_corpus(where: Path, copies: int = 40) -> str:
+    """A chat corpus and its loss mask (`trident data prepare --chat`) at `where`."""
+    from service.files.chat_prepare import prepare_chat
+    from tests.test_chat_prepare import CONVERSATIONS, write_chats
+    from tests.tokenizer_folders import make
+    chats = write_chats(where.parent / f"{where.name}.jsonl", CONVERSATIONS * copies)
+    prepare_chat([chats], str(make(where.parent / f"{where.name}-tok")), str(where))
+    return str(where)
+
+
+def test_kind_chat_needs_the_loss_mask_and_masks_documents(client: TestClient,
+                                                           root: Path) -> None:
+    prefix = chat_corpus(root / "sft")
+    r = client.post("/api/v1/jobs", json=tiny_spec(data={"kind": "chat",
+                                                         "train": [{"path": prefix}]}))
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["data"]["document_mask"] is True  # a chat job's default
+    explicit = JobSpec.model_validate(tiny_spec(data={
+        "kind": "chat", "train": [{"path": prefix}], "document_mask": False}))
+    assert explicit.data.document_mask is False and explicit.data.corpora
+    os.remove(prefix + "_loss_mask.idx")
+    loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(
+        data={"kind": "chat", "train": [{"path": prefix}]})))
+    assert loc == ["body", "data", "train", "0", "path"], loc
+    assert "loss mask" in msg and "_loss_mask.idx" in msg
+    loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(
+        data={"kind": "chat", "train": [{"path": prefix}]},
+        parallel={"tp": 1, "pp": 2, "dp": 1, "zero": 0})))
+    assert loc == ["body", "parallel", "pp"] and "chat" in msg, (loc, msg)

@@ -530,11 +530,14 @@ class CorpusRef(_Strict):
 class DataSpec(_Strict):
     """What the job trains on (`docs/data.md`): synthetic sequences, or tokenized corpora."""
 
-    kind: Literal["synthetic", "tokens"] = "synthetic"
+    kind: Literal["synthetic", "tokens", "chat"] = "synthetic"
     """`synthetic`: noisy arithmetic sequences drawn from the seed (`workers.trainer.data`), no
     files;
     `tokens`: the corpora of `train`, prepared by `trident data prepare` (or Megatron-LM's
-    `preprocess_data.py`)."""
+    `preprocess_data.py`);
+    `chat`: corpora prepared by `trident data prepare --chat`, each with its loss mask
+    `PREFIX_loss_mask` beside it: only the tokens it marks (the assistant's) train, the loss
+    averaged over the tokens that train in the global batch; `document_mask` defaults to on."""
     train: Annotated[list[CorpusRef], Field(max_length=MAX_CORPORA)] = Field(
         default_factory=list)
     """The training corpora and their weights (kind `tokens`): each sample is drawn from the
@@ -558,6 +561,18 @@ class DataSpec(_Strict):
     """Kind `tokens`: no loss on the prediction made at each document's last token, its EOD
     (of the next document's first token; Megatron's `eod_mask_loss`)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_documents(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kind") == "chat" and "document_mask" not in data:
+            return {**data, "document_mask": True}
+        return data
+
+    @property
+    def corpora(self) -> bool:
+        """Whether the job reads corpora (kinds `tokens` and `chat`)."""
+        return self.kind != "synthetic"
+
     @model_validator(mode="after")
     def _consistent(self) -> DataSpec:
         if self.kind == "synthetic":
@@ -573,7 +588,8 @@ class DataSpec(_Strict):
                                     " a synthetic sample is one sequence")
             return self
         if not self.train:
-            raise SpecError("data.train", "kind 'tokens' needs at least one training corpus")
+            raise SpecError("data.train", f"kind '{self.kind}' needs at least one training"
+                            " corpus")
         if self.valid and self.valid_fraction:
             raise SpecError("data.valid_fraction", "give valid corpora or valid_fraction,"
                             " not both")
@@ -735,7 +751,7 @@ class JobSpec(_Strict):
             raise SpecError(f"secrets.{name}", f"{name} is set in env too; a variable is"
                             " either a secret or not")
         samples = self.train.steps * self.train.global_batch
-        if self.data.kind == "tokens" and samples > MAX_DATA_SAMPLES:
+        if self.data.corpora and samples > MAX_DATA_SAMPLES:
             raise SpecError("train.steps", f"steps({self.train.steps}) * global_batch"
                             f"({self.train.global_batch}) = {samples} samples exceed the"
                             f" {MAX_DATA_SAMPLES} a sample order of kind 'tokens' holds")
@@ -777,6 +793,10 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
         return []
     p, m, t = spec.parallel, spec.model, spec.train
     errs: list[SpecError] = []
+    if spec.data.kind == "chat" and p.pp > 1:
+        errs.append(SpecError("parallel.pp", f"pp({p.pp}): data kind 'chat' averages the loss over"
+                              " the tokens that train in the global batch, which the pipeline"
+                              " engines do not yet; train it with pp 1"))
     if m.heads % p.tp:
         errs.append(SpecError("parallel.tp", f"tp({p.tp}) does not divide heads({m.heads})"))
     elif m.kv_heads % p.tp:

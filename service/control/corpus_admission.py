@@ -73,7 +73,7 @@ class CorpusAdmission:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _verdict(self, spec: JobSpec) -> str:
-        if spec.data.kind != "tokens":
+        if not spec.data.corpora:
             return READY
         waiting = False
         for name in ("train", "valid"):

@@ -197,7 +197,7 @@ def check_data(spec: JobSpec, slots: CheckSlots | None = None, user: str = "",
     says what it holds (the scan is recorded there); without it (a caller with no server) every
     corpus with no record is scanned here."""
     data = spec.data
-    if data.kind != "tokens":
+    if not data.corpora:
         return spec
     with slots.held(user) if slots is not None else nullcontext():
         return _checked(spec, data_dir)
@@ -231,6 +231,25 @@ def check_tokens(header: corpus.Header, vocab: int, data_dir: Path | None,
         raise corpus.CorpusError(corpus.bin_path(prefix), why)
 
 
+def check_mask(header: corpus.Header) -> None:
+    """CorpusError when the loss mask of chat corpus `header` (`PREFIX_loss_mask.bin/.idx`,
+    `trident data prepare --chat`) is missing or does not hold the same sequences."""
+    from service.files.chat_prepare import mask_prefix
+    prefix = mask_prefix(header.prefix)
+    try:
+        mask = corpus.read_header(prefix)
+    except corpus.CorpusError as exc:
+        raise corpus.CorpusError(exc.file, "kind 'chat' needs the loss mask beside the corpus"
+                                 f" (trident data prepare --chat writes it): {exc.reason}"
+                                 ) from None
+    if (mask.sequences, mask.documents, mask.tokens) != \
+            (header.sequences, header.documents, header.tokens):
+        raise corpus.CorpusError(corpus.idx_path(prefix), f"the loss mask holds {mask.sequences}"
+                                 f" sequences, {mask.documents} documents, {mask.tokens} tokens;"
+                                 f" the corpus {header.sequences}, {header.documents},"
+                                 f" {header.tokens}: not the same documents")
+
+
 def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
     data = spec.data
     need = spec.train.global_batch * spec.model.seq_len + 1
@@ -248,6 +267,8 @@ def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
             try:
                 header = read_checked(ref.path, spec.model.vocab, data_dir)
                 fp = fingerprint(ref.path)
+                if data.kind == "chat":
+                    check_mask(header)
             except corpus.CorpusError as exc:
                 raise SpecError(field, str(exc)) from None
             except OSError as exc:

@@ -94,7 +94,7 @@ class Confinement:
 
     def _order_cache(self, spec: JobSpec) -> None:
         d, t = spec.data, spec.train
-        if d.kind != "tokens" or self.order_cache_user_bytes is None:
+        if not d.corpora or self.order_cache_user_bytes is None:
             return
         samples = t.steps * t.global_batch
         if d.valid or d.valid_fraction:

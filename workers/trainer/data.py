@@ -116,6 +116,9 @@ class DataSource:
     """Inputs are (tokens, documents): `workers.modeling.model.Documents` (corpora only)."""
     eod_loss_mask: bool = False
     """Labels after a document's EOD token are IGNORE (corpora only)."""
+    loss_mask: bool = False
+    """Kind chat: labels are IGNORE where the corpus's loss mask says the token does not
+    train, and the loss is the mean over the global batch's tokens that train."""
 
     def sample(self, j: int) -> np.ndarray | torch.Tensor:
         """The seq_len + 1 tokens of global training sample j."""
@@ -154,6 +157,11 @@ class DataSource:
                 seen.extend(chunk)
             t = torch.from_numpy(rows)
             x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            if self.loss_mask:  # kind chat: no loss where the predicted token does not train
+                mask = np.empty_like(rows)
+                for i, j in enumerate(chunk):
+                    order.loss_mask(j, mask[i])
+                y = y.masked_fill(torch.from_numpy(mask[:, 1:] == 0), IGNORE)
             if not (self.document_mask or self.eod_loss_mask):
                 yield x, y
                 continue
@@ -309,6 +317,7 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
 
     return TokenSource(**common,  # type: ignore[arg-type]
                        document_mask=d.document_mask, eod_loss_mask=d.eod_loss_mask,
+                       loss_mask=d.kind == "chat",
                        train_order=train_order, valid_order=valid_order,
                        paths=[p.prefix for p in train_order.parts], reopen=reopen)
 

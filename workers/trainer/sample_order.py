@@ -268,6 +268,7 @@ class Order:
         self.per_epoch = [float(x) for x in
                           json.loads((self.folder / "order.json").read_text())["per_epoch"]]
         self.corpora = [_opened(p) for p in self.parts]
+        self._masks: dict[int, corpus.Corpus] | None = None
 
     def close(self) -> None:
         """Let the cache delete the entry again (its arrays stay mapped here)."""
@@ -314,6 +315,19 @@ class Order:
             out = np.empty(self.seq_len + 1, dtype=np.int64)
         for n, (_, _, _, length, at) in enumerate(self._spans(j)):
             out[at:at + length] = n
+        return out
+
+    def loss_mask(self, j: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The loss mask (`PREFIX_loss_mask` beside each corpus, `trident data prepare
+        --chat`) of global sample j's `seq_len + 1` tokens, at the same offsets as `tokens`:
+        1 where the token trains; written into `out` when given."""
+        if self._masks is None:
+            from service.files.chat_prepare import mask_prefix
+            self._masks = {id(c): corpus.Corpus(mask_prefix(c.prefix)) for c in self.corpora}
+        if out is None:
+            out = np.empty(self.seq_len + 1, dtype=np.int64)
+        for data, seq, offset, length, at in self._spans(j):
+            out[at:at + length] = self._masks[id(data)].get(seq, offset, length)
         return out
 
     def drawn(self, consumed: int) -> list[int]:

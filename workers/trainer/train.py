@@ -53,6 +53,7 @@ from workers.checkpoint import hf_weights
 from workers.checkpoint import saving as checkpoint
 from workers.modeling.model import GPT, Block, building, loss_for
 from workers.modeling.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
+from workers.modeling.vocab import IGNORE
 from workers.monitor import memory
 from workers.monitor.bubble import BubbleMeter
 from workers.runtime import rendezvous
@@ -320,7 +321,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp,
                                    loss_for(shape, groups),
                                    batch // (t.micro_batch * layout.dp)
-                                   if t.batch_ramp is not None else None)
+                                   if t.batch_ramp is not None else None,
+                                   token_mean=getattr(source, "loss_mask", False))
         dt = time.perf_counter() - t0
         ended_at = time.time()
         waited = bubble.end_step() if bubble is not None else 0.0
@@ -426,18 +428,41 @@ def construction(spec: JobSpec, device: torch.device, groups: RankGroups,
 
 
 def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn,
-                micro: int | None = None) -> float:
+                micro: int | None = None, token_mean: bool = False) -> float:
     """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
     the global-batch mean loss (mean over micro-batches, then over DP replicas). `micro`: the
     step's micro-batches when their number changes between steps (a batch ramp): the last
     is marked as the accumulation boundary, DeepSpeed's count of micro-steps since the start
-    no longer saying where it is."""
+    no longer saying where it is.
+
+    `token_mean` (kind chat): the loss is the mean over the tokens that train in the whole
+    global batch (torchtitan's `global_valid_tokens`, transformers' `Trainer` with
+    `average_tokens_across_devices`): micro-batch k's loss is its summed cross entropy times
+    gas * dp over the global batch's count of labels that train (one all-reduce over DP),
+    which DeepSpeed's 1/gas scaling and DP averaging turn into sum / count. When every label
+    trains, the factor is exactly 1: the per-micro-batch mean of kind tokens."""
+    batches = list(batches) if token_mean else batches
+    weights: list[float] = []
+    if token_mean:
+        kept = torch.tensor([float((y != IGNORE).sum()) for _, y in batches],
+                            dtype=torch.float64)
+        every = kept.sum().to(engine.device)
+        if dp > 1:
+            dp_all_reduce(every, groups.dp)
+        every_kept = max(float(every.cpu()), 1.0)
+        weights = [float(k) * len(batches) * dp / every_kept for k in kept.tolist()]
     total = torch.zeros((), dtype=torch.float32)
     count = 0
     for x, y in batches:
         if micro is not None:
             engine.set_gradient_accumulation_boundary(count + 1 == micro)
-        loss = loss_fn(engine(x), y)
+        out = engine(x)
+        if not token_mean:
+            loss = loss_fn(out, y)
+        elif weights[count]:  # the mean over its kept labels, times kept * gas * dp / count
+            loss = loss_fn(out, y) * weights[count]
+        else:  # no label trains here: a zero loss that still runs backward (ZeRO, TP)
+            loss = out.float().sum() * 0.0
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
         total += loss.detach().float().cpu()
