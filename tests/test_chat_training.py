@@ -42,7 +42,8 @@ def spec(prefix: str, folder: Path, parallel: dict, global_batch: int,
          micro_batch: int) -> JobSpec:
     raw = {"name": "sft", "model": {"hf_config": str(folder), "seq_len": SEQ},
            "init": {"from_hf": str(folder)},
-           "data": {"kind": "chat", "train": [{"path": prefix}]},
+           "data": {"kind": "chat", "train": [{"path": prefix}], "valid_fraction": 0.25,
+                    "eval_every": 1, "eval_batches": 2},
            "train": {"steps": 1, "global_batch": global_batch, "micro_batch": micro_batch,
                      "precision": "fp32", "lr": 0.003, "grad_clip": 1.0},
            "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, **parallel},
@@ -107,3 +108,4 @@ def test_a_chat_steps_loss_is_the_assistant_tokens_mean(parallel: dict, micro_ba
     rows = run_ranks(s, timeout=600)[0]
     assert rows[0]["first_sample"] == 0
     assert abs(rows[0]["loss"] - expected) < TOL, (rows[0]["loss"], expected)
+    assert 0 < rows[0]["eval_loss"] < 20  # the held-out assistant tokens' mean

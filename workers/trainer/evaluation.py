@@ -11,7 +11,7 @@ import torch.distributed as dist
 from service.contract.spec import JobSpec
 from service.files.order_cache import ServerData
 from workers.modeling.tp import RankGroups, dp_all_reduce
-from workers.modeling.vocab import LossFn
+from workers.modeling.vocab import IGNORE, LossFn
 from workers.trainer import data
 
 
@@ -46,6 +46,9 @@ def evaluate(engine, source: data.DataSource, pp: int, groups: RankGroups,
         if pp > 1:
             losses.append(float(engine.eval_batch(data_iter=batches)))
             continue
+        if getattr(source, "loss_mask", False):  # kind chat: the global-token mean, as training
+            losses.append(_token_mean(engine, batches, source.dp, groups, loss_fn))
+            continue
         total, count = torch.zeros((), dtype=torch.float32), 0
         with torch.no_grad():
             for x, y in batches:
@@ -58,6 +61,24 @@ def evaluate(engine, source: data.DataSource, pp: int, groups: RankGroups,
             total = on_device.cpu() / source.dp
         losses.append(float(total))
     return sum(losses) / len(losses)
+
+
+def _token_mean(engine, batches, dp: int, groups: RankGroups, loss_fn: LossFn) -> float:
+    """The cross entropy summed over the labels that train in one global batch (every DP
+    replica's micro-batches) over their count (0 when none trains)."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in batches:
+            out = engine(x)  # every replica runs each forward (ZeRO-3 gathers in it)
+            kept = int((y != IGNORE).sum())
+            if kept:  # a micro-batch with no label that trains adds nothing
+                sums[0] += float(loss_fn(out, y)) * kept
+                sums[1] += kept
+    if dp > 1:
+        on_device = sums.to(engine.device)
+        dp_all_reduce(on_device, groups.dp)
+        sums = on_device.cpu()
+    return float(sums[0] / sums[1]) if sums[1] else 0.0
 
 
 def _to(batches, device: torch.device):
