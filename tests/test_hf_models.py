@@ -1,7 +1,10 @@
-"""Hugging Face models in and out (issue 22): a tiny Llama-style, a tiny Mistral (a sliding
-window shorter than the sequence) and a tiny GPT-2-style model made here with random weights
-and `save_pretrained`, started with `init.from_hf` under tp 1, tp 2 x pp 2 and dp 2 with
-ZeRO-3 on gloo ranks, give `transformers`' logits within 1e-4 (fp32), and
+"""Hugging Face models in and out (issues 22, 42): tiny models of every family the trainer
+builds (Llama, Llama 3.1's `llama3` RoPE, yarn with attention and MLP biases and its own
+head size, Mistral with and without a sliding window, Qwen2 with and without one, Qwen3,
+GPT-2) made here with random weights and `save_pretrained`, started with `init.from_hf`
+under tp 2 x pp 2 in one group of gloo ranks, give `transformers`' logits within 1e-4 (fp32),
+and their tp 2 x pp 2 checkpoint tags exported by `trident export`'s conversion give back the
+file's tensors, equal; Llama, Mistral and GPT-2 also under tp 1 and dp 2 with ZeRO-3, where
 `workers.checkpoint.full_state.gather_full` gives back the file's tensors; after training,
 the checkpoint exported as a Hugging Face folder (files, route, `TridentClient`) is loaded by
 `transformers` and gives the logits of Trident's own evaluation of that checkpoint; the
@@ -32,6 +35,10 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from api.app import create_app
@@ -84,7 +91,35 @@ def mistral() -> MistralForCausalLM:
         rms_norm_eps=1e-6, tie_word_embeddings=False))
 
 
+DIMS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+        "max_position_embeddings": SEQ, "rms_norm_eps": 1e-6}
 FAMILIES = {"llama": llama, "gpt2": gpt2, "mistral": mistral}
+"""Also under tp 1 and dp 2 with ZeRO-3, and trained and exported."""
+EVERY_FAMILY = {
+    **FAMILIES,
+    # Llama 3.1's RoPE (scaled below an 8-position "pretraining" context), tied head
+    "llama3": lambda: LlamaForCausalLM(LlamaConfig(
+        **DIMS, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8})),
+    # yarn (its attention factor), biases on q, k, v, o and the MLP, heads of 16 (4 x 16 != 32)
+    "llama-yarn": lambda: LlamaForCausalLM(LlamaConfig(
+        **DIMS, head_dim=16, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 8})),
+    # a window as long as the context: the same model as full attention
+    "mistral-full": lambda: MistralForCausalLM(MistralConfig(**DIMS, sliding_window=SEQ)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**DIMS)),
+    # the first layer full, the second sliding; exported back with the same window
+    "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **DIMS, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    # q/k norms, heads of 16, a tied head, linear RoPE scaling
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(
+        **DIMS, head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})),
+}
 
 
 def saved(make: Any, where: Path) -> Path:
@@ -124,8 +159,38 @@ def _answer(r: httpx.Response) -> httpx.Response:
     return httpx.Response(r.status_code, headers=r.headers, content=r.content)
 
 
-LAYOUTS = [{"tp": 2, "pp": 2}, {"dp": 2, "zero": 3}]
-"""On gloo ranks (tp 1 runs in the test's process)."""
+LAYOUTS = [{"dp": 2, "zero": 3}]
+"""On gloo ranks (tp 1 runs in the test's process; tp 2 x pp 2: every family's test)."""
+
+
+@pytest.mark.slow
+def test_every_family_under_tp2_pp2_gives_transformers_logits_and_exports_back(
+        tmp_path: Path) -> None:
+    # One group of tp 2 x pp 2 ranks loads every family in turn (tests.hf_ranks:families)
+    folders = {f: saved(make, tmp_path / f) for f, make in sorted(EVERY_FAMILY.items())}
+    spec = job_spec(folders["llama"], tmp_path, {"tp": 2, "pp": 2},
+                    entrypoint="tests.hf_ranks:families",
+                    env={"TRIDENT_TEST_FOLDERS": json.dumps([str(f) for f in folders.values()])})
+    run_ranks(spec, timeout=600)
+    from safetensors.torch import load_file
+
+    for family, folder in folders.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        expected = hf_logits(folder, vocab)
+        got = torch.load(f"{folder}-logits.pt")
+        assert got.shape == expected.shape
+        err = (got - expected).abs().max().item()
+        assert err < TOL, (family, err)
+        # `trident export` of the tp 2 x pp 2 tag: the file's own tensors, equal
+        shape = ModelShape.from_spec(job_spec(folder, tmp_path, {}).model)
+        out = tmp_path / f"{family}-export"
+        export(f"{folder}-ckpt", 1, shape, str(out))
+        theirs, ours = load_file(folder / "model.safetensors"), load_file(
+            out / "model.safetensors")
+        assert sorted(ours) == sorted(theirs), family
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), family
+        err = (hf_logits(out, vocab) - expected).abs().max().item()
+        assert err < TOL, (family, "exported", err)
 
 
 @pytest.mark.slow

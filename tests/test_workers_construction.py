@@ -58,11 +58,16 @@ class _LargestAllocation(TorchDispatchMode):
 
 
 def test_each_rank_allocates_only_the_shards_it_keeps_and_the_plans_count_for_tp_and_pp():
-    # An odd vocabulary (uneven vocabulary slices), GQA and SwiGLU; and a GPT-style model
+    # An odd vocabulary (uneven vocabulary slices), GQA and SwiGLU; a GPT-style model
     # (biases, tied head, learned positions).
+    # And a Qwen3-style one: its own head size (heads x head_dim != hidden), q/k norms
+    # (whole on every TP rank), biases on the attention and MLP linears, a tied head.
     for model in ({"layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "vocab": 2003,
                    "seq_len": 16, "activation": "swiglu"},
-                  {"layers": 4, "hidden": 64, "heads": 4, "vocab": 2048, "seq_len": 32}):
+                  {"layers": 4, "hidden": 64, "heads": 4, "vocab": 2048, "seq_len": 32},
+                  {"layers": 4, "hidden": 48, "heads": 8, "kv_heads": 4, "head_dim": 8,
+                   "vocab": 1001, "seq_len": 16, "activation": "swiglu", "qk_norm": True,
+                   "attention_bias": True, "mlp_bias": True, "tied": True}):
         for tp in (1, 2, 4):
             for pp in (1, 2):
                 spec = JobSpec(name="count", model=model, parallel={"tp": tp, "pp": pp},

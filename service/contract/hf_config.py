@@ -30,6 +30,7 @@ the stored spec holds the dimensions read at submission).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -151,9 +152,21 @@ def read_fields(path: str, seq_len: Any = None) -> dict[str, Any]:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"hf_config: {path}: missing or malformed field {exc}") from None
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 """`model_type`s read as Llama (Mistral is Llama with a sliding window, Qwen2 Llama with
-biases on q, k and v)."""
+biases on q, k and v, Qwen3 Llama with per-head q/k norms and its own head size)."""
+REFUSED_FAMILIES = {
+    "gemma": "Gemma multiplies the embeddings by sqrt(hidden_size), its RMSNorms scale by"
+             " (1 + weight) and its MLP is GeGLU (gelu_pytorch_tanh gating): the trainer"
+             " builds none of the three",
+    "gemma2": "Gemma 2 adds logit soft-capping, sandwich norms and alternating sliding"
+              " windows to Gemma's scaled embeddings, (1 + weight) norms and GeGLU: none built",
+    "gemma3_text": "Gemma 3 adds q/k norms with (1 + weight), sandwich norms and local/global"
+                   " rotary bases to Gemma's scaled embeddings and GeGLU: none built",
+}
+"""Families close to Llama that are refused, and why (docs/models.md)."""
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+"""The `rope_type`s built (`service.planner.shape.RopeScaling`)."""
 
 
 class HfConfigError(ValueError):
@@ -172,46 +185,116 @@ def model_fields(config: dict[str, Any], seq_len: int | None = None) -> dict[str
         return _llama(config, seq_len)
     if kind == "gpt2":
         return _gpt2(config, seq_len)
+    if kind in REFUSED_FAMILIES:
+        raise HfConfigError("model_type", f"{kind!r} is not built: {REFUSED_FAMILIES[kind]}")
     raise HfConfigError("model_type", f"{kind!r} is not a family the trainer builds; known:"
                         f" {', '.join([*LLAMA_LIKE, 'gpt2'])}")
 
 
+def _rope_dict(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The rotary parameters and the field they came from: transformers 5's
+    `rope_parameters`, else transformers 4's `rope_scaling` (`type` or `rope_type`)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise HfConfigError("rope_parameters", "rotary parameters per layer type are not"
+                                " built")
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = config.get("rope_scaling")
+        if kind == "default" and isinstance(scaling, dict) and scaling:
+            return "rope_scaling", scaling  # a 4-style config whose 5-style part is default
+        return "rope_parameters", params
+    scaling = config.get("rope_scaling")
+    return "rope_scaling", scaling if isinstance(scaling, dict) else {}
+
+
 def rope_theta(config: dict[str, Any]) -> float:
-    """The RoPE base: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4);
-    refuses any rope type but the default."""
+    """The RoPE base: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4)."""
     params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for field, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind not in ("default", None):
-            raise HfConfigError(f"{field}.rope_type", f"{kind!r} RoPE scaling is not built;"
-                                " the trainer's rotary positions are the default kind")
-    theta = params.get("rope_theta", config.get("rope_theta"))
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    if theta is None:
+        theta = config.get("rope_theta")
     return float(theta) if theta is not None else 10000.0
 
 
+def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The spec's `rope_scaling` of `config` (None: the default kind), completed as
+    `transformers` completes it (`standardize_rope_params`, `_compute_yarn_parameters`):
+    `original_max_position_embeddings` defaults to `max_position_embeddings`; yarn's
+    `factor` to their ratio and its attention factor from `mscale` / `mscale_all_dim`.
+    A kind not built is refused naming `<field>.rope_type`."""
+    field, p = _rope_dict(config)
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise HfConfigError(f"{field}.rope_type", f"{kind!r} RoPE scaling is not built; built:"
+                            f" {', '.join(ROPE_KINDS)}")
+    partial = p.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise HfConfigError(f"{field}.partial_rotary_factor", f"{partial}: rotary positions"
+                            " over part of each head are not built")
+    if kind == "default":
+        return None
+    original = config.get("original_max_position_embeddings",
+                          p.get("original_max_position_embeddings",
+                                config.get("max_position_embeddings")))
+    factor = p.get("factor")
+    if factor is None and kind == "yarn" and original:
+        factor = config["max_position_embeddings"] / original
+    if factor is None:
+        raise HfConfigError(f"{field}.factor", f"{kind} RoPE scaling without its factor")
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    if kind in ("llama3", "yarn"):
+        if original is None:
+            raise HfConfigError(f"{field}.original_max_position_embeddings",
+                                f"{kind} RoPE scaling without the pretraining context")
+        out["original_max_position_embeddings"] = int(original)
+    if kind == "llama3":
+        out["low_freq_factor"] = float(p["low_freq_factor"])
+        out["high_freq_factor"] = float(p["high_freq_factor"])
+    if kind == "yarn":
+        out["beta_fast"] = float(p.get("beta_fast") or 32)
+        out["beta_slow"] = float(p.get("beta_slow") or 1)
+        out["truncate"] = bool(p.get("truncate", True))
+        attention = p.get("attention_factor")
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+        if attention is None and mscale and mscale_all:
+            attention = _yarn_mscale(float(factor), mscale) / _yarn_mscale(float(factor),
+                                                                           mscale_all)
+        if attention is not None:
+            out["attention_factor"] = float(attention)
+    return out
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _llama(c: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
+    kind = c["model_type"]
     heads = int(c["num_attention_heads"])
     hidden = int(c["hidden_size"])
     if c.get("hidden_act", "silu") != "silu":
         raise HfConfigError("hidden_act", f"{c['hidden_act']!r}: the trainer's gated MLP is"
                             " SwiGLU (silu)")
     head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        raise HfConfigError("head_dim", f"head_dim({head_dim}) * heads({heads}) !="
-                            f" hidden_size({hidden}): the trainer's heads are hidden / heads")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise HfConfigError(flag, "biases on some linear layers only are not built")
+    if head_dim is not None and int(head_dim) * heads == hidden:
+        head_dim = None  # the default size, said explicitly (transformers 5 writes it)
     seq = seq_len or int(c["max_position_embeddings"])
-    return {**sliding_window(c),
-            "layers": int(c["num_hidden_layers"]), "hidden": hidden, "heads": heads,
-            "kv_heads": int(c.get("num_key_value_heads") or heads),
-            "vocab": int(c["vocab_size"]), "seq_len": seq,
-            "ffn_hidden": int(c["intermediate_size"]), "activation": "swiglu",
-            "tied": bool(c.get("tie_word_embeddings", False)), "rope_theta": rope_theta(c),
-            "qkv_bias": c["model_type"] == "qwen2",
-            "norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+    out = {**sliding_window(c),
+           "layers": int(c["num_hidden_layers"]), "hidden": hidden, "heads": heads,
+           "kv_heads": int(c.get("num_key_value_heads") or heads),
+           "vocab": int(c["vocab_size"]), "seq_len": seq,
+           "ffn_hidden": int(c["intermediate_size"]), "activation": "swiglu",
+           "tied": bool(c.get("tie_word_embeddings", False)), "rope_theta": rope_theta(c),
+           "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
+           "attention_bias": kind != "qwen2" and bool(c.get("attention_bias", False)),
+           "mlp_bias": bool(c.get("mlp_bias", False)),
+           "norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+    if head_dim is not None:
+        out["head_dim"] = int(head_dim)
+    if (scaling := rope_scaling(c)) is not None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def sliding_window(c: dict[str, Any]) -> dict[str, Any]:
@@ -221,13 +304,13 @@ def sliding_window(c: dict[str, Any]) -> dict[str, Any]:
     layer by layer, and must be full layers first, then sliding ones."""
     window = c.get("sliding_window")
     layers = int(c["num_hidden_layers"])
-    if c["model_type"] == "qwen2" and not c.get("use_sliding_window", False):
-        window = None  # Qwen2 keeps the field but slides only with use_sliding_window
+    if c["model_type"] in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        window = None  # Qwen keeps the field but slides only with use_sliding_window
     if window is None:
         return {}
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise HfConfigError("sliding_window", f"{window!r} is not a positive whole number")
-    full = int(c.get("max_window_layers", 0)) if c["model_type"] == "qwen2" else 0
+    full = int(c.get("max_window_layers", 0)) if c["model_type"] in ("qwen2", "qwen3") else 0
     types = c.get("layer_types")
     if isinstance(types, list):
         full = sum(1 for t in types if t == "full_attention")

@@ -11,6 +11,9 @@ are ignored by the spec:
 - `biases`: whether the linear layers carry biases.
 - `norm`: `layernorm` (with a shift) or `rmsnorm`.
 
+`rope_theta` and `rope_scaling` (Llama 3: base 500000; 3.1+: `llama3` scaling) are spec fields
+a preset supplies as it does the dimensions.
+
 Without a preset (and for keys a preset leaves out), `gelu` models are counted as GPT
 (biases, LayerNorm, learned positions, tied head) and `swiglu` models as Llama (no biases,
 RMSNorm, rotary, untied head).
@@ -18,7 +21,7 @@ RMSNorm, rotary, untied head).
 
 from __future__ import annotations
 
-PresetValue = int | str | bool
+PresetValue = int | float | str | bool | dict[str, str | float | int]
 
 _GPT3: dict[str, PresetValue] = {
     "vocab": 50257, "seq_len": 2048, "positions": "learned", "tied": True}
@@ -27,7 +30,17 @@ _LLAMA2: dict[str, PresetValue] = {
     "tied": False}
 _LLAMA3: dict[str, PresetValue] = {
     "vocab": 128256, "seq_len": 8192, "activation": "swiglu", "positions": "rotary",
-    "tied": False}
+    "tied": False, "rope_theta": 500000.0}
+# Llama 3.1, 3.2 and 3.3 (their released config.json): llama3 RoPE scaling over Llama 3's
+# 8192-token pretraining context (factor 8; 3.2's small models 32), 128K positions.
+_LLAMA31: dict[str, PresetValue] = {
+    **_LLAMA3, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}}
+_LLAMA32: dict[str, PresetValue] = {
+    **_LLAMA3, "tied": True,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 
 PRESETS: dict[str, dict[str, PresetValue]] = {
     # For tests and the demo: trains in seconds on two CPU ranks.
@@ -50,13 +63,24 @@ PRESETS: dict[str, dict[str, PresetValue]] = {
     "llama2-13b": {"layers": 40, "hidden": 5120, "heads": 40, "ffn_hidden": 13824, **_LLAMA2},
     "llama2-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
                    "ffn_hidden": 28672, **_LLAMA2},
-    # Llama 3 / 3.1 (Llama Team 2024, Table 3): GQA with 8 key/value heads everywhere.
+    # Llama 3 / 3.1 (Llama Team 2024, Table 3): GQA with 8 key/value heads everywhere, rotary
+    # base 500000; 405B exists as 3.1 only (llama3 scaling).
     "llama3-8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
                   "ffn_hidden": 14336, **_LLAMA3},
     "llama3-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
                    "ffn_hidden": 28672, **_LLAMA3},
     "llama3-405b": {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8,
-                    "ffn_hidden": 53248, **_LLAMA3},
+                    "ffn_hidden": 53248, **_LLAMA31},
+    "llama3.1-8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                    "ffn_hidden": 14336, **_LLAMA31},
+    "llama3.1-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
+                     "ffn_hidden": 28672, **_LLAMA31},
+    "llama3.2-1b": {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8,
+                    "ffn_hidden": 8192, **_LLAMA32},
+    "llama3.2-3b": {"layers": 28, "hidden": 3072, "heads": 24, "kv_heads": 8,
+                    "ffn_hidden": 8192, **_LLAMA32},
+    "llama3.3-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
+                     "ffn_hidden": 28672, **_LLAMA31},
     # BLOOM (BigScience 2022): ALiBi positions, 250880-token vocabulary, tied head.
     "bloom-176b": {"layers": 70, "hidden": 14336, "heads": 112, "vocab": 250880,
                    "seq_len": 2048, "positions": "alibi", "tied": True},

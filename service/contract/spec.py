@@ -92,8 +92,51 @@ def _as_int(value: Any) -> int | None:
 
 
 _DIMENSIONS = ("layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden",
-               "activation")
+               "activation", "head_dim", "rope_theta", "rope_scaling")
 """The keys a preset supplies to a spec (`service.contract.presets` holds more, for the planner)."""
+
+
+class RopeScalingSpec(_Strict):
+    """A rotary scaling, under `transformers`' names (`rope_parameters` / `rope_scaling` of a
+    `config.json`): `linear` (every frequency / `factor`), `llama3` (Llama 3.1+: the low
+    frequencies / `factor`, the high ones kept, blended between `low_freq_factor` and
+    `high_freq_factor` of `original_max_position_embeddings`) or `yarn` (YaRN: a ramp between
+    the `beta_fast` and `beta_slow` rotations, cos and sin times `attention_factor`, default
+    0.1 ln(factor) + 1)."""
+
+    rope_type: Literal["linear", "llama3", "yarn"]
+    """The scaling's kind (`transformers`' `rope_type`)."""
+    factor: Annotated[float, Field(gt=0, le=1e6)]
+    """How much longer a context the positions stretch to (Llama 3.1: 8)."""
+    low_freq_factor: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    """llama3: wavelengths above original / low_freq_factor are divided by `factor`."""
+    high_freq_factor: Annotated[float, Field(gt=0, le=1e6)] = 4.0
+    """llama3: wavelengths below original / high_freq_factor are kept."""
+    original_max_position_embeddings: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
+    """The pretraining context (`llama3` and `yarn` need it)."""
+    beta_fast: Annotated[float, Field(gt=0, le=1e6)] = 32.0
+    """yarn: rotations over the original context below which a frequency is interpolated."""
+    beta_slow: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    """yarn: rotations above which a frequency is kept."""
+    attention_factor: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    """yarn: what cos and sin are multiplied by; default 0.1 ln(factor) + 1."""
+    truncate: bool = True
+    """yarn: round the ramp's ends to whole dimensions (transformers' default)."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> RopeScalingSpec:
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            error = ValueError(f"{self.rope_type} RoPE scaling needs the pretraining context")
+            raise ValidationError.from_exception_data(type(self).__name__, [{
+                "type": "value_error", "loc": ("original_max_position_embeddings",),
+                "input": None, "ctx": {"error": error}}])
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            error = ValueError(f"high_freq_factor({self.high_freq_factor}) must be above"
+                               f" low_freq_factor({self.low_freq_factor})")
+            raise ValidationError.from_exception_data(type(self).__name__, [{
+                "type": "value_error", "loc": ("high_freq_factor",),
+                "input": self.high_freq_factor, "ctx": {"error": error}}])
+        return self
 
 
 class ModelSpec(_Strict):
@@ -141,9 +184,22 @@ class ModelSpec(_Strict):
     full_attention_layers: Annotated[int, Field(ge=0, le=1024)] = 0
     """With `sliding_window`: the first this many blocks attend fully, the others slide
     (Qwen2's `max_window_layers`; Mistral: 0, every block slides)."""
+    head_dim: Annotated[int, Field(ge=2, le=65536)] | None = None
+    """Each attention head's size; default hidden / heads (Qwen3 and Gemma set their own:
+    q is heads x head_dim wide, k and v kv_heads x head_dim)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and k before the rotary positions (Qwen3)."""
+    attention_bias: bool = False
+    """Biases on q, k, v and the attention output (Llama's `attention_bias`)."""
+    mlp_bias: bool = False
+    """Biases on every MLP linear (Llama's `mlp_bias`)."""
+    rope_scaling: RopeScalingSpec | None = None
+    """The rotary frequencies' scaling (Llama 3.1+: `llama3`; `linear`, `yarn`); default
+    none."""
     hf_config: OsPath | None = None
     """A Hugging Face `config.json` on the server (inside its checkpoint roots) that gives
-    every dimension and trait (`service.contract.hf_config`: Llama, Mistral, Qwen2, GPT-2); the
+    every dimension and trait (`service.contract.hf_config`: Llama, Mistral, Qwen2, Qwen3,
+    GPT-2); the
     fields given beside it (`seq_len`, ...) override the config's. Read once at submission: the
     stored spec holds the dimensions read."""
 
@@ -182,7 +238,7 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _divisible(self) -> ModelSpec:
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden({self.hidden}) is not divisible by heads({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads({self.heads}) is not divisible by kv_heads({self.kv_heads})")

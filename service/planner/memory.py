@@ -151,10 +151,11 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
         return 2.0 * sbh * scale / (tp if sequence_parallel else 1)
     r = shape.kv_heads / shape.heads
     f = shape.ffn_hidden / h
+    w = shape.q_dim / h  # 1 but for a head_dim of its own (Qwen3, Gemma)
     # Not split by TP: two LayerNorm inputs (4), QKV and MLP inputs (4), two dropout masks (2).
     replicated = 10.0 if shape.dropout else 8.0
     # Split by TP: Q (2), K and V (4r), attention-output projection input (2), MLP inside.
-    split = 2 + 4 * r + 2 + (8 * f if shape.swiglu else 4 * f)
+    split = (2 + 4 * r + 2) * w + (8 * f if shape.swiglu else 4 * f)
     # Scores: softmax output (2), and with dropout its mask (1) and output (2).
     scores = 0.0 if recompute == "selective" or flash else \
         (5.0 if shape.dropout else 2.0) * a * s / h
@@ -208,7 +209,8 @@ def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float,
     """ZeRO-3 keeps tensors under the persistence threshold whole: norms, biases, tiny mats."""
     thr = sc.zero_cfg.stage3_param_persistence_threshold
     h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
-    mats = [h * (h + 2 * kv) / t, h * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
+    q = shape.q_dim
+    mats = [h * (q + 2 * kv) / t, q * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
     small_mats = sum(x for x in mats if x < thr)
     vecs = shape.layer_vector_params
     return min(stage_params, sc.stage_blocks[stage] * (small_mats + vecs))

@@ -35,11 +35,11 @@ LSE_BYTES = 4
 def block_linears(shape: ModelShape) -> list[tuple[int, int, bool]]:
     """(out_features, in_features, column_parallel) of each linear of one block, in the
     order the forward calls them (torchtitan's Llama; a fused-QKV block for GPT shapes)."""
-    h, f, kv = shape.hidden, shape.ffn_hidden, shape.kv_dim
+    h, f, kv, q = shape.hidden, shape.ffn_hidden, shape.kv_dim, shape.q_dim
     if shape.swiglu:
-        return [(h, h, True), (kv, h, True), (kv, h, True), (h, h, False),
+        return [(q, h, True), (kv, h, True), (kv, h, True), (h, q, False),
                 (f, h, True), (f, h, True), (h, f, False)]
-    return [(h + 2 * kv, h, True), (h, h, False), (f, h, True), (h, f, False)]
+    return [(q + 2 * kv, h, True), (h, q, False), (f, h, True), (h, f, False)]
 
 
 def _saved_linears(shape: ModelShape) -> list[bool]:
@@ -58,7 +58,7 @@ def saved_bytes_per_token(shape: ModelShape, *, tp: int, sequence_parallel: bool
                                           strict=True):
         if saved:  # a row-parallel mm's output is the full-width partial sum
             total += out / tp if column else out
-    total += shape.hidden / tp  # the attention kernel's output
+    total += shape.q_dim / tp  # the attention kernel's output
     if sp:
         total += 2 * shape.hidden / tp  # the two reduce-scatter outputs
     return total * act_bytes + LSE_BYTES * shape.heads / tp

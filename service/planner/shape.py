@@ -9,6 +9,7 @@ object too, and refuses the traits it does not build, so planner and trainer cou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, cast, get_args
@@ -18,6 +19,37 @@ from service.contract.presets import PRESETS
 from service.contract.spec import ModelSpec
 
 Positions = Literal["learned", "rotary", "alibi"]
+RopeKind = Literal["linear", "llama3", "yarn"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rotary scaling of `transformers`' `modeling_rope_utils` (its names): `linear`
+    divides every frequency by `factor`; `llama3` divides the low frequencies (wavelength
+    above `original_max_position_embeddings / low_freq_factor`) by `factor`, keeps the high
+    ones (below `.../ high_freq_factor`) and blends between; `yarn` ramps from the
+    extrapolated to the interpolated frequencies between the `beta_fast` and `beta_slow`
+    rotations and multiplies cos and sin by `attention_factor` (default
+    0.1 ln(factor) + 1). No parameters: the planner's counts do not change."""
+
+    rope_type: RopeKind
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +87,17 @@ class ModelShape:
     included); None: full causal attention."""
     full_attention_layers: int = 0
     """Blocks before this one attend fully even with a sliding window (Qwen2)."""
+    head_size: int | None = None
+    """Each head's size when it is not hidden / heads (Qwen3, Gemma: `head_dim`)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and of k, before the rotary positions (Qwen3): one
+    `head_dim` weight each, replicated over TP."""
+    attention_bias: bool = False
+    """Biases on q, k, v and the attention output (Llama's `attention_bias`)."""
+    mlp_bias: bool = False
+    """Biases on every MLP linear (Llama's `mlp_bias`)."""
+    rope: RopeScaling | None = None
+    """The rotary frequencies' scaling (None: the default kind)."""
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> ModelShape:
@@ -71,7 +114,19 @@ class ModelShape:
             tied=m.tied if m.tied is not None else bool(traits.get("tied", not swiglu)),
             dropout=bool(traits.get("dropout", not swiglu)), rope_theta=m.rope_theta,
             qkv_bias=m.qkv_bias, gelu_tanh=m.activation == "gelu_tanh", norm_eps=m.norm_eps,
-            sliding_window=m.sliding_window, full_attention_layers=m.full_attention_layers)
+            sliding_window=m.sliding_window, full_attention_layers=m.full_attention_layers,
+            head_size=m.head_dim, qk_norm=m.qk_norm, attention_bias=m.attention_bias,
+            mlp_bias=m.mlp_bias,
+            rope=RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None)
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> ModelShape:
+        """The shape of `dataclasses.asdict(shape)` (its JSON, read back)."""
+        known = {f for f in cls.__dataclass_fields__}
+        kept = {k: v for k, v in fields.items() if k in known}
+        if isinstance(kept.get("rope"), dict):
+            kept["rope"] = RopeScaling(**kept["rope"])
+        return cls(**kept)
 
     def builtin_trainer_refusal(self) -> str | None:
         """Why the built-in trainer (`workers.modeling.model`) would build a model other than the
@@ -107,15 +162,41 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q (and of the attention output projection's input): heads x head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def qkv_biased(self) -> bool:
+        return self.biases or self.qkv_bias or self.attention_bias
+
+    @property
+    def o_biased(self) -> bool:
+        return self.biases or self.attention_bias
+
+    @property
+    def mlp_biased(self) -> bool:
+        return self.biases or self.mlp_bias
+
+    def _split_vectors(self) -> int:
+        """A block's vectors split over TP with their rows: q, k, v and MLP-in biases."""
+        return ((self.q_dim + 2 * self.kv_dim) if self.qkv_biased else 0) + \
+            ((2 if self.swiglu else 1) * self.ffn_hidden if self.mlp_biased else 0)
+
+    def _whole_vectors(self) -> int:
+        """A block's vectors whole on every TP rank: the norms, q/k norms, the output
+        projections' biases (added once after the TP sum)."""
+        h = self.hidden
+        return (4 if self.layer_norm else 2) * h + (2 * self.head_dim if self.qk_norm else 0) \
+            + (h if self.o_biased else 0) + (h if self.mlp_biased else 0)
 
     @property
     def layer_vector_params(self) -> int:
-        """Parameters of one block outside its matrices: the two norms and the biases."""
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
-        norms = (4 if self.layer_norm else 2) * h
-        return norms + ((h + 2 * kv + h + f + h) if self.biases else
-                        (h + 2 * kv) if self.qkv_bias else 0)
+        """Parameters of one block outside its matrices: the norms and the biases."""
+        return self._split_vectors() + self._whole_vectors()
 
     @property
     def kv_dim(self) -> int:
@@ -150,12 +231,9 @@ class ModelShape:
         norms, row-parallel biases and the position table whole on every rank. `first` /
         `last`: the stage holds the embedding / the final norm and head (with pp > 1 a tied
         head's stage keeps its own copy of the matrix)."""
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
-        norms = (4 if self.layer_norm else 2) * h
-        split_biases = (h + 2 * kv + (2 if self.swiglu else 1) * f) if self.biases else \
-            (h + 2 * kv) if self.qkv_bias else 0
-        whole_biases = 2 * h if self.biases else 0
-        block = self.layer_matmul_params() // tp + split_biases // tp + norms + whole_biases
+        h = self.hidden
+        block = self.layer_matmul_params() // tp + self._split_vectors() // tp + \
+            self._whole_vectors()
         base, extra = divmod(self.vocab, tp)
         rows = (base + (1 if tp_rank < extra else 0)) * h
         n = blocks * block
@@ -187,21 +265,21 @@ class ModelShape:
 
     def layer_matmul_params(self) -> int:
         """Weights that take part in the layer's GEMMs (for FLOPs: 2 per weight per token)."""
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_dim
-        return h * (h + 2 * kv) + h * h + (3 if self.swiglu else 2) * h * f
+        h, f, kv, q = self.hidden, self.ffn_hidden, self.kv_dim, self.q_dim
+        return h * (q + 2 * kv) + q * h + (3 if self.swiglu else 2) * h * f
 
     def layer_forward_flops(self, tokens: int) -> float:
         """Forward FLOPs of one block for `tokens` tokens in sequences of seq_len.
 
         GEMMs: 2 FLOPs per weight per token; attention scores and their use of V:
-        2 * 2 * s * h per token (QK^T and AV). For GPT shapes this is Narayanan et al.'s
-        24 b s h^2 + 4 b s^2 h.
+        2 * 2 * s * heads * head_dim per token (QK^T and AV). For GPT shapes this is
+        Narayanan et al.'s 24 b s h^2 + 4 b s^2 h.
         """
-        return tokens * (2.0 * self.layer_matmul_params() + 4.0 * self.seq_len * self.hidden)
+        return tokens * (2.0 * self.layer_matmul_params() + 4.0 * self.seq_len * self.q_dim)
 
     def attention_core_flops(self, tokens: int) -> float:
         """Forward FLOPs of QK^T and AV alone: what selective recompute recomputes."""
-        return tokens * 4.0 * self.seq_len * self.hidden
+        return tokens * 4.0 * self.seq_len * self.q_dim
 
     def head_forward_flops(self, tokens: int) -> float:
         """Forward FLOPs of the LM head projection."""

@@ -29,7 +29,6 @@ weights).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -181,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.parent:
         _end_with(args.parent)
-    fields = {f.name for f in dataclasses.fields(ModelShape)}
-    shape = ModelShape(**{k: v for k, v in json.loads(args.shape).items() if k in fields})
+    shape = ModelShape.from_fields(json.loads(args.shape))
     try:
         files = export(args.directory, args.step, shape, args.out, args.max_shard_bytes)
     except ExportRefused as exc:

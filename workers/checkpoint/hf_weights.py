@@ -1,5 +1,5 @@
 """Hugging Face weights in and out: the names and layouts of `transformers`' Llama, Mistral,
-Qwen2 and GPT-2 checkpoints against the trainer's canonical full names
+Qwen2, Qwen3 and GPT-2 checkpoints against the trainer's canonical full names
 (`workers.checkpoint.full_state`).
 
 In (`init.from_hf: PATH`, `load_init`): a folder with `model.safetensors`, or the shards its
@@ -13,9 +13,12 @@ above `max_shard_bytes`, with `model.safetensors.index.json`).
 
 Layouts (from `transformers`' `modeling_llama.py`, `modeling_qwen2.py`, `modeling_gpt2.py`):
 
-- Llama / Mistral / Qwen2: `nn.Linear` weights (out, in), as the trainer's; `q_proj`, `k_proj`,
-  `v_proj` (Qwen2: with biases), `o_proj`, `gate_proj`, `up_proj`, `down_proj`,
-  `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head` (absent when tied).
+- Llama / Mistral / Qwen2 / Qwen3: `nn.Linear` weights (out, in), as the trainer's; `q_proj`,
+  `k_proj`, `v_proj` (Qwen2, and `attention_bias`: with biases), `o_proj` (`attention_bias`:
+  with its bias, the trainer's `o_bias`), Qwen3's `q_norm` and `k_norm` (one head_dim weight
+  each), `gate_proj`, `up_proj`, `down_proj` (`mlp_bias`: with biases; down's is the
+  trainer's `down_bias`), `input_layernorm`, `post_attention_layernorm`, `model.norm`,
+  `lm_head` (absent when tied: the head reads `embed_tokens`).
   Rotary positions rotate the two halves of each head (`rotate_half`), as
   `workers.modeling.model.rotary`
   does, so q and k load unpermuted (Meta's original checkpoints interleave the pairs; their
@@ -30,6 +33,7 @@ Called by `workers.trainer.train` (`load_init`, once the model is built) and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,13 +54,31 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def family(shape: ModelShape) -> str:
-    """The `transformers` family of `shape`: `llama`, `qwen2` or `gpt2`; ValueError naming
-    the trait no family has."""
+    """The `transformers` family of `shape`: `llama`, `mistral` (Llama with a sliding window),
+    `qwen2`, `qwen3` or `gpt2`; ValueError naming the trait no family has."""
     if shape.swiglu:
         if shape.layer_norm or shape.positions != "rotary" or shape.biases or shape.gelu_tanh:
             raise ValueError("model: a SwiGLU model with LayerNorm, learned positions or"
                              " biases on every layer is no Hugging Face family")
-        return "qwen2" if shape.qkv_bias else "llama"
+        if shape.qk_norm:
+            if shape.mlp_bias or (shape.qkv_bias and not shape.attention_bias):
+                raise ValueError("model: q/k norms with MLP biases or with biases on q, k"
+                                 " and v only are no Hugging Face family (Qwen3 has neither)")
+            return "qwen3"
+        if shape.qkv_bias and not shape.attention_bias:
+            if shape.mlp_bias:
+                raise ValueError("model: biases on q, k, v and the MLP but not on the"
+                                 " attention output are no Hugging Face family")
+            return "qwen2"
+        if shape.sliding_window is not None:
+            if shape.full_attention_layers or shape.attention_bias or shape.mlp_bias:
+                raise ValueError("model: a sliding window after full-attention layers, or"
+                                 " with attention or MLP biases, is no Hugging Face family"
+                                 " (Mistral slides in every layer and has no biases)")
+            return "mistral"
+        return "llama"
+    if shape.sliding_window is not None:
+        raise ValueError("model: GPT-2 has no sliding window")
     if not (shape.layer_norm and shape.positions == "learned" and shape.biases):
         raise ValueError("model: a GELU model without LayerNorm, learned positions and"
                          " biases (GPT-2's) is no Hugging Face family the export writes")
@@ -64,7 +86,7 @@ def family(shape: ModelShape) -> str:
 
 
 def _llama_names(shape: ModelShape) -> dict[str, str]:
-    """Canonical name -> Hugging Face name, Llama / Mistral / Qwen2."""
+    """Canonical name -> Hugging Face name, Llama / Mistral / Qwen2 / Qwen3."""
     out = {"embed.tok": "model.embed_tokens.weight", "head.ln.weight": "model.norm.weight"}
     if not shape.tied:
         out["head.weight"] = "lm_head.weight"
@@ -74,11 +96,20 @@ def _llama_names(shape: ModelShape) -> dict[str, str]:
         out[p + "ln2.weight"] = hf + "post_attention_layernorm.weight"
         for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
             out[f"{p}{ours}.weight"] = f"{hf}self_attn.{theirs}.weight"
-            if shape.qkv_bias:
+            if shape.qkv_biased:
                 out[f"{p}{ours}.bias"] = f"{hf}self_attn.{theirs}.bias"
         out[p + "o.weight"] = hf + "self_attn.o_proj.weight"
+        if shape.o_biased:
+            out[p + "o_bias"] = hf + "self_attn.o_proj.bias"
+        if shape.qk_norm:
+            out[p + "q_norm.weight"] = hf + "self_attn.q_norm.weight"
+            out[p + "k_norm.weight"] = hf + "self_attn.k_norm.weight"
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             out[f"{p}{ours}.weight"] = f"{hf}mlp.{theirs}.weight"
+            if shape.mlp_biased and ours != "down":
+                out[f"{p}{ours}.bias"] = f"{hf}mlp.{theirs}.bias"
+        if shape.mlp_biased:
+            out[p + "down_bias"] = hf + "mlp.down_proj.bias"
     return out
 
 
@@ -248,7 +279,7 @@ def to_hf(shape: ModelShape, full: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` from which `transformers` builds the model of `shape` (with a sliding
-    window: Mistral's or Qwen2's, `_windows`)."""
+    window: Mistral's, or Qwen's `use_sliding_window` from `max_window_layers` on)."""
     kind = family(shape)
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -260,40 +291,34 @@ def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": shape.tied, "dtype": dtype}
     eps = shape.norm_eps if shape.norm_eps is not None else torch.finfo(torch.float32).eps
-    windows = _windows(shape, kind)
-    if windows.get("model_type") == "mistral":
-        kind = "mistral"
-    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        kind, "LlamaForCausalLM")
-    return {"architectures": [arch], **windows,
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope is not None:
+        keys = {"linear": ("rope_type", "factor"),
+                "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"),
+                "yarn": ("rope_type", "factor", "original_max_position_embeddings",
+                         "beta_fast", "beta_slow", "attention_factor", "truncate")}
+        given = dataclasses.asdict(shape.rope)
+        rope = {**{k: given[k] for k in keys[shape.rope.rope_type] if given[k] is not None},
+                "rope_theta": shape.rope_theta}
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}.get(kind, "LlamaForCausalLM")
+    window: dict[str, Any] = {"use_sliding_window": False}
+    if shape.sliding_window is not None:  # Mistral: every layer; Qwen: from a layer on
+        window = {"sliding_window": shape.sliding_window}
+        if kind != "mistral":
+            window.update(use_sliding_window=True,
+                          max_window_layers=shape.full_attention_layers)
+    return {"architectures": [arch],
             "model_type": kind, "num_hidden_layers": shape.layers,
             "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
             "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
             "intermediate_size": shape.ffn_hidden, "vocab_size": shape.vocab,
             "max_position_embeddings": shape.seq_len, "hidden_act": "silu",
             "rms_norm_eps": eps, "tie_word_embeddings": shape.tied,
-            "rope_theta": shape.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "dtype": dtype}
-
-
-def _windows(shape: ModelShape, kind: str) -> dict[str, Any]:
-    """The config fields of `shape`'s sliding window (`model.sliding_window`): Qwen2's
-    `use_sliding_window` from `max_window_layers` on; a Llama-style model that slides in every
-    layer is a Mistral (the same weights); one that slides after full layers is no family."""
-    if all(shape.window(i) is None for i in range(shape.layers)):
-        return {"use_sliding_window": False, "sliding_window": None}
-    full = shape.full_attention_layers
-    if kind == "qwen2":
-        return {"use_sliding_window": True, "sliding_window": shape.sliding_window,
-                "max_window_layers": full,
-                "layer_types": ["full_attention" if i < full else "sliding_attention"
-                                for i in range(shape.layers)]}
-    if full:
-        raise ValueError("model: full_attention_layers with a sliding window and no q/k/v"
-                         " biases is no Hugging Face family the export writes")
-    return {"model_type": "mistral", "sliding_window": shape.sliding_window}
+            "rope_theta": shape.rope_theta, "rope_parameters": rope,
+            "attention_bias": shape.attention_bias, "mlp_bias": shape.mlp_bias,
+            "attention_dropout": 0.0, **window, "dtype": dtype}
 
 
 def save_hf(shape: ModelShape, full: dict[str, torch.Tensor], out: str,

@@ -2,11 +2,13 @@
 
 The model is `service.planner.shape.ModelShape`, the object the planner counts, so the two
 cannot disagree: pre-norm blocks (LayerNorm or RMSNorm, as `layer_norm` says), causal attention
-through `scaled_dot_product_attention` (GQA via `kv_heads`), a GELU or SwiGLU MLP, learned or
-rotary positions, an untied LM head, no linear biases. `check_buildable` refuses, naming the
-trait, the shapes this model does not build (biases, a tied head, ALiBi). The model is a flat
-list [Embedding, Block 0 .. Block L-1, Head] so that the same layers serve a single-stage `GPT`
-(pp = 1) and DeepSpeed's `PipelineModule` (pp > 1, embedding on the first stage, head on the last).
+through `scaled_dot_product_attention` (GQA via `kv_heads`, any `head_dim`, Qwen3's per-head
+q/k RMSNorms), a GELU or SwiGLU MLP, learned or rotary positions (with `linear`, `llama3` or
+`yarn` scaling), biases where the shape has them, a tied or untied LM head.
+`check_buildable` refuses, naming the trait, the shapes this model does not build (ALiBi).
+The model is a flat list [Embedding, Block 0 .. Block L-1, Head] so that the same layers
+serve a single-stage `GPT` (pp = 1) and DeepSpeed's `PipelineModule` (pp > 1, embedding on
+the first stage, head on the last).
 
 Layout invariance and shard-only construction: every weight is a pure function of (seed,
 layer, name), drawn in seeded blocks along the dimension TP splits it on
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from service.planner.shape import ModelShape
+from service.planner.shape import ModelShape, RopeScaling
 from workers.modeling.seeded_init import SeededInit, full_weight
 from workers.modeling.tp import (
     TIED_COPY,
@@ -78,37 +80,80 @@ def _norm(shape: ModelShape) -> nn.Module:
 
 
 def rotary(x: torch.Tensor, base: float = 10000.0,
-           positions: torch.Tensor | None = None) -> torch.Tensor:
+           positions: torch.Tensor | None = None,
+           scaling: RopeScaling | None = None) -> torch.Tensor:
     """Rotate (batch, heads, seq, head_dim) queries or keys by their position (RoPE, with the
-    halves of each head as the pairs, as Llama's Hugging Face port does).
+    halves of each head as the pairs, as Llama's Hugging Face port does); `scaling`: the
+    frequencies' scaling (`linear`, `llama3`, `yarn`: `inverse_frequencies`).
 
     Computed as `x * cos + rotate_half(x) * sin` with the position tables made once per
-    (length, head size, base, device, dtype) (`rotary_tables`): two products and a sum per
-    element, each the same IEEE operation on the same operands as the explicit pairs
+    (length, head size, base, scaling, device, dtype) (`rotary_tables`): two products and a
+    sum per element, each the same IEEE operation on the same operands as the explicit pairs
     `[x1 cos - x2 sin, x1 sin + x2 cos]`, so the result (and its gradient) is bit for bit that
     of the pairs, without drawing the tables again at every block and step.
 
     `positions` (batch, seq): each token's position (with document masks, restarting at 0 in
     each document: `document_positions`); None: 0 .. seq-1."""
     s, d = x.shape[-2], x.shape[-1]
-    cos, sin = rotary_tables(s, d, float(base), x.device, x.dtype)
+    cos, sin = rotary_tables(s, d, float(base), x.device, x.dtype, scaling)
     if positions is not None:
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def inverse_frequencies(d: int, base: float, scaling: RopeScaling | None,
+                        device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's d / 2 inverse frequencies in fp32, scaled as `transformers`'
+    `modeling_rope_utils` scales them (`_compute_linear_scaling_rope_parameters`,
+    `_compute_llama3_parameters`, `_compute_yarn_parameters`)."""
+    exponents = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
+    inv = base ** -exponents
+    if scaling is None:
+        return inv
+    factor = scaling.factor
+    if scaling.rope_type == "linear":
+        return inv / factor
+    original = float(scaling.original_max_position_embeddings or 0)
+    if scaling.rope_type == "llama3":
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, smoothed, scaled)
+    # yarn: from the extrapolated (plain) to the interpolated (/ factor) frequencies, ramped
+    # between the dimensions that turn beta_fast and beta_slow times over the original context
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos = base ** exponents
+    return (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+
+
 @functools.lru_cache(maxsize=32)
-def rotary_tables(s: int, d: int, base: float, device: torch.device,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(s: int, d: int, base: float, device: torch.device, dtype: torch.dtype,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE's (s, d) cos and sin tables, each half-width table repeated for both halves of a
-    head: the angles in fp32, then cast to `dtype`. Plain tensors (made outside any inference
-    mode or autograd record), shared by every block; a few keys per process (one per sequence
-    length and model)."""
+    head: the angles in fp32 (times yarn's attention factor), then cast to `dtype`. Plain
+    tensors (made outside any inference mode or autograd record), shared by every block; a
+    few keys per process (one per sequence length and model)."""
     with torch.inference_mode(False), torch.no_grad():
-        inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+        inv = inverse_frequencies(d, base, scaling, device)
         angle = torch.outer(torch.arange(s, dtype=torch.float32, device=device), inv)
-        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        cos, sin = angle.cos(), angle.sin()
+        if scaling is not None and scaling.attention_scaling != 1.0:
+            cos, sin = cos * scaling.attention_scaling, sin * scaling.attention_scaling
+        cos, sin = cos.to(dtype), sin.to(dtype)
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
@@ -279,26 +324,32 @@ class Block(nn.Module):
         def w(name: str, rows: int, std: float = INIT_STD) -> SeededInit:
             return SeededInit(seed, index, name, std, rows)  # rows of its draw order
 
-        b = shape.biases
-        qkv_b = b or shape.qkv_bias
+        qkv_b, mlp_b = shape.qkv_biased, shape.mlp_biased
         self.ln1 = _norm(shape)
-        q, kv = shape.heads * d, shape.kv_heads * d
+        q, kv = shape.q_dim, shape.kv_dim
         self.q = ColumnParallelLinear(w("q", q), q, h, r, tp, qkv_b)
         self.k = ColumnParallelLinear(w("k", kv), kv, h, r, tp, qkv_b)
         self.v = ColumnParallelLinear(w("v", kv), kv, h, r, tp, qkv_b)
         self.o = RowParallelLinear(w("o", q, out_std), h, q, r, tp)
+        # Qwen3: an RMSNorm over each head of q and k (one head_dim weight each, whole on
+        # every TP rank, which normalises its own heads: the gradients are summed over TP).
+        self.q_norm = nn.RMSNorm(d, eps=shape.norm_eps) if shape.qk_norm else None
+        self.k_norm = nn.RMSNorm(d, eps=shape.norm_eps) if shape.qk_norm else None
         self.ln2 = _norm(shape)
-        self.up = ColumnParallelLinear(w("up", f), f, h, r, tp, b)
-        self.gate = (ColumnParallelLinear(w("gate", f), f, h, r, tp, b)
+        self.up = ColumnParallelLinear(w("up", f), f, h, r, tp, mlp_b)
+        self.gate = (ColumnParallelLinear(w("gate", f), f, h, r, tp, mlp_b)
                      if shape.activation == "swiglu" else None)
         self.down = RowParallelLinear(w("down", f, out_std), h, f, r, tp)
         # A row-parallel layer's bias is added once, after the sum over TP: replicated.
-        self.o_bias = nn.Parameter(torch.zeros(h)) if b else None
-        self.down_bias = nn.Parameter(torch.zeros(h)) if b else None
+        self.o_bias = nn.Parameter(torch.zeros(h)) if shape.o_biased else None
+        self.down_bias = nn.Parameter(torch.zeros(h)) if mlp_b else None
         if self.sp_group is not None:  # each rank sees its chunk of the sequence there
             all_reduce_grads_over_tp([*self.ln1.parameters(), *self.ln2.parameters(),
-                                      *([self.o_bias, self.down_bias] if b else [])],
-                                     self.sp_group)
+                                      *[p for p in (self.o_bias, self.down_bias)
+                                        if p is not None]], self.sp_group)
+        if self.group is not None and self.q_norm is not None and self.k_norm is not None:
+            all_reduce_grads_over_tp([*self.q_norm.parameters(), *self.k_norm.parameters()],
+                                     self.group)
 
     def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
         if self.sp_group is not None:
@@ -323,13 +374,17 @@ class Block(nn.Module):
         x = self._enter_tp(self.ln1(x))
         b, s, _ = x.shape
         d = self.shape.head_dim
-        q = self.q(x).view(b, s, self.heads, d).transpose(1, 2)
-        k = self.k(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        q = self.q(x).view(b, s, self.heads, d)
+        k = self.k(x).view(b, s, self.kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.shape.positions == "rotary":
             positions = None if documents is None else document_positions(documents)
-            q = rotary(q, self.shape.rope_theta, positions)
-            k = rotary(k, self.shape.rope_theta, positions)
+            base, scaling = self.shape.rope_theta, self.shape.rope
+            q = rotary(q, base, positions, scaling)
+            k = rotary(k, base, positions, scaling)
         bias = _bias_for(s, self.window, documents, x.device, q.dtype)
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
