@@ -97,8 +97,9 @@ def by_hand(folder: Path, s: JobSpec) -> tuple[float, float]:
     return total / count, sum(means) / len(means)
 
 
-@pytest.mark.parametrize("parallel, micro_batch", [({}, 1), ({"dp": 2}, 1)],
-                         ids=["dp1-gas4", "dp2-gas2"])
+@pytest.mark.parametrize("parallel, micro_batch", [({}, 1), ({"dp": 2}, 1),
+                                                   ({"tp": 2, "dp": 2, "zero": 1}, 1)],
+                         ids=["dp1-gas4", "dp2-gas2", "tp2-dp2-gas2"])
 def test_a_chat_steps_loss_is_the_assistant_tokens_mean(parallel: dict, micro_batch: int,
                                                          tmp_path: Path) -> None:
     folder = saved(llama, tmp_path / "hf")

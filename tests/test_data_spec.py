@@ -271,6 +271,15 @@ def test_kind_chat_needs_the_loss_mask_and_masks_documents(client: TestClient,
     explicit = JobSpec.model_validate(tiny_spec(data={
         "kind": "chat", "train": [{"path": prefix}], "document_mask": False}))
     assert explicit.data.document_mask is False and explicit.data.corpora
+    outside = chat_corpus(root.parent / "outside")  # a mask leading out of the data roots
+    os.replace(prefix + "_loss_mask.bin", prefix + "_kept.bin")
+    os.symlink(outside + "_loss_mask.bin", prefix + "_loss_mask.bin")
+    loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(
+        data={"kind": "chat", "train": [{"path": prefix}]})))
+    assert loc == ["body", "data", "train", "0", "path"] and "_loss_mask.bin" in msg \
+        and "outside the server's data roots" in msg, (loc, msg)
+    os.remove(prefix + "_loss_mask.bin")
+    os.replace(prefix + "_kept.bin", prefix + "_loss_mask.bin")
     os.remove(prefix + "_loss_mask.idx")
     loc, msg = refusal(client.post("/api/v1/jobs", json=tiny_spec(
         data={"kind": "chat", "train": [{"path": prefix}]})))

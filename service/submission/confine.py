@@ -77,7 +77,7 @@ class Confinement:
                 raise SpecError(name, why)
         for name in ("train", "valid"):
             for i, ref in enumerate(getattr(spec.data, name)):
-                if why := data_refusal(ref.path, self.data_roots):
+                if why := data_refusal(ref.path, self.data_roots, spec.data.kind == "chat"):
                     raise SpecError(f"data.{name}.{i}.path", why)
         self._order_cache(spec)
         if spec.entrypoint is not None:
@@ -124,12 +124,14 @@ class Confinement:
                             " set them, or allow them for everyone with TRIDENT_ENV_ALLOW")
 
 
-def data_refusal(prefix: str, roots: list[Path]) -> str | None:
+def data_refusal(prefix: str, roots: list[Path], chat: bool = False) -> str | None:
     """Why a spec may not name the corpus `prefix` on a server whose data roots are `roots`:
-    its `.idx` or `.bin` resolves outside them. None when both lie inside."""
+    its `.idx` or `.bin` (with `chat`, those of its loss mask `PREFIX_loss_mask` too) resolves
+    outside them. None when all lie inside."""
     real_roots = [os.path.realpath(r) for r in roots]
     allowed = ", ".join(real_roots) or "none (TRIDENT_DATA_ROOTS)"
-    for path in (prefix + ".idx", prefix + ".bin"):
+    prefixes = [prefix, prefix + "_loss_mask"] if chat else [prefix]
+    for path in (p + ext for p in prefixes for ext in (".idx", ".bin")):
         real = os.path.realpath(path)
         if not any(real.startswith(r.rstrip(os.sep) + os.sep) for r in real_roots):
             return (f"{path!r} resolves to {real}, outside the server's data roots"

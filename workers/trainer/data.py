@@ -338,7 +338,8 @@ def _build(spec: JobSpec, server: ServerData, user: str, train: list, valid: lis
     for ref in [*spec.data.train, *spec.data.valid]:
         # As submitted corpora were checked (a spec run without the API has no fingerprint):
         # a path may lead elsewhere now, through a symlink put in since.
-        if ref.fingerprint is not None and (why := data_refusal(ref.path, roots)):
+        if ref.fingerprint is not None and (
+                why := data_refusal(ref.path, roots, spec.data.kind == "chat")):
             return f"data: {why}", []
     if why := changed_corpus(spec):
         return why, []
