@@ -30,7 +30,8 @@ from tests.corpora import write_corpus
 from tests.workers_spawn import TEST_SERVER, run_ranks
 from workers.checkpoint.full_state import gather_full
 from workers.checkpoint.hf_weights import load_init, save_hf
-from workers.modeling.model import GPT, attention_bias, document_positions
+from workers.modeling.model import GPT
+from workers.modeling.positions import attention_bias, document_positions
 from workers.modeling.vocab import IGNORE, make_loss
 from workers.trainer import data
 

@@ -135,7 +135,7 @@ def test_rope_scaling_is_read_from_either_transformers_version(config, scaling):
 def test_yarns_attention_factor_defaults_as_transformers_computes_it():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from workers.modeling.model import inverse_frequencies
+    from workers.modeling.positions import inverse_frequencies
 
     config = LlamaConfig(**LLAMA, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                     "factor": 4.0,
@@ -235,7 +235,7 @@ def test_the_llama3_presets_carry_their_rope():
 
 
 def test_the_rope_base_reaches_the_rotary_positions():
-    from workers.modeling.model import rotary
+    from workers.modeling.positions import rotary
 
     x = torch.randn(1, 1, 8, 16)
     assert not torch.allclose(rotary(x, 10000.0), rotary(x, 500000.0))

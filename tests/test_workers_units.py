@@ -93,7 +93,7 @@ def test_the_trainer_refuses_a_shape_it_would_build_differently_naming_the_trait
 
 
 def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
-    from workers.modeling.model import rotary
+    from workers.modeling.positions import rotary
 
     q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8)
     scores = rotary(q) @ rotary(k).transpose(-1, -2)  # the same q and k at every position
@@ -104,7 +104,7 @@ def test_rotary_positions_make_attention_scores_depend_on_the_offset_only():
 
 
 def test_rotary_is_bit_for_bit_the_explicit_pairs_forward_and_backward():
-    from workers.modeling.model import rotary
+    from workers.modeling.positions import rotary
 
     def pairs(x: torch.Tensor, base: float) -> torch.Tensor:  # the rotation written out
         s, d = x.shape[-2], x.shape[-1]

@@ -164,7 +164,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch: int, tp: int,
 
 
 def attention_mask_bytes(sc: Scenario, stage: int, in_flight: float) -> float:
-    """The explicit attention masks a stage holds (`workers.modeling.model.attention_bias`:
+    """The explicit attention masks a stage holds (`workers.modeling.positions.attention_bias`:
     an additive mask in the activations' dtype, s x s per sample): with document masks one per
     micro-batch in flight (its blocks share it, their backward keeps it) and per kind of block
     on the stage (full, sliding); with a sliding window alone one (1, 1, s, s) mask, shared by

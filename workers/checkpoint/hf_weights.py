@@ -20,7 +20,7 @@ Layouts (from `transformers`' `modeling_llama.py`, `modeling_qwen2.py`, `modelin
   trainer's `down_bias`), `input_layernorm`, `post_attention_layernorm`, `model.norm`,
   `lm_head` (absent when tied: the head reads `embed_tokens`).
   Rotary positions rotate the two halves of each head (`rotate_half`), as
-  `workers.modeling.model.rotary`
+  `workers.modeling.positions.rotary`
   does, so q and k load unpermuted (Meta's original checkpoints interleave the pairs; their
   conversion script permutes them into this layout).
 - GPT-2: `Conv1D` weights are stored (in, out), the transpose of a linear's; `c_attn` holds q,
