@@ -28,7 +28,7 @@ bench.ledger`: 59 ms for a million steps on SQLite, 28 ms on PostgreSQL).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -69,9 +69,6 @@ class _Loop:
     load_s: float
     resumed_from: int | None
     world_size: int
-    extra: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """(eval_s, save_s) summed over the steps up to the boundary (`to`) and after (`after`),
-    the last step's own apart (`last`)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ through `scaled_dot_product_attention` (GQA via `kv_heads`, any `head_dim`, Qwen
 q/k RMSNorms), a GELU or SwiGLU MLP, learned or rotary positions (with `linear`, `llama3` or
 `yarn` scaling), biases where the shape has them, a tied or untied LM head.
 `check_buildable` refuses, naming the trait, the shapes this model does not build (ALiBi).
+Positions, their scalings and the attention masks are `workers.modeling.positions`'.
 The model is a flat list [Embedding, Block 0 .. Block L-1, Head] so that the same layers
 serve a single-stage `GPT` (pp = 1) and DeepSpeed's `PipelineModule` (pp > 1, embedding on
 the first stage, head on the last).
