@@ -4,29 +4,12 @@ Megatron's format, 1 on the assistant's tokens only, with the same document boun
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from service.files import corpus
 from service.files.chat_prepare import mask_prefix, prepare_chat
 from service.files.tokenizer import PrepareError
-from tests.tokenizer_folders import make, vocab
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "hello how are you"},
-     {"role": "assistant", "content": "fine thanks"}],
-    [{"role": "system", "content": "tell me a joke"},
-     {"role": "user", "content": "what is two plus three"},
-     {"role": "assistant", "content": "five"},
-     {"role": "user", "content": "why"},
-     {"role": "assistant", "content": "no joke"}],
-]
-
-
-def write_chats(path, conversations=CONVERSATIONS) -> str:
-    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    return str(path)
+from tests.tokenizer_folders import CONVERSATIONS, make, vocab, write_chats
 
 
 def test_chat_corpus_and_its_loss_mask(tmp_path):

@@ -18,9 +18,8 @@ from transformers import AutoModelForCausalLM
 from service.contract import hf_config
 from service.contract.spec import JobSpec
 from service.files.chat_prepare import prepare_chat
-from tests.test_chat_prepare import CONVERSATIONS, write_chats
-from tests.test_hf_models import llama, saved
-from tests.tokenizer_folders import make, vocab
+from tests.hf_made import llama, saved
+from tests.tokenizer_folders import CONVERSATIONS, make, vocab, write_chats
 from tests.workers_spawn import TEST_SERVER, run_ranks
 from workers.trainer import data
 

@@ -254,8 +254,7 @@ def test_a_good_batch_ramp_is_accepted_and_ramps_as_megatrons(client: TestClient
 def chat_corpus(where: Path, copies: int = 40) -> str:
     """A chat corpus and its loss mask (`trident data prepare --chat`) at `where`."""
     from service.files.chat_prepare import prepare_chat
-    from tests.test_chat_prepare import CONVERSATIONS, write_chats
-    from tests.tokenizer_folders import make
+    from tests.tokenizer_folders import CONVERSATIONS, make, write_chats
     chats = write_chats(where.parent / f"{where.name}.jsonl", CONVERSATIONS * copies)
     prepare_chat([chats], str(make(where.parent / f"{where.name}-tok")), str(where))
     return str(where)

@@ -48,3 +48,19 @@ def make(folder: Path, *, template_bos: bool = True, config: dict[str, Any] | No
     cfg.update(config or {})
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hello how are you"},
+     {"role": "assistant", "content": "fine thanks"}],
+    [{"role": "system", "content": "tell me a joke"},
+     {"role": "user", "content": "what is two plus three"},
+     {"role": "assistant", "content": "five"},
+     {"role": "user", "content": "why"},
+     {"role": "assistant", "content": "no joke"}],
+]
+
+
+def write_chats(path, conversations=CONVERSATIONS) -> str:
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return str(path)
