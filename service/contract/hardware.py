@@ -42,6 +42,37 @@ MiB = 2.0**20
 
 
 @dataclass(frozen=True)
+class StackCalibration:
+    """A software stack's step-time constants fitted to its own runs on this cluster
+    (`trident probe --calibrate`, `service.planner.calibrate.fit_stack`): the efficiency on
+    the probed GEMM rate; the per-layer and per-step overheads it fitted are the profile's
+    `layer_overhead_s` and `step_overhead_s`."""
+
+    stack: str
+    """The stack whose runs were timed (`train.stack`)."""
+    efficiency: float
+    """Fraction of the profile's GEMM rate (its probed peak x the GEMM curve) the runs reached:
+    it replaces the stack's and the GPU's factors fitted to published runs."""
+    jobs: tuple[int, ...]
+    """The calibration jobs whose measured step times were fitted."""
+    at: str
+    """When it was fitted (UTC, ISO 8601)."""
+    error: float
+    """Root mean square of the fit's relative step-time errors on those jobs."""
+
+    @property
+    def source(self) -> str:
+        jobs = ", ".join(str(j) for j in self.jobs)
+        return f"trident probe --calibrate: {self.stack} jobs {jobs} at {self.at}"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StackCalibration:
+        return cls(stack=str(data["stack"]), efficiency=float(data["efficiency"]),
+                   jobs=tuple(int(j) for j in data["jobs"]), at=str(data["at"]),
+                   error=float(data["error"]))
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One accelerator kind, with the links of a typical node built from it."""
 
@@ -92,6 +123,11 @@ class HardwareProfile:
     """Fraction of the data-parallel gradient reduction hidden behind the backward pass."""
     source: str = ""
     """Where the numbers come from."""
+    probed: str = ""
+    """Which `trident probe` measured the peak FLOP/s and the bus bandwidth, and when (empty:
+    datasheet figures)."""
+    calibration: StackCalibration | None = None
+    """The stack constants its calibration jobs fitted (None: not calibrated)."""
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak for the training precision (`fp32`, `bf16`, `fp16`)."""
@@ -102,7 +138,9 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HardwareProfile:
-        return cls(**data)
+        cal = data.get("calibration")
+        return cls(**{**data, "calibration": None if cal is None
+                      else StackCalibration.from_json(cal)})
 
     def with_(self, **changes: Any) -> HardwareProfile:
         return replace(self, **changes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from service.contract.hardware import HardwareProfile, get_profile
@@ -44,7 +45,8 @@ def calibrated_profile(base: HardwareProfile, *, flops: dict[str, float],
                        probe_id: int | None = None) -> HardwareProfile:
     """`base` with the measured rates in place of the datasheet figures, under base's name
     (so that jobs planned for that profile on this cluster use it)."""
-    source = f"trident probe {probe_id}" if probe_id else "trident probe"
+    at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    source = f"trident probe {probe_id} at {at}" if probe_id else f"trident probe at {at}"
     precision = "bf16" if "bf16" in flops else "fp32"
     profile = profile_from_measurements(
         base, matmul_flops=flops[precision], precision=precision,

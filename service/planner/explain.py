@@ -9,7 +9,7 @@ stores, by report.py for `trident plan`, and by search.py for the ranked result.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from service.contract.hardware import GB
 
@@ -137,3 +137,53 @@ def tuning_notes(plan: Plan) -> list[str]:
         notes.append("CPU offload: the optimizer step runs on host cores; pin memory and give "
                      "each rank enough CPU threads (OMP_NUM_THREADS).")
     return notes
+
+
+def constants_json(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Each constant of the step-time model that sets this plan's efficiency: its value,
+    `measured` (on this cluster: by `trident probe`, and by its calibration jobs, with which
+    and when) or `assumed` (with the source text of the figure used instead)."""
+    from service.planner.software_stacks import FITTED_PATH, get_stack, profile_efficiency
+
+    sc = plan.scenario
+    prof, cal = sc.profile, sc.calibration
+    probed = ("measured", prof.probed) if prof.probed else ("assumed", prof.source)
+    calibrated = ("measured", cal.source) if cal is not None else ("assumed", prof.source)
+    stack = sc.stack_constants
+    if cal is None:
+        fitted = (f"the {stack.name} stack's efficiency {stack.efficiency:g} x the"
+                  f" {prof.name} GEMM factor {profile_efficiency(prof.name):g}, fitted to"
+                  f" published runs ({FITTED_PATH.name}; priors in software_stacks.py):"
+                  f" {get_stack(stack.name).source}")
+        eff = ("assumed", fitted)
+    else:
+        eff = calibrated
+
+    def row(value: Any, how: tuple[str, str]) -> dict[str, Any]:
+        return {"value": value, "status": how[0], "source": how[1]}
+
+    return {
+        "efficiency": row(sc.efficiency, eff),
+        "layer_overhead_s": row(prof.layer_overhead_s, calibrated),
+        "step_overhead_s": row(prof.step_overhead_s, calibrated),
+        "peak_flops": row(sc.peak_flops(), probed),
+        "intra_node_bw": row(prof.intra_node_bw, probed),
+        "gemm_curve": row({"max": prof.gemm_eff_max, "half_width": prof.gemm_half_width},
+                          ("assumed", prof.source)),
+        "dp_overlap": row(stack.dp_overlap if stack.dp_overlap is not None else prof.dp_overlap,
+                          ("assumed", stack.source if stack.dp_overlap is not None
+                           else prof.source)),
+    }
+
+
+def constants_text(constants: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per constant: measured or assumed, and from where (the what-if views)."""
+    out = []
+    for name, c in constants.items():
+        value = c["value"]
+        shown = ", ".join(f"{k} {v:g}" for k, v in value.items()) if isinstance(value, dict) \
+            else f"{value:.4g}"
+        source = c["source"] if c["status"] == "measured" else c["source"][:80] + (
+            "..." if len(c["source"]) > 80 else "")
+        out.append(f"{name} {shown}: {c['status']} ({source})")
+    return out

@@ -102,7 +102,7 @@ def fit(runs: Sequence[Run]) -> Constants:
         for i in range(n):
             a[i][i] += RIDGE
             b[i] -= RIDGE * theta[i]
-        delta = _solve(a, b)
+        delta = solve_linear(a, b)
         for k, d, th in zip(keys, delta, theta, strict=True):
             (c.log_stack if k[0] == "s" else c.log_gpu)[k[1]] = th + d
     for stack in {r.stack for r in runs}:
@@ -123,7 +123,7 @@ def _fit_slack(runs: Sequence[Run], prior: Stack, c: Constants) -> float:
     return min(MAX_SLACK, max(0.0, num / den))
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting (the systems are a few unknowns)."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]

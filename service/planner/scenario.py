@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.contract.hardware import HardwareProfile
+from service.contract.hardware import HardwareProfile, StackCalibration
 from service.contract.parallel import ParallelDims
 from service.contract.spec import ParallelSpec
 from service.planner.shape import ModelShape
@@ -89,8 +89,21 @@ class Scenario:
         return "op" if r == "selective" and self.stack_constants.selective == "op" else r
 
     @property
+    def calibration(self) -> StackCalibration | None:
+        """The profile's calibration of this scenario's stack, when it applies: measured on
+        this cluster, and neither factor overridden (a published run's prediction)."""
+        cal = self.profile.calibration
+        if cal is None or cal.stack != self.stack or self.constants is not None \
+                or self.gpu_efficiency is not None:
+            return None
+        return cal
+
+    @property
     def efficiency(self) -> float:
-        """Stack x GPU factor on the GEMM rate (fitted to published runs)."""
+        """Stack x GPU factor on the GEMM rate: measured by this cluster's calibration jobs,
+        else fitted to published runs."""
+        if (cal := self.calibration) is not None:
+            return cal.efficiency
         g = self.gpu_efficiency if self.gpu_efficiency is not None else \
             profile_efficiency(self.profile.name)
         return self.stack_constants.efficiency * g

@@ -34,7 +34,7 @@ from pydantic_core import CoreSchema, core_schema
 
 from service.contract.parallel import Dim, rank_layout
 from service.contract.spec import ParallelSpec
-from service.planner.explain import explain, tuning_notes
+from service.planner.explain import constants_json, explain, tuning_notes
 from service.planner.memory import MemoryBreakdown, stage_memory
 from service.planner.plan import Plan
 from service.planner.timing import TimeBreakdown
@@ -83,6 +83,7 @@ def plan_json(plan: Plan, *, with_ranks: bool = True) -> dict[str, Any]:
         "params_total": sc.shape.total_params,
         "explanation": explain(plan),
         "notes": tuning_notes(plan),
+        "constants": constants_json(plan),
     }
     if with_ranks:
         out["rank_layout"] = rank_layout(sc.dims, sc.stage_ranges)
