@@ -10,7 +10,10 @@ Comparisons (see each module): `orchestration` (Trident against torchrun), `cont
 million metric rows; a 4,096-rank job's ingest), `planner_monitor` (the planner's search time,
 the monitor's overhead), `tracking` (the exporter's throughput to TensorBoard and MLflow, and
 a controller pass's cost while MLflow hangs), `models_hf` (Trident's trainer against the same
-config as a `transformers` model under DeepSpeed: tokens/s, construction time and memory).
+config as a `transformers` model under DeepSpeed: tokens/s, construction time and memory),
+`trainer_speed` (the built-in trainer of HEAD against the working tree's, alternated; with
+nothing changed, the bench's noise; `python -m bench.trainer_speed --before REV` compares
+another revision or a spec option).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]
         planner_monitor,
         scale,
         tracking,
+        trainer_speed,
         viewers,
     )
     return {
@@ -49,6 +53,8 @@ def _sections() -> dict[str, tuple[str, Callable[[Section, bool, tuple[str, ...]
         "planner_monitor": ("Planner search time and monitor overhead", planner_monitor.run),
         "tracking": ("Tracking: export throughput; a pass while a tracker hangs", tracking.run),
         "models_hf": ("Trident's trainer against transformers under DeepSpeed", models_hf.run),
+        "trainer_speed": ("The trainer's own speed: HEAD against the working tree",
+                          trainer_speed.run),
     }
 
 
