@@ -28,12 +28,15 @@ tensor), both moments (the same places in the optimizer's state, created as Adam
 would) and Adam's step count; the engine's step counters too.
 
 The interleaved engine (`workers.trainer.interleaved`, `virtual_stages` > 1) is loaded the same way
-as ZeRO 0 (its torch AdamW, or ZeroRedundancyOptimizer's local one, keeps per-parameter state).
+as ZeRO 0 (its torch AdamW, or ZeroRedundancyOptimizer's local one, keeps per-parameter state);
+in bf16 the fp32 weights and the moments go to each parameter's fp32 master (`master_of`).
 
 Not covered, refused by name (`LayoutRefused`): a tag written with interleaved stages (its
 per-rank files are `workers.trainer.interleaved`'s, not read here); a ZeRO-0 tag in 16 bits (its
 fp32 master weights are in DeepSpeed's FP16/BF16 optimizer state); resuming under ZeRO 0 in fp16
-(FP16_Optimizer keeps its own flat fp32 copy). Tested in fp32 (tests/test_layout_free.py),
+(FP16_Optimizer keeps its own flat fp32 copy). A bf16 tag carries its fp32 masters, not its
+bf16 weights: those are the masters rounded, and the new layout rounds them again to the same
+bits. Tested in fp32 and bf16 (tests/test_layout_free.py),
 optimizer offload included on CPU ranks (a ZeRO-2 tag written with it, a resume under ZeRO-3
 with optimizer and parameter offload: the tag's files and the engine's flat tensors are the
 same with it, torch's AdamW stepping them on the host). On a GPU, offload steps with
@@ -378,6 +381,10 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
     opt = engine.optimizer
     base = innermost_optimizer(opt)
     params = [e.param for e in entries(model)]
+
+    def master(p: nn.Parameter) -> nn.Parameter | None:
+        """The interleaved engine's fp32 master of `p` in bf16 (its optimizer's parameter)."""
+        return engine.master_of(p) if hasattr(engine, "master_of") else None
     if any(partitioned(p) for p in params):  # ZeRO-3
         _ensure_state(base, list(opt.fp32_partitioned_groups_flat))
     elif any(hasattr(p, "_hp_mapping") for p in params):  # ZeRO 1/2, bf16
@@ -388,7 +395,8 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
                                 " where ZeRO 1/2 keeps them; not loaded")
         _ensure_state(base, list(flats))
         opt._lazy_init_hp_params_optimizer_state()
-    elif any(p.dtype != torch.float32 for p in model.parameters()):
+    elif master(params[0]) is None and any(p.dtype != torch.float32
+                                           for p in model.parameters()):
         raise LayoutRefused(f"ZeRO 0 with {type(opt).__name__} in 16 bits: its own fp32 copy"
                             " is not loaded from the layout-free form")
     # The parameters whose state this rank's torch optimizer keeps (ZeroRedundancyOptimizer:
@@ -404,6 +412,8 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
             _z3_set(opt, p, shard, None)
         elif hasattr(p, "_hp_mapping"):
             safe_set_full_fp32_param(p, shard.to(torch.float32))
+        elif (m := master(p)) is not None:
+            m.data.copy_(shard.to(torch.float32))
 
     def moment(key: str) -> Callable[[nn.Parameter, torch.Tensor], None]:
         def assign(p: nn.Parameter, shard: torch.Tensor) -> None:
@@ -411,12 +421,12 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
                 _z3_set(opt, p, shard, key)
             elif hasattr(p, "_hp_mapping"):
                 safe_set_full_optimizer_state(p, shard.to(torch.float32), key)
-            elif id(p) in owned:  # ZeRO 0: the torch optimizer's own per-parameter state
-                st = base.state[p]
+            elif id(q := master(p) or p) in owned:  # ZeRO 0: the torch optimizer's own
+                st = base.state[q]                       # per-parameter state
                 if "exp_avg" not in st:
                     st["step"] = torch.tensor(0.0)
                     for k in MOMENTS:
-                        st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
                 st[key].copy_(shard.to(st[key].dtype))
         return assign
 

@@ -7,8 +7,22 @@ torch's `ZeroRedundancyOptimizer` over the DP group. The DP gradient average is 
 flat all-reduce after the schedule's last backward): `DistributedDataParallel` around the chunks
 trips an internal assert in its bucket rebuilding under the interleaved schedule
 ("rebuilt parameter indices size is not same as original model parameters size").
-ZeRO >= 2, CPU offload and bf16/fp16 are DeepSpeed-engine features that this path does not
-offer; `check_supported` says so before anything starts.
+
+bf16 is mixed precision as DeepSpeed's engine runs it on its own pipeline (`BF16_Optimizer`, or
+ZeRO-1's fp32 partition): the chunks are built in bf16 (weights, activations and the stages'
+messages in 16 bits, the loss in fp32 as `loss_for` computes it), the micro-batches' gradients
+accumulate in bf16 in the parameters' `.grad` as DeepSpeed's pipeline accumulates them (its
+`grad_accum_dtype` defaults to the parameters'), then each step moves them into an fp32 master
+copy of every parameter (`_Masters`): the DP average, the global norm, the clip and AdamW run
+on the masters, which are rounded back into the bf16 weights. Not torch autocast: autocast keeps
+fp32 weights and casts them again for every matmul of every micro-batch, twice the weight
+bytes, and its rounding points differ from those of DeepSpeed's pipeline, which this path is
+compared against at the same layout (tests/test_workers_layouts.py). Under ZeRO-1 the
+ZeroRedundancyOptimizer shards the Adam states of the masters over DP; the masters themselves
+are whole on every DP rank (DeepSpeed's ZeRO-1 shards them too: 4 bytes per parameter more here
+than there, counted as optimizer bytes by `workers.monitor.memory`).
+ZeRO >= 2, CPU offload and fp16 (its loss scaling) are DeepSpeed-engine features that this
+path does not offer; `check_supported` says so before anything starts.
 
 `InterleavedEngine` offers the few engine methods the trainer's loop and `workers.checkpoint.saving`
 use (`train_batch`, `eval_batch`, `save_checkpoint`, `load_checkpoint`, `module`, `optimizer`,
@@ -20,8 +34,9 @@ Called by `workers.trainer.train`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +46,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.stage import _PipelineStageBase  # the schedule's element type
 
 from service.contract.parallel import Dim
-from service.contract.spec import JobSpec
+from service.contract.spec import JobSpec, TrainSpec
 from service.planner.shape import ModelShape
 from workers.checkpoint import hf_weights
 from workers.modeling.model import build_layers, building, loss_for, torch_checkpoint
@@ -47,11 +62,59 @@ def check_supported(spec: JobSpec) -> None:
             f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining,"
             " which does not tie the LM head to the embedding across stages: a tied model"
             " (GPT-2/GPT-3 style) needs virtual_stages 1")
-    if p.zero > 1 or p.offload != "none" or t.precision != "fp32":
+    if p.zero > 1 or p.offload != "none" or t.precision == "fp16":
         raise NotImplementedError(
             f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining with"
-            f" DDP/ZeroRedundancyOptimizer: it supports zero 0 or 1, no offload and fp32; got"
+            f" ZeroRedundancyOptimizer: it supports zero 0 or 1, no offload, fp32 or bf16; got"
             f" zero({p.zero}), offload={p.offload!r}, precision={t.precision!r}")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The chunks' parameter dtype per `train.precision` (fp16 refused by `check_supported`)."""
+
+
+class _Masters:
+    """bf16 training's fp32 master weights and the torch optimizer that steps them, in the
+    place DeepSpeed's bf16 wrapper takes (`engine.optimizer`, the torch optimizer inside as
+    `.optimizer`): `workers.monitor.memory` counts `fp32_masters` as optimizer bytes and their
+    gradients as gradients, `recipe.set_lr` walks through to the inner optimizer."""
+
+    def __init__(self, module: nn.Module, train: TrainSpec, make: Callable[..., Any]) -> None:
+        self.names = [name for name, _ in module.named_parameters()]
+        """The masters' names: the module's own (`named_parameters` order, tied once)."""
+        self.params = [p for _, p in module.named_parameters()]
+        self.fp32_masters: list[nn.Parameter] = []
+        self.of: dict[int, nn.Parameter] = {}
+        """id of a bf16 parameter -> its master."""
+        for p in self.params:
+            master = nn.Parameter(p.detach().float().clone())
+            if getattr(p, "model_parallel", False):  # counted in the global norm
+                master.model_parallel = True  # type: ignore[attr-defined]
+            self.fp32_masters.append(master)
+            self.of[id(p)] = master
+        self.optimizer = make([{**g, "params": [self.of[id(p)] for p in g["params"]]}
+                               for g in recipe.param_groups(module, train)])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def take_grads(self) -> None:
+        """The bf16 gradients of the step into the masters' fp32 ones; the bf16 ones freed."""
+        for p, master in zip(self.params, self.fp32_masters, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    def step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():  # rounded to nearest, as DeepSpeed copies its masters back
+            for p, master in zip(self.params, self.fp32_masters, strict=True):
+                p.copy_(master)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        for p in self.params:
+            p.grad = None
 
 
 class _Chunk(nn.Sequential):
@@ -89,7 +152,8 @@ class InterleavedEngine:
         p, t = spec.layout, spec.train
         self.groups, self.rank = groups, groups.rank
         self.pp, self.stages_total = p.pp, p.pp * p.virtual_stages
-        with building(device):  # each rank draws its shards on its device (fp32 only here)
+        # Each rank draws its shards on its device, in the training precision.
+        with building(device, DTYPES[t.precision]):
             chunks = [_Chunk(*build_layers(shape, t.seed, groups, p.recompute, rng,
                                                   checkpoint=torch_checkpoint,
                                                   sequence_parallel=p.sequence_parallel))
@@ -107,18 +171,24 @@ class InterleavedEngine:
         self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.micro_batches,
                                                 loss_fn=loss_for(shape, groups))
         recipe.mark_norm_owners(self.module, groups)
-        self.params = list(self.module.parameters())
         self.grad_clip = t.grad_clip
         self._grad_norm: float | None = None
-        param_groups = recipe.param_groups(self.module, t)
         betas = (t.betas[0], t.betas[1])
-        if p.zero == 1 and p.dp > 1:
-            self.optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-                param_groups, optimizer_class=torch.optim.AdamW, process_group=groups.dp,
-                lr=t.lr, betas=betas, eps=t.eps, weight_decay=t.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(param_groups, lr=t.lr, betas=betas, eps=t.eps,
-                                               weight_decay=t.weight_decay)
+
+        def optimizer(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            if p.zero == 1 and p.dp > 1:
+                return ZeroRedundancyOptimizer(
+                    param_groups, optimizer_class=torch.optim.AdamW, process_group=groups.dp,
+                    lr=t.lr, betas=betas, eps=t.eps, weight_decay=t.weight_decay)
+            return torch.optim.AdamW(param_groups, lr=t.lr, betas=betas, eps=t.eps,
+                                     weight_decay=t.weight_decay)
+
+        self.masters = _Masters(self.module, t, optimizer) if t.precision == "bf16" else None
+        """bf16: the fp32 masters and their optimizer (`_Masters`); fp32: none."""
+        self.optimizer: Any = self.masters or optimizer(recipe.param_groups(self.module, t))
+        self.params: list[nn.Parameter] = (self.masters.fp32_masters if self.masters
+                                           else list(self.module.parameters()))
+        """What the DP average, the norm and the clip act on: the masters in bf16."""
         pp_ranks = groups.dims.group_of(self.rank, Dim.PP)
         self._last_stage_rank = pp_ranks[-1]
 
@@ -132,6 +202,8 @@ class InterleavedEngine:
         args = _joined(xs) if self.has_first else ()
         target = torch.cat(ys) if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        if self.masters is not None:
+            self.masters.take_grads()
         self._average_gradients_over_dp()
         self._grad_norm = recipe.global_grad_norm(self.params, self.groups)
         recipe.clip_grads(self.params, self._grad_norm, self.grad_clip)
@@ -165,7 +237,7 @@ class InterleavedEngine:
         dp = self.groups.dims.dp
         if dp == 1:
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dp_all_reduce(flat, self.groups.dp).div_(dp)
         offset = 0
@@ -179,13 +251,20 @@ class InterleavedEngine:
     def _local_optimizer(self) -> torch.optim.Optimizer:
         # ZeroRedundancyOptimizer's own state_dict gathers every shard on one rank; each rank
         # saves and restores its own shard instead (same layout on resume).
-        opt = self.optimizer
+        opt = self.optimizer.optimizer if self.masters else self.optimizer
         return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+    def master_of(self, p: nn.Parameter) -> nn.Parameter | None:
+        """bf16: the fp32 master of the module's parameter `p` (its optimizer's parameter);
+        fp32: None (the parameter is its own)."""
+        return self.masters.of[id(p)] if self.masters else None
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
         path = self._path(directory, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"module": self.module.state_dict(),
+        masters = (dict(zip(self.masters.names, self.masters.fp32_masters, strict=True))
+                   if self.masters else None)
+        torch.save({"module": self.module.state_dict(), "masters": masters,
                     "optimizer": self._local_optimizer().state_dict(),
                     "client_state": client_state}, path)
 
@@ -195,6 +274,14 @@ class InterleavedEngine:
             return None, {}
         state = torch.load(path, weights_only=False)
         self.module.load_state_dict(state["module"])
+        if self.masters is not None:
+            if state.get("masters") is None:
+                raise ValueError(f"{path}: written without fp32 master weights (an fp32 run);"
+                                 " resume it in fp32")
+            with torch.no_grad():
+                for name, master in zip(self.masters.names, self.masters.fp32_masters,
+                                        strict=True):
+                    master.copy_(state["masters"][name])
         self._local_optimizer().load_state_dict(state["optimizer"])
         dist.barrier()
         return path, state["client_state"]
