@@ -260,7 +260,8 @@ def text(d: Description) -> str:
              "-" if tok is None or tok.measured is None else f"{tok.measured:.0f}",
              _ratio(tok.ratio if tok else None)],
             ["model states", size(states.predicted if states else None),
-             size(states.measured if states else None),
+             "not measured" if states and states.measured is None and pvm and pvm.steps_measured
+             else size(states.measured if states else None),
              _ratio(states.ratio if states else None)],
             ["peak memory", size(plan.memory_bytes), size(peak), "-"]]
     split = d.time_split

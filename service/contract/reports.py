@@ -17,7 +17,9 @@ from typing_extensions import TypedDict  # pydantic takes typing's only from Pyt
 
 class MemoryReport(BaseModel):
     """Bytes a rank really holds, measured (see `workers.monitor.memory`). A custom entrypoint may
-    leave any of them out (None)."""
+    leave any of them out (None); the built-in trainer reports the process peak every step and
+    the others on the steps its monitor measures (`monitor.memory_every`), None (not
+    measured) on the rest."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -31,7 +33,8 @@ class MemoryReport(BaseModel):
     """Optimizer states: Adam moments, step counters and fp32 master weights of the rank's
     partition."""
     activations_peak_bytes: int | None = Field(default=None, ge=0)
-    """Peak bytes of tensors saved for backward so far (saved-tensor hooks)."""
+    """Peak bytes of tensors saved for backward so far, over the steps measured (saved-tensor
+    hooks)."""
     process_peak_bytes: int | None = Field(default=None, ge=0)
     """Peak RSS of the process (CPU) or `torch.cuda.max_memory_allocated` (GPU)."""
     process_peak_source: Literal["rss_peak", "cuda_max_allocated"] | None = None

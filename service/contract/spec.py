@@ -515,6 +515,12 @@ class MonitorSpec(_Strict):
     """A job with no rank making progress for this long is hung: diagnosed and stopped."""
     comm_sample_every: Annotated[int, Field(ge=1, le=100000)] = 10
     """On GPUs, time collectives with CUDA events every this many steps."""
+    memory_every: Annotated[int, Field(ge=1, le=100000)] = 50
+    """Measure the rank's model states and saved activations every this many steps (a hook
+    on every activation and a walk of the optimizer state: they cost a step time), and on the
+    steps the monitor must watch: an attempt's first and last, every step once the memory
+    nears the device's capacity (`workers.monitor.memory`). The process peak is read every
+    step; the other fields of an unmeasured step are not measured (null)."""
     straggler_threshold: Annotated[float, Field(gt=1, le=100)] = 1.25
     """A rank slower than this times its pipeline-stage peers' compute time is a straggler."""
     straggler_min_steps: Annotated[int, Field(ge=1, le=10000)] = 5

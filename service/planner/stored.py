@@ -202,6 +202,12 @@ class RankPlan(BaseModel):
     stage's boundaries)."""
     groups: dict[Dim, list[int]]
     """The global ranks of this rank's TP, PP and DP groups."""
+    memory_predicted_bytes: float | None = None
+    """The bytes per device the plan predicts for this rank's stage (None: a plan without
+    them)."""
+    memory_capacity_bytes: float | None = None
+    """The device memory the plan was made for: the rank's memory monitor watches every step
+    once its peak comes near it (`workers.monitor.memory`)."""
 
     @property
     def first_stage(self) -> bool:
@@ -315,5 +321,9 @@ class StoredPlan(_View):
         row = rows[rank]
         assert row.rank == rank, f"rank_layout[{rank}] is rank {row.rank}'s row"
         stages = [rows[dims.rank(pp=s, dp=0, tp=0)].layers for s in range(dims.pp)]
+        capacity = (self.model_extra or {}).get("capacity_bytes")
         return RankPlan(rank=row.rank, pp=row.pp, dp=row.dp, tp=row.tp, layers=row.layers,
-                        stages=stages, groups={d: dims.group_of(rank, d) for d in Dim})
+                        stages=stages, groups={d: dims.group_of(rank, d) for d in Dim},
+                        memory_predicted_bytes=self.stage_bytes().get(row.pp),
+                        memory_capacity_bytes=capacity if isinstance(capacity, int | float)
+                        else None)

@@ -34,10 +34,14 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric]) -> dict[str, Any]:
     state_bytes = None
     peak = None
     if metrics:
-        mem = metrics[-1].report.memory
-        parts = [mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes]
-        if all(isinstance(p, int | float) for p in parts):
-            state_bytes = float(sum(parts))  # type: ignore[arg-type]
+        # The newest step that measured them (the monitor samples its steps:
+        # `monitor.memory_every`); none: not measured.
+        for m in reversed(metrics):
+            mem = m.report.memory
+            parts = [mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes]
+            if all(isinstance(p, int | float) for p in parts):
+                state_bytes = float(sum(parts))  # type: ignore[arg-type]
+                break
         peaks = [m.report.memory.process_peak_bytes for m in metrics]
         peaks_num = [p for p in peaks if isinstance(p, int | float)]
         peak = max(peaks_num) if peaks_num else None

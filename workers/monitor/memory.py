@@ -12,17 +12,31 @@
   (parameters saved by matmuls are excluded, they are counted as parameters).
 - Process: peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU.
 
+The first two cost a step time (a hook on every saved activation, a walk of the whole
+optimizer state after the step): `MemoryMonitor` measures them only on the steps it samples
+(every `monitor.memory_every` steps) and on those it must watch: the attempt's first step
+(the first of a run, and the first after a resume or a change of layout, which starts a new
+attempt), its last, and every step once the process's peak comes near the plan's device
+capacity or the plan predicts it near there. The process peak is one system call and is read
+every step: it decides the watch. The other steps report those fields as not measured (None).
+
 Called by `workers.trainer.train`.
 """
 
 from __future__ import annotations
 
 import resource
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+
+from service.contract.reports import MemoryReport
+
+WATCH_FRACTION = 0.9
+"""A process peak (or the plan's prediction) above this fraction of the plan's device capacity
+is near an out-of-memory: every step is measured from then on."""
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -111,9 +125,14 @@ class ModelStateMeter:
         self._stepped: dict[int, tuple[torch.Tensor, int]] = {}
         self._latest: dict[str, int] = {}
         self._freed = 0
+        self.armed = True
+        """Read after the inner optimizer's steps while armed (`MemoryMonitor` disarms it on
+        the steps it does not measure: the hook then returns at once)."""
         self.inner.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: Any) -> None:
+        if not self.armed:
+            return
         seen: set[int] = set()
         for group in self.inner.param_groups:
             for p in group["params"]:
@@ -184,6 +203,48 @@ class _Saved:
 
     def __del__(self) -> None:
         self.meter._release(self.ptr, self.nbytes)
+
+
+class MemoryMonitor:
+    """The step's memory readings, taken on the steps that are due (see the module)."""
+
+    def __init__(self, module: nn.Module, optimizer: Any, device: torch.device, every: int,
+                 first_step: int, last_step: int, capacity: float | None,
+                 predicted: float | None) -> None:
+        self.states = ModelStateMeter(module, optimizer)
+        self.acts = ActivationMeter(module)
+        self.device, self.every = device, every
+        self.first_step, self.last_step = first_step, last_step
+        self.capacity = capacity  # the plan's device memory, and its prediction for the rank
+        self.watching = bool(self.capacity and predicted
+                             and predicted >= WATCH_FRACTION * self.capacity)
+        self._measuring = False
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (1-based) is measured."""
+        return (self.watching or step in (self.first_step, self.last_step)
+                or step % self.every == 0)
+
+    def track(self, step: int):
+        """Around step `step`'s forward and backward passes: arms the meters when it is due."""
+        self._measuring = self.states.armed = self.due(step)
+        return self.acts.track() if self._measuring else nullcontext()
+
+    def report(self) -> MemoryReport:
+        """The step's readings (after its optimizer step): every field when it was measured,
+        else the process peak only; the peak near the capacity starts the watch."""
+        peak = process_peak_bytes(self.device)
+        if self.capacity and peak >= WATCH_FRACTION * self.capacity:
+            self.watching = True
+        source = "cuda_max_allocated" if self.device.type == "cuda" else "rss_peak"
+        if not self._measuring:
+            return MemoryReport(process_peak_bytes=peak, process_peak_source=source)
+        states = self.states.read()
+        return MemoryReport(params_bytes=states.get("params", 0),
+                            grads_bytes=states.get("grads", 0),
+                            optimizer_bytes=states.get("optimizer", 0),
+                            activations_peak_bytes=self.acts.peak,
+                            process_peak_bytes=peak, process_peak_source=source)
 
 
 def process_peak_bytes(device: torch.device) -> int:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from service.contract import ds_config
-from service.contract.reports import MemoryReport, StepReport
+from service.contract.reports import StepReport
 from service.contract.spec import JobSpec
 from service.files import tag_steps
 from service.planner import evaluate
@@ -273,9 +273,6 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         engine.clip_fp32_gradients = lambda: None  # type: ignore[union-attr,attr-defined]
         recipe.clip_before_step(inner, list(engine.module.parameters()), groups, t.grad_clip)
 
-    state_meter = memory.ModelStateMeter(engine.module, engine.optimizer)
-    acts = memory.ActivationMeter(engine.module)
-
     start = consumed = 0  # steps done, and the global samples they read
     skipped: list[str] | None = None  # damaged tags passed over: said with the first step
     load_s: float | None = None  # the load's time: said with the first step too
@@ -290,6 +287,10 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             consumed = start * t.global_batch if samples is None else samples
             load_s = time.perf_counter() - t_load
     source.cover(consumed + (t.steps - start) * t.global_batch)
+    meter = memory.MemoryMonitor(engine.module, engine.optimizer, device,
+                                 spec.monitor.memory_every, start + 1, t.steps,
+                                 ctx.plan.memory_capacity_bytes,
+                                 ctx.plan.memory_predicted_bytes)
 
     last: StepReport | None = None
     planned = t.global_batch  # the batch the engine was built for
@@ -314,7 +315,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             engine.set_train_batch_size(batch)
             planned = batch
         batches = source.micro_batches_at(consumed, batch)
-        with acts.track():
+        with meter.track(step + 1):
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
             else:
@@ -335,7 +336,6 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         first_read, read = _read_span(source.read, groups, device)
         consumed += batch
         progress = source.progress(consumed)
-        states = state_meter.read()
         last = StepReport(
             rank=ctx.rank, step=step + 1, loss=loss,
             step_time_s=dt, tokens_per_s=batch * shape.seq_len / dt,
@@ -347,14 +347,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             ended_at=ended_at, eval_s=eval_s, load_s=load_s if step == start else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=first_read, batch=read or None,
-            memory=MemoryReport(
-                params_bytes=states.get("params", 0),
-                grads_bytes=states.get("grads", 0),
-                optimizer_bytes=states.get("optimizer", 0),
-                activations_peak_bytes=acts.peak,
-                process_peak_bytes=memory.process_peak_bytes(device),
-                process_peak_source="cuda_max_allocated" if device.type == "cuda"
-                else "rss_peak"))
+            memory=meter.report())
         if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
             # A save the disk refuses is reported with the step; training goes on. The tag
