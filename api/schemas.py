@@ -11,6 +11,7 @@ from typing import Any
 from client.payloads import (
     AttemptList,
     AuditList,
+    CalibratedProfileOut,
     CheckpointList,
     CheckpointOut,
     ClusterView,
@@ -63,6 +64,7 @@ __all__ = [
     "AuditList",
     "CheckpointList",
     "CheckpointOut",
+    "CalibratedProfileOut",
     "ClusterView",
     "CommSteps",
     "CommView",

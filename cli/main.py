@@ -195,11 +195,17 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
           max_bytes: Annotated[int, typer.Option(min=1024, max=1 << 30,
                                                  help="Largest message.")] = 64 << 20,
           profile: Annotated[str, typer.Option(help="Profile to calibrate.")] = "cpu",
-          timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 600) -> None:
+          timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 600,
+          calibrate: Annotated[bool, typer.Option(
+              "--calibrate", help="Then run the calibration jobs (a few steps of the trainer"
+              " at three sizes, one after another) and store the trident stack's efficiency"
+              " and overheads fitted to them with the profile.")] = False) -> None:
     """Measure matmul FLOP/s and collective bandwidth on the live cluster; the result
-    calibrates the profile the planner uses for jobs on it.
+    calibrates the profile the planner uses for jobs on it. With --calibrate, the planner's
+    step-time constants of the trident stack are measured too (`trident plan --json`
+    marks them `measured`).
 
-    Example: trident probe --ranks-per-node 8 --profile h100-80gb
+    Example: trident probe --ranks-per-node 8 --profile h100-80gb --calibrate
     """
     with connect(server) as client:
         p = client.request_probe(ranks_per_node=ranks_per_node, max_bytes=max_bytes,
@@ -225,6 +231,38 @@ def probe(server: ServerOpt = DEFAULT_SERVER,
         typer.echo(f"  {row.op:<14} {str(row.group):<10} {row.bytes:>10}"
                    f" {row.busbw / 1e9:>11.3f}")
     typer.echo(f"profile {s.profile.name!r} calibrated; new plans on this cluster use it")
+    if calibrate:
+        with connect(server) as client:
+            calibration_jobs(client, profile, time.monotonic() + timeout)
+
+
+def calibration_jobs(client: Any, profile: str, deadline: float) -> None:
+    """Run the calibration jobs of `profile` one after another (so that none times another's
+    steps), then have the server fit and store the stack's constants."""
+    from service.contract.hardware import get_profile
+    from service.planner.calibrate import calibration_specs
+
+    ids = []
+    for spec in calibration_specs(get_profile(profile)):
+        job = client.submit(spec)
+        typer.echo(f"calibration job {job.id} ({spec['name']}) submitted")
+        while not job.state.terminal:
+            if time.monotonic() > deadline:
+                client.cancel_job(job.id)
+                fail(f"calibration job {job.id} still {job.state.value} at the timeout;"
+                     " cancelled", 1)
+            time.sleep(1)
+            job = client.get_job(job.id)
+        if job.state.value != "SUCCEEDED":
+            fail(f"calibration job {job.id} ended {job.state.value}: {job.error}", 1)
+        ids.append(job.id)
+    out = client.calibrate(profile=profile, jobs=ids).model_dump()
+    cal = out["calibration"]
+    typer.echo(f"stack {cal['stack']}: efficiency {cal['efficiency']:.3f} of the probed GEMM"
+               f" rate, overheads {1e3 * out['layer_overhead_s']:.2f} ms per layer and"
+               f" micro-batch, {1e3 * out['step_overhead_s']:.2f} ms per step; fit error"
+               f" {100 * cal['error']:.1f}% (jobs {', '.join(map(str, ids))})")
+    typer.echo(f"profile {profile!r}: plans on this cluster mark these constants measured")
 
 
 register(app)

@@ -37,6 +37,7 @@ from client.ledger import GoodputSummary, Ledger
 from client.payloads import (
     AttemptList,
     AuditList,
+    CalibratedProfileOut,
     CheckpointList,
     Chunk,
     ClusterView,
@@ -638,6 +639,12 @@ class TridentClient:
 
     def get_probe(self, probe_id: int) -> Probe:
         return self._get(Probe, f"/probes/{probe_id}")
+
+    def calibrate(self, *, profile: str, jobs: list[int]) -> CalibratedProfileOut:
+        """Fit the stack's efficiency and overheads to the succeeded calibration `jobs` and
+        store them with the probed `profile` (`trident probe --calibrate`)."""
+        return self._post(CalibratedProfileOut, "/calibrations",
+                          {"profile": profile, "jobs": jobs})
 
     def plan(self, spec: JobSpec | Mapping[str, Any], *, top: int = 5
              ) -> PlanOut | LayoutSearch:

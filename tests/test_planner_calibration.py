@@ -37,9 +37,9 @@ def test_fit_recovers_the_constants_of_other_step_times(profile_name: str) -> No
     specs = [JobSpec.model_validate(s) for s in calibration_specs(base)]
     samples = [(evaluate(s, profile=base), _true_step_s(s, base)) for s in specs]
     assert max(abs(p.time.step_s / m - 1) for p, m in samples) > 0.2  # the prior is off
-    fitted = fit_stack(samples, jobs=[7, 8, 9], at="2026-12-07T12:00:00Z")
+    fitted = fit_stack(samples, jobs=[7, 8, 9, 10], at="2026-12-07T12:00:00Z")
     cal = fitted.calibration
-    assert cal is not None and cal.stack == "trident" and cal.jobs == (7, 8, 9)
+    assert cal is not None and cal.stack == "trident" and cal.jobs == (7, 8, 9, 10)
     assert cal.efficiency == pytest.approx(TRUE_EFFICIENCY, rel=1e-6)
     assert fitted.layer_overhead_s == pytest.approx(TRUE_LAYER_S, rel=1e-6)
     assert fitted.step_overhead_s == pytest.approx(TRUE_STEP_S, rel=1e-6)
@@ -64,7 +64,7 @@ def test_a_negative_overhead_is_held_at_zero() -> None:
     # No per-step overhead at all, and a little noise that would push it below zero.
     truth = replace(base, step_overhead_s=0.0, layer_overhead_s=TRUE_LAYER_S)
     samples = [(evaluate(s, profile=base), evaluate(s, profile=truth).time.step_s * f)
-               for s, f in zip(specs, (0.97, 1.0, 1.0), strict=True)]
+               for s, f in zip(specs, (0.97, 1.0, 1.0, 1.0), strict=True)]
     fitted = fit_stack(samples, jobs=[1, 2, 3], at="now")
     assert fitted.step_overhead_s == 0.0 and fitted.layer_overhead_s > 0
     assert fitted.calibration is not None and fitted.calibration.efficiency > 0
@@ -85,14 +85,14 @@ def test_plan_json_marks_each_constant_measured_or_assumed() -> None:
                                        name="cpu", source="trident probe 4 at 2026-12-07")
     samples = [(evaluate(s, profile=probed), _true_step_s(s, probed))
                for s in map(JobSpec.model_validate, calibration_specs(probed))]
-    fitted = fit_stack(samples, jobs=[11, 12, 13], at="2026-12-07T12:30:00Z")
+    fitted = fit_stack(samples, jobs=[11, 12, 13, 14], at="2026-12-07T12:30:00Z")
     measured = plan_command(spec, as_json=True, profile=fitted)
     assert isinstance(measured, dict)
     consts = measured["constants"]
     for name in ("efficiency", "layer_overhead_s", "step_overhead_s"):
         assert consts[name]["status"] == "measured", name
-        assert consts[name]["source"] == ("trident probe --calibrate: trident jobs 11, 12, 13"
-                                          " at 2026-12-07T12:30:00Z")
+        assert consts[name]["source"] == ("trident probe --calibrate: trident jobs"
+                                          " 11, 12, 13, 14 at 2026-12-07T12:30:00Z")
     assert consts["efficiency"]["value"] == pytest.approx(TRUE_EFFICIENCY)
     for name in ("peak_flops", "intra_node_bw"):
         assert consts[name] == {**consts[name], "status": "measured",

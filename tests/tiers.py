@@ -65,7 +65,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_workers_train", "test_workers_units",
     ),
     "system": (
-        "test_budgets_ray", "test_checkpoint_ray", "test_cli_ray", "test_cli_views_ray",
+        "test_budgets_ray", "test_calibration_ray", "test_checkpoint_ray", "test_cli_ray",
+        "test_cli_views_ray",
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",
         "test_e2e_one_stack", "test_e2e_ray", "test_elastic_ray", "test_hosts_faults",

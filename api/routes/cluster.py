@@ -1,5 +1,6 @@
 """Cluster routes: the node inventory the controller records, its nodes' cordon and drain
-(`trident node cordon|drain|uncordon`, admins only), and `trident probe` runs."""
+(`trident node cordon|drain|uncordon`, admins only), and `trident probe` runs and the
+calibration that follows it (`trident probe --calibrate`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Principal, require
 from api.deps import ProbeId, StoreDep
-from api.schemas import ClusterView, ProbeList, Refusal
+from api.schemas import CalibratedProfileOut, ClusterView, ProbeList, Refusal
 from service.contract.hardware import PROFILES
+from service.monitor.calibration import CalibrationRefused, calibrate_stack
 from service.store import Node, NotFound, Probe, Store
 from service.store.cluster import AmbiguousNode
 
@@ -157,3 +159,31 @@ def get_probe(store: StoreDep, probe_id: ProbeId) -> Probe:
         return store.get_probe(probe_id=probe_id)
     except NotFound as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from None
+
+
+class CalibrationRequest(BaseModel):
+    """What `trident probe --calibrate` fits after the probe."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    profile: Annotated[str, Field(max_length=64)] = "cpu"
+    """The probed profile whose stack constants the jobs measure."""
+    jobs: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=8)]
+    """The succeeded calibration jobs (`service.planner.calibrate.calibration_specs`): their
+    step times fit the efficiency and the per-layer and per-step overheads."""
+
+
+@router.post("/calibrations", response_model=CalibratedProfileOut,
+             dependencies=[Depends(require("cluster:probe"))])
+def calibrate(body: CalibrationRequest, store: StoreDep) -> dict[str, Any]:
+    """Fit the stack's efficiency and overheads to the calibration jobs' measured step times
+    and store them with the profile the probe calibrated: plans on this cluster then mark them
+    `measured` (`constants` in the plan JSON). 404 when the profile has not been probed here."""
+    try:
+        saved = calibrate_stack(store, profile=body.profile, job_ids=body.jobs)
+    except CalibrationRefused as exc:
+        if exc.field == "profile":
+            raise HTTPException(status_code=404, detail=str(exc)) from None
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["body", exc.field], "type": "value_error", "msg": str(exc)}]) from None
+    return saved.to_json()

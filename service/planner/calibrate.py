@@ -27,11 +27,12 @@ CALIBRATION_WARMUP_STEPS = 3
 kernel choices); the median of the rest is its step time."""
 CALIBRATION_STEPS = 12
 CALIBRATION_SHAPES: dict[str, tuple[tuple[int, int, int], ...]] = {
-    "cpu": ((64, 1, 4), (64, 6, 4), (512, 2, 8)),
-    "gpu": ((1024, 2, 16), (1024, 8, 16), (2048, 4, 16)),
+    "cpu": ((64, 1, 4), (64, 6, 4), (512, 2, 8), (256, 3, 4)),
+    "gpu": ((1024, 2, 16), (1024, 8, 16), (2048, 4, 16), (1536, 4, 12)),
 }
 """(hidden, layers, heads) of the calibration jobs: two depths at one width separate the
-per-layer from the per-step overhead, a wider model at another depth the GEMM efficiency."""
+per-layer from the per-step overhead, a wider model at another depth the GEMM efficiency; the
+fourth leaves the fit a degree of freedom, so that its error says how well the model holds."""
 
 
 def profile_from_measurements(
