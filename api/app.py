@@ -41,6 +41,7 @@ from api.routes import (
     jobs,
     logs,
     plan,
+    profile,
     resubmit,
     stacks,
     tracking,
@@ -202,6 +203,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(plan.router)
     v1.include_router(identity.router)
     v1.include_router(stacks.router)
+    v1.include_router(profile.router)
     v1.include_router(tracking.router)
     v1.include_router(goodput.router)
 

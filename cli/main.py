@@ -6,8 +6,8 @@ profile, or a local server's bootstrap token file (`client.token`); the identity
 are in `cli.identity`, `submit`, `cancel` and `resubmit` in `cli.jobs`, `logs` and
 `events` in `cli.logs`, `status`, `describe` and `top` in `cli.status`,
 `cli.describe` and `cli.top`, `node` (starts this host's Ray node, no server) and
-`cluster` in `cli.node`, `stacks` in `cli.stacks`, `data` (local: corpora) in
-`cli.data`, `goodput` in `cli.goodput`.
+`cluster` in `cli.node`, `stacks` in `cli.stacks`, `profile` in `cli.profile`, `data`
+(local: corpora) in `cli.data`, `goodput` in `cli.goodput`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from cli.data import register as register_data
 from cli.identity import open_database, register
 from cli.node import register as register_node
 from cli.offline import register_offline
+from cli.profile import register as register_profile
 from cli.stacks import register as register_stacks
 from client.payloads import ProbeStatus, ProbeSummary
 from service.contract.reports import ProbeRowModel
@@ -272,6 +273,7 @@ cli_describe.register(app)
 cli_top.register(app)
 register_node(app)
 register_stacks(app)
+register_profile(app)
 register_data(app)
 cli_jobs.register(app)
 cli_logs.register(app)

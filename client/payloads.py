@@ -1045,3 +1045,81 @@ class StackAnswer(BaseModel):
     @classmethod
     def of(cls, request: StackRequest) -> StackAnswer:
         return cls.model_validate(request.result or {})
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+PROFILE_MAX_STEPS = 20
+"""The most steps one `trident profile` request profiles."""
+PROFILE_MAX_TRACE_BYTES = 64 << 20
+"""The most bytes of one stored trace file (gzipped): a rank's file over it is left out, and a
+rank whose trace is over it has none."""
+PROFILE_MAX_JOB_BYTES = 512 << 20
+"""The most bytes of trace files a job keeps: storing new ones drops the oldest requests'
+files first (their requests say so), and files beyond it even then are left out."""
+PROFILE_MAX_OPEN = 2
+"""Requests of one job that may wait (pending or profiling) at once; one more is a 429."""
+
+
+class ProfileAsk(BaseModel):
+    """`POST /jobs/{id}/profile`: which ranks profile how many of their next steps. The
+    traces are bounded: at most `PROFILE_MAX_TRACE_BYTES` (64 MiB) per file, gzipped, and
+    `PROFILE_MAX_JOB_BYTES` (512 MiB) per job, the oldest requests' files dropped first."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    steps: int = Field(default=3, ge=1, le=PROFILE_MAX_STEPS)
+    """How many of the next steps to profile (1 to 20): every named rank profiles the same
+    steps, from the second to start after the request reaches them."""
+    ranks: list[int] | None = Field(default=None, max_length=1024)
+    """The ranks to profile, each within the job's world size (none: every rank)."""
+    memory: bool = False
+    """Also record memory: the profiler's allocations and memory timeline and, on CUDA, a
+    `torch.cuda.memory._snapshot()`."""
+
+
+class ProfileFile(BaseModel):
+    """One stored trace file of a request: `GET /jobs/{id}/profile/{request}/files/{name}`."""
+
+    rank: int
+    name: str
+    bytes: int
+
+
+class ProfileRequest(BaseModel):
+    """A `trident profile` request and, once `done`, its stored files."""
+
+    id: int
+    job_id: int
+    attempt: int | None = None
+    """The attempt whose ranks were profiled."""
+    status: StackStatus
+    """pending, running (the ranks are profiling), done (files stored) or failed (`error`)."""
+    requested_by: str | None = None
+    steps: int
+    ranks: list[int]
+    memory: bool = False
+    files: list[ProfileFile] = Field(default_factory=list)
+    """Rank order; empty again once dropped to keep the job within `PROFILE_MAX_JOB_BYTES`."""
+    profiled_steps: dict[str, list[int]] = Field(default_factory=dict)
+    """Per rank (a string, JSON's keys), the first and last step profiled."""
+    missing: list[dict[str, Any]] = Field(default_factory=list)
+    """The ranks without a trace: `{"rank", "reason"}`."""
+    left_out: list[dict[str, Any]] = Field(default_factory=list)
+    """Files made but not stored: `{"rank", "name", "bytes", "why"}` (a size limit)."""
+    dropped: str | None = None
+    """Why the files are gone (a newer request's needed the room), when they are."""
+    error: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+
+class ProfileList(BaseModel):
+    """A job's profile requests, newest first, and the bounds they are kept within."""
+
+    items: list[ProfileRequest]
+    stored_bytes: int
+    """The job's trace files' bytes now."""
+    max_trace_bytes: int = PROFILE_MAX_TRACE_BYTES
+    max_job_bytes: int = PROFILE_MAX_JOB_BYTES
+    max_steps: int = PROFILE_MAX_STEPS

@@ -59,6 +59,8 @@ from client.payloads import (
     PlanOut,
     Probe,
     ProbeList,
+    ProfileList,
+    ProfileRequest,
     Project,
     ProjectList,
     RanksGrid,
@@ -606,6 +608,59 @@ class TridentClient:
     def get_stacks(self, job_id: int, request_id: int) -> StackRequest:
         """A stack request and, once `done`, its answer (`api.schemas.StackAnswer.of`)."""
         return self._get(StackRequest, f"/jobs/{job_id}/stacks/{request_id}")
+
+    # -- profiles --------------------------------------------------------------------------------
+
+    def request_profile(self, job_id: int, *, steps: int = 3, ranks: list[int] | None = None,
+                        memory: bool = False) -> ProfileRequest:
+        """Have ranks of a RUNNING job (default all) run torch.profiler over their next
+        `steps` steps; poll `get_profile`, then `download_profile`."""
+        return self._post(ProfileRequest, f"/jobs/{job_id}/profile",
+                          {"steps": steps, "ranks": ranks, "memory": memory})
+
+    def get_profile(self, job_id: int, request_id: int) -> ProfileRequest:
+        """A profile request and, once `done`, its files."""
+        return self._get(ProfileRequest, f"/jobs/{job_id}/profile/{request_id}")
+
+    def list_profiles(self, job_id: int) -> ProfileList:
+        """The job's profile requests, newest first, with their files and the bounds."""
+        return self._get(ProfileList, f"/jobs/{job_id}/profile")
+
+    def download_profile(self, job_id: int, request_id: int,
+                         out: str | os.PathLike[str]) -> list[str]:
+        """Every file of a done request into folder `out` (made if missing), streamed one
+        by one, each written whole or not at all; their paths. `FileExistsError` when one is
+        there already."""
+        req = self.get_profile(job_id, request_id)
+        os.makedirs(out, exist_ok=True)
+        paths = []
+        for f in req.files:
+            target = os.path.join(os.fspath(out), os.path.basename(f.name))
+            if os.path.exists(target):
+                raise FileExistsError(errno.EEXIST, "exists already", target)
+            part = target + ".part"
+            try:
+                with self._http.stream("GET", f"/jobs/{job_id}/profile/{request_id}/files/"
+                                       f"{f.name}", timeout=httpx.Timeout(30, read=None)
+                                       ) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        raise _refusal(resp, self)
+                    with open(part, "wb") as fh:
+                        for chunk in resp.iter_bytes(1 << 20):
+                            fh.write(chunk)
+                if os.path.getsize(part) != f.bytes:
+                    raise ConnectionFailed(self.server, f"the trace {f.name} of job {job_id}"
+                                           f" came short of its {f.bytes} bytes")
+                os.replace(part, target)
+            except httpx.HTTPError as exc:
+                raise ConnectionFailed(self.server, f"the trace {f.name} of job {job_id} broke"
+                                       f" off: {exc or type(exc).__name__}") from None
+            finally:
+                if os.path.exists(part):
+                    os.remove(part)
+            paths.append(target)
+        return paths
 
     # -- the cluster and the planner -------------------------------------------------------------
 

@@ -23,9 +23,11 @@ from api.app import create_app
 from api.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, api_routes, csrf_token
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
+from service.files.profiles import ProfileFiles, profile_root
 from service.settings import Settings
 from service.store import Store
 from service.store.identity import Identity
+from service.store.profile_requests import ProfileRequests
 from service.store.stack_requests import StackRequests
 from service.submission.intake import Submitter
 from service.submission.intake import submit as submit_job
@@ -50,6 +52,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "jobs:cancel": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:resubmit": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:stacks": {"admin": ANY, "member": OWN, "viewer": NONE},
+    "jobs:profile": {"admin": ANY, "member": OWN, "viewer": NONE},
     "jobs:export": {"admin": ANY, "member": OWN, "viewer": NONE},
     "cluster:read": {"admin": ANY, "member": ANY, "viewer": ANY},
     "cluster:probe": {"admin": ANY, "member": ANY, "viewer": NONE},
@@ -72,6 +75,7 @@ EXPECTED: dict[str, dict[str, str]] = {
 class World:
     store: Store
     identity: Identity
+    data_dir: Path
     tokens: dict[str, str] = field(default_factory=dict)
     counter: int = 0
 
@@ -101,6 +105,19 @@ class World:
         job_id = self.running_job(owner)
         req = StackRequests(self.store).create(job_id=job_id, requested_by=owner)
         return f"/api/v1/jobs/{job_id}/stacks/{req.id}"
+
+    def profile_request(self, owner: str, file: bool = False) -> str:
+        """`/jobs/{id}/profile/{request_id}` of a done request for a job of `owner` (with
+        `file`: the URL of its one trace file, stored)."""
+        job_id = self.running_job(owner)
+        requests = ProfileRequests(self.store)
+        req = requests.create(job_id=job_id, requested_by=owner, steps=1, ranks=[0],
+                              memory=False)
+        name = "rank-0.pt.trace.json.gz"
+        ProfileFiles(profile_root(self.data_dir)).write(job_id, req.id, name, b"trace")
+        requests.finish(request_id=req.id, result={
+            "files": [{"rank": 0, "name": name, "bytes": 5}]})
+        return f"/api/v1/jobs/{job_id}/profile/{req.id}" + (f"/files/{name}" if file else "")
 
     def node(self) -> str:
         """The hostname of the cluster's one (alive) node."""
@@ -132,6 +149,14 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.running_job(w.owner(c, r))}/stacks", None),
     ("GET", "/api/v1/jobs/{job_id}/stacks/{request_id}"): lambda w, c, r: (
         w.stack_request(w.owner(c, r)), None),
+    ("POST", "/api/v1/jobs/{job_id}/profile"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.running_job(w.owner(c, r))}/profile", {"steps": 1}),
+    ("GET", "/api/v1/jobs/{job_id}/profile"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/profile", None),
+    ("GET", "/api/v1/jobs/{job_id}/profile/{request_id}"): lambda w, c, r: (
+        w.profile_request(w.owner(c, r)), None),
+    ("GET", "/api/v1/jobs/{job_id}/profile/{request_id}/files/{name}"): lambda w, c, r: (
+        w.profile_request(w.owner(c, r), file=True), None),
     ("GET", "/api/v1/jobs/{job_id}/events"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/events", None),
     ("GET", "/api/v1/jobs/{job_id}/metrics"): lambda w, c, r: (
@@ -202,7 +227,7 @@ def world(store: Store, tmp_path: Path) -> Iterator[tuple[TestClient, World]]:
     identity = Identity(store)
     for p in ("default", "vision", "speech"):
         identity.create_project(name=p)
-    w = World(store, identity)
+    w = World(store, identity, tmp_path)
     for name, role, project in [("admin", "admin", "default"), ("alice", "member", "vision"),
                                 ("bob", "member", "vision"), ("carol", "member", "speech"),
                                 ("victor", "viewer", "vision")]:

@@ -60,6 +60,14 @@ class WorkerGroup(Protocol):
         `timeout_s`, or its actor is gone). May block up to `timeout_s`."""
         ...
 
+    def profile(self, request_id: int, *, ranks: list[int], steps: int, memory: bool,
+                max_bytes: int, timeout_s: float) -> dict[int, Any]:
+        """`trident profile`: ranks `ranks` run torch.profiler over the same `steps` coming
+        steps; per rank `{"rank", "steps", "files": {name: gzipped bytes}, "left_out",
+        "error"}` (`workers.monitor.profiler`, each file at most `max_bytes`), or a string
+        saying why there is none. Blocks until the steps ended, at most `timeout_s`."""
+        ...
+
     def acknowledge(self, acks: dict[int, int]) -> None:
         """The reports of `PollResult.acks` are stored; until then ranks send them again."""
 

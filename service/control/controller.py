@@ -67,6 +67,7 @@ from service.control.corpus_admission import READY, SCANNING, CorpusAdmission
 from service.control.node_survey import NodeSurvey
 from service.control.pace import FAST_FOR_S, Activity
 from service.control.preempting import Preemptions
+from service.control.profile_collect import ProfileCollector
 from service.control.rescaling import Rescaling
 from service.control.stack_collect import StackCollector
 from service.control.tag_recovery import recover
@@ -80,6 +81,7 @@ from service.files.checkpoint_dirs import (
     seed,
 )
 from service.files.data_check import changed_corpus
+from service.files.profiles import ProfileFiles, profile_root
 from service.monitor.attempt import AttemptHealth, record_stacks
 from service.policy.elastic_replan import fitting_ranks
 from service.policy.quota import Quota, held
@@ -89,6 +91,7 @@ from service.secrets import JobSecrets, SecretBox, SecretsUnreadable
 from service.store import AttemptStatus, Fence, Job, NotFound, Store
 from service.store.identity import Identity
 from service.store.metrics import MetricsIngest
+from service.store.profile_requests import ProfileRequests
 from service.store.quota_waits import QuotaNotes
 from service.store.stack_requests import StackRequests
 from service.tracking.config import TrackingConfig
@@ -166,6 +169,11 @@ class Controller:
         self.quota_notes = QuotaNotes(store)
         self.stacks = StackCollector(StackRequests(store))
         """`trident stacks`: answered from the live groups, beside the loop."""
+        self.profiles = ProfileCollector(
+            ProfileRequests(store),
+            ProfileFiles(profile_root(data_dir)) if data_dir is not None else None)
+        """`trident profile`: the live groups' ranks profile, beside the loop; their traces
+        are stored under `data_dir`."""
         self.secrets = JobSecrets(store, box)
         """Opens jobs' secrets for their ranks' environment (no box: a job with secrets
         fails)."""
@@ -241,7 +249,9 @@ class Controller:
         self._admit(result, active, keeping)
         self.rescaling.up(active, self.blocked)
         self.cluster_probes.step()
-        self.stacks.step({j: (run.group, run.attempt) for j, run in self.running.items()})
+        live = {j: (run.group, run.attempt) for j, run in self.running.items()}
+        self.stacks.step(live)
+        self.profiles.step(live)
         self.nodes.step()
         if self.exporter is not None:
             self.exporter.step()
@@ -253,7 +263,8 @@ class Controller:
         runs = list(self.running.values())
         now = time.monotonic()
         beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
-                  or self.rescaling.moving or self.preemptions.victims or self.corpora.scanning)
+                  or self.profiles.pending or self.rescaling.moving or self.preemptions.victims
+                  or self.corpora.scanning)
         return Activity(
             starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
             changed=bool(result.changes), steady=bool(runs) and not beside,

@@ -486,6 +486,31 @@ class StackRequestRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class ProfileRequestRow(Base):
+    """One `trident profile` request and, once its ranks answered, the traces stored (their
+    files under `service.files.profiles`; migration 0022)."""
+
+    __tablename__ = "profile_requests"
+    __table_args__ = (Index("ix_profile_requests_job", "job_id", "id"),
+                      Index("ix_profile_requests_status", "status"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The attempt whose ranks were profiled (set when the controller takes the request)."""
+    status: Mapped[str] = mapped_column(String(16))
+    requested_by: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    steps: Mapped[int] = mapped_column(Integer)
+    ranks: Mapped[list[int]] = mapped_column(JSON)
+    memory: Mapped[bool] = mapped_column(Boolean)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """`service.control.profile_collect`: the files stored, each rank's steps, the ranks
+    without a trace and why."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class RankHeartbeatRow(Base):
     """One rank's last heartbeat in one attempt (migration 0010)."""
 

@@ -261,6 +261,36 @@ class RayWorkerGroup:
         return self._ask_all([a.thread_stacks.remote(max_bytes) for a in self.actors],
                              timeout_s)
 
+    def profile(self, request_id: int, *, ranks: list[int], steps: int, memory: bool,
+                max_bytes: int, timeout_s: float) -> dict[int, Any]:
+        """`trident profile`: the named ranks profile the same `steps` steps, from the second
+        step to start after the furthest of them is at now (`RankActor.profile`); per rank its
+        answer (`workers.monitor.profiler.StepProfiler.result`) or why there is none."""
+        deadline = time.monotonic() + timeout_s
+        actors = {r: self.actors[r] for r in ranks}
+        now = self._ask_all([a.step.remote() for a in actors.values()], 10.0)
+        start = max((s for s in now.values() if isinstance(s, int)), default=0) + 2
+        out: dict[int, Any] = {}
+        armed = self._ask_all([a.profile.remote(request_id, steps, memory, start, max_bytes)
+                               for a in actors.values()], 10.0)
+        waiting = {}
+        for i, (r, a) in enumerate(actors.items()):
+            if armed[i] is None:
+                waiting[r] = a
+            else:
+                out[r] = armed[i]
+        while waiting and time.monotonic() < deadline:
+            answers = self._ask_all([a.profile_result.remote(request_id)
+                                     for a in waiting.values()], 10.0)
+            for i, r in enumerate(list(waiting)):
+                if isinstance(answers[i], dict) or str(answers[i]).startswith("(actor gone"):
+                    out[r] = answers[i]
+                    del waiting[r]
+            time.sleep(0.5)
+        for r in waiting:
+            out[r] = f"(no trace within {timeout_s:g} s: the steps did not end)"
+        return out
+
     def _ask_all(self, refs: list[Any], timeout_s: float) -> dict[int, Any]:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out: dict[int, Any] = {}

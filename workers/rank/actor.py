@@ -33,6 +33,7 @@ from service.contract.spec import JobSpec
 from service.files.checkpoint_dirs import CheckpointWriter
 from service.files.order_cache import ServerData
 from service.planner.stored import RankPlan
+from workers.monitor.profiler import Busy, StepProfiler
 from workers.runtime.heartbeat import Heartbeat, dump_stacks, thread_stacks
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ class RankActor:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._finished = False
+        self._profiler: StepProfiler | None = None
+        self._not_profiled = "not profiled: the rank has not started training"
+        """Why `profile` is refused while there is no `_profiler` (`trident profile`)."""
 
     def info(self) -> dict[str, Any]:
         """Where this rank landed, and free ports in case it is the rendezvous rank."""
@@ -223,6 +227,11 @@ class RankActor:
         # program without such a call (a custom entrypoint) has its faults armed when the last
         # step reports.
         arm_at_report = not program.marks_steps
+        # `trident profile`: the profiled steps are those the trainer marks, whole.
+        profiler = StepProfiler(self.rank) if program.marks_steps else None
+        if profiler is None:
+            self._not_profiled = "not profiled: the job's program marks no step starts"
+        self._profiler = profiler
 
         def begin(step: int) -> None:
             timer.begin_step(step)
@@ -231,6 +240,8 @@ class RankActor:
                 faults.begin(step)
 
         def started(step: int) -> None:
+            if profiler is not None:
+                profiler.step_started(step)
             timer.step_started(step)
             faults.begin(step)
 
@@ -239,6 +250,8 @@ class RankActor:
             # Plain dicts across Ray; the controller validates them back into a StepReport.
             self._put(r.model_copy(update={"comm": summary["comm"],
                                            "timed": summary["timed"]}).model_dump())
+            if profiler is not None:
+                profiler.step_ended(r.step)
             if rounds is not None:  # between steps: the next step's start drops its counts
                 rounds.at_boundary(r.step, self._stop.is_set())
             begin(r.step + 1)
@@ -251,6 +264,8 @@ class RankActor:
             program.run(spec, ctx, report, self._stop, started)
         finally:
             timer.uninstall()
+            if profiler is not None:
+                profiler.close("training ended")
 
     def _train_light(self, spec: Any, ctx: Any, program: RankProgram) -> None:
         """A program without torch collectives (the light program, `workers.rank.light`): no
@@ -264,6 +279,7 @@ class RankActor:
 
         faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
         arm_at_report = not program.marks_steps
+        self._not_profiled = "not profiled: light rank (no torch)"
 
         def begin(step: int) -> None:
             self.heartbeat.beat(step, "forward")
@@ -325,6 +341,30 @@ class RankActor:
         """`trident stacks`: every thread's stack, the rank's work thread named `train`."""
         work = {self._thread.ident: "train"} if self._thread and self._thread.ident else {}
         return thread_stacks(work, max_bytes)
+
+    def step(self) -> int:
+        """The step this rank is at (its heartbeat's): `trident profile` starts past it."""
+        return self.heartbeat.read().step
+
+    def profile(self, request_id: int, steps: int, memory: bool, start: int,
+                max_bytes: int) -> str | None:
+        """`trident profile`: run torch.profiler over `steps` steps from step `start` (or the
+        next to start after it; `workers.monitor.profiler`); None once armed, else why not (a
+        light rank, a program that marks no steps, a profile for another request running)."""
+        if self._profiler is None:
+            return self._not_profiled
+        try:
+            self._profiler.arm(request_id, steps=steps, memory=memory, start=start,
+                               max_bytes=max_bytes)
+        except Busy as exc:
+            return f"not profiled: {exc}"
+        if self._finished:
+            self._profiler.close("training ended")
+        return None
+
+    def profile_result(self, request_id: int) -> dict[str, Any] | None:
+        """The armed request's trace files once its steps ended (`StepProfiler.result`)."""
+        return self._profiler.result(request_id) if self._profiler is not None else None
 
     def cancel(self) -> None:
         self._stop.set()

@@ -1,0 +1,116 @@
+"""`trident profile` over REST: a running job's ranks run torch.profiler; its traces listed, read.
+
+The API only stores the request; the controller has the named ranks profile their next steps
+(`service.control.profile_collect`) and stores the traces with the job
+(`service.files.profiles`). Asking is like asking for stacks (rule `jobs:profile`: admins for any
+job, members for their own), since it slows the profiled steps; reading the requests and
+downloading their files is reading the job.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Request
+from fastapi.responses import FileResponse
+
+from api.auth import Who, check_owner, require
+from api.deps import INT32_MAX, JobDep, StoreDep
+from api.schemas import Refusal
+from client.payloads import (
+    PROFILE_MAX_OPEN,
+    ProfileAsk,
+    ProfileList,
+    ProfileRequest,
+)
+from service.contract.states import JobState
+from service.files.profiles import NAME, ProfileFiles, profile_root
+from service.store import NotFound
+from service.store.profile_requests import ProfileRequests, TooManyOpen, stored_bytes
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+ProfileRequestId = Annotated[int, Path(ge=1, le=INT32_MAX,
+                                       description="A profile request's id.")]
+FileName = Annotated[str, Path(max_length=80, pattern=NAME.pattern,
+                               description="A trace file's name, as the request lists it.")]
+
+
+async def _requests(request: Request, store: StoreDep) -> ProfileRequests:
+    """The app's `ProfileRequests` on its store (made once)."""
+    found: ProfileRequests | None = getattr(request.app.state, "profile_requests", None)
+    if found is None:
+        found = request.app.state.profile_requests = ProfileRequests(store)
+    return found
+
+
+Requests = Annotated[ProfileRequests, Depends(_requests)]
+
+
+@router.post("/{job_id}/profile", status_code=202,
+             dependencies=[Depends(require("jobs:profile"))],
+             responses={409: {"model": Refusal, "description": "The job is not running"},
+                        429: {"model": Refusal, "description": f"The job has"
+                              f" {PROFILE_MAX_OPEN} profile requests waiting"}})
+def request_profile(job: JobDep, requests: Requests, who: Who,
+                    body: ProfileAsk | None = None) -> ProfileRequest:
+    """Have ranks of a RUNNING job (`ranks`, default all) run torch.profiler over their next
+    `steps` steps (with `memory`, their memory too); poll `GET /jobs/{id}/profile/{request_id}`
+    until `status` is `done` (or `failed`), then fetch its `files`. 409 when the job is not
+    running; 429 when it has 2 requests waiting already; 422 for a rank outside the job."""
+    check_owner(who, "jobs:profile", job.owner)
+    ask = body or ProfileAsk()
+    world = job.spec.world_size
+    outside = sorted({r for r in ask.ranks or [] if not 0 <= r < world})
+    if outside:
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["body", "ranks"], "type": "value_error",
+            "msg": f"rank(s) {outside[:8]} outside the job's world size {world} (0 to"
+                   f" {world - 1})"}])
+    if job.state != JobState.RUNNING:
+        raise HTTPException(status_code=409, detail=f"job {job.id} is {job.state.value}: only"
+                            " a RUNNING job has ranks to profile")
+    ranks = sorted(set(ask.ranks)) if ask.ranks else list(range(world))
+    try:
+        return requests.create(job_id=job.id, requested_by=who.name, steps=ask.steps,
+                               ranks=ranks, memory=ask.memory)
+    except TooManyOpen as exc:
+        raise HTTPException(status_code=429, detail=str(exc)) from None
+
+
+@router.get("/{job_id}/profile", dependencies=[Depends(require("jobs:read"))])
+def list_profiles(job: JobDep, requests: Requests) -> ProfileList:
+    """The job's profile requests, newest first, with their files, and the size bounds."""
+    items = requests.of_job(job.id)
+    return ProfileList(items=items, stored_bytes=stored_bytes(items))
+
+
+@router.get("/{job_id}/profile/{request_id}", dependencies=[Depends(require("jobs:read"))])
+def get_profile(job: JobDep, requests: Requests,
+                request_id: ProfileRequestId) -> ProfileRequest:
+    """A profile request and, once `done`, its files (`files`) and steps."""
+    try:
+        return requests.get(job_id=job.id, request_id=request_id)
+    except NotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+
+
+@router.get("/{job_id}/profile/{request_id}/files/{name}",
+            dependencies=[Depends(require("jobs:read"))], response_class=FileResponse,
+            responses={200: {"content": {"application/gzip": {}}}})
+def get_profile_file(job: JobDep, requests: Requests, request: Request,
+                     request_id: ProfileRequestId, name: FileName) -> FileResponse:
+    """One trace file of a request, streamed as stored (gzip): Chrome trace JSON
+    (`*.pt.trace.json.gz`: Perfetto, TensorBoard's profile plugin), the memory timeline, or
+    the CUDA memory snapshot."""
+    try:
+        req = requests.get(job_id=job.id, request_id=request_id)
+    except NotFound as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from None
+    files = ProfileFiles(profile_root(request.app.state.settings.data_dir))
+    path = files.path(job.id, req.id, name) if name in {f.name for f in req.files} else None
+    if path is None:
+        raise HTTPException(status_code=404, detail=f"profile request {req.id} of job {job.id}"
+                            f" has no file {name!r}" + (f" ({req.dropped})" if req.dropped
+                                                        else ""))
+    return FileResponse(path, media_type="application/gzip", filename=name)
