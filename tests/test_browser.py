@@ -617,3 +617,31 @@ def test_the_cluster_page_shows_a_spent_budget(live: Live, page: Page) -> None:
         r = HTTP.delete(f"{live.url}/api/v1/projects/budgeted/budget", headers=AUTH,
                         timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 200, r.text
+
+
+def test_the_profiles_tab_lists_each_trace_to_download(live: Live, page: Page) -> None:
+    """A stored `trident profile` request of a job: its Profiles tab links each trace file,
+    which downloads as stored, and names the rank that has none and why."""
+    import gzip
+
+    from service.files.profiles import ProfileFiles, profile_root
+    from service.store.profile_requests import ProfileRequests
+
+    job_id = live.jobs["tiny"]
+    requests = ProfileRequests(live.store)
+    req = requests.create(job_id=job_id, requested_by="admin", steps=2, ranks=[0, 1],
+                          memory=False)
+    data = gzip.compress(b'{"traceEvents": []}')
+    name = "rank-0.pt.trace.json.gz"
+    ProfileFiles(profile_root(live.go.parent)).write(job_id, req.id, name, data)
+    requests.finish(request_id=req.id, result={
+        "files": [{"rank": 0, "name": name, "bytes": len(data)}], "steps": {"0": [4, 5]},
+        "missing": [{"rank": 1, "reason": "not profiled: light rank (no torch)"}]})
+    page.goto(f"{live.url}/jobs/{job_id}#profiles")
+    link = page.locator("#profiles a")
+    expect(link).to_have_text(name)
+    expect(page.locator("#profiles")).to_contain_text("rank 1: not profiled: light rank")
+    expect(page.locator("#profiles")).to_contain_text("rank 0: 4-5")
+    with page.expect_download() as download:
+        link.click()
+    assert Path(download.value.path()).read_bytes() == data

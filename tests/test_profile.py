@@ -149,6 +149,8 @@ def test_traces_are_stored_within_the_bounds_listed_and_downloaded(
         assert r.status_code in (404, 422), (bad, r.text)
     assert "dropped for request" in api.get(
         f"/api/v1/jobs/{job_id}/profile/{one}/files/rank-0.pt.trace.json.gz").text
+    page = api.get(f"/jobs/{job_id}").text  # its Profiles tab lists them (api/static/job.js)
+    assert 'id="tab-profiles"' in page and f"trident profile {job_id} --steps" in page
 
     # The CLI: the listing, and an earlier request's traces downloaded file by file.
     monkeypatch.setattr(cli.profile, "connect", lambda s: client_of(api))

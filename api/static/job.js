@@ -321,9 +321,31 @@
     } catch (e) { /* retried */ }
   }
 
+  // --- profiles (`trident profile`) -----------------------------------------------------------
+  async function loadProfiles() {
+    try {
+      const p = await getJSON(`${api}/profile`);
+      document.getElementById("profile-bytes").textContent = `${fmtBytes(p.stored_bytes)} stored` +
+        ` (at most ${fmtBytes(p.max_trace_bytes)} a file, ${fmtBytes(p.max_job_bytes)} a job: the oldest are dropped).`;
+      if (!p.items.length) return;
+      document.getElementById("profiles").innerHTML = `<table class="grid"><thead><tr><th>#</th><th>asked</th>` +
+        `<th>status</th><th>steps</th><th>files</th><th>notes</th></tr></thead><tbody>` +
+        p.items.map(r => {
+          const steps = Object.entries(r.profiled_steps).map(([k, s]) => `rank ${esc(k)}: ${s[0]}-${s[1]}`).join("; ");
+          const files = r.files.map(f => `<a href="${api}/profile/${r.id}/files/${encodeURIComponent(f.name)}" download>` +
+            `${esc(f.name)}</a> (${fmtBytes(f.bytes)})`).join("<br>");
+          const notes = [r.dropped, r.error, ...r.missing.map(m => `rank ${m.rank}: ${m.reason}`),
+                         ...r.left_out.map(o => `${o.name} left out: ${o.why}`)].filter(Boolean).map(esc).join("<br>");
+          return `<tr><td>${r.id}</td><td>${esc(r.steps)} step(s) of rank(s) ${esc(r.ranks.join(","))}` +
+            `${r.memory ? " with memory" : ""}${r.requested_by ? ` by ${esc(r.requested_by)}` : ""}</td>` +
+            `<td>${esc(r.status)}</td><td>${steps || "-"}</td><td>${files || "-"}</td><td>${notes}</td></tr>`;
+        }).join("") + `</tbody></table>`;
+    } catch (e) { /* retried */ }
+  }
+
   // --- what each tab does when first opened, and while open -----------------------------------
-  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: () => followLogs(), hangs: loadHangs};
-  const LIVE = {metrics: () => loadSeries(false), ranks: loadRanks, comm: loadComm, hangs: loadHangs};
+  const OPEN = {metrics: () => loadSeries(true), ranks: loadRanks, comm: loadComm, logs: () => followLogs(), hangs: loadHangs, profiles: loadProfiles};
+  const LIVE = {metrics: () => loadSeries(false), ranks: loadRanks, comm: loadComm, hangs: loadHangs, profiles: loadProfiles};
   setInterval(() => {
     if (terminal && loaded["final-" + current]) return;
     if (terminal) loaded["final-" + current] = true;  // one more refresh after the end
