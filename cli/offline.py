@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from cli.common import DEFAULT_SERVER, ServerOpt, fail
 from cli.spec import SetOpt, load_spec
 from cli.whatif import what_if
+from service.contract.hardware import HardwareProfile
 from service.contract.prices import ProfilePrice
 
 
@@ -45,6 +47,10 @@ def plan(spec: Annotated[Path | None, typer.Argument(
              "--deepspeed-config", help="Print the DeepSpeed config the ranks pass to"
              " deepspeed.initialize (JSON; an explicit layout, CPU ranks or GPUs as the spec"
              " says), its `deepspeed:` section merged in.")] = False,
+         calibrated: Annotated[bool, typer.Option(
+             "--calibrated", help="Plan with the profile `trident probe [--calibrate]`"
+             " measured on --server's cluster (its rates and the trident stack's constants,"
+             " marked `measured` in the plan's constants).")] = False,
          ) -> None:
     """Predict memory and step time, with no server: an explicit layout exactly as given
     (even when it does not fit), or for `parallel: auto` the best layouts; where
@@ -71,11 +77,29 @@ def plan(spec: Annotated[Path | None, typer.Argument(
                               indent=2, sort_keys=True))
         return
     job = load_spec(spec, sets)
+    profile = cluster_profile(server, job.target.gpu) if calibrated else None
     try:
-        out = plan_command(job, top=top, as_json=as_json, price=local_price(job.target.gpu))
+        out = plan_command(job, top=top, as_json=as_json, price=local_price(job.target.gpu),
+                           profile=profile)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(json.dumps(out, indent=2) if as_json else out)
+
+
+def cluster_profile(server: str, name: str) -> HardwareProfile | None:
+    """The profile `name` as the server's cluster calibrated it (None, said on stderr, when
+    no probe has: the plan then uses the built-in one and marks its constants assumed)."""
+    from cli.common import connect
+
+    with connect(server) as client:
+        stored = client.get_cluster().profiles.get(name)
+    if stored is None:
+        typer.echo(f"no calibrated {name!r} profile on {server}; planning with the built-in"
+                   f" one (`trident probe --profile {name} --calibrate` measures it)", err=True)
+        return None
+    known = {f.name for f in fields(HardwareProfile)}
+    return HardwareProfile.from_json({k: v for k, v in stored.model_dump().items()
+                                      if k in known})
 
 
 def capacity(spec: Annotated[Path | None, typer.Argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from pydantic import BaseModel
@@ -19,6 +20,7 @@ from cli.common import connect, fail
 from cli.spec import apply_sets, read_spec_file, validate_spec
 from client.payloads import JobOut, Measured, MeasuredMemory, Number, PlanOut
 from client.rest import model_json
+from service.planner.explain import constants_text
 from service.planner.stored import PlannedLayout
 
 
@@ -54,6 +56,9 @@ class WhatIfSide(BaseModel):
     step_s: Number
     tokens_per_s: Number
     memory_bytes: Number
+    constants: dict[str, dict[str, Any]]
+    """The plan's step-time constants, each `measured` on this cluster (by which probe or
+    calibration, when) or `assumed` (from where): `constants` of the plan JSON."""
 
 
 class Expected(BaseModel):
@@ -85,7 +90,8 @@ def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
                     memory_bytes=pvm.memory_bytes if pvm else None),
         what_if=WhatIfSide(layout=_label(plan.layout), fits=plan.fits, reasons=plan.reasons,
                            step_s=what_step, tokens_per_s=plan.tokens_per_s,
-                           memory_bytes=plan.memory.total),
+                           memory_bytes=plan.memory.total,
+                           constants=(plan.model_extra or {}).get("constants", {})),
         expected=Expected(ratio=ratio, step_s=what_step * ratio if ratio else None,
                           tokens_per_s=plan.tokens_per_s / ratio if ratio else None))
 
@@ -119,6 +125,8 @@ def render(rows: Comparison) -> str:
             _num(w.memory_bytes, 1e-9, "GB", 2) + misfit),
         row("memory/GPU peak", _num(memory.measured_peak if memory else None, 1e-9, "GB", 2),
             ""),
+        "what-if's constants:",
+        *(f"  {line}" for line in constants_text(w.constants)),
     ])
 
 

@@ -234,6 +234,10 @@ def test_what_if_numbers_change_with_tp(live: Live, page: Page) -> None:
     expect(page.locator("#headline")).to_contain_text("2×1×2")
     assert (step.inner_text(), memory.inner_text()) != before
     expect(page.locator("#n-world")).to_have_text("4")
+    # No probe on this stack: every step-time constant is assumed, with its source.
+    efficiency = page.locator('#constants tr[data-constant="efficiency"]')
+    expect(efficiency).to_contain_text("assumed")
+    expect(efficiency).to_contain_text("no published runs of its own")
 
 
 def test_a_custom_entrypoints_traceback_is_in_its_rank_log(live: Live, page: Page) -> None:

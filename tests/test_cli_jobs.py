@@ -273,3 +273,45 @@ def test_the_api_rejects_bad_log_queries(live: Live) -> None:
         r = HTTP.get(f"{live.url}/api/v1/jobs/{job_id}/logs", params=params, headers=h)
         assert r.status_code == 422, (params, r.text)
         assert r.json()["detail"][0]["loc"][:2] == ["query", field], r.text
+
+
+def test_plan_marks_the_constants_the_cluster_measured(live: Live) -> None:
+    """`trident plan --json`: every step-time constant `assumed` (with its source) on the
+    built-in profile; with `--calibrated`, the profile the cluster's probe and calibration jobs
+    measured, their constants `measured` with that source; `plan --compare` shows them too."""
+    from dataclasses import replace
+
+    from service.contract.hardware import StackCalibration, get_profile
+
+    r = live.cli("plan", TINY, "--json", "--calibrated")
+    assert r.exit_code == 0, r.output
+    assert "no calibrated 'cpu' profile" in r.stderr
+    assumed = json.loads(r.stdout)["constants"]
+    assert {c["status"] for c in assumed.values()} == {"assumed"}
+    assert all(c["source"] for c in assumed.values())
+    probe = live.store.create_probe(scope="cluster", request={"profile": "cpu"}).id
+    cal = StackCalibration(stack="trident", efficiency=0.61, jobs=(4, 5, 6, 7),
+                           at="2026-12-07T12:00:00Z", error=0.08)
+    probed = replace(get_profile("cpu"), peak_flops_fp32=70e9, probed=f"trident probe {probe}"
+                     " at 2026-12-07T11:59:00Z", layer_overhead_s=3e-3, calibration=cal)
+    live.store.save_profile(name="cpu", profile=probed.to_json(), probe_id=probe)
+    local = json.loads(live.cli("plan", TINY, "--json").stdout)["constants"]
+    assert local["efficiency"]["status"] == "assumed"  # no --calibrated: the built-in profile
+    r = live.cli("plan", TINY, "--json", "--calibrated")
+    assert r.exit_code == 0, r.output
+    measured = json.loads(r.stdout)["constants"]
+    for name, value in (("efficiency", 0.61), ("layer_overhead_s", 3e-3)):
+        assert measured[name] == {"value": value, "status": "measured", "source":
+                                  "trident probe --calibrate: trident jobs 4, 5, 6, 7 at"
+                                  " 2026-12-07T12:00:00Z"}
+    assert measured["peak_flops"]["status"] == "measured"
+    assert measured["peak_flops"]["source"] == f"trident probe {probe} at 2026-12-07T11:59:00Z"
+    assert measured["gemm_curve"]["status"] == "assumed"
+    text = live.cli("plan", TINY, "--calibrated").stdout
+    assert "efficiency 0.61: measured (trident probe --calibrate: trident jobs 4, 5, 6, 7" in text
+
+    job_id = int(live.cli("submit", TINY, "-d").stdout)
+    r = live.cli("plan", "--compare", str(job_id), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["what_if"]["constants"] == measured
+    assert "efficiency 0.61: measured" in live.cli("plan", "--compare", str(job_id)).stdout

@@ -52,6 +52,12 @@
         tp: t.tp_comm_s, pp: t.pp_comm_s, dp: t.dp_comm_s, zero3_gather: t.zero3_gather_s, offload: t.offload_s,
         optimizer: t.optimizer_s, overhead: t.overhead_s}, fmtSecs);
       $("explanation").textContent = p.explanation;
+      $("constants").tBodies[0].innerHTML = Object.entries(p.constants || {}).map(([name, c]) => {
+        const v = typeof c.value === "object" ? Object.entries(c.value).map(([k, x]) => `${k} ${x}`).join(", ")
+          : Number(c.value).toPrecision(4);
+        return `<tr data-constant="${esc(name)}"><td>${esc(name)}</td><td>${esc(v)}</td>` +
+          `<td class="${c.status === "measured" ? "ok" : "reason"}">${esc(c.status)}</td><td>${esc(c.source)}</td></tr>`;
+      }).join("");
     } catch (e) {
       if (mine !== seq) return;
       status.textContent = "cannot plan this: " + e.message;

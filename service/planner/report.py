@@ -11,7 +11,13 @@ from service.contract.hardware import GB, HardwareProfile
 from service.contract.prices import ProfilePrice, money, run_cost
 from service.contract.spec import JobSpec
 from service.planner.capacity import CanTrain, CapacityRow, capacity_text
-from service.planner.explain import explain, layout_name, tuning_notes
+from service.planner.explain import (
+    constants_json,
+    constants_text,
+    explain,
+    layout_name,
+    tuning_notes,
+)
 from service.planner.plan import Plan, evaluate
 from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
 from service.planner.stored import plan_json
@@ -63,6 +69,8 @@ def render_plan(plan: Plan) -> str:
         f" of {rg['time_basis']} runs {100 * rg['time_error']:.0f}% / "
         f"{100 * rg['memory_error']:.0f}%); dominated by {rg['dominant_time_constant']};"
         f" {rg['note']}",
+        "  constants:",
+        *(f"    {line}" for line in constants_text(constants_json(plan))),
         "",
         "  " + explain(plan),
     ]
