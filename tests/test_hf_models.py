@@ -128,7 +128,7 @@ def test_trident_gives_transformers_logits_on_the_same_weights_under_every_layou
     expected = hf_logits(folder, vocab)
     spec = job_spec(folder, tmp_path, {})
     shape = ModelShape.from_spec(spec.model)
-    names = sorted(e.name for e in entries(GPT(shape, 0)) if not e.copy)
+    names = sorted(n for e in entries(GPT(shape, 0)) if not e.copy for n in e.canonical)
     source = canonical_source(shape, open_checkpoint(str(folder)))
     model = GPT(shape, spec.train.seed).eval()  # tp 1: here, with the trainer's loader
     load_init(model, spec, None)

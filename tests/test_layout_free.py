@@ -4,13 +4,15 @@ once by rank 0 and kept beside the tag; the losses go on as if the layout had no
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from service.contract.spec import JobSpec
+from service.contract.spec import JobSpec, ModelSpec
+from tests import unfused
 from tests.conftest import tiny_spec
 from tests.workers_spawn import losses, run_ranks
 from workers.checkpoint.saving import FULL, LAYOUT, UNIVERSAL
@@ -77,6 +79,31 @@ def test_a_tag_resumes_under_another_model_split_through_the_layout_free_form(
     assert [r["first_sample"] for r in second if r["rank"] == 0] == [  # the same samples
         r["first_sample"] for r in whole if r["rank"] == 0][4:]
     assert losses(first) == losses(whole)[:4]
+    got, want = losses(second), losses(whole)[4:]
+    assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want, strict=True)), (
+        got, want)
+
+
+def test_a_tag_written_before_the_fused_projections_resumes_with_the_same_losses(
+        tmp_path: Path) -> None:
+    """A tag whose blocks held q, k, v, gate and up apart (`tests.unfused`: the trainer before
+    the fusion, GQA and SwiGLU at tp 2 under ZeRO-1) resumes under the same layout through
+    the layout-free form, which names the projections apart as such tags do; the fused
+    model's losses go on as the unfused model's would have."""
+    def llama(steps: int) -> JobSpec:
+        return spec(steps, tp=2, dp=1, zero=1).model_copy(update={"model": ModelSpec(
+            layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32,
+            activation="swiglu")})
+
+    (first,) = run_ranks(llama(4), checkpoint_dir=str(tmp_path), target=unfused.rank_main)
+    assert "projections" not in json.loads((tmp_path / "step4" / LAYOUT).read_text())
+    (second,) = run_ranks(llama(8), checkpoint_dir=str(tmp_path))
+    (whole,) = run_ranks(llama(8))
+    assert {r["resumed_from"] for r in second} == {4}
+    assert (tmp_path / f"step4{FULL}" / "fp32.safetensors").is_file()
+    # One matmul or three: the same products, summed alike on this CPU.
+    assert all(abs(a - b) <= 1e-6 for a, b in zip(losses(first), losses(whole)[:4],
+                                                  strict=True)), (losses(first), losses(whole))
     got, want = losses(second), losses(whole)[4:]
     assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want, strict=True)), (
         got, want)

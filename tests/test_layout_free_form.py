@@ -29,6 +29,11 @@ def test_deepspeed_names_map_to_canonical_ones() -> None:
     assert canonical("tied_modules.tok.ln.weight", 1, 2, 4) == "head.ln.weight"
 
 
+def _shape(layers: int) -> ModelShape:
+    return ModelShape.from_spec(ModelSpec(layers=layers, hidden=32, heads=4, vocab=40,
+                                          seq_len=8))
+
+
 def _tag(folder: Path, step: int, **layout: int) -> Path:
     path = folder / tag(step)
     path.mkdir(parents=True)
@@ -40,11 +45,11 @@ def _tag(folder: Path, step: int, **layout: int) -> Path:
 def test_tags_the_form_cannot_carry_are_refused_by_name(tmp_path: Path) -> None:
     _tag(tmp_path, 4, pp=2, virtual_stages=2)
     with pytest.raises(LayoutRefused, match="interleaved stages"):
-        convert(str(tmp_path), 4, layers=4)
+        convert(str(tmp_path), 4, _shape(4))
     assert not (tmp_path / f"step4{FULL}").exists()
     (tmp_path / "step8").mkdir()  # no layout recorded
     with pytest.raises(LayoutRefused, match="unknown"):
-        convert(str(tmp_path), 8, layers=4)
+        convert(str(tmp_path), 8, _shape(4))
 
 
 def test_the_export_and_the_conversion_refuse_the_same_tags_each_in_its_own_words(
@@ -55,11 +60,11 @@ def test_the_export_and_the_conversion_refuse_the_same_tags_each_in_its_own_word
     (tmp_path / "step8").mkdir()
     shape = ModelShape.from_spec(ModelSpec(layers=2, hidden=32, heads=4, vocab=40, seq_len=8))
     with pytest.raises(LayoutRefused, match="interleaved stages.*pipelining's, not converted"):
-        convert(str(tmp_path), 4, layers=2)
+        convert(str(tmp_path), 4, _shape(2))
     with pytest.raises(ExportRefused, match="interleaved stages.*not exported yet"):
         consolidate(str(tmp_path), 4, shape)
     with pytest.raises(LayoutRefused, match="step8: no trident-layout.json.*unknown"):
-        convert(str(tmp_path), 8, layers=2)
+        convert(str(tmp_path), 8, _shape(2))
     with pytest.raises(ExportRefused, match="step8: no trident-layout.json.*unknown"):
         consolidate(str(tmp_path), 8, shape)
 
@@ -85,7 +90,7 @@ def test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path: Path) -> None:
                    path / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
         torch.save({"param_shapes": [shapes], "step": 4, "data_position": 4, "rng": None},
                    path / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
-    out, took, size = convert(str(tmp_path), 4, layers=4)
+    out, took, size = convert(str(tmp_path), 4, _shape(4))
     from safetensors.torch import load_file
     got = load_file(str(Path(out) / "exp_avg.safetensors"))
     assert set(got) == {"embed.pos", "layers.0.ln1.weight"}
@@ -93,4 +98,4 @@ def test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path: Path) -> None:
     assert torch.equal(load_file(str(Path(out) / "fp32.safetensors"))["layers.0.ln1.weight"],
                        full["layers.1.ln1.weight"])
     assert size > 0 and took >= 0
-    assert convert(str(tmp_path), 4, layers=4)[1] == 0.0  # cached
+    assert convert(str(tmp_path), 4, _shape(4))[1] == 0.0  # cached

@@ -102,14 +102,14 @@ def test_shards_are_slices_of_the_whole_seeded_weights():
     for name in ("q", "k", "v", "up", "gate"):  # column parallel: output rows
         rows = {"q": shape.hidden, "k": shape.kv_dim, "v": shape.kv_dim}.get(name, 96)
         whole = init_weight(0, 1, name, (rows, shape.hidden))
-        shards = [getattr(Block(1, shape, 0, _groups(tp, r)), name).weight
+        shards = [Block(1, shape, 0, _groups(tp, r)).projection(name)
                   for tp in (2,) for r in range(tp)]
         assert torch.equal(torch.cat(shards), whole), name
     std = 0.02 / (2 * shape.layers) ** 0.5
     for name, cols in (("o", shape.hidden), ("down", 96)):  # row parallel: input columns
         whole = init_weight(0, 1, name, (shape.hidden, cols), std, transposed=True)
         for tp in (2, 4):
-            shards = [getattr(Block(1, shape, 0, _groups(tp, r)), name).weight
+            shards = [Block(1, shape, 0, _groups(tp, r)).projection(name)
                       for r in range(tp)]
             assert torch.equal(torch.cat(shards, dim=1), whole), (name, tp)
 

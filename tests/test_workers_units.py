@@ -48,12 +48,32 @@ def test_tensor_parallel_shards_are_slices_of_the_unsharded_weights():
     full = Block(2, CFG, 5, None)
     shards = [Block(2, CFG, 5, _groups(2, r)) for r in range(2)]
     for name in ("q", "k", "v", "up"):  # column parallel: output rows split
-        cat = torch.cat([getattr(s, name).weight for s in shards], dim=0)
-        assert torch.equal(cat, getattr(full, name).weight), name
+        cat = torch.cat([s.projection(name) for s in shards], dim=0)
+        assert torch.equal(cat, full.projection(name)), name
     for name in ("o", "down"):  # row parallel: input columns split
-        cat = torch.cat([getattr(s, name).weight for s in shards], dim=1)
-        assert torch.equal(cat, getattr(full, name).weight), name
-    assert shards[0].q.weight.shape == (CFG.hidden // 2, CFG.hidden)
+        cat = torch.cat([s.projection(name) for s in shards], dim=1)
+        assert torch.equal(cat, full.projection(name)), name
+    assert shards[0].projection("q").shape == (CFG.hidden // 2, CFG.hidden)
+
+
+def test_a_tp_rank_fused_weight_is_its_own_rows_of_each_projection_stacked():
+    """GQA, SwiGLU, q/k/v biases: on TP rank r, qkv is [q_r; k_r; v_r] and gate_up [gate_r; up_r],
+    the rows of the tp = 1 fused weight that are rank r's of each projection."""
+    shape = ModelShape.from_spec(ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
+                                           vocab=128, seq_len=16, activation="swiglu",
+                                           qkv_bias=True))
+    whole = Block(1, shape, 3, None)
+    q, kv, f = shape.q_dim, shape.kv_dim, shape.ffn_hidden
+    for fused, sizes in (("qkv", (q, kv, kv)), ("gate_up", (f, f))):
+        parts = getattr(whole, fused).weight.split(sizes)
+        for r in range(2):
+            shard = getattr(Block(1, shape, 3, _groups(2, r)), fused)
+            mine = torch.cat([p.chunk(2)[r] for p in parts])
+            assert torch.equal(shard.weight, mine), (fused, r)
+            # Biases on q, k and v only (Qwen2's): zeros, split with the rows.
+            assert (shard.bias is not None) == (fused == "qkv"), fused
+            if shard.bias is not None:
+                assert shard.bias.shape == (sum(sizes) // 2,), fused
 
 
 def test_the_trainer_builds_exactly_the_parameters_the_planner_counts():

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,8 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
               timeout: float = 240, writer: CheckpointWriter | None = None,
               preempt: bool = False,
               sequence: list[tuple[int, str, int]] | None = None,
-              server: ServerData | None = None) -> list[list[dict]]:
+              server: ServerData | None = None,
+              target: Callable[..., None] | None = None) -> list[list[dict]]:
     """Reports per attempt, in arrival order; raises with the traceback of a failed rank.
 
     `attempts` runs several attempts in the same processes; an attempt's number is the step
@@ -139,14 +141,15 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     stopping an attempt also asks its ranks to save first, as a preemption does.
     `sequence`, if given, receives `(rank, "start" or "report", step)` in each rank's order:
     the trainer's `step_started` calls and its reports. `server`: the data rules the ranks
-    get (default `TEST_SERVER`).
+    get (default `TEST_SERVER`). `target`: each rank's function in place of `_rank_main`,
+    called with its arguments (`tests.unfused.rank_main`: the trainer of before a change).
     """
     attempts = attempts or [None]
     world = spec.world_size
     ctx = forked.context()
     queue = ctx.Queue()
     ports = _rendezvous_ports(len(attempts))  # a fresh rendezvous port per attempt
-    procs = [forked.process(ctx, _rank_main,
+    procs = [forked.process(ctx, target or _rank_main,
                             (spec.model_dump_json(exclude_unset=True), r, world, ports,
                              checkpoint_dir, attempts, stop_ranks, queue, writer, preempt,
                              server))

@@ -6,7 +6,8 @@ for every tp, pp and dp:
 - `embed.tok` (vocab x hidden), `embed.pos` (seq_len x hidden, learned positions only);
 - `layers.<i>.<name>` for block i's parameters: `ln1.weight`, `ln1.bias`, `q.weight`,
   `q.bias`, `k.*`, `v.*`, `o.weight`, `o_bias`, `ln2.*`, `up.*`, `gate.*`, `down.weight`,
-  `down_bias` (as `Block` names them);
+  `down_bias` (as `Block` names them; its fused `qkv` and `gate_up` parameters are named by
+  their projections, `fused` below);
 - `head.ln.weight`, `head.ln.bias`, `head.weight` (an untied head's matrix). A tied head has
   no matrix of its own: the last stage's copy of the embedding (pp > 1) is `embed.tok` too.
 
@@ -24,6 +25,13 @@ partition of each (`ds_tensor`) that `deepspeed.zero.GatheredParameters` joins.
   is built and before `deepspeed.initialize` (whose ZeRO optimizers copy the weights).
 - `gather_full(model, groups)`: the full tensors on one rank (TP shards joined, pipeline
   stages gathered, ZeRO-3 partitions gathered), collective over the world.
+
+Fused projections: a block holds q, k and v as one parameter `qkv` ([q_r; k_r; v_r] on TP
+rank r, `workers.modeling.tp.FusedColumnParallelLinear`), and a SwiGLU MLP's gate and up as
+`gate_up`; the canonical names stay per projection (`q.weight`, ..., `up.bias`), so that the
+layout-free form, the Hugging Face maps and checkpoints written before the fusion (which held
+the projections apart) name the same tensors. `Entry.parts` says which rows of a fused
+parameter are which projection; `unfuse` cuts a fused tensor read from a tag's files.
 
 Both take an optional accessor in place of the parameter's own data (`assign` / `value`), so
 that the same names and splits serve tensors shaped like the parameters (an optimizer's Adam
@@ -45,13 +53,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.modeling.tp import TIED_COPY, RankGroups
+from service.planner.shape import ModelShape
+from workers.modeling.tp import TIED_COPY, FusedColumnParallelLinear, RankGroups, fused_parts
 from workers.modeling.vocab import vocab_range
 
 VOCAB = "vocab"
 """`split_of`'s answer for a tensor split by vocabulary rows (uneven: `vocab_range`)."""
 _COLUMN = re.compile(r"^layers\.\d+\.(q|k|v|up|gate)\.(weight|bias)$")
 _ROW = re.compile(r"^layers\.\d+\.(o|down)\.weight$")
+_FUSED = re.compile(r"^(layers\.\d+\.)(qkv|gate_up)\.(weight|bias)$")
 
 
 def split_of(name: str) -> int | str | None:
@@ -104,6 +114,36 @@ class Entry:
     copy: bool
     """A pipeline's last-stage copy of a tied `embed.tok` (DeepSpeed keeps it equal to the
     first stage's): loaded, never gathered."""
+    parts: tuple[tuple[str, int], ...] = ()
+    """A fused parameter's projections: (canonical name, rows on this TP rank), stacked in
+    this order (`name` is then the fused one, `layers.<i>.qkv.weight`)."""
+
+    @property
+    def canonical(self) -> tuple[str, ...]:
+        """The canonical names of the tensors this parameter holds (a fused one's several)."""
+        return tuple(n for n, _ in self.parts) or (self.name,)
+
+    def pieces(self, local: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """This rank's tensor `local` of the parameter, per canonical name (a fused one's
+        projections as tensors of their own, not views holding the others' rows)."""
+        if not self.parts:
+            return [(self.name, local)]
+        return [(n, t.clone()) for (n, _), t in
+                zip(self.parts, local.split([rows for _, rows in self.parts]), strict=True)]
+
+
+def unfuse(name: str, local: torch.Tensor, shape: ModelShape,
+           tp: int) -> list[tuple[str, torch.Tensor]]:
+    """A TP rank's tensor of the parameter `name` as a tag's files hold it, per canonical
+    name: a fused one (`layers.<i>.qkv.*`, `layers.<i>.gate_up.*`) cut into its projections'
+    rows (`workers.modeling.tp.fused_parts`); any other as it is."""
+    found = _FUSED.match(name)
+    if not found:
+        return [(name, local)]
+    prefix, fused, kind = found.groups()
+    parts = fused_parts(shape)[fused]
+    return list(zip([f"{prefix}{part}.{kind}" for part, _ in parts],
+                    local.split([rows // tp for _, rows in parts]), strict=True))
 
 
 def entries(model: nn.Module) -> list[Entry]:
@@ -123,8 +163,12 @@ def entries(model: nn.Module) -> list[Entry]:
         for local, p in module.named_parameters():
             if isinstance(module, Head) and local == "tok":
                 out.append(Entry("embed.tok", p, copy=bool(getattr(p, TIED_COPY, False))))
-            else:
-                out.append(Entry(prefix + local, p, copy=False))
+                continue
+            owner, _, kind = local.rpartition(".")
+            fused = module.get_submodule(owner) if owner else None
+            parts = tuple((f"{prefix}{part}.{kind}", rows) for part, rows in fused.parts) \
+                if isinstance(fused, FusedColumnParallelLinear) else ()
+            out.append(Entry(prefix + local, p, copy=False, parts=parts))
     return out
 
 
@@ -194,19 +238,26 @@ def load_full(model: nn.Module, get_full: FullSource, groups: RankGroups | None 
     missing: list[str] = []
     loaded: list[str] = []
     for e in entries(model):
-        source = get_full(e.name)
-        if source is None:
-            missing.append(e.name)
-            continue
-        full_shape = tuple(int(n) for n in source.shape)
-        index = shard_index(e.name, full_shape, tp_rank, tp)
-        want = tuple(s.stop - s.start for s in index)
-        if want != _local_shape(e.param):
-            raise ValueError(f"{e.name}: the source's shape {list(full_shape)} gives TP rank"
-                             f" {tp_rank} of {tp} a shard of {list(want)}; the model's is"
-                             f" {list(_local_shape(e.param))}")
-        assign(e.param, source[index].contiguous())
-        loaded.append(e.name)
+        local = _local_shape(e.param)
+        parts = e.parts or ((e.name, local[0] if local else 0),)
+        shards = []
+        for name, rows in parts:
+            source = get_full(name)
+            if source is None:
+                missing.append(name)
+                continue
+            full_shape = tuple(int(n) for n in source.shape)
+            index = shard_index(name, full_shape, tp_rank, tp)
+            want = tuple(s.stop - s.start for s in index)
+            mine = (rows, *local[1:]) if e.parts else local
+            if want != mine:
+                raise ValueError(f"{name}: the source's shape {list(full_shape)} gives TP rank"
+                                 f" {tp_rank} of {tp} a shard of {list(want)}; the model's is"
+                                 f" {list(mine)}")
+            shards.append(source[index])
+        if len(shards) == len(parts):
+            assign(e.param, torch.cat(shards) if e.parts else shards[0].contiguous())
+            loaded += [name for name, _ in parts]
     if missing:
         raise ValueError(f"the source lacks {len(missing)} tensor(s) of the model:"
                          f" {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
@@ -247,14 +298,14 @@ def gather_full(model: nn.Module, groups: RankGroups | None = None, value: Value
     for layer in _by_layer(own):
         with _gathered([e.param for e in layer]) if value is None else _nullcontext():
             for e in layer:
-                local = (value(e.param) if value is not None else e.param.data)
-                local = local.detach().to("cpu", copy=True)
-                if tp_group is not None and split_of(e.name) is not None:
-                    shards: list[Any] = [None] * dist.get_world_size(tp_group)
-                    dist.all_gather_object(shards, local, group=tp_group)
-                    local = join_shards(e.name, shards)
-                if keep:
-                    stage[e.name] = local
+                whole = (value(e.param) if value is not None else e.param.data)
+                for name, local in e.pieces(whole.detach().to("cpu", copy=True)):
+                    if tp_group is not None and split_of(name) is not None:
+                        shards: list[Any] = [None] * dist.get_world_size(tp_group)
+                        dist.all_gather_object(shards, local, group=tp_group)
+                        local = join_shards(name, shards)
+                    if keep:
+                        stage[name] = local
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return stage
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []

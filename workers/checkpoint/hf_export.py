@@ -41,7 +41,7 @@ import torch
 from service.files.checkpoint_dirs import ExportRefused
 from service.files.checkpoint_tags import tag
 from service.planner.shape import ModelShape
-from workers.checkpoint.full_state import join_shards
+from workers.checkpoint.full_state import join_shards, unfuse
 from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, save_hf
 from workers.checkpoint.tag_forms import flat_layout
 
@@ -108,8 +108,9 @@ def consolidate(directory: str, step: int, shape: ModelShape) -> dict[str, torch
 
     def take(k: int, local: str, tensor: torch.Tensor) -> None:
         name = canonical(k, local, shape.layers)
-        if name is not None:
-            shards.setdefault(name, []).append(tensor)
+        if name is not None:  # a fused q/k/v or gate/up cut into its projections
+            for part, piece in unfuse(name, tensor, shape, tp):
+                shards.setdefault(part, []).append(piece)
 
     for r in range(tp):
         if layout.get("zero") == 3:

@@ -62,7 +62,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.checkpoint.full_state import LazySlice, entries, join_shards, load_full, partitioned
+from service.planner.shape import ModelShape
+from workers.checkpoint.full_state import (
+    LazySlice,
+    entries,
+    join_shards,
+    load_full,
+    partitioned,
+    unfuse,
+)
 from workers.checkpoint.tag_forms import FULL
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -260,11 +268,24 @@ def _zero0(path: str, m: int, names: Callable[[str], str | None], t: int, out: S
     return step
 
 
-def convert(directory: str, step: int, layers: int) -> tuple[str, float, int]:
+def _unfused(shards: dict[str, dict[int, torch.Tensor]], shape: ModelShape,
+             tp: int) -> dict[str, dict[int, torch.Tensor]]:
+    """One kind's shards with each fused parameter's cut into its projections'."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for name, parts in shards.items():
+        for t, tensor in parts.items():
+            for part, piece in unfuse(name, tensor, shape, tp):
+                out.setdefault(part, {})[t] = piece
+    return out
+
+
+def convert(directory: str, step: int, shape: ModelShape) -> tuple[str, float, int]:
     """Rank 0: tag `step` of `directory` in the layout-free form, written into a temporary
     folder and renamed (a conversion cut short is done again); cached: the second call
     converts nothing. Its folder, the seconds the conversion took (0.0: cached) and its bytes.
-    `layers`: the model's number of blocks."""
+    `shape`: the model's (its blocks, and the rows of its fused projections, which the form
+    holds apart under their canonical names: `full_state.unfuse`; a tag written before the
+    fusion holds them apart already)."""
     from safetensors.torch import save_file
 
     from service.files.checkpoint_tags import tag
@@ -277,6 +298,7 @@ def convert(directory: str, step: int, layers: int) -> tuple[str, float, int]:
     wrote = flat_layout(directory, step, LayoutRefused, "its per-rank files are"
                         " torch.distributed.pipelining's, not converted")
     tp, pp, dp, zero = (int(wrote[k]) for k in ("tp", "pp", "dp", "zero"))
+    layers = shape.layers
     started = time.monotonic()
     stages = _stage_layers(tag_path, pp, tp, layers) if zero == 0 and pp > 1 else None
     shards: Shards = {}
@@ -303,7 +325,7 @@ def convert(directory: str, step: int, layers: int) -> tuple[str, float, int]:
     os.makedirs(tmp)
     for kind in KINDS:
         full = {}
-        for name, parts in shards.get(kind, {}).items():
+        for name, parts in _unfused(shards.get(kind, {}), shape, tp).items():
             if sorted(parts) != list(range(tp)):
                 raise LayoutRefused(f"{tag_path}: {name} has TP shards {sorted(parts)}, not"
                                     f" 0..{tp - 1}")

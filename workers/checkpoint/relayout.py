@@ -7,7 +7,9 @@ another:
 - through DeepSpeed's universal form (`universal`, then its `load_universal_checkpoint`) for
   a change of DP degree or of ZeRO stage 1/2 with tp = pp = 1 on both sides;
 - otherwise through Trident's layout-free form (`workers.checkpoint.layout_free`), sliced for each
-rank.
+rank; so is a tag written before q, k, v (and gate, up) were fused, under any layout (its
+blocks name each projection apart; the form names them so, and the fused parameters are
+stacked from them on load).
 
 Each form is converted once, by rank 0, into a folder beside the tag (renamed when whole, so a
 conversion cut short is done again) and kept for the next load.
@@ -25,7 +27,13 @@ import torch.distributed as dist
 
 from service.contract.spec import JobSpec
 from service.files.checkpoint_tags import tag
-from workers.checkpoint.tag_forms import UNIVERSAL, layout_of, written_by
+from workers.checkpoint.tag_forms import (
+    FUSED_PROJECTIONS,
+    PROJECTIONS,
+    UNIVERSAL,
+    layout_of,
+    written_by,
+)
 
 
 def how(directory: str, step: int, spec: JobSpec) -> Literal["as-is", "universal",
@@ -33,6 +41,8 @@ def how(directory: str, step: int, spec: JobSpec) -> Literal["as-is", "universal
     """How tag `step` loads under `spec`'s layout (see the module)."""
     wrote = written_by(directory, step)
     now = layout_of(spec)
+    if wrote is not None and wrote.pop(PROJECTIONS, None) != FUSED_PROJECTIONS:
+        return "layout-free"  # written before the fusion: its q, k, v, gate, up held apart
     if wrote is None or wrote == now or dp_free(directory, step, wrote, now):
         return "as-is"
     if all(x["tp"] == 1 and x["pp"] == 1 and x["zero"] in (1, 2)
@@ -120,7 +130,7 @@ def load_layout_free(engine, directory: str, step: int, spec: JobSpec, groups: A
         raise LayoutRefused("resuming under tp > 1 from another layout needs the rank's"
                             " groups")
     folder, _seconds, _bytes = _converted(directory, step, convert,
-                                          ModelShape.from_spec(spec.model).layers)
+                                          ModelShape.from_spec(spec.model))
     client = load_into(engine, folder, groups)
     dist.barrier()
     return client

@@ -72,7 +72,7 @@ from service.files.checkpoint_tags import (
 )
 from service.files.tag_steps import STEPS_DIR
 from workers.checkpoint import relayout
-from workers.checkpoint.tag_forms import FULL, LAYOUT, UNIVERSAL, layout_of, tree_bytes
+from workers.checkpoint.tag_forms import FULL, LAYOUT, UNIVERSAL, layout_record, tree_bytes
 
 
 class Position(NamedTuple):
@@ -380,7 +380,7 @@ def _mark_complete(path: str, step: int, hashed: dict[str, tuple[int, str]]) -> 
 def _write_layout(path: str, spec: JobSpec) -> None:
     tmp = os.path.join(path, LAYOUT + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(layout_of(spec), f)
+        json.dump(layout_record(spec), f)
     os.replace(tmp, os.path.join(path, LAYOUT))
 
 

@@ -31,6 +31,18 @@ both Adam moments, step), converted once on the first resume under another layou
 (deleted with its tag)."""
 
 
+PROJECTIONS = "projections"
+"""The layout file's record of how the tag's blocks hold q, k, v, gate and up: "fused" (one
+`qkv` and one `gate_up` parameter, `workers.modeling.tp.FusedColumnParallelLinear`); absent
+in a tag written before the fusion, whose blocks held each projection apart."""
+FUSED_PROJECTIONS = "fused"
+
+
+def layout_record(spec: JobSpec) -> dict[str, int | str]:
+    """What a tag's layout file holds: `layout_of(spec)` and how its projections are held."""
+    return {**layout_of(spec), PROJECTIONS: FUSED_PROJECTIONS}
+
+
 def layout_of(spec: JobSpec) -> dict[str, int]:
     p = spec.layout
     return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero,

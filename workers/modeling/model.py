@@ -5,6 +5,10 @@ cannot disagree: pre-norm blocks (LayerNorm or RMSNorm, as `layer_norm` says), c
 through `scaled_dot_product_attention` (GQA via `kv_heads`, any `head_dim`, Qwen3's per-head
 q/k RMSNorms), a GELU or SwiGLU MLP, learned or rotary positions (with `linear`, `llama3` or
 `yarn` scaling), biases where the shape has them, a tied or untied LM head.
+q, k and v are one matmul, and so are a SwiGLU MLP's gate and up (`FusedColumnParallelLinear`:
+on each TP rank its own rows of each projection, stacked), split after; the numbers are those
+the separate projections were drawn with, and checkpoints name the projections apart
+(`workers.checkpoint.full_state`).
 `check_buildable` refuses, naming the trait, the shapes this model does not build (ALiBi).
 Positions, their scalings and the attention masks are `workers.modeling.positions`'.
 The model is a flat list [Embedding, Block 0 .. Block L-1, Head] so that the same layers
@@ -44,10 +48,12 @@ from workers.modeling.tp import (
     TIED_COPY,
     TP_SPLIT,
     ColumnParallelLinear,
+    FusedColumnParallelLinear,
     RankGroups,
     RowParallelLinear,
     all_reduce_grads_over_tp,
     copy_to_tp,
+    fused_parts,
     gather_seq,
     reduce_from_tp,
     reduce_scatter_seq,
@@ -184,20 +190,24 @@ class Block(nn.Module):
             return SeededInit(seed, index, name, std, rows)  # rows of its draw order
 
         qkv_b, mlp_b = shape.qkv_biased, shape.mlp_biased
+        fused = fused_parts(shape)
+
+        def stack(name: str, bias: bool) -> FusedColumnParallelLinear:
+            return FusedColumnParallelLinear([(part, w(part, rows), rows)
+                                              for part, rows in fused[name]], h, r, tp, bias)
+
         self.ln1 = _norm(shape)
-        q, kv = shape.q_dim, shape.kv_dim
-        self.q = ColumnParallelLinear(w("q", q), q, h, r, tp, qkv_b)
-        self.k = ColumnParallelLinear(w("k", kv), kv, h, r, tp, qkv_b)
-        self.v = ColumnParallelLinear(w("v", kv), kv, h, r, tp, qkv_b)
-        self.o = RowParallelLinear(w("o", q, out_std), h, q, r, tp)
+        self.qkv = stack("qkv", qkv_b)  # q, k and v: one matmul
+        self.o = RowParallelLinear(w("o", shape.q_dim, out_std), h, shape.q_dim, r, tp)
         # Qwen3: an RMSNorm over each head of q and k (one head_dim weight each, whole on
         # every TP rank, which normalises its own heads: the gradients are summed over TP).
         self.q_norm = nn.RMSNorm(d, eps=shape.norm_eps) if shape.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=shape.norm_eps) if shape.qk_norm else None
         self.ln2 = _norm(shape)
-        self.up = ColumnParallelLinear(w("up", f), f, h, r, tp, mlp_b)
-        self.gate = (ColumnParallelLinear(w("gate", f), f, h, r, tp, mlp_b)
-                     if shape.activation == "swiglu" else None)
+        # SwiGLU: gate and up as one matmul; GELU: up alone.
+        self.gate_up = stack("gate_up", mlp_b) if "gate_up" in fused else None
+        self.up = ColumnParallelLinear(w("up", f), f, h, r, tp, mlp_b) \
+            if self.gate_up is None else None
         self.down = RowParallelLinear(w("down", f, out_std), h, f, r, tp)
         # A row-parallel layer's bias is added once, after the sum over TP: replicated.
         self.o_bias = nn.Parameter(torch.zeros(h)) if shape.o_biased else None
@@ -209,6 +219,14 @@ class Block(nn.Module):
         if self.group is not None and self.q_norm is not None and self.k_norm is not None:
             all_reduce_grads_over_tp([*self.q_norm.parameters(), *self.k_norm.parameters()],
                                      self.group)
+
+    def projection(self, name: str) -> torch.Tensor:
+        """This rank's weight of projection `name` (`q`, `k`, `v`, `o`, `gate`, `up`,
+        `down`): a fused one's own rows, as a view."""
+        for fused in (self.qkv, self.gate_up):
+            if fused is not None and name in dict(fused.parts):
+                return fused.part(name)
+        return getattr(self, name).weight
 
     def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
         if self.sp_group is not None:
@@ -233,17 +251,21 @@ class Block(nn.Module):
         x = self._enter_tp(self.ln1(x))
         b, s, _ = x.shape
         d = self.shape.head_dim
-        q = self.q(x).view(b, s, self.heads, d)
-        k = self.k(x).view(b, s, self.kv_heads, d)
+        q, k, v = self.qkv(x)
+        q, k = q.view(b, s, self.heads, d), k.view(b, s, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.shape.positions == "rotary":
             positions = None if documents is None else document_positions(documents)
             base, scaling = self.shape.rope_theta, self.shape.rope
             q = rotary(q, base, positions, scaling)
             k = rotary(k, base, positions, scaling)
+            if self.q_norm is None:
+                # v alone would keep the whole fused output (raw q and k too) alive until
+                # backward: kept apart, backward holds what separate projections held.
+                v = v.contiguous()
         bias = bias_for(s, self.window, documents, x.device, q.dtype)
         if self.recompute == "selective":
             # Selective recompute (Korthikanti et al.): keep the projections, recompute only
@@ -257,8 +279,12 @@ class Block(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         x = self._enter_tp(self.ln2(x))
-        y = F.silu(self.gate(x)) * self.up(x) if self.gate is not None else \
-            F.gelu(self.up(x), approximate="tanh" if self.shape.gelu_tanh else "none")
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+            y = F.silu(gate) * up
+        else:
+            assert self.up is not None
+            y = F.gelu(self.up(x), approximate="tanh" if self.shape.gelu_tanh else "none")
         out = self._leave_tp(self.down(y))
         return out if self.down_bias is None else out + self.down_bias
 

@@ -86,6 +86,17 @@ class SeededInit:
         return out
 
 
+def stacked(parts: list[tuple[SeededInit, int, int]], cols: int) -> torch.Tensor:
+    """Rows [start, end) of each `(init, start, end)` stacked in one new (rows, cols) tensor,
+    each drawn straight into its place (a fused projection's shard: `workers.modeling.tp`)."""
+    out = _empty(sum(end - start for _, start, end in parts), cols)
+    row = 0
+    for init, start, end in parts:
+        init.fill_rows(out[row:row + end - start], start)
+        row += end - start
+    return out
+
+
 def _write(out: torch.Tensor, offset: int, piece: torch.Tensor) -> None:
     """Write `piece` at row-major positions [offset, offset + len) of the 2-D `out`."""
     cols = out.shape[1]

@@ -20,7 +20,7 @@ Called by `workers.modeling.model` (layers) and `workers.trainer.train` (groups,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from service.contract.parallel import Dim, ParallelDims
-from workers.modeling.seeded_init import SeededInit
+from service.planner.shape import ModelShape
+from workers.modeling.seeded_init import SeededInit, stacked
 
 TP_SPLIT = "tp_split"
 """Attribute set (True) on a parameter split over the TP group: each TP rank holds a different
@@ -300,6 +301,58 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def fused_parts(shape: ModelShape) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The block's fused column-parallel projections: fused name -> (projection, full rows)
+    in the order their rows stack on every TP rank. `qkv` is q, k and v (GQA: k and v have
+    kv_dim rows); a SwiGLU MLP's `gate_up` is gate and up (a GELU MLP has `up` alone)."""
+    q, kv, f = shape.q_dim, shape.kv_dim, shape.ffn_hidden
+    out: dict[str, tuple[tuple[str, int], ...]] = {"qkv": (("q", q), ("k", kv), ("v", kv))}
+    if shape.swiglu:
+        out["gate_up"] = (("gate", f), ("up", f))
+    return out
+
+
+class FusedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input as one matmul, split after (q, k, v;
+    gate, up).
+
+    On TP rank r the weight is each projection's own rank-r rows stacked, [q_r; k_r; v_r]
+    (Megatron's per-rank layout), each drawn from that projection's own seeded init
+    (`workers.modeling.seeded_init`): the same numbers as separate layers would hold, whatever
+    the layout. `parts` is (projection name, rows on this rank) in that order; the full,
+    per-projection tensors (`workers.checkpoint.full_state`) are cut from it by those rows.
+    """
+
+    def __init__(self, inits: Sequence[tuple[str, SeededInit, int]], in_features: int,
+                 tp_rank: int, tp_size: int, bias: bool = False) -> None:
+        super().__init__()
+        for name, _init, rows in inits:
+            assert rows % tp_size == 0, f"tp({tp_size}) does not divide {name}'s rows({rows})"
+        self.parts = tuple((name, rows // tp_size) for name, _init, rows in inits)
+        self.weight = nn.Parameter(stacked(
+            [(init, tp_rank * per, (tp_rank + 1) * per)
+             for (_, init, _rows), (_, per) in zip(inits, self.parts, strict=True)],
+            in_features))
+        setattr(self.weight, TP_SPLIT, True)
+        self.bias = nn.Parameter(torch.zeros(self.weight.shape[0])) if bias else None
+        if self.bias is not None:
+            setattr(self.bias, TP_SPLIT, True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each projection of `x` (views of the one matmul's output, in `parts` order)."""
+        y = nn.functional.linear(x, self.weight, self.bias)
+        return y.split([n for _, n in self.parts], dim=-1)
+
+    def part(self, name: str) -> torch.Tensor:
+        """This rank's weight rows of projection `name` (a view)."""
+        start = 0
+        for part, n in self.parts:
+            if part == name:
+                return self.weight[start:start + n]
+            start += n
+        raise KeyError(name)
 
 
 class RowParallelLinear(nn.Module):
