@@ -25,6 +25,10 @@ directly on the training device in the training dtype, and under ZeRO-3 inside
 `deepspeed.zero.Init`, which partitions each module's parameters over the DP group as soon as
 the module is built (`workers.trainer.train`).
 
+One module because it is one model: the embedding, the blocks and the head are built from the
+same shape, TP groups and seeded initialisation, and `build_layers` assembles them for the
+single-stage GPT and the pipeline alike.
+
 Called by `workers.trainer.train`.
 """
 
