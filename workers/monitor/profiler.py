@@ -20,6 +20,7 @@ import gzip
 import pickle
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,8 +158,13 @@ class StepProfiler:
                 files[TRACE.format(rank=self.rank)] = gzip.compress(trace.read_bytes(), 6)
                 if req.memory:
                     timeline = Path(tmp) / "timeline.json.gz"
-                    prof.export_memory_timeline(
-                        str(timeline), "cuda:0" if torch.cuda.is_available() else "cpu")
+                    # Deprecated for CUDA's memory snapshot, which a CPU rank has not: kept
+                    # for both, beside the snapshot on CUDA.
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", FutureWarning)
+                        prof.export_memory_timeline(
+                            str(timeline), f"cuda:{torch.cuda.current_device()}"
+                            if torch.cuda.is_available() else "cpu")
                     files[MEMORY_TIMELINE.format(rank=self.rank)] = timeline.read_bytes()
             if req.memory and torch.cuda.is_available():
                 snapshot = torch.cuda.memory._snapshot()
