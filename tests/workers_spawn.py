@@ -79,6 +79,7 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
     spec = JobSpec.model_validate_json(spec_json)
     if spec.resources.gpus_per_worker == 0:
         os.environ["DS_ACCELERATOR"] = "cpu"
+    from workers.rank.faults import FaultInjector
     from workers.trainer.train import RankContext, planned_row, train_rank
 
     try:
@@ -98,11 +99,15 @@ def _rank_main(spec_json: str, rank: int, world: int, ports: list[int], ckpt: st
                         save_now.set()
                     stop.set()
 
+            # The job's nan and spike faults, as the rank actor gives them (attempts count
+            # from 1 there).
+            faults = FaultInjector(rank, attempt + 1, spec.faults)
             ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
                               master_addr="127.0.0.1", master_port=ports[attempt],
                               checkpoint_dir=ckpt, plan=planned_row(spec, rank),
                               attempt=attempt, writer=writer, save_now=save_now,
-                              server=server or TEST_SERVER)
+                              server=server or TEST_SERVER,
+                              loss_factor=faults.loss_factor if faults.faults else None)
             # On a thread, as the Ray actor runs it; its exception is re-raised here.
             failure: list[BaseException] = []
 

@@ -67,6 +67,22 @@ METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s
 """Fields of `StepReport` stored as columns of a metrics row; the rest goes to its `data`."""
 
 
+class GuardRollback(BaseModel):
+    """A rollback of the training guard (`workers.trainer.guard`): the model, optimizer and
+    data position of the checkpoint of step `to_step` loaded, the samples of the steps that
+    caused it never read again."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to_step: int = Field(ge=1, le=10_000_000)
+    """The checkpoint's step, loaded after the reporting step."""
+    samples: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2,
+                                                                     max_length=2)]] = \
+        Field(max_length=10_000)
+    """[first, end) global sample numbers of each global batch now skipped."""
+    reason: str = Field(max_length=500)
+
+
 class StepReport(BaseModel):
     """One rank's account of one optimizer step.
 
@@ -162,6 +178,16 @@ class StepReport(BaseModel):
     drawn: dict[Annotated[str, Field(max_length=4096)], Annotated[int, Field(ge=0)]] | None = \
         Field(default=None, max_length=64)
     """Samples drawn so far from each training corpus, by path (kind `tokens`)."""
+    skipped: bool | None = None
+    """True when the training guard skipped this step's optimizer update on every rank
+    (`workers.trainer.guard`): `guard` says why. The step still counts (`train.steps`)."""
+    guard: str | None = Field(default=None, max_length=500)
+    """What the training guard found at this step: why its update was skipped, or the spike
+    it judged after the update (a pipeline's loss is known only after its step)."""
+    skipped_steps: int | None = Field(default=None, ge=0, le=10_000_000)
+    """Steps the guard skipped in this attempt so far, this one included."""
+    rollback: GuardRollback | None = None
+    """Set on the step after which the guard rolled back to the newest checkpoint."""
     custom: dict[Annotated[str, Field(max_length=CUSTOM_NAME_MAX)], CustomValue] | None = \
         Field(default=None, max_length=CUSTOM_MAX)
     """Whatever else a custom entrypoint wants kept with the step (stored as is): at most

@@ -268,11 +268,33 @@ class BatchRamp(_Strict):
     """Samples the ramp takes: after them every step trains on `train.global_batch`."""
 
 
+class GuardSpec(_Strict):
+    """The training guards (`docs/guards.md`, `workers.trainer.guard`): a step whose loss or
+    gradient norm is not finite is skipped (no optimizer update on any rank) and counted; a
+    loss spike does what `on_spike` says; a run of skipped steps rolls back."""
+
+    max_skips: Annotated[int, Field(ge=0, le=1000)] = 3
+    """Skipped steps in a row tolerated: one more rolls back to the newest checkpoint and
+    never reads those steps' samples again (the job stops, with the reason, when there is no
+    checkpoint)."""
+    spike_factor: Annotated[float, Field(gt=1, le=1e6)] = 5.0
+    """A loss above this times the median of the last `window` losses is a spike."""
+    window: Annotated[int, Field(ge=1, le=100_000)] = 100
+    """Steps whose losses the running median is taken over (spikes are judged once it holds
+    `min(window, 10)` losses)."""
+    on_spike: Literal["skip", "rollback", "stop"] = "skip"
+    """What a spike does: `skip` its update (counted as a skipped step), `rollback` to the
+    newest checkpoint at once, or `stop` the job with the reason."""
+
+
 class TrainSpec(_Strict):
     """The optimisation run."""
 
     steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run: iterations, each reading one global batch. A step the guard
+    skips (`guard`) and the steps a rollback undoes still count, so a job of `steps` steps
+    makes `steps` minus those optimizer updates (Megatron's rule: the iteration is
+    consumed, its update skipped)."""
     global_batch: Annotated[int, Field(ge=1, le=1_048_576)] = 8
     """Sequences per optimizer step, across all data-parallel replicas (after the ramp, with
     `batch_ramp`)."""
@@ -311,6 +333,8 @@ class TrainSpec(_Strict):
     """Seed of initialisation, of the synthetic data and of the corpora's sample order."""
     stack: Stack = "trident"
     """Training software the planner models (speed, memory); Trident runs only `trident`."""
+    guard: GuardSpec = GuardSpec()
+    """The NaN and loss-spike guards (on by default; `docs/guards.md`)."""
 
     @model_validator(mode="after")
     def _schedule(self) -> TrainSpec:
@@ -547,16 +571,20 @@ class MonitorSpec(_Strict):
 class FaultSpec(_Strict):
     """A fault injected into one rank, for tests; refused unless the server allows faults."""
 
-    kind: Literal["hang", "slow", "fail", "kill"]
+    kind: Literal["hang", "slow", "fail", "kill", "nan", "spike"]
     """hang: sleep `seconds` once, before the step's first collective (mid-step, after the
     forward pass has started); slow: the same on every step from `step` on; fail: raise;
-    kill: end the rank's process."""
+    kill: end the rank's process; nan: the rank's loss is NaN at `step`; spike: its loss is
+    multiplied by `factor` at `step` (the built-in trainer; nan and spike fire the first time
+    the attempt reaches the step, as bad data would: a rollback reads other samples there)."""
     rank: Annotated[int, Field(ge=0, le=65535)]
     """The rank to hit."""
     step: Annotated[int, Field(ge=1, le=10_000_000)]
     """The step at whose start the fault fires."""
     seconds: Annotated[float, Field(ge=0, le=86400)] = 0.0
     """Sleep length for hang and slow."""
+    factor: Annotated[float, Field(gt=0, le=1e9)] = 100.0
+    """What a spike multiplies the loss by."""
     attempt: Annotated[int, Field(ge=1, le=1000)] = 1
     """The attempt it fires in (so that a restarted attempt can succeed)."""
 

@@ -209,6 +209,9 @@ class RankActor:
         timer = CommTimer(self.rank, spec.layout.dims, heartbeat=self.heartbeat,
                           sample_every=spec.monitor.comm_sample_every)
         faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
+        if any(f.kind in ("nan", "spike") for f in faults.faults):
+            from dataclasses import replace
+            ctx = replace(ctx, loss_factor=faults.loss_factor)
         monitor = spec.monitor
         rounds = None
         if monitor.probe and monitor.probe_every_s and self.world_size > 1 and \

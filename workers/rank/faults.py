@@ -1,4 +1,5 @@
-"""Fault injection for tests: hang, slow, fail or kill a chosen rank at a chosen step.
+"""Fault injection for tests: hang, slow, fail or kill a chosen rank at a chosen step, or make
+its loss NaN or spike there (`loss_factor`, which the built-in trainer applies to the loss).
 
 Only reaches a rank when the server allows it (`TRIDENT_ALLOW_FAULTS`); the rank actor makes
 one injector per rank and calls `begin(step)` where each step starts. Hang and slow sleep
@@ -30,6 +31,7 @@ class FaultInjector:
         self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
         self.rank = rank
         self._pending = 0.0
+        self._fired: set[int] = set()
         self._lock = threading.Lock()
 
     def begin(self, step: int) -> None:
@@ -44,6 +46,17 @@ class FaultInjector:
                 sleep += f.seconds
         with self._lock:
             self._pending = sleep
+
+    def loss_factor(self, step: int) -> float:
+        """What this rank's loss is multiplied by at `step`: NaN for a nan fault, `factor` for
+        a spike, 1.0 otherwise. Each fires once, the first time the attempt reaches its step
+        (as bad data would: after a rollback the step reads other samples)."""
+        factor = 1.0
+        for f in self.faults:
+            if f.kind in ("nan", "spike") and step == f.step and id(f) not in self._fired:
+                self._fired.add(id(f))
+                factor *= float("nan") if f.kind == "nan" else f.factor
+        return factor
 
     def stall_before_collective(self) -> None:
         """Sleep the step's hang or slow fault, once per step: called before each blocking

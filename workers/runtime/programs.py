@@ -75,6 +75,9 @@ class RankContext:
     """Called by a program without torch collectives before each of its own: the job's hang
     and slow faults sleep there (`workers.rank.faults`); the collective timer calls it for
     the others."""
+    loss_factor: Callable[[int], float] | None = None
+    """What the job's nan and spike faults multiply this rank's loss by at step `step` (1.0:
+    none; `workers.rank.faults.FaultInjector.loss_factor`); None where faults are not given."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from service.contract import ds_config
-from service.contract.reports import StepReport
+from service.contract.reports import GuardRollback, StepReport
 from service.contract.spec import JobSpec
 from service.files import tag_steps
 from service.planner import evaluate
@@ -59,7 +59,7 @@ from workers.monitor.bubble import BubbleMeter
 from workers.runtime import rendezvous
 from workers.runtime.deepspeed_import import deepspeed
 from workers.runtime.programs import RankContext, Report
-from workers.trainer import data, evaluation, recipe
+from workers.trainer import data, evaluation, guard, recipe
 
 CustomReport = Callable[[StepReport | dict[str, Any]], None]
 """A custom entrypoint's `TrainContext.report`: a `StepReport`, or a dict validated into one
@@ -273,6 +273,14 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         engine.clip_fp32_gradients = lambda: None  # type: ignore[union-attr,attr-defined]
         recipe.clip_before_step(inner, list(engine.module.parameters()), groups, t.grad_clip)
 
+    # The guards (workers.trainer.guard): the gate skips the inner optimizer step of a bad
+    # step on every rank alike; the keeper judges spikes and runs of skipped steps.
+    gate = guard.StepGate(inner, guard.engine_norm(engine, inner, layout.virtual_stages > 1))
+    keeper = guard.Guard(t.guard, pipelined=layout.pp > 1)
+    fault = _LossFault(ctx.loss_factor)
+    if layout.pp > 1:
+        fault.wrap_pipeline(engine)
+
     start = consumed = 0  # steps done, and the global samples they read
     skipped: list[str] | None = None  # damaged tags passed over: said with the first step
     load_s: float | None = None  # the load's time: said with the first step too
@@ -310,20 +318,30 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         t0 = time.perf_counter()
         lr = t.lr_at(step + 1)
         recipe.set_lr(engine.optimizer, lr)
+        consumed = keeper.past_skipped(consumed)  # never the batches a rollback skipped
         batch = t.batch_at(consumed)  # train.batch_ramp: a function of the samples consumed
         if batch != planned:  # DeepSpeed accumulates that many micro-batches from now on
             engine.set_train_batch_size(batch)
             planned = batch
         batches = source.micro_batches_at(consumed, batch)
+        gate.begin()
+        fault.at(step + 1)
+        skipped_for: str | None = None
         with meter.track(step + 1):
             if layout.pp > 1:
                 loss = float(engine.train_batch(data_iter=_to(batches, device)))
             else:
+                def judge(mean: float, nonfinite: bool) -> None:
+                    nonlocal skipped_for
+                    skipped_for = keeper.skip_before_update(mean, nonfinite)
+                    gate.skip_next = skipped_for is not None
+
                 loss = _train_step(engine, _to(batches, device), groups, layout.dp,
                                    loss_for(shape, groups),
                                    batch // (t.micro_batch * layout.dp)
                                    if t.batch_ramp is not None else None,
-                                   token_mean=getattr(source, "loss_mask", False))
+                                   token_mean=getattr(source, "loss_mask", False),
+                                   loss_factor=fault.factor, judge=judge)
         dt = time.perf_counter() - t0
         ended_at = time.time()
         waited = bubble.end_step() if bubble is not None else 0.0
@@ -334,6 +352,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                                             loss_for(shape, groups))
             eval_s = time.perf_counter() - t_eval
         first_read, read = _read_span(source.read, groups, device)
+        outcome = keeper.after_step(loss, gate.stepped, (consumed, consumed + batch),
+                                    skipped_for)
         consumed += batch
         progress = source.progress(consumed)
         last = StepReport(
@@ -347,8 +367,17 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             ended_at=ended_at, eval_s=eval_s, load_s=load_s if step == start else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=first_read, batch=read or None,
+            skipped=outcome.skipped or None, guard=outcome.why,
+            skipped_steps=keeper.skipped_steps or None,
             memory=meter.report())
-        if ctx.checkpoint_dir and spec.checkpoint.every_steps and \
+        if outcome.rollback is not None:
+            consumed, to_step = _roll_back(engine, ctx, spec, groups, keeper, outcome)
+            source.cover(consumed + (t.steps - step - 1) * t.global_batch
+                         + keeper.skipped_ahead(consumed))
+            last = last.model_copy(update={"rollback": GuardRollback(
+                to_step=to_step, samples=[list(r) for r in outcome.bad],
+                reason=outcome.rollback)})
+        elif ctx.checkpoint_dir and spec.checkpoint.every_steps and \
                 (step + 1) % spec.checkpoint.every_steps == 0:
             # A save the disk refuses is reported with the step; training goes on. The tag
             # carries this step's report too: it is reported only after the save.
@@ -420,13 +449,65 @@ def construction(spec: JobSpec, device: torch.device, groups: RankGroups,
         yield
 
 
+class _LossFault:
+    """The job's nan and spike faults on this rank (`RankContext.loss_factor`): `factor` is
+    what its loss is multiplied by in the current step (1.0: none)."""
+
+    def __init__(self, source: Callable[[int], float] | None) -> None:
+        self.source = source
+        self.factor = 1.0
+
+    def at(self, step: int) -> None:
+        self.factor = self.source(step) if self.source is not None else 1.0
+
+    def wrap_pipeline(self, engine: Any) -> None:
+        """A pipeline's loss is computed inside its schedule, on the last stage: multiply
+        it there (DeepSpeed's `module.loss_fn`, torch's schedule `_loss_fn`)."""
+        if self.source is None:
+            return
+        holder = getattr(engine, "schedule", None) or engine.module
+        name = "_loss_fn" if hasattr(holder, "_loss_fn") else "loss_fn"
+        base = getattr(holder, name)
+
+        def faulted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = base(*args, **kwargs)
+            return loss if self.factor == 1.0 else loss * self.factor
+
+        setattr(holder, name, faulted)
+
+
+def _roll_back(engine: Any, ctx: RankContext, spec: JobSpec, groups: RankGroups,
+               keeper: guard.Guard, outcome: guard.Outcome) -> tuple[int, int]:
+    """Collective: load the newest complete checkpoint (weights, optimizer, RNG) for the
+    guard's rollback; returns the samples it had consumed and its step. The ranges of the
+    batches that caused it are already in `keeper.skipping`. Raises GuardStop when there is
+    no checkpoint."""
+    directory = ctx.checkpoint_dir
+    resume = checkpoint.agreed_resume(directory) if directory else None
+    if directory is None or resume is None or not resume.step:
+        raise guard.GuardStop(f"{outcome.rollback}; no checkpoint to roll back to")
+    done, samples = checkpoint.load(engine, directory, resume.step, spec, groups)
+    logging.getLogger(__name__).warning(
+        "rank %d: rolled back to step %d (%s); samples %s skipped from now on", ctx.rank,
+        done, outcome.rollback, outcome.bad)
+    return (done * spec.train.global_batch if samples is None else samples), done
+
+
 def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn,
-                micro: int | None = None, token_mean: bool = False) -> float:
+                micro: int | None = None, token_mean: bool = False, loss_factor: float = 1.0,
+                judge: Callable[[float, bool], None] | None = None) -> float:
     """One optimizer step of a single-stage engine: accumulate micro-batches, step, and return
     the global-batch mean loss (mean over micro-batches, then over DP replicas). `micro`: the
     step's micro-batches when their number changes between steps (a batch ramp): the last
     is marked as the accumulation boundary, DeepSpeed's count of micro-steps since the start
     no longer saying where it is.
+
+    The loss stays on the device until the step's end (no host synchronisation per
+    micro-batch). At the accumulation boundary, before the optimizer step, one all-reduce over
+    the world of [loss sum (TP rank 0's, so that each DP replica counts once), not finite]
+    gives every rank the global-batch mean and whether any rank's loss was not finite; `judge`
+    (the guard, `workers.trainer.guard`) hears both before the update. `loss_factor`: the
+    rank's nan or spike fault (tests).
 
     `token_mean` (kind chat): the loss is the mean over the tokens that train in the whole
     global batch (torchtitan's `global_valid_tokens`, transformers' `Trainer` with
@@ -444,9 +525,9 @@ def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn,
             dp_all_reduce(every, groups.dp)
         every_kept = max(float(every.cpu()), 1.0)
         weights = [float(k) * len(batches) * dp / every_kept for k in kept.tolist()]
-    total = torch.zeros((), dtype=torch.float32)
-    count = 0
-    for x, y in batches:
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    mean = float("nan")
+    for count, (x, y) in enumerate(batches):
         if micro is not None:
             engine.set_gradient_accumulation_boundary(count + 1 == micro)
         out = engine(x)
@@ -456,16 +537,27 @@ def _train_step(engine, batches, groups: RankGroups, dp: int, loss_fn,
             loss = loss_fn(out, y) * weights[count]
         else:  # no label trains here: a zero loss that still runs backward (ZeRO, TP)
             loss = out.float().sum() * 0.0
+        if loss_factor != 1.0:
+            loss = loss * loss_factor
         engine.backward(loss)
+        total += loss.detach().float()
+        if engine.is_gradient_accumulation_boundary():
+            mean, nonfinite = _agree(total, count + 1, dp, groups)
+            if judge is not None:
+                judge(mean, nonfinite)
         engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-        total += loss.detach().float().cpu()
-        count += 1
-    total /= count
-    if dp > 1:
-        device_total = total.to(engine.device)
-        dp_all_reduce(device_total, groups.dp)
-        total = device_total.cpu() / dp
-    return float(total)
+    return mean
+
+
+def _agree(total: torch.Tensor, count: int, dp: int, groups: RankGroups) -> tuple[float, bool]:
+    """Collective over the world, once a step: the global-batch mean loss from this rank's
+    loss sum over `count` micro-batches, and whether any rank's was not finite."""
+    box = torch.stack([total / count if groups.tp_rank == 0 else torch.zeros_like(total),
+                       (~torch.isfinite(total)).float()])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(box)
+    mean, bad = box.tolist()  # the step's one transfer to the host
+    return mean / dp, bad > 0
 
 
 def _read_span(read: list[int], groups: RankGroups, device: torch.device

@@ -1,0 +1,87 @@
+"""The training guards on real DeepSpeed ranks (2 CPU ranks, gloo, the tiny model): a NaN
+step is skipped on every rank with the parameters and Adam states unchanged, a run of them
+rolls back to the checkpoint and never reads their samples again, a spike under `on_spike:
+stop` fails the run with the reason (`workers.trainer.guard`, `docs/guards.md`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.contract.spec import JobSpec
+from tests.workers_spawn import run_ranks
+
+
+def guarded_spec(steps: int, faults: list[dict], every: int = 0, **guard) -> JobSpec:
+    return JobSpec(name="guards", model={"preset": "gpt-tiny"}, parallel={"dp": 2, "zero": 1},
+                   train={"steps": steps, "global_batch": 8, "micro_batch": 2,
+                          "guard": guard},
+                   checkpoint={"every_steps": every} if every else {}, faults=faults)
+
+
+def rank0(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in rows if r["rank"] == 0}
+
+
+def _states(tag: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], list[int]]:
+    """Rank 0's parameters, fp32 master partition and Adam states (tensors, step counts) in
+    a DeepSpeed ZeRO-1 tag."""
+    model = torch.load(next(tag.glob("mp_rank_*_model_states.pt")), weights_only=False)
+    optim = torch.load(next(tag.glob("*zero_pp_rank_0_*optim_states.pt")),
+                       weights_only=False)["optimizer_state_dict"]
+    adam = optim["base_optimizer_state"]["state"]
+    tensors = [t for s in adam.values() for k, t in sorted(s.items()) if k != "step"]
+    return (model["module"], [*optim["single_partition_of_fp32_groups"], *tensors],
+            [int(s["step"]) for s in adam.values()])
+
+
+@pytest.mark.slow
+def test_a_nan_step_is_skipped_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    spec = guarded_spec(4, [{"kind": "nan", "rank": 1, "step": 3}], every=1)
+    rows = run_ranks(spec, checkpoint_dir=str(tmp_path))[0]
+    for rank in (0, 1):
+        mine = {r["step"]: r for r in rows if r["rank"] == rank}
+        assert [mine[s].get("skipped") for s in range(1, 5)] == [None, None, True, None]
+        assert mine[3]["guard"] == "loss not finite" and mine[4]["skipped_steps"] == 1
+    assert rank0(rows)[4]["loss"] is not None
+    before, after, last = (_states(tmp_path / name) for name in ("step2", "step3", "step4"))
+    # The skipped step's tag holds the weights, masters and Adam states of the step before.
+    for key, value in before[0].items():
+        assert torch.equal(value, after[0][key]), key
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+    assert before[2] == after[2] == [2] * len(before[2])
+    # One optimizer update fewer than steps: Adam counted 3 updates in 4 steps.
+    assert last[2] == [3] * len(last[2])
+    assert not all(torch.equal(a, b) for a, b in zip(after[1], last[1], strict=True))
+
+
+@pytest.mark.slow
+def test_a_run_of_nan_steps_rolls_back_and_never_reads_their_samples_again(
+        tmp_path: Path) -> None:
+    faults = [{"kind": "nan", "rank": 1, "step": s} for s in (4, 5, 6)]
+    rows = run_ranks(guarded_spec(8, faults, every=2, max_skips=2),
+                     checkpoint_dir=str(tmp_path))[0]
+    steps = rank0(rows)
+    assert [s for s, r in steps.items() if r.get("skipped")] == [4, 5, 6]
+    rollback = steps[6]["rollback"]
+    assert rollback["to_step"] == 4  # the newest tag (step 4's: the weights of step 3)
+    skipped = [(first, end) for first, end in rollback["samples"]]
+    assert skipped == [(steps[s]["first_sample"], steps[s]["first_sample"] + 8)
+                       for s in (4, 5, 6)]
+    after = [(steps[s]["first_sample"], steps[s]["first_sample"] + steps[s]["batch"])
+             for s in (7, 8)]
+    # Back at the checkpoint's 32 samples, the loader passes over [32, 48): step 5's and 6's
+    # batches (step 4's, [24, 32), came before the checkpoint's position).
+    assert after == [(48, 56), (56, 64)]
+    assert not any(a < e and f < b for a, b in after for f, e in skipped)
+    assert steps[8]["loss"] is not None and not steps[8].get("skipped")
+
+
+@pytest.mark.slow
+def test_a_spike_with_on_spike_stop_fails_the_run_with_the_reason() -> None:
+    spec = guarded_spec(8, [{"kind": "spike", "rank": 0, "step": 7, "factor": 100.0}],
+                        on_spike="stop")
+    with pytest.raises(RuntimeError, match="training guard stopped the job: loss spike"):
+        run_ranks(spec)
