@@ -73,6 +73,11 @@ def test_inconsistent_layouts_are_rejected_with_arithmetic(over: dict, match: st
         ({"name": "no spaces allowed"}, "name"),
         ({"entrypoint": "not a path"}, "entrypoint"),
         ({"resources": {"cpus_per_worker": 0}}, "cpus_per_worker"),
+        ({"train": {"guard": {"on_spike": "ignore"}}}, "train.guard.on_spike"),
+        ({"train": {"guard": {"spike_factor": 1.0}}}, "train.guard.spike_factor"),
+        ({"train": {"guard": {"window": 0}}}, "train.guard.window"),
+        ({"train": {"guard": {"max_skips": -1}}}, "train.guard.max_skips"),
+        ({"faults": [{"kind": "spike", "rank": 0, "step": 1, "factor": 0}]}, "faults.0.factor"),
     ],
 )
 def test_bad_fields_are_named(over: dict, field: str) -> None:
@@ -92,7 +97,7 @@ def test_every_field_is_documented() -> None:
             for arg in (info.annotation, *getattr(info.annotation, "__args__", ())):
                 if isinstance(arg, type) and issubclass(arg, BaseModel) and arg not in seen:
                     todo.append(arg)
-    assert len(seen) == 17  # JobSpec and the sections it reaches
+    assert len(seen) == 18  # JobSpec and the sections it reaches
 
 
 def test_auto_layout_needs_a_cluster() -> None:
