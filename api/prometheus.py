@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from client.ledger import CATEGORIES, Ledger
+from service.contract.reports import GUARD_EVENTS
 from service.contract.states import JobState
 from service.store import Job, Store
 from service.store.dashboard import count_by_state, measured_bubble_ratio
@@ -150,9 +151,14 @@ class StoreCollector(Collector):
             "hb_age": _g("trident_rank_heartbeat_age_seconds", "Seconds since the rank's last"
                          " heartbeat as the controller saw it (newest attempt).", RANK),
         }
+        guard = CounterMetricFamily(
+            "trident_job_guard_events", "The training guard's events of the job, by kind:"
+            " guard_skip (a step's update skipped), guard_spike (a spike judged after the"
+            " update), guard_rollback (docs/guards.md).", labels=[*JOB, "kind"])
         for job in store.list_jobs(states=ACTIVE, limit=10000)[0]:
-            self._job(store, job, fams)
+            self._job(store, job, fams, guard)
         yield from fams.values()
+        yield guard
 
     def _controller(self, store: Store) -> Iterator[Metric]:
         lease = Leases.of(store).read(name=CONTROLLER)
@@ -216,7 +222,8 @@ class StoreCollector(Collector):
                 cpu.add_metric([project, category], cpu_s)
         yield from (seconds, gpu, cpu)
 
-    def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily]) -> None:
+    def _job(self, store: Store, job: Job, f: dict[str, GaugeMetricFamily],
+             guard: CounterMetricFamily) -> None:
         jid = [str(job.id)]
         lay, plan = job.plan.layout, job.plan
         f["info"].add_metric([str(job.id), job.name, job.owner, job.state.value, str(lay.tp),
@@ -229,6 +236,8 @@ class StoreCollector(Collector):
             f["mfu_pred"].add_metric(jid, mfu_pred)
         if plan.time.step_s:
             f["bubble"].add_metric([*jid, "predicted"], plan.time.bubble_s / plan.time.step_s)
+        for kind, n in store.count_events(job_id=job.id, kinds=GUARD_EVENTS).items():
+            guard.add_metric([*jid, kind], n)
         latest = store.latest_metric(job_id=job.id)
         if self.per_rank:
             self._ranks(store, job, f)

@@ -594,6 +594,15 @@ class SeriesPredicted(BaseModel):
     mfu: Number | None
 
 
+class GuardMark(BaseModel):
+    """One event of the training guard (`docs/guards.md`) at a step."""
+
+    step: int
+    kind: str
+    """guard_skip, guard_spike or guard_rollback."""
+    message: str
+
+
 class Series(BaseModel):
     """`GET /jobs/{id}/series`: rank 0's curves, downsampled on the server."""
 
@@ -616,6 +625,9 @@ class Series(BaseModel):
     grad_norm: list[float | None] = Field(default_factory=list)
     """The global gradient norm before clipping at each of `recipe_step` (None: not
     reported)."""
+    guard: list[GuardMark] = Field(default_factory=list)
+    """The training guard's events (skips, spikes, rollbacks), marked on the loss chart; the
+    newest `max_points` of them."""
 
 
 class RanksGrid(BaseModel):

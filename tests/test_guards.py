@@ -9,8 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from api.app import create_app
+from service.cluster.data_plane import PollResult
 from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.control.worker_reports import store_poll
+from service.settings import Settings
+from service.store import Store
+from service.store.metrics import MetricsIngest
+from service.submission.intake import submit
+from tests.conftest import authed_client
 from tests.workers_spawn import run_ranks
 
 
@@ -38,13 +48,19 @@ def _states(tag: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], lis
 
 
 @pytest.mark.slow
-def test_a_nan_step_is_skipped_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
-    spec = guarded_spec(4, [{"kind": "nan", "rank": 1, "step": 3}], every=1)
+@pytest.mark.parametrize("kind,guard,why", [
+    ("nan", {}, "loss not finite"),
+    # A finite loss: DeepSpeed sees nothing wrong, the guard's gate alone skips the update.
+    ("spike", {"window": 2}, "loss spike: "),
+])
+def test_a_bad_step_is_skipped_on_every_rank_and_changes_nothing(
+        tmp_path: Path, kind: str, guard: dict, why: str) -> None:
+    spec = guarded_spec(4, [{"kind": kind, "rank": 1, "step": 3}], every=1, **guard)
     rows = run_ranks(spec, checkpoint_dir=str(tmp_path))[0]
     for rank in (0, 1):
         mine = {r["step"]: r for r in rows if r["rank"] == rank}
         assert [mine[s].get("skipped") for s in range(1, 5)] == [None, None, True, None]
-        assert mine[3]["guard"] == "loss not finite" and mine[4]["skipped_steps"] == 1
+        assert mine[3]["guard"].startswith(why) and mine[4]["skipped_steps"] == 1
     assert rank0(rows)[4]["loss"] is not None
     before, after, last = (_states(tmp_path / name) for name in ("step2", "step3", "step4"))
     # The skipped step's tag holds the weights, masters and Adam states of the step before.
@@ -59,10 +75,10 @@ def test_a_nan_step_is_skipped_on_every_rank_and_changes_nothing(tmp_path: Path)
 
 @pytest.mark.slow
 def test_a_run_of_nan_steps_rolls_back_and_never_reads_their_samples_again(
-        tmp_path: Path) -> None:
+        sqlite_store: Store, tmp_path: Path) -> None:
     faults = [{"kind": "nan", "rank": 1, "step": s} for s in (4, 5, 6)]
-    rows = run_ranks(guarded_spec(8, faults, every=2, max_skips=2),
-                     checkpoint_dir=str(tmp_path))[0]
+    spec = guarded_spec(8, faults, every=2, max_skips=2)
+    rows = run_ranks(spec, checkpoint_dir=str(tmp_path / "ckpt"))[0]
     steps = rank0(rows)
     assert [s for s, r in steps.items() if r.get("skipped")] == [4, 5, 6]
     rollback = steps[6]["rollback"]
@@ -77,6 +93,32 @@ def test_a_run_of_nan_steps_rolls_back_and_never_reads_their_samples_again(
     assert after == [(48, 56), (56, 64)]
     assert not any(a < e and f < b for a, b in after for f, e in skipped)
     assert steps[8]["loss"] is not None and not steps[8].get("skipped")
+    assert steps[8]["skipped_steps"] == 3 and steps[8]["rollbacks"] == 1
+
+    # What the controller stores of those reports: an event per skip and for the rollback,
+    # and the job's counter on /metrics says as many.
+    job_id = submit(sqlite_store, spec).id
+    for to in (JobState.PLACING, JobState.RUNNING):
+        sqlite_store.transition(job_id=job_id, to=to, message=to.value)
+    sqlite_store.start_attempt(job_id=job_id)
+    store_poll(sqlite_store, MetricsIngest(sqlite_store), job_id=job_id, attempt=1,
+               world_size=2, poll=PollResult(state="running", reports=rows), health=None)
+    events = sqlite_store.list_events(job_id=job_id)
+    kinds = [e.kind for e in events if e.kind.startswith("guard_")]
+    assert kinds == ["guard_skip"] * 3 + ["guard_rollback"]
+    assert "rolled back to the checkpoint of step 4" in events[-1].message
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=sqlite_store),
+                       sqlite_store) as client:
+        text = client.get("/metrics").text
+        marks = client.get(f"/api/v1/jobs/{job_id}/series").json()["guard"]
+    # The loss chart's marks are those events, at their steps.
+    assert [(m["step"], m["kind"]) for m in marks] == [
+        (4, "guard_skip"), (5, "guard_skip"), (6, "guard_skip"), (6, "guard_rollback")]
+    counted = {s.labels["kind"]: s.value for f in text_string_to_metric_families(text)
+               if f.name == "trident_job_guard_events" for s in f.samples
+               if s.labels["job_id"] == str(job_id)}
+    assert counted == {kind: kinds.count(kind) for kind in
+                       ("guard_skip", "guard_spike", "guard_rollback")}
 
 
 @pytest.mark.slow

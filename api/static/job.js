@@ -113,6 +113,32 @@
     }
     return data;
   }
+  // The training guard's events on the loss chart: a vertical line at each step it skipped
+  // (orange), judged a spike after the update (red) or rolled back after (purple).
+  const GUARD_COLOURS = {guard_skip: "#e69f00", guard_spike: "#d55e00", guard_rollback: "#cc79a7"};
+  function drawGuardMarks(u) {
+    const marks = (series && series.guard) || [];
+    const ctx = u.ctx, top = u.bbox.top, bottom = u.bbox.top + u.bbox.height;
+    ctx.save();
+    ctx.lineWidth = 1.5 * devicePixelRatio;
+    ctx.setLineDash([4 * devicePixelRatio, 3 * devicePixelRatio]);
+    for (const m of marks) {
+      const x = u.valToPos(m.step, "x", true);
+      if (!Number.isFinite(x)) continue;
+      ctx.strokeStyle = GUARD_COLOURS[m.kind] || "#999";
+      ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, bottom); ctx.stroke();
+    }
+    ctx.restore();
+  }
+  function guardLegend(div) {
+    const marks = (series && series.guard) || [];
+    let box = div.querySelector(".guard-marks");
+    if (!box) { box = document.createElement("div"); box.className = "guard-marks"; div.appendChild(box); }
+    div.dataset.guardMarks = String(marks.length);
+    box.innerHTML = marks.map(m =>
+      `<span style="color:${GUARD_COLOURS[m.kind] || "#999"}" title="${esc(m.message)}">` +
+      `${esc(m.kind.replace("guard_", ""))} @ ${m.step}</span>`).join(" ");
+  }
   function buildCharts() {
     const box = document.getElementById("charts");
     box.innerHTML = "";
@@ -135,8 +161,10 @@
         scales: {x: {time: false}, y: log ? {distr: 3} : {}},
         axes: [{label: "step"}, {label: c.unit, size: 70, values: yTicks(div)}],
         cursor: {drag: {x: true, y: false}},
+        hooks: c.key === "loss" ? {draw: [drawGuardMarks]} : {},
       }, data, div);
       div.dataset.points = String(data[0].length);
+      if (c.key === "loss") guardLegend(div);
     }
   }
   async function loadSeries(rebuild) {
@@ -151,6 +179,7 @@
         if (charts[c.key].series.length !== data.length) { buildCharts(); break; }  // a new curve
         charts[c.key].setData(data);
         document.getElementById("chart-" + c.key).dataset.points = String(data[0].length);
+        if (c.key === "loss") guardLegend(document.getElementById("chart-loss"));
       }
     } catch (e) { /* retried */ }
   }

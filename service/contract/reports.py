@@ -67,6 +67,17 @@ METRIC_COLUMNS = frozenset({"rank", "step", "loss", "step_time_s", "tokens_per_s
 """Fields of `StepReport` stored as columns of a metrics row; the rest goes to its `data`."""
 
 
+GUARD_EVENTS = ("guard_skip", "guard_spike", "guard_rollback")
+"""The job events the controller stores from the training guard's step reports
+(`service.control.worker_reports`), counted on `/metrics` (`trident_job_guard_events_total`)
+and marked on the loss chart."""
+
+
+GUARD_STOP = "training guard stopped the job: "
+"""How a rank's error begins when the training guard stops the job
+(`workers.trainer.guard.GuardStop`): the controller fails it without a retry."""
+
+
 class GuardRollback(BaseModel):
     """A rollback of the training guard (`workers.trainer.guard`): the model, optimizer and
     data position of the checkpoint of step `to_step` loaded, the samples of the steps that
@@ -188,6 +199,8 @@ class StepReport(BaseModel):
     """Steps the guard skipped in this attempt so far, this one included."""
     rollback: GuardRollback | None = None
     """Set on the step after which the guard rolled back to the newest checkpoint."""
+    rollbacks: int | None = Field(default=None, ge=0, le=10_000_000)
+    """Rollbacks of the guard in this attempt so far, this step's included."""
     custom: dict[Annotated[str, Field(max_length=CUSTOM_NAME_MAX)], CustomValue] | None = \
         Field(default=None, max_length=CUSTOM_MAX)
     """Whatever else a custom entrypoint wants kept with the step (stored as is): at most

@@ -24,7 +24,8 @@ tags its predecessor never heard of are indexed.
 Before every attempt the stored spec is checked against today's limits (`recheck`: a spec
 stored before a limit it fails reads everywhere, and fails the job here without a retry), and
 the job's checkpoint folder is made its own (`service.files.checkpoint_dirs`); a folder that is
-another job's fails the job without a retry too. A group whose ranks all finished ends SUCCEEDED
+another job's fails the job without a retry too, as does an attempt the training guard stopped
+(`service.contract.reports.GUARD_STOP`). A group whose ranks all finished ends SUCCEEDED
 unless its last losses were all NaN or infinite (`succeed`: FAILED, without a retry). A
 queued job that cannot be placed may preempt running jobs of lower priority
 (`service.policy.preemption` chooses and words it; `Preemptions` in `service.control.preempting`
@@ -56,6 +57,7 @@ from typing import Any
 
 from service.cluster.data_plane import Launcher, PollResult
 from service.contract.prices import ProfilePrice
+from service.contract.reports import GUARD_STOP
 from service.contract.spec import JobSpec
 from service.contract.spec_limits import recheck
 from service.contract.states import JobState, TransitionError
@@ -555,7 +557,9 @@ class Controller:
             # A folder that is another job's now (rank 0 refused it) stays so, and a corpus
             # replaced since submission stays replaced: no retry.
             final = (self.folders.refusal(CheckpointWriter.of(job), run.spec.checkpoint.dir)
-                     or changed_corpus(run.spec))
+                     or changed_corpus(run.spec)
+                     or ("the training guard stopped it: a restart would meet the same data"
+                         if GUARD_STOP in (poll.error or "") else None))
             self.fail_attempt(job, run.attempt, f"attempt {run.attempt}: {ranks}\n{detail}"
                                + (f"\nnot retried: {final}" if final else ""), result,
                                retry=final is None)

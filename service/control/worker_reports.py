@@ -1,7 +1,9 @@
 """What a worker group's poll brought, stored: its step reports (validated, through
 `MetricsIngest`), its probe reports (to the attempt's health), its events, and a `checkpoint`
 event for each checkpoint the ranks failed to save (`StepReport.checkpoint_error`) and each
-damaged one they did not resume from (`StepReport.resume_skipped`), and each
+damaged one they did not resume from (`StepReport.resume_skipped`), a `guard_skip`,
+`guard_spike` or `guard_rollback` event for each step the training guard skipped, judged a
+spike or rolled back after (`GUARD_EVENTS`, rank 0's report: every rank decides alike), and each
 tag rank 0 completed or deleted into the job's checkpoint index (`service.store.checkpoints`).
 
 The controller calls `store_poll` for every poll of a group it watches, and once more for the
@@ -24,6 +26,27 @@ from service.store.checkpoints import CheckpointIndex
 from service.store.metrics import MetricsIngest
 
 
+def guard_events(report: StepReport) -> list[tuple[str, str, dict[str, Any]]]:
+    """(kind, message, data) of the guard's events in `report` (rank 0's)."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    if report.skipped:
+        out.append(("guard_skip", f"step {report.step}: update skipped ({report.guard});"
+                    f" {report.skipped_steps} skipped in this attempt",
+                    {"step": report.step, "reason": report.guard,
+                     "skipped_steps": report.skipped_steps}))
+    elif report.guard:
+        out.append(("guard_spike", f"step {report.step}: {report.guard}",
+                    {"step": report.step, "reason": report.guard}))
+    if report.rollback is not None:
+        rb = report.rollback
+        out.append(("guard_rollback", f"after step {report.step}: rolled back to the checkpoint"
+                    f" of step {rb.to_step} ({rb.reason}); the samples"
+                    f" {', '.join(f'[{a}, {b})' for a, b in rb.samples)} are not read again",
+                    {"step": report.step, "to_step": rb.to_step, "samples": rb.samples,
+                     "reason": rb.reason}))
+    return out
+
+
 def _same(text: str) -> str:
     return text
 
@@ -39,6 +62,7 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
     failed_saves: list[StepReport] = []
     damaged: list[StepReport] = []
     saves: list[StepReport] = []
+    guarded: list[StepReport] = []
     for raw in poll.reports:
         try:
             if raw.get("kind") == "probe":
@@ -51,6 +75,8 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                 failed_saves.append(report)
             if report.resume_skipped and report.rank == 0:
                 damaged.append(report)
+            if (report.guard or report.rollback) and report.rank == 0:
+                guarded.append(report)
             if report.checkpoint and report.checkpoint_bytes is not None and report.rank == 0:
                 saves.append(report)
             if health is not None:
@@ -74,6 +100,10 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
                         f" {redact(report.checkpoint_error or '')}",
                         data={"step": report.step,
                               "error": redact(report.checkpoint_error or "")})
+    for report in guarded:
+        for kind, message, data in guard_events(report):
+            store.add_event(job_id=job_id, attempt=attempt, kind=kind, message=redact(message),
+                            data=data)
     for report in damaged:
         for why in report.resume_skipped or []:
             store.add_event(job_id=job_id, attempt=attempt, kind="checkpoint",

@@ -14,9 +14,10 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from service.contract.reports import GUARD_EVENTS
 from service.store.dashboard import read_sessions
 from service.store.store import Job, Store
-from service.store.tables import AttemptRow, MetricRow, StepMetricRow
+from service.store.tables import AttemptRow, EventRow, MetricRow, StepMetricRow
 
 MAX_POINTS = 2000
 """The most points of one chart series the server sends."""
@@ -96,7 +97,20 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     out["mfu"] = [float(p[3]) * mfu_per_token for p in points]
     out["eval_step"], out["eval_loss"] = _eval_points(store, job.id, max_points)
     out["recipe_step"], out["lr"], out["grad_norm"] = _recipe_points(store, job.id, max_points)
+    out["guard"] = _guard_marks(store, job.id, max_points)
     return out
+
+
+def _guard_marks(store: Store, job_id: int, max_points: int) -> list[dict[str, Any]]:
+    """The newest `max_points` events of the training guard, oldest first, as marks at their
+    steps (the loss chart draws them)."""
+    e = EventRow
+    with read_sessions(store).begin() as s:
+        rows = s.execute(select(e.kind, e.message, e.data)
+                         .where(e.job_id == job_id, e.kind.in_(GUARD_EVENTS))
+                         .order_by(e.id.desc()).limit(max_points)).all()
+    return [{"step": int((data or {}).get("step", 0)), "kind": kind, "message": message}
+            for kind, message, data in reversed(rows)]
 
 
 def _thinned(steps: list[int], max_points: int) -> list[int]:

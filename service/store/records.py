@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.store.tables import EventRow, MetricRow, StepMetricRow
@@ -45,6 +45,16 @@ class RunRecords:
                              .where(EventRow.job_id == job_id, EventRow.id > after_id)
                              .order_by(EventRow.id).limit(limit)).scalars()
             return [event_of(r) for r in rows]
+
+    def count_events(self, *, job_id: int, kinds: tuple[str, ...]) -> dict[str, int]:
+        """How many events of each of `kinds` the job has (every attempt); 0 for none."""
+        with self._rx() as s:
+            rows = s.execute(select(EventRow.kind, func.count())
+                             .where(EventRow.job_id == job_id, EventRow.kind.in_(kinds))
+                             .group_by(EventRow.kind)).all()
+        counts = dict.fromkeys(kinds, 0)
+        counts.update({kind: int(n) for kind, n in rows})
+        return counts
 
     # --- metrics ----------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from service.contract.reports import GUARD_STOP
 from service.contract.spec import GuardSpec
 
 MIN_HISTORY = 5
@@ -54,10 +55,8 @@ class GuardStop(RuntimeError):
     with no checkpoint to roll back to. The message says why; the controller does not retry
     it (a restart would meet the same data)."""
 
-    PREFIX = "training guard stopped the job: "
-
     def __init__(self, why: str) -> None:
-        super().__init__(self.PREFIX + why)
+        super().__init__(GUARD_STOP + why)
 
 
 class _Skip(Exception):
@@ -142,6 +141,7 @@ class Guard:
     pipelined: bool
     """The loss is known only after the update (pp > 1)."""
     skipped_steps: int = 0
+    rollbacks: int = 0
     skipping: list[tuple[int, int]] = field(default_factory=list)
     """Sample ranges the loader passes over from now on (`past_skipped`)."""
     _run: list[tuple[int, int]] = field(default_factory=list)
@@ -200,6 +200,7 @@ class Guard:
             out.rollback = (f"{len(self._run)} skipped steps in a row (more than"
                             f" train.guard.max_skips = {self.spec.max_skips}), the last: {out.why}")
         if out.rollback is not None:
+            self.rollbacks += 1
             out.bad = list(self._run)
             self.skipping += self._run
             self._run.clear()

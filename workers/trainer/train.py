@@ -368,7 +368,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=first_read, batch=read or None,
             skipped=outcome.skipped or None, guard=outcome.why,
-            skipped_steps=keeper.skipped_steps or None,
+            skipped=outcome.skipped or None, guard=outcome.why,
+            skipped_steps=keeper.skipped_steps or None, rollbacks=keeper.rollbacks or None,
             memory=meter.report())
         if outcome.rollback is not None:
             consumed, to_step = _roll_back(engine, ctx, spec, groups, keeper, outcome)
