@@ -151,9 +151,10 @@ def test_metrics_match_the_store(store: Store, tmp_path, per_rank: bool) -> None
     for name, fam in fams.items():  # conventions: counters end in _total, no unitless time
         assert name.startswith("trident_")
         assert fam.type in ("gauge", "histogram", "counter"), name
-        if fam.type == "counter":  # the exporter's steps sent and dropped, the ledgers
+        if fam.type == "counter":  # the exporter's steps sent and dropped, the ledgers,
+            # the training guard's events
             assert name.startswith(("trident_tracking_", "trident_job_seconds",
-                                    "trident_project_"))
+                                    "trident_project_", "trident_job_guard_events"))
             assert all(s.name == f"{name}_total" for s in fam.samples), fam.samples
 
 
