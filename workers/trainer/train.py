@@ -368,7 +368,6 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=first_read, batch=read or None,
             skipped=outcome.skipped or None, guard=outcome.why,
-            skipped=outcome.skipped or None, guard=outcome.why,
             skipped_steps=keeper.skipped_steps or None, rollbacks=keeper.rollbacks or None,
             memory=meter.report())
         if outcome.rollback is not None:
