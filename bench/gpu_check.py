@@ -14,6 +14,8 @@ tail of its output, and the check goes on with the next step):
   for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
   scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
   `max_memory_reserved`, next to the plan's prediction for the same spec.
+- `profile`: `trident profile --memory`'s profiler on one GPU: CUDA kernels in the trace, the
+  memory timeline and the CUDA memory snapshot (`workers.monitor.profiler`).
 - with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` and
   `job_dp2_zero2` through the whole stack (API, controller, Ray) with their `/comm` report,
   whose times come from CUDA events.
@@ -251,7 +253,7 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
                   f" torch.cuda.is_available() is {build.get('cuda_available')}")
         profile = gpu_profile_name(build["devices"][0]["name"]) if gpus else "cpu"
         if gpus == 0:
-            for name in ("topology", "stack", "probe", "train_bf16", "train_fp16"):
+            for name in ("topology", "stack", "probe", "train_bf16", "train_fp16", "profile"):
                 check.skip(name, no_gpu)
         else:
             if shutil.which("nvidia-smi"):
@@ -265,6 +267,7 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
                 check.skip("probe", "the stack did not start")
             check.child("train_bf16", 150)
             check.child("train_fp16", 150)
+            check.child("profile", 60)
         multi = ("needs two or more CUDA GPUs; this machine has"
                  f" {gpus}" + ("" if gpus else f" ({no_gpu})"))
         if gpus >= 2:

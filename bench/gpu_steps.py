@@ -146,8 +146,44 @@ def step_nccl_probe() -> dict[str, Any]:
             "largest_bytes": best["bytes"]}
 
 
+def step_profile() -> dict[str, Any]:
+    """`trident profile --memory` on one GPU (`workers.monitor.profiler`): the trace's CUDA
+    kernels inside the profiled steps, the memory timeline and the CUDA memory snapshot."""
+    import gzip
+    import json
+    import pickle
+
+    import torch
+
+    from workers.monitor.profiler import StepProfiler
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    p = StepProfiler(0)
+    p.arm(1, steps=2, memory=True, start=2, max_bytes=64 << 20)
+    for step in range(1, 5):
+        p.step_started(step)
+        loss = model(torch.randn(64, 1024, device="cuda")).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        p.step_ended(step)
+    answer = p.result(1)
+    assert answer is not None and answer["error"] is None, answer
+    files = answer["files"]
+    events = json.loads(gzip.decompress(files["rank-0.pt.trace.json.gz"]))["traceEvents"]
+    snapshot = pickle.loads(gzip.decompress(files["rank-0.cuda-memory-snapshot.pickle.gz"]))
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert kernels, "no CUDA kernel in the trace"
+    return {"steps": answer["steps"], "bytes": {k: len(v) for k, v in files.items()},
+            "kernels": len(kernels), "snapshot_segments": len(snapshot.get("segments", []))}
+
+
 CHILD_STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "build": step_build,
+    "profile": step_profile,
     "train_bf16": lambda: step_train("bf16"),
     "train_fp16": lambda: step_train("fp16"),
     "nccl_probe": step_nccl_probe,

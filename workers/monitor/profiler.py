@@ -150,8 +150,12 @@ class StepProfiler:
 
         prof, self._prof = self._prof, None
         files: dict[str, bytes] = {}
+        cuda_memory = req.memory and torch.cuda.is_available()
         try:
             prof.stop()
+            if cuda_memory:
+                files[CUDA_SNAPSHOT.format(rank=self.rank)] = gzip.compress(
+                    pickle.dumps(torch.cuda.memory._snapshot()), 6)
             with tempfile.TemporaryDirectory(prefix="trident-profile-") as tmp:
                 trace = Path(tmp) / "trace.json"
                 prof.export_chrome_trace(str(trace))
@@ -166,15 +170,13 @@ class StepProfiler:
                             str(timeline), f"cuda:{torch.cuda.current_device()}"
                             if torch.cuda.is_available() else "cpu")
                     files[MEMORY_TIMELINE.format(rank=self.rank)] = timeline.read_bytes()
-            if req.memory and torch.cuda.is_available():
-                snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                files[CUDA_SNAPSHOT.format(rank=self.rank)] = gzip.compress(
-                    pickle.dumps(snapshot), 6)
         except Exception as exc:  # the answer says why; training goes on
             self._finish(req, error=f"rank {self.rank}: exporting the trace failed:"
                          f" {type(exc).__name__}: {exc}")
             return
+        finally:
+            if cuda_memory:  # the allocator records no more
+                torch.cuda.memory._record_memory_history(enabled=None)
         assert req.first is not None
         kept = {}
         for name, data in files.items():
