@@ -1,6 +1,6 @@
 """The GPU check: one run that proves the GPU paths on a machine with CUDA GPUs, one JSON report.
 
-`make gpu-check` or `python bench/gpu_check.py [--out var/bench/gpu_check.json] [--budget-s 290]`
+`make gpu-check` or `python bench/gpu_check.py [--out var/bench/gpu_check.json] [--budget-s 480]`
 
 Steps, each guarded by a timeout (a hang is reported as `timeout` with the step's name and the
 tail of its output, and the check goes on with the next step):
@@ -10,15 +10,20 @@ tail of its output, and the check goes on with the next step):
 - `topology`: `nvidia-smi topo -m`, parsed into {device: {device: link}}.
 - `stack`: `trident up` on a scratch data directory (SQLite, its own local Ray head).
 - `probe`: `trident probe` on the GPUs: matmul TFLOP/s (bf16) and the calibrated profile.
+- `calibrate`: `trident probe --calibrate`: the probe again, then the calibration jobs (the
+  built-in trainer, one GPU each, bf16, four sizes: `service.planner.calibrate`) through the
+  whole stack; the trident stack's efficiency and overheads fitted to their step times, and
+  the plan of a job on this GPU with those constants marked `measured` (so the first run on a
+  GPU profile measures what the planner otherwise assumes).
 - `train_bf16`, `train_fp16`: the built-in trainer (`workers.trainer.train.train_rank`) on one GPU
   for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
   scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
   `max_memory_reserved`, next to the plan's prediction for the same spec.
 - `profile`: `trident profile --memory`'s profiler on one GPU: CUDA kernels in the trace, the
   memory timeline and the CUDA memory snapshot (`workers.monitor.profiler`).
-- with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` and
-  `job_dp2_zero2` through the whole stack (API, controller, Ray) with their `/comm` report,
-  whose times come from CUDA events.
+- with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` (bf16
+  at tp2) and `job_dp2_zero2` through the whole stack (API, controller, Ray) with their
+  `/comm` report, whose times come from CUDA events.
 
 On a machine without CUDA every GPU step is `skipped` with the reason, so the script runs (and
 is tested) anywhere. Steps that run code on the GPU run in a child process of their own, so a
@@ -200,6 +205,39 @@ class Check:
                 "matmul_tflops": {k: v / 1e12 for k, v in flops.items()},
                 "calibrated_profile": cluster.get("profiles")}
 
+    def calibrate(self, timeout_s: float, gpus: int, profile: str) -> dict[str, Any]:
+        """`trident probe --calibrate`; the fitted constants, and a plan's `constants`."""
+        import httpx
+
+        cmd = [sys.executable, "-m", "cli.main", "probe", "--server", self.server,
+               "--ranks-per-node", str(gpus), "--profile", profile, "--calibrate",
+               "--timeout", str(int(timeout_s) - 10)]
+        token = self.auth()["Authorization"].removeprefix("Bearer ")
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                             env=_env(TRIDENT_TOKEN=token))
+        if out.returncode != 0:
+            raise RuntimeError(f"trident probe --calibrate failed: {out.stdout[-2000:]}"
+                               f"{out.stderr[-2000:]}")
+        api, auth = f"{self.server}/api/v1", self.auth()
+        prof = httpx.get(f"{api}/cluster", headers=auth, timeout=10).json()["profiles"][profile]
+        spec = {"name": "gpu-check-plan", "model": MODEL_SMALL,
+                "train": {"steps": TRAIN_STEPS, "global_batch": 8, "micro_batch": 2,
+                          "precision": "bf16"},
+                "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0},
+                "resources": {"gpus_per_worker": 1, "cpus_per_worker": 1},
+                "cluster": {"gpu": profile, "nodes": 1, "gpus_per_node": 1}}
+        plan = httpx.post(f"{api}/plan", json=spec, headers=auth, timeout=30).json()
+        jobs = []
+        for job_id in prof["calibration"]["jobs"]:
+            job = httpx.get(f"{api}/jobs/{job_id}", headers=auth, timeout=10).json()
+            jobs.append({"job": job_id, "name": job["name"],
+                         "predicted_vs_measured": job.get("predicted_vs_measured")})
+        return {"output": out.stdout[-3000:], "calibration": prof["calibration"],
+                "layer_overhead_s": prof["layer_overhead_s"],
+                "step_overhead_s": prof["step_overhead_s"], "jobs": jobs,
+                "plan_step_s": plan["time"]["step_s"], "plan_mfu": plan["mfu"],
+                "constants": {k: c["status"] for k, c in plan["constants"].items()}}
+
     def job(self, timeout_s: float, parallel: dict[str, Any], profile: str) -> dict[str, Any]:
         """A small GPT through the whole stack on two GPUs; its /comm report (CUDA events)."""
         import httpx
@@ -253,7 +291,8 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
                   f" torch.cuda.is_available() is {build.get('cuda_available')}")
         profile = gpu_profile_name(build["devices"][0]["name"]) if gpus else "cpu"
         if gpus == 0:
-            for name in ("topology", "stack", "probe", "train_bf16", "train_fp16", "profile"):
+            for name in ("topology", "stack", "probe", "calibrate", "train_bf16", "train_fp16",
+                         "profile"):
                 check.skip(name, no_gpu)
         else:
             if shutil.which("nvidia-smi"):
@@ -263,8 +302,10 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
             check.guarded("stack", 90, check.start_stack)
             if check.steps[-1]["status"] == "ok":
                 check.guarded("probe", 120, lambda t: check.probe(t, gpus, profile))
+                check.guarded("calibrate", 240, lambda t: check.calibrate(t, gpus, profile))
             else:
                 check.skip("probe", "the stack did not start")
+                check.skip("calibrate", "the stack did not start")
             check.child("train_bf16", 150)
             check.child("train_fp16", 150)
             check.child("profile", 60)
@@ -313,7 +354,7 @@ def _tail(out: bytes | None, n: int = 3000) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_check.json"))
-    ap.add_argument("--budget-s", type=float, default=290.0,
+    ap.add_argument("--budget-s", type=float, default=480.0,
                     help="the whole check's time limit (each step's timeout is cut to fit)")
     ap.add_argument("--step-timeout-s", type=float, default=None,
                     help="cut every step's timeout to this")
