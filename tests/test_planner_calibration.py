@@ -97,7 +97,8 @@ def test_plan_json_marks_each_constant_measured_or_assumed() -> None:
     for name in ("peak_flops", "intra_node_bw"):
         assert consts[name] == {**consts[name], "status": "measured",
                                 "source": "trident probe 4 at 2026-12-07"}
-    assert consts["gemm_curve"]["status"] == "assumed"
+    assert consts["gemm_curve"] == {**consts["gemm_curve"], "status": "assumed",
+                                    "source": base.source}  # the built-in figure's, not the probe's
     # Another stack on the calibrated cluster: its efficiency is still the published fit.
     other = plan_command(spec.model_copy(update={"train": spec.train.model_copy(
         update={"stack": "megatron-lm"})}), as_json=True, profile=fitted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from service.contract.hardware import GB
+from service.contract.hardware import GB, PROFILES
 
 if TYPE_CHECKING:
     from service.planner.plan import Plan
@@ -147,8 +147,10 @@ def constants_json(plan: Plan) -> dict[str, dict[str, Any]]:
 
     sc = plan.scenario
     prof, cal = sc.profile, sc.calibration
-    probed = ("measured", prof.probed) if prof.probed else ("assumed", prof.source)
-    calibrated = ("measured", cal.source) if cal is not None else ("assumed", prof.source)
+    # What a probe did not measure is the built-in profile's figure, with its source.
+    book = PROFILES[prof.name].source if prof.probed and prof.name in PROFILES else prof.source
+    probed = ("measured", prof.probed) if prof.probed else ("assumed", book)
+    calibrated = ("measured", cal.source) if cal is not None else ("assumed", book)
     stack = sc.stack_constants
     if cal is None:
         fitted = (f"the {stack.name} stack's efficiency {stack.efficiency:g} x the"
@@ -169,10 +171,9 @@ def constants_json(plan: Plan) -> dict[str, dict[str, Any]]:
         "peak_flops": row(sc.peak_flops(), probed),
         "intra_node_bw": row(prof.intra_node_bw, probed),
         "gemm_curve": row({"max": prof.gemm_eff_max, "half_width": prof.gemm_half_width},
-                          ("assumed", prof.source)),
+                          ("assumed", book)),
         "dp_overlap": row(stack.dp_overlap if stack.dp_overlap is not None else prof.dp_overlap,
-                          ("assumed", stack.source if stack.dp_overlap is not None
-                           else prof.source)),
+                          ("assumed", stack.source if stack.dp_overlap is not None else book)),
     }
 
 
