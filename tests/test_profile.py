@@ -5,6 +5,7 @@ oldest dropped), the listing and the download through the REST API, the client a
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,35 @@ def test_requests_that_cannot_be_answered_fail_with_the_reason(
     ProfileCollector(requests, None).step({})
     assert "no data directory" in (requests.get(job_id=job_id, request_id=nowhere.id).error
                                    or "")
+
+
+def test_a_jobs_ranks_profile_for_one_request_at_a_time(sqlite_store: Store,
+                                                        tmp_path: Path) -> None:
+    requests = ProfileRequests(sqlite_store)
+    job_id = running_job(sqlite_store)
+    release = threading.Event()
+
+    class Slow(Ranks):
+        def profile(self, request_id: int, **kw: Any) -> dict[int, Any]:
+            assert release.wait(30)  # its steps take a while: the passes go on meanwhile
+            return super().profile(request_id, **kw)
+
+    ranks = Slow([{0: trace(0, 10)}, {0: trace(0, 20, (9, 9))}])
+    groups = {job_id: (ranks, 1)}
+    collector = ProfileCollector(requests, ProfileFiles(tmp_path))
+    ask = {"job_id": job_id, "requested_by": "admin", "steps": 1, "ranks": [0],
+           "memory": False}
+    first, second = requests.create(**ask), requests.create(**ask)
+    for _ in range(3):
+        collector.step(groups)  # type: ignore[arg-type]
+    assert requests.get(job_id=job_id, request_id=first.id).status == StackStatus.RUNNING
+    assert requests.get(job_id=job_id, request_id=second.id).status == StackStatus.PENDING
+    release.set()
+
+    def both() -> bool:
+        collector.step(groups)  # type: ignore[arg-type]
+        return all(requests.get(job_id=job_id, request_id=r.id).status == StackStatus.DONE
+                   for r in (first, second))
+
+    wait_for("both requests answered", both)
+    assert [a["request_id"] for a in ranks.asked] == [first.id, second.id]

@@ -62,9 +62,11 @@ class ProfileCollector:
                     self.requests.finish(request_id=request_id, error=p.error)
                 else:
                     self._store(req, p.answers)
+        profiling = {req.job_id for req, _ in self._inflight.values()}
         for req in self.requests.open():
-            if req.id in self._inflight:
-                continue
+            if req.id in self._inflight or (req.job_id in profiling
+                                            and req.status == StackStatus.PENDING):
+                continue  # a job's ranks profile for one request at a time: it waits its turn
             if req.status == StackStatus.RUNNING:
                 self.requests.finish(request_id=req.id, error="the controller profiling the"
                                      " ranks stopped before their traces came; ask again")
@@ -78,6 +80,7 @@ class ProfileCollector:
                 group, attempt = groups[req.job_id]
                 self.requests.take(request_id=req.id, attempt=attempt)
                 self._inflight[req.id] = (req, self._ask(group, req))
+                profiling.add(req.job_id)
 
     def _ask(self, group: WorkerGroup, req: ProfileRequest) -> _Profiling:
         p = _Profiling()
