@@ -56,6 +56,12 @@ def test_submit_returns_201_with_id_state_spec_plan(client: TestClient) -> None:
          "global_batch(8) is not divisible by micro_batch(2) * dp(3) = 6"),
         (tiny_spec(extra=1), ["body", "extra"], "Extra inputs are not permitted"),
         (tiny_spec(train={"steps": -1}), ["body", "train", "steps"], "greater than or equal"),
+        (tiny_spec(parallel={"dp": 2, "zero": 3}, train={"compile": True}),
+         ["body", "parallel", "zero"], "train.compile is not supported with zero 3"),
+        (tiny_spec(parallel={"recompute": "full"}, train={"compile": True}),
+         ["body", "parallel", "recompute"], "train.compile is not supported with recompute"),
+        (tiny_spec(monitor={"memory_every": 0}), ["body", "monitor", "memory_every"],
+         "greater than or equal"),
     ],
 )
 def test_bad_specs_are_422_naming_the_field(client: TestClient, spec: dict, loc: list,

@@ -63,7 +63,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_workers_checkpoint_owner", "test_workers_construction", "test_workers_data",
         "test_workers_entrypoints", "test_workers_faults", "test_workers_layouts",
         "test_workers_recipe", "test_workers_rendezvous", "test_workers_tp",
-        "test_workers_train", "test_workers_units", "test_guards",
+        "test_workers_train", "test_workers_units", "test_guards", "test_workers_compile",
     ),
     "system": (
         "test_budgets_ray", "test_calibration_ray", "test_checkpoint_ray", "test_cli_ray",

@@ -179,6 +179,11 @@ class StepReport(BaseModel):
     load_s: float | None = Field(default=None, ge=0, le=86400)
     """With an attempt's first step: seconds it took to load the checkpoint it resumed
     from (None: it started fresh)."""
+    compile_s: float | None = Field(default=None, ge=0, le=86400)
+    """Seconds `torch.compile` spent during this step (`train.compile`: the attempt's first
+    step traces and builds the blocks; None: nothing compiled). Part of the step's
+    `step_time_s`, and so of the goodput ledger's training loop: it happens inside the step's
+    first forward and backward, not beside them as an evaluation or a save does."""
     first_sample: int | None = Field(default=None, ge=0)
     """Global number of this step's first sample, as the loaders of the rank's DP group
     returned it: the step read samples [first_sample, first_sample + batch) of the job's

@@ -335,6 +335,12 @@ class TrainSpec(_Strict):
     """Training software the planner models (speed, memory); Trident runs only `trident`."""
     guard: GuardSpec = GuardSpec()
     """The NaN and loss-spike guards (on by default; `docs/guards.md`)."""
+    compile: bool = False
+    """Compile each transformer block with `torch.compile` (inductor; on CPU its C++ backend,
+    which needs a C++ compiler). The first step then also compiles (reported as its
+    `compile_s`). Refused with ZeRO-3 (its parameter hooks gather and release the weights
+    inside the block), with activation recompute (the checkpoint reruns the block outside the
+    compiled graph), with interleaved stages (untested) and on custom entrypoints."""
 
     @model_validator(mode="after")
     def _schedule(self) -> TrainSpec:
@@ -928,6 +934,19 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
                               f"offload='optimizer+params' needs zero 3, got zero({p.zero})"))
     if p.sequence_parallel and p.tp == 1:
         errs.append(SpecError("parallel.sequence_parallel", "sequence_parallel needs tp > 1"))
+    if t.compile:
+        refused = [
+            ("parallel.zero", p.zero == 3, "zero 3: its hooks gather and release the"
+             " parameters inside each block, which the compiled graph does not see"),
+            ("parallel.recompute", p.recompute != "none", f"recompute {p.recompute!r}: the"
+             " activation checkpoint reruns the block outside the compiled graph"),
+            ("parallel.virtual_stages", p.virtual_stages > 1,
+             f"virtual_stages({p.virtual_stages}): the interleaved engine is not tested"
+             " compiled"),
+            ("entrypoint", spec.entrypoint is not None, "a custom entrypoint: it builds its"
+             " own model")]
+        errs += [SpecError(f, f"train.compile is not supported with {why}")
+                 for f, on, why in refused if on]
     world = p.tp * p.pp * p.dp
     if world > MAX_WORLD:
         errs.append(SpecError("parallel", f"tp*pp*dp = {world} exceeds {MAX_WORLD} ranks"))

@@ -51,6 +51,7 @@ from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
 from workers.checkpoint import hf_weights
 from workers.checkpoint import saving as checkpoint
+from workers.modeling import compiled
 from workers.modeling.model import GPT, Block, building, loss_for
 from workers.modeling.tp import DeepSpeedMpu, RankGroups, build_groups, dp_all_reduce, world_any
 from workers.modeling.vocab import IGNORE
@@ -295,6 +296,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             consumed = start * t.global_batch if samples is None else samples
             load_s = time.perf_counter() - t_load
     source.cover(consumed + (t.steps - start) * t.global_batch)
+    clock = compiled.CompileClock() if t.compile else None
     meter = memory.MemoryMonitor(engine.module, engine.optimizer, device,
                                  spec.monitor.memory_every, start + 1, t.steps,
                                  ctx.plan.memory_capacity_bytes,
@@ -365,6 +367,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             attempt=ctx.attempt, resumed_from=start, eval_loss=eval_loss,
             resume_skipped=skipped if step == start else None,
             ended_at=ended_at, eval_s=eval_s, load_s=load_s if step == start else None,
+            compile_s=(clock.lap() or None) if clock is not None else None,
             tokens=progress.tokens, epoch=progress.epoch, drawn=progress.drawn,
             first_sample=first_read, batch=read or None,
             skipped=outcome.skipped or None, guard=outcome.why,
@@ -410,6 +413,8 @@ def build_engine(spec: JobSpec, shape: ModelShape, row: RankPlan, device: torch.
                                    row.stages, layout.sequence_parallel)
         hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
         recipe.mark_norm_owners(model, groups)
+        if t.compile:
+            compiled.compile_blocks(model)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                           model_parameters=recipe.param_groups(model, t))
         if bubble is not None:
@@ -419,6 +424,8 @@ def build_engine(spec: JobSpec, shape: ModelShape, row: RankPlan, device: torch.
         model = GPT(shape, t.seed, groups, layout.recompute, layout.sequence_parallel)
     hf_weights.load_init(model, spec, groups)  # init.from_hf: this rank's slices
     recipe.mark_norm_owners(model, groups)
+    if t.compile:
+        compiled.compile_blocks(model)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=DeepSpeedMpu(groups),
                                       model_parameters=recipe.param_groups(model, t))
     return engine
