@@ -19,6 +19,8 @@ tail of its output, and the check goes on with the next step):
   for a 1.1B-parameter Llama-style GPT, 20 steps (fp16 with DeepSpeed's dynamic loss
   scaling): step time, tokens/s, MFU, `torch.cuda.max_memory_allocated` and
   `max_memory_reserved`, next to the plan's prediction for the same spec.
+- `guards`: the training guard (docs/guards.md) on one GPU in bf16: a NaN loss skipped, three
+  in a row rolled back to the newest checkpoint, their batches passed over.
 - `profile`: `trident profile --memory`'s profiler on one GPU: CUDA kernels in the trace, the
   memory timeline and the CUDA memory snapshot (`workers.monitor.profiler`).
 - with two or more GPUs: `nccl_probe` (all-reduce bus bandwidth over NCCL), `job_tp2` (bf16
@@ -292,7 +294,7 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
         profile = gpu_profile_name(build["devices"][0]["name"]) if gpus else "cpu"
         if gpus == 0:
             for name in ("topology", "stack", "probe", "calibrate", "train_bf16", "train_fp16",
-                         "profile"):
+                         "guards", "profile"):
                 check.skip(name, no_gpu)
         else:
             if shutil.which("nvidia-smi"):
@@ -308,6 +310,7 @@ def run_check(budget_s: float, step_timeout_s: float | None = None) -> dict[str,
                 check.skip("calibrate", "the stack did not start")
             check.child("train_bf16", 150)
             check.child("train_fp16", 150)
+            check.child("guards", 120)
             check.child("profile", 60)
         multi = ("needs two or more CUDA GPUs; this machine has"
                  f" {gpus}" + ("" if gpus else f" ({no_gpu})"))

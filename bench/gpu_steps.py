@@ -1,6 +1,7 @@
 """The GPU check's steps that run on the GPU, each in a child process of its own
 (`python bench/gpu_check.py --step NAME`, which prints one result line): the torch build and
-NCCL version, the built-in trainer on one GPU against the plan, and the NCCL probe."""
+NCCL version, the built-in trainer on one GPU against the plan, its training guard, the
+profiler, and the NCCL probe."""
 
 from __future__ import annotations
 
@@ -181,8 +182,49 @@ def step_profile() -> dict[str, Any]:
             "kernels": len(kernels), "snapshot_segments": len(snapshot.get("segments", []))}
 
 
+def guard_run(*, cuda: bool = True) -> dict[str, Any]:
+    """The training guard (docs/guards.md) on one rank of the built-in trainer, bf16 on GPU 0
+    (fp32 on a CPU rank with `cuda=False`): a NaN loss at step 3 is skipped; NaN at steps 5-7
+    with `max_skips: 2` rolls back to the newest checkpoint (every 2 steps) and passes over
+    those batches."""
+    import tempfile
+
+    from service.contract.spec import JobSpec
+    from service.submission.intake import prepare
+    from workers.rank.faults import FaultInjector
+    from workers.trainer.train import RankContext, train_rank
+
+    model = MODEL_SMALL if cuda else {"preset": "gpt-tiny"}
+    spec = JobSpec.model_validate({
+        "name": "gpu-check-guards", "model": model,
+        "train": {"steps": 10, "global_batch": 8, "micro_batch": 2,
+                  "precision": "bf16" if cuda else "fp32", "guard": {"max_skips": 2}},
+        "parallel": {"tp": 1, "pp": 1, "dp": 1, "zero": 0},
+        "resources": {"gpus_per_worker": 1 if cuda else 0, "cpus_per_worker": 1},
+        "cluster": {"gpu": "a100-80gb" if cuda else "cpu", "nodes": 1, "gpus_per_node": 1},
+        "checkpoint": {"every_steps": 2},
+        "faults": [{"kind": "nan", "rank": 0, "step": s} for s in (3, 5, 6, 7)]})
+    plan = prepare(spec).plan
+    faults = FaultInjector(0, 1, spec.faults)
+    reports: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-guards-") as ckpt:
+        ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                          master_port=_free_port(), checkpoint_dir=ckpt, attempt=1,
+                          plan=plan.rank_plan(0), loss_factor=faults.loss_factor)
+        train_rank(spec, ctx, reports.append, threading.Event())
+    rows = [{"step": r.step, "loss": r.loss, "skipped": r.skipped, "guard": r.guard,
+             "rollback": r.rollback.model_dump() if r.rollback else None} for r in reports]
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    rollbacks = [r for r in rows if r["rollback"]]
+    if 3 not in skipped or not rollbacks:
+        raise RuntimeError(f"the guard did not skip step 3 and roll back: {rows}")
+    return {"steps": len(rows), "skipped": skipped, "rollback": rollbacks[0]["rollback"],
+            "last_loss": rows[-1]["loss"], "rows": rows}
+
+
 CHILD_STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "build": step_build,
+    "guards": guard_run,
     "profile": step_profile,
     "train_bf16": lambda: step_train("bf16"),
     "train_fp16": lambda: step_train("fp16"),

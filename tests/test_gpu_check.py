@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_STEPS = {"topology", "stack", "probe", "calibrate", "train_bf16", "train_fp16", "profile",
-             "nccl_probe", "job_tp2", "job_dp2_zero2"}
+GPU_STEPS = {"topology", "stack", "probe", "calibrate", "train_bf16", "train_fp16", "guards",
+             "profile", "nccl_probe", "job_tp2", "job_dp2_zero2"}
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
