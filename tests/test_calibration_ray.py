@@ -1,17 +1,23 @@
-"""`trident probe --calibrate` on this CPU, end to end on a real local Ray: the probe, the
-calibration jobs (Trident's trainer, one rank each), the fit of their measured step times, and
-the plan of a job on the cluster marking the trident stack's constants `measured`."""
+"""`trident probe --calibrate` on this CPU, end to end on a real local Ray: the command as a
+user runs it (the probe, the calibration jobs of Trident's trainer one rank each, the fit of
+their measured step times), and the plan of a job on the cluster marking the trident stack's
+constants `measured`."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from typer.testing import CliRunner  # noqa: E402
+
+import cli.main  # noqa: E402
 from service.contract.hardware import get_profile  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
 from service.planner.calibrate import calibration_specs  # noqa: E402
-from tests.waiting import drive, drive_until  # noqa: E402
+from tests.inprocess import client_of  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,45 +30,53 @@ def _plan_constants(client) -> dict:
     return constants
 
 
-def test_calibration_jobs_fit_the_trident_constants_that_plans_mark_measured(stack) -> None:
+def test_probe_calibrate_fits_the_trident_constants_that_plans_mark_measured(
+        stack, monkeypatch: pytest.MonkeyPatch) -> None:
     client, store, controller = stack
-    jobs = {"profile": "cpu", "jobs": [1, 2, 3]}
-    r = client.post("/api/v1/calibrations", json=jobs)
+    r = client.post("/api/v1/calibrations", json={"profile": "cpu", "jobs": [1, 2, 3]})
     assert r.status_code == 404 and "trident probe --profile cpu" in r.json()["detail"]
     assert {c["status"] for c in _plan_constants(client).values()} == {"assumed"}
 
-    probe = client.post("/api/v1/probes", json={"ranks_per_node": 1, "max_bytes": 1024}).json()
-    drive_until(controller, lambda: store.get_probe(probe_id=probe["id"]).status
-                not in ("pending", "running"), 120, f"probe {probe['id']} finished")
-    assert store.get_probe(probe_id=probe["id"]).status == "done"
-    probed = _plan_constants(client)
-    assert probed["peak_flops"]["status"] == "measured"
-    assert probed["peak_flops"]["source"].startswith(f"trident probe {probe['id']} at ")
-    assert probed["efficiency"]["status"] == "assumed"
+    # `trident probe --calibrate` as a user runs it, the controller's passes beside it.
+    stop = threading.Event()
 
-    ids = []
-    for spec in calibration_specs(get_profile("cpu")):  # one after another, as the CLI runs them
-        job_id = client.post("/api/v1/jobs", json=spec).json()["id"]
-        assert drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED},
-                     240) == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
-        ids.append(job_id)
+    def passes() -> None:
+        while not stop.is_set():
+            controller.step()
+            stop.wait(0.1)
+
+    driver = threading.Thread(target=passes, name="passes")
+    driver.start()
+    monkeypatch.setattr(cli.main, "connect", lambda s: client_of(client))
+    try:
+        r = CliRunner().invoke(cli.main.app, ["probe", "--ranks-per-node", "1", "--max-bytes",
+                                              "1024", "--calibrate", "--timeout", "400"])
+    finally:
+        stop.set()
+        driver.join(60)
+    print(r.output)
+    assert r.exit_code == 0, r.output
+    probe = client.get("/api/v1/probes").json()["items"][0]
+    ids = sorted(j.id for j in store.list_jobs()[0])
+    assert len(ids) == 4 and f"(jobs {', '.join(map(str, ids))})" in r.output
+    assert all(store.get_job(job_id=j).state == JobState.SUCCEEDED for j in ids)
     bad = client.post("/api/v1/calibrations", json={"profile": "cpu", "jobs": ids[:2] + [999]})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "jobs"]
     assert "job 999 not found" in bad.json()["detail"][0]["msg"]
 
-    r = client.post("/api/v1/calibrations", json={"profile": "cpu", "jobs": ids})
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = client.get("/api/v1/cluster").json()["profiles"]["cpu"]
     cal = out["calibration"]
     print("calibrated cpu:", {k: out[k] for k in ("layer_overhead_s", "step_overhead_s")}, cal)
-    assert cal["stack"] == "trident" and cal["jobs"] == ids and out["probe_id"] == probe["id"]
-    assert 0 < cal["efficiency"] < 2 and out["layer_overhead_s"] >= 0
-    assert cal["error"] < 0.5  # three real runs on two shared cores; printed above
-    assert client.get("/api/v1/cluster").json()["profiles"]["cpu"]["calibration"] == cal
+    assert cal["stack"] == "trident" and cal["jobs"] == ids
+    assert out["probe_id"] == probe["id"]
+    assert 0 < cal["efficiency"] < 5 and out["layer_overhead_s"] >= 0
+    assert cal["error"] < 0.5  # four real runs on two shared cores; printed above
 
     measured = _plan_constants(client)
-    source = f"trident probe --calibrate: trident jobs {', '.join(map(str, ids))} at {cal['at']}"
+    source = (f"trident probe --calibrate: trident jobs {', '.join(map(str, ids))}"
+              f" at {cal['at']}")
     for name in ("efficiency", "layer_overhead_s", "step_overhead_s"):
         assert measured[name]["status"] == "measured" and measured[name]["source"] == source
     assert measured["efficiency"]["value"] == pytest.approx(cal["efficiency"])
     assert measured["peak_flops"]["status"] == "measured"
+    assert measured["peak_flops"]["source"].startswith(f"trident probe {probe['id']} at ")
