@@ -24,8 +24,10 @@ from tests.conftest import authed_client
 from tests.workers_spawn import run_ranks
 
 
-def guarded_spec(steps: int, faults: list[dict], every: int = 0, **guard) -> JobSpec:
-    return JobSpec(name="guards", model={"preset": "gpt-tiny"}, parallel={"dp": 2, "zero": 1},
+def guarded_spec(steps: int, faults: list[dict], every: int = 0,
+                 parallel: dict | None = None, **guard) -> JobSpec:
+    return JobSpec(name="guards", model={"preset": "gpt-tiny"},
+                   parallel=parallel or {"dp": 2, "zero": 1},
                    train={"steps": steps, "global_batch": 8, "micro_batch": 2,
                           "guard": guard},
                    checkpoint={"every_steps": every} if every else {}, faults=faults)
@@ -71,6 +73,20 @@ def test_a_bad_step_is_skipped_on_every_rank_and_changes_nothing(
     # One optimizer update fewer than steps: Adam counted 3 updates in 4 steps.
     assert last[2] == [3] * len(last[2])
     assert not all(torch.equal(a, b) for a, b in zip(after[1], last[1], strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "virtual_stages": 2}])
+def test_a_pipeline_skips_a_nan_step_by_its_gradient_norm(parallel: dict) -> None:
+    # The loss comes with the update inside train_batch: the NaN reaches the gradient, whose
+    # global norm (over both stages) stops the update on both ranks.
+    spec = guarded_spec(3, [{"kind": "nan", "rank": 1, "step": 2}], parallel=parallel)
+    rows = run_ranks(spec)[0]
+    for rank in (0, 1):
+        mine = {r["step"]: r for r in rows if r["rank"] == rank}
+        assert [mine[s].get("skipped") for s in (1, 2, 3)] == [None, True, None]
+        assert mine[2]["guard"] == "gradient norm not finite"
+        assert mine[3]["loss"] is not None and mine[3]["skipped_steps"] == 1
 
 
 @pytest.mark.slow
