@@ -9,7 +9,8 @@ A DeepSpeed tag (`workers.checkpoint.saving`) holds the module's weights per TP 
   head);
 - pp > 1: `layer_<k>-model_<tp>-model_states.pt` per flat layer k and TP rank, the layer's own
   state dict;
-- ZeRO-3: `zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt`, each DP rank's partitions.
+- ZeRO-3: `zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt` (`bf16_zero_...` in bf16), each DP
+  rank's partitions.
 
 The layout that wrote the tag (`trident-layout.json`: tp, pp, zero, virtual_stages) says which
 files to read; the TP shards are joined by `workers.checkpoint.full_state.join_shards` under the
@@ -43,7 +44,7 @@ from service.files.checkpoint_tags import tag
 from service.planner.shape import ModelShape
 from workers.checkpoint.full_state import join_shards, unfuse
 from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, save_hf
-from workers.checkpoint.tag_forms import flat_layout
+from workers.checkpoint.tag_forms import flat_layout, optim_states
 
 
 def canonical(k: int, local: str, layers: int) -> str | None:
@@ -80,9 +81,8 @@ def zero3_module(path: str, tp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     for group in _load(os.path.join(
             path, f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt"))["param_shapes"]:
         shapes.update(group)
-    flats = [torch.cat(_load_optimizer(os.path.join(
-        path, f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_optim_states.pt"))[
-            "optimizer_state_dict"]["fp32_flat_groups"]) for d in range(dp)]
+    flats = [torch.cat(_load_optimizer(optim_states(path, d, tp_rank, ExportRefused))[
+        "optimizer_state_dict"]["fp32_flat_groups"]) for d in range(dp)]
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name, shape in shapes.items():

@@ -50,7 +50,6 @@ reader of a DeepSpeed file kind sits beside the writer of the form it feeds.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -71,7 +70,7 @@ from workers.checkpoint.full_state import (
     partitioned,
     unfuse,
 )
-from workers.checkpoint.tag_forms import FULL
+from workers.checkpoint.tag_forms import FULL, optim_states
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -119,12 +118,7 @@ def _zero12(path: str, m: int, dp: int, names: Callable[[str], str | None], t: i
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     step = 0.0
     for d in range(dp):
-        found = glob.glob(os.path.join(path, f"*zero_pp_rank_{d}_mp_rank_{m:02d}"
-                                             "_optim_states.pt"))
-        if len(found) != 1:
-            raise LayoutRefused(f"{path}: {len(found)} optimizer files of DP rank {d}, model"
-                                f" rank {m} (one expected)")
-        osd = _load(found[0])["optimizer_state_dict"]
+        osd = _load(optim_states(path, d, m, LayoutRefused))["optimizer_state_dict"]
         base = osd["base_optimizer_state"]
         state = base["state"] if isinstance(base, dict) else dict(enumerate(base))
         for gi, (flat, mapping) in enumerate(zip(osd["single_partition_of_fp32_groups"],
@@ -160,8 +154,7 @@ def _zero3(path: str, m: int, dp: int, names: Callable[[str], str | None], t: in
     flats: list[list[dict[str, torch.Tensor]]] = []  # dp rank -> sub-group -> kind -> flat
     step = 0.0
     for d in range(dp):
-        osd = _load(os.path.join(path, f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"))[
-            "optimizer_state_dict"]
+        osd = _load(optim_states(path, d, m, LayoutRefused))["optimizer_state_dict"]
         state = osd["optimizer_state_dict"]["state"]
         subs = []
         for gi, flat in enumerate(osd["fp32_flat_groups"]):
@@ -388,6 +381,10 @@ def _z3_set(opt: Any, p: nn.Parameter, value: torch.Tensor, key: str | None) -> 
     target.data.narrow(0, offset, part.numel()).copy_(part.to(target.device))
 
 
+def _or(master: nn.Parameter | None, p: nn.Parameter) -> nn.Parameter:
+    return p if master is None else master
+
+
 def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
     """Every rank (not collective): the layout-free form `folder` into `engine` (DeepSpeed's,
     or `workers.trainer.interleaved`'s, whose torch optimizer keeps per-parameter state: see the
@@ -443,8 +440,8 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
                 _z3_set(opt, p, shard, key)
             elif hasattr(p, "_hp_mapping"):
                 safe_set_full_optimizer_state(p, shard.to(torch.float32), key)
-            elif id(q := master(p) or p) in owned:  # ZeRO 0: the torch optimizer's own
-                st = base.state[q]                       # per-parameter state
+            elif id(q := _or(master(p), p)) in owned:  # ZeRO 0: the torch optimizer's own
+                st = base.state[q]                          # per-parameter state
                 if "exp_avg" not in st:
                     st["step"] = torch.tensor(0.0)
                     for k in MOMENTS:

@@ -10,6 +10,7 @@ without importing the trainer's save and load.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Callable
@@ -71,3 +72,16 @@ def flat_layout(directory: str, step: int, refused: Callable[[str], Exception],
     if layout.get("virtual_stages", 1) > 1:
         raise refused(f"{path} was written with interleaved stages ({layout}): {interleaved}")
     return layout
+
+
+def optim_states(path: str, dp_rank: int, mp_rank: int,
+                 refused: Callable[[str], Exception]) -> str:
+    """The ZeRO optimizer file of DP rank `dp_rank` and model-parallel rank `mp_rank` in tag
+    folder `path`: `zero_pp_rank_<d>_mp_rank_<m>_optim_states.pt`, which DeepSpeed names with a
+    `bf16_` prefix in bf16. Raises `refused` unless there is exactly one."""
+    found = glob.glob(os.path.join(path, f"*zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}"
+                                         "_optim_states.pt"))
+    if len(found) != 1:
+        raise refused(f"{path}: {len(found)} optimizer files of DP rank {dp_rank}, model"
+                      f" rank {mp_rank} (one expected)")
+    return found[0]
