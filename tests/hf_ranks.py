@@ -85,7 +85,8 @@ def _write_logits(engine, spec, shape: ModelShape, groups, path: str) -> None:
             pp_ranks = p.dims.group_of(groups.rank, Dim.PP)
             h = x
             if groups.pp_rank > 0:
-                h = torch.empty(x.shape[0], x.shape[1], shape.hidden)
+                h = torch.empty(x.shape[0], x.shape[1], shape.hidden,  # the job's precision
+                                dtype=next(module.parameters()).dtype)
                 dist.recv(h, src=pp_ranks[groups.pp_rank - 1])
             h = module(h)
             if groups.pp_rank < p.pp - 1:
