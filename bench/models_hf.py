@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEED_GOAL = 1.0
 
 
-def spec_for(quick: bool):
+def spec_for(quick: bool, compile: bool = False):
+    """The config; `compile`: Trident's blocks compiled (`train.compile`; `python -m
+    bench.models_hf --compile`), `transformers`' model run as it is."""
     from service.contract.spec import JobSpec
     model = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 2048, "seq_len": 64,
               "activation": "swiglu"} if quick else
@@ -38,7 +40,7 @@ def spec_for(quick: bool):
               "seq_len": 128, "activation": "swiglu"})
     return JobSpec(name="hf-bench", model=model, parallel={"dp": 2, "zero": 2},
                    train={"precision": "fp32", "global_batch": 8, "micro_batch": 2,
-                          "steps": 4 if quick else 6})
+                          "steps": 4 if quick else 6, "compile": compile})
 
 
 def _ranks(which: str, spec, world: int = 2) -> list[dict]:
@@ -61,8 +63,8 @@ def _ranks(which: str, spec, world: int = 2) -> list[dict]:
     return out
 
 
-def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
-    spec = spec_for(quick)
+def run(sec: Section, quick: bool, dbs: tuple[str, ...] = (), compile: bool = False) -> None:
+    spec = spec_for(quick, compile)
     # Alternated (A B B A in the full run) so that both sides see the machine's load alike;
     # each side's figures are its best run's (the least disturbed).
     order = ("trident", "hf") if quick else ("trident", "hf", "hf", "trident")
@@ -90,7 +92,8 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
     sec.row("tokens/s, Trident / transformers + DeepSpeed",
             f"{tr['tokens_per_s']:.0f} / {hf['tokens_per_s']:.0f} = {speed:.2f}x",
             f"{tr['params']:,} parameters, 2 CPU ranks, ZeRO-{spec.layout.zero},"
-            f" {spec.train.precision}, global batch {spec.train.global_batch}")
+            f" {spec.train.precision}, global batch {spec.train.global_batch}"
+            + (", Trident's blocks compiled (train.compile)" if spec.train.compile else ""))
     cpu = tr["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
     sec.row("tokens per CPU second, Trident / transformers + DeepSpeed",
             f"{tr['tokens_per_cpu_s']:.0f} / {hf['tokens_per_cpu_s']:.0f} = {cpu:.2f}x",
@@ -111,5 +114,5 @@ def run(sec: Section, quick: bool, dbs: tuple[str, ...] = ()) -> None:
 
 if __name__ == "__main__":
     s = Section("models_hf", "Trident's trainer against transformers under DeepSpeed")
-    run(s, "--quick" in sys.argv)
+    run(s, "--quick" in sys.argv, compile="--compile" in sys.argv)
     print(json.dumps({"rows": s.rows, "goals": [g.__dict__ for g in s.goals]}, indent=2))
