@@ -192,9 +192,14 @@ def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reas
                  parallel={"pp": 2, "virtual_stages": 2, "dp": 2, "zero": 1},
                  train={"precision": "fp32", "global_batch": 8, "micro_batch": 2})
     check_supported(ok)
-    bf16 = ok.model_copy(update={"train": ok.train.model_copy(update={"precision": "bf16"})})
-    with pytest.raises(NotImplementedError, match=r"precision='bf16'"):
-        check_supported(bf16)
+    check_supported(ok.model_copy(update={"train": ok.train.model_copy(
+        update={"precision": "bf16"})}))  # fp32 masters of its own (see the module)
+    fp16 = ok.model_copy(update={"train": ok.train.model_copy(update={"precision": "fp16"})})
+    with pytest.raises(NotImplementedError, match=r"fp32 or bf16; got .*precision='fp16'"):
+        check_supported(fp16)
+    zero2 = ok.model_copy(update={"parallel": ok.parallel.model_copy(update={"zero": 2})})
+    with pytest.raises(NotImplementedError, match=r"zero\(2\)"):
+        check_supported(zero2)
 
 
 def test_resume_picks_the_newest_checkpoint_that_every_rank_finished(tmp_path):
