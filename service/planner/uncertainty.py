@@ -20,7 +20,8 @@ DEFAULT_ERROR = 0.25
 """Half-width used when no fitted file is present (the issue's observed error)."""
 PROBE_NOTE = ("`trident probe` on the real cluster measures matmul FLOP/s and collective bus"
               " bandwidth and replaces the profile's constants, which narrows this range;"
-              " measured step times of a first job (`fit_overheads`) narrow it further")
+              " with --calibrate its calibration jobs measure the trident stack's efficiency"
+              " and overheads too (`constants` says which are measured)")
 
 
 def held_out_error(what: str, stack: str, gpu: str) -> tuple[float, str]:
