@@ -107,6 +107,21 @@ def test_probe_requests_are_strict_too(client: TestClient) -> None:
         assert r.status_code == 422 and _loc(r) == [["body", field]], r.text
 
 
+def test_calibration_requests_name_their_field(client: TestClient) -> None:
+    """`POST /calibrations` (`trident probe --calibrate`): strict, 3-8 job ids; on a cluster
+    whose profile no probe calibrated, a 404 saying to probe first."""
+    for body, field in (({"jobs": [1, 2]}, "jobs"), ({"jobs": list(range(1, 10))}, "jobs"),
+                        ({"jobs": ["1", 2, 3]}, "jobs"), ({"jobs": [0, 2, 3]}, "jobs"),
+                        ({"jobs": [1, 2, 3], "profile": 5}, "profile"),
+                        ({"jobs": [1, 2, 3], "profile": "tpu"}, "profile"),
+                        ({"jobs": [1, 2, 3], "extra": 1}, "extra"), ({}, "jobs")):
+        r = client.post("/api/v1/calibrations", json=body)
+        assert r.status_code == 422 and [loc[:2] for loc in _loc(r)] == [["body", field]], \
+            (body, r.text)
+    r = client.post("/api/v1/calibrations", json={"jobs": [1, 2, 3], "profile": "h100-80gb"})
+    assert r.status_code == 404 and "trident probe --profile h100-80gb" in r.json()["detail"]
+
+
 @pytest.mark.parametrize("value", ["a\x00b", "line\nbreak", "tab\there", "bell\x07", "del\x7f"])
 def test_control_characters_in_env_values_are_refused(client: TestClient, value: str) -> None:
     r = client.post("/api/v1/jobs", json=tiny_spec(env={"NCCL_DEBUG": value}))

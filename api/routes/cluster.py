@@ -179,6 +179,10 @@ def calibrate(body: CalibrationRequest, store: StoreDep) -> dict[str, Any]:
     """Fit the stack's efficiency and overheads to the calibration jobs' measured step times
     and store them with the profile the probe calibrated: plans on this cluster then mark them
     `measured` (`constants` in the plan JSON). 404 when the profile has not been probed here."""
+    if body.profile not in PROFILES:
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["body", "profile"], "type": "value_error",
+            "msg": f"unknown hardware profile {body.profile!r}; known: {sorted(PROFILES)}"}])
     try:
         saved = calibrate_stack(store, profile=body.profile, job_ids=body.jobs)
     except CalibrationRefused as exc:
