@@ -175,6 +175,7 @@ def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
     for url in (f"/jobs/{job_id}", "/plan", f"/plan?job={job_id}", "/cluster", "/queue"):
         r = c.get(url)
         assert r.status_code == 200 and "<!doctype html>" in r.text, url
+    assert "<td>not measured</td>" in c.get(f"/jobs/{job_id}").text  # no model states sent
     assert "waiting" in c.get("/queue").text
     for params, field in [({"sort": "nope"}, "sort"), ({"per_page": 1000}, "per_page"),
                           ({"page": 0}, "page"), ({"name": "x" * 129}, "name"),

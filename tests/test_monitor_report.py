@@ -93,3 +93,18 @@ def test_readers_of_stored_rows_take_new_rows_and_old_ones_with_step_s(job_store
     metrics = job_store.list_metrics(job_id=job.id, rank=None)
     assert [metric_out_of(m).memory.get("params_bytes") for m in metrics] == [10, 10, 10]
     assert compare(job.plan, metrics)["step_s"]["measured"] == pytest.approx(0.1)
+
+
+def test_compare_reads_the_newest_step_that_measured_the_model_states(job_store: Store):
+    """The monitor samples its steps (`monitor.memory_every`): the others carry the process
+    peak only, and the prediction is compared with the newest measured step."""
+    job = submit(job_store, JobSpec.model_validate(tiny_spec()))
+    unmeasured = [rank_report(s).model_copy(update={"memory": MemoryReport(
+        process_peak_bytes=99 + s, process_peak_source="rss_peak")}).row() for s in (2, 3)]
+    record_steps(job_store, job_id=job.id, attempt=1, rows=unmeasured)
+    out = compare(job.plan, job_store.list_metrics(job_id=job.id, rank=None))
+    assert out["model_state_bytes"]["measured"] is None  # not measured: no 0
+    assert out["memory_bytes"]["measured_peak"] == 102
+    record_steps(job_store, job_id=job.id, attempt=1, rows=[rank_report(1).row()])
+    out = compare(job.plan, job_store.list_metrics(job_id=job.id, rank=None))
+    assert out["model_state_bytes"]["measured"] == 40  # step 1's, though steps 2-3 are newer
