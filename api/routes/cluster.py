@@ -174,7 +174,9 @@ class CalibrationRequest(BaseModel):
 
 
 @router.post("/calibrations", response_model=CalibratedProfileOut,
-             dependencies=[Depends(require("cluster:probe"))])
+             dependencies=[Depends(require("cluster:probe"))],
+             responses={404: {"model": Refusal, "description": "No probe has calibrated the"
+                              " profile on this cluster: run `trident probe` first"}})
 def calibrate(body: CalibrationRequest, store: StoreDep) -> dict[str, Any]:
     """Fit the stack's efficiency and overheads to the calibration jobs' measured step times
     and store them with the profile the probe calibrated: plans on this cluster then mark them
