@@ -231,7 +231,11 @@ def cluster(server: ServerOpt = DEFAULT_SERVER,
             typer.echo(f"{_named(n)} slow link since {n.slow_link.time:%Y-%m-%d %H:%M:%S}"
                        f" ({n.slow_link.by}): {n.slow_link.message}")
     for name, p in c.profiles.items():
-        typer.echo(f"profile {name}: calibrated by probe {p.probe_id}")
+        cal = (p.model_extra or {}).get("calibration")
+        typer.echo(f"profile {name}: calibrated by probe {p.probe_id}" + (
+            f"; {cal['stack']} stack's efficiency {cal['efficiency']:.3g} measured by jobs"
+            f" {', '.join(map(str, cal['jobs']))} (fit error {100 * cal['error']:.0f}%)"
+            if cal else ""))
 
 
 def _state(node: Node) -> str:

@@ -309,6 +309,8 @@ def test_plan_marks_the_constants_the_cluster_measured(live: Live) -> None:
     assert measured["gemm_curve"]["status"] == "assumed"
     text = live.cli("plan", TINY, "--calibrated").stdout
     assert "efficiency 0.61: measured (trident probe --calibrate: trident jobs 4, 5, 6, 7" in text
+    assert (f"profile cpu: calibrated by probe {probe}; trident stack's efficiency 0.61 measured"
+            " by jobs 4, 5, 6, 7 (fit error 8%)") in live.cli("cluster").stdout
 
     job_id = int(live.cli("submit", TINY, "-d").stdout)
     r = live.cli("plan", "--compare", str(job_id), "--json")
