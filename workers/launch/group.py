@@ -8,6 +8,8 @@ placing (waiting for the placement group), rendezvous (actors report their node 
 port), launching (ranks import their libraries and start their threads), running (ranks
 train on their threads; polls drain their reports). `shutdown` may block for the grace: the
 controller runs it beside its loop (`service.control.teardown`).
+One module because it is one group's life from its placement to its shutdown, with the
+questions the controller asks all of its actors at once (stacks, profiles) beside it.
 """
 
 from __future__ import annotations
