@@ -291,7 +291,7 @@ def test_plan_marks_the_constants_the_cluster_measured(live: Live) -> None:
     assert all(c["source"] for c in assumed.values())
     probe = live.store.create_probe(scope="cluster", request={"profile": "cpu"}).id
     cal = StackCalibration(stack="trident", efficiency=0.61, jobs=(4, 5, 6, 7),
-                           at="2026-12-07T12:00:00Z", error=0.08)
+                           at="2026-12-07T12:00:00Z", error=0.08, precision="fp32")
     probed = replace(get_profile("cpu"), peak_flops_fp32=70e9, probed=f"trident probe {probe}"
                      " at 2026-12-07T11:59:00Z", layer_overhead_s=3e-3, calibration=cal)
     live.store.save_profile(name="cpu", profile=probed.to_json(), probe_id=probe)

@@ -43,7 +43,7 @@ def test_fit_recovers_the_constants_of_other_step_times(profile_name: str) -> No
     assert cal.efficiency == pytest.approx(TRUE_EFFICIENCY, rel=1e-6)
     assert fitted.layer_overhead_s == pytest.approx(TRUE_LAYER_S, rel=1e-6)
     assert fitted.step_overhead_s == pytest.approx(TRUE_STEP_S, rel=1e-6)
-    assert cal.error < 1e-9
+    assert cal.error < 1e-9 and cal.precision == ("fp32" if profile_name == "cpu" else "bf16")
     for spec, (_, measured) in zip(specs, samples, strict=True):
         assert evaluate(spec, profile=fitted).time.step_s == pytest.approx(measured, rel=1e-6)
 
@@ -99,11 +99,17 @@ def test_plan_json_marks_each_constant_measured_or_assumed() -> None:
                                 "source": "trident probe 4 at 2026-12-07"}
     assert consts["gemm_curve"] == {**consts["gemm_curve"], "status": "assumed",
                                     "source": base.source}  # the built-in figure's, not the probe's
-    # Another stack on the calibrated cluster: its efficiency is still the published fit.
-    other = plan_command(spec.model_copy(update={"train": spec.train.model_copy(
-        update={"stack": "megatron-lm"})}), as_json=True, profile=fitted)
-    assert isinstance(other, dict)
-    assert other["constants"]["efficiency"]["status"] == "assumed"
+    # Another stack, or the other peak, on the calibrated cluster: the efficiency is still the
+    # published fit (the overheads, the profile's, are measured for every plan).
+    for change in ({"stack": "megatron-lm"}, {"precision": "bf16"}):
+        other = plan_command(spec.model_copy(update={"train": spec.train.model_copy(
+            update=change)}), as_json=True, profile=fitted)
+        assert isinstance(other, dict)
+        consts = other["constants"]
+        assert consts["efficiency"]["status"] == "assumed", change
+        assert consts["efficiency"]["value"] != pytest.approx(TRUE_EFFICIENCY)
+        assert consts["layer_overhead_s"]["status"] == "measured"
+    assert consts["efficiency"]["source"].startswith("calibrated in fp32 only (trident probe")
 
 
 def test_a_calibrated_profile_round_trips_through_json() -> None:

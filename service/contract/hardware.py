@@ -59,17 +59,24 @@ class StackCalibration:
     """When it was fitted (UTC, ISO 8601)."""
     error: float
     """Root mean square of the fit's relative step-time errors on those jobs."""
+    precision: str = "bf16"
+    """The jobs' training precision: the efficiency holds for plans on the same peak (fp32's,
+    or the 16-bit one bf16 and fp16 share); other plans keep the published-run factors."""
 
     @property
     def source(self) -> str:
         jobs = ", ".join(str(j) for j in self.jobs)
         return f"trident probe --calibrate: {self.stack} jobs {jobs} at {self.at}"
 
+    def covers(self, precision: str) -> bool:
+        """Whether a plan in `precision` runs on the peak the jobs measured."""
+        return (precision == "fp32") == (self.precision == "fp32")
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StackCalibration:
         return cls(stack=str(data["stack"]), efficiency=float(data["efficiency"]),
                    jobs=tuple(int(j) for j in data["jobs"]), at=str(data["at"]),
-                   error=float(data["error"]))
+                   error=float(data["error"]), precision=str(data.get("precision", "bf16")))
 
 
 @dataclass(frozen=True)

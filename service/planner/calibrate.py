@@ -159,9 +159,12 @@ def fit_stack(samples: Sequence[tuple[Plan, float]], *, jobs: Sequence[int],
                          " two widths)")
     stacks = {p.scenario.stack for p, _ in samples}
     profiles = {p.scenario.profile.name for p, _ in samples}
-    if len(stacks) != 1 or len(profiles) != 1:
-        raise ValueError(f"calibration jobs must share one stack and one profile, got stacks"
-                         f" {sorted(stacks)} and profiles {sorted(profiles)}")
+    peaks = {p.scenario.precision == "fp32" for p, _ in samples}
+    if len(stacks) != 1 or len(profiles) != 1 or len(peaks) != 1:
+        raise ValueError(f"calibration jobs must share one stack, one profile and one peak"
+                         f" (fp32, or bf16/fp16), got stacks {sorted(stacks)}, profiles"
+                         f" {sorted(profiles)} and precisions"
+                         f" {sorted({p.scenario.precision for p, _ in samples})}")
     rows = []
     for plan, measured in samples:
         if not measured > 0:
@@ -183,7 +186,8 @@ def fit_stack(samples: Sequence[tuple[Plan, float]], *, jobs: Sequence[int],
                         for xs, y, m in rows) / len(rows))
     base = samples[0][0].scenario.profile
     cal = StackCalibration(stack=stacks.pop(), efficiency=1.0 / inv_eff,
-                           jobs=tuple(int(j) for j in jobs), at=at, error=err)
+                           jobs=tuple(int(j) for j in jobs), at=at, error=err,
+                           precision=samples[0][0].scenario.precision)
     return replace(base, layer_overhead_s=a, step_overhead_s=b, calibration=cal)
 
 

@@ -150,16 +150,22 @@ def constants_json(plan: Plan) -> dict[str, dict[str, Any]]:
     # What a probe did not measure is the built-in profile's figure, with its source.
     book = PROFILES[prof.name].source if prof.probed and prof.name in PROFILES else prof.source
     probed = ("measured", prof.probed) if prof.probed else ("assumed", book)
-    calibrated = ("measured", cal.source) if cal is not None else ("assumed", book)
+    # The overheads are the profile's: measured by its calibration jobs, whatever this plan's
+    # stack and precision; the efficiency only where the calibration covers both.
+    timed = prof.calibration
+    calibrated = ("measured", timed.source) if timed is not None else ("assumed", book)
     stack = sc.stack_constants
-    if cal is None:
+    if cal is not None:
+        eff = ("measured", cal.source)
+    else:
         fitted = (f"the {stack.name} stack's efficiency {stack.efficiency:g} x the"
                   f" {prof.name} GEMM factor {profile_efficiency(prof.name):g}, fitted to"
                   f" published runs ({FITTED_PATH.name}; priors in software_stacks.py):"
                   f" {get_stack(stack.name).source}")
+        if timed is not None and timed.stack == sc.stack:
+            fitted = (f"calibrated in {timed.precision} only ({timed.source}); {sc.precision}"
+                      f" runs on the other peak: {fitted}")
         eff = ("assumed", fitted)
-    else:
-        eff = calibrated
 
     def row(value: Any, how: tuple[str, str]) -> dict[str, Any]:
         return {"value": value, "status": how[0], "source": how[1]}

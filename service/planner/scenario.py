@@ -91,10 +91,11 @@ class Scenario:
     @property
     def calibration(self) -> StackCalibration | None:
         """The profile's calibration of this scenario's stack, when it applies: measured on
-        this cluster, and neither factor overridden (a published run's prediction)."""
+        this cluster at this precision's peak, and neither factor overridden (a published
+        run's prediction)."""
         cal = self.profile.calibration
-        if cal is None or cal.stack != self.stack or self.constants is not None \
-                or self.gpu_efficiency is not None:
+        if cal is None or cal.stack != self.stack or not cal.covers(self.precision) \
+                or self.constants is not None or self.gpu_efficiency is not None:
             return None
         return cal
 
