@@ -281,7 +281,7 @@ class GuardSpec(_Strict):
     """A loss above this times the median of the last `window` losses is a spike."""
     window: Annotated[int, Field(ge=1, le=100_000)] = 100
     """Steps whose losses the running median is taken over (spikes are judged once it holds
-    `min(window, 10)` losses)."""
+    `min(window, 5)` losses)."""
     on_spike: Literal["skip", "rollback", "stop"] = "skip"
     """What a spike does: `skip` its update (counted as a skipped step), `rollback` to the
     newest checkpoint at once, or `stop` the job with the reason."""
