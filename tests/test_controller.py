@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 
 from service.cluster.data_plane import PollResult
 from service.contract.hardware import get_profile
-from service.contract.reports import HeartbeatReport
+from service.contract.reports import GUARD_STOP, HeartbeatReport
 from service.contract.states import JobState
 from service.store import AttemptStatus, ProbeStatus, Store
 from service.store.tables import JobRow
@@ -87,6 +87,21 @@ def test_failure_with_retries_restarts_a_new_attempt(sqlite_store: Store, tmp_pa
     assert states == ["QUEUED", "PLACING", "RUNNING", "RESTARTING", "PLACING", "RUNNING",
                       "SUCCEEDED"]
     assert launcher.groups[1].starts["attempt"] == 2
+
+
+def test_an_attempt_the_training_guard_stopped_is_not_retried(sqlite_store: Store,
+                                                                tmp_path: Path) -> None:
+    tb = ("Traceback (most recent call last):\n  File \"train.py\"\nworkers.trainer.guard."
+          f"GuardStop: {GUARD_STOP}loss spike: 812 is above 5 x the median 5.1")
+    launcher = FakeLauncher([[PollResult(state="running"),
+                              PollResult(state="failed", error=tb, failed_ranks=[0, 1])]])
+    job_id = submit(sqlite_store, max_retries=2)
+    c = make(sqlite_store, launcher, tmp_path)
+    drive(c, sqlite_store, job_id, {JobState.FAILED, JobState.RESTARTING}, DEADLINE_S)
+    job = sqlite_store.get_job(job_id=job_id)
+    assert job.state == JobState.FAILED and job.attempts == 1
+    assert "loss spike: 812" in (job.error or "")
+    assert "not retried: the training guard stopped it" in (job.error or "")
 
 
 def test_cancel_stops_the_group(sqlite_store: Store, tmp_path: Path) -> None:

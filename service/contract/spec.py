@@ -284,7 +284,8 @@ class GuardSpec(_Strict):
     `min(window, 5)` losses)."""
     on_spike: Literal["skip", "rollback", "stop"] = "skip"
     """What a spike does: `skip` its update (counted as a skipped step), `rollback` to the
-    newest checkpoint at once, or `stop` the job with the reason."""
+    newest checkpoint at once, or `stop` the job with the reason. Under a pipeline (pp > 1)
+    the loss comes after its update: a spike under `skip` is reported and the update kept."""
 
 
 class TrainSpec(_Strict):
