@@ -23,13 +23,13 @@ STEPS = 5
 # weights (ZeRO-1's fp32 partition, the interleaved engine's masters).
 BF16_VS_FP32 = 2e-4
 """A bf16 run against the fp32 run: measured 6.6e-5 (tp2 ZeRO-1 with offload against the
-unsharded fp32 run; 6.3e-5 tp2 pp2 ZeRO-1, 4.0e-5 dp1 ZeRO-1, 3.9e-5 interleaved, 3.9e-5 pp2 dp2
-ZeRO-1 against the same layout in fp32); 3x margin."""
+unsharded fp32 run; 6.3e-5 tp2 pp2 ZeRO-1, 4.0e-5 dp1 ZeRO-1, 4.0e-5 ZeRO 0, 3.9e-5 interleaved,
+3.9e-5 pp2 dp2 ZeRO-1 against the same layout in fp32); 3x margin."""
 BF16_LAYOUTS = 2e-4
 """Two bf16 layouts against each other: measured 6.0e-5 (tp2 ZeRO-1 with optimizer offload
-against pp2 dp2 ZeRO-1; 5.7e-5 tp2 pp2 ZeRO-1 against it, 2.1e-5 dp1 ZeRO-1); 3.3x margin. The
-layouts round at different points (TP's partial sums, DP's reduction): they spread from each
-other about as far as each from fp32."""
+against pp2 dp2 ZeRO-1; 5.7e-5 tp2 pp2 ZeRO-1 against it, 2.1e-5 dp1 ZeRO-1 and ZeRO 0); 3.3x
+margin. The layouts round at different points (TP's partial sums, DP's reduction): they
+spread from each other about as far as each from fp32."""
 BF16_INTERLEAVED = 1e-4
 """The interleaved engine in bf16 against DeepSpeed's pipeline at the same layout (pp2 dp2
 ZeRO-1): measured 2.9e-5 (the same bf16 weights, activations and messages; the micro-batches'
@@ -193,10 +193,14 @@ def test_interleaved_in_bf16_under_zero1_tracks_deepspeeds_pipeline_at_the_same_
 
 
 @pytest.mark.slow
-def test_tp2_pp2_zero1_in_bf16_keeps_the_bf16_and_fp32_losses(reference, bf16_pipeline):
-    # TP's partial sums and a pipeline in 16 bits: the other bf16 layout's losses and fp32's
-    assert_bf16_tracks(run_ranks(spec("bf16", tp=2, pp=2, zero=1))[0], 4, reference,
-                       bf16_pipeline)
+@pytest.mark.parametrize("parallel", [{"tp": 2, "pp": 2, "zero": 1}, {"zero": 0}],
+                         ids=["tp2-pp2-zero1", "zero0"])
+def test_bf16_layouts_keep_the_bf16_and_fp32_losses(reference, bf16_pipeline, parallel):
+    # TP's partial sums and a pipeline in 16 bits; ZeRO 0 at pp 1, where DeepSpeed's
+    # FP16_UnfusedOptimizer runs bf16 and its warm-up step is undone
+    # (`recipe.undo_states_warmup`: 3.8e-3 from fp32 with it, 4.0e-5 without)
+    rows = run_ranks(spec("bf16", **parallel))[0]
+    assert_bf16_tracks(rows, spec(**parallel).world_size, reference, bf16_pipeline)
 
 
 @pytest.mark.slow
