@@ -42,6 +42,16 @@ def test_a_row_is_exported_by_its_stored_names_whatever_fields_it_has() -> None:
         "memory/stage0/params_bytes": 7.0, "accuracy": 0.75})
 
 
+def test_a_guarded_steps_counts_go_to_the_trackers_and_its_words_do_not() -> None:
+    """MLflow and TensorBoard get the training guard's counts with the step
+    (docs/guards.md); the flag, the reason and the rollback's ranges stay in the store."""
+    m = row(step=6, skipped=True, guard="loss not finite", skipped_steps=3, rollbacks=1,
+            rollback={"to_step": 4, "samples": [[32, 40], [40, 48]], "reason": "x"})
+    values = step_scalars(m, stored_plan(dp=2)).values
+    assert values["skipped_steps"] == 3.0 and values["rollbacks"] == 1.0
+    assert not {"skipped", "guard", "rollback"} & values.keys()
+
+
 def test_untimed_steps_have_no_comm_share_and_nan_is_left_out() -> None:
     m = Metric(attempt=1, step=3, rank=0, loss=None, step_time_s=0.5, tokens_per_s=1.0,
                data={"timed": False, "comm": {"tp": {"x": {"time_s": 0.0, "bytes": 1.0,
