@@ -71,7 +71,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",
         "test_e2e_one_stack", "test_e2e_ray", "test_elastic_ray", "test_hosts_faults",
-        "test_e2e_stop", "test_goodput_ray", "test_goodput_views_ray",
+        "test_e2e_stop", "test_goodput_ray", "test_goodput_views_ray", "test_guards_ray",
         "test_hosts_jobs", "test_hosts_links", "test_node_cordon_ray", "test_node_loss_ray",
         "test_node_ray",
         "test_placement_ray",
