@@ -141,8 +141,14 @@ def test_job_page_charts_hold_every_point_and_ranks_grid_has_every_rank(live: Li
     assert job["state"] == "SUCCEEDED", job["error"]
     series = get(f"{live.url}/api/v1/jobs/{job['id']}/series").json()
     assert series["rows"] == 6 and len(series["step"]) == 6
+    # A guard event the controller stored (docs/guards.md): a mark on the loss chart.
+    live.store.add_event(job_id=job["id"], attempt=1, kind="guard_skip",
+                         message="step 3: update skipped (loss not finite)",
+                         data={"step": 3, "reason": "loss not finite", "skipped_steps": 1})
     page.goto(f"{live.url}/jobs/{job['id']}#metrics")
     assert series["recipe_step"] == series["step"]  # the rate and norm of every step
+    expect(page.locator("#chart-loss")).to_have_attribute("data-guard-marks", "1")
+    expect(page.locator("#chart-loss .guard-marks")).to_have_text("skip @ 3")
     for key in ("loss", "step_time_s", "tokens_per_s", "mfu", "lr", "grad_norm"):
         expect(page.locator(f"#chart-{key}")).to_have_attribute("data-points", "6")
         expect(page.locator(f"#chart-{key} canvas")).to_have_count(1)
