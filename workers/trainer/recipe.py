@@ -88,26 +88,43 @@ def set_lr(optimizer: Any, lr: float) -> None:
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
 
 
-def undo_states_warmup(optimizer: Any) -> None:
-    """Undo the step DeepSpeed's FP16_UnfusedOptimizer takes when it is built.
+def mend_unfused_optimizer(optimizer: Any, params: list[nn.Parameter], groups: RankGroups,
+                           clip: float) -> None:
+    """Mend DeepSpeed's FP16_UnfusedOptimizer (16-bit ZeRO 0 around a torch optimizer: bf16 or
+    fp16 at pp 1, fp16 on the pipeline) in two places; nothing for any other optimizer.
 
-    That wrapper (16-bit ZeRO 0 around a torch optimizer: bf16 or fp16 at pp 1, fp16 on the
-    pipeline) creates Adam's states by stepping its inner optimizer once on zero gradients
-    (`initialize_optimizer_states`): AdamW's step count starts at 1, so every later bias
-    correction is one step late (the first update 0.74 of the rate), and the decoupled weight
-    decay shrinks the fp32 masters once. A run at ZeRO 0 in bf16 drifted 3.8e-3 from its fp32
-    run over 5 steps with it (tests/test_workers_layouts.py), 60 times the other layouts. Here
-    the inner state is emptied (AdamW creates it at the first real step, as under every other
-    engine) and the masters are copied again from the 16-bit weights they were cloned from."""
+    - Its warm-up step: it creates Adam's states by stepping the inner optimizer once on zero
+      gradients when it is built (`initialize_optimizer_states`), so AdamW's step count starts
+      at 1 (every later bias correction one step late: the first update 0.74 of the rate) and
+      the decoupled weight decay shrinks the fp32 masters once. A bf16 ZeRO 0 run drifted
+      3.8e-3 from its fp32 run over 5 steps with it (tests/test_workers_layouts.py), 60 times
+      the other layouts. Undone: the inner state emptied (AdamW creates it at the first real
+      step, as under every other engine), the masters copied again from the 16-bit weights
+      they were cloned from.
+    - Its norm under TP: it passes the gradients to `get_weight_norm`, which asks each tensor
+      whether it is a model-parallel parameter; a gradient never is, so TP ranks > 0 count
+      nothing (1.13 for a global 1.39 at tp 2). Its clipping is turned off; before the inner
+      step the global norm of `params`' 16-bit gradients (`global_grad_norm`, by the marks of
+      `mark_norm_owners`) clips the fp32 masters' gradients by the same rule, and is the norm
+      the wrapper, and so the engine, reports."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
     if not isinstance(optimizer, FP16_UnfusedOptimizer):
         return
-    optimizer.optimizer.state.clear()
+    inner = optimizer.optimizer
+    inner.state.clear()
+    masters = [m for group in optimizer.fp32_groups for m in group]
     with torch.no_grad():
-        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups, strict=True):
-            for master, weight in zip(masters, weights, strict=True):
-                master.copy_(weight)
+        for m, w in zip(masters, [w for group in optimizer.fp16_groups for w in group],
+                        strict=True):
+            m.copy_(w)
+    optimizer.clip_grad = 0.0
+
+    def hook(*_: Any) -> None:
+        norm = global_grad_norm(params, groups)
+        optimizer._global_grad_norm = norm
+        clip_grads(masters, norm, clip)
+    inner.register_step_pre_hook(hook)
 
 
 def global_grad_norm(params: list[nn.Parameter], groups: RankGroups) -> float:

@@ -265,7 +265,8 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     bubble = BubbleMeter(cuda=device.type == "cuda",
                          sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
     engine = build_engine(spec, shape, ctx.plan, device, groups, ds_config, bubble)
-    recipe.undo_states_warmup(engine.optimizer)  # 16-bit ZeRO 0: DeepSpeed's warm-up step
+    recipe.mend_unfused_optimizer(engine.optimizer, list(engine.module.parameters()), groups,
+                                  t.grad_clip)  # 16-bit ZeRO 0: DeepSpeed's wrapper, mended
     _check_stage(engine.module, ctx.plan)
 
     inner = memory.innermost_optimizer(engine.optimizer)
