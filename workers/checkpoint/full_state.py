@@ -239,9 +239,10 @@ def load_full(model: nn.Module, get_full: FullSource, groups: RankGroups | None 
     loaded: list[str] = []
     for e in entries(model):
         local = _local_shape(e.param)
-        parts = e.parts or ((e.name, local[0] if local else 0),)
+        # Each tensor it holds and its shape on this rank (a fused one's projections).
+        wanted = [(n, (rows, *local[1:])) for n, rows in e.parts] or [(e.name, local)]
         shards = []
-        for name, rows in parts:
+        for name, mine in wanted:
             source = get_full(name)
             if source is None:
                 missing.append(name)
@@ -249,15 +250,14 @@ def load_full(model: nn.Module, get_full: FullSource, groups: RankGroups | None 
             full_shape = tuple(int(n) for n in source.shape)
             index = shard_index(name, full_shape, tp_rank, tp)
             want = tuple(s.stop - s.start for s in index)
-            mine = (rows, *local[1:]) if e.parts else local
             if want != mine:
                 raise ValueError(f"{name}: the source's shape {list(full_shape)} gives TP rank"
                                  f" {tp_rank} of {tp} a shard of {list(want)}; the model's is"
                                  f" {list(mine)}")
             shards.append(source[index])
-        if len(shards) == len(parts):
+        if len(shards) == len(wanted):
             assign(e.param, torch.cat(shards) if e.parts else shards[0].contiguous())
-            loaded += [name for name, _ in parts]
+            loaded += [name for name, _ in wanted]
     if missing:
         raise ValueError(f"the source lacks {len(missing)} tensor(s) of the model:"
                          f" {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
