@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.contract.spec import ModelSpec
+from service.contract.spec import JobSpec, ModelSpec
 from service.files.checkpoint_dirs import ExportRefused
 from service.planner.shape import ModelShape
+from tests.conftest import tiny_spec
 from workers.checkpoint.hf_export import consolidate
 from workers.checkpoint.layout_free import FULL, LayoutRefused, canonical, convert
+from workers.checkpoint.relayout import how
 from workers.checkpoint.saving import LAYOUT, tag
 
 
@@ -99,3 +101,21 @@ def test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path: Path) -> None:
                        full["layers.1.ln1.weight"])
     assert size > 0 and took >= 0
     assert convert(str(tmp_path), 4, _shape(4))[1] == 0.0  # cached
+
+
+def test_a_tag_written_before_the_fused_projections_loads_through_the_form(
+        tmp_path: Path) -> None:
+    """Its layout file has no `projections` record: under its own layout too it goes through
+    the layout-free form, which names q, k, v, gate and up apart as it does; with
+    interleaved stages, whose files the form does not read, it is refused saying why."""
+    _tag(tmp_path, 4)
+    _tag(tmp_path, 8, pp=2, virtual_stages=2)
+    same = JobSpec.model_validate(tiny_spec(parallel={"dp": 1, "zero": 1}))
+    assert how(str(tmp_path), 4, same) == "layout-free"
+    (tmp_path / "step4" / LAYOUT).write_text(json.dumps(
+        {"tp": 1, "pp": 1, "dp": 1, "zero": 1, "virtual_stages": 1, "projections": "fused"}))
+    assert how(str(tmp_path), 4, same) == "as-is"
+    interleaved = JobSpec.model_validate(tiny_spec(parallel={"pp": 2, "dp": 1, "zero": 0,
+                                                             "virtual_stages": 2}))
+    with pytest.raises(LayoutRefused, match="before q, k, v and gate, up were fused"):
+        how(str(tmp_path), 8, interleaved)

@@ -42,7 +42,14 @@ def how(directory: str, step: int, spec: JobSpec) -> Literal["as-is", "universal
     wrote = written_by(directory, step)
     now = layout_of(spec)
     if wrote is not None and wrote.pop(PROJECTIONS, None) != FUSED_PROJECTIONS:
-        return "layout-free"  # written before the fusion: its q, k, v, gate, up held apart
+        # Written before the fusion: its q, k, v, gate and up held apart.
+        if wrote.get("virtual_stages", 1) > 1:
+            from workers.checkpoint.layout_free import LayoutRefused
+            raise LayoutRefused(
+                f"{directory}/{tag(step)} was written before q, k, v and gate, up were fused,"
+                " with interleaved stages: its per-rank files hold them apart and are not"
+                " converted; resume from a tag written since, or start again")
+        return "layout-free"
     if wrote is None or wrote == now or dp_free(directory, step, wrote, now):
         return "as-is"
     if all(x["tp"] == 1 and x["pp"] == 1 and x["zero"] in (1, 2)
