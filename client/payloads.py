@@ -1073,23 +1073,6 @@ PROFILE_MAX_OPEN = 2
 """Requests of one job that may wait (pending or profiling) at once; one more is a 429."""
 
 
-class ProfileAsk(BaseModel):
-    """`POST /jobs/{id}/profile`: which ranks profile how many of their next steps. The
-    traces are bounded: at most `PROFILE_MAX_TRACE_BYTES` (64 MiB) per file, gzipped, and
-    `PROFILE_MAX_JOB_BYTES` (512 MiB) per job, the oldest requests' files dropped first."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
-
-    steps: int = Field(default=3, ge=1, le=PROFILE_MAX_STEPS)
-    """How many of the next steps to profile (1 to 20): every named rank profiles the same
-    steps, from the second to start after the request reaches them."""
-    ranks: list[int] | None = Field(default=None, max_length=1024)
-    """The ranks to profile, each within the job's world size (none: every rank)."""
-    memory: bool = False
-    """Also record memory: the profiler's allocations and memory timeline and, on CUDA, a
-    `torch.cuda.memory._snapshot()`."""
-
-
 class ProfileFile(BaseModel):
     """One stored trace file of a request: `GET /jobs/{id}/profile/{request}/files/{name}`."""
 

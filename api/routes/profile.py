@@ -13,13 +13,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Who, check_owner, require
 from api.deps import INT32_MAX, JobDep, StoreDep
 from api.schemas import Refusal
 from client.payloads import (
     PROFILE_MAX_OPEN,
-    ProfileAsk,
+    PROFILE_MAX_STEPS,
     ProfileList,
     ProfileRequest,
 )
@@ -29,6 +30,24 @@ from service.store import NotFound
 from service.store.profile_requests import ProfileRequests, TooManyOpen, stored_bytes
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+class ProfileAsk(BaseModel):
+    """`POST /jobs/{id}/profile`: which ranks profile how many of their next steps. The
+    traces are bounded (`client.payloads`): at most `PROFILE_MAX_TRACE_BYTES` (64 MiB) per
+    file, gzipped, and `PROFILE_MAX_JOB_BYTES` (512 MiB) per job, the oldest requests' files
+    dropped first."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    steps: int = Field(default=3, ge=1, le=PROFILE_MAX_STEPS)
+    """How many of the next steps to profile (1 to 20): every named rank profiles the same
+    steps, from the second to start after the request reaches them."""
+    ranks: list[int] | None = Field(default=None, max_length=1024)
+    """The ranks to profile, each within the job's world size (none: every rank)."""
+    memory: bool = False
+    """Also record memory: the profiler's allocations and memory timeline and, on CUDA, a
+    `torch.cuda.memory._snapshot()`."""
 
 ProfileRequestId = Annotated[int, Path(ge=1, le=INT32_MAX,
                                        description="A profile request's id.")]
