@@ -289,3 +289,17 @@ def test_the_stop_running_revision_both_ways_keeps_projects_and_members(db_url: 
         assert (p.members, p.budget_gpu_hours, p.budget_stop_running) == (["alice"], 3, False)
     finally:
         s.close()
+
+
+def test_a_bad_goodput_window_is_a_422_naming_its_query_parameter(
+        sqlite_store: Store, tmp_path: Path) -> None:
+    """`GET /goodput`'s window refusals are shaped as every other 422 (a list naming the
+    field), so that they match the schema the API publishes."""
+    with app_client(sqlite_store, tmp_path) as client:
+        early = client.get("/api/v1/goodput", params={"until": "1970-01-01T00:00:01"})
+        backwards = client.get("/api/v1/goodput", params={"since": "2026-01-02T00:00:00",
+                                                           "until": "2026-01-01T00:00:00"})
+    assert (early.status_code, backwards.status_code) == (422, 422)
+    assert early.json()["detail"][0]["loc"] == ["query", "until"]
+    assert "before 2000" in early.json()["detail"][0]["msg"]
+    assert backwards.json()["detail"][0]["msg"] == "until: must be after since"

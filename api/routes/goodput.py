@@ -30,12 +30,19 @@ When = Annotated[datetime | None, Query(
     description="An ISO 8601 time (UTC when it names no zone).")]
 
 
+def _refused(name: str, why: str) -> HTTPException:
+    """A 422 shaped as FastAPI's own (the schema's `HTTPValidationError`), naming the query
+    parameter."""
+    return HTTPException(status_code=422, detail=[{
+        "loc": ["query", name], "type": "value_error", "msg": f"{name}: {why}"}])
+
+
 def _utc(t: datetime | None, name: str) -> datetime | None:
     if t is None:
         return None
     t = t if t.tzinfo is not None else t.replace(tzinfo=UTC)
     if t.year < 2000:
-        raise HTTPException(status_code=422, detail=f"{name}: {t.isoformat()} is before 2000")
+        raise _refused(name, f"{t.isoformat()} is before 2000")
     return t
 
 
@@ -57,7 +64,7 @@ def goodput(ledger: LedgersDep, store: StoreDep, since: When = None, until: When
     what the projects with a budget spent of it (since it was set)."""
     lo, hi = _utc(since, "since"), _utc(until, "until")
     if lo is not None and hi is not None and hi <= lo:
-        raise HTTPException(status_code=422, detail="until: must be after since")
+        raise _refused("until", "must be after since")
     out = ledger.summary(since=lo, until=hi, project=project, owner=owner)
     # The projects' budgets, each counted over its own window (not [since, until]).
     budgets = Budgets(store, ledger.prices).statuses([project] if project else None)
