@@ -12,6 +12,8 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -157,3 +159,26 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {g['name']} | {shown} | {g['target']} | {met}{note} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def cpu_ranks(script: Path, args: Callable[[int, int], list[str]], world: int, tree: Path,
+              what: str) -> list[dict[str, Any]]:
+    """Run `world` ranks of `script` on CPU (gloo, one thread each) from `tree`, each given
+    `args(rank, port)` (`port`: a free one for their rendezvous), and return what each printed
+    last, as JSON; a rank that fails raises with its stderr's end, naming `what`."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(tree), "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), *args(rank, port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tree)
+             for rank in range(world)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a rank of {what} failed: {stderr[-2000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out

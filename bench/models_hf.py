@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.harness import Section, fmt_s
+from bench.harness import Section, cpu_ranks, fmt_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED_GOAL = 1.0
@@ -44,23 +42,10 @@ def spec_for(quick: bool, compile: bool = False):
 
 
 def _ranks(which: str, spec, world: int = 2) -> list[dict]:
-    with socket.socket() as sock:  # a free port for the ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "_hf_rank.py"), which,
-                               spec.model_dump_json(), str(spec.train.steps), str(rank),
-                               str(world), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for rank in range(world)]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{which} rank failed: {stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return cpu_ranks(ROOT / "bench" / "_hf_rank.py",
+                     lambda rank, port: [which, spec.model_dump_json(), str(spec.train.steps),
+                                         str(rank), str(world), str(port)],
+                     world, ROOT, which)
 
 
 def run(sec: Section, quick: bool, dbs: tuple[str, ...] = (), compile: bool = False) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from bench.harness import Section
+from bench.harness import Section, cpu_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = ROOT / "bench" / "_speed_rank.py"
@@ -78,22 +77,8 @@ def tree_at(rev: str | None) -> Iterator[Path]:
 
 def run_ranks(tree: Path, spec_json: str, world: int = 2) -> list[dict]:
     """One run of the trainer from `tree`: every rank's steps."""
-    with socket.socket() as sock:  # a free port for the ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(tree), "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), spec_json, str(rank),
-                               str(world), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=tree)
-             for rank in range(world)]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"a rank from {tree} failed: {stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return cpu_ranks(RANK_SCRIPT, lambda rank, port: [spec_json, str(rank), str(world),
+                                                      str(port)], world, tree, str(tree))
 
 
 def figures(ranks: list[dict], tokens: int) -> dict[str, Any]:

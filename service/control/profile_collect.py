@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from service.cluster.data_plane import WorkerGroup
+from service.control.stack_collect import Asking
 from service.files.profiles import NAME, ProfileFiles
 from service.store.profile_requests import (
     PROFILE_MAX_JOB_BYTES,
@@ -26,15 +26,6 @@ from service.store.profile_requests import (
     ProfileRequests,
     StackStatus,
 )
-
-
-@dataclass(eq=False)
-class _Profiling:
-    """One group profiling for a request; `answers` or `error` is set once done."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    answers: dict[int, Any] = field(default_factory=dict)
-    error: str | None = None
 
 
 class ProfileCollector:
@@ -50,7 +41,7 @@ class ProfileCollector:
         """How long ranks may take to profile their steps and send the traces."""
         self.max_trace_bytes = max_trace_bytes
         self.max_job_bytes = max_job_bytes
-        self._inflight: dict[int, tuple[ProfileRequest, _Profiling]] = {}
+        self._inflight: dict[int, tuple[ProfileRequest, Asking]] = {}
 
     def step(self, groups: Mapping[int, tuple[WorkerGroup, int]]) -> None:
         """Store the traces that came in; take the new requests. `groups`: job id -> its live
@@ -82,8 +73,8 @@ class ProfileCollector:
                 self._inflight[req.id] = (req, self._ask(group, req))
                 profiling.add(req.job_id)
 
-    def _ask(self, group: WorkerGroup, req: ProfileRequest) -> _Profiling:
-        p = _Profiling()
+    def _ask(self, group: WorkerGroup, req: ProfileRequest) -> Asking:
+        p = Asking()
 
         def run() -> None:
             try:

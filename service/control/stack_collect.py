@@ -63,8 +63,9 @@ def group_stacks(answers: Mapping[int, Any], max_bytes: int = RESULT_MAX_BYTES
 
 
 @dataclass(eq=False)
-class _Collecting:
-    """One group being asked for its stacks; `answers` or `error` is set once done."""
+class Asking:
+    """One group being asked, on a thread beside the controller's loop (for its stacks, or to
+    profile, `service.control.profile_collect`); `answers` or `error` is set once done."""
 
     done: threading.Event = field(default_factory=threading.Event)
     answers: dict[int, Any] = field(default_factory=dict)
@@ -79,7 +80,7 @@ class StackCollector:
         self.requests = requests
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
-        self._inflight: dict[int, _Collecting] = {}
+        self._inflight: dict[int, Asking] = {}
 
     def step(self, groups: Mapping[int, tuple[WorkerGroup, int]]) -> None:
         """Store the answers that came in; take the new requests. `groups`: job id -> its
@@ -105,8 +106,8 @@ class StackCollector:
                 self.requests.take(request_id=req.id, attempt=attempt)
                 self._inflight[req.id] = self._ask(group)
 
-    def _ask(self, group: WorkerGroup) -> _Collecting:
-        c = _Collecting()
+    def _ask(self, group: WorkerGroup) -> Asking:
+        c = Asking()
 
         def run() -> None:
             try:
