@@ -5,8 +5,6 @@ constants `measured`."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -18,6 +16,7 @@ from service.contract.hardware import get_profile  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
 from service.planner.calibrate import calibration_specs  # noqa: E402
 from tests.inprocess import client_of  # noqa: E402
+from tests.waiting import passes_beside  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,22 +37,10 @@ def test_probe_calibrate_fits_the_trident_constants_that_plans_mark_measured(
     assert {c["status"] for c in _plan_constants(client).values()} == {"assumed"}
 
     # `trident probe --calibrate` as a user runs it, the controller's passes beside it.
-    stop = threading.Event()
-
-    def passes() -> None:
-        while not stop.is_set():
-            controller.step()
-            stop.wait(0.1)
-
-    driver = threading.Thread(target=passes, name="passes")
-    driver.start()
     monkeypatch.setattr(cli.main, "connect", lambda s: client_of(client))
-    try:
+    with passes_beside(controller):
         r = CliRunner().invoke(cli.main.app, ["probe", "--ranks-per-node", "1", "--max-bytes",
                                               "1024", "--calibrate", "--timeout", "400"])
-    finally:
-        stop.set()
-        driver.join(60)
     print(r.output)
     assert r.exit_code == 0, r.output
     probe = client.get("/api/v1/probes").json()["items"][0]

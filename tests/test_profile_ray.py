@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from cli.main import app as cli_app  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
 from tests.conftest import tiny_spec  # noqa: E402
 from tests.inprocess import client_of  # noqa: E402
-from tests.waiting import drive, drive_until  # noqa: E402
+from tests.waiting import drive, drive_until, passes_beside  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,24 +43,12 @@ def test_profiled_steps_are_chrome_traces_of_whole_steps_and_change_no_loss(
 
     drive_until(controller, training, 300, "step 2 of rank 1")
     # The CLI waits for the traces while the controller's passes go on beside it.
-    stop = threading.Event()
-
-    def passes() -> None:
-        while not stop.is_set():
-            controller.step()
-            stop.wait(0.1)
-
-    driver = threading.Thread(target=passes, name="passes")
-    driver.start()
     monkeypatch.setattr(cli.profile, "connect", lambda s: client_of(client))
     out = tmp_path / "traces"
-    try:
+    with passes_beside(controller):
         r = CliRunner().invoke(cli_app, ["profile", str(profiled), "--steps", "2",
                                          "--ranks", "0,1", "--out", str(out)])
         listed = CliRunner().invoke(cli_app, ["profile", str(profiled), "--list"])
-    finally:
-        stop.set()
-        driver.join(60)
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in out.iterdir()) == ["rank-0.pt.trace.json.gz",
                                                      "rank-1.pt.trace.json.gz"], r.output

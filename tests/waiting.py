@@ -6,8 +6,10 @@ machine: never a bounded count of short polls, whose outcome depends on the mach
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,3 +48,23 @@ def drive(controller: Controller, store: Store, job_id: int, until: set[JobState
     drive_until(controller, lambda: store.get_job(job_id=job_id).state in until, timeout,
                 f"job {job_id} in {sorted(until)}")
     return store.get_job(job_id=job_id).state
+
+
+@contextmanager
+def passes_beside(controller: Controller, interval_s: float = 0.1) -> Iterator[None]:
+    """The controller's passes on a thread while the block runs (a CLI command that waits for
+    what the controller brings about, as a user runs it beside a served stack)."""
+    stop = threading.Event()
+
+    def passes() -> None:
+        while not stop.is_set():
+            controller.step()
+            stop.wait(interval_s)
+
+    driver = threading.Thread(target=passes, name="passes")
+    driver.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        driver.join(60)
