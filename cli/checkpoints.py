@@ -65,18 +65,24 @@ def export(job_id: Annotated[int, typer.Argument(help="The job.", min=1)],
            format: Annotated[ExportFormat, typer.Option(  # noqa: A002 (the option's name)
                "--format", help="hf: a Hugging Face model folder (config.json,"
                " safetensors) that transformers' from_pretrained loads.")] = ExportFormat.hf,
+           max_shard_size: Annotated[str, typer.Option(
+               "--max-shard-size", help="The largest safetensors file (bytes, or e.g. 500MB,"
+               " 5GB, 5GiB); above it the model is split into"
+               " model-0000k-of-0000n.safetensors with model.safetensors.index.json.")]
+           = "5GB",
            server: ServerOpt = DEFAULT_SERVER) -> None:
     """Write a job's checkpoint as a Hugging Face model: config.json and safetensors (sharded
-    above 5 GiB), TP shards, pipeline stages and ZeRO-3 partitions joined. Only
-    the job's owner and admins may.
+    above --max-shard-size, with model.safetensors.index.json), TP shards, pipeline stages
+    and ZeRO-3 partitions joined. Only the job's owner and admins may.
 
-    Example: trident export 12 --step 1000 --format hf --out ./my-model
+    Example: trident export 12 --step 1000 --format hf --max-shard-size 2GB --out ./my-model
     """
     if out.exists():
         fail(f"--out {out}: exists already; give a new folder")
     try:
         with connect(server) as client:
-            written = client.export(job_id, out, step=step, format=format.value)
+            written = client.export(job_id, out, step=step, format=format.value,
+                                    max_shard_size=max_shard_size)
     except OSError as exc:  # the folder (or the one it is made in) cannot be written
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out) else ""
         fail(f"--out {out}: {exc.strerror or exc}{where}")

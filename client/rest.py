@@ -449,9 +449,11 @@ class TridentClient:
                          removed="true" if removed else None)
 
     def export(self, job_id: int, out: str | os.PathLike[str], *, step: int | None = None,
-               format: str = "hf") -> str:  # noqa: A002 (the route's and the CLI's name)
+               format: str = "hf",  # noqa: A002 (the route's and the CLI's name)
+               max_shard_size: str | None = None) -> str:
         """Write a job's checkpoint tag (`step`, default the newest) as a Hugging Face model
-        folder `out` (`config.json`, safetensors: `GET /jobs/{id}/export`, a tar unpacked as
+        folder `out` (`config.json`, safetensors in files of at most `max_shard_size`, e.g.
+        `500MB`, default the server's 5GB: `GET /jobs/{id}/export`, a tar unpacked as
         it arrives into a temporary folder beside `out`, then renamed: the model's size on
         disk once, not the tar's too); `out` must not exist yet. The folder's path.
         `OSError` when `out` cannot be written (`FileExistsError` when it exists);
@@ -470,7 +472,8 @@ class TridentClient:
         with tempfile.TemporaryDirectory(dir=parent, prefix=".trident-export-") as work:
             try:
                 with self._http.stream("GET", f"/jobs/{job_id}/export",
-                                       params=_query(step=step, format=format),
+                                       params=_query(step=step, format=format,
+                                                     max_shard_size=max_shard_size),
                                        timeout=httpx.Timeout(30, read=None)) as resp:
                     if resp.status_code >= 400:
                         resp.read()

@@ -37,6 +37,7 @@ from service.contract import hf_config
 from service.contract.spec import JobSpec, ModelSpec
 from service.files.checkpoint_dirs import default_folder
 from service.files.checkpoint_tags import MARKER, tag
+from service.files.export import shard_bytes
 from service.planner.shape import ModelShape
 from service.settings import Settings
 from service.store import Store
@@ -273,6 +274,14 @@ def test_trident_export_writes_a_folder_transformers_loads(live: Any, tmp_path: 
 
     r = live.cli("export", str(job.id), "--out", str(out))
     assert r.exit_code != 0 and "exists already" in r.output, r.output
+    r = live.cli("export", str(job.id), "--max-shard-size", "5XB", "--out", str(tmp_path / "x"))
+    assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "max_shard_size: '5XB' is no size" in r.output and not (tmp_path / "x").exists()
+    sharded = tmp_path / "sharded"
+    r = live.cli("export", str(job.id), "--max-shard-size", "10KB", "--out", str(sharded))
+    assert r.exit_code == 0, r.output
+    assert "model.safetensors.index.json" in {p.name for p in sharded.iterdir()}
+    assert (hf_logits(sharded, shape.vocab) - ours).abs().max().item() < TOL
     r = live.cli("export", str(job.id), "--step", "4", "--out", str(tmp_path / "none"))
     assert r.exit_code != 0 and "no complete checkpoint tag of step 4" in r.output, r.output
     assert not (tmp_path / "none").exists()
@@ -296,6 +305,51 @@ def test_a_sharded_folder_loads_back_and_a_wrong_shape_is_named(tmp_path: Path) 
         load_hf(GPT(other, 0), other, str(tmp_path / "q"))
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_export_above_the_shard_size_is_sharded_and_loads_in_transformers(
+        family: str, tmp_path: Path) -> None:
+    # A tp 1 tag of a transformers model's weights, exported in shards of at most 12KB: the
+    # files transformers' save_pretrained names, an index of every tensor and their total
+    # size, each shard within the size (or one tensor larger alone); from_pretrained loads
+    # the folder with the weights of the model the tag was made from, bit for bit.
+    folder = saved(FAMILIES[family], tmp_path / "hf")
+    with hf_config.reading(hf_config.local_reader):
+        spec = ModelSpec.model_validate({"hf_config": str(folder), "seq_len": SEQ})
+    shape = ModelShape.from_spec(spec)
+    model = GPT(shape, 0)
+    load_hf(model, shape, str(folder))
+    path = tmp_path / "ckpt" / tag(3)
+    path.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, path / "mp_rank_00_model_states.pt")
+    (path / LAYOUT).write_text(json.dumps({"tp": 1, "pp": 1, "dp": 1, "zero": 0}))
+    limit = 12_000
+    out = tmp_path / "export"
+    written = export(str(tmp_path / "ckpt"), 3, shape, str(out), max_shard_bytes=limit)
+    shards = written[1:-1]
+    n = len(shards)
+    assert n > 2 and written[-1] == "model.safetensors.index.json", written
+    assert shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert sorted(p.name for p in out.iterdir()) == sorted(written)  # nothing else left
+    index = json.loads((out / written[-1]).read_text())
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    from safetensors import safe_open
+
+    sizes = {}
+    for shard in shards:
+        with safe_open(str(out / shard), "pt") as f:
+            held = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open's API)
+        assert {k for k, v in index["weight_map"].items() if v == shard} == set(held)
+        sizes[shard] = [t.numel() * t.element_size() for t in held.values()]
+        assert sum(sizes[shard]) <= limit or len(held) == 1, (shard, sizes[shard])
+    assert index["metadata"]["total_size"] == sum(sum(v) for v in sizes.values())
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert sorted(loaded) == sorted(original)
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+    # under the size: one model.safetensors and no index, as save_pretrained writes it
+    one = export(str(tmp_path / "ckpt"), 3, shape, str(tmp_path / "one"))
+    assert one == ["config.json", "model.safetensors"]
+
+
 def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
         tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """No complete tag: 404; a tag whose layout is unknown or interleaved: 409 naming it
@@ -313,6 +367,12 @@ def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
         job = r.json()["id"]
         r = c.get(f"/api/v1/jobs/{job}/export")
         assert r.status_code == 404 and "no complete checkpoint tag yet" in r.text, r.text
+        assert [shard_bytes(t) for t in ("5GB", "500MB", "5GiB", "1024", "1.5 gb")] == [
+            5 * 10**9, 5 * 10**8, 5 * 2**30, 1024, 15 * 10**8]  # as transformers reads them
+        for bad in ("5XB", "0", "2TiB", "-1GB", "GB"):
+            r = c.get(f"/api/v1/jobs/{job}/export", params={"max_shard_size": bad})
+            assert r.status_code == 422, (bad, r.text)
+            assert r.json()["detail"][0]["loc"] == ["query", "max_shard_size"], r.text
         for step, layout in [(4, {"tp": 1, "pp": 2, "dp": 1, "zero": 0, "virtual_stages": 2}),
                              (8, None)]:
             path = tmp_path / "job" / f"step{step}"

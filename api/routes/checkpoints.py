@@ -17,10 +17,12 @@ from api.deps import JobDep, StoreDep
 from api.schemas import CheckpointList, CheckpointOut, Refusal
 from service.files.checkpoint_dirs import ExportRefused, default_folder
 from service.files.export import (
+    MAX_SHARD_SIZE,
     ExportsBusy,
     NoCompleteTag,
     complete_step,
     export_folder,
+    shard_bytes,
     take_slot,
     tar_stream,
 )
@@ -82,9 +84,15 @@ def export_job(job: JobDep, request: Request, who: Who,
                    " complete one).")] = None,
                format: Annotated[Literal["hf"], Query(  # noqa: A002 (the CLI's --format)
                    description="`hf`: a Hugging Face model folder (config.json,"
-                   " safetensors).")] = "hf") -> StreamingResponse:
-    """A job's checkpoint tag as a Hugging Face model (`config.json` and safetensors,
-    sharded above 5 GiB with `model.safetensors.index.json`), as a tar of the folder
+                   " safetensors).")] = "hf",
+               max_shard_size: Annotated[str, Query(
+                   max_length=32, description="The largest safetensors file: bytes, or a"
+                   " number with KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB, from 1KiB to"
+                   " 1TiB, as transformers' `save_pretrained` reads it.")] = MAX_SHARD_SIZE,
+               ) -> StreamingResponse:
+    """A job's checkpoint tag as a Hugging Face model (`config.json` and safetensors:
+    `model.safetensors` when it fits in `max_shard_size`, else shards
+    `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`), as a tar of the folder
     `job-<id>-step<N>-hf/` that `transformers`' `from_pretrained` loads. The TP shards,
     pipeline stages and ZeRO-3 partitions are joined (`service.files.export`, which runs
     `workers.checkpoint.hf_export`). The job's weights are its owner's: admins export any job,
@@ -92,6 +100,12 @@ def export_job(job: JobDep, request: Request, who: Who,
     streamed from its files, and the folder deleted once it is sent. At most
     `TRIDENT_EXPORT_MAX_CONCURRENT` exports run at once; one more is a 429."""
     check_weights(who, job.owner)
+    try:
+        max_shard_bytes = shard_bytes(max_shard_size)
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=[{
+            "loc": ["query", "max_shard_size"], "type": "value_error",
+            "msg": f"max_shard_size: {exc}"}]) from None
     settings = request.app.state.settings
     folder = job.spec.checkpoint.dir or str(default_folder(settings.checkpoint_root, job.id))
     try:
@@ -103,7 +117,8 @@ def export_job(job: JobDep, request: Request, who: Who,
         raise HTTPException(status_code=429, detail=str(exc),
                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     try:
-        done = export_folder(folder, found, ModelShape.from_spec(job.spec.model), job.id, slot)
+        done = export_folder(folder, found, ModelShape.from_spec(job.spec.model), job.id, slot,
+                             max_shard_bytes)
         length, pieces = tar_stream(done.path)
     except ExportRefused as exc:
         slot.release()

@@ -37,13 +37,36 @@ from service.files.checkpoint_tags import MARKER, newest_complete_step, tag
 from service.files.datadir import try_lock
 from service.planner.shape import ModelShape
 
-EXPORT_SHARD_BYTES = 5 * 2**30
-"""The export's safetensors files are at most this big (transformers' default)."""
+MAX_SHARD_SIZE = "5GB"
+"""The export's safetensors files are at most this big by default (`transformers`'
+`save_pretrained`'s default, 5 * 10**9 bytes)."""
+MIN_SHARD_BYTES = 1 << 10
+MAX_SHARD_BYTES = 1 << 40
+"""The bounds of `--max-shard-size` (1 KiB to 1 TiB): smaller shards are one file a tensor."""
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 EXPORTS = "exports"
 """The folder of the data directory that exports write in."""
 CHUNK = 1 << 20
 """The tar is sent in pieces of this many bytes of a file."""
 _SLOT = re.compile(r"slot-(\d+)")
+
+
+def shard_bytes(text: str) -> int:
+    """A shard size as `transformers`' `save_pretrained(max_shard_size=...)` reads it: a
+    number of bytes, or one with a unit (`500MB`, `5GB`: powers of 10; `512MiB`, `5GiB`:
+    powers of 2); ValueError saying what is wrong, within MIN_SHARD_BYTES..MAX_SHARD_BYTES."""
+    found = _SIZE.fullmatch(text)
+    unit = found.group(2).upper() if found else ""
+    if not found or unit not in _UNITS:
+        raise ValueError(f"{text!r} is no size: give bytes or a number with KB, MB, GB, TB"
+                         " (or KiB, MiB, GiB, TiB), e.g. 5GB or 500MB")
+    n = int(float(found.group(1)) * _UNITS[unit])
+    if not MIN_SHARD_BYTES <= n <= MAX_SHARD_BYTES:
+        raise ValueError(f"{text!r} is {n} bytes, outside {MIN_SHARD_BYTES} (1KiB) to"
+                         f" {MAX_SHARD_BYTES} (1TiB)")
+    return n
 
 
 class NoCompleteTag(LookupError):
@@ -145,11 +168,12 @@ def complete_step(folder: str, step: int | None, job_id: int) -> int:
 
 
 def export_folder(folder: str, step: int, shape: ModelShape, job_id: int, slot: Slot,
-                  max_shard_bytes: int = EXPORT_SHARD_BYTES) -> Exported:
+                  max_shard_bytes: int) -> Exported:
     """Tag `step` (complete: `complete_step`) of the job's checkpoint folder `folder` written
-    as the folder `job-<id>-step<N>-hf/` (`config.json`, safetensors sharded above
-    `max_shard_bytes`) inside the slot's folder; `service.files.checkpoint_dirs.ExportRefused` when
-    its layout or model is not exported."""
+    as the folder `job-<id>-step<N>-hf/` (`config.json`, safetensors in shards of at most
+    `max_shard_bytes`: `shard_bytes`) inside the slot's folder;
+    `service.files.checkpoint_dirs.ExportRefused` when its layout or model is not
+    exported."""
     name = f"job-{job_id}-step{step}-hf"
     _convert(folder, step, shape, str(slot.work / name), max_shard_bytes, slot.fd)
     return Exported(path=slot.work / name, filename=name + ".tar", step=step)

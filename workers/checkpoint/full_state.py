@@ -132,6 +132,16 @@ class Entry:
                 zip(self.parts, local.split([rows for _, rows in self.parts]), strict=True)]
 
 
+def unfused_names(name: str, shape: ModelShape) -> list[str]:
+    """The canonical names `unfuse` cuts the tensor `name` into, in order (`[name]` when it
+    is no fused one), known without the tensor."""
+    found = _FUSED.match(name)
+    if not found:
+        return [name]
+    prefix, fused, kind = found.groups()
+    return [f"{prefix}{part}.{kind}" for part, _ in fused_parts(shape)[fused]]
+
+
 def unfuse(name: str, local: torch.Tensor, shape: ModelShape,
            tp: int) -> list[tuple[str, torch.Tensor]]:
     """A TP rank's tensor of the parameter `name` as a tag's files hold it, per canonical

@@ -15,7 +15,8 @@ A DeepSpeed tag (`workers.checkpoint.saving`) holds the module's weights per TP 
 The layout that wrote the tag (`trident-layout.json`: tp, pp, zero, virtual_stages) says which
 files to read; the TP shards are joined by `workers.checkpoint.full_state.join_shards` under the
 canonical
-names, and `workers.checkpoint.hf_weights.save_hf` writes the folder. Every file is read with
+names, and `workers.checkpoint.hf_weights.write_hf` writes the folder tensor by tensor (each
+joined when it is written: `lazy_full`). Every file is read with
 `torch.load(weights_only=True)`: a checkpoint folder is written by the job's ranks, which may
 run a user's code, so nothing in it is unpickled beyond tensors and plain values.
 
@@ -42,8 +43,8 @@ import torch
 from service.files.checkpoint_dirs import ExportRefused
 from service.files.checkpoint_tags import tag
 from service.planner.shape import ModelShape
-from workers.checkpoint.full_state import join_shards, unfuse
-from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, save_hf
+from workers.checkpoint.full_state import join_shards, unfuse, unfused_names
+from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, Lazy, write_hf
 from workers.checkpoint.tag_forms import flat_layout, optim_states
 
 
@@ -72,81 +73,131 @@ def _load_optimizer(path: str) -> Any:
 
 
 def zero3_module(path: str, tp_rank: int, dp: int) -> dict[str, torch.Tensor]:
-    """TP rank `tp_rank`'s whole module (fp32) from a ZeRO-3 tag's DP partitions, as
+    """TP rank `tp_rank`'s whole module (fp32) from a ZeRO-3 tag's DP partitions
+    (`zero3_lazy`'s tensors, made)."""
+    return {name: make() for name, make in zero3_lazy(path, tp_rank, dp).items()}
+
+
+def zero3_lazy(path: str, tp_rank: int, dp: int) -> dict[str, Lazy]:
+    """TP rank `tp_rank`'s module (fp32, lazy) from a ZeRO-3 tag's DP partitions, as
     DeepSpeed's `zero_to_fp32` joins them (`_zero3_merge_trainable_params`): every rank's
-    parameter groups' flat fp32 partitions concatenated; each parameter, in the order of the
-    model file's `param_shapes`, takes ceil(numel / dp) elements of every rank's flat tensor,
-    joined over the ranks and cut to its numel."""
+    parameter groups' flat fp32 partitions, one after the other; each parameter, in the
+    order of the model file's `param_shapes`, takes ceil(numel / dp) elements of every rank's
+    flat partitions, joined over the ranks and cut to its numel. The optimizer files are
+    mapped, not read: a parameter's elements are read when it is made."""
     shapes: dict[str, Any] = {}
     for group in _load(os.path.join(
             path, f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt"))["param_shapes"]:
         shapes.update(group)
-    flats = [torch.cat(_load_optimizer(optim_states(path, d, tp_rank, ExportRefused))[
-        "optimizer_state_dict"]["fp32_flat_groups"]) for d in range(dp)]
-    out: dict[str, torch.Tensor] = {}
+    flats = [_load_optimizer(optim_states(path, d, tp_rank, ExportRefused))[
+        "optimizer_state_dict"]["fp32_flat_groups"] for d in range(dp)]
+    held = sum(int(g.numel()) for g in flats[0])
+    need = sum(-(-int(torch.Size(s).numel()) // dp) for s in shapes.values())
+    if need > held:
+        raise ExportRefused(f"{path}: the ZeRO-3 partitions hold {held} elements"
+                            f" per rank, the parameters need {need}")
+    out: dict[str, Lazy] = {}
     offset = 0
     for name, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
         part = -(-numel // dp)
-        out[name] = torch.cat([f.narrow(0, offset, part) for f in flats])[:numel].view(
-            tuple(shape)).clone()
+        out[name] = _partitioned(flats, offset, part, numel, tuple(shape))
         offset += part
-    if offset > flats[0].numel():
-        raise ExportRefused(f"{path}: the ZeRO-3 partitions hold {flats[0].numel()} elements"
-                            f" per rank, the parameters need {offset}")
     return out
 
 
+def _partitioned(flats: list[list[torch.Tensor]], offset: int, part: int, numel: int,
+                 shape: tuple[int, ...]) -> Lazy:
+    """A parameter of `zero3_lazy`: elements [offset, offset + part) of each rank's groups
+    (taken as one flat tensor), joined and cut to `numel`."""
+    def make() -> torch.Tensor:
+        return torch.cat([_span(groups, offset, part) for groups in flats])[:numel].view(shape)
+    return make
+
+
+def _span(groups: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of `groups` one after the other, without joining
+    the groups (a rank's whole partition) first."""
+    pieces, at = [], 0
+    for g in groups:
+        n = int(g.numel())
+        lo, hi = max(start, at), min(start + length, at + n)
+        if lo < hi:
+            pieces.append(g.narrow(0, lo - at, hi - lo))
+        at += n
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def consolidate(directory: str, step: int, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """The full tensors (canonical names) of tag `step` under `directory`."""
+    """The full tensors (canonical names) of tag `step` under `directory` (`lazy_full`'s,
+    made)."""
+    return {name: make() for name, make in lazy_full(directory, step, shape).items()}
+
+
+def lazy_full(directory: str, step: int, shape: ModelShape) -> dict[str, Lazy]:
+    """The full tensors (canonical names) of tag `step` under `directory`, lazy: the tag's
+    files are mapped (`torch.load(mmap=True)`), and each tensor's TP shards are joined when it
+    is made, so that the export holds one full tensor at a time."""
     path = os.path.join(directory, tag(step))
     if not os.path.isdir(path):
         raise ExportRefused(f"no checkpoint tag {tag(step)} in {directory}")
     layout = flat_layout(directory, step, ExportRefused, "not exported yet")
     tp, pp = int(layout["tp"]), int(layout["pp"])
-    shards: dict[str, list[torch.Tensor]] = {}
+    shards: dict[str, list[Lazy]] = {}
 
-    def take(k: int, local: str, tensor: torch.Tensor) -> None:
+    def take(k: int, local: str, tensor: Lazy) -> None:
         name = canonical(k, local, shape.layers)
-        if name is not None:  # a fused q/k/v or gate/up cut into its projections
-            for part, piece in unfuse(name, tensor, shape, tp):
-                shards.setdefault(part, []).append(piece)
+        if name is None:  # a tied head's copy of the embedding
+            return
+        parts = unfused_names(name, shape)  # a fused q/k/v or gate/up: its projections
+        for i, part in enumerate(parts):
+            shards.setdefault(part, []).append(
+                tensor if len(parts) == 1 else _piece(name, tensor, shape, tp, i))
 
     for r in range(tp):
         if layout.get("zero") == 3:
-            for key, tensor in zero3_module(path, r, int(layout["dp"])).items():
+            for key, make in zero3_lazy(path, r, int(layout["dp"])).items():
                 _, flat, local = key.split(".", 2)
-                take(int(flat), local, tensor)
+                take(int(flat), local, make)
         elif pp == 1:
             module = _load(os.path.join(path, f"mp_rank_{r:02d}_model_states.pt"))["module"]
             for key, tensor in module.items():
                 _, k, local = key.split(".", 2)
-                take(int(k), local, tensor)
+                take(int(k), local, _const(tensor))
         else:
             for k in range(shape.layers + 2):
                 for local, tensor in _load(os.path.join(
                         path, f"layer_{k:02d}-model_{r:02d}-model_states.pt")).items():
-                    take(k, local, tensor)
-    full = {}
+                    take(k, local, _const(tensor))
     for name, parts in shards.items():
         if len(parts) != tp:
             raise ExportRefused(f"{path}: {name} has {len(parts)} TP shards, not tp({tp})")
-        # No copy: one TP shard is the tag's own tensor, mapped from its file, and several
-        # are joined into a new one (`write_safetensors` writes either as it is).
-        full[name] = join_shards(name, parts)
-    return full
+    # No copy: one TP shard is the tag's own tensor, mapped from its file, and several
+    # are joined into a new one (`write_safetensors` writes either as it is).
+    return {name: _joined(name, parts) for name, parts in shards.items()}
+
+
+def _const(t: torch.Tensor) -> Lazy:
+    return lambda: t
+
+
+def _piece(name: str, make: Lazy, shape: ModelShape, tp: int, i: int) -> Lazy:
+    return lambda: unfuse(name, make(), shape, tp)[i][1]
+
+
+def _joined(name: str, parts: list[Lazy]) -> Lazy:
+    return lambda: join_shards(name, [p() for p in parts])
 
 
 def export(directory: str, step: int, shape: ModelShape, out: str,
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write tag `step` of the checkpoint folder `directory` as a Hugging Face model folder
-    `out` (`config.json`, safetensors); the files written. ExportRefused naming why not."""
+    `out` (`config.json`, safetensors in shards of at most `max_shard_bytes`, tensor by
+    tensor: `write_hf`); the files written. ExportRefused naming why not."""
     try:
-        full = consolidate(directory, step, shape)
+        return write_hf(shape, lazy_full(directory, step, shape), out, max_shard_bytes)
     except (OSError, KeyError) as exc:
         raise ExportRefused(f"{directory}/{tag(step)}: {exc}") from exc
-    try:
-        return save_hf(shape, full, out, max_shard_bytes)
     except ValueError as exc:
         raise ExportRefused(str(exc)) from exc
 

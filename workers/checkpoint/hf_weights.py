@@ -7,7 +7,7 @@ In (`init.from_hf: PATH`, `load_init`): a folder with `model.safetensors`, or th
 tensor (`safetensors.safe_open(...).get_slice`), so that each rank reads only its TP shard of
 the tensors of its pipeline stage.
 
-Out (`to_hf`, `hf_config`, `save_hf`): the full tensors under Hugging Face's names, the
+Out (`to_hf_lazy`, `hf_config`, `write_hf`): the full tensors under Hugging Face's names, the
 `config.json` that `transformers` builds the same model from, and safetensors files (sharded
 above `max_shard_bytes`, with `model.safetensors.index.json`).
 
@@ -49,8 +49,8 @@ from workers.modeling.tp import RankGroups
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-"""Above this many bytes the export writes several files (transformers' default, 5 GB)."""
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""Above this many bytes the export writes several files (transformers' default, 5GB)."""
 
 
 def family(shape: ModelShape) -> str:
@@ -250,31 +250,50 @@ def load_init(model: nn.Module, spec: Any, groups: RankGroups | None) -> None:
 
 # --- out ---------------------------------------------------------------------------------
 
-def to_hf(shape: ModelShape, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The full tensors (canonical names) under Hugging Face's names and layouts."""
+Lazy = Callable[[], torch.Tensor]
+"""A tensor made when called (read from a tag's files, or joined from its shards), so that
+the export holds one at a time beside the shard it writes."""
+
+
+def _const(t: torch.Tensor) -> Lazy:
+    return lambda: t
+
+
+def to_hf_lazy(shape: ModelShape, full: dict[str, Lazy]) -> dict[str, Lazy]:
+    """The full tensors (canonical names, lazy) under Hugging Face's names and layouts, each
+    made from the canonical ones it is made of when it is called (GPT-2's `c_attn` joins
+    three)."""
+    def contiguous(*names: str, t: bool = False) -> Lazy:
+        def make() -> torch.Tensor:
+            parts = [full[n]() for n in names]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return (out.t() if t else out).contiguous()
+        return make
+
     if family(shape) != "gpt2":
         names = _llama_names(shape)
-        return {names[k]: v.contiguous() for k, v in full.items() if k in names}
+        return {names[k]: contiguous(k) for k in full if k in names}
     p = "transformer."
-    out = {p + "wte.weight": full["embed.tok"], p + "wpe.weight": full["embed.pos"],
-           p + "ln_f.weight": full["head.ln.weight"], p + "ln_f.bias": full["head.ln.bias"]}
+    out = {p + "wte.weight": contiguous("embed.tok"), p + "wpe.weight": contiguous("embed.pos"),
+           p + "ln_f.weight": contiguous("head.ln.weight"),
+           p + "ln_f.bias": contiguous("head.ln.bias")}
     if not shape.tied:
-        out["lm_head.weight"] = full["head.weight"]
+        out["lm_head.weight"] = contiguous("head.weight")
     for i in range(shape.layers):
         c, h = f"layers.{i}.", f"{p}h.{i}."
-        out[h + "ln_1.weight"], out[h + "ln_1.bias"] = full[c + "ln1.weight"], full[c + "ln1.bias"]
-        out[h + "ln_2.weight"], out[h + "ln_2.bias"] = full[c + "ln2.weight"], full[c + "ln2.bias"]
-        out[h + "attn.c_attn.weight"] = torch.cat(
-            [full[c + "q.weight"], full[c + "k.weight"], full[c + "v.weight"]]).t()
-        out[h + "attn.c_attn.bias"] = torch.cat(
-            [full[c + "q.bias"], full[c + "k.bias"], full[c + "v.bias"]])
-        out[h + "attn.c_proj.weight"] = full[c + "o.weight"].t()
-        out[h + "attn.c_proj.bias"] = full[c + "o_bias"]
-        out[h + "mlp.c_fc.weight"] = full[c + "up.weight"].t()
-        out[h + "mlp.c_fc.bias"] = full[c + "up.bias"]
-        out[h + "mlp.c_proj.weight"] = full[c + "down.weight"].t()
-        out[h + "mlp.c_proj.bias"] = full[c + "down_bias"]
-    return {k: v.contiguous() for k, v in out.items()}
+        for hf, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
+            out[f"{h}{hf}.weight"] = contiguous(f"{c}{ours}.weight")
+            out[f"{h}{hf}.bias"] = contiguous(f"{c}{ours}.bias")
+        out[h + "attn.c_attn.weight"] = contiguous(
+            c + "q.weight", c + "k.weight", c + "v.weight", t=True)
+        out[h + "attn.c_attn.bias"] = contiguous(c + "q.bias", c + "k.bias", c + "v.bias")
+        out[h + "attn.c_proj.weight"] = contiguous(c + "o.weight", t=True)
+        out[h + "attn.c_proj.bias"] = contiguous(c + "o_bias")
+        out[h + "mlp.c_fc.weight"] = contiguous(c + "up.weight", t=True)
+        out[h + "mlp.c_fc.bias"] = contiguous(c + "up.bias")
+        out[h + "mlp.c_proj.weight"] = contiguous(c + "down.weight", t=True)
+        out[h + "mlp.c_proj.bias"] = contiguous(c + "down_bias")
+    return out
 
 
 def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
@@ -323,37 +342,58 @@ def hf_config(shape: ModelShape, dtype: str = "float32") -> dict[str, Any]:
 
 def save_hf(shape: ModelShape, full: dict[str, torch.Tensor], out: str,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write `config.json` and the safetensors of the full tensors `full` into the folder
-    `out` (several files with `model.safetensors.index.json` above `max_shard_bytes`); the
-    files written."""
-    tensors = to_hf(shape, full)
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    """`write_hf` of tensors already made."""
+    return write_hf(shape, {k: _const(v) for k, v in full.items()}, out, max_shard_bytes)
+
+
+def write_hf(shape: ModelShape, full: dict[str, Lazy], out: str,
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write the folder `out` as `transformers`' `save_pretrained` does: `config.json` and
+    the tensors `full` (canonical names, lazy) under Hugging Face's names, in one
+    `model.safetensors` when they fit in `max_shard_bytes`, else in shards
+    `model-0000k-of-0000n.safetensors` of at most that many bytes each (a tensor larger has
+    one of its own) named by `model.safetensors.index.json` (`weight_map`,
+    `metadata.total_size`). Tensor by tensor: a shard is written once the next tensor would
+    not fit in it, so that one shard and one tensor are held at most (its number in the
+    names is known only at the end: each is written as `.shard-<k>` and renamed). The files
+    written."""
+    tensors = to_hf_lazy(shape, full)
     os.makedirs(out, exist_ok=True)
+    meta = {"format": "pt"}
+    shards: list[list[str]] = []  # each shard's tensor names, once written
+    dtypes: set[str] = set()
+    held: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        write_safetensors(held, os.path.join(out, f".shard-{len(shards)}"), meta)
+        shards.append(list(held))
+        held.clear()
+
+    for name, make in tensors.items():
+        t = make()
+        n = t.numel() * t.element_size()
+        if held and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        held[name], size, total = t, size + n, total + n
+        dtypes.add(str(t.dtype).removeprefix("torch."))
+        del t
+    flush()
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(shape, dtypes.pop() if len(dtypes) == 1 else "float32"), f,
                   indent=2)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
     written = ["config.json"]
-    meta = {"format": "pt"}
     if len(shards) == 1:
-        write_safetensors(shards[0], os.path.join(out, SINGLE), meta)
+        os.replace(os.path.join(out, ".shard-0"), os.path.join(out, SINGLE))
         return [*written, SINGLE]
     weight_map = {}
     width = max(5, int(math.log10(len(shards))) + 1)
-    for i, shard in enumerate(shards):
+    for i, names in enumerate(shards):
         name = f"model-{i + 1:0{width}d}-of-{len(shards):0{width}d}.safetensors"
-        write_safetensors(shard, os.path.join(out, name), meta)
-        weight_map.update(dict.fromkeys(shard, name))
+        os.replace(os.path.join(out, f".shard-{i}"), os.path.join(out, name))
+        weight_map.update(dict.fromkeys(names, name))
         written.append(name)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(out, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return [*written, INDEX]
