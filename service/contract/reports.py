@@ -144,6 +144,10 @@ class StepReport(BaseModel):
     """Why the checkpoint due after this step was not saved (the disk is full, ...): its
     partial tag is removed, the newest complete one stays the one to resume from, and
     training goes on; the controller stores it as a `checkpoint` event of the job."""
+    checkpoint_step: int | None = Field(default=None, ge=1, le=10_000_000)
+    """The step of `checkpoint` (or of `checkpoint_error`) when it is not this step's: a
+    save in the background (`checkpoint.async`) is reported with the step at which it was
+    complete."""
     checkpoint_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
     """Size on disk of the checkpoint saved after this step (rank 0's count)."""
     checkpoints_removed: list[Annotated[int, Field(ge=1, le=10_000_000)]] | None = Field(
@@ -175,7 +179,8 @@ class StepReport(BaseModel):
     eval_s: float | None = Field(default=None, ge=0, le=86400)
     """Seconds the evaluation after this step took (None: none ran)."""
     save_s: float | None = Field(default=None, ge=0, le=86400)
-    """Seconds the checkpoint save after this step kept the loop waiting (None: none)."""
+    """Seconds the checkpoint save after this step kept the loop waiting (None: none): with
+    `checkpoint.async`, the snapshot to host memory (and any wait for the save before)."""
     load_s: float | None = Field(default=None, ge=0, le=86400)
     """With an attempt's first step: seconds it took to load the checkpoint it resumed
     from (None: it started fresh)."""

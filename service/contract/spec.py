@@ -483,6 +483,10 @@ class InitSpec(_Strict):
 class CheckpointSpec(_Strict):
     """Periodic DeepSpeed checkpoints, used to resume a restarted attempt."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True,
+                              validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
+
     every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
     """Save every this many steps; 0 saves none."""
     dir: OsPath | None = None
@@ -494,6 +498,11 @@ class CheckpointSpec(_Strict):
     keep_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With `keep_last`: also keep every tag whose step is a multiple of this (a multiple of
     `every_steps`, so that such tags are saved at all)."""
+    background: bool = Field(default=False, alias="async")
+    """`async`: the loop waits only while each rank copies its state to host memory; a
+    thread per rank writes the files, and the tag is marked complete at a later step boundary
+    once every rank's are durable (`workers.checkpoint.background`). False by default this
+    round: a save then blocks the loop until its tag is complete."""
     resume_from: ResumeFrom | None = None
     """The job starts from this tag of another job (read there, never written): its first
     attempt finds it in its own folder (`service.files.checkpoint_dirs.seed`). Set by

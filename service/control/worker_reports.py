@@ -95,10 +95,11 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
     # After the rows: a poll whose rows failed to store comes again, and its events with it.
     for report in failed_saves:
         store.add_event(job_id=job_id, attempt=attempt, kind="checkpoint",
-                        message=f"the checkpoint of step {report.step} was not saved; training"
+                        message=f"the checkpoint of step {report.checkpoint_step or report.step}"
+                        " was not saved; training"
                         " goes on, and a restart resumes from the newest complete checkpoint:"
                         f" {redact(report.checkpoint_error or '')}",
-                        data={"step": report.step,
+                        data={"step": report.checkpoint_step or report.step,
                               "error": redact(report.checkpoint_error or "")})
     for report in guarded:
         for kind, message, data in guard_events(report):
@@ -117,7 +118,8 @@ def store_poll(store: Store, ingest: MetricsIngest, *, job_id: int, attempt: int
         layout = store.get_job(job_id=job_id).plan.layout.model_dump(mode="json")
         for report in saves:
             assert report.checkpoint_bytes is not None
-            index.saved(job_id=job_id, attempt=attempt, step=report.step,
+            index.saved(job_id=job_id, attempt=attempt,
+                        step=report.checkpoint_step or report.step,
                         size=report.checkpoint_bytes, layout=layout,
                         removed=report.checkpoints_removed)
     return len(rows)

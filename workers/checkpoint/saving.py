@@ -246,7 +246,8 @@ class _HeldEngine:
 
 
 @contextmanager
-def _writes_held(engine: Any) -> Iterator[_Held]:
+def _writes_held(engine: Any,
+                 wrap: Callable[[Any, _Held], Any] = _HeldEngine) -> Iterator[_Held]:
     """DeepSpeed's engine with every write of `save_checkpoint` held: its shards go through
     `checkpoint_engine`, so that the collectives between them (its barriers, the tag check)
     still run on every rank. Global rank 0 also copies DeepSpeed's recovery scripts
@@ -254,7 +255,7 @@ def _writes_held(engine: Any) -> Iterator[_Held]:
     disk refuses is let go."""
     held = _Held()
     files = engine.checkpoint_engine
-    engine.checkpoint_engine = _HeldEngine(files, held)
+    engine.checkpoint_engine = wrap(files, held)
     copy = getattr(engine, "_copy_recovery_script", None)  # DeepSpeed's, not public
     if copy is not None:
         engine._copy_recovery_script = lambda save_path: _Held().run(save_path, copy,
@@ -276,14 +277,22 @@ def save(engine, directory: str, step: int, spec: JobSpec | None = None,
     written of it (see the module). `consumed_samples`: the global samples read so far
     (`workers.trainer.data`), kept with it. `steps`: writes this rank's unacknowledged step reports
     into the tag (given its path; `service.files.tag_steps`), before it is marked complete."""
-    policy = spec.checkpoint if spec is not None else None
+    held = begin(engine, directory, step, consumed_samples, steps)
+    return finish(directory, step, spec, held)
+
+
+def begin(engine, directory: str, step: int, consumed_samples: int | None,
+          steps: Callable[[str], None] | None,
+          wrap: Callable[[Any, _Held], Any] = _HeldEngine) -> _Held:
+    """Collective (DeepSpeed's own barriers): `save`'s writes of tag step<N> on this rank,
+    through `wrap`'s checkpoint engine; their errors and digests held."""
     held = _Held()
     client_state = {"step": step, "data_position": step, "rng": _rng_state(),
                     "consumed_samples": consumed_samples,
                     # what DeepSpeed's universal conversion asks of the client (no TP split)
                     "universal_checkpoint_info": {}}
     if hasattr(engine, "checkpoint_engine"):  # DeepSpeed's, with collectives inside
-        with _writes_held(engine) as held:
+        with _writes_held(engine, wrap) as held:
             engine.save_checkpoint(directory, tag=tag(step), client_state=client_state,
                                    save_latest=False)  # resume reads COMPLETE, not `latest`
     else:  # workers.trainer.interleaved: one file per rank, no collective inside
@@ -292,6 +301,14 @@ def save(engine, directory: str, step: int, spec: JobSpec | None = None,
     path = os.path.join(directory, tag(step))
     if steps is not None:  # shared with the shards' errors below: marked only once written
         held.run(os.path.join(path, STEPS_DIR), steps, path)
+    return held
+
+
+def finish(directory: str, step: int, spec: JobSpec | None, held: _Held) -> Saved:
+    """Collective, once this rank's writes of tag step<N> are done (`held`): the ranks share
+    their errors and digests; rank 0 marks the tag complete and prunes, or removes it."""
+    policy = spec.checkpoint if spec is not None else None
+    path = os.path.join(directory, tag(step))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (held.error, held.digests))
     failed = "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e) or None

@@ -49,7 +49,7 @@ from service.files import tag_steps
 from service.planner import evaluate
 from service.planner.shape import ModelShape
 from service.planner.stored import RankPlan, StoredPlan, plan_json
-from workers.checkpoint import hf_weights
+from workers.checkpoint import background, hf_weights
 from workers.checkpoint import saving as checkpoint
 from workers.modeling import compiled
 from workers.modeling.model import GPT, Block, building, loss_for
@@ -305,11 +305,14 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                                  ctx.plan.memory_predicted_bytes)
 
     last: StepReport | None = None
+    pending: background.Pending | None = None  # checkpoint.async: the save being written
     planned = t.global_batch  # the batch the engine was built for
     for step in range(start, t.steps):
         # Every rank stops at the same step boundary, even when `stop` reached some ranks a
         # step later than others: a rank that left alone would leave its peers in a collective.
         if world_any(stop.is_set(), device):
+            if pending is not None and last is not None:
+                last, pending = _settle(pending, last, report), None
             if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
                     ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
                 report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec, consumed,
@@ -375,6 +378,17 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             skipped=outcome.skipped or None, guard=outcome.why,
             skipped_steps=keeper.skipped_steps or None, rollbacks=keeper.rollbacks or None,
             memory=meter.report())
+        due = bool(ctx.checkpoint_dir and spec.checkpoint.every_steps and
+                   (step + 1) % spec.checkpoint.every_steps == 0)
+        blocked = 0.0
+        # A save in the background is marked at the first step boundary where every rank's
+        # files are durable, and before the next save or a rollback (one in flight at a time).
+        if pending is not None and (due or outcome.rollback is not None
+                                    or not world_any(not pending.written(), device)):
+            t_mark = time.perf_counter()
+            last = last.model_copy(update=_saved_fields(pending.finish(), pending.step))
+            pending, blocked = None, time.perf_counter() - t_mark
+            last = last.model_copy(update={"save_s": blocked})
         if outcome.rollback is not None:
             consumed, to_step = _roll_back(engine, ctx, spec, groups, keeper, outcome)
             source.cover(consumed + (t.steps - step - 1) * t.global_batch
@@ -382,8 +396,13 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
             last = last.model_copy(update={"rollback": GuardRollback(
                 to_step=to_step, samples=[list(r) for r in outcome.bad],
                 reason=outcome.rollback)})
-        elif ctx.checkpoint_dir and spec.checkpoint.every_steps and \
-                (step + 1) % spec.checkpoint.every_steps == 0:
+        elif due and ctx.checkpoint_dir and spec.checkpoint.background:
+            # save_s: the snapshot to host memory only; the tag is reported once marked.
+            t_save = time.perf_counter()
+            pending = background.begin(engine, ctx.checkpoint_dir, step + 1, spec,
+                                       progress.samples, steps_writer(ctx, last))
+            last = last.model_copy(update={"save_s": blocked + time.perf_counter() - t_save})
+        elif due and ctx.checkpoint_dir:
             # A save the disk refuses is reported with the step; training goes on. The tag
             # carries this step's report too: it is reported only after the save.
             t_save = time.perf_counter()
@@ -391,11 +410,32 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                                     consumed_samples=progress.samples,
                                     steps=steps_writer(ctx, last))
             last = last.model_copy(update={
-                "checkpoint": saved.path, "checkpoint_error": saved.error,
-                "checkpoint_bytes": saved.bytes, "save_s": time.perf_counter() - t_save,
-                "checkpoints_removed": list(saved.removed) or None})
+                **_saved_fields(saved, None), "save_s": time.perf_counter() - t_save})
         report(last)
+    if pending is not None and last is not None:
+        _settle(pending, last, report)
     engine.destroy()
+
+
+def _saved_fields(saved: checkpoint.Saved, step: int | None) -> dict[str, Any]:
+    """A step report's fields of a save (`step`: the tag's, when not the report's own)."""
+    return {"checkpoint": saved.path, "checkpoint_error": saved.error,
+            "checkpoint_bytes": saved.bytes, "checkpoint_step": step,
+            "checkpoints_removed": list(saved.removed) or None}
+
+
+def _settle(pending: background.Pending, last: StepReport, report: Report) -> StepReport:
+    """Collective: wait for the save in the background and mark it; report it with `last`
+    again (the controller stores a step once, and records the tag); `last` with it when the
+    save was of that step, else `last` as it was."""
+    t_mark = time.perf_counter()
+    saved = pending.finish()
+    blocked = time.perf_counter() - t_mark
+    own = pending.step == last.step
+    done = last.model_copy(update={**_saved_fields(saved, pending.step),
+                                   "save_s": blocked + (last.save_s or 0.0 if own else 0.0)})
+    report(done)
+    return done if own else last
 
 
 def build_engine(spec: JobSpec, shape: ModelShape, row: RankPlan, device: torch.device,

@@ -1,0 +1,75 @@
+"""Saves in the background (`checkpoint.async`, `workers.checkpoint.background`) on real
+DeepSpeed ranks (2 CPU ranks, gloo): a run saved asynchronously resumes with the losses of one
+saved synchronously (fp32 and bf16), the tag reported with the step at which it was complete;
+a rank killed while its thread writes a tag leaves it without its marker, and the job resumes
+from the tag before."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service.contract.spec import JobSpec
+from tests.conftest import tiny_spec
+from tests.workers_spawn import losses, run_ranks
+from workers.checkpoint.background import DIE_WRITING
+from workers.checkpoint.saving import MARKER
+
+
+def spec(precision: str, background: bool) -> JobSpec:
+    return JobSpec.model_validate(tiny_spec(
+        train={"steps": 5, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
+               "precision": precision},
+        checkpoint={"every_steps": 2, "async": background}))
+
+
+def test_the_spec_names_it_async_and_it_is_off_by_default() -> None:
+    assert JobSpec.model_validate(tiny_spec()).checkpoint.background is False
+    on = spec("fp32", True)
+    assert on.checkpoint.background is True
+    assert on.model_dump(mode="json")["checkpoint"]["async"] is True
+    assert JobSpec.model_validate_json(on.model_dump_json()).checkpoint.background is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_async_save_resumes_with_the_losses_of_a_synchronous_one(
+        precision: str, tmp_path: Path) -> None:
+    runs = {}
+    for background in (False, True):
+        folder = tmp_path / ("async" if background else "sync")
+        runs[background] = run_ranks(spec(precision, background), checkpoint_dir=str(folder),
+                                     attempts=[3, None])
+        assert (folder / "step2" / MARKER).exists() and (folder / "step4" / MARKER).exists()
+    (sync_first, sync_second), (async_first, async_second) = runs[False], runs[True]
+    assert {r["resumed_from"] for r in async_second} == {2}
+    assert losses(async_first) == losses(sync_first)
+    assert losses(async_second) == losses(sync_second), f"{precision}: the same losses on resume"
+    # Synchronous: the tag goes with its own step. Async: with the step it was complete at
+    # (a later one, or step 2 again when the stop after step 3 waited for it), named.
+    [tagged] = [r for r in sync_first if r["rank"] == 0 and r["checkpoint"]]
+    assert tagged["step"] == 2 and tagged.get("checkpoint_step") is None
+    marked = [r for r in async_first if r["rank"] == 0 and r["checkpoint"]]
+    assert [r["checkpoint_step"] for r in marked] == [2] and marked[0]["step"] >= 2
+    assert marked[0]["checkpoint"].endswith("step2") and marked[0]["checkpoint_bytes"] > 0
+    blocked = [r["save_s"] for r in async_first if r["rank"] == 0 and r["step"] == 2]
+    assert blocked and all(b is not None for b in blocked)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_writing_in_the_background_leaves_no_complete_tag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "ck"
+    monkeypatch.setenv(DIE_WRITING, "1:4")
+    # Rank 1 gone, rank 0 fails in its next collective (or is found with its peer dead).
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] died|rank 0 failed"):
+        run_ranks(spec("fp32", True), checkpoint_dir=str(folder))
+    monkeypatch.delenv(DIE_WRITING)
+    assert (folder / "step2" / MARKER).exists()
+    assert (folder / "step4").is_dir() and not (folder / "step4" / MARKER).exists()
+    assert os.listdir(folder / "step4"), "the killed rank's thread had begun writing"
+    (reports,) = run_ranks(spec("fp32", True), checkpoint_dir=str(folder))
+    assert {r["resumed_from"] for r in reports} == {2}
+    assert (folder / "step4" / MARKER).exists(), "saved anew, and marked this time"
