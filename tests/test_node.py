@@ -127,12 +127,15 @@ def test_node_stop_stops_only_what_it_recorded(tmp_path: Path) -> None:
 
 def _fake_ray(tmp_path: Path, *, ready: bool, code: int) -> list[str]:
     """A stand-in for `ray start --block` (which needs a head to join): says `READY` or not,
-    counts its runs in a file, exits with `code`."""
+    counts its runs in a file (replaced whole, so that a reader never sees it half written),
+    exits with `code`."""
     script = tmp_path / "fake_ray.py"
     script.write_text(
-        "import pathlib, sys\n"
+        "import os, pathlib, sys\n"
         f"runs = pathlib.Path({str(tmp_path / 'runs')!r})\n"
-        "runs.write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else '1')\n"
+        "new = runs.with_suffix('.new')\n"
+        "new.write_text(str(int(runs.read_text()) + 1) if runs.exists() else '1')\n"
+        "os.replace(new, runs)\n"
         + (f"print({READY!r}, flush=True)\n" if ready else "")
         + f"sys.exit({code})\n")
     return [sys.executable, str(script), "start", "--block"]
