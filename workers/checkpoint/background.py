@@ -29,6 +29,7 @@ its own storage, where DeepSpeed's `torch.save` may keep a view's whole buffer).
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections import OrderedDict
@@ -48,8 +49,8 @@ written the first file of the save of that step, as a rank killed mid-write."""
 
 def _to_host(obj: Any) -> Any:
     """A copy of `obj` that the training's next steps cannot change: every tensor cloned to
-    host memory, the containers around them copied; anything else is kept as it is (DeepSpeed
-    puts numbers, strings and its config there, none of them changed in place later)."""
+    host memory, the containers around them copied, any other object deep-copied (fp16's loss
+    scaler changes its scale in place at later steps); one that cannot be copied is kept."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -59,7 +60,10 @@ def _to_host(obj: Any) -> Any:
         return [_to_host(v) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_to_host(v) for v in obj)
-    return obj
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # noqa: BLE001 - not copyable: written as it is then
+        return obj
 
 
 class _Snapshots:
