@@ -1,8 +1,8 @@
 """Saves in the background (`checkpoint.async`, `workers.checkpoint.background`) on real
 DeepSpeed ranks (2 CPU ranks, gloo): a run saved asynchronously resumes with the losses of one
-saved synchronously (fp32 and bf16), the tag reported with the step at which it was complete;
-a rank killed while its thread writes a tag leaves it without its marker, and the job resumes
-from the tag before."""
+saved synchronously (fp32 ZeRO-2, bf16 ZeRO-3, fp32 PP 2), the tag reported with the step at
+which it was complete; a rank killed while its thread writes a tag leaves it without its
+marker, and the job resumes from the tag before."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from workers.checkpoint.background import DIE_WRITING
 from workers.checkpoint.saving import MARKER
 
 
-def spec(precision: str, background: bool) -> JobSpec:
+def spec(precision: str, background: bool,
+         parallel: dict[str, int] | None = None) -> JobSpec:
     return JobSpec.model_validate(tiny_spec(
         train={"steps": 5, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
                "precision": precision},
+        parallel=parallel or {"dp": 2, "zero": 2},
         checkpoint={"every_steps": 2, "async": background}))
 
 
@@ -40,14 +42,16 @@ def per_step(rows: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("precision", "parallel"), [
+    ("fp32", {"dp": 2, "zero": 2}), ("bf16", {"dp": 2, "zero": 3}),
+    ("fp32", {"pp": 2, "zero": 1})], ids=["fp32-zero2", "bf16-zero3", "fp32-pp2"])
 def test_an_async_save_resumes_with_the_losses_of_a_synchronous_one(
-        precision: str, tmp_path: Path) -> None:
+        precision: str, parallel: dict[str, int], tmp_path: Path) -> None:
     runs = {}
     for background in (False, True):
         folder = tmp_path / ("async" if background else "sync")
-        runs[background] = run_ranks(spec(precision, background), checkpoint_dir=str(folder),
-                                     attempts=[3, None])
+        runs[background] = run_ranks(spec(precision, background, parallel),
+                                     checkpoint_dir=str(folder), attempts=[3, None])
         assert (folder / "step2" / MARKER).exists() and (folder / "step4" / MARKER).exists()
     (sync_first, sync_second), (async_first, async_second) = runs[False], runs[True]
     assert {r["resumed_from"] for r in async_second} == {2}
