@@ -173,7 +173,7 @@ def lazy_full(directory: str, step: int, shape: ModelShape) -> dict[str, Lazy]:
         if len(parts) != tp:
             raise ExportRefused(f"{path}: {name} has {len(parts)} TP shards, not tp({tp})")
     # No copy: one TP shard is the tag's own tensor, mapped from its file, and several
-    # are joined into a new one (`write_safetensors` writes either as it is).
+    # are joined into a new one (`safetensors_out.write_safetensors` writes either as it is).
     return {name: _joined(name, parts) for name, parts in shards.items()}
 
 
