@@ -433,7 +433,7 @@ def _settle(pending: background.Pending, last: StepReport, report: Report) -> St
     blocked = time.perf_counter() - t_mark
     own = pending.step == last.step
     done = last.model_copy(update={**_saved_fields(saved, pending.step),
-                                   "save_s": blocked + (last.save_s or 0.0 if own else 0.0)})
+                                   "save_s": blocked + ((last.save_s or 0.0) if own else 0.0)})
     report(done)
     return done if own else last
 
