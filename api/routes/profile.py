@@ -16,7 +16,8 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Who, check_owner, require
-from api.deps import INT32_MAX, JobDep, StoreDep
+from api.deps import INT32_MAX, JobDep
+from api.routes.job_requests import created, found, made_once, running
 from api.schemas import Refusal
 from client.payloads import (
     PROFILE_MAX_OPEN,
@@ -24,10 +25,8 @@ from client.payloads import (
     ProfileList,
     ProfileRequest,
 )
-from service.contract.states import JobState
 from service.files.profiles import NAME, ProfileFiles, profile_root
-from service.store import NotFound
-from service.store.profile_requests import ProfileRequests, TooManyOpen, stored_bytes
+from service.store.profile_requests import ProfileRequests, stored_bytes
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -55,15 +54,8 @@ FileName = Annotated[str, Path(max_length=80, pattern=NAME.pattern,
                                description="A trace file's name, as the request lists it.")]
 
 
-async def _requests(request: Request, store: StoreDep) -> ProfileRequests:
-    """The app's `ProfileRequests` on its store (made once)."""
-    found: ProfileRequests | None = getattr(request.app.state, "profile_requests", None)
-    if found is None:
-        found = request.app.state.profile_requests = ProfileRequests(store)
-    return found
-
-
-Requests = Annotated[ProfileRequests, Depends(_requests)]
+Requests = Annotated[ProfileRequests,
+                     Depends(made_once("profile_requests", ProfileRequests))]
 
 
 @router.post("/{job_id}/profile", status_code=202,
@@ -86,15 +78,10 @@ def request_profile(job: JobDep, requests: Requests, who: Who,
             "loc": ["body", "ranks"], "type": "value_error",
             "msg": f"rank(s) {outside[:8]} outside the job's world size {world} (0 to"
                    f" {world - 1})"}])
-    if job.state != JobState.RUNNING:
-        raise HTTPException(status_code=409, detail=f"job {job.id} is {job.state.value}: only"
-                            " a RUNNING job has ranks to profile")
+    running(job, "profile")
     ranks = sorted(set(ask.ranks)) if ask.ranks else list(range(world))
-    try:
-        return requests.create(job_id=job.id, requested_by=who.name, steps=ask.steps,
-                               ranks=ranks, memory=ask.memory)
-    except TooManyOpen as exc:
-        raise HTTPException(status_code=429, detail=str(exc)) from None
+    return created(lambda: requests.create(job_id=job.id, requested_by=who.name,
+                                           steps=ask.steps, ranks=ranks, memory=ask.memory))
 
 
 @router.get("/{job_id}/profile", dependencies=[Depends(require("jobs:read"))])
@@ -108,10 +95,7 @@ def list_profiles(job: JobDep, requests: Requests) -> ProfileList:
 def get_profile(job: JobDep, requests: Requests,
                 request_id: ProfileRequestId) -> ProfileRequest:
     """A profile request and, once `done`, its files (`files`) and steps."""
-    try:
-        return requests.get(job_id=job.id, request_id=request_id)
-    except NotFound as exc:
-        raise HTTPException(status_code=404, detail=str(exc)) from None
+    return found(lambda: requests.get(job_id=job.id, request_id=request_id))
 
 
 @router.get("/{job_id}/profile/{request_id}/files/{name}",
@@ -122,10 +106,7 @@ def get_profile_file(job: JobDep, requests: Requests, request: Request,
     """One trace file of a request, streamed as stored (gzip): Chrome trace JSON
     (`*.pt.trace.json.gz`: Perfetto, TensorBoard's profile plugin), the memory timeline, or
     the CUDA memory snapshot."""
-    try:
-        req = requests.get(job_id=job.id, request_id=request_id)
-    except NotFound as exc:
-        raise HTTPException(status_code=404, detail=str(exc)) from None
+    req = found(lambda: requests.get(job_id=job.id, request_id=request_id))
     files = ProfileFiles(profile_root(request.app.state.settings.data_dir))
     path = files.path(job.id, req.id, name) if name in {f.name for f in req.files} else None
     if path is None:

@@ -9,29 +9,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Request
+from fastapi import APIRouter, Depends, Path
 
 from api.auth import Who, check_owner, require
-from api.deps import INT32_MAX, JobDep, StoreDep
+from api.deps import INT32_MAX, JobDep
+from api.routes.job_requests import created, found, made_once, running
 from api.schemas import Refusal
-from service.contract.states import JobState
-from service.store import NotFound
-from service.store.stack_requests import StackRequest, StackRequests, TooManyOpen
+from service.store.stack_requests import StackRequest, StackRequests
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 StackRequestId = Annotated[int, Path(ge=1, le=INT32_MAX, description="A stack request's id.")]
-
-
-async def _requests(request: Request, store: StoreDep) -> StackRequests:
-    """The app's `StackRequests` on its store (made once)."""
-    found: StackRequests | None = getattr(request.app.state, "stack_requests", None)
-    if found is None:
-        found = request.app.state.stack_requests = StackRequests(store)
-    return found
-
-
-Requests = Annotated[StackRequests, Depends(_requests)]
+Requests = Annotated[StackRequests, Depends(made_once("stack_requests", StackRequests))]
 
 
 @router.post("/{job_id}/stacks", status_code=202,
@@ -44,20 +33,12 @@ def request_stacks(job: JobDep, requests: Requests, who: Who) -> StackRequest:
     `GET /jobs/{id}/stacks/{request_id}` until `status` is `done` (or `failed`). 409 when the
     job is not running; 429 when it has 4 requests waiting already."""
     check_owner(who, "jobs:stacks", job.owner)
-    if job.state != JobState.RUNNING:
-        raise HTTPException(status_code=409, detail=f"job {job.id} is {job.state.value}: only"
-                            " a RUNNING job has ranks to ask for their stacks")
-    try:
-        return requests.create(job_id=job.id, requested_by=who.name)
-    except TooManyOpen as exc:
-        raise HTTPException(status_code=429, detail=str(exc)) from None
+    running(job, "ask for their stacks")
+    return created(lambda: requests.create(job_id=job.id, requested_by=who.name))
 
 
 @router.get("/{job_id}/stacks/{request_id}", dependencies=[Depends(require("jobs:read"))])
 def get_stacks(job: JobDep, requests: Requests, request_id: StackRequestId) -> StackRequest:
     """A stack request and, once `done`, its answer: per thread (the rank's work thread,
     `train`, first) the ranks grouped by identical stack, and the ranks that did not answer."""
-    try:
-        return requests.get(job_id=job.id, request_id=request_id)
-    except NotFound as exc:
-        raise HTTPException(status_code=404, detail=str(exc)) from None
+    return found(lambda: requests.get(job_id=job.id, request_id=request_id))

@@ -12,12 +12,11 @@ answered.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from service.cluster.data_plane import WorkerGroup
-from service.control.stack_collect import Asking
+from service.control.asking import Asking, ask_beside, unanswerable
 from service.files.profiles import NAME, ProfileFiles
 from service.store.profile_requests import (
     PROFILE_MAX_JOB_BYTES,
@@ -58,37 +57,21 @@ class ProfileCollector:
             if req.id in self._inflight or (req.job_id in profiling
                                             and req.status == StackStatus.PENDING):
                 continue  # a job's ranks profile for one request at a time: it waits its turn
-            if req.status == StackStatus.RUNNING:
-                self.requests.finish(request_id=req.id, error="the controller profiling the"
-                                     " ranks stopped before their traces came; ask again")
-            elif self.files is None:
-                self.requests.finish(request_id=req.id, error="this controller has no data"
-                                     " directory to store traces in")
-            elif req.job_id not in groups:
-                self.requests.finish(request_id=req.id, error=f"job {req.job_id} has no"
-                                     " running ranks now (not running, or just ended)")
-            else:
-                group, attempt = groups[req.job_id]
-                self.requests.take(request_id=req.id, attempt=attempt)
-                self._inflight[req.id] = (req, self._ask(group, req))
-                profiling.add(req.job_id)
+            why = unanswerable(req, groups, "their traces")
+            if self.files is None and req.status != StackStatus.RUNNING:
+                why = "this controller has no data directory to store traces in"
+            if why is not None:
+                self.requests.finish(request_id=req.id, error=why)
+                continue
+            group, attempt = groups[req.job_id]
+            self.requests.take(request_id=req.id, attempt=attempt)
+            self._inflight[req.id] = (req, self._ask(group, req))
+            profiling.add(req.job_id)
 
     def _ask(self, group: WorkerGroup, req: ProfileRequest) -> Asking:
-        p = Asking()
-
-        def run() -> None:
-            try:
-                p.answers = group.profile(req.id, ranks=req.ranks, steps=req.steps,
-                                          memory=req.memory, max_bytes=self.max_trace_bytes,
-                                          timeout_s=self.timeout_s)
-            except Exception as exc:  # stored as the request's error; the pass goes on
-                p.error = f"asking the ranks failed: {type(exc).__name__}: {exc}"
-            finally:
-                p.done.set()
-
-        # A daemon thread: ranks that never answer must not hold the daemon at exit.
-        threading.Thread(target=run, name="profile", daemon=True).start()
-        return p
+        return ask_beside(lambda: group.profile(
+            req.id, ranks=req.ranks, steps=req.steps, memory=req.memory,
+            max_bytes=self.max_trace_bytes, timeout_s=self.timeout_s), "profile")
 
     def _store(self, req: ProfileRequest, answers: Mapping[int, Any]) -> None:
         """Write the answers' files (rank order) within the bounds; finish the request."""

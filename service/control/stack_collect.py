@@ -11,13 +11,12 @@ stopped meanwhile).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from service.cluster.data_plane import WorkerGroup
-from service.store.stack_requests import StackRequests, StackStatus
+from service.control.asking import Asking, ask_beside, unanswerable
+from service.store.stack_requests import StackRequests
 
 STACK_MAX_BYTES = 32 << 10
 """The most text kept of one thread's stack (its innermost frames)."""
@@ -62,16 +61,6 @@ def group_stacks(answers: Mapping[int, Any], max_bytes: int = RESULT_MAX_BYTES
             "missing": [{"reason": reason, "ranks": ranks} for reason, ranks in missing.items()]}
 
 
-@dataclass(eq=False)
-class Asking:
-    """One group being asked, on a thread beside the controller's loop (for its stacks, or to
-    profile, `service.control.profile_collect`); `answers` or `error` is set once done."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    answers: dict[int, Any] = field(default_factory=dict)
-    error: str | None = None
-
-
 class StackCollector:
     """Answers the stored stack requests of the jobs whose groups this controller runs."""
 
@@ -95,31 +84,16 @@ class StackCollector:
         for req in self.requests.open():
             if req.id in self._inflight:
                 continue
-            if req.status == StackStatus.RUNNING:
-                self.requests.finish(request_id=req.id, error="the controller collecting the"
-                                     " stacks stopped before they came; ask again")
-            elif req.job_id not in groups:
-                self.requests.finish(request_id=req.id, error=f"job {req.job_id} has no"
-                                     " running ranks now (not running, or just ended)")
-            else:
-                group, attempt = groups[req.job_id]
-                self.requests.take(request_id=req.id, attempt=attempt)
-                self._inflight[req.id] = self._ask(group)
+            why = unanswerable(req, groups, "the stacks")
+            if why is not None:
+                self.requests.finish(request_id=req.id, error=why)
+                continue
+            group, attempt = groups[req.job_id]
+            self.requests.take(request_id=req.id, attempt=attempt)
+            self._inflight[req.id] = self._ask(group)
 
     def _ask(self, group: WorkerGroup) -> Asking:
-        c = Asking()
-
-        def run() -> None:
-            try:
-                c.answers = group.thread_stacks(self.timeout_s, self.max_bytes)
-            except Exception as exc:  # stored as the request's error; the pass goes on
-                c.error = f"asking the ranks failed: {type(exc).__name__}: {exc}"
-            finally:
-                c.done.set()
-
-        # A daemon thread: ranks that never answer must not hold the daemon at exit.
-        threading.Thread(target=run, name="stacks", daemon=True).start()
-        return c
+        return ask_beside(lambda: group.thread_stacks(self.timeout_s, self.max_bytes), "stacks")
 
     @property
     def pending(self) -> int:
