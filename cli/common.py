@@ -11,12 +11,14 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from collections.abc import Sequence
-from typing import Annotated, Any, NoReturn
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, NoReturn, Protocol, TypeVar
 
 import typer
 from typer.core import TyperGroup
 
+from client.payloads import StackStatus
 from client.rest import (
     DEFAULT_SERVER,
     BadServerURL,
@@ -45,6 +47,32 @@ def fail(message: str, code: int = REFUSED) -> NoReturn:
 def _line(message: str) -> str:
     """`error: message`, its line breaks and runs of spaces made single spaces."""
     return f"error: {' '.join(message.split())}"
+
+
+class Asked(Protocol):
+    """A stack or profile request as the API answers it."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def status(self) -> StackStatus: ...
+
+
+A = TypeVar("A", bound=Asked)
+
+
+def answered(req: A, read: Callable[[int], A], *, noun: str, job_id: int, timeout: float,
+             every_s: float) -> A:
+    """`req` read again with `read(req.id)` every `every_s` seconds until the controller
+    answered it (done or failed); exits 1 after `timeout` seconds without an answer."""
+    deadline = time.monotonic() + timeout
+    while req.status in (StackStatus.PENDING, StackStatus.RUNNING):
+        if time.monotonic() > deadline:
+            fail(f"{noun} {req.id} of job {job_id} still {req.status.value} after"
+                 f" {timeout:g} s: is the controller running? (`trident status`)", 1)
+        time.sleep(every_s)
+        req = read(req.id)
+    return req
 
 
 def connect(server: str) -> TridentClient:

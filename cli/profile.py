@@ -11,13 +11,12 @@ torch-tb-profiler`, then `tensorboard --logdir DIR`): docs/cluster.md says more.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
-from cli.common import DEFAULT_SERVER, ServerOpt, connect, fail
+from cli.common import DEFAULT_SERVER, ServerOpt, answered, connect, fail
 from cli.stacks import rank_ranges
 from client.payloads import PROFILE_MAX_STEPS, ProfileList, ProfileRequest, StackStatus
 from client.rest import model_json
@@ -104,13 +103,8 @@ def profile(job_id: Annotated[int, typer.Argument(min=1, help="A job's id.")],
         else:
             req = client.request_profile(job_id, steps=steps, ranks=parse_ranks(ranks),
                                          memory=memory)
-        deadline = time.monotonic() + timeout
-        while req.status in (StackStatus.PENDING, StackStatus.RUNNING):
-            if time.monotonic() > deadline:
-                fail(f"profile request {req.id} of job {job_id} still {req.status.value} after"
-                     f" {timeout:g} s: is the controller running? (`trident status`)", 1)
-            time.sleep(0.5)
-            req = client.get_profile(job_id, req.id)
+        req = answered(req, lambda i: client.get_profile(job_id, i), noun="profile request",
+                       job_id=job_id, timeout=timeout, every_s=0.5)
         if output == "json":
             typer.echo(json.dumps(model_json(req), indent=2))
         else:

@@ -9,13 +9,12 @@ waits somewhere else than its peers stands out before a hang times out.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import typer
 
-from cli.common import DEFAULT_SERVER, ServerOpt, connect, fail
+from cli.common import DEFAULT_SERVER, ServerOpt, answered, connect, fail
 from client.payloads import StackAnswer, StackRequest, StackStatus
 from client.rest import model_json
 
@@ -80,14 +79,8 @@ def stacks(job_id: Annotated[int, typer.Argument(min=1, help="A RUNNING job's id
     Example: trident stacks 12 --all-threads
     """
     with connect(server) as client:
-        req = client.request_stacks(job_id)
-        deadline = time.monotonic() + timeout
-        while req.status in (StackStatus.PENDING, StackStatus.RUNNING):
-            if time.monotonic() > deadline:
-                fail(f"stack request {req.id} of job {job_id} still {req.status.value} after"
-                     f" {timeout:g} s: is the controller running? (`trident status`)", 1)
-            time.sleep(0.3)
-            req = client.get_stacks(job_id, req.id)
+        req = answered(client.request_stacks(job_id), lambda i: client.get_stacks(job_id, i),
+                       noun="stack request", job_id=job_id, timeout=timeout, every_s=0.3)
     if output == "json":
         typer.echo(json.dumps(model_json(req), indent=2))
     elif req.status == StackStatus.FAILED:
