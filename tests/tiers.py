@@ -24,7 +24,8 @@ TIERS: dict[str, tuple[str, ...]] = {
     "unit": (
         "test_auth_matrix", "test_budgets",
         "test_checkpoints", "test_controller", "test_controller_admission",
-        "test_chat_prepare", "test_controller_cancel", "test_controller_reattach", "test_corpus",
+        "test_chat_prepare", "test_command_progress", "test_controller_cancel",
+        "test_controller_reattach", "test_corpus",
         "test_corpus_scan",
         "test_dashboard",
         "test_data_metrics", "test_data_spec", "test_elastic", "test_goodput", "test_heap",
