@@ -44,8 +44,10 @@ def test_memory_reports_allocated_and_reserved_and_the_bytes_besides_tensors():
     assert m["allocated"] < m["reserved_by_allocator"] < m["total"]
     assert m["reserved"] == pytest.approx(m["cuda_context"] + m["nccl_buffers"]
                                           + m["framework"] + m["allocator_slack"])
-    # NCCL: one communicator each for TP, DP and the pipeline pair, 16 channels x peers x 4 MiB
-    assert m["nccl_buffers"] == 16 * 4 * (1 << 20) * (1 + 1 + 1)
+    # NCCL: one communicator each for TP, DP and the pipeline pair, 16 channels x peers x a
+    # buffer per protocol (Simple 4 MiB, LL128 4.7 MiB, LL 0.5 MiB)
+    per = 4 * (1 << 20) + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+    assert m["nccl_buffers"] == 16 * per * (1 + 1 + 1)
 
 
 def test_stacks_hold_different_bytes_for_the_same_layout():

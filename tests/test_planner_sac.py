@@ -13,7 +13,7 @@ from service.planner import ModelShape, sac
 from service.planner.fit import leave_one_source_out
 from service.planner.memory import layer_activation_bytes, model_state_bytes
 from service.planner.published import load_data
-from service.planner.software_stacks import get_stack, loss_bytes_per_logit
+from service.planner.software_stacks import get_stack, loss_bytes_per_logit, nccl_buffer_bytes
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256,
                        seq_len=8192, ffn_hidden=14336, swiglu=True, biases=False,
@@ -67,6 +67,25 @@ def test_megatron_deepspeed_keeps_its_16_bit_gradients_next_to_the_fp32_ones() -
     _, runs = load_data()
     bloom = next(r for r in runs if r.id == "BLOOM-176B")
     assert model_state_bytes(bloom.scenario()) == (2, 0, 6, 0, 12)
+
+
+def test_megatron_deepspeed_in_fp16_runs_deepspeeds_zero_optimizer() -> None:
+    """DeepSpeed picks BF16_Optimizer for bf16 weights only (engine.py,
+    _do_optimizer_sanity_check); fp16 ZeRO-1 is its ZeRO optimizer, as the deepspeed stack."""
+    _, runs = load_data()
+    bloom = next(r for r in runs if r.id == "BLOOM-176B")
+    fp16 = replace(bloom.scenario(), precision="fp16")
+    assert model_state_bytes(fp16) == model_state_bytes(
+        replace(fp16, stack="deepspeed", constants=get_stack("deepspeed", fitted=False)))
+    assert model_state_bytes(fp16) != model_state_bytes(bloom.scenario())
+
+
+def test_nccl_connects_each_peer_with_a_buffer_per_protocol() -> None:
+    """Simple (NCCL_BUFFSIZE, 4 MiB), LL128 (4.7 MiB) and LL (0.5 MiB) per channel per peer
+    (NCCL src/include/device.h); a ring has two peers, a pipeline pair one."""
+    per = (4 << 20) + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+    assert nccl_buffer_bytes([8], 16) == 16 * 2 * per
+    assert nccl_buffer_bytes([1, 2], 4) == 4 * per
 
 
 def test_runs_published_as_trained_are_predicted_to_fit() -> None:

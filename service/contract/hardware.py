@@ -121,7 +121,7 @@ class HardwareProfile:
     added by the planner (service.planner.software_stacks)."""
     nccl_channels: int = 16
     """NCCL channels per communicator (`NCCL_DEBUG=INFO` prints them); buffers are
-    channels x peers x NCCL_BUFFSIZE."""
+    channels x peers x a buffer per protocol (software_stacks.nccl_buffer_bytes)."""
     host_process_bytes: float = 4 * GB
     """Host memory each rank's process needs besides offloaded states (runtime, pinned I/O)."""
     device_is_host: bool = False

@@ -224,10 +224,12 @@ def model_state_bytes(sc: Scenario) -> tuple[float, float, float, float, float]:
         return _FP32[sc.layout.zero]
     if layout == "megatron":
         return _MEGATRON[sc.layout.zero]
-    if layout == "bf16_optimizer":
+    if layout == "bf16_optimizer" and sc.precision == "bf16":
         return _BF16_OPTIMIZER[sc.layout.zero]
     if layout == "fsdp":
         return _FSDP[sc.layout.zero]
+    # Megatron-DeepSpeed in fp16 runs DeepSpeed's ZeRO optimizer, not BF16_Optimizer (the
+    # engine picks that for bf16 weights only: engine.py _do_optimizer_sanity_check).
     # DeepSpeed 0.19's stage 1 does not keep the ZeRO paper's full 16-bit gradients: with
     # or without gradient accumulation it reduces into partitions as stage 2 does (measured,
     # tests/test_planner_deepspeed.py::test_zero1_with_accumulation_holds_no_full_gradients).
@@ -295,7 +297,8 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     stack = sc.stack_constants
     if stack.optimizer_layout == "fsdp":
         buffers += _fsdp_buffers(shape, sc, pr)
-    elif stack.optimizer_layout in ("megatron", "bf16_optimizer") and lay.zero <= 1:
+    elif lay.zero <= 1 and (stack.optimizer_layout == "megatron" or (
+            stack.optimizer_layout == "bf16_optimizer" and sc.precision == "bf16")):
         pass  # the gradient buffer is the fp32 main gradients, counted as grads
     elif lay.zero in (1, 2) and zc.contiguous_gradients:
         dtype_bytes = 4 if lay.zero == 1 else w

@@ -26,7 +26,17 @@ FITTED_PATH = Path(__file__).with_name("data") / "fitted.json"
 MIB = 1 << 20
 NCCL_BUFFSIZE = 4 * MIB
 """NCCL's default `NCCL_BUFFSIZE` (NCCL environment-variable documentation): the buffer of
-one protocol per channel per peer."""
+the Simple protocol per channel per peer."""
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
+"""LL128's buffer per channel per peer: NCCL_LL128_ELEMS_PER_THREAD (120) x
+NCCL_LL128_MAX_NTHREADS (640) x NCCL_STEPS (8) x 8 bytes (NCCL src/include/device.h,
+DEFAULT_LL128_BUFFSIZE), 4.7 MiB."""
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
+"""LL's: NCCL_LL_LINES_PER_THREAD (8) x NCCL_LL_MAX_NTHREADS (512) x NCCL_STEPS (8) x a
+16-byte line (DEFAULT_LL_BUFFSIZE), 0.5 MiB."""
+NCCL_CONNECTION_BYTES = NCCL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE
+"""NCCL connects every peer of every channel with a buffer per protocol (Simple, LL128, LL),
+about 9.2 MiB."""
 NCCL_PEERS = 2
 """Ring collectives talk to the previous and the next rank on every channel."""
 
@@ -140,11 +150,12 @@ def profile_efficiency(profile: str, *, fitted: bool = True) -> float:
 
 def nccl_buffer_bytes(group_sizes: list[int], channels: int) -> float:
     """NCCL's device buffers: one communicator per group of more than one rank, each with
-    `channels` x peers x NCCL_BUFFSIZE (a point-to-point pipeline pair has one peer)."""
+    `channels` x peers x one buffer per protocol (`NCCL_CONNECTION_BYTES`; a point-to-point
+    pipeline pair has one peer)."""
     total = 0.0
     for n in group_sizes:
         if n > 1:
-            total += channels * min(NCCL_PEERS, n - 1) * NCCL_BUFFSIZE
+            total += channels * min(NCCL_PEERS, n - 1) * NCCL_CONNECTION_BYTES
     return total
 
 
