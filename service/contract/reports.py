@@ -24,17 +24,31 @@ class MemoryReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     params_bytes: int | None = Field(default=None, ge=0)
-    """Parameter storages the rank holds: its TP/PP shard, or its ZeRO-3 partition, plus any
-    staging copy DeepSpeed keeps (bf16 copy for optimizer offload)."""
+    """Parameters the rank keeps between steps: its TP/PP shard, or its ZeRO-3 partition, plus
+    any staging copy DeepSpeed keeps (bf16 copy for optimizer offload). The categories are
+    defined in docs/planner-model.md ("What each category means"), as the planner counts them."""
     grads_bytes: int | None = Field(default=None, ge=0)
-    """Gradient storages right after the optimizer step (ZeRO-2/3: the rank's partition plus
-    DeepSpeed's reduction buffers)."""
+    """Gradients right after the optimizer step (ZeRO-1/2/3: the rank's partition), each
+    tensor's own bytes: the rest of a reduction bucket they are views of is a bucket."""
     optimizer_bytes: int | None = Field(default=None, ge=0)
     """Optimizer states: Adam moments, step counters and fp32 master weights of the rank's
     partition."""
     activations_peak_bytes: int | None = Field(default=None, ge=0)
     """Peak bytes of tensors saved for backward so far, over the steps measured (saved-tensor
     hooks)."""
+    gathered_peak_bytes: int | None = Field(default=None, ge=0)
+    """ZeRO-3's gathered and prefetched parameters: peak bytes of the whole weights held at once
+    (those kept whole under `stage3_param_persistence_threshold` included); 0 without ZeRO-3."""
+    buckets_bytes: int | None = Field(default=None, ge=0)
+    """Communication buckets DeepSpeed holds (gradient reduction, ZeRO-3's reduce bucket)."""
+    framework_bytes: int | None = Field(default=None, ge=0)
+    """What the framework itself holds: on CPU the process's resident memory once torch,
+    DeepSpeed and the trainer are imported and the process group is up, before the model."""
+    not_measured: dict[Annotated[str, Field(max_length=64)],
+                       Annotated[str, Field(max_length=1024)]] | None = Field(
+        default=None, max_length=16)
+    """Categories this rank cannot measure, each with the reason (their bytes are in the
+    process peak, not in another category)."""
     process_peak_bytes: int | None = Field(default=None, ge=0)
     """Peak RSS of the process (CPU) or `torch.cuda.max_memory_allocated` (GPU)."""
     process_peak_source: Literal["rss_peak", "cuda_max_allocated"] | None = None

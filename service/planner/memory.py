@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from service.planner import sac
+from service.planner import sac, zero_buffers
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
 from service.planner.software_stacks import MIB as MIB_
@@ -75,10 +75,11 @@ class MemoryBreakdown:
     logits: float
     """Logits and loss of one micro-batch (last stage)."""
     zero_buffers: float
-    """Gradient-reduction buckets, ZeRO-3 gathered/prefetched parameters."""
+    """DeepSpeed's buffers: `gathered` + `buckets` (the two fields below)."""
     reserved: float
-    """Bytes besides tensors: CUDA context, NCCL buffers, framework buffers and allocator
-    slack (the four fields below); `total` (what nvidia-smi shows) includes them."""
+    """Bytes besides tensors: CUDA context, NCCL buffers, framework and allocator slack (the
+    four fields below); `total` (what nvidia-smi shows, or a CPU rank's resident memory)
+    includes them."""
     stage: int
     """Pipeline stage of the most loaded rank."""
     in_flight: float
@@ -89,12 +90,20 @@ class MemoryBreakdown:
     """Host memory a node needs: its ranks' offloaded states plus per-process overhead."""
     params_per_rank: float
     """Parameters this rank's model-parallel shard holds (before ZeRO)."""
+    gathered: float = 0.0
+    """ZeRO-3's whole weights held at once: kept whole, gathered and prefetched (part of
+    `zero_buffers`)."""
+    buckets: float = 0.0
+    """Communication buckets: gradient reduction, ZeRO-3's gradients awaiting their
+    reduce-scatter (part of `zero_buffers`)."""
     cuda_context: float = 0.0
     """CUDA context and kernel images of the process (part of `reserved`)."""
     nccl_buffers: float = 0.0
     """NCCL's channel buffers of the rank's communicators (part of `reserved`)."""
     framework: float = 0.0
-    """The framework's own device buffers (part of `reserved`)."""
+    """What torch and DeepSpeed hold themselves (part of `reserved`): their device buffers on
+    a GPU; on a CPU rank the process's resident memory besides the tensors (the `cpu`
+    profile's measured `reserved_bytes`: imports, process group, engine)."""
     allocator_slack: float = 0.0
     """The caching allocator's reserve over allocated tensors (part of `reserved`)."""
 
@@ -199,23 +208,6 @@ def _stage_params(shape: ModelShape, sc: Scenario, stage: int) -> float:
                                    last=stage == p - 1, pp=p))
 
 
-def _largest_tensor_block(shape: ModelShape, t: int) -> float:
-    """Largest unit ZeRO-3 gathers at once on one rank: a layer or the embedding."""
-    return max(shape.layer_params, shape.vocab * shape.hidden) / t
-
-
-def _persistent_params(shape: ModelShape, sc: Scenario, stage_params: float,
-                       stage: int) -> float:
-    """ZeRO-3 keeps tensors under the persistence threshold whole: norms, biases, tiny mats."""
-    thr = sc.zero_cfg.stage3_param_persistence_threshold
-    h, f, kv, t = shape.hidden, shape.ffn_hidden, shape.kv_dim, sc.layout.tp
-    q = shape.q_dim
-    mats = [h * (q + 2 * kv) / t, q * h / t] + [h * f / t] * (3 if shape.swiglu else 2)
-    small_mats = sum(x for x in mats if x < thr)
-    vecs = shape.layer_vector_params
-    return min(stage_params, sc.stage_blocks[stage] * (small_mats + vecs))
-
-
 def model_state_bytes(sc: Scenario) -> tuple[float, float, float, float, float]:
     """(param_full, param_shard, grad_full, grad_shard, opt_shard) bytes per parameter for
     the stack's optimizer layout, precision and ZeRO stage."""
@@ -252,13 +244,10 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         host += optimizer + pr * FP32_GRAD_PARTITION / n
         optimizer = 0.0
         grads = pr * g_full
-    persistent = 0.0
-    if lay.zero == 3:
-        persistent = _persistent_params(shape, sc, pr, stage)
-        params += persistent * (w - p_shard / n)
+    optimizer += zero_buffers.step_counter_bytes(sc, stage) if optimizer else 0.0
     if lay.offload == "optimizer+params":
-        host += params - persistent * w
-        params = persistent * w
+        host += params
+        params = 0.0
     host *= HOST_BUFFER_FACTOR
 
     # Activations and logits.
@@ -288,27 +277,12 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
             sc.loss_kind, w)
 
     # DeepSpeed buffers.
-    zc = sc.zero_cfg
-    buffers = 0.0
-    # A GPU allocates the whole reduction bucket; on a CPU rank it is virtual memory whose
-    # pages become resident only as gradients are written into it, at most the stage's own.
-    bucket = min(zc.reduce_bucket_size, pr) if sc.profile.device_is_host \
-        else zc.reduce_bucket_size
-    stack = sc.stack_constants
-    if stack.optimizer_layout == "fsdp":
-        buffers += _fsdp_buffers(shape, sc, pr)
-    elif lay.zero <= 1 and (stack.optimizer_layout == "megatron" or (
-            stack.optimizer_layout == "bf16_optimizer" and sc.precision == "bf16")):
-        pass  # the gradient buffer is the fp32 main gradients, counted as grads
-    elif lay.zero in (1, 2) and zc.contiguous_gradients:
-        dtype_bytes = 4 if lay.zero == 1 else w
-        buffers += bucket * dtype_bytes * (2 if zc.overlap(lay.zero) else 1)
-    if lay.zero == 3 and stack.optimizer_layout != "fsdp":
-        if zc.contiguous_gradients:
-            buffers += bucket * w
-        gathered = min(_largest_tensor_block(shape, lay.tp) + zc.stage3_prefetch_bucket_size,
-                       zc.stage3_max_live_parameters, pr)
-        buffers += gathered * 2 * w  # gathered weights and their gradients (4 x largest layer)
+    if sc.stack_constants.optimizer_layout == "fsdp":
+        gathered, buckets = _fsdp_buffers(shape, sc, pr), 0.0
+    else:
+        gathered = zero_buffers.gathered_bytes(sc, stage, pr)
+        buckets = zero_buffers.bucket_bytes(sc, pr)
+    buffers = gathered + buckets
 
     allocated = params + grads + optimizer + activations + logits + buffers
     context, nccl, framework, slack = _non_tensor_bytes(sc, allocated)
@@ -321,7 +295,8 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         host_node += ranks_per_node * total_device
     return MemoryBreakdown(
         params=params, grads=grads, optimizer=optimizer, activations=activations,
-        logits=logits, zero_buffers=buffers, reserved=reserved, stage=stage,
+        logits=logits, zero_buffers=buffers, gathered=gathered, buckets=buckets,
+        reserved=reserved, stage=stage,
         in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr,
         cuda_context=context, nccl_buffers=nccl, framework=framework, allocator_slack=slack)
 
@@ -341,11 +316,12 @@ def _non_tensor_bytes(sc: Scenario, allocated: float) -> tuple[float, float, flo
     The CUDA context and kernel images are the profile's `reserved_bytes`; NCCL keeps
     channels x peers x NCCL_BUFFSIZE per communicator (one per TP, DP and PP group); the
     framework its own buffers; the caching allocator reserves `allocator_slack` over what it
-    hands out. On CPU ranks only the calibrated `reserved_bytes` counts.
+    hands out. A CPU rank has no CUDA context: its `reserved_bytes` is the framework's
+    resident memory, measured (`bench/plan_agreement.py`).
     """
     prof, lay, st = sc.profile, sc.layout, sc.stack_constants
     if prof.device_is_host:
-        return prof.reserved_bytes, 0.0, 0.0, 0.0
+        return 0.0, 0.0, prof.reserved_bytes, 0.0
     nccl = nccl_buffer_bytes([lay.tp, lay.dp, min(lay.pp, 2)], prof.nccl_channels)
     return prof.reserved_bytes, nccl, st.framework_bytes, st.allocator_slack * allocated
 

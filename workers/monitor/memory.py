@@ -1,15 +1,23 @@
 """Memory this rank really holds, measured, for the step reports.
 
-- Model states: bytes of parameters, gradients and optimizer states, summed over the storages
-  the DeepSpeed engine holds (each storage counted once, so flat buffers and the parameter
-  views into them are not counted twice). Taken right after the inner optimizer's step, when
-  gradients, optimizer states and master weights all exist; with ZeRO this is the rank's shard.
-  ZeRO steps its inner optimizer once per parameter group (decayed / not decayed), giving
-  each group its fp32 gradient partition for that call only and freeing it after:
-  `ModelStateMeter` adds the gradients of the groups stepped earlier in the same step, so
-  that the reading counts every group's gradient, as with one group.
+The categories are the planner's (docs/planner-model.md, "What each category means"), read
+with the same boundaries:
+
+- Model states: bytes of parameters, gradients and optimizer states the DeepSpeed engine holds
+  (`workers.monitor.model_states`: each tensor's own bytes, each byte once). Taken right after
+  the inner optimizer's step, when gradients, optimizer states and master weights all exist;
+  with ZeRO this is the rank's shard. ZeRO steps its inner optimizer once per parameter group
+  (decayed / not decayed), giving each group its fp32 gradient partition for that call only
+  and freeing it after: `ModelStateMeter` adds the gradients of the groups stepped earlier in
+  the same step, so that the reading counts every group's gradient, as with one group.
 - Activations: peak bytes of tensors saved for backward, through saved-tensor hooks
-  (parameters saved by matmuls are excluded, they are counted as parameters).
+  (parameters and views of them are excluded: they are parameters, or under ZeRO-3 gathered
+  buffers).
+- Gathered: ZeRO-3's whole weights (kept whole, gathered, prefetched), peak over the step.
+- Buckets: DeepSpeed's communication buckets on GPU; on CPU not measured (`not_measured`
+  says why).
+- Framework: on CPU, the resident memory before the model is built (imports and process
+  group); on GPU not measured (the CUDA context is no tensor).
 - Process: peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU.
 
 The first two cost a step time (a hook on every saved activation, a walk of the whole
@@ -25,6 +33,7 @@ Called by `workers.trainer.train`.
 
 from __future__ import annotations
 
+import os
 import resource
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -33,79 +42,21 @@ import torch
 from torch import nn
 
 from service.contract.reports import MemoryReport
+from workers.monitor.model_states import (
+    Tally,
+    innermost_optimizer,
+    model_state_bytes,
+    model_state_tally,
+    storage,
+    tensor_range,
+    tensors_in,
+)
+
+__all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "resident_bytes"]
 
 WATCH_FRACTION = 0.9
 """A process peak (or the plan's prediction) above this fraction of the plan's device capacity
 is near an out-of-memory: every step is measured from then on."""
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-def _tensors(obj: Any, depth: int = 0):
-    """Tensors inside lists, tuples and dicts (a few levels deep)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 4 and isinstance(obj, list | tuple):
-        for x in obj:
-            yield from _tensors(x, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x, depth + 1)
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer that holds the Adam states, inside DeepSpeed's wrappers."""
-    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer") \
-            or hasattr(optimizer, "optim"):  # DeepSpeed wrappers; torch's ZeroRedundancyOptimizer
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
-        if inner is None:
-            break
-        optimizer = inner
-    return optimizer
-
-
-def model_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
-    """{"params", "grads", "optimizer"} bytes held by this rank now."""
-    seen: set[int] = set()
-    out = {"params": 0, "grads": 0, "optimizer": 0}
-
-    def add(kind: str, t: torch.Tensor | None) -> None:
-        if t is None or t.device.type == "meta":
-            return
-        ptr, nbytes = _storage(t)
-        if nbytes and ptr not in seen:
-            seen.add(ptr)
-            out[kind] += nbytes
-
-    params = list(module.parameters())
-    for p in params:  # with ZeRO-3 a parameter holds its partition in ds_tensor
-        add("params", p.ds_tensor if hasattr(p, "ds_tensor") else p)
-    for p in params:
-        add("grads", p.grad)
-    inner = innermost_optimizer(optimizer)
-    holders = [optimizer] if optimizer is not inner else []
-    for holder in holders:  # DeepSpeed's ZeRO/bf16 wrappers: flat buffers, masters, grad buckets
-        for name, value in vars(holder).items():
-            for t in _tensors(value):
-                if t.dim() == 0:  # bookkeeping scalars such as the global grad norm
-                    continue
-                if "grad" in name:
-                    add("grads", t)
-                elif any(key in name for key in ("fp32", "master", "single_partition")):
-                    add("optimizer", t)
-                    add("grads", t.grad)
-                elif any(key in name for key in ("bit16", "fp16", "bf16")):
-                    add("params", t)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            add("grads", p.grad)
-    for state in inner.state.values():
-        for t in _tensors(state):
-            add("optimizer", t)
-    return out
 
 
 class ModelStateMeter:
@@ -122,9 +73,8 @@ class ModelStateMeter:
     def __init__(self, module: nn.Module, optimizer: Any) -> None:
         self.module, self.optimizer = module, optimizer
         self.inner = innermost_optimizer(optimizer)
-        self._stepped: dict[int, tuple[torch.Tensor, int]] = {}
-        self._latest: dict[str, int] = {}
-        self._freed = 0
+        self._stepped: dict[int, tuple[torch.Tensor, tuple[int, int, int]]] = {}
+        self._latest: Tally | None = None
         self.armed = True
         """Read after the inner optimizer's steps while armed (`MemoryMonitor` disarms it on
         the steps it does not measure: the hook then returns at once)."""
@@ -133,45 +83,69 @@ class ModelStateMeter:
     def _after_step(self, *_: Any) -> None:
         if not self.armed:
             return
-        seen: set[int] = set()
         for group in self.inner.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    ptr = _storage(p.grad)[0]
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        # The gradient's own bytes: it may be a view of a larger buffer (a
-                        # reduction bucket), which the reading counts whole while it lives.
-                        self._stepped[id(p)] = (p, p.grad.numel() * p.grad.element_size())
-        self._latest = model_state_bytes(self.module, self.optimizer)
-        self._freed = sum(n for p, n in self._stepped.values() if p.grad is None)
+                    # The gradient's own bytes: it may be a view of a larger buffer (a
+                    # reduction bucket), which is no gradient.
+                    self._stepped[id(p)] = (p, tensor_range(p.grad))
+        self._latest = model_state_tally(self.module, self.optimizer)
 
     def read(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"} bytes of the last step (empty before any)."""
-        out = dict(self._latest)
-        if out:
-            # The freed groups' gradients, unless the last reading still counted them: a
-            # group's gradient let go by its parameter may live on in a copy ZeRO keeps
-            # (seen on one rank of two under ZeRO-2), and is held once.
-            stepped = sum(n for _, n in self._stepped.values())
-            out["grads"] = max(out["grads"], min(out["grads"] + self._freed, stepped))
+        tally, self._latest = self._latest, None
+        if tally is None:
+            return {}
+        # The freed groups' gradients, each byte once: a group's gradient let go by its
+        # parameter may live on in a buffer ZeRO keeps, which the reading counted already.
+        for p, rng in self._stepped.values():
+            if p.grad is None:
+                tally.add_range("grads", *rng)
         self._stepped.clear()
-        self._freed = 0
-        return out
+        return dict(tally.out)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a matmul saves `weight` or its transpose): under ZeRO-3
+    the gathered weights live in storages made at each gather, so the parameter is told by
+    what it is, not by where it lives."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter) or hasattr(base, "ds_id")
+
+
+class GatheredMeter:
+    """ZeRO-3's gathered parameters: peak bytes of the whole (unpartitioned) weights the rank
+    holds at once, the ones DeepSpeed keeps whole (under `stage3_param_persistence_threshold`)
+    and the ones it gathers and prefetches around each module. Read at every saved tensor
+    (the forward pass) and after the step; 0 without ZeRO-3."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+        self.peak = 0
+
+    def sample(self) -> None:
+        if self.params:
+            now = sum(p.data.numel() * p.data.element_size() for p in self.params)
+            self.peak = max(self.peak, now)
 
 
 class ActivationMeter:
-    """Peak bytes of activations saved for backward, live-counted through saved-tensor hooks."""
+    """Peak bytes of activations saved for backward, live-counted through saved-tensor hooks.
+    Parameters saved by an op (a matmul's weight) are parameters, or ZeRO-3's gathered
+    buffers (`GatheredMeter`), not activations."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self._param_ptrs = {_storage(p)[0] for p in module.parameters()}
+    def __init__(self, module: nn.Module, gathered: GatheredMeter | None = None) -> None:
+        self._param_ptrs = {storage(p)[0] for p in module.parameters()}
+        self.gathered = gathered
         self._refs: dict[int, int] = {}
         self.live = 0
         self.peak = 0
 
     def _pack(self, t: torch.Tensor) -> Any:
-        ptr, nbytes = _storage(t)
-        if ptr in self._param_ptrs or nbytes == 0:
+        if self.gathered is not None:
+            self.gathered.sample()
+        ptr, nbytes = storage(t)
+        if ptr in self._param_ptrs or nbytes == 0 or _is_parameter(t):
             return t
         if self._refs.get(ptr, 0) == 0:
             self.live += nbytes
@@ -205,15 +179,46 @@ class _Saved:
         self.meter._release(self.ptr, self.nbytes)
 
 
+def bucket_bytes(optimizer: Any) -> int:
+    """Bytes of the communication buckets DeepSpeed's ZeRO optimizers hold now (the reduction
+    bucket of contiguous gradients, ZeRO-3's flat reduce bucket), each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for name, value in vars(optimizer).items():
+        if "bucket" not in name and not name.startswith("ipg"):
+            continue
+        for t in tensors_in(value):
+            ptr, nbytes = storage(t)
+            if nbytes and ptr not in seen:
+                seen.add(ptr)
+                total += nbytes
+    return total
+
+
+CPU_NOT_MEASURED = {
+    "buckets": "a CPU rank's reduction buckets are virtual memory that becomes resident only"
+               " as gradients are written into it; the bytes resident per tensor are not"
+               " observable (their share is in the process peak)",
+}
+"""Categories a CPU rank cannot measure, with the reason (`MemoryReport.not_measured`)."""
+GPU_NOT_MEASURED = {
+    "framework": "the CUDA context and kernel images are not tensors: nvidia-smi shows them"
+                 " (the process peak here is torch.cuda.max_memory_allocated)",
+}
+
+
 class MemoryMonitor:
     """The step's memory readings, taken on the steps that are due (see the module)."""
 
     def __init__(self, module: nn.Module, optimizer: Any, device: torch.device, every: int,
                  first_step: int, last_step: int, capacity: float | None,
-                 predicted: float | None) -> None:
+                 predicted: float | None, framework: int | None = None) -> None:
         self.states = ModelStateMeter(module, optimizer)
-        self.acts = ActivationMeter(module)
+        self.optimizer = optimizer
+        self.gathered = GatheredMeter(module)
+        self.acts = ActivationMeter(module, self.gathered)
         self.device, self.every = device, every
+        self.framework = framework
         self.first_step, self.last_step = first_step, last_step
         self.capacity = capacity  # the plan's device memory, and its prediction for the rank
         self.watching = bool(self.capacity and predicted
@@ -236,14 +241,20 @@ class MemoryMonitor:
         peak = process_peak_bytes(self.device)
         if self.capacity and peak >= WATCH_FRACTION * self.capacity:
             self.watching = True
-        source = "cuda_max_allocated" if self.device.type == "cuda" else "rss_peak"
+        cpu = self.device.type != "cuda"
+        source = "rss_peak" if cpu else "cuda_max_allocated"
         if not self._measuring:
             return MemoryReport(process_peak_bytes=peak, process_peak_source=source)
         states = self.states.read()
+        self.gathered.sample()
         return MemoryReport(params_bytes=states.get("params", 0),
                             grads_bytes=states.get("grads", 0),
                             optimizer_bytes=states.get("optimizer", 0),
                             activations_peak_bytes=self.acts.peak,
+                            gathered_peak_bytes=self.gathered.peak,
+                            buckets_bytes=None if cpu else bucket_bytes(self.optimizer),
+                            framework_bytes=self.framework if cpu else None,
+                            not_measured=dict(CPU_NOT_MEASURED if cpu else GPU_NOT_MEASURED),
                             process_peak_bytes=peak, process_peak_source=source)
 
 
@@ -251,3 +262,12 @@ def process_peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process now (`/proc/self/statm`; the peak where it is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -264,6 +264,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     # The pipeline's waits for neighbouring stages (none without a pipeline: a bubble of 0).
     bubble = BubbleMeter(cuda=device.type == "cuda",
                          sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
+    framework = memory.resident_bytes()  # imports and process group, before the model
     engine = build_engine(spec, shape, ctx.plan, device, groups, ds_config, bubble)
     recipe.mend_unfused_optimizer(engine.optimizer, list(engine.module.parameters()), groups,
                                   t.grad_clip)  # 16-bit ZeRO 0: DeepSpeed's wrapper, mended
@@ -302,7 +303,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     meter = memory.MemoryMonitor(engine.module, engine.optimizer, device,
                                  spec.monitor.memory_every, start + 1, t.steps,
                                  ctx.plan.memory_capacity_bytes,
-                                 ctx.plan.memory_predicted_bytes)
+                                 ctx.plan.memory_predicted_bytes, framework)
 
     last: StepReport | None = None
     pending: background.Pending | None = None  # checkpoint.async: the save being written
