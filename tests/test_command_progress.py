@@ -74,30 +74,34 @@ def test_own_regex() -> None:
 class _Color:
     """torchtitan's `Color` (pytorch/torchtitan torchtitan/tools/utils.py): ANSI escapes."""
 
-    red, green, orange, turquoise = "\033[31m", "\033[32m", "\033[33m", "\033[36m"
-    blue, cyan, magenta, yellow, reset = "\033[34m", "\033[36m", "\033[35m", "\033[33m", "\033[39m"
+    red, green, yellow, blue = "\033[31m", "\033[32m", "\033[33m", "\033[34m"
+    magenta, cyan, reset = "\033[35m", "\033[36m", "\033[39m"
+    orange, turquoise = "\033[38;2;180;60;0m", "\033[38;2;54;234;195m"
 
 
-def _torchtitan_line(step: int, loss: float, grad_norm: float, tps: float) -> str:
-    # pytorch/torchtitan torchtitan/components/metrics.py, MetricsProcessor.log, behind the
-    # logger's prefix (torchtitan/tools/logging.py: "[titan] %(asctime)s - %(name)s -
-    # %(levelname)s - %(message)s").
-    color, mem_gib, mem_pct, tflops, mfu = _Color, 1.07, 1.13, 0.09, 0.01
+def _torchtitan_line(step: int, global_avg_loss: float, grad_norm: float, tps: float,
+                     mfu: float | None = None) -> str:
+    # pytorch/torchtitan torchtitan/components/metrics.py, MetricsProcessor.log (torchtitan
+    # 0.3.0 on PyPI), behind the logger's prefix (torchtitan/tools/logging.py:
+    # "[titan] %(asctime)s - %(name)s - %(levelname)s - %(message)s"). Without a known peak
+    # FLOP/s for the device, mfu is "N/A".
+    color, mem_gib, mem_pct, tflops = _Color, 1.07, 1.13, 0.09
+    mfu_str = f"{mfu:.2f}%" if mfu is not None else "N/A"
     msg = (f"{color.red}step: {step:2}  "
-           f"{color.green}loss: {loss:7.4f}  "
+           f"{color.green}loss: {global_avg_loss:8.5f}  "
            f"{color.orange}grad_norm: {grad_norm:7.4f}  "
            f"{color.turquoise}memory: {mem_gib:5.2f}GiB"
            f"({mem_pct:.2f}%)  "
            f"{color.blue}tps: {round(tps):,}  "
            f"{color.cyan}tflops: {tflops:,.2f}  "
-           f"{color.magenta}mfu: {mfu:.2f}%{color.reset}")
+           f"{color.magenta}mfu: {mfu_str}{color.reset}")
     return f"[titan] 2026-12-07 15:00:00,000 - root - INFO - {msg}"
 
 
 def test_torchtitan_preset() -> None:
     r = ProgressReader(ProgressSpec(preset="torchtitan"), world_size=2)
-    assert r.feed(_torchtitan_line(1, 12.2599, 1.3413, 12345.4)) == {
-        "step": 1, "loss": 12.2599, "grad_norm": 1.3413, "tokens_per_s": 2 * 12345.0}
+    assert r.feed(_torchtitan_line(1, 12.25994, 1.3413, 12345.4, mfu=0.01)) == {
+        "step": 1, "loss": 12.25994, "grad_norm": 1.3413, "tokens_per_s": 2 * 12345.0}
     got = r.feed(_torchtitan_line(10, float("nan"), float("nan"), 800))
     assert got is not None and got["step"] == 10 and math.isnan(got["loss"])
     assert "grad_norm" not in got  # a norm of nan is not measured
@@ -109,7 +113,8 @@ def test_torchtitan_preset() -> None:
 
 
 def test_torchtitan_preset_without_grad_norm() -> None:
-    # Older torchtitan (torchtitan/train.py before the metrics processor) printed no norm.
+    # Older torchtitan (pytorch/torchtitan torchtitan/train.py, before
+    # torchtitan/components/metrics.py) printed no norm.
     line = (f"{_Color.red}step: {3:2}  {_Color.green}loss: {9.5:7.4f}  "
             f"{_Color.yellow}memory: {0.5:5.2f}GiB({0.5:.2f}%)  "
             f"{_Color.blue}tps: {round(1000.4):,}  {_Color.magenta}mfu: {0.0:.2f}%{_Color.reset}")
