@@ -24,20 +24,30 @@ STEPS, EVERY = 6, 3
 SAVES = STEPS // EVERY
 
 
-def spec(preset: str, seq_len: int, background: bool) -> JobSpec:
+def spec(preset: str, seq_len: int, background: bool, *, parallel: dict[str, int] | None = None,
+         steps: int = STEPS, every: int = EVERY, model: dict[str, Any] | None = None
+         ) -> JobSpec:
+    """2 CPU ranks (dp 2, ZeRO-2 unless `parallel` says otherwise), fp32, a save every
+    `every` of `steps` steps; the model `preset` at `seq_len`, or `model` if given."""
     return JobSpec.model_validate({
-        "name": "save-blocking", "model": {"preset": preset, "seq_len": seq_len},
-        "parallel": {"dp": 2, "zero": 2},
-        "train": {"steps": STEPS, "global_batch": 2, "micro_batch": 1, "precision": "fp32"},
+        "name": "save-blocking", "model": model or {"preset": preset, "seq_len": seq_len},
+        "parallel": parallel or {"dp": 2, "zero": 2},
+        "train": {"steps": steps, "global_batch": 2, "micro_batch": 1, "precision": "fp32"},
         "resources": {"gpus_per_worker": 0, "cpus_per_worker": 0.5},
         "monitor": {"probe": False},
-        "checkpoint": {"every_steps": EVERY, "async": background}})
+        "checkpoint": {"every_steps": every, "async": background}})
 
 
 def blocked(preset: str, seq_len: int, background: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         (reports,) = run_ranks(spec(preset, seq_len, background), checkpoint_dir=folder,
                                timeout=900)
+    return waits(reports, background)
+
+
+def waits(reports: list[dict[str, Any]], background: bool, every: int = EVERY,
+          saves: int = SAVES) -> dict[str, Any]:
+    """Rank 0's waits for saves in one run's reports (see the module)."""
     mine = [r for r in reports if r["rank"] == 0]
     # A step reported twice: the second time with the save waited for after the last step.
     seen: set[int] = set()
@@ -46,9 +56,9 @@ def blocked(preset: str, seq_len: int, background: bool) -> dict[str, Any]:
     for r in mine:
         (end if r["step"] in seen else loop).append(r)
         seen.add(r["step"])
-    at_save = [r["save_s"] for r in loop if r["step"] % EVERY == 0]
-    return {"async": background, "at_save_step_s": sum(at_save) / SAVES,
-            "in_loop_s": sum(r["save_s"] or 0.0 for r in loop) / SAVES,
+    at_save = [r["save_s"] for r in loop if r["step"] % every == 0]
+    return {"async": background, "at_save_step_s": sum(at_save) / saves,
+            "in_loop_s": sum(r["save_s"] or 0.0 for r in loop) / saves,
             "end_s": sum(r["save_s"] or 0.0 for r in end),
             "step_s": statistics.median(r["step_time_s"] for r in loop)}
 

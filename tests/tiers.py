@@ -54,8 +54,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_tracking_mlflow",
     ),
     "physics": (
-        "test_chat_training", "test_checkpoint_async", "test_checkpoint_integrity",
-        "test_command_scripts",
+        "test_bench_checkpoint", "test_chat_training", "test_checkpoint_async",
+        "test_checkpoint_integrity", "test_command_scripts",
         "test_deepspeed_import", "test_document_masks", "test_ds_config",
         "test_hf_config", "test_hf_models", "test_layout_free", "test_layout_free_form",
         "test_monitor_gpu", "test_monitor_hang", "test_monitor_misc", "test_monitor_probe",
