@@ -18,6 +18,7 @@ from tests import unfused
 from tests.conftest import tiny_spec
 from tests.workers_spawn import losses, run_ranks
 from workers.checkpoint.hf_export import consolidate
+from workers.checkpoint.rank_form import read_full
 from workers.checkpoint.saving import FULL, LAYOUT, UNIVERSAL
 
 pytestmark = pytest.mark.slow
@@ -104,9 +105,7 @@ def test_a_bf16_tag_resumes_under_another_model_split_with_its_weights_bit_for_b
     weights in the tag are the fp32 partitions themselves); a ZeRO-3, TP and PP change each
     (into the interleaved engine's masters too), the losses going on within RESUMED."""
     resumes_through_the_full_form(tmp_path, before, after, "bf16")
-    from safetensors.torch import load_file
-
-    full = load_file(tmp_path / f"step4{FULL}" / "fp32.safetensors")
+    full = dict(read_full(str(tmp_path / f"step4{FULL}"), "fp32"))
     tagged = consolidate(str(tmp_path), 4, ModelShape.from_spec(spec(4).model))
     assert sorted(full) == sorted(tagged)
     assert {t.dtype for t in tagged.values()} == {
@@ -115,13 +114,23 @@ def test_a_bf16_tag_resumes_under_another_model_split_with_its_weights_bit_for_b
         assert torch.equal(full[name].to(weights.dtype), weights), name
 
 
+def written_by_every_rank(folder: Path) -> None:
+    """The form's parts, one per file of the tag, converted by both ranks of the resume."""
+    meta = json.loads((folder / "meta.json").read_text())
+    assert [r["rank"] for r in meta["ranks"]] == [0, 1], meta
+    assert all(r["units"] and r["bytes"] > 0 for r in meta["ranks"]), meta
+    parts = sorted(p.name for p in folder.glob("part-*.safetensors"))
+    assert sorted(f"part-{u}.safetensors" for r in meta["ranks"] for u in r["units"]) == parts
+    assert not (folder / "fp32.safetensors").exists()
+
+
 def resumes_through_the_full_form(tmp_path: Path, before: dict[str, Any],
                                   after: dict[str, Any], precision: str) -> None:
     (first,) = run_ranks(spec(4, precision, **before), checkpoint_dir=str(tmp_path))
     (second,) = run_ranks(spec(8, precision, **after), checkpoint_dir=str(tmp_path))
     (whole,) = run_ranks(spec(8, precision, **before))
     assert {r["resumed_from"] for r in second} == {4}
-    assert (tmp_path / f"step4{FULL}" / "fp32.safetensors").is_file()  # converted, kept
+    written_by_every_rank(tmp_path / f"step4{FULL}")  # converted, kept
     assert [r["first_sample"] for r in second if r["rank"] == 0] == [  # the same samples
         r["first_sample"] for r in whole if r["rank"] == 0][4:]
     assert losses(first) == losses(whole)[:4]
@@ -144,7 +153,7 @@ def test_a_tag_written_before_the_fused_projections_resumes_with_the_same_losses
     (second,) = run_ranks(llama(8), checkpoint_dir=str(tmp_path))
     (whole,) = run_ranks(llama(8))
     assert {r["resumed_from"] for r in second} == {4}
-    assert (tmp_path / f"step4{FULL}" / "fp32.safetensors").is_file()
+    written_by_every_rank(tmp_path / f"step4{FULL}")
     # One matmul or three: the same products, summed alike on this CPU.
     assert all(abs(a - b) <= 1e-6 for a, b in zip(losses(first), losses(whole)[:4],
                                                   strict=True)), (losses(first), losses(whole))

@@ -17,6 +17,7 @@ from service.planner.shape import ModelShape
 from tests.conftest import tiny_spec
 from workers.checkpoint.hf_export import consolidate
 from workers.checkpoint.layout_free import FULL, LayoutRefused, canonical, convert
+from workers.checkpoint.rank_form import read_full
 from workers.checkpoint.relayout import how
 from workers.checkpoint.saving import LAYOUT, tag
 
@@ -93,12 +94,15 @@ def test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path: Path) -> None:
         torch.save({"param_shapes": [shapes], "step": 4, "data_position": 4, "rng": None},
                    path / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
     out, took, size = convert(str(tmp_path), 4, _shape(4))
-    from safetensors.torch import load_file
-    got = load_file(str(Path(out) / "exp_avg.safetensors"))
+    got = dict(read_full(out, "exp_avg"))
     assert set(got) == {"embed.pos", "layers.0.ln1.weight"}
     assert torch.equal(got["embed.pos"], full["layers.0.pos"] * 2)
-    assert torch.equal(load_file(str(Path(out) / "fp32.safetensors"))["layers.0.ln1.weight"],
+    assert torch.equal(dict(read_full(out, "fp32"))["layers.0.ln1.weight"],
                        full["layers.1.ln1.weight"])
+    # Each DP rank's file became one part of the form: its runs, with their offsets.
+    assert sorted(p.name for p in Path(out).glob("part-*")) == [
+        "part-m00-d00.json", "part-m00-d00.safetensors", "part-m00-d01.json",
+        "part-m00-d01.safetensors"]
     assert size > 0 and took >= 0
     assert convert(str(tmp_path), 4, _shape(4))[1] == 0.0  # cached
 
