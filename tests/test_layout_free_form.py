@@ -123,3 +123,28 @@ def test_a_tag_written_before_the_fused_projections_loads_through_the_form(
                                                              "virtual_stages": 2}))
     with pytest.raises(LayoutRefused, match="before q, k, v and gate, up were fused"):
         how(str(tmp_path), 8, interleaved)
+
+
+def test_a_form_of_before_reads_as_the_per_rank_form_does(tmp_path: Path) -> None:
+    """A folder converted before the ranks wrote their parts (one file per kind, whole
+    tensors, by rank 0) is read as it is: the same slices as the per-rank form's."""
+    from safetensors.torch import save_file
+
+    from workers.checkpoint.rank_form import FormSource
+
+    test_a_zero3_tag_is_joined_from_its_partitions_once(tmp_path)
+    new = tmp_path / f"step4{FULL}"
+    old = tmp_path / "old"
+    old.mkdir()
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        save_file(dict(read_full(str(new), kind)), str(old / f"{kind}.safetensors"))
+    a, b = FormSource(str(new)), FormSource(str(old))
+    assert not a.old and b.old
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert a.kind_names(kind) == sorted(b.kind_names(kind))
+        for name in a.kind_names(kind):
+            x, y = a.kind(kind)(name), b.kind(kind)(name)
+            assert x.shape == y.shape
+            index = tuple(slice(1, n) for n in x.shape)
+            assert torch.equal(x[index], y[index]), (kind, name)
+    assert a.kind("fp32")("head.weight") is None and b.kind("fp32")("head.weight") is None
