@@ -5,6 +5,8 @@ layout-free conversion and load record of what they cost each rank (`meta.json`)
 /proc/self/clear_refs) and notes the resident set then; `growth()` is the high-water mark
 since, less that: the most memory the stretch added at once (anonymous and mapped file pages
 alike). None where /proc does not allow it (another OS, a sandbox refusing clear_refs).
+The reset is the process's: its peak as `getrusage` reports it (the memory monitor's process
+peak, `workers.monitor.memory`) counts from there on too.
 """
 
 from __future__ import annotations
