@@ -33,6 +33,7 @@ from service.files.ranklogs import attempt_log_dir, rank_log_path
 from service.store import Job, NotFound
 from service.store.budgets import WARN_AT, Budgets, spent_text, worst
 from service.store.dashboard import count_by_state, jobs_page, queue, recent_metrics
+from service.store.reported import by_script
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
 from service.views.prediction import compare
@@ -173,7 +174,7 @@ def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
     metrics = recent_metrics(store, job)
     return templates.TemplateResponse(request, "job.html", {
         "job": job, "spec_yaml": yaml.safe_dump(shown_spec(request, job), sort_keys=False),
-        "plan": job.plan, "measured": compare(job.plan, metrics),
+        "plan": job.plan, "measured": compare(job.plan, metrics, script=by_script(job)),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
         "terminal": job.state.terminal, "exports": Exports(store).of_job(job_id=job.id),
         "secrets": store.secret_names(job_ids=[job.id]).get(job.id, []),
@@ -231,7 +232,7 @@ def plan_page(request: Request, store: StoreDep,
         except NotFound as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from None
         base = j
-        measured = compare(j.plan, recent_metrics(store, j))
+        measured = compare(j.plan, recent_metrics(store, j), script=by_script(j))
     return templates.TemplateResponse(request, "plan.html", {
         "job": base, "measured": measured, "profiles": sorted(PROFILES),
         "spec": shown_spec(request, base, names=False) if base else DEFAULT_SPEC})

@@ -210,6 +210,12 @@ def _when(t: datetime | None) -> str:
     return "-" if t is None else f"{clock(t)} ({ago(t)})"
 
 
+def _missing(pvm: PredictedVsMeasured | None) -> str:
+    """What to say of a memory figure no step carried: a command job's script did not report
+    it, Trident's trainer did not measure it."""
+    return pvm.reported.missing if pvm and pvm.reported else "not measured"
+
+
 def _ratio(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
 
@@ -260,10 +266,11 @@ def text(d: Description) -> str:
              "-" if tok is None or tok.measured is None else f"{tok.measured:.0f}",
              _ratio(tok.ratio if tok else None)],
             ["model states", size(states.predicted if states else None),
-             "not measured" if states and states.measured is None and pvm and pvm.steps_measured
+             _missing(pvm) if states and states.measured is None and pvm and pvm.steps_measured
              else size(states.measured if states else None),
              _ratio(states.ratio if states else None)],
-            ["peak memory", size(plan.memory_bytes), size(peak), "-"]]
+            ["peak memory", size(plan.memory_bytes),
+             _missing(pvm) if peak is None and pvm and pvm.steps_measured else size(peak), "-"]]
     split = d.time_split
     for k in ("compute", "tp", "pp", "dp", "bubble", "step"):
         rows.append([f"{k} s (mean of {split.steps})" if k == "step" else f"{k} s",

@@ -540,6 +540,22 @@ class MeasuredMemory(BaseModel):
     """The highest process peak any step report of the newest attempt gave."""
 
 
+class Reported(BaseModel):
+    """What the step reports of the newest attempt carried of the monitor's figures
+    (`service.store.reported`)."""
+
+    source: Literal["trainer", "script"]
+    """Who gave them: Trident's trainer measured them, or a command job's script reported
+    them (`TRIDENT_REPORT`, docs/command.md)."""
+    steps: int
+    memory: dict[str, Number | None]
+    """Each memory figure's newest value (None: no step carried it)."""
+    comm_steps: int
+    """Steps whose collectives were counted."""
+    missing: str
+    """What to say of a figure no step carried: "not measured" or "not reported"."""
+
+
 class PredictedVsMeasured(BaseModel):
     """`service.views.prediction.compare`: rank 0's steady steps of the newest attempt against the
     plan
@@ -551,6 +567,7 @@ class PredictedVsMeasured(BaseModel):
     model_state_bytes: Measured
     """Parameters, gradients and optimizer states per GPU."""
     memory_bytes: MeasuredMemory
+    reported: Reported | None = None
 
 
 class RankPlace(BaseModel):
@@ -712,6 +729,7 @@ class CommView(BaseModel):
     probe: list[dict[str, Any]]
     attempt: int | None
     probe_summary: dict[str, Any] | None
+    reported: Reported | None = None
 
 
 class StackGroup(BaseModel):

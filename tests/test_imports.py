@@ -187,6 +187,7 @@ ARROWS: dict[str, set[str]] = {
                         "service.redaction"},
     "workers.monitor": {"service.contract", "service.monitor", "workers.runtime"},
     "workers.modeling": {"service.contract", "service.planner", "workers.runtime"},
+    "workers.command": {"service.contract"},
     "workers.checkpoint": {"service.contract", "service.planner", "service.files",
                            "workers.modeling", "workers.monitor"},
     "workers.trainer": {"service.contract", "service.planner", "service.files",

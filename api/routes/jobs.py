@@ -45,6 +45,7 @@ from service.store.budgets import Budgets
 from service.store.dashboard import job_page, jobs_page, summary_of
 from service.store.identity import Principal
 from service.store.metrics import MetricsIngest, Newest
+from service.store.reported import by_script
 from service.store.tables import NAME_MAX
 from service.submission.confine import Confinement
 from service.submission.intake import KeyReused, Submitter, submit_once
@@ -299,7 +300,7 @@ def compared(store: Store, job: Job, newest: Newest | None) -> dict[str, Any]:
         return found[2]
     recent = [] if newest is None else ingest.recent_metrics(job_id=job.id,
                                                              limit=RECENT_STEPS)
-    out = compare(job.plan, recent)
+    out = compare(job.plan, recent, script=by_script(job))
     if len(_COMPARED) >= 1024:
         _COMPARED.clear()
     _COMPARED[job.id] = (key, job.plan, out)

@@ -254,6 +254,13 @@
       `<span style="width:${(100 * parts[p] / scale).toFixed(2)}%;background:${PALETTE[PARTS.indexOf(p)]}" title="${p}: ${fmtSecs(parts[p])}">${p} ${fmtSecs(parts[p])}</span>`).join("");
     return `<div class="barlabel">${esc(label)}: ${fmtSecs(total)}</div><div class="bar">${spans}</div>`;
   }
+  // A command job's collectives are only those its script reports (docs/command.md).
+  function unreported(r) {
+    if (!r || !r.steps || r.comm_steps) return "";
+    return r.source === "script"
+      ? `<p id="comm-unreported">Collectives not reported: this job's script reported none in its ${r.steps} recent steps (a rank reports them in the <code>comm</code> field of its <code>TRIDENT_REPORT</code> lines).</p>`
+      : `<p id="comm-unreported">Collectives not measured in the ${r.steps} recent steps.</p>`;
+  }
   async function loadComm() {
     try {
       const c = await getJSON(`${api}/comm`);
@@ -265,7 +272,7 @@
         ` seconds per step; the measured bubble is the ranks' wait for neighbouring pipeline stages, taken out of pp</p>` +
         bar("predicted", predicted, max) +
         (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
-                            : "<p>No timed step measured yet.</p>");
+                            : unreported(c.reported) || "<p>No timed step measured yet.</p>");
       document.querySelector("#probe tbody").innerHTML = (c.probe || []).map(r =>
         `<tr><td>${esc(r.dim)}</td><td>${esc(r.op)}</td><td>${esc((r.group || []).join(","))}</td><td>${fmtBytes(r.bytes)}</td>` +
         `<td>${fmtBytes(r.busbw)}/s</td><td>${r.expected_busbw ? fmtBytes(r.expected_busbw) + "/s" : "-"}</td></tr>`).join("") ||

@@ -16,6 +16,7 @@ from typing import Any
 from service.contract.parallel import Dim, ParallelDims
 from service.monitor.bandwidth import busbw_factor
 from service.store import Job, Metric, Store
+from service.store.reported import by_script, reported
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -134,12 +135,15 @@ def summarize_comm(rank_reports: Mapping[int, Sequence[Metric]],
 
 def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
     """`GET /api/v1/jobs/{id}/comm`: `summarize_comm` over the last `last` steps of the newest
-    attempt, with the job's newest bandwidth probe (rows and summary)."""
+    attempt, with the job's newest bandwidth probe (rows and summary), and what those steps
+    carried (`reported`: a command job's collectives are only those its script reports)."""
     latest = store.latest_metric(job_id=job.id)
     rank_reports: dict[int, list[Metric]] = {}
+    window: list[Metric] = []
     if latest is not None:
-        for m in store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
-                                    after_step=max(0, latest.step - last)):
+        window = store.list_metrics(job_id=job.id, rank=None, attempt=latest.attempt,
+                                    after_step=max(0, latest.step - last))
+        for m in window:
             if m.report.comm is not None:
                 rank_reports.setdefault(m.rank, []).append(m)
     probes = store.list_probes(job_id=job.id, limit=1)
@@ -147,4 +151,5 @@ def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
                          probes[0].results if probes else [])
     out["attempt"] = latest.attempt if latest else None
     out["probe_summary"] = probes[0].summary if probes else None
+    out["reported"] = reported(window, script=by_script(job))
     return out

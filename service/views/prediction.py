@@ -11,6 +11,7 @@ from typing import Any
 
 from service.planner.stored import StoredPlan
 from service.store import Metric
+from service.store.reported import reported
 
 WARMUP_STEPS = 3
 """Steps left out of the steady-state medians: the first steps build buffers, warm the
@@ -23,8 +24,10 @@ def _ratio(measured: float | None, predicted: float | None) -> float | None:
     return measured / predicted
 
 
-def compare(plan: StoredPlan, metrics: Sequence[Metric]) -> dict[str, Any]:
-    """Step time, tokens/s and memory per GPU, predicted and measured (newest attempt)."""
+def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False) -> dict[str, Any]:
+    """Step time, tokens/s and memory per GPU, predicted and measured (newest attempt), and
+    which memory figures its steps carried (`service.store.reported`; `script`: a command
+    job's, whose script reports them itself)."""
     if metrics:
         attempt = max(m.attempt for m in metrics)
         metrics = [m for m in metrics if m.attempt == attempt]
@@ -56,4 +59,5 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric]) -> dict[str, Any]:
         "model_state_bytes": {"predicted": pred_states, "measured": state_bytes,
                               "ratio": _ratio(state_bytes, pred_states)},
         "memory_bytes": {"predicted": plan.memory.total, "measured_peak": peak},
+        "reported": reported(metrics, script=script),
     }
