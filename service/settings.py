@@ -153,6 +153,13 @@ class Settings(BaseSettings):
     entrypoint_modules: str = ""
     """Comma-separated module prefixes a spec's `entrypoint` must be under (`examples` allows
     `examples.custom_entrypoint:train`); empty allows any module."""
+    code_roots: str = ""
+    """Comma-separated directories a command job's `workdir` must resolve inside (after `..`
+    and symlinks), where the operator puts the training code the workers run; empty: no job
+    may give a `command` (`docs/command.md`)."""
+    allow_member_commands: bool = False
+    """Whether members may submit `command` jobs (a command runs whatever the workers' user
+    may); by default only admins may."""
     env_allow: str = ""
     """Comma-separated variable names that a spec's `env` or `secrets` may set although they
     change how the worker process loads (`LD_PRELOAD`, `PYTHONPATH`, ...); admins may always
@@ -242,6 +249,11 @@ class Settings(BaseSettings):
         """`data_roots` as paths (the data directory when empty)."""
         roots = [Path(p.strip()) for p in self.data_roots.split(",") if p.strip()]
         return roots or [self.data_dir]
+
+    @property
+    def code_root_dirs(self) -> list[Path]:
+        """`code_roots` as paths (none when empty: no command may run)."""
+        return [Path(p.strip()) for p in self.code_roots.split(",") if p.strip()]
 
     @property
     def mlflow_uri_list(self) -> list[str]:

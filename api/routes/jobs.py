@@ -87,7 +87,8 @@ def submitter(request: Request, who: Principal, project: str | None) -> Submitte
         checkpoint_roots=settings.checkpoint_root_dirs, data_dir=settings.data_dir,
         entrypoint_modules=settings.entrypoint_prefixes, data_roots=settings.data_root_dirs,
         env_allow=settings.env_allowed, order_cache_user_bytes=settings.order_cache_user_bytes,
-        admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed),
+        admin=who.role == "admin", mlflow_uris=request.app.state.tracking.mlflow_allowed,
+        code_roots=settings.code_root_dirs, member_commands=settings.allow_member_commands),
         tracking=request.app.state.tracking,
         box=request.app.state.box, checks=CheckSlots(
             folder=settings.data_dir / CHECK_SLOTS, total=settings.data_checks,
@@ -133,6 +134,8 @@ async def submit(spec: JobSpec, store: StoreDep, request: Request, response: Res
     submission's job. `checkpoint.dir` must be a folder of the job's own inside the server's
     checkpoint roots (not a root itself, not in the data directory but under its
     `checkpoints/`, not another job's folder), `entrypoint` under its allowed modules,
+    `command` only where the server has code roots (and, for members, allows their
+    commands), its `workdir` inside them,
     `env` and `secrets` may not set loader variables (`LD_*`, `PYTHON*`, `PATH`, ...) unless
     an admin submits, and `tracking.mlflow` must be an MLflow server this server allows.
     `secrets` are write-only: stored apart from the spec, sealed, never in an answer (their

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from service.contract import ds_config
+from service.contract.command import ProgressSpec
 from service.contract.hardware import PROFILES
 from service.contract.parallel import ParallelDims, Partition, layer_split_errors
 from service.contract.presets import PRESETS
@@ -39,6 +40,10 @@ from service.contract.spec_limits import OsPath, RayQuantity, env_value
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+MAX_COMMAND_ARGS = 256
+"""Most arguments of a `command`."""
+COMMAND_ARG_MAX_CHARS = 4096
+"""Longest argument of a `command`."""
 _ENV: dict[str, Any] = {"maxProperties": 256, "propertyNames": {"pattern": _ENV_KEY.pattern}}
 MAX_SECRETS = 64
 """Most secrets one job may carry."""
@@ -787,6 +792,21 @@ class JobSpec(_Strict):
     until the cluster can hold its layout again."""
     entrypoint: Annotated[str, Field(max_length=512)] | None = None
     """Custom per-rank training function, "package.module:function"; default: built-in GPT."""
+    command: Annotated[list[Annotated[str, Field(min_length=1,
+                                                 max_length=COMMAND_ARG_MAX_CHARS)]],
+                       Field(min_length=1, max_length=MAX_COMMAND_ARGS)] | None = None
+    """Run this program once per rank instead of the built-in trainer or an `entrypoint`:
+    its arguments (the first the program, looked up on the workers' PATH), started in
+    `workdir` with torchrun's environment (`docs/command.md`). Refused unless the server has
+    code roots (`TRIDENT_CODE_ROOTS`), and for members unless it allows their commands
+    (`TRIDENT_ALLOW_MEMBER_COMMANDS`)."""
+    progress: ProgressSpec | None = None
+    """With `command`: which rank's output lines are its steps, by a pattern or a preset
+    (`service.contract.command`, `docs/command.md`); None: only the report file's
+    (`TRIDENT_REPORT`)."""
+    workdir: OsPath | None = None
+    """With `command` (and only with it): the folder it starts in, an absolute path inside the
+    server's code roots (`TRIDENT_CODE_ROOTS`); no code is uploaded through the API."""
     program: Literal["light"] | None = None
     """`light`: the ranks run the light rank program (`workers.rank.light`), the job's steps
     on the clock with numbers that are not measured and no model, torch nor DeepSpeed (with
@@ -844,6 +864,17 @@ class JobSpec(_Strict):
         ds_config.check_bounds(v)
         return v
 
+    @field_validator("command")
+    @classmethod
+    def _command_text(cls, v: list[str] | None) -> list[str] | None:
+        for i, arg in enumerate(v or []):
+            try:
+                env_value(f"argument {i}", arg)
+            except ValueError:
+                raise ValueError(f"argument {i} holds a control character (NUL, newline,"
+                                 " ...); a command's arguments are printable text") from None
+        return v
+
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
@@ -856,6 +887,8 @@ class JobSpec(_Strict):
         for name in sorted(set(self.secrets) & set(self.env)):
             raise SpecError(f"secrets.{name}", f"{name} is set in env too; a variable is"
                             " either a secret or not")
+        for err in command_errors(self):
+            raise err
         samples = self.train.steps * self.train.global_batch
         if self.data.corpora and samples > MAX_DATA_SAMPLES:
             raise SpecError("train.steps", f"steps({self.train.steps}) * global_batch"
@@ -888,6 +921,28 @@ class JobSpec(_Strict):
         if isinstance(self.parallel, str):
             raise ValueError("parallel is 'auto': plan the job to choose a layout")
         return self.parallel
+
+
+def command_errors(spec: JobSpec) -> list[SpecError]:
+    """What a `command` job may not carry, and what only a `command` job may."""
+    if spec.command is None:
+        return [SpecError(name, f"{name} is for a command job (`command`)")
+                for name in ("workdir", "progress") if getattr(spec, name) is not None]
+    errs = [SpecError(name, f"command runs instead of {what}: give one of them")
+            for name, what, on in (("entrypoint", "an entrypoint function",
+                                    spec.entrypoint is not None),
+                                   ("program", "the light rank program", spec.program is not None))
+            if on]
+    if spec.workdir is None:
+        errs.append(SpecError("workdir", "a command needs the folder it starts in, inside the"
+                              " server's code roots (TRIDENT_CODE_ROOTS)"))
+    if spec.faults:
+        errs.append(SpecError("faults", "faults are injected into Trident's own rank programs;"
+                              " a command fails by itself"))
+    if spec.data.kind != "synthetic":
+        errs.append(SpecError("data.kind", "a command reads its own data; Trident's corpora"
+                              " are for the built-in trainer"))
+    return errs
 
 
 def layout_errors(spec: JobSpec) -> list[SpecError]:
@@ -954,7 +1009,8 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
              f"virtual_stages({p.virtual_stages}): the interleaved engine is not tested"
              " compiled"),
             ("entrypoint", spec.entrypoint is not None, "a custom entrypoint: it builds its"
-             " own model")]
+             " own model"),
+            ("command", spec.command is not None, "a command: it builds its own model")]
         errs += [SpecError(f, f"train.compile is not supported with {why}")
                  for f, on, why in refused if on]
     world = p.tp * p.pp * p.dp

@@ -18,6 +18,10 @@ with the server's settings and the submitter's role; each refusal is a SpecError
   (`TRIDENT_ORDER_CACHE_USER_BYTES`, `service.files.order_cache`) by the bytes any order of its
   samples takes at least; the rank that builds it checks its exact size again.
 - `entrypoint` must name a module under one of `TRIDENT_ENTRYPOINT_MODULES` when that is set.
+- `command` runs only where the server has code roots (`TRIDENT_CODE_ROOTS`), and for a
+  member only where the server allows members' commands (`TRIDENT_ALLOW_MEMBER_COMMANDS`;
+  admins may always): a command runs whatever the workers' user may. Its `workdir` must
+  resolve, after `..` and symlinks, to a folder inside one of the code roots.
 - `env` and `secrets` (both go into the ranks' environment) may not set variables that change
   how the worker process itself loads (the dynamic loader's, the interpreter's, the shell's
   start-up files), unless they are in `TRIDENT_ENV_ALLOW` or an admin submits; NCCL_*,
@@ -65,6 +69,11 @@ class Confinement:
     order_cache_user_bytes: int | None = None
     """The per-user bound of the sample-order cache (`Settings.order_cache_user_bytes`;
     None: not checked here)."""
+    code_roots: list[Path] = field(default_factory=list)
+    """Where a command job's `workdir` may be (`Settings.code_root_dirs`); empty: no
+    command may run."""
+    member_commands: bool = False
+    """Whether a member may give a `command` (`Settings.allow_member_commands`)."""
 
     def check(self, spec: JobSpec) -> None:
         """Raise SpecError for the first field that reaches outside the job."""
@@ -82,6 +91,8 @@ class Confinement:
         self._order_cache(spec)
         if spec.entrypoint is not None:
             self._entrypoint(spec.entrypoint)
+        if spec.command is not None:
+            self._command(spec.workdir)
         for name, variables in (("env", spec.env), ("secrets", spec.secrets)):
             self._env(name, variables)
         if (why := mlflow_refusal(spec.tracking.mlflow, self.mlflow_uris)) is not None:
@@ -111,6 +122,17 @@ class Confinement:
                             f" server allows (TRIDENT_ENTRYPOINT_MODULES):"
                             f" {', '.join(self.entrypoint_modules)}")
 
+    def _command(self, workdir: str | None) -> None:
+        if not self.code_roots:
+            raise SpecError("command", "this server runs no commands: it has no code roots"
+                            " (TRIDENT_CODE_ROOTS), the folders a command's workdir must be in")
+        if not self.admin and not self.member_commands:
+            raise SpecError("command", "only an admin may run a command on this server"
+                            " (TRIDENT_ALLOW_MEMBER_COMMANDS is off): a command runs whatever"
+                            " the workers' user may")
+        if workdir is not None and (why := code_refusal(workdir, self.code_roots)):
+            raise SpecError("workdir", why)
+
     def _env(self, field: str, names: Iterable[str]) -> None:
         """The deny-list for the variables a job's ranks get, from `env` or `secrets` (both
         end up in the same environment): a SpecError naming `field`."""
@@ -136,6 +158,22 @@ def data_refusal(prefix: str, roots: list[Path], chat: bool = False) -> str | No
         if not any(real.startswith(r.rstrip(os.sep) + os.sep) for r in real_roots):
             return (f"{path!r} resolves to {real}, outside the server's data roots"
                     f" (TRIDENT_DATA_ROOTS): {allowed}")
+    return None
+
+
+def code_refusal(workdir: str, roots: list[Path]) -> str | None:
+    """Why a command may not start in `workdir` on a server whose code roots are `roots`:
+    not absolute, not a folder, or resolving outside them. None when it may."""
+    real_roots = [os.path.realpath(r) for r in roots]
+    allowed = ", ".join(real_roots) or "none"
+    if not workdir.startswith("/"):
+        return f"{workdir[:200]!r} is not an absolute path"
+    real = os.path.realpath(workdir)
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in real_roots):
+        return (f"{workdir[:200]!r} resolves to {real[:200]}, outside the server's code roots"
+                f" (TRIDENT_CODE_ROOTS): {allowed}")
+    if not os.path.isdir(real):
+        return f"{workdir[:200]!r} is not a folder on the server"
     return None
 
 
