@@ -23,7 +23,7 @@ import sys
 TIERS: dict[str, tuple[str, ...]] = {
     "unit": (
         "test_auth_matrix", "test_budgets",
-        "test_checkpoints", "test_controller", "test_controller_admission",
+        "test_checkpoints", "test_command_spec", "test_controller", "test_controller_admission",
         "test_chat_prepare", "test_command_progress", "test_controller_cancel",
         "test_controller_reattach", "test_corpus",
         "test_corpus_scan",
@@ -70,6 +70,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     ),
     "system": (
         "test_budgets_ray", "test_calibration_ray", "test_checkpoint_ray", "test_cli_ray",
+        "test_command_ray",
         "test_cli_views_ray",
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",

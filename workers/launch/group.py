@@ -41,6 +41,7 @@ from service.files.checkpoint_dirs import CheckpointWriter
 from service.files.order_cache import ServerData
 from service.planner.stored import StoredPlan
 from workers.rank.actor import RankActor, rank_runtime_env
+from workers.rank.command_env import NodePlace
 from workers.runtime import nccl_env
 from workers.runtime.ranklog import secret_names_env
 
@@ -305,9 +306,10 @@ class RayWorkerGroup:
 
     # --- stopping -----------------------------------------------------------------------------
 
-    def cancel(self) -> None:
+    def cancel(self, grace_s: float | None = None) -> None:
+        """Ask every rank to stop; a command's process is killed once `grace_s` is over."""
         for a in self.actors:
-            a.cancel.remote()
+            a.cancel.remote(grace_s)
 
     def preempt(self) -> None:
         """Ask every rank to checkpoint at the next step boundary and stop there."""
@@ -315,8 +317,10 @@ class RayWorkerGroup:
             a.preempt.remote()
 
     def shutdown(self, grace_s: float) -> None:
-        """Ask ranks to stop, wait up to `grace_s` for their threads, then kill and release."""
-        self.cancel()
+        """Ask ranks to stop, wait up to `grace_s` for their threads, then kill and release.
+        A command's process gets most of the grace (`COMMAND_GRACE_SHARE`), so that the rank
+        kills it before its actor is killed."""
+        self.cancel(grace_s * COMMAND_GRACE_SHARE)
         if self.phase == "running":
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline:
@@ -339,6 +343,10 @@ class RayWorkerGroup:
         self.phase = "closed"
 
 
+COMMAND_GRACE_SHARE = 0.8
+"""The share of a shutdown's grace a command's process gets between SIGTERM and SIGKILL."""
+
+
 def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_dir: str | None,
                  log: tuple[str, int] | None, writer: CheckpointWriter | None = None,
                  server: ServerData | None = None,
@@ -351,9 +359,10 @@ def train_launch(*, attempt: int, spec: JobSpec, plan: StoredPlan, checkpoint_di
     server_json = server.to_json() if server is not None else None
 
     def launch(actor: Any, rank: int, infos: list[dict[str, Any]], local_rank: int) -> Any:
+        node = NodePlace.of(rank, [i["node_id"] for i in infos]).to_json()
         return actor.start.remote(spec, plan.rank_plan(rank), infos[0]["ip"],
                                   infos[0]["free_ports"], local_rank, checkpoint_dir, attempt,
-                                  log, writer_json, server_json)
+                                  log, writer_json, server_json, node)
 
     return launch
 

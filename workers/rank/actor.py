@@ -91,6 +91,8 @@ class RankActor:
         self._profiler: StepProfiler | None = None
         self._not_profiled = "not profiled: the rank has not started training"
         """Why `profile` is refused while there is no `_profiler` (`trident profile`)."""
+        self._command = False
+        """Whether the rank runs a `command` (`workers.rank.command`) in a process of its own."""
 
     def info(self) -> dict[str, Any]:
         """Where this rank landed, and free ports in case it is the rendezvous rank."""
@@ -109,7 +111,8 @@ class RankActor:
               local_rank: int, checkpoint_dir: str | None, attempt: int,
               log: tuple[str, int] | None = None,
               writer: dict[str, Any] | None = None,
-              server: dict[str, Any] | None = None) -> None:
+              server: dict[str, Any] | None = None,
+              node: dict[str, int] | None = None) -> None:
         """Probe (if asked), then run the job's rank program (`workers.runtime.programs.for_spec`:
         the built-in trainer or its entrypoint, imported only now), on a thread: the job's
         stored spec and this rank's row of its stored plan, as the controller's launcher
@@ -117,7 +120,9 @@ class RankActor:
         rank logs (`workers.runtime.ranklog`);
         `writer`: the job the checkpoint folder must belong to
         (`service.files.checkpoint_dirs.CheckpointWriter`); `server`: the server's data rules
-        (`service.files.order_cache.ServerData`)."""
+        (`service.files.order_cache.ServerData`); `node`: where the rank's node sits among
+        the group's (`workers.rank.command_env.NodePlace`)."""
+        from workers.rank.command_env import NodePlace
         from workers.runtime.programs import RankContext, for_spec
         from workers.runtime.ranklog import capture
 
@@ -128,8 +133,11 @@ class RankActor:
                           checkpoint_dir=checkpoint_dir, plan=plan, attempt=attempt,
                           writer=CheckpointWriter.from_json(writer) if writer else None,
                           save_now=self._save_now, pending=self._unacknowledged,
-                          server=ServerData.from_json(server) if server else None)
+                          server=ServerData.from_json(server) if server else None,
+                          node=NodePlace(**node) if node else None,
+                          log_dir=log[0] if log else None)
         program = for_spec(spec)
+        self._command = spec.command is not None
 
         def work() -> None:
             if spec.monitor.probe and self.world_size > 1 and program.torch:
@@ -282,7 +290,8 @@ class RankActor:
 
         faults = FaultInjector(self.rank, ctx.attempt, spec.faults)
         arm_at_report = not program.marks_steps
-        self._not_profiled = "not profiled: light rank (no torch)"
+        self._not_profiled = ("not profiled: the rank runs a command, in a process of its own"
+                              if self._command else "not profiled: light rank (no torch)")
 
         def begin(step: int) -> None:
             self.heartbeat.beat(step, "forward")
@@ -338,6 +347,13 @@ class RankActor:
         return self._thread is not None
 
     def stacks(self) -> str:
+        """Python stacks of this process's threads; with a command, its process's first
+        (`py-spy dump`, `workers.rank.command.LIVE`)."""
+        if self._command:
+            from workers.rank.command import LIVE
+
+            if (theirs := LIVE.stacks()) is not None:
+                return f"{theirs}\n\nthe rank actor's threads:\n{dump_stacks()}"
         return dump_stacks()
 
     def thread_stacks(self, max_bytes: int) -> list[dict[str, str]]:
@@ -369,8 +385,14 @@ class RankActor:
         """The armed request's trace files once its steps ended (`StepProfiler.result`)."""
         return self._profiler.result(request_id) if self._profiler is not None else None
 
-    def cancel(self) -> None:
+    def cancel(self, grace_s: float | None = None) -> None:
+        """Stop at the next step boundary; a command gets SIGTERM now and SIGKILL once
+        `grace_s` is over (`workers.rank.command.Live.stop_within`)."""
         self._stop.set()
+        if self._command:
+            from workers.rank.command import LIVE
+
+            LIVE.stop_within(grace_s)
 
     def preempt(self) -> None:
         """Save a checkpoint at the next step boundary, then stop (`RankContext.save_now`)."""

@@ -7,9 +7,10 @@ built-in trainer and a custom entrypoint import torch.distributed, DeepSpeed and
 (`workers.trainer.train`); the cluster probe imports torch alone
 (`workers.monitor.cluster_probe_rank`); the light program imports neither
 (`workers.rank.light`: steps on the clock, for the tests of the control plane, on servers that
-allow it). The rank actor (`workers.rank.actor.RankActor`) resolves a job's program from its
-spec (`for_spec`) and runs it inside the health monitor it puts around every program
-(heartbeat, collective timer, faults); `trident probe`'s ranks run `CLUSTER_PROBE`.
+allow it); a `command` job's program imports neither: its process brings its own
+(`workers.rank.command`). The rank actor (`workers.rank.actor.RankActor`) resolves a job's
+program from its spec (`for_spec`) and runs it inside the health monitor it puts around every
+program (heartbeat, collective timer, faults); `trident probe`'s ranks run `CLUSTER_PROBE`.
 
 Also here, because every program and its callers share them without importing the trainer:
 `RankContext` (where a rank sits and how to reach the others) and the `Report` callback.
@@ -30,6 +31,7 @@ from service.planner.stored import RankPlan
 
 if TYPE_CHECKING:
     from service.contract.spec import JobSpec
+    from workers.rank.command_env import NodePlace
     from workers.runtime.heartbeat import Heartbeat
 
 Report = Callable[[StepReport], None]
@@ -78,6 +80,12 @@ class RankContext:
     loss_factor: Callable[[int], float] | None = None
     """What the job's nan and spike faults multiply this rank's loss by at step `step` (1.0:
     none; `workers.rank.faults.FaultInjector.loss_factor`); None where faults are not given."""
+    node: NodePlace | None = None
+    """Where this rank's node sits among the group's (torchrun's `LOCAL_WORLD_SIZE`,
+    `GROUP_RANK`: a command's environment); None: one node."""
+    log_dir: str | None = None
+    """The attempt's rank log folder (None: not captured): a command's report file is kept
+    there."""
 
 
 @dataclass(frozen=True)
@@ -137,15 +145,22 @@ LIGHT_ENTRYPOINT = RankProgram("light-entrypoint", "workers.rank.light:light_ent
 """A spec's custom `entrypoint` under `program: light`: the function with a context that has
 no device, groups nor data (`workers.rank.light.LightContext`)."""
 
+COMMAND = RankProgram("command", "workers.rank.command:command_rank", torch=False)
+"""A spec's `command`: the program run once per rank in a process of its own, with torchrun's
+environment (`workers.rank.command`); the actor imports no torch for it, the process brings
+its own."""
+
 PROGRAMS: dict[str, RankProgram] = {p.name: p for p in (TRAINER, ENTRYPOINT, CLUSTER_PROBE,
-                                                        LIGHT, LIGHT_ENTRYPOINT)}
+                                                        LIGHT, LIGHT_ENTRYPOINT, COMMAND)}
 """Every program a rank can run, by name."""
 
 
 def for_spec(spec: JobSpec) -> RankProgram:
-    """The program a job's ranks run: under `program: light` the light program (or its
-    entrypoint with the light context); else its custom entrypoint, else the built-in
-    trainer."""
+    """The program a job's ranks run: its `command`; under `program: light` the light
+    program (or its entrypoint with the light context); else its custom entrypoint, else the
+    built-in trainer."""
+    if spec.command is not None:
+        return COMMAND
     if spec.program == "light":
         return LIGHT_ENTRYPOINT if spec.entrypoint else LIGHT
     return ENTRYPOINT if spec.entrypoint else TRAINER

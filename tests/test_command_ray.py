@@ -1,0 +1,127 @@
+"""`command:` jobs end to end on a real local Ray, through REST: a plain `torch.distributed`
+DDP script (`examples/command/ddp_train.py`) run once per rank with torchrun's environment
+trains to SUCCEEDED with its steps read from its output; a script that exits 3 on one rank
+fails the attempt with that code and is retried from its own checkpoint
+(`TRIDENT_RESUME_STEP`); a script that hangs is ended by the hang monitor with every rank's
+process stacks (`py-spy dump`) stored."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from service.contract.states import JobState  # noqa: E402
+from service.control.controller import Controller  # noqa: E402
+from service.store import Store  # noqa: E402
+from tests.conftest import authed_client, migrated_sqlite, ray_namespace  # noqa: E402
+from tests.waiting import drive, drive_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "command"
+PROGRESS = {"regex": r"^step (?P<step>\d+) loss (?P<loss>[0-9.e+-]+)", "rank": 0}
+
+
+@pytest.fixture
+def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
+    """The API (an admin's token) and a controller on the shared Ray whose rank logs are
+    kept, on a server whose code root holds the example scripts."""
+    from api.app import create_app
+    from service.files.order_cache import ServerData
+    from service.settings import Settings
+    from workers.launch.launcher import RayLauncher
+
+    store = Store(migrated_sqlite(tmp_path / "e2e.db"))
+    settings = Settings(data_dir=tmp_path, code_roots=str(EXAMPLES))
+    with ray_namespace() as namespace:
+        controller = Controller(store, RayLauncher(log_root=settings.log_root,
+                                                   server=ServerData.of(settings),
+                                                   namespace=namespace),
+                                checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
+                                cancel_grace_s=5, data_dir=tmp_path)
+        with authed_client(create_app(settings, store=store), store) as client:
+            yield client, store, controller
+        controller.shutdown(stop_jobs=True)
+    store.close()
+
+
+def command_spec(*args: str, **over: object) -> dict[str, object]:
+    spec: dict[str, object] = {
+        "name": "ddp", "model": {"preset": "gpt-tiny"}, "parallel": {"dp": 2},
+        "train": {"steps": 6, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
+        "resources": {"cpus_per_worker": 0.5},
+        "command": [sys.executable, "ddp_train.py", *args], "workdir": str(EXAMPLES),
+        "progress": PROGRESS, "monitor": {"probe": False}}
+    spec.update(over)
+    return spec
+
+
+def logs(client: TestClient, job_id: int, attempt: int) -> dict[int, str]:
+    r = client.get(f"/api/v1/jobs/{job_id}/logs", params={"attempt": attempt})
+    assert r.status_code == 200, r.text
+    return {c["rank"]: c["text"] for c in r.json()["ranks"]}
+
+
+def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:
+    client, store, controller = stack
+    r = client.post("/api/v1/jobs", json=command_spec("--steps", "6"))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    state = drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 240)
+    assert state == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    steps = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    losses = [m["loss"] for m in steps]
+    assert all(isinstance(x, float) for x in losses) and losses[-1] < losses[0], losses
+    text = logs(client, job_id, 1)
+    assert "step 6 loss" in text[0] and "ddp_train.py" in text[1], text
+    assert "the command exited with code 0" in text[1]
+
+
+def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_checkpoint(
+        stack) -> None:
+    client, store, controller = stack
+    r = client.post("/api/v1/jobs", json=command_spec(
+        "--steps", "6", "--save-every", "2", "--fail-at", "3:1:3", max_retries=1))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    state = drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 300)
+    assert state == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    attempts = client.get(f"/api/v1/jobs/{job_id}/attempts").json()["items"]
+    first = attempts[0]
+    assert first["status"] == "failed" and "rank(s) [1] failed" in first["error"], first
+    assert "exited with code 3" in first["error"]
+    assert "rank 1: exiting with code 3 at step 3" in first["error"]  # its last lines
+    second = logs(client, job_id, 2)
+    assert "rank 1: resumed from step 2 (restart 1)" in second[1], second[1]
+    steps = client.get(f"/api/v1/jobs/{job_id}/metrics", params={"attempt": 2}).json()["items"]
+    assert [m["step"] for m in steps] == [3, 4, 5, 6]
+
+
+def test_a_hung_script_is_failed_by_the_hang_monitor_with_every_ranks_stacks(stack) -> None:
+    client, store, controller = stack
+    r = client.post("/api/v1/jobs", json=command_spec(
+        "--steps", "20", "--hang-at", "3", monitor={"probe": False, "hang_timeout_s": 20}))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    state = drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 300)
+    job = store.get_job(job_id=job_id)
+    assert state == JobState.FAILED and "hung: no progress" in (job.error or ""), job.error
+
+    def stacks() -> dict[int, str]:
+        events = client.get(f"/api/v1/jobs/{job_id}/events").json()["items"]
+        return {e["data"]["rank"]: e["data"]["stacks"] for e in events if e["kind"] == "stacks"}
+
+    # Taken on the teardown's thread, stored once the controller reaps it.
+    drive_until(controller, lambda: len(stacks()) == 2, 60, "both ranks' stacks stored")
+    taken = stacks()
+    assert sorted(taken) == [0, 1]
+    for text in taken.values():
+        assert "py-spy dump of the command" in text and "hang_here" in text, text
