@@ -8,48 +8,18 @@ process stacks (`py-spy dump`) stored."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray")
 
-from fastapi.testclient import TestClient  # noqa: E402
-
 from service.contract.states import JobState  # noqa: E402
-from service.control.controller import Controller  # noqa: E402
-from service.store import Store  # noqa: E402
-from tests.conftest import authed_client, migrated_sqlite, ray_namespace  # noqa: E402
+from tests.command_stack import EXAMPLES, logs, stack  # noqa: E402,F401
 from tests.waiting import drive, drive_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "command"
 PROGRESS = {"regex": r"^step (?P<step>\d+) loss (?P<loss>[0-9.e+-]+)", "rank": 0}
-
-
-@pytest.fixture
-def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
-    """The API (an admin's token) and a controller on the shared Ray whose rank logs are
-    kept, on a server whose code root holds the example scripts."""
-    from api.app import create_app
-    from service.files.order_cache import ServerData
-    from service.settings import Settings
-    from workers.launch.launcher import RayLauncher
-
-    store = Store(migrated_sqlite(tmp_path / "e2e.db"))
-    settings = Settings(data_dir=tmp_path, code_roots=str(EXAMPLES))
-    with ray_namespace() as namespace:
-        controller = Controller(store, RayLauncher(log_root=settings.log_root,
-                                                   server=ServerData.of(settings),
-                                                   namespace=namespace),
-                                checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
-                                cancel_grace_s=5, data_dir=tmp_path)
-        with authed_client(create_app(settings, store=store), store) as client:
-            yield client, store, controller
-        controller.shutdown(stop_jobs=True)
-    store.close()
 
 
 def command_spec(*args: str, **over: object) -> dict[str, object]:
@@ -63,13 +33,7 @@ def command_spec(*args: str, **over: object) -> dict[str, object]:
     return spec
 
 
-def logs(client: TestClient, job_id: int, attempt: int) -> dict[int, str]:
-    r = client.get(f"/api/v1/jobs/{job_id}/logs", params={"attempt": attempt})
-    assert r.status_code == 200, r.text
-    return {c["rank"]: c["text"] for c in r.json()["ranks"]}
-
-
-def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:
+def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:  # noqa: F811
     client, store, controller = stack
     r = client.post("/api/v1/jobs", json=command_spec("--steps", "6"))
     assert r.status_code == 201, r.text
@@ -86,7 +50,7 @@ def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:
 
 
 def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_checkpoint(
-        stack) -> None:
+        stack) -> None:  # noqa: F811
     client, store, controller = stack
     r = client.post("/api/v1/jobs", json=command_spec(
         "--steps", "6", "--save-every", "2", "--fail-at", "3:1:3", max_retries=1))
@@ -105,7 +69,7 @@ def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_chec
     assert [m["step"] for m in steps] == [3, 4, 5, 6]
 
 
-def test_a_hung_script_is_failed_by_the_hang_monitor_with_every_ranks_stacks(stack) -> None:
+def test_a_hung_script_is_failed_by_the_hang_monitor_with_every_ranks_stacks(stack) -> None:  # noqa: F811
     client, store, controller = stack
     r = client.post("/api/v1/jobs", json=command_spec(
         "--steps", "20", "--hang-at", "3", monitor={"probe": False, "hang_timeout_s": 20}))

@@ -70,7 +70,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     ),
     "system": (
         "test_budgets_ray", "test_calibration_ray", "test_checkpoint_ray", "test_cli_ray",
-        "test_command_ray",
+        "test_command_hf_ray", "test_command_ray",
         "test_cli_views_ray",
         "test_controller_cli", "test_e2e_damaged_db", "test_e2e_data", "test_e2e_detached",
         "test_e2e_exports", "test_e2e_full_disk", "test_e2e_leader", "test_e2e_loopback",
