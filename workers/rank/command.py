@@ -120,10 +120,14 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 class Steps:
     """Turns what the command says into the rank's step reports: each a new step (a step
-    reported again, by its line and its report, counts once), timed since the one before."""
+    reported again, by its line and its report, counts once), timed since the one before (the
+    first since the process started: its start-up included); the first carries the step the
+    attempt resumed from (`resumed_from`, 0: fresh), as a built-in attempt's does (the goodput
+    ledger reads the work redone from it)."""
 
-    def __init__(self, rank: int, attempt: int, report: Any) -> None:
+    def __init__(self, rank: int, attempt: int, report: Any, resumed_from: int = 0) -> None:
         self.rank, self.attempt, self._report = rank, attempt, report
+        self.resumed_from = resumed_from
         self.last_step = 0
         self.last_at = time.monotonic()
         self.bad = 0
@@ -138,6 +142,8 @@ class Steps:
             data = {"step_time_s": min(86400.0, now - self.last_at), "tokens_per_s": 0.0,
                     "ended_at": time.time(), **fields, "kind": "step", "rank": self.rank,
                     "attempt": self.attempt}
+            if self.last_step == 0:
+                data.setdefault("resumed_from", self.resumed_from)
             try:
                 report = StepReport.model_validate(data)
             except ValidationError as exc:
@@ -160,12 +166,12 @@ def command_rank(spec: JobSpec, ctx: Any, report: Any, stop: threading.Event,
     job_id = ctx.writer.job_id if ctx.writer is not None else None
     resume = newest_complete_step(ctx.checkpoint_dir)
     reports = report_path(ctx.log_dir, ctx.rank, ctx.attempt)
-    try:
+    gpu_ids: list[str] = []
+    if "ray" in sys.modules:  # not under Ray: the environment's devices
         import ray
 
-        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-    except Exception:  # not under Ray: the environment's devices
-        gpu_ids = []
+        if ray.is_initialized():
+            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
     env = command_env(os.environ, spec, rank=ctx.rank, world_size=ctx.world_size,
                       local_rank=ctx.local_rank, node=node, master_addr=ctx.master_addr,
                       master_port=ctx.master_port, job_id=job_id, attempt=ctx.attempt,
@@ -174,7 +180,7 @@ def command_rank(spec: JobSpec, ctx: Any, report: Any, stop: threading.Event,
     progress = spec.progress
     reader = (ProgressReader(progress, world_size=ctx.world_size)
               if progress is not None and progress.rank == ctx.rank else None)
-    steps = Steps(ctx.rank, ctx.attempt, report)
+    steps = Steps(ctx.rank, ctx.attempt, report, resume)
     heartbeat = ctx.heartbeat
     resumed = f", resuming from step {resume}" if resume else ""
     print(f"[trident] rank {ctx.rank}: {' '.join(spec.command)} (in {spec.workdir}{resumed})",
