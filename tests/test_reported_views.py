@@ -82,3 +82,25 @@ def test_the_job_page_lists_each_memory_figure(tmp_path: Path) -> None:
     assert "<tr><td>process_peak</td><td>3 MiB</td></tr>" in page
     assert api["memory"]["process_peak_bytes"] == 3 << 20 and api["source"] == "trainer"
     assert comm["comm_steps"] == 0 and comm["missing"] == NOT_MEASURED
+
+
+def test_a_command_jobs_page_says_not_reported(tmp_path: Path) -> None:
+    store = Store(migrated_sqlite(tmp_path / "d.db"))
+    spec = tiny_spec(command=["python", "train.py"], workdir=str(tmp_path),
+                     progress={"preset": "hf-trainer"})
+    job = submit(store, JobSpec.model_validate(spec))
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=job.id, to=to, message=to.value)
+    store.start_attempt(job_id=job.id)
+    record_steps(store, job_id=job.id, attempt=1,
+                 rows=[_row(1, memory={"process_peak_bytes": 3 << 20})])
+    with authed_client(create_app(Settings(data_dir=tmp_path), store=store), store) as c:
+        page = c.get(f"/jobs/{job.id}").text
+        comm = c.get(f"/api/v1/jobs/{job.id}/comm").json()["reported"]
+    assert "Memory reported by the script" in page
+    assert "<tr><td>params</td><td>not reported</td></tr>" in page
+    assert "<tr><td>process_peak</td><td>3 MiB</td></tr>" in page
+    assert comm == {"source": "script", "steps": 1, "comm_steps": 0, "missing": NOT_REPORTED,
+                    "memory": {"params_bytes": None, "grads_bytes": None,
+                               "optimizer_bytes": None, "activations_peak_bytes": None,
+                               "process_peak_bytes": 3 << 20}}
