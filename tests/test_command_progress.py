@@ -122,20 +122,24 @@ def test_torchtitan_preset_without_grad_norm() -> None:
         "step": 3, "loss": 9.5, "tokens_per_s": 1000.0}
 
 
-def _megatron_line(iteration: int, lr: float, loss: float, grad_norm: float | None) -> str:
-    # NVIDIA/Megatron-LM megatron/training/training.py, training_log.
-    log_string = " [2026-12-07 15:00:00]"
-    log_string += f' iteration {iteration:8d}/{100:8d} |'
-    log_string += f' consumed samples: {iteration * 16:12d} |'
-    log_string += f' elapsed time per iteration (ms): {820.7:.1f} |'
-    log_string += f' learning rate: {lr:.6E} |'
+def _megatron_line(iteration: int, learning_rate: float | None, loss: float,
+                   grad_norm: float | None) -> str:
+    # NVIDIA/Megatron-LM megatron/training/training.py, training_log (the timestamp is
+    # datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f'); ranks without trainable parameters
+    # have no learning rate).
+    log_string = " [2026-12-07 15:00:00.123456]"
+    log_string += ' iteration {:8d}/{:8d} |'.format(iteration, 100)  # noqa: UP032
+    log_string += ' consumed samples: {:12d} |'.format(iteration * 16)  # noqa: UP032
+    log_string += ' elapsed time per iteration (ms): {:.1f} |'.format(820.7)  # noqa: UP032
+    if learning_rate is not None:
+        log_string += f' learning rate: {learning_rate:.6E} |'
     log_string += f' global batch size: {16:5d} |'
     log_string += ' {}: {:.6E} |'.format("lm loss", loss)
     log_string += f' loss scale: {1.0:.1f} |'
     if grad_norm is not None:
         log_string += f' grad norm: {grad_norm:.3f} |'
-    log_string += f' number of skipped iterations: {0:3d} |'
-    log_string += f' number of nan iterations: {0:3d} |'
+    log_string += ' number of skipped iterations: {:3d} |'.format(0)  # noqa: UP032
+    log_string += ' number of nan iterations: {:3d} |'.format(0)  # noqa: UP032
     return log_string
 
 
@@ -143,8 +147,9 @@ def test_megatron_preset() -> None:
     r = ProgressReader(ProgressSpec(preset="megatron"))
     assert r.feed(_megatron_line(10, 4e-5, 10.72453, 2.918)) == {
         "step": 10, "lr": 4e-5, "loss": 10.72453, "grad_norm": 2.918}
-    assert r.feed(_megatron_line(20, 0.0, 9.5, None)) == {"step": 20, "lr": 0.0, "loss": 9.5}
-    # The first iterations of an fp16 run are skipped: no loss in the line, no step report.
+    assert r.feed(_megatron_line(20, None, 9.5, None)) == {"step": 20, "loss": 9.5}
+    # The first iterations of an fp16 run, skipped while the loss scale settles, add no loss
+    # to the interval's: the line has none, and gives no step report.
     skipped = _megatron_line(5, 0.0, 1.0, None).replace(" lm loss: 1.000000E+00 |", "")
     assert r.feed(skipped) is None
 
