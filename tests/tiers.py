@@ -60,6 +60,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_checkpoint_integrity", "test_command_scripts",
         "test_deepspeed_import", "test_document_masks", "test_ds_config",
         "test_hf_config", "test_hf_models", "test_layout_free", "test_layout_free_form",
+        "test_layout_free_memory",
         "test_monitor_gpu", "test_monitor_hang", "test_monitor_misc", "test_monitor_probe",
         "test_monitor_timer", "test_planner_deepspeed", "test_preemption",
         "test_profile_rank",
