@@ -405,8 +405,8 @@ def load(engine, directory: str, step: int, spec: JobSpec | None = None,
          groups: Any = None) -> Position:
     """Collective: restore the engine (weights, optimizer, ZeRO shards) and RNG; returns the
     completed steps and the samples they consumed. A tag another layout wrote (`written_by`)
-    is loaded from a form converted once by rank 0 and kept beside it
-    (`workers.checkpoint.relayout`)."""
+    is loaded from a form converted once (the layout-free form by every rank, each its share)
+    and kept beside it (`workers.checkpoint.relayout`)."""
     name = tag(step)
     if spec is not None:
         how = relayout.how(directory, step, spec)
