@@ -36,6 +36,7 @@ from service.store.dashboard import count_by_state, jobs_page, queue, recent_met
 from service.store.reported import by_script
 from service.store.tracking_exports import Exports
 from service.tracking.sinks import spec_json
+from service.views.memory_gap import memory_by_stage
 from service.views.prediction import compare
 from service.views.side_by_side import HIDDEN_ENV, MAX_JOBS
 
@@ -175,6 +176,7 @@ def job_page(request: Request, job: JobDep, store: StoreDep) -> HTMLResponse:
     return templates.TemplateResponse(request, "job.html", {
         "job": job, "spec_yaml": yaml.safe_dump(shown_spec(request, job), sort_keys=False),
         "plan": job.plan, "measured": compare(job.plan, metrics, script=by_script(job)),
+        "memory_by_stage": memory_by_stage(job.plan, store.list_metrics, job.id, metrics),
         "attempts": store.list_attempts(job_id=job.id), "poll_ms": POLL_MS,
         "terminal": job.state.terminal, "exports": Exports(store).of_job(job_id=job.id),
         "secrets": store.secret_names(job_ids=[job.id]).get(job.id, []),

@@ -30,6 +30,7 @@ from cli.format import (
     size,
     span,
 )
+from cli.memory_view import memory_gap_lines
 from client.payloads import (
     Attempt,
     Event,
@@ -278,6 +279,8 @@ def text(d: Description) -> str:
                      "-"])
     out += ["  " + line for line in columns(["WHAT", "PREDICTED", "MEASURED", "RATIO"],
                                              rows).splitlines()]
+    out += ["", "Memory by stage, planned against measured (the most loaded rank of each"
+            " stage):"] + memory_gap_lines(pvm.memory_by_stage if pvm else [])
     out += ["", "Spec:"] + ["  " + line for line in yaml.safe_dump(
         d.spec.model_dump(mode="json"), sort_keys=False).rstrip().splitlines()]
     if d.env_hidden:

@@ -17,8 +17,16 @@ import typer
 from pydantic import BaseModel
 
 from cli.common import connect, fail
+from cli.memory_view import memory_gap_lines
 from cli.spec import apply_sets, read_spec_file, validate_spec
-from client.payloads import JobOut, Measured, MeasuredMemory, Number, PlanOut
+from client.payloads import (
+    JobOut,
+    Measured,
+    MeasuredMemory,
+    Number,
+    PlanOut,
+    StageMemoryGap,
+)
 from client.rest import model_json
 from service.planner.explain import constants_text
 from service.planner.stored import PlannedLayout
@@ -45,6 +53,8 @@ class JobSide(BaseModel):
     step_s: Measured
     tokens_per_s: Measured
     memory_bytes: MeasuredMemory | None
+    memory_by_stage: list[StageMemoryGap] = []
+    """Each memory category of each stage, planned against measured, with the gap."""
 
 
 class WhatIfSide(BaseModel):
@@ -87,7 +97,8 @@ def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
                     layout=_label(job.plan.layout),
                     steps_measured=pvm.steps_measured if pvm else 0, step_s=step,
                     tokens_per_s=pvm.tokens_per_s if pvm else Measured(),
-                    memory_bytes=pvm.memory_bytes if pvm else None),
+                    memory_bytes=pvm.memory_bytes if pvm else None,
+                    memory_by_stage=pvm.memory_by_stage if pvm else []),
         what_if=WhatIfSide(layout=_label(plan.layout), fits=plan.fits, reasons=plan.reasons,
                            step_s=what_step, tokens_per_s=plan.tokens_per_s,
                            memory_bytes=plan.memory.total,
@@ -125,6 +136,8 @@ def render(rows: Comparison) -> str:
             _num(w.memory_bytes, 1e-9, "GB", 2) + misfit),
         row("memory/GPU peak", _num(memory.measured_peak if memory else None, 1e-9, "GB", 2),
             ""),
+        f"job {j.id}'s memory by stage, planned against measured:",
+        *memory_gap_lines(j.memory_by_stage),
         "what-if's constants:",
         *(f"  {line}" for line in constants_text(w.constants)),
     ])

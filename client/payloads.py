@@ -556,6 +556,34 @@ class Reported(BaseModel):
     """What to say of a figure no step carried: "not measured" or "not reported"."""
 
 
+class CategoryGap(BaseModel):
+    """One memory category of one stage: planned, measured, the gap."""
+
+    name: str
+    """The plan's key: params, grads, optimizer, activations, logits, zero_buffers, reserved,
+    total (docs/planner-model.md)."""
+    label: str
+    planned: Number | None = None
+    measured: Number | None = None
+    """The largest value the stage's ranks reported (None: not measured)."""
+    gap: Number | None = None
+    """measured - planned, bytes."""
+    gap_pct: float | None = None
+    """gap / planned."""
+    not_measured: str | None = None
+    """Why no rank measured it, as the ranks said."""
+
+
+class StageMemoryGap(BaseModel):
+    """`service.views.memory_gap.stage_rows`: one pipeline stage, planned against measured."""
+
+    stage: int
+    ranks: list[int]
+    """The stage's ranks that reported on `step`."""
+    step: int | None = None
+    categories: list[CategoryGap]
+
+
 class PredictedVsMeasured(BaseModel):
     """`service.views.prediction.compare`: rank 0's steady steps of the newest attempt against the
     plan
@@ -568,6 +596,8 @@ class PredictedVsMeasured(BaseModel):
     """Parameters, gradients and optimizer states per GPU."""
     memory_bytes: MeasuredMemory
     reported: Reported | None = None
+    memory_by_stage: list[StageMemoryGap] = []
+    """Each memory category planned against measured, per pipeline stage (job detail)."""
 
 
 class RankPlace(BaseModel):

@@ -410,3 +410,40 @@ def test_a_job_whose_losses_were_not_finite_says_so_wherever_its_loss_is_shown(
                         headers={"Authorization": f"Bearer {token}"}).json()["runs"]
         assert [(r["loss"], r["loss_nonfinite"]) for r in runs] == [(None, True),
                                                                      (None, False)], runs
+
+
+def test_describe_and_plan_compare_show_each_memory_category_against_the_plan(
+        stack: tuple[str, dict[str, int]], tmp_path: Path) -> None:
+    """Per pipeline stage, each category planned against what the stage's ranks measured
+    (the largest of them), with the gap; a category no rank measures says so."""
+    url, ids = stack
+    run = ids["running"]
+    store = Store(Settings(data_dir=tmp_path).db_url)
+    try:
+        plan = store.get_job(job_id=run).plan
+        params = int(plan.memory.params)
+        record_steps(store, job_id=run, attempt=2, rows=[
+            {**report(4, r), "data": {"memory": {
+                "params_bytes": params + 1024 * r, "grads_bytes": 2048,
+                "optimizer_bytes": 4096, "activations_peak_bytes": 8192,
+                "process_peak_bytes": 1 << 29}}} for r in (0, 1)])
+    finally:
+        store.close()
+    out = cli(url, "describe", str(run))
+    assert "Memory by stage, planned against measured" in out
+    assert "stage 0 (ranks 0, 1, step 4):" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("parameters"))
+    assert line.split()[-2:] == ["+1.0Ki", f"{100 * 1024 / params:+.1f}%"]
+    assert "not measured, logits and loss: no rank measures it apart" in out
+    d = json.loads(cli(url, "describe", str(run), "-o", "json"))
+    (stage,) = d["predicted_vs_measured"]["memory_by_stage"]
+    cats = {c["name"]: c for c in stage["categories"]}
+    assert cats["params"]["measured"] == params + 1024 and cats["params"]["gap"] == 1024
+    assert cats["total"]["measured"] == 1 << 29
+    assert cats["total"]["gap"] == (1 << 29) - cats["total"]["planned"]
+    text = cli(url, "plan", "--compare", str(run), "--set", "parallel.dp=1")
+    assert f"job {run}'s memory by stage, planned against measured:" in text
+    assert "stage 0 (ranks 0, 1, step 4):" in text and "gradients" in text
+    js = json.loads(cli(url, "plan", "--compare", str(run), "--set", "parallel.dp=1",
+                        "--json"))
+    assert js["job"]["memory_by_stage"][0]["categories"][0]["gap"] == 1024

@@ -175,7 +175,13 @@ def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
     for url in (f"/jobs/{job_id}", "/plan", f"/plan?job={job_id}", "/cluster", "/queue"):
         r = c.get(url)
         assert r.status_code == 200 and "<!doctype html>" in r.text, url
-    assert "<td>not measured</td>" in c.get(f"/jobs/{job_id}").text  # no model states sent
+    job_page = c.get(f"/jobs/{job_id}").text
+    assert "<td>not measured</td>" in job_page  # no model states sent
+    # The memory view: each category planned against measured, per stage, with the gap.
+    assert "Memory by stage: planned against measured" in job_page
+    assert '<table class="grid memory-gap" data-stage="0">' in job_page
+    for cat in ("params", "grads", "optimizer", "activations", "zero_buffers", "total"):
+        assert f'<tr data-category="{cat}">' in job_page, cat
     assert "waiting" in c.get("/queue").text
     for params, field in [({"sort": "nope"}, "sort"), ({"per_page": 1000}, "per_page"),
                           ({"page": 0}, "page"), ({"name": "x" * 129}, "name"),
@@ -427,4 +433,7 @@ def test_a_jobs_detail_follows_each_new_step_and_attempt(client: Any) -> None:
     got = c.get(f"/api/v1/jobs/{job_id}").json()
     assert got["predicted_vs_measured"]["step_s"]["measured"] == 1.0
     assert got["predicted_vs_measured"]["steps_measured"] == 2
+    (stage,) = got["predicted_vs_measured"]["memory_by_stage"]
+    assert stage["stage"] == 0 and stage["ranks"] == [0, 1] and stage["step"] == 16
+    assert [c["name"] for c in stage["categories"]][0] == "params"
     assert c.get("/api/v1/jobs/999999").status_code == 404

@@ -50,6 +50,7 @@ from service.store.tables import NAME_MAX
 from service.submission.confine import Confinement
 from service.submission.intake import KeyReused, Submitter, submit_once
 from service.submission.intake import submit as submit_job
+from service.views.memory_gap import memory_by_stage
 from service.views.prediction import compare
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -304,6 +305,7 @@ def compared(store: Store, job: Job, newest: Newest | None) -> dict[str, Any]:
     recent = [] if newest is None else ingest.recent_metrics(job_id=job.id,
                                                              limit=RECENT_STEPS)
     out = compare(job.plan, recent, script=by_script(job))
+    out["memory_by_stage"] = memory_by_stage(job.plan, store.list_metrics, job.id, recent)
     if len(_COMPARED) >= 1024:
         _COMPARED.clear()
     _COMPARED[job.id] = (key, job.plan, out)

@@ -227,13 +227,18 @@ class StageMemory(_View):
     """One pipeline stage's predicted bytes per device (`memory_by_stage`)."""
 
     MEMORY_KEYS: ClassVar[tuple[str, ...]] = ("stage", "params", "grads", "optimizer",
-                                              "activations", "other", "total")
+                                              "activations", "logits", "zero_buffers",
+                                              "reserved", "other", "total")
     """The keys of `MemoryBreakdown.to_json` a stage's entry carries (in its order)."""
 
     params: Number
     grads: Number
     optimizer: Number
     activations: Number
+    logits: Number | None = None
+    zero_buffers: Number | None = None
+    reserved: Number | None = None
+    """`other`'s parts (None in plans stored before they were kept per stage)."""
     stage: int
     other: Number
     total: Number
