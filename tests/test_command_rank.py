@@ -67,6 +67,8 @@ def test_lines_and_report_file_become_step_reports(tmp_path: Path,
     assert [(r.step, r.loss) for r in got] == [(1, 2.5), (2, 2.0), (3, 1.5)]
     assert got[0].resumed_from == 2 and got[1].resumed_from is None
     assert got[2].tokens_per_s == 100.0 and all(r.rank == 0 and r.attempt == 2 for r in got)
+    # Not said: the spec's tokens per step (global_batch 2 x seq_len 32) over its time.
+    assert got[1].tokens_per_s == pytest.approx(2 * 32 / got[1].step_time_s)
     assert beat.read().step == 3
     out = capfd.readouterr().out  # the rank's stdout: its log under a rank actor
     assert "step 2 loss 2.0" in out and "restart 1 resume 2 job 5" in out

@@ -47,6 +47,12 @@ def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:
     text = logs(client, job_id, 1)
     assert "step 6 loss" in text[0] and "ddp_train.py" in text[1], text
     assert "the command exited with code 0" in text[1]
+    # Planned as any job with a model and a layout, and its measured steps compared.
+    job = client.get(f"/api/v1/jobs/{job_id}").json()
+    assert job["plan"]["layout"]["dp"] == 2
+    compared = job["predicted_vs_measured"]
+    assert compared["step_s"]["predicted"] > 0 and compared["step_s"]["measured"] > 0
+    assert compared["tokens_per_s"]["ratio"] is not None
 
 
 def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_checkpoint(

@@ -123,11 +123,15 @@ class Steps:
     reported again, by its line and its report, counts once), timed since the one before (the
     first since the process started: its start-up included); the first carries the step the
     attempt resumed from (`resumed_from`, 0: fresh), as a built-in attempt's does (the goodput
-    ledger reads the work redone from it)."""
+    ledger reads the work redone from it). Without its own `tokens_per_s`, a step's is the
+    spec's tokens per step (`tokens_per_step`: train.global_batch x model.seq_len, what the
+    plan counts) over its time, so that the plan's figure compares with it."""
 
-    def __init__(self, rank: int, attempt: int, report: Any, resumed_from: int = 0) -> None:
+    def __init__(self, rank: int, attempt: int, report: Any, resumed_from: int = 0,
+                 tokens_per_step: int = 0) -> None:
         self.rank, self.attempt, self._report = rank, attempt, report
         self.resumed_from = resumed_from
+        self.tokens_per_step = tokens_per_step
         self.last_step = 0
         self.last_at = time.monotonic()
         self.bad = 0
@@ -139,9 +143,12 @@ class Steps:
             if not isinstance(step, int) or step <= self.last_step:
                 return
             now = time.monotonic()
-            data = {"step_time_s": min(86400.0, now - self.last_at), "tokens_per_s": 0.0,
-                    "ended_at": time.time(), **fields, "kind": "step", "rank": self.rank,
-                    "attempt": self.attempt}
+            data = {"step_time_s": min(86400.0, now - self.last_at), "ended_at": time.time(),
+                    **fields, "kind": "step", "rank": self.rank, "attempt": self.attempt}
+            if data.get("tokens_per_s") is None:
+                took = data["step_time_s"]
+                data["tokens_per_s"] = (self.tokens_per_step / took
+                                        if isinstance(took, int | float) and took > 0 else 0.0)
             if self.last_step == 0:
                 data.setdefault("resumed_from", self.resumed_from)
             try:
@@ -180,7 +187,8 @@ def command_rank(spec: JobSpec, ctx: Any, report: Any, stop: threading.Event,
     progress = spec.progress
     reader = (ProgressReader(progress, world_size=ctx.world_size)
               if progress is not None and progress.rank == ctx.rank else None)
-    steps = Steps(ctx.rank, ctx.attempt, report, resume)
+    steps = Steps(ctx.rank, ctx.attempt, report, resume,
+                  tokens_per_step=spec.train.global_batch * spec.model.seq_len)
     heartbeat = ctx.heartbeat
     resumed = f", resuming from step {resume}" if resume else ""
     print(f"[trident] rank {ctx.rank}: {' '.join(spec.command)} (in {spec.workdir}{resumed})",
