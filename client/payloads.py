@@ -560,8 +560,8 @@ class CategoryGap(BaseModel):
     """One memory category of one stage: planned, measured, the gap."""
 
     name: str
-    """The plan's key: params, grads, optimizer, activations, logits, zero_buffers, reserved,
-    total (docs/planner-model.md)."""
+    """The plan's key: params, grads, optimizer, activations, logits, gathered, buckets,
+    framework, total (docs/planner-model.md)."""
     label: str
     planned: Number | None = None
     measured: Number | None = None

@@ -180,7 +180,8 @@ def test_pages_render_and_refuse_bad_parameters(client: Any) -> None:
     # The memory view: each category planned against measured, per stage, with the gap.
     assert "Memory by stage: planned against measured" in job_page
     assert '<table class="grid memory-gap" data-stage="0">' in job_page
-    for cat in ("params", "grads", "optimizer", "activations", "zero_buffers", "total"):
+    for cat in ("params", "grads", "optimizer", "activations", "gathered", "buckets",
+                "framework", "total"):
         assert f'<tr data-category="{cat}">' in job_page, cat
     assert "waiting" in c.get("/queue").text
     for params, field in [({"sort": "nope"}, "sort"), ({"per_page": 1000}, "per_page"),

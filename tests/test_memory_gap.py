@@ -65,7 +65,7 @@ def test_every_stage_every_category_planned_against_measured_with_the_gap() -> N
         assert (logits["planned"] > 0) == (s["stage"] == 1)
         assert logits["measured"] is None and "process peak" in logits["not_measured"]
         # Not reported by these ranks: not measured, no gap, no reason invented.
-        zb = cat(s, "zero_buffers")
+        zb = cat(s, "gathered")
         assert zb["measured"] is None and zb["gap"] is None and zb["not_measured"] is None
 
 
@@ -78,7 +78,7 @@ def test_the_ranks_own_stage_and_reasons_are_used() -> None:
     assert cat(out[0], "params")["measured"] is None
     assert cat(out[0], "params")["not_measured"] is None  # no rank of the stage reported
     assert out[1]["ranks"] == [0]
-    assert cat(out[1], "zero_buffers")["not_measured"] == "no reduction bucket on CPU"
+    assert cat(out[1], "buckets")["not_measured"] == "no reduction bucket on CPU"
 
 
 def test_measured_step_is_rank_0s_newest_measured_row_of_the_newest_attempt() -> None:

@@ -228,7 +228,8 @@ class StageMemory(_View):
 
     MEMORY_KEYS: ClassVar[tuple[str, ...]] = ("stage", "params", "grads", "optimizer",
                                               "activations", "logits", "zero_buffers",
-                                              "reserved", "other", "total")
+                                              "reserved", "gathered", "buckets", "framework",
+                                              "other", "total")
     """The keys of `MemoryBreakdown.to_json` a stage's entry carries (in its order)."""
 
     params: Number
@@ -240,6 +241,10 @@ class StageMemory(_View):
     reserved: Number | None = None
     """`other`'s parts (None in plans stored before they were kept per stage)."""
     stage: int
+    gathered: Number | None = None
+    buckets: Number | None = None
+    framework: Number | None = None
+    """Parts of `zero_buffers` and `reserved` (None in plans stored before)."""
     other: Number
     total: Number
     layers: list[tuple[int, int]] | None = None

@@ -35,9 +35,9 @@ CATEGORIES: tuple[Category, ...] = (
     Category("optimizer", ("optimizer_bytes",), "optimizer state"),
     Category("activations", ("activations_peak_bytes",), "activations"),
     Category("logits", (), "logits and loss"),
-    Category("zero_buffers", ("gathered_peak_bytes", "buckets_bytes"),
-             "ZeRO gathered + buckets"),
-    Category("reserved", ("framework_bytes",), "framework and runtime"),
+    Category("gathered", ("gathered_peak_bytes",), "ZeRO-3 gathered weights"),
+    Category("buckets", ("buckets_bytes",), "communication buckets"),
+    Category("framework", ("framework_bytes",), "framework"),
     Category("total", ("process_peak_bytes",), "total (process peak)"),
 )
 
