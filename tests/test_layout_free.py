@@ -5,6 +5,7 @@ once by rank 0 and kept beside the tag; the losses go on as if the layout had no
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,32 @@ def test_a_tag_written_before_the_fused_projections_resumes_with_the_same_losses
     got, want = losses(second), losses(whole)[4:]
     assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want, strict=True)), (
         got, want)
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"dp": 2, "zero": 3}, {"tp": 2, "dp": 1, "zero": 1}),
+    ({"tp": 2, "dp": 1, "zero": 1}, {"pp": 2, "dp": 1, "zero": 1}),
+    ({"pp": 2, "dp": 1, "zero": 1}, {"dp": 2, "zero": 3}),
+], ids=["zero3-dp2-to-tp2", "tp2-to-pp2", "pp2-to-zero3-dp2"])
+def test_the_per_rank_form_resumes_as_the_form_of_before(
+        tmp_path: Path, before: dict[str, Any], after: dict[str, Any]) -> None:
+    """A TP, a PP and a ZeRO-3 change: resumed from the form the ranks wrote, then again from
+    the same tensors in the form of before (one whole file per kind, as rank 0 wrote it),
+    the losses are the same bit for bit."""
+    from safetensors.torch import save_file
+
+    run_ranks(spec(4, **before), checkpoint_dir=str(tmp_path))
+    (second,) = run_ranks(spec(8, **after), checkpoint_dir=str(tmp_path))
+    folder = tmp_path / f"step4{FULL}"
+    written_by_every_rank(folder)
+    whole = {kind: dict(read_full(str(folder), kind)) for kind in ("fp32", "exp_avg",
+                                                                   "exp_avg_sq")}
+    for kind, tensors in whole.items():
+        save_file(tensors, str(folder / f"{kind}.safetensors"))
+    for part in folder.glob("part-*"):
+        part.unlink()
+    for later in tmp_path.glob("step8*"):  # the second run's own tag
+        shutil.rmtree(later)
+    (third,) = run_ranks(spec(8, **after), checkpoint_dir=str(tmp_path))
+    assert {r["resumed_from"] for r in third} == {4}
+    assert losses(third) == losses(second)
