@@ -169,6 +169,9 @@ def test_hf_trainer_preset_counts_its_lines() -> None:
     assert r.feed(str({"train_runtime": "1.5", "train_loss": "2.3", "epoch": "1"})) is None
     assert r.feed(str({"eval_loss": "2.1", "epoch": "1"})) is None
     assert r.matched == 2
+    # An attempt that resumed from its checkpoint of step 30 logs from step 40 on.
+    resumed = ProgressReader(ProgressSpec(preset="hf-trainer", logging_steps=10), resume_step=30)
+    assert resumed.feed(new) == {"step": 40, "loss": 2.303, "grad_norm": 1.235, "lr": 5e-05}
 
 
 def test_presets_cite_their_source() -> None:

@@ -9,7 +9,12 @@ seed). The Trainer prints its log dict every `--logging-steps` steps
 (`{'loss': ..., 'grad_norm': ..., 'learning_rate': ..., 'epoch': ...}`), which Trident's
 `progress: {preset: hf-trainer}` reads. With `--report`, a callback also writes each logged
 step, with the process's peak memory, to `TRIDENT_REPORT` through `trident_report.py`.
-Checkpoints go to `TRIDENT_CHECKPOINT_DIR` where it is set (`--save-steps`).
+
+With `--save-steps N` the Trainer saves `checkpoint-<step>/` every N steps to
+`TRIDENT_CHECKPOINT_DIR` (`hf-trainer-out` outside Trident), and a callback marks each save
+complete as Trident's tags are (`step<step>/COMPLETE` holding the step, written by rank 0 once
+every rank is past the save), so that a retry is given `TRIDENT_RESUME_STEP` and resumes from
+that checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import argparse
 import os
 import resource
 import sys
-import tempfile
 
 import torch
 from transformers import (
@@ -59,6 +63,20 @@ class ReportSteps(TrainerCallback):
                    memory={"process_peak_bytes": peak})
 
 
+class MarkComplete(TrainerCallback):
+    """After each save, the marker that makes it a complete tag for Trident."""
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank has written its part (its RNG state)
+        if state.is_world_process_zero:
+            tag = os.path.join(args.output_dir, f"step{state.global_step}")
+            os.makedirs(tag, exist_ok=True)
+            with open(os.path.join(tag, "COMPLETE.tmp"), "w") as f:
+                f.write(f"{state.global_step}\n")
+            os.replace(os.path.join(tag, "COMPLETE.tmp"), os.path.join(tag, "COMPLETE"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4)
@@ -75,7 +93,7 @@ def main() -> None:
     config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2,
                         n_head=2)
     model = GPT2LMHeadModel(config)
-    out = os.environ.get("TRIDENT_CHECKPOINT_DIR") or tempfile.mkdtemp(prefix="hf-trainer-")
+    out = os.environ.get("TRIDENT_CHECKPOINT_DIR") or "hf-trainer-out"  # one for every rank
     training = TrainingArguments(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch,
         learning_rate=1e-3, logging_steps=args.logging_steps,
@@ -84,8 +102,12 @@ def main() -> None:
         dataloader_num_workers=0,
         disable_tqdm=args.no_tqdm, seed=0)
     data = RandomTokens(64 * args.batch, args.seq_len, config.vocab_size, seed=0)
-    trainer = Trainer(model=model, args=training, train_dataset=data,
-                      callbacks=[ReportSteps()] if args.report else None)
+    callbacks: list[TrainerCallback] = []
+    if args.report:
+        callbacks.append(ReportSteps())
+    if args.save_steps:
+        callbacks.append(MarkComplete())
+    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
     resume = os.environ.get("TRIDENT_RESUME_STEP")
     checkpoint = os.path.join(out, f"checkpoint-{resume}") if resume else None
     trainer.train(resume_from_checkpoint=checkpoint

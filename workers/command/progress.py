@@ -44,12 +44,14 @@ class ProgressReader:
 
     `world_size` scales a preset's per-device tokens/s (torchtitan's `tps`) to the global
     figure a step report carries. A preset whose lines carry no step (hf-trainer) counts its
-    matching lines: the n-th is step n * `spec.logging_steps` (a job resumed by its script
-    counts from its first line again: give such a script `TRIDENT_REPORT` instead).
+    matching lines: the n-th is step `resume_step` + n * `spec.logging_steps` (an attempt
+    that resumes from the checkpoint of step `resume_step`, `TRIDENT_RESUME_STEP`, logs from
+    the step after it).
     """
 
-    def __init__(self, spec: ProgressSpec, *, world_size: int = 1) -> None:
+    def __init__(self, spec: ProgressSpec, *, world_size: int = 1, resume_step: int = 0) -> None:
         self.spec = spec
+        self.resume_step = resume_step
         self.pattern = spec.pattern()
         preset = PRESETS[spec.preset] if spec.preset else None
         self.counts_lines = bool(preset and preset.counts_lines)
@@ -68,7 +70,7 @@ class ProgressReader:
             return None
         groups = {k: v for k, v in found.groupdict().items() if v is not None}
         if self.counts_lines:
-            step = (self.matched + 1) * self.spec.logging_steps
+            step = self.resume_step + (self.matched + 1) * self.spec.logging_steps
         else:
             try:
                 step = int(groups.get("step", ""))
