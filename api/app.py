@@ -36,6 +36,7 @@ from api.routes import (
     checkpoints,
     cluster,
     dashboard,
+    exports,
     goodput,
     identity,
     jobs,
@@ -50,7 +51,6 @@ from api.routes.health import health
 from api.schemas import Health
 from api.serve import watch_parent
 from service.control.heap import freeze_startup_objects
-from service.files.export import EXPORTS, sweep
 from service.secrets import SecretBox
 from service.settings import Settings
 from service.store import Store
@@ -142,12 +142,6 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         except ValueError as exc:  # a message without the key's value
             raise RuntimeError(f"refusing to start: TRIDENT_SECRETS_KEY: {exc}") from None
         app.state.tracking = TrackingConfig.of(settings)
-        try:  # what exports of a killed process left behind
-            if swept := sweep(settings.data_dir):
-                log.warning("removed %d stale export folder(s) under %s: %s", len(swept),
-                            settings.data_dir / EXPORTS, ", ".join(swept))
-        except OSError as exc:  # a read-only data dir: exports fail later, with their reason
-            log.warning("could not sweep %s: %s", settings.data_dir / EXPORTS, exc)
         app.state.audit = AuditWriter(app.state.identity)
         if own:
             watch_parent()  # a worker of `trident up --api-workers N` ends with it
@@ -197,6 +191,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     v1.include_router(jobs.router)
     v1.include_router(resubmit.router)
     v1.include_router(checkpoints.router)
+    v1.include_router(exports.router)
     v1.include_router(logs.router)
     v1.include_router(dashboard.router)
     v1.include_router(cluster.router)

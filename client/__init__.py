@@ -14,6 +14,7 @@ from client.rest import (
     BadServerURL,
     Conflict,
     ConnectionFailed,
+    ExportFailed,
     FieldError,
     Forbidden,
     Invalid,
@@ -28,5 +29,6 @@ from client.rest import (
 )
 
 __all__ = ["DEFAULT_SERVER", "ApiError", "BadServerURL", "Conflict", "ConnectionFailed",
-           "FieldError", "Forbidden", "Invalid", "NotFound", "NotTridentAPI", "TooManyRequests",
-           "TridentClient", "TridentError", "Unauthorized", "Unavailable", "model_json"]
+           "ExportFailed", "FieldError", "Forbidden", "Invalid", "NotFound", "NotTridentAPI",
+           "TooManyRequests", "TridentClient", "TridentError", "Unauthorized", "Unavailable",
+           "model_json"]

@@ -1166,3 +1166,54 @@ class ProfileList(BaseModel):
     max_trace_bytes: int = PROFILE_MAX_TRACE_BYTES
     max_job_bytes: int = PROFILE_MAX_JOB_BYTES
     max_steps: int = PROFILE_MAX_STEPS
+
+
+class ExportState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ExportRecord(BaseModel):
+    """One `trident export` (`POST /jobs/{id}/exports`): a job's tag written as a Hugging
+    Face folder by a task on the cluster, under an export root the server allows."""
+
+    id: int
+    job_id: int
+    step: int
+    """The tag's step."""
+    state: ExportState
+    """pending (waiting for the controller), running (its task writes the folder), done
+    (`files`, `bytes`) or failed (`error`)."""
+    destination: str
+    """The folder on the cluster's storage that the export is (or will be) written to."""
+    max_shard_bytes: int
+    requested_by: str | None = None
+    files: list[str] = Field(default_factory=list)
+    """The folder's files once done: `config.json`, the safetensors shards, the index."""
+    bytes: int | None = None
+    """The folder's bytes once done."""
+    error: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+
+
+class ExportList(BaseModel):
+    """A job's exports, newest first."""
+
+    items: list[ExportRecord]
+
+
+class ExportFile(BaseModel):
+    """One file of a finished export: `GET /jobs/{id}/exports/{export_id}/files/{name}`."""
+
+    name: str
+    bytes: int
+
+
+class ExportFiles(BaseModel):
+    """The files of a finished export, as its folder holds them now."""
+
+    export_id: int
+    items: list[ExportFile]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -46,6 +46,9 @@ from client.payloads import (
     Comparison,
     Event,
     EventList,
+    ExportFiles,
+    ExportList,
+    ExportRecord,
     HangList,
     Health,
     JobList,
@@ -94,27 +97,6 @@ JOB_PAGE = 500
 """Jobs per request when paging (the API's most)."""
 
 T = TypeVar("T")
-
-
-class _Chunks(io.RawIOBase):
-    """A readable file over an answer's body as it arrives (`iter_bytes`)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks, self._left = chunks, b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._left:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._left = chunk
-        n = min(len(buffer), len(self._left))
-        buffer[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -202,6 +184,10 @@ class Invalid(ApiError):
 
 class TooManyRequests(ApiError):
     """429: too many requests of this kind are waiting (stack requests of a job)."""
+
+
+class ExportFailed(TridentError):
+    """An export's task failed (`TridentClient.wait_export`): the reason it recorded."""
 
 
 class Unavailable(ApiError):
@@ -448,48 +434,77 @@ class TridentClient:
         return self._get(CheckpointList, f"/jobs/{job_id}/checkpoints",
                          removed="true" if removed else None)
 
-    def export(self, job_id: int, out: str | os.PathLike[str], *, step: int | None = None,
-               format: str = "hf",  # noqa: A002 (the route's and the CLI's name)
-               max_shard_size: str | None = None) -> str:
-        """Write a job's checkpoint tag (`step`, default the newest) as a Hugging Face model
-        folder `out` (`config.json`, safetensors in files of at most `max_shard_size`, e.g.
-        `500MB`, default the server's 5GB: `GET /jobs/{id}/export`, a tar unpacked as
-        it arrives into a temporary folder beside `out`, then renamed: the model's size on
-        disk once, not the tar's too); `out` must not exist yet. The folder's path.
-        `OSError` when `out` cannot be written (`FileExistsError` when it exists);
-        `ConnectionFailed` when the answer breaks off."""
-        import tarfile
-        import tempfile
+    def start_export(self, job_id: int, *, step: int | None = None,
+                     max_shard_size: str | None = None,
+                     destination: str | None = None) -> ExportRecord:
+        """Export a job's checkpoint tag (`step`, default the newest complete one) as a Hugging
+        Face folder, written by a task on the cluster under an export root (`destination`,
+        default the server's `<root>/<owner>/job-<id>-step<N>`), in safetensors files of at
+        most `max_shard_size` (e.g. `500MB`; default 5GB): `POST /jobs/{id}/exports`."""
+        body = {k: v for k, v in (("step", step), ("max_shard_size", max_shard_size),
+                                  ("destination", destination)) if v is not None}
+        return self._post(ExportRecord, f"/jobs/{job_id}/exports", body)
 
-        target = os.path.abspath(os.fspath(out))
-        if os.path.exists(target):
-            raise FileExistsError(errno.EEXIST, "exists already; give a new folder", target)
-        parent = os.path.dirname(target)
+    def get_export(self, job_id: int, export_id: int) -> ExportRecord:
+        return self._get(ExportRecord, f"/jobs/{job_id}/exports/{export_id}")
+
+    def list_exports(self, job_id: int) -> ExportList:
+        """A job's exports, newest first: where each went, its state, files, bytes."""
+        return self._get(ExportList, f"/jobs/{job_id}/exports")
+
+    def export_files(self, job_id: int, export_id: int) -> ExportFiles:
+        return self._get(ExportFiles, f"/jobs/{job_id}/exports/{export_id}/files")
+
+    def wait_export(self, job_id: int, export_id: int, *, poll_s: float = 0.5,
+                    timeout_s: float | None = None) -> ExportRecord:
+        """The export once done; ExportFailed with its reason when it failed; TimeoutError
+        after `timeout_s` (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (rec := self.get_export(job_id, export_id)).state in ("pending", "running"):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"export {export_id} of job {job_id} is {rec.state}")
+            time.sleep(poll_s)
+        if rec.state != "done":
+            raise ExportFailed(f"export {export_id} of job {job_id} failed: {rec.error}")
+        return rec
+
+    def download_export(self, job_id: int, export_id: int,
+                        out: str | os.PathLike[str]) -> str:
+        """A finished export's folder written as `out` (which must not exist), file by file
+        (`client.exports`: one streaming GET a file, written as it arrives, sizes checked,
+        renamed into place once whole). The folder's path. `OSError` when `out` cannot be
+        written; `ConnectionFailed` when an answer breaks off."""
+        from client import exports
+
+        listed = self.export_files(job_id, export_id)
+        target, work = exports.prepare(out)
         try:
-            os.makedirs(parent, exist_ok=True)
-        except FileExistsError:  # a file on the way
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
-        with tempfile.TemporaryDirectory(dir=parent, prefix=".trident-export-") as work:
-            try:
-                with self._http.stream("GET", f"/jobs/{job_id}/export",
-                                       params=_query(step=step, format=format,
-                                                     max_shard_size=max_shard_size),
-                                       timeout=httpx.Timeout(30, read=None)) as resp:
-                    if resp.status_code >= 400:
-                        resp.read()
-                        raise _refusal(resp, self)
-                    body = io.BufferedReader(_Chunks(resp.iter_bytes()), 1 << 20)
-                    with tarfile.open(fileobj=body, mode="r|") as tar:
-                        tar.extractall(os.path.join(work, "x"), filter="data")
-            except httpx.HTTPError as exc:
-                raise ConnectionFailed(self.server, f"the export of job {job_id} broke off:"
-                                       f" {exc or type(exc).__name__}") from None
-            except tarfile.TarError as exc:
-                raise NotTridentAPI(self.server, f"the export of job {job_id} is no whole"
-                                    f" tar: {exc}") from None
-            [top] = os.listdir(os.path.join(work, "x"))
-            os.replace(os.path.join(work, "x", top), target)
-        return target
+            for f in listed.items:
+                exports.fetch(self._http, f"/jobs/{job_id}/exports/{export_id}/files/"
+                              f"{quote(f.name)}", os.path.join(work, f.name), f.bytes,
+                              lambda r: _refusal(r, self))
+        except httpx.HTTPError as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            raise ConnectionFailed(self.server, f"the export of job {job_id} broke off:"
+                                   f" {exc or type(exc).__name__}") from None
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return exports.finish(work, target)
+
+    def export(self, job_id: int, out: str | os.PathLike[str], *, step: int | None = None,
+               max_shard_size: str | None = None, destination: str | None = None,
+               timeout_s: float | None = None) -> str:
+        """`start_export`, `wait_export`, then `download_export` into `out`: the folder's
+        path. `out` is checked first (`client.exports.check`: FileExistsError when it
+        exists, NotADirectoryError when a file is on its way)."""
+        from client import exports
+
+        exports.check(out)
+        rec = self.start_export(job_id, step=step, max_shard_size=max_shard_size,
+                                destination=destination)
+        self.wait_export(job_id, rec.id, timeout_s=timeout_s)
+        return self.download_export(job_id, rec.id, out)
 
     def get_comm(self, job_id: int, *, last: int = 100) -> CommView:
         """Communication per TP/PP/DP over the newest attempt's last `last` steps."""

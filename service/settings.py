@@ -92,11 +92,10 @@ class Settings(BaseSettings):
     fraction of its filesystem is free (default 0.05: 5 %). A full disk costs a checkpoint
     save and the log lines it refuses, not the control plane, but it costs them."""
     export_max_concurrent: int = Field(default=2, ge=1, le=64)
-    """How many exports (`GET /api/v1/jobs/{id}/export`, `trident export`) run at once, over
-    every API process of the data directory; one more is refused with 429 and `Retry-After`.
-    Each writes the model's Hugging Face folder under `data_dir/exports/` (about the size of
-    its weights, deleted once sent) and its conversion maps the tag's files (about the size
-    of its weights in memory, most of it the files' pages)."""
+    """How many exports (`POST /api/v1/jobs/{id}/exports`, `trident export`) the controller
+    runs at once, each a task on the cluster (`service.control.export_run`); the others wait,
+    `pending`, for one to end. Each writes the model's Hugging Face folder under an export
+    root (`export_roots`) and holds about one shard and one tensor in memory."""
     order_cache_user_bytes: int = Field(default=4 << 30, ge=1 << 20, le=1 << 50)
     """The most bytes of the sample-order cache (`<data_dir>/sample-orders/`, the index of
     each `tokens` job's global sample order, about 30 bytes a sample) that one user's jobs may
@@ -128,6 +127,11 @@ class Settings(BaseSettings):
     data_roots: str = ""
     """Comma-separated directories a spec's corpora (`data.train`, `data.valid`) must resolve
     inside, `.idx` and `.bin` alike (after `..` and symlinks); empty means `data_dir` alone."""
+    export_roots: str = ""
+    """Comma-separated directories exports are written under (`trident export`): a requested
+    destination must resolve inside one of them (after symlinks; `..` refused), in the job
+    owner's folder `<root>/<owner>/`; the default destination is
+    `<first root>/<owner>/job-<id>-step<N>`. Empty means `data_dir/exports` alone."""
     spec_file_max_bytes: int = Field(default=1 << 20, ge=4 << 10, le=64 << 20)
     """The largest file a spec names that the API reads at submission (`model.hf_config`'s
     `config.json`, 1 MiB; real ones are a few KiB): a larger one, or one that is not a
@@ -254,6 +258,12 @@ class Settings(BaseSettings):
     def code_root_dirs(self) -> list[Path]:
         """`code_roots` as paths (none when empty: no command may run)."""
         return [Path(p.strip()) for p in self.code_roots.split(",") if p.strip()]
+
+    @property
+    def export_root_dirs(self) -> list[Path]:
+        """`export_roots` as paths (`data_dir/exports` when empty)."""
+        roots = [Path(p.strip()) for p in self.export_roots.split(",") if p.strip()]
+        return roots or [self.data_dir / "exports"]
 
     @property
     def mlflow_uri_list(self) -> list[str]:

@@ -26,6 +26,7 @@ from service.contract.states import JobState
 from service.files.profiles import ProfileFiles, profile_root
 from service.settings import Settings
 from service.store import Store
+from service.store.exports import ExportRecords
 from service.store.identity import Identity
 from service.store.profile_requests import ProfileRequests
 from service.store.stack_requests import StackRequests
@@ -40,7 +41,7 @@ OTHER = {"own": None, "other": "bob", "other_project": "carol"}
 """Whose object a relation targets: the caller's own, another user's of the caller's project
 (vision), or a user's of another project (speech)."""
 PUBLIC = {("GET", "/api/v1/healthz")}
-NOTHING_YET = {("GET", "/api/v1/jobs/{job_id}/export"), ("POST", "/api/v1/calibrations")}
+NOTHING_YET = {("POST", "/api/v1/jobs/{job_id}/exports"), ("POST", "/api/v1/calibrations")}
 """Routes whose allowed example answers 404: the example job has no checkpoint to export
 (tests/test_hf_models.py exports one); the cluster has no probed profile to calibrate
 (tests/test_calibration_ray.py calibrates one)."""
@@ -119,6 +120,20 @@ class World:
             "files": [{"rank": 0, "name": name, "bytes": 5}]})
         return f"/api/v1/jobs/{job_id}/profile/{req.id}" + (f"/files/{name}" if file else "")
 
+    def export(self, owner: str) -> str:
+        """`/jobs/{id}/exports/{export_id}` of a done export of a job of `owner`, whose
+        folder holds one file, `config.json`."""
+        job_id = self.job(owner)
+        folder = self.data_dir / "exports" / owner / f"job-{job_id}-step1"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        records = ExportRecords(self.store)
+        rec = records.create(job_id=job_id, step=1, destination=str(folder),
+                             checkpoint_dir=str(self.data_dir), max_shard_bytes=1 << 20,
+                             requested_by=owner)
+        records.finish(rec.id, files=["config.json"], size=2)
+        return f"/api/v1/jobs/{job_id}/exports/{rec.id}"
+
     def node(self) -> str:
         """The hostname of the cluster's one (alive) node."""
         self.store.upsert_nodes(nodes=[{"node_id": "f" * 56, "hostname": "matrix-host"}])
@@ -163,8 +178,16 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/metrics", None),
     ("GET", "/api/v1/jobs/{job_id}/attempts"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/attempts", None),
-    ("GET", "/api/v1/jobs/{job_id}/export"): lambda w, c, r: (
-        f"/api/v1/jobs/{w.job(w.owner(c, r))}/export", None),
+    ("POST", "/api/v1/jobs/{job_id}/exports"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/exports", {}),
+    ("GET", "/api/v1/jobs/{job_id}/exports"): lambda w, c, r: (
+        f"/api/v1/jobs/{w.job(w.owner(c, r))}/exports", None),
+    ("GET", "/api/v1/jobs/{job_id}/exports/{export_id}"): lambda w, c, r: (
+        w.export(w.owner(c, r)), None),
+    ("GET", "/api/v1/jobs/{job_id}/exports/{export_id}/files"): lambda w, c, r: (
+        w.export(w.owner(c, r)) + "/files", None),
+    ("GET", "/api/v1/jobs/{job_id}/exports/{export_id}/files/{name}"): lambda w, c, r: (
+        w.export(w.owner(c, r)) + "/files/config.json", None),
     ("GET", "/api/v1/jobs/{job_id}/checkpoints"): lambda w, c, r: (
         f"/api/v1/jobs/{w.job(w.owner(c, r))}/checkpoints", None),
     ("GET", "/api/v1/jobs/{job_id}/comm"): lambda w, c, r: (

@@ -1,7 +1,7 @@
 """Every `trident` error is one line, tried as a new user would: `error: ...` on stderr, a
 non-zero exit, what went wrong and what to do, never a box of several lines or a traceback.
 Usage errors, a spec that is not YAML, a refused cancel, a cancel with nobody to answer its
-question, a server URL with the API's path in it, an export whose answer breaks off or whose
+question, a server URL with the API's path in it, an export whose download breaks off or whose
 folder cannot be made, a data dir that cannot be made (`bootstrap`, `controller`, `up`); and
 `trident --help`, whose command lines are whole sentences. Through Typer's CliRunner against
 a live API server (the `live` fixture), and as a real process where the terminal (or its
@@ -165,30 +165,58 @@ def test_a_real_process_prints_no_box(args: list[str]) -> None:
 
 def test_an_export_whose_answer_breaks_off_is_one_line_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The server dies mid-export (`kill -9` of `trident up`): here a socket that sends the
-    # tar's headers and a part of it, then closes.
-    import socket
+    # The server dies mid-download (`kill -9` of `trident up`): here a server that takes the
+    # export, says it is done with one file of 1 MB, then sends 4 KB of that file and closes.
+    import json
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    record = {"id": 1, "job_id": 7, "step": 3, "state": "done", "destination": "/x",
+              "max_shard_bytes": 5 * 10**9, "files": ["model.safetensors"], "bytes": 10**6,
+              "created_at": "2026-01-01T00:00:00Z"}
+
+    class Answer(BaseHTTPRequestHandler):
+        def _json(self, status: int, body: object) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._json(202, {**record, "state": "pending", "files": [], "bytes": None})
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path.endswith("/files"):
+                self._json(200, {"export_id": 1, "items": [
+                    {"name": "model.safetensors", "bytes": 10**6}]})
+            elif "/files/" in self.path:
+                self.send_response(200)
+                self.send_header("Content-Length", str(10**6))
+                self.end_headers()
+                self.wfile.write(b"\0" * 4096)
+                self.close_connection = True
+            else:
+                self._json(200, record)
+
+        def log_message(self, *args: object) -> None:
+            pass
 
     monkeypatch.setenv("TRIDENT_TOKEN", "t" * 43)
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
-
-        def answer() -> None:
-            conn, _ = srv.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-tar\r\n"
-                             b"Content-Length: 1000000\r\n\r\n" + b"\0" * 4096)
-
-        threading.Thread(target=answer, daemon=True).start()
-        server = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        server = f"http://127.0.0.1:{srv.server_address[1]}"
         line = one_line(trident("export", "7", "--out", str(tmp_path / "model"),
                                 server=server), 2)
+    finally:
+        srv.shutdown()
+        srv.server_close()
     assert line.startswith(f"error: cannot reach the Trident API at {server}: the export of"
                            " job 7 broke off: "), line
-    assert list(tmp_path.iterdir()) == []  # neither the folder nor the partial tar
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor the partial files
 
 
 def test_an_export_to_a_folder_it_cannot_make_is_one_line(live: Live, tmp_path: Path) -> None:

@@ -1,24 +1,24 @@
-"""Exports on a live `trident up` (issue 38): at most `TRIDENT_EXPORT_MAX_CONCURRENT` run at
-once, one more is a 429 that `trident export` prints as one `error:` line (as it prints a
-folder it cannot write); an export's folder is under the data directory, and one that a
-`kill -9` of `trident up` left there is removed when the stack starts again."""
+"""Exports on a live `trident up` (issue 44, point 3): `trident export` has the controller run
+the export as a Ray task on the stack's cluster, which writes Hugging Face's sharded folder
+under the export root (`TRIDENT_EXPORT_ROOTS`), in the job owner's folder; the API records
+where it went and its size (`trident export --list`), and `--out` downloads it file by file:
+the same bytes, loaded by `transformers` with the tag's weights. A destination outside the
+roots is one `error:` line naming the field."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from service.contract.spec import ModelSpec
 from service.files.checkpoint_dirs import default_folder
@@ -31,10 +31,10 @@ from workers.modeling.model import GPT
 
 pytestmark = pytest.mark.slow
 
-MODEL = {"layers": 1, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 32000, "seq_len": 16,
+MODEL = {"layers": 1, "hidden": 128, "heads": 4, "kv_heads": 2, "vocab": 4000, "seq_len": 16,
          "activation": "swiglu"}
-"""65 MB of fp32 weights: more than the loopback's socket buffers hold, so an export whose
-client reads nothing stays in flight."""
+"""5 MB of fp32 weights: in shards of at most 1MB, three shards (the embedding and the head
+each alone) and an index."""
 STEP = 1000
 
 
@@ -59,14 +59,6 @@ def _job_with_tag(up: Up) -> tuple[int, dict[str, torch.Tensor]]:
     return job, weights
 
 
-def _open(up: Up, job: int) -> httpx.Response:
-    """An export whose answer has begun (its status and headers), its body not read."""
-    client = httpx.Client(timeout=httpx.Timeout(10, read=300))
-    return client.send(client.build_request(
-        "GET", f"{up.server}/api/v1/jobs/{job}/export", params={"step": STEP},
-        headers=up.auth), stream=True)
-
-
 def _cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
     token = (up.data_dir / "admin.token").read_text().strip()
     return subprocess.run([sys.executable, "-m", "cli.main", *args, "--server", up.server],
@@ -74,69 +66,52 @@ def _cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def _slot_folders(data_dir: Path) -> list[str]:
-    return sorted(p.name for p in (data_dir / "exports").iterdir() if p.is_dir())
-
-
-def test_exports_are_bounded_refused_in_one_line_and_swept_after_a_kill(
+def test_an_export_is_a_ray_task_of_the_stack_and_downloads_file_by_file(
         tmp_path: Path) -> None:
-    data = tmp_path / "data"
+    data, roots = tmp_path / "data", tmp_path / "exports"
     data.mkdir()
     scratch = Path(tempfile.mkdtemp(prefix="tx-"))  # short: Ray's socket paths go in it
-    env = {"TRIDENT_EXPORT_MAX_CONCURRENT": "2", "TMPDIR": str(scratch)}
-    up = Up(data, free_port(), env)
-    held: list[httpx.Response] = []
+    up = Up(data, free_port(), {"TRIDENT_EXPORT_ROOTS": str(roots), "TMPDIR": str(scratch)})
     try:
         up.wait_healthy()
         job, weights = _job_with_tag(up)
-        held = [_open(up, job), _open(up, job)]
-        assert [r.status_code for r in held] == [200, 200]
-        assert _slot_folders(data) == ["slot-0", "slot-1"]
-        # the third is refused while both are in flight, as a 429 and as one CLI line
-        r = HTTP.get(f"{up.server}/api/v1/jobs/{job}/export", params={"step": STEP},
-                     headers=up.auth)
-        assert r.status_code == 429 and r.headers["Retry-After"] == "10", r.text
-        assert "TRIDENT_EXPORT_MAX_CONCURRENT" in r.json()["detail"]
         out = tmp_path / "model"
-        cli = _cli(up, "export", str(job), "--step", str(STEP), "--out", str(out))
-        assert cli.returncode == 2 and cli.stdout == "", cli
-        assert cli.stderr == f"error: 429: {r.json()['detail']}\n"
-        assert not out.exists()
-        # a folder the CLI cannot write: one line naming it
-        (tmp_path / "file").write_text("")
-        cli = _cli(up, "export", str(job), "--out", str(tmp_path / "file" / "model"))
-        assert cli.returncode == 2 and cli.stdout == "", cli
-        assert cli.stderr == f"error: --out {tmp_path}/file/model: Not a directory" \
-            f" ({tmp_path}/file)\n"
-
-        # a client that goes away frees its slot: the next export is taken and sent whole
-        held.pop(0).close()
-        deadline = time.monotonic() + 60
-        while (cli := _cli(up, "export", str(job), "--out", str(out))).returncode != 0:
-            assert "export(s) are running" in cli.stderr and time.monotonic() < deadline, cli
-            time.sleep(0.5)
+        cli = _cli(up, "export", str(job), "--step", str(STEP), "--max-shard-size", "1MB",
+                   "--out", str(out))
+        assert cli.returncode == 0, (cli, up.log())
         assert cli.stdout == f"job {job}: {out}\n", cli
-        got = load_file(out / "model.safetensors")
-        assert torch.equal(got["model.embed_tokens.weight"], weights["layers.0.tok"])
-        assert torch.equal(got["lm_head.weight"], weights["layers.2.weight"])
-        assert _slot_folders(data) == ["slot-0"] or _slot_folders(data) == ["slot-1"]
-        assert not [p for p in scratch.iterdir() if "export" in p.name]  # the system's temp
+        assert f"export 1 of job {job}: Ray task" in up.log(), up.log()
 
-        # kill -9 of `trident up` with an export in flight: its folder stays behind ...
-        os.kill(up.proc.pid, signal.SIGKILL)
-        up.proc.wait(10)
-        held.pop().close()
-        up.stop()
-        [stale] = _slot_folders(data)
-        assert list((data / "exports" / stale).iterdir()) == [
-            data / "exports" / stale / f"job-{job}-step{STEP}-hf"]
-        # ... until the stack starts again
-        up = Up(data, free_port(), env)
-        up.wait_healthy()
-        assert _slot_folders(data) == []
-        assert "removed 1 stale export folder(s)" in up.log(), up.log()
+        written = roots / "admin" / f"job-{job}-step{STEP}"
+        names = sorted(p.name for p in written.iterdir())
+        assert sorted(p.name for p in out.iterdir()) == names
+        shards = [n for n in names if n.startswith("model-")]
+        assert len(shards) >= 3 and "model.safetensors.index.json" in names, names
+        assert all((out / n).read_bytes() == (written / n).read_bytes() for n in names)
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == shards
+        got: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            got.update(load_file(out / shard))
+        assert torch.equal(got["model.embed_tokens.weight"], weights["layers.0.tok"])
+        loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        assert torch.equal(loaded["model.embed_tokens.weight"], weights["layers.0.tok"])
+        assert torch.equal(loaded["lm_head.weight"], weights["layers.2.weight"])
+        assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"],
+                           weights["layers.1.down.weight"])
+
+        listed = _cli(up, "export", str(job), "--list", "-o", "json")
+        assert listed.returncode == 0, listed
+        [rec] = json.loads(listed.stdout)["items"]
+        assert (rec["state"], rec["destination"], rec["step"]) == ("done", str(written), STEP)
+        assert rec["bytes"] == sum((written / n).stat().st_size for n in names)
+        assert sorted(rec["files"]) == names
+
+        # a destination outside the export roots: one line naming the field
+        cli = _cli(up, "export", str(job), "--dest", str(tmp_path / "elsewhere"))
+        assert cli.returncode == 2 and cli.stdout == "", cli
+        assert cli.stderr.startswith("error: ") and "destination: " in cli.stderr, cli
+        assert len(cli.stderr.splitlines()) == 1 and not (tmp_path / "elsewhere").exists()
     finally:
-        for r in held:
-            r.close()
         up.stop()
         shutil.rmtree(scratch, ignore_errors=True)

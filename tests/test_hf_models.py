@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,12 @@ from service.contract import hf_config
 from service.contract.spec import JobSpec, ModelSpec
 from service.files.checkpoint_dirs import default_folder
 from service.files.checkpoint_tags import MARKER, tag
-from service.files.export import shard_bytes
 from service.planner.shape import ModelShape
 from service.settings import Settings
 from service.store import Store
+from service.store.exports import ExportRecords
 from tests.conftest import tiny_spec, user_token
+from tests.export_runs import running_exports
 from tests.hf_made import EVERY_FAMILY, FAMILIES, SEQ, saved
 from tests.hf_ranks import tokens
 from tests.workers_spawn import run_ranks
@@ -219,9 +221,10 @@ def test_a_trained_checkpoint_exports_to_a_model_transformers_loads(
     with pytest.raises(ExportRefused, match="no checkpoint tag step3"):
         export(str(ckpt), 3, shape, str(tmp_path / "nothing"))
 
-    if family == "llama":  # the route: a tar of the same folder, under the job's owner rules
+    if family == "llama":  # the routes: the same folder, under the job's owner rules
         settings = Settings(data_dir=tmp_path / "data", checkpoint_roots=str(tmp_path))
-        with TestClient(create_app(settings, store=sqlite_store)) as c:
+        with TestClient(create_app(settings, store=sqlite_store)) as c, \
+                running_exports(sqlite_store):
             alice = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
             bob = f"Bearer {user_token(sqlite_store, 'bob', 'member')}"
             body = train.model_dump(mode="json")
@@ -230,9 +233,9 @@ def test_a_trained_checkpoint_exports_to_a_model_transformers_loads(
             assert r.status_code == 201, r.text
             job = r.json()["id"]
             shutil.copytree(ckpt / f"step{steps}", tmp_path / "job" / f"step{steps}")
-            url = f"/api/v1/jobs/{job}/export?step={steps}"
-            assert c.get(url, headers={"Authorization": bob}).status_code == 403
-            r = c.get(f"/api/v1/jobs/{job}/export?step=3", headers={"Authorization": alice})
+            url = f"/api/v1/jobs/{job}/exports"
+            assert c.post(url, json={}, headers={"Authorization": bob}).status_code == 403
+            r = c.post(url, json={"step": 3}, headers={"Authorization": alice})
             assert r.status_code == 404, r.text
             through = httpx.MockTransport(lambda q: _answer(c.request(
                 q.method, str(q.url), content=q.read(), headers=dict(q.headers))))
@@ -246,9 +249,11 @@ def test_a_trained_checkpoint_exports_to_a_model_transformers_loads(
 
 
 def test_trident_export_writes_a_folder_transformers_loads(live: Any, tmp_path: Path) -> None:
-    # The command itself, against a live API: a job's tag (written here as a tp 1, pp 1
-    # DeepSpeed tag holds it: the whole module's state dict) comes back as a folder whose
-    # logits under transformers are Trident's own model's.
+    # The command itself, against a live API whose exports run beside it (the controller's
+    # runner, each export a process of its own): a job's tag (written here as a tp 1, pp 1
+    # DeepSpeed tag holds it: the whole module's state dict) is written under the export
+    # root, in the owner's folder, and downloaded file by file into a folder whose weights
+    # under transformers are Trident's model's, equal, and whose logits are its logits.
     spec = tmp_path / "llama.yaml"
     spec.write_text(json.dumps({
         "name": "export-cli", "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2,
@@ -266,29 +271,59 @@ def test_trident_export_writes_a_folder_transformers_loads(live: Any, tmp_path: 
     torch.save({"module": model.state_dict()}, folder / "mp_rank_00_model_states.pt")
     (folder / LAYOUT).write_text(json.dumps(layout_of(job.spec)))
     (folder / MARKER).write_text("3\n")
+    root = live.settings.export_root_dirs[0] / job.owner
 
-    out = tmp_path / "exported"
-    r = live.cli("export", str(job.id), "--out", str(out))  # the newest complete tag
-    assert r.exit_code == 0, r.output
-    assert r.stdout.strip() == f"job {job.id}: {out}"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    with torch.no_grad():
-        ours = model(tokens(shape.vocab, SEQ))
-    assert (hf_logits(out, shape.vocab) - ours).abs().max().item() < TOL
+    with running_exports(live.store):
+        out = tmp_path / "exported"
+        r = live.cli("export", str(job.id), "--out", str(out))  # the newest complete tag
+        assert r.exit_code == 0, r.output
+        assert r.stdout.strip() == f"job {job.id}: {out}"
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        with torch.no_grad():
+            ours = model(tokens(shape.vocab, SEQ))
+        assert (hf_logits(out, shape.vocab) - ours).abs().max().item() < TOL
+        assert sorted(p.name for p in root.iterdir()) == [f"job-{job.id}-step3"]
 
-    r = live.cli("export", str(job.id), "--out", str(out))
-    assert r.exit_code != 0 and "exists already" in r.output, r.output
-    r = live.cli("export", str(job.id), "--max-shard-size", "5XB", "--out", str(tmp_path / "x"))
-    assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1, r.output
-    assert "max_shard_size: '5XB' is no size" in r.output and not (tmp_path / "x").exists()
-    sharded = tmp_path / "sharded"
-    r = live.cli("export", str(job.id), "--max-shard-size", "10KB", "--out", str(sharded))
-    assert r.exit_code == 0, r.output
-    assert "model.safetensors.index.json" in {p.name for p in sharded.iterdir()}
+        r = live.cli("export", str(job.id), "--out", str(out))
+        assert r.exit_code != 0 and "exists already" in r.output, r.output
+        r = live.cli("export", str(job.id), "--max-shard-size", "5XB", "--out",
+                     str(tmp_path / "x"))
+        assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1, r.output
+        assert "max_shard_size: '5XB' is no size" in r.output and not (tmp_path / "x").exists()
+        sharded = tmp_path / "sharded"
+        r = live.cli("export", str(job.id), "--max-shard-size", "10KB", "--out", str(sharded))
+        assert r.exit_code == 0, r.output
+        r = live.cli("export", str(job.id), "--step", "4", "--out", str(tmp_path / "none"))
+        assert r.exit_code != 0 and "no complete checkpoint tag of step 4" in r.output, r.output
+        assert not (tmp_path / "none").exists()
+        r = live.cli("export", str(job.id), "--dest", str(tmp_path / "elsewhere"))
+        assert r.exit_code != 0 and "destination: " in r.output, r.output
+        assert "TRIDENT_EXPORT_ROOTS" in r.output, r.output
+        r = live.cli("export", str(job.id), "--list")
+    assert r.exit_code == 0 and f"job {job.id}: 2 export(s)" in r.output, r.output
+    assert f"{root}/job-{job.id}-step3-2" in r.output and "done" in r.output, r.output
+
+    # The sharded folder: transformers' names, the index, bytes equal to the export's on
+    # the cluster's storage (each file one GET), weights equal to the model's
+    names = sorted(p.name for p in sharded.iterdir())
+    shards = [n for n in names if n.startswith("model-")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in names, names
+    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                      for k in range(1, len(shards) + 1)]
+    written = root / f"job-{job.id}-step3-2"
+    assert sorted(p.name for p in written.iterdir()) == names
+    assert all((sharded / n).read_bytes() == (written / n).read_bytes() for n in names)
+    back = GPT(shape, 0)
+    load_hf(back, shape, str(sharded))
+    mine = dict(model.named_parameters())
+    assert all(torch.equal(p, mine[k]) for k, p in back.named_parameters())
+    hf = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).state_dict()
+    assert torch.equal(hf["model.embed_tokens.weight"], model.state_dict()["layers.0.tok"])
     assert (hf_logits(sharded, shape.vocab) - ours).abs().max().item() < TOL
-    r = live.cli("export", str(job.id), "--step", "4", "--out", str(tmp_path / "none"))
-    assert r.exit_code != 0 and "no complete checkpoint tag of step 4" in r.output, r.output
-    assert not (tmp_path / "none").exists()
+    [listed] = [e for e in ExportRecords(live.store).of_job(job.id)
+                if e.destination == str(written)]
+    assert sorted(listed.files) == names
+    assert listed.bytes == sum((written / n).stat().st_size for n in names)
 
 
 def test_a_sharded_folder_loads_back_and_a_wrong_shape_is_named(tmp_path: Path) -> None:
@@ -354,29 +389,23 @@ def test_an_export_above_the_shard_size_is_sharded_and_loads_in_transformers(
     assert one == ["config.json", "model.safetensors"]
 
 
-def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
+def test_an_export_the_converter_refuses_fails_naming_why_and_leaves_nothing_behind(
         tmp_path: Path, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No complete tag: 404; a tag whose layout is unknown or interleaved: 409 naming it
-    (`service.files.export` through `workers.checkpoint.hf_export`), with no folder left in the
-    system's
-    temporary directory nor in the data directory's exports (only the slots' lock files)."""
+    """A tag whose layout is unknown or interleaved: the export is taken (202), then fails
+    with the converter's reason (`workers.checkpoint.hf_export`), with no folder left at its
+    destination, beside it, nor in the system's temporary directory."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    settings = Settings(data_dir=tmp_path / "data", checkpoint_roots=str(tmp_path))
-    with TestClient(create_app(settings, store=sqlite_store)) as c:
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    settings = Settings(data_dir=tmp_path / "data", checkpoint_roots=str(tmp_path),
+                        export_roots=str(tmp_path / "exports"))
+    with TestClient(create_app(settings, store=sqlite_store)) as c, \
+            running_exports(sqlite_store) as runner:
         c.headers["Authorization"] = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
         r = c.post("/api/v1/jobs", json=tiny_spec(checkpoint={"dir": str(tmp_path / "job")}))
         assert r.status_code == 201, r.text
         job = r.json()["id"]
-        r = c.get(f"/api/v1/jobs/{job}/export")
-        assert r.status_code == 404 and "no complete checkpoint tag yet" in r.text, r.text
-        assert [shard_bytes(t) for t in ("5GB", "500MB", "5GiB", "1024", "1.5 gb")] == [
-            5 * 10**9, 5 * 10**8, 5 * 2**30, 1024, 15 * 10**8]  # as transformers reads them
-        for bad in ("5XB", "0", "2TiB", "-1GB", "GB"):
-            r = c.get(f"/api/v1/jobs/{job}/export", params={"max_shard_size": bad})
-            assert r.status_code == 422, (bad, r.text)
-            assert r.json()["detail"][0]["loc"] == ["query", "max_shard_size"], r.text
         for step, layout in [(4, {"tp": 1, "pp": 2, "dp": 1, "zero": 0, "virtual_stages": 2}),
                              (8, None)]:
             path = tmp_path / "job" / f"step{step}"
@@ -384,13 +413,19 @@ def test_the_export_route_answers_what_it_refuses_and_leaves_nothing_behind(
             if layout:
                 (path / LAYOUT).write_text(json.dumps(layout))
             (path / MARKER).write_text(f"{step}\n")
-        r = c.get(f"/api/v1/jobs/{job}/export")  # the newest: step 8
-        assert r.status_code == 409 and "unknown" in r.text, r.text
-        r = c.get(f"/api/v1/jobs/{job}/export?step=4")
-        assert r.status_code == 409 and "interleaved stages" in r.text, r.text
-        assert c.get(f"/api/v1/jobs/{job}/export?step=6").status_code == 404
+        url = f"/api/v1/jobs/{job}/exports"
+        asked = [c.post(url, json={}).json(), c.post(url, json={"step": 4}).json()]
+        assert [a["state"] for a in asked] == ["pending", "pending"], asked
+        deadline = time.monotonic() + 120
+        while runner.records.open():
+            assert time.monotonic() < deadline, runner.records.open()
+            time.sleep(0.2)
+        ended = [c.get(f"{url}/{a['id']}").json() for a in asked]
+    assert [e["state"] for e in ended] == ["failed", "failed"], ended
+    assert "unknown" in ended[0]["error"] and "interleaved stages" in ended[1]["error"], ended
+    assert all(e["files"] == [] and e["bytes"] is None for e in ended)
     assert list(scratch.iterdir()) == []
-    assert [p.name for p in (tmp_path / "data" / "exports").iterdir()] == ["slot-0.lock"]
+    assert list((tmp_path / "exports" / "alice").iterdir()) == []
 
 
 _PEAK = """import resource, subprocess, sys

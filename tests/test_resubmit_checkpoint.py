@@ -126,7 +126,7 @@ def test_starting_from_another_owners_checkpoint_needs_the_rights_an_export_need
     carol gets, nor any job stored for her, holds alice's hidden `env` value."""
     source = _source(store, tmp_path / "checkpoints", env={"WANDB_ENTITY": HIDDEN})
     alice, carol, admin = auth(store, "alice"), auth(store, "carol"), auth(store, "root", "admin")
-    export = api.get(f"/api/v1/jobs/{source}/export", headers=carol)
+    export = api.post(f"/api/v1/jobs/{source}/exports", headers=carol, json={})
     assert export.status_code == 403 and export.json()["detail"].startswith("jobs:export:")
 
     def resubmit(body: Any, headers: dict[str, str], job: int = source) -> Any:

@@ -66,6 +66,7 @@ from service.control.cluster_probes import ClusterProbes
 from service.control.control_pass import Change, LiveAttempt, StepResult
 from service.control.cordons import Cordons
 from service.control.corpus_admission import READY, SCANNING, CorpusAdmission
+from service.control.export_run import ExportRunner
 from service.control.node_survey import NodeSurvey
 from service.control.pace import FAST_FOR_S, Activity
 from service.control.preempting import Preemptions
@@ -139,8 +140,12 @@ class Controller:
                  nonfinite_loss_steps: int = 10, lemon_failures: int = 0,
                  lemon_window_s: float = 3600.0,
                  prices: Mapping[str, ProfilePrice] | None = None,
-                 budget_every_s: float = EVERY_S, data_dir: Path | None = None) -> None:
+                 budget_every_s: float = EVERY_S, data_dir: Path | None = None,
+                 exports: ExportRunner | None = None) -> None:
         self.store = store
+        self.exports = exports
+        """`trident export`: each export a task on the cluster, beside the loop (None: this
+        controller runs none; they wait for one that does)."""
         self.corpora = CorpusAdmission(data_dir)
         """Queued jobs' corpora that no record describes, scanned before admission, beside
         the loop (`data_dir`: the server's, where the scans are recorded)."""
@@ -257,6 +262,8 @@ class Controller:
         self.nodes.step()
         if self.exporter is not None:
             self.exporter.step()
+        if self.exports is not None:
+            self.exports.step()
         return result
 
     def activity(self, result: StepResult) -> Activity:
@@ -266,7 +273,7 @@ class Controller:
         now = time.monotonic()
         beside = (self.teardowns.pending or self.cluster_probes.running or self.stacks.pending
                   or self.profiles.pending or self.rescaling.moving or self.preemptions.victims
-                  or self.corpora.scanning)
+                  or self.corpora.scanning or (self.exports is not None and self.exports.pending))
         return Activity(
             starting=any(not r.stepped and now - r.started < FAST_FOR_S for r in runs),
             changed=bool(result.changes), steady=bool(runs) and not beside,
@@ -281,6 +288,8 @@ class Controller:
         self.corpora.close()
         if self.exporter is not None:
             self.exporter.close()
+        if self.exports is not None:
+            self.exports.shutdown()
         if stop_jobs:
             for job_id, run in list(self.running.items()):
                 self.teardown(job_id, run)

@@ -29,6 +29,7 @@ from types import FrameType
 
 from service.cluster.rayhead import LOOPBACK_ENV, UNUSED_OFF_ENV, WORKER_NICENESS_ENV, metric_ports
 from service.control.controller import Controller, StepResult
+from service.control.export_run import ExportRunner
 from service.control.heap import freeze_startup_objects
 from service.control.pace import Pace
 from service.files.checkpoint_dirs import CheckpointPlaces
@@ -223,7 +224,10 @@ def run(settings: Settings, stop: threading.Event) -> int:
     box = SecretBox.of(secret, settings.data_dir)
 
     def make_controller() -> Controller:
-        return Controller(store, connect_ray(settings),  # type: ignore[arg-type]
+        launcher = connect_ray(settings)
+        exports = ExportRunner(store, importlib.import_module(
+            "workers.launch.export_task").ray_export, settings.export_max_concurrent)
+        return Controller(store, launcher,  # type: ignore[arg-type]
                           checkpoint_root=settings.checkpoint_root,
                           places=CheckpointPlaces(settings.checkpoint_root_dirs,
                                                   settings.data_dir),
@@ -238,7 +242,8 @@ def run(settings: Settings, stop: threading.Event) -> int:
                           shutdown_timeout_s=0.4 * settings.stop_grace_s,
                           fence=Fence(CONTROLLER, leader.holder), box=box,
                           tracking=TrackingConfig.of(settings), data_dir=settings.data_dir,
-                          tag_steps_max_bytes=settings.tag_steps_max_bytes)
+                          tag_steps_max_bytes=settings.tag_steps_max_bytes,
+                          exports=exports)
 
     loop = LeaderLoop(leader, make_controller)
     # Renewed every pass: the longest wait is a third of the lease (as `retry_wait_s`).

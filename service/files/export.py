@@ -1,20 +1,19 @@
-"""A job's checkpoint tag as a tar of a Hugging Face model folder, for the API's
-`GET /jobs/{id}/export`: which tag (the one asked for, or the newest complete one), the
-folder written under the server's data directory, and the tar streamed from its files.
+"""A job's checkpoint tag exported as a Hugging Face model folder (`trident export`,
+`POST /jobs/{id}/exports`): which tag (the one asked for, or the newest complete one), where
+the folder may go (under an export root the server allows, in the job owner's folder), what
+the task that writes it is given and gives back, and the files of a finished export as the
+API serves them, one at a time.
 
-The conversion itself (reading DeepSpeed's files with torch, joining shards, stages and
-ZeRO-3 partitions) is the ranks' package's (`workers.checkpoint.hf_export`), run here as a process
-of its
-own (`python -m workers.checkpoint.hf_export`): the service never imports `workers` or torch, and
-the memory a large model's tensors take while they are joined is given back when that process
-ends, not kept by the API process.
+The folder is written by a task on the cluster (`service.control.export_run` runs it; on Ray,
+`workers.launch.export_task`), never by the API process: the conversion (reading
+DeepSpeed's files with torch, joining TP shards, stages and ZeRO-3 partitions) is the ranks'
+package's (`workers.checkpoint.hf_export`). `run_in_process` runs the same conversion as a
+process of its own on this host, for a controller with no cluster to place it on.
 
-Exports take slots: at most `Settings.export_max_concurrent` run at once over every API
-process of a data directory. Slot i is an exclusive `flock` on `<data_dir>/exports/slot-<i>.lock`
-and its folder `<data_dir>/exports/slot-<i>/`, held from the conversion until the tar is sent
-(or the client is gone). The kernel drops the lock with its process, `kill -9` included, so a
-folder whose slot nobody holds is stale: `sweep` (every API process's start) removes it, and
-so does the next export that takes its slot.
+Destinations are confined as checkpoint folders are (`service.files.checkpoint_dirs`): an
+absolute path, with no `..`, whose real path (symlinks resolved) lies in `<root>/<owner>/` of
+one of `Settings.export_root_dirs`, not in the data directory (but under its `exports/`), and
+that does not exist yet (or is an empty folder): an export never writes over another's files.
 """
 
 from __future__ import annotations
@@ -23,18 +22,15 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tarfile
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from service.contract.spec import ModelSpec
 from service.files.checkpoint_dirs import ExportRefused
 from service.files.checkpoint_tags import MARKER, newest_complete_step, tag
-from service.files.datadir import try_lock
 from service.planner.shape import ModelShape
 
 MAX_SHARD_SIZE = "5GB"
@@ -46,11 +42,13 @@ MAX_SHARD_BYTES = 1 << 40
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-EXPORTS = "exports"
-"""The folder of the data directory that exports write in."""
-CHUNK = 1 << 20
-"""The tar is sent in pieces of this many bytes of a file."""
-_SLOT = re.compile(r"slot-(\d+)")
+OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""An owner's name as a folder under an export root (users' names are of this form)."""
+FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""The name of a file of an export folder (`config.json`, `model-00001-of-00003.safetensors`,
+`model.safetensors.index.json`)."""
+FIELD = "destination"
+"""The request's field that refusals name."""
 
 
 def shard_bytes(text: str) -> int:
@@ -73,90 +71,6 @@ class NoCompleteTag(LookupError):
     """The job has no complete tag of the step asked for (or none at all)."""
 
 
-class ExportsBusy(Exception):
-    """Every export slot is taken."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"{limit} export(s) are running on this server, the most it runs at"
-                         " once (TRIDENT_EXPORT_MAX_CONCURRENT); try again when one is done")
-
-
-class Slot:
-    """An export slot held: its lock's descriptor and its folder `work` (emptied when taken).
-    `release` (idempotent, from any thread) deletes the folder and drops the lock."""
-
-    def __init__(self, fd: int, work: Path) -> None:
-        self.fd, self.work = fd, work
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            if self.fd < 0:
-                return
-            shutil.rmtree(self.work, ignore_errors=True)
-            os.close(self.fd)
-            self.fd = -1
-
-
-def take_slot(data_dir: Path, limit: int) -> Slot:
-    """The first free of `limit` export slots, its folder made empty; ExportsBusy when
-    every one is held."""
-    root = data_dir / EXPORTS
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for i in range(limit):
-        fd = try_lock(root / f"slot-{i}.lock")
-        if fd is None:
-            continue
-        work = root / f"slot-{i}"
-        shutil.rmtree(work, ignore_errors=True)  # a killed export's leftovers
-        try:
-            work.mkdir(mode=0o700)
-        except BaseException:
-            os.close(fd)
-            raise
-        return Slot(fd, work)
-    raise ExportsBusy(limit)
-
-
-def sweep(data_dir: Path) -> list[str]:
-    """Remove what exports that ended without cleaning up (their process killed) left under
-    `<data_dir>/exports/`: every folder whose slot no process holds, whatever the number of
-    slots now. The names removed."""
-    root = data_dir / EXPORTS
-    removed: list[str] = []
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        if name.endswith(".lock"):
-            continue
-        m = _SLOT.fullmatch(name)
-        fd = try_lock(root / f"{name}.lock") if m else None
-        if m and fd is None:
-            continue  # an export in progress in another API process
-        try:
-            path = root / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            removed.append(name)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed
-
-
-@dataclass(frozen=True)
-class Exported:
-    """A tag exported: the folder `path` (inside a slot's folder), sent as `filename`."""
-
-    path: Path
-    filename: str
-    step: int
-
-
 def complete_step(folder: str, step: int | None, job_id: int) -> int:
     """Step `step` (None: the newest complete one) of the job's checkpoint folder `folder`
     when its tag is complete; else NoCompleteTag."""
@@ -167,75 +81,153 @@ def complete_step(folder: str, step: int | None, job_id: int) -> int:
     return step
 
 
-def export_folder(folder: str, step: int, shape: ModelShape, job_id: int, slot: Slot,
-                  max_shard_bytes: int) -> Exported:
-    """Tag `step` (complete: `complete_step`) of the job's checkpoint folder `folder` written
-    as the folder `job-<id>-step<N>-hf/` (`config.json`, safetensors in shards of at most
-    `max_shard_bytes`: `shard_bytes`) inside the slot's folder;
-    `service.files.checkpoint_dirs.ExportRefused` when its layout or model is not
-    exported."""
-    name = f"job-{job_id}-step{step}-hf"
-    _convert(folder, step, shape, str(slot.work / name), max_shard_bytes, slot.fd)
-    return Exported(path=slot.work / name, filename=name + ".tar", step=step)
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def tar_stream(path: Path) -> tuple[int, Iterator[bytes]]:
-    """The folder `path` (regular files only, no subfolders: an export's) as a tar whose top
-    folder is its name: its length in bytes and its pieces, read from the files as they are
-    sent (never the whole tar in memory or on disk)."""
-    headers: list[tuple[bytes, Path, int]] = []
-    top = tarfile.TarInfo(path.name)
-    top.type, top.mode = tarfile.DIRTYPE, 0o755
-    for f in sorted(path.iterdir()):
-        info = tarfile.TarInfo(f"{path.name}/{f.name}")
-        info.size, info.mode = f.stat().st_size, 0o644
-        headers.append((info.tobuf(tarfile.PAX_FORMAT), f, info.size))
-    first = top.tobuf(tarfile.PAX_FORMAT)
-    end = b"\0" * (2 * tarfile.BLOCKSIZE)
-    length = len(first) + len(end) + sum(len(h) + _padded(n) for h, _, n in headers)
+@dataclass(frozen=True)
+class ExportPlaces:
+    """Where an export's folder may be (`Settings.export_root_dirs`), and its default."""
 
-    def pieces() -> Iterator[bytes]:
-        yield first
-        for header, f, size in headers:
-            yield header
-            sent = 0
-            with f.open("rb") as src:
-                while piece := src.read(min(CHUNK, size - sent)):
-                    sent += len(piece)
-                    yield piece
-            if sent != size:
-                raise OSError(f"{f} changed size while it was sent")
-            yield b"\0" * (_padded(size) - size)
-        yield end
+    roots: list[Path]
+    data_dir: Path | None = None
 
-    return length, pieces()
+    def owner_folders(self, owner: str) -> list[str]:
+        """`<root>/<owner>` of every root, real paths."""
+        return [os.path.join(os.path.realpath(r), owner) for r in self.roots]
+
+    def refusal(self, raw: str, owner: str) -> str | None:
+        """Why the folder `raw` may not be an export of a job `owner` owns; None when it
+        may."""
+        if not OWNER.fullmatch(owner):
+            return f"the job's owner {owner!r} is no folder name under the export roots"
+        allowed = ", ".join(f"{f}/<name>" for f in self.owner_folders(owner))
+        if not os.path.isabs(raw):
+            return f"{raw!r} is not an absolute path; it must lie in {allowed}"
+        if ".." in Path(raw).parts:
+            return f"{raw!r} has a '..' part; name the folder itself, in {allowed}"
+        real = os.path.realpath(raw)
+        if not any(_within(real, f) and real != f for f in self.owner_folders(owner)):
+            return (f"{raw!r} resolves to {real}, outside the job owner's folders under the"
+                    f" server's export roots (TRIDENT_EXPORT_ROOTS): {allowed}")
+        if self.data_dir is not None:
+            data = os.path.realpath(self.data_dir)
+            if _within(real, data) and not _within(real, os.path.join(data, "exports")):
+                return (f"{raw!r} resolves to {real}, inside the data directory {data}, which"
+                        " holds Trident's own files")
+        if os.path.lexists(real) and (not os.path.isdir(real) or os.listdir(real)):
+            return f"{raw!r} exists already and is not an empty folder: name a new one"
+        return None
+
+    def default(self, owner: str, job_id: int, step: int) -> str:
+        """`<first root>/<owner>/job-<id>-step<N>`, or `...-step<N>-<k>` (k = 2, 3, ...)
+        when that is taken; ValueError when the owner's name is no folder name."""
+        if not OWNER.fullmatch(owner):
+            raise ValueError(f"the job's owner {owner!r} is no folder name under the export"
+                             " roots")
+        base = os.path.join(self.owner_folders(owner)[0], f"job-{job_id}-step{step}")
+        path, k = base, 1
+        while os.path.lexists(path):
+            k += 1
+            path = f"{base}-{k}"
+        return path
 
 
-def _padded(size: int) -> int:
-    """`size` rounded up to tar's block."""
-    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+@dataclass(frozen=True)
+class ExportWork:
+    """What the task that writes an export is given (JSON-ready: `to_json`)."""
+
+    export_id: int
+    job_id: int
+    checkpoint_dir: str
+    step: int
+    shape: dict[str, Any]
+    """The model's `ModelShape` fields."""
+    destination: str
+    max_shard_bytes: int
+    node_id: str | None = None
+    """Where the job's rank 0 last ran, which wrote the tag's files (None: not known)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def of(cls, model: ModelSpec, **fields: Any) -> ExportWork:
+        """The work of an export of a job whose model is `model` (its shape's fields)."""
+        return cls(shape=dataclasses.asdict(ModelShape.from_spec(model)), **fields)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExportWork:
+        return cls(**data)
+
+    def memory_bytes(self) -> int:
+        """The memory the task holds at most (`workers.checkpoint.hf_weights.write_hf`): one
+        shard, at most the model's weights (4 bytes a parameter at most), and one tensor
+        (the largest, the embedding or the head), plus 256 MiB for the interpreter and torch."""
+        shape = ModelShape.from_fields(self.shape)
+        weights = 4 * shape.total_params
+        tensor = 4 * shape.vocab * shape.hidden
+        return min(self.max_shard_bytes, weights) + tensor + (256 << 20)
 
 
-def _convert(folder: str, step: int, shape: ModelShape, out: str, max_shard_bytes: int,
-             lock_fd: int) -> None:
-    """`workers.checkpoint.hf_export` in a process of its own; ExportRefused with its reason, or
-    RuntimeError with the end of its output when it failed otherwise. The process holds the
-    slot's lock too (`lock_fd`, inherited) and ends itself when this one ends (`--parent`):
-    a killed API process's conversion neither writes on after it nor has its folder swept
-    while it still writes."""
+@dataclass(frozen=True)
+class ExportDone:
+    """What the task gives back: the files written, their bytes, or why it refused."""
+
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    refused: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def listing(folder: str) -> list[tuple[str, int]]:
+    """The files of an export folder (regular files at its top, by name) and their bytes;
+    OSError when it cannot be read."""
+    out = []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if FILE.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                out.append((e.name, e.stat(follow_symlinks=False).st_size))
+    return sorted(out)
+
+
+def file_path(folder: str, name: str) -> str | None:
+    """The file `name` of the export folder `folder`, confined to it (a name of `FILE`'s
+    form, a regular file whose real path is in the folder's); None when there is none."""
+    if not FILE.fullmatch(name):
+        return None
+    real = os.path.realpath(folder)
+    path = os.path.realpath(os.path.join(real, name))
+    if os.path.dirname(path) != real or not os.path.isfile(path) or os.path.islink(
+            os.path.join(real, name)):
+        return None
+    return path
+
+
+def run_in_process(work: ExportWork) -> ExportDone:
+    """The export written by `python -m workers.checkpoint.hf_export --work JSON`, a process
+    of its own on this host (the memory of the tensors it joins is given back when it
+    ends); ExportDone with `refused`, or RuntimeError with the end of its output when it
+    failed otherwise."""
     run = subprocess.run(
-        [sys.executable, "-m", "workers.checkpoint.hf_export", folder, str(step), out,
-         "--shape", json.dumps(dataclasses.asdict(shape)),
-         "--max-shard-bytes", str(max_shard_bytes), "--parent", str(os.getpid())],
-        capture_output=True, text=True, check=False, pass_fds=(lock_fd,))
+        [sys.executable, "-m", "workers.checkpoint.hf_export", "--work",
+         json.dumps(work.to_json())],
+        capture_output=True, text=True, check=False)
     lines = run.stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1]) if lines else {}
     except ValueError:
         answer = {}
     if run.returncode == 3 and "refused" in answer:
-        raise ExportRefused(answer["refused"])
+        return ExportDone(refused=answer["refused"])
     if run.returncode != 0 or "files" not in answer:
-        raise RuntimeError(f"the export of {folder} step {step} failed (exit status"
-                           f" {run.returncode}): {run.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"the export of {work.checkpoint_dir} step {work.step} failed"
+                           f" (exit status {run.returncode}): {run.stderr.strip()[-2000:]}")
+    return ExportDone(files=answer["files"], bytes=answer["bytes"])
 
+
+__all__ = ["MAX_SHARD_SIZE", "ExportDone", "ExportPlaces", "ExportRefused", "ExportWork",
+           "NoCompleteTag", "complete_step", "file_path", "listing", "run_in_process",
+           "shard_bytes"]

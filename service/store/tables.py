@@ -511,6 +511,30 @@ class ProfileRequestRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class ExportRow(Base):
+    """One `trident export`: a job's tag written as a Hugging Face folder by a task on the
+    cluster, where it went, its files and size (`service.store.exports`; migration 0023)."""
+
+    __tablename__ = "exports"
+    __table_args__ = (Index("ix_exports_job", "job_id", "id"),
+                      Index("ix_exports_state", "state"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    """pending, running, done or failed (`client.payloads.ExportState`)."""
+    destination: Mapped[str] = mapped_column(Text)
+    checkpoint_dir: Mapped[str] = mapped_column(Text)
+    max_shard_bytes: Mapped[int] = mapped_column(BigInteger)
+    requested_by: Mapped[str | None] = mapped_column(String(NAME_MAX), nullable=True)
+    files: Mapped[list[str]] = mapped_column(JSON, default=list)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class RankHeartbeatRow(Base):
     """One rank's last heartbeat in one attempt (migration 0010)."""
 

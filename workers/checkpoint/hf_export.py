@@ -1,5 +1,6 @@
-"""A job's checkpoint tag as a Hugging Face model folder (`trident export --format hf`,
-`GET /api/v1/jobs/{id}/export`), on the server, without torch.distributed.
+"""A job's checkpoint tag as a Hugging Face model folder (`trident export`,
+`POST /api/v1/jobs/{id}/exports`), in a task on the cluster (`workers.launch.export_task`) or a
+process of its own (`write_export`, `main`), without torch.distributed.
 
 A DeepSpeed tag (`workers.checkpoint.saving`) holds the module's weights per TP rank:
 
@@ -33,15 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
-import threading
-import time
 from typing import Any
 
 import torch
 
 from service.files.checkpoint_dirs import ExportRefused
 from service.files.checkpoint_tags import tag
+from service.files.export import ExportDone, ExportWork
 from service.planner.shape import ModelShape
 from workers.checkpoint.full_state import join_shards, unfuse, unfused_names
 from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, Lazy, write_hf
@@ -202,43 +203,63 @@ def export(directory: str, step: int, shape: ModelShape, out: str,
         raise ExportRefused(str(exc)) from exc
 
 
-def _end_with(parent: int) -> None:
-    """A thread that ends this process (exit status 4) once `parent` is gone: an API process
-    killed mid-export takes its conversion with it, and with it the export slot's lock
-    (`service.files.export`) that this process inherited."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(4)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+def write_export(work: ExportWork) -> ExportDone:
+    """The export `work` describes (`service.files.export`): tag `work.step` of its checkpoint
+    folder written as the Hugging Face folder `work.destination`, first as a hidden folder
+    beside it (`.<name>.partial`), renamed once every file is written, so that a task cut
+    short leaves no folder that looks whole. ExportDone with the files and their bytes, or
+    with `refused` naming why not (a tag that is not exported, a destination taken)."""
+    dest = work.destination.rstrip(os.sep)
+    partial = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial")
+    if os.path.lexists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+        return ExportDone(refused=f"{dest} exists already and is not an empty folder")
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier try's
+    try:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        files = export(work.checkpoint_dir, work.step, ModelShape.from_fields(work.shape),
+                       partial, work.max_shard_bytes)
+        size = sum(os.path.getsize(os.path.join(partial, f)) for f in files)
+        if os.path.isdir(dest):
+            os.rmdir(dest)  # empty: `refusal` let it be named
+        os.replace(partial, dest)
+    except ExportRefused as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        return ExportDone(refused=str(exc))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ExportDone(files=files, bytes=size)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.checkpoint.hf_export DIRECTORY STEP OUT --shape JSON`: `export` in a
-    process of
-    its own, as the API's export route runs it (`service.files.export`), so that the server never
-    imports torch. Its last line on stdout is one JSON object: `{"files": [...]}`, or
+    """`python -m workers.checkpoint.hf_export --work JSON` (an `ExportWork`), or
+    `python -m workers.checkpoint.hf_export DIRECTORY STEP OUT --shape JSON
+    [--max-shard-bytes N]`: `write_export` in a process of its own
+    (`service.files.export.run_in_process`), so that the control plane never imports torch.
+    Its last line on stdout is one JSON object: `{"files": [...], "bytes": n}`, or
     `{"refused": reason}` with exit status 3."""
     ap = argparse.ArgumentParser(prog="python -m workers.checkpoint.hf_export",
                                  description=main.__doc__)
-    ap.add_argument("directory")
-    ap.add_argument("step", type=int)
-    ap.add_argument("out")
-    ap.add_argument("--shape", required=True, help="the model's ModelShape fields as JSON")
+    ap.add_argument("directory", nargs="?")
+    ap.add_argument("step", nargs="?", type=int)
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--work", help="the ExportWork's fields as JSON")
+    ap.add_argument("--shape", help="the model's ModelShape fields as JSON")
     ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
-    ap.add_argument("--parent", type=int, default=0,
-                    help="end when this process (the API's) is no longer this one's parent")
     args = ap.parse_args(argv)
-    if args.parent:
-        _end_with(args.parent)
-    shape = ModelShape.from_fields(json.loads(args.shape))
-    try:
-        files = export(args.directory, args.step, shape, args.out, args.max_shard_bytes)
-    except ExportRefused as exc:
-        print(json.dumps({"refused": str(exc)}), flush=True)
+    if args.work:
+        work = ExportWork.from_json(json.loads(args.work))
+    elif args.out and args.shape:
+        work = ExportWork(export_id=0, job_id=0, checkpoint_dir=args.directory, step=args.step,
+                          shape=json.loads(args.shape), destination=args.out,
+                          max_shard_bytes=args.max_shard_bytes)
+    else:
+        ap.error("give --work, or DIRECTORY STEP OUT --shape")
+    done = write_export(work)
+    if done.refused is not None:
+        print(json.dumps({"refused": done.refused}), flush=True)
         return 3
-    print(json.dumps({"files": files}), flush=True)
+    print(json.dumps({"files": done.files, "bytes": done.bytes}), flush=True)
     return 0
 
 
