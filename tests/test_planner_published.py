@@ -103,8 +103,10 @@ def test_stated_reductions() -> None:
 
 
 def test_first_stage_holds_p_microbatches_of_its_layers() -> None:
-    """1F1B: the first stage holds about L layers' worth whatever p is (the paper's point)."""
+    """1F1B: the first stage holds about L layers' worth whatever p is (the paper's point).
+    Megatron-LM's model, with the paper's dropout (the `trident` stack's model has none)."""
     spec = _spec(96, 12288, 96, 8, 64)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={"stack": "megatron-lm"})})
     lay = ParallelSpec(tp=8, pp=8, recompute="selective", sequence_parallel=True)
     plan = evaluate(spec, lay)
     per_layer = 34 * 2048 * 12288 / 8

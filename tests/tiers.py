@@ -64,7 +64,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_hf_config", "test_hf_models", "test_layout_free", "test_layout_free_form",
         "test_layout_free_memory",
         "test_monitor_gpu", "test_monitor_hang", "test_monitor_misc", "test_monitor_probe",
-        "test_monitor_timer", "test_planner_deepspeed", "test_preemption",
+        "test_monitor_timer", "test_plan_agreement", "test_planner_deepspeed", "test_preemption",
         "test_profile_rank",
         "test_resubmit_checkpoint", "test_retention", "test_workers_bubble",
         "test_workers_checkpoint_owner", "test_workers_construction", "test_workers_data",

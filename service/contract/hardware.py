@@ -38,6 +38,13 @@ from typing import Any
 
 GB = 1e9
 GiB = 2.0**30
+CPU_FRAMEWORK_START_BYTES = 342e6
+"""A CPU rank's framework: resident memory of a fresh process once torch, DeepSpeed and the
+trainer are imported and its gloo process group is up (`python bench/plan_agreement.py`)."""
+CPU_FRAMEWORK_GROWTH_BYTES = 40e6
+"""What the framework adds on a CPU rank while it builds the engine and runs the first step,
+besides the tensors of the plan's categories (peak RSS less the framework at start and the
+measured categories: 34 to 45 MB over the layouts of tests/test_plan_agreement.py)."""
 MiB = 2.0**20
 
 
@@ -116,8 +123,9 @@ class HardwareProfile:
     step_overhead_s: float = 0.0
     """Fixed time per optimizer step (optimizer launch, bookkeeping)."""
     reserved_bytes: float = 0.6 * GB
-    """The CUDA context and kernel images of one process (on `cpu`: the calibrated bytes a
-    rank takes besides tensors). NCCL buffers, framework buffers and allocator slack are
+    """The CUDA context and kernel images of one process; on `cpu` (no CUDA context) the
+    framework's resident memory, measured: `CPU_FRAMEWORK_START_BYTES` +
+    `CPU_FRAMEWORK_GROWTH_BYTES`. NCCL buffers, framework buffers and allocator slack are
     added by the planner (service.planner.software_stacks)."""
     nccl_channels: int = 16
     """NCCL channels per communicator (`NCCL_DEBUG=INFO` prints them); buffers are
@@ -201,7 +209,9 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_bw=1.5 * GB, intra_node_latency_s=50e-6, inter_node_latency_s=100e-6,
             host_memory_bytes=24 * GB, host_link_bw=16 * GB, gemm_eff_max=0.9,
             gemm_half_width=64.0, cpu_adam_params_per_s=2e8, layer_overhead_s=2.2e-3,
-            step_overhead_s=10.5e-3, reserved_bytes=0.3 * GB, dp_overlap=0.0,
+            step_overhead_s=10.5e-3,
+            reserved_bytes=CPU_FRAMEWORK_START_BYTES + CPU_FRAMEWORK_GROWTH_BYTES,
+            dp_overlap=0.0,
             host_process_bytes=0.5 * GB, device_is_host=True,
             source="one core of a 2-core x86-64 machine: one-thread torch matmul 93 GFLOP/s"
                    " fp32, 200 bf16; gloo loopback all-reduce busbw 1.5 GB/s"

@@ -34,8 +34,13 @@ class MemoryReport(BaseModel):
     """Optimizer states: Adam moments, step counters and fp32 master weights of the rank's
     partition."""
     activations_peak_bytes: int | None = Field(default=None, ge=0)
-    """Peak bytes of tensors saved for backward so far, over the steps measured (saved-tensor
-    hooks)."""
+    """Peak bytes of tensors the embedding and the blocks saved for backward so far, over the
+    steps measured (saved-tensor hooks; parameters, and what the head and the loss save, are
+    not activations)."""
+    logits_peak_bytes: int | None = Field(default=None, ge=0)
+    """Peak bytes the head and the loss save for backward (final norm and head inputs, the
+    loss's log-softmax), apart from `activations_peak_bytes` (the blocks' and the
+    embedding's)."""
     gathered_peak_bytes: int | None = Field(default=None, ge=0)
     """ZeRO-3's gathered and prefetched parameters: peak bytes of the whole weights held at once
     (those kept whole under `stage3_param_persistence_threshold` included); 0 without ZeRO-3."""

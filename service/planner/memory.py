@@ -17,7 +17,7 @@ the LM head and the logits; both are computed and the larger one is reported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from service.planner import sac, zero_buffers
 from service.planner.scenario import Scenario
@@ -229,7 +229,8 @@ def model_state_bytes(sc: Scenario) -> tuple[float, float, float, float, float]:
 
 
 def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
-    shape, lay = sc.shape, sc.layout
+    lay = sc.layout
+    shape = sc.shape if sc.stack_constants.dropout else replace(sc.shape, dropout=False)
     n = lay.dp
     w = sc.act_bytes
     pr = _stage_params(shape, sc, stage)
@@ -265,8 +266,12 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
             shape, micro_batch=sc.micro_batch, tp=lay.tp,
             sequence_parallel=lay.sequence_parallel, recompute="none", act_bytes=w,
             flash=sc.flash) - (per_layer if sc.recompute == "op" else 0.0)
-    if stage == 0:
-        # Embedding output and its dropout mask, per in-flight micro-batch.
+    if stage == 0 and sc.stack_constants.dropout:
+        # The embedding's output (with dropout: its dropout output) and mask, per in-flight
+        # micro-batch. A stack whose model has no dropout (`trident`) keeps nothing more: the
+        # embedding's output is the first block's norm input, counted with the block
+        # (measured, tests/test_plan_agreement.py). The published runs' stacks keep the term
+        # as fitted (service/planner/data/fitted.json).
         activations += in_flight * sbh * (w + (1 if shape.dropout else 0)) / (
             lay.tp if lay.sequence_parallel else 1)
     activations += attention_mask_bytes(sc, stage, in_flight)

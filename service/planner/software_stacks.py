@@ -68,13 +68,17 @@ class Stack:
     the attention core (`attention`), or torchtitan's op-level policy (`op`, sac.py)."""
     loss: Loss = "megatron"
     """How the loss holds the logits (LOSS_BYTES)."""
+    dropout: bool = True
+    """Whether the stack's model applies the shape's dropout; False: it has no dropout layers
+    (Trident's trainer), whatever the published model had: no masks, no dropout outputs."""
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "flash_attention": self.flash_attention,
                 "optimizer_layout": self.optimizer_layout, "efficiency": self.efficiency,
                 "allocator_slack": self.allocator_slack,
                 "framework_bytes": self.framework_bytes, "dp_overlap": self.dp_overlap,
-                "selective": self.selective, "loss": self.loss, "source": self.source}
+                "selective": self.selective, "loss": self.loss, "dropout": self.dropout,
+                "source": self.source}
 
 
 PRIORS: dict[str, Stack] = {s.name: s for s in [
@@ -82,7 +86,8 @@ PRIORS: dict[str, Stack] = {s.name: s for s in [
           "Trident's trainer (workers/modeling/model.py): torch scaled_dot_product_attention"
           " (a flash kernel on GPUs), unfused layers, DeepSpeed 0.19 engine for ZeRO and pipelines;"
           " efficiency shared with `deepspeed` (no published runs of its own); loss"
-          " F.cross_entropy on fp32 logits", loss="pytorch"),
+          " F.cross_entropy on fp32 logits; no dropout layers", loss="pytorch",
+          dropout=False),
     Stack("megatron-lm", True, "megatron", 1.0, 0.03, 0.5 * (1 << 30),
           "Megatron-LM (megatron/core): fused kernels, TransformerEngine flash attention,"
           " fp32 main gradients in a contiguous buffer, distributed optimizer"

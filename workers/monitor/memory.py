@@ -105,6 +105,13 @@ class ModelStateMeter:
         return dict(tally.out)
 
 
+HEAD_MODULES = ("Head",)
+"""The built-in model's head (`workers.modeling.model.Head`: final norm, LM head; the loss
+follows it): what it and the loss save is the `logits` category."""
+BLOCK_MODULES = ("Embedding", "Block")
+"""The modules whose forward starts the `activations` category again."""
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (a matmul saves `weight` or its transpose): under ZeRO-3
     the gathered weights live in storages made at each gather, so the parameter is told by
@@ -132,14 +139,30 @@ class GatheredMeter:
 class ActivationMeter:
     """Peak bytes of activations saved for backward, live-counted through saved-tensor hooks.
     Parameters saved by an op (a matmul's weight) are parameters, or ZeRO-3's gathered
-    buffers (`GatheredMeter`), not activations."""
+    buffers (`GatheredMeter`), not activations. What the head and the loss save (from the
+    head's forward until the next block's) is counted apart, as `logits`."""
 
     def __init__(self, module: nn.Module, gathered: GatheredMeter | None = None) -> None:
         self._param_ptrs = {storage(p)[0] for p in module.parameters()}
         self.gathered = gathered
         self._refs: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
+        self._kinds: dict[int, str] = {}
+        self.live = {"activations": 0, "logits": 0}
+        self.peaks = {"activations": 0, "logits": 0}
+        self.kind = "activations"
+        for m in module.modules():
+            name = type(m).__name__
+            if name in HEAD_MODULES:
+                m.register_forward_pre_hook(lambda *_: self._enter("logits"))
+            elif name in BLOCK_MODULES:
+                m.register_forward_pre_hook(lambda *_: self._enter("activations"))
+
+    def _enter(self, kind: str) -> None:
+        self.kind = kind
+
+    @property
+    def peak(self) -> int:
+        return self.peaks["activations"]
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self.gathered is not None:
@@ -148,8 +171,9 @@ class ActivationMeter:
         if ptr in self._param_ptrs or nbytes == 0 or _is_parameter(t):
             return t
         if self._refs.get(ptr, 0) == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            kind = self._kinds[ptr] = self.kind
+            self.live[kind] += nbytes
+            self.peaks[kind] = max(self.peaks[kind], self.live[kind])
         self._refs[ptr] = self._refs.get(ptr, 0) + 1
         return _Saved(t, self, ptr, nbytes)
 
@@ -157,7 +181,7 @@ class ActivationMeter:
         self._refs[ptr] -= 1
         if self._refs[ptr] == 0:
             del self._refs[ptr]
-            self.live -= nbytes
+            self.live[self._kinds.pop(ptr)] -= nbytes
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
@@ -251,6 +275,7 @@ class MemoryMonitor:
                             grads_bytes=states.get("grads", 0),
                             optimizer_bytes=states.get("optimizer", 0),
                             activations_peak_bytes=self.acts.peak,
+                            logits_peak_bytes=self.acts.peaks["logits"],
                             gathered_peak_bytes=self.gathered.peak,
                             buckets_bytes=None if cpu else bucket_bytes(self.optimizer),
                             framework_bytes=self.framework if cpu else None,
