@@ -263,3 +263,14 @@ def test_report_helper_writes_what_the_reader_reads(tmp_path: Path,
         {"step": 1, "loss": 3.0, "memory": {"params_bytes": 4096}},
         {"step": 2, "loss": None, "loss_nonfinite": True, "custom": {"accuracy": 0.25}}]
     assert errors == []
+
+
+def test_the_hf_trainer_example_spec_is_valid() -> None:
+    import yaml
+
+    from service.contract.spec import JobSpec
+
+    spec = JobSpec.model_validate(yaml.safe_load(
+        (EXAMPLES / "command" / "hf-trainer.yaml").read_text()))
+    assert spec.command is not None and spec.command[1] == "hf_trainer.py"
+    assert spec.progress == ProgressSpec(preset="hf-trainer") and spec.world_size == 2
