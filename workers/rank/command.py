@@ -53,7 +53,8 @@ PY_SPY_S = 8.0
 """How long `py-spy dump` may take."""
 _PR_SET_PDEATHSIG = 1
 _PR_SET_PTRACER = 0x59616D61
-_PR_SET_PTRACER_ANY = -1
+_PR_SET_PTRACER_ANY = (1 << 64) - 1
+"""`(unsigned long)-1`: any process of the user may trace it."""
 
 
 class CommandFailed(RuntimeError):
@@ -106,10 +107,11 @@ def py_spy_dump(pid: int) -> str:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
 
 def _in_child() -> None:  # between fork and exec: syscalls only
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the actor dies: so does the command
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # the actor dies: so does the command
     _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)  # py-spy may read it (Yama)
 
 
