@@ -171,3 +171,16 @@ def test_the_process_gets_torchruns_environment_and_tridents() -> None:
     assert fresh["TORCHELASTIC_RESTART_COUNT"] == "0"
     assert fresh["CUDA_VISIBLE_DEVICES"] == "2,5"
     assert os.environ.get("RANK") != "99"  # nothing of it leaked into this process
+
+
+def test_the_ddp_example_spec_is_valid() -> None:
+    import yaml
+
+    spec = JobSpec.model_validate(yaml.safe_load(
+        (Path(__file__).resolve().parent.parent / "examples" / "command" / "ddp.yaml")
+        .read_text()))
+    assert spec.command is not None and spec.command[1] == "ddp_train.py"
+    assert spec.progress is not None and spec.world_size == 2
+    line = "step 12 loss 0.031250"
+    found = spec.progress.pattern().search(line)
+    assert found is not None and found["step"] == "12"
