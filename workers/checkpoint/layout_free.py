@@ -7,7 +7,8 @@ kept beside the tag, and loaded under any other layout of the model.
 
 `load_into` gives every rank of the new layout its shard of each (`full_state.load_full`, the
 form's `rank_form.FormSource`: only the runs of the files that meet the rank's slices are
-read): the module's weights, the fp32 master copy (ZeRO 1/2: the parameter's fragment of the
+read; under ZeRO-3 only the rows that hold the rank's partition of each parameter,
+`_load_partitions`): the module's weights, the fp32 master copy (ZeRO 1/2: the parameter's fragment of the
 flat fp32 partition, `safe_set_full_fp32_param`; ZeRO-3: its partition of the sub-group's flat
 fp32 tensor), both moments (the same places in the optimizer's state, created as Adam's first
 step would) and Adam's step count; the engine's step counters too. It reads the form of
@@ -32,6 +33,7 @@ here.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.checkpoint.full_state import entries, load_full, partitioned
+from workers.checkpoint.full_state import Entry, entries, load_full, partitioned, shard_index
 from workers.checkpoint.rank_form import FormSource
 from workers.checkpoint.rank_form import convert as convert  # one process, every unit
 from workers.checkpoint.tag_forms import FULL as FULL
@@ -87,6 +89,62 @@ def _z3_set(opt: Any, p: nn.Parameter, value: torch.Tensor, key: str | None) -> 
     whole = value.reshape(-1).to(target.dtype)
     part = whole[rank * numel:(rank + 1) * numel]
     target.data.narrow(0, offset, part.numel()).copy_(part.to(target.device))
+
+
+def _flat(source: Any, index: tuple[slice, ...], a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of the box `index` of `source` flattened, reading only the rows of
+    its first dimension that hold them."""
+    row = math.prod(s.stop - s.start for s in index[1:])
+    r0, r1 = a // row, -(-b // row)
+    first = index[0].start
+    return source[(slice(first + r0, first + r1), *index[1:])].reshape(-1)[
+        a - r0 * row:b - r0 * row]
+
+
+def _partition(get_full: Any, e: Entry, tp_rank: int, tp: int, start: int,
+               stop: int) -> torch.Tensor:
+    """Elements [start, stop) of this rank's TP-local tensor of `e`, flattened (a fused one's
+    projections stacked), read from the form's slices that hold them only."""
+    local = tuple(e.param.ds_shape)  # type: ignore[attr-defined]  # ZeRO-3's full shape
+    wanted = [(n, (rows, *local[1:])) for n, rows in e.parts] or [(e.name, local)]
+    out, at = [], 0
+    for name, mine in wanted:
+        size = math.prod(mine)
+        a, b = max(start, at), min(stop, at + size)
+        if a < b:
+            source = get_full(name)
+            if source is None:
+                raise ValueError(f"the layout-free form lacks {name}")
+            index = shard_index(name, tuple(int(n) for n in source.shape), tp_rank, tp)
+            if tuple(s.stop - s.start for s in index) != mine:
+                raise ValueError(f"{name}: the form's shape {list(source.shape)} does not give"
+                                 f" TP rank {tp_rank} of {tp} the model's {list(mine)}")
+            out.append(_flat(source, index, a - at, b - at))
+        at += size
+    return torch.cat(out)
+
+
+def _load_partitions(engine: Any, form: FormSource, groups: Any) -> None:
+    """ZeRO-3: every parameter's partition of this rank (the module's, the flat fp32 master's,
+    both moments'), each read from the form's runs that hold it, nothing more."""
+    opt = engine.optimizer
+    tp_rank, tp = (groups.tp_rank, groups.tp_size) if groups is not None else (0, 1)
+    sources = {k: form.kind(k) for k in KINDS}
+    for e in entries(engine.module):
+        p = e.param
+        group, offset, numel = opt.grad_position[opt.get_param_id(p)]
+        flat = opt.fp32_partitioned_groups_flat[group]
+        start = opt._get_param_partition_rank(p) * numel
+        stop = min(start + numel, math.prod(p.ds_shape))  # type: ignore[attr-defined]
+        if start >= stop:
+            continue
+        for kind, get_full in sources.items():
+            part = _partition(get_full, e, tp_rank, tp, start, stop)
+            target = flat if kind == "fp32" else opt.optimizer.state[flat][kind]
+            target.data.narrow(0, offset, part.numel()).copy_(part.to(target.dtype))
+            if kind == "fp32":
+                module = p.ds_tensor  # type: ignore[attr-defined]
+                module.data[:part.numel()].copy_(part.to(module.dtype))
 
 
 def _or(master: nn.Parameter | None, p: nn.Parameter) -> nn.Parameter:
@@ -156,9 +214,12 @@ def load_into(engine: Any, folder: str, groups: Any) -> dict[str, Any]:
         return assign
 
     with torch.no_grad():
-        load_full(model, form.kind("fp32"), groups, assign=weights)
-        for key in MOMENTS:
-            load_full(model, form.kind(key), groups, assign=moment(key))
+        if all(partitioned(p) for p in params):  # ZeRO-3: each rank's partitions alone
+            _load_partitions(engine, form, groups)
+        else:
+            load_full(model, form.kind("fp32"), groups, assign=weights)
+            for key in MOMENTS:
+                load_full(model, form.kind(key), groups, assign=moment(key))
     form.close()
     _set_steps(base, step)
     engine.global_steps = int(client.get("global_steps") or client["step"])
