@@ -161,3 +161,52 @@ def test_the_export_route_refuses_naming_the_field_and_records_what_it_takes(
         assert c.get(f"{url}/{first['id']}/files/config.json",
                      headers=bob).status_code == 403
 
+
+
+def test_the_runner_keeps_to_its_limit_and_fails_what_a_stopped_controller_left(
+        tmp_path: Path, sqlite_store: Store) -> None:
+    """The controller's bookkeeping (`service.control.export_run`), its task a function of the
+    test's that waits until released: at most `limit` run at once, the rest wait pending; an
+    export a previous controller took (`running`, no task here) is failed with the reason; a
+    task's refusal and a task's exception are recorded as the export's error."""
+    from threading import Event
+
+    from service.control.export_run import ExportRunner
+    from service.files.export import ExportDone, ExportWork
+
+    with _app(tmp_path, sqlite_store) as c:
+        c.headers["Authorization"] = f"Bearer {user_token(sqlite_store, 'alice', 'member')}"
+        r = c.post("/api/v1/jobs", json=tiny_spec(checkpoint={"dir": str(tmp_path / "job")}))
+        job_id = r.json()["id"]
+    records = ExportRecords(sqlite_store)
+    made = [records.create(job_id=job_id, step=1, destination=str(tmp_path / f"e{i}"),
+                           checkpoint_dir=str(tmp_path), max_shard_bytes=1 << 20,
+                           requested_by="alice") for i in range(4)]
+    records.take(made[0].id)  # a previous controller's, never finished
+    release = Event()
+    seen: list[ExportWork] = []
+
+    def run(work: ExportWork) -> ExportDone:
+        seen.append(work)
+        release.wait(30)
+        if work.export_id == made[1].id:
+            raise OSError("disk full")
+        return ExportDone(refused="no such tag")
+
+    runner = ExportRunner(sqlite_store, run, limit=2)
+    runner.step()
+    states = {e.id: e for e in records.of_job(job_id)}
+    assert states[made[0].id].state == "failed"
+    assert "stopped before it ended" in (states[made[0].id].error or "")
+    assert [states[m.id].state for m in made[1:]] == ["running", "running", "pending"]
+    release.set()
+    runner.drain(30)
+    runner.step()
+    runner.drain(30)
+    ended = {e.id: e for e in records.of_job(job_id)}
+    assert [ended[m.id].state for m in made] == ["failed"] * 4
+    assert ended[made[1].id].error == "OSError: disk full"
+    assert ended[made[2].id].error == ended[made[3].id].error == "no such tag"
+    assert {w.export_id for w in seen} == {m.id for m in made[1:]}
+    assert seen[0].shape["vocab"] > 0 and seen[0].node_id is None
+    runner.shutdown()
