@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import pytest
 
+from service.contract.spec import JobSpec, ModelSpec
+from service.planner import evaluate
+from service.planner.shape import ModelShape
 from tests.plan_agreement import RankAgreement, agreement
 
 NO_PIPELINE = {
@@ -86,3 +89,20 @@ def test_offload_agrees_on_activations_gathered_and_total(parallel) -> None:
         planned, measured = a.pair("gathered")
         assert measured == planned, a.rank
         assert_total_within_10_percent(a)
+
+
+def test_adam_step_counters_follow_the_trainers_parameter_groups() -> None:
+    """One 4-byte step per tensor without ZeRO (gpt-tiny: 37 tensors), one per parameter
+    group's flat partition with it: two (decayed, not), one when nothing decays apart
+    (measured above and in tests/test_workers_layouts.py)."""
+    def optimizer(zero: int, **train) -> float:
+        spec = JobSpec.model_validate({
+            "name": "s", "model": {"preset": "gpt-tiny"}, "parallel": {"dp": 2, "zero": zero},
+            "train": {"global_batch": 8, "micro_batch": 2, "precision": "fp32", **train}})
+        return evaluate(spec).memory.optimizer
+
+    params = ModelShape.from_spec(ModelSpec(preset="gpt-tiny")).total_params
+    assert optimizer(0) == 8 * params + 4 * 37
+    assert optimizer(1) == 12 * params / 2 + 8
+    assert optimizer(1, weight_decay=0.0) == optimizer(1, weight_decay_all=True) \
+        == 12 * params / 2 + 4

@@ -189,7 +189,13 @@ def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None
         gpus_per_node=spec.target.gpus_per_node,
         nodes=max(spec.target.nodes, -(-world // spec.target.gpus_per_node)),
         zero_cfg=zero_cfg or ZeroConfig(), stack=spec.train.stack,
-        document_mask=spec.data.document_mask)
+        document_mask=spec.data.document_mask, param_groups=param_groups(spec))
+
+
+def param_groups(spec: JobSpec) -> int:
+    """The trainer's optimizer parameter groups (`Scenario.param_groups`)."""
+    t = spec.train
+    return 1 if t.weight_decay_all or t.weight_decay == 0 else 2
 
 
 def assess(sc: Scenario, *, job: str = "") -> Plan:

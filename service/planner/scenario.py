@@ -66,6 +66,9 @@ class Scenario:
     document_mask: bool = False
     """`data.document_mask`: each micro-batch's attention mask is built per sample
     (`service.planner.memory.attention_mask_bytes`)."""
+    param_groups: int = 2
+    """The optimizer's parameter groups: decayed and not (`workers.trainer.recipe`); one when
+    everything decays alike (`train.weight_decay` 0, or `weight_decay_all`)."""
 
     @property
     def stack_constants(self) -> Stack:

@@ -29,7 +29,7 @@ from service.contract.hardware import HardwareProfile, get_profile
 from service.contract.spec import MAX_MICRO_BATCH, JobSpec, Offload, ParallelSpec, Zero
 from service.planner.explain import compare, explain, layout_name
 from service.planner.memory import stage_memory
-from service.planner.plan import Plan, assess
+from service.planner.plan import Plan, assess, param_groups
 from service.planner.scenario import Scenario, ZeroConfig
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
@@ -218,7 +218,7 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
     base = Scenario(shape=shape, layout=ParallelSpec(), micro_batch=1, global_batch=gb_,
                     precision=spec.train.precision, profile=prof, gpus_per_node=gpn,
                     nodes=max(1, -(-world // gpn)), zero_cfg=zero_cfg or ZeroConfig(),
-                    stack=spec.train.stack)
+                    stack=spec.train.stack, param_groups=param_groups(spec))
     cap = prof.memory_bytes
     for tp in divisors(world):
         why = _tp_problem(shape, tp)

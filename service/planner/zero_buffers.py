@@ -12,8 +12,6 @@ from service.planner.shape import ModelShape
 
 STEP_COUNTER_BYTES = 4
 """torch's Adam keeps its step as a 4-byte tensor per optimized tensor."""
-ZERO_PARAM_GROUPS = 2
-"""ZeRO's inner optimizer steps one flat partition per parameter group (decayed, not)."""
 
 
 def largest_tensor_block(shape: ModelShape, t: int) -> float:
@@ -98,7 +96,8 @@ def rank_tensors(shape: ModelShape, sc: Scenario, stage: int) -> int:
 
 
 def step_counter_bytes(sc: Scenario, stage: int) -> float:
-    """Adam's step counters: one per tensor without ZeRO, one per flat partition with it."""
+    """Adam's step counters: one per tensor without ZeRO, one per flat partition (parameter
+    group) with it."""
     if sc.layout.zero >= 1:
-        return float(STEP_COUNTER_BYTES * ZERO_PARAM_GROUPS)
+        return float(STEP_COUNTER_BYTES * sc.param_groups)
     return float(STEP_COUNTER_BYTES * rank_tensors(sc.shape, sc, stage))
