@@ -2,7 +2,7 @@
 `command`, where its `workdir` may be (inside the server's code roots, after `..` and
 symlinks), who may give one (admins; members where the server allows it), the environment
 rules of `env` and `secrets` as for every job; and the environment its process gets
-(`workers.rank.command_env`: torchrun's variables and Trident's)."""
+(`workers.runtime.command_env`: torchrun's variables and Trident's)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from service.contract.spec import JobSpec
 from service.settings import Settings
 from service.store import Store
 from tests.conftest import tiny_spec, user_token
-from workers.rank.command_env import NodePlace, command_env
+from workers.runtime.command_env import NodePlace, command_env
 
 
 @pytest.fixture

@@ -194,7 +194,7 @@ ARROWS: dict[str, set[str]] = {
                         "service.submission", "workers.runtime", "workers.monitor",
                         "workers.modeling", "workers.checkpoint"},
     "workers.rank": {"service.contract", "service.planner", "service.files", "workers.runtime",
-                     "workers.monitor", "workers.modeling", "workers.trainer"},
+                     "workers.monitor", "workers.modeling", "workers.trainer", "workers.command"},
     "workers.launch": {"service.contract", "service.planner", "service.files",
                        "service.cluster", "workers.runtime", "workers.rank",
                        "workers.checkpoint"},
@@ -361,11 +361,11 @@ CLIENT = "client"
 SHARED = ("service.contract.spec", "service.contract.spec_limits", "service.contract.specfiles",
           "service.contract.presets", "service.contract.states", "service.contract.parallel",
           "service.contract.hardware", "service.contract.hf_config", "service.contract.ds_config",
-          "service.contract.prices", "service.planner")
+          "service.contract.prices", "service.contract.command", "service.planner")
 """What the client may read of `service/`: the vocabulary both sides share and a user writes
-(the job spec, its limits, presets and files, the job states, the parallel dimensions, the
-hardware profiles and their prices, the stored plan and the planner's model it holds, a
-rank's log chunk);
+(the job spec, its limits, presets and files, a command job's progress patterns, the job
+states, the parallel dimensions, the hardware profiles and their prices, the stored plan and
+the planner's model it holds, a rank's log chunk);
 never the store, the controller or anything else that runs the server."""
 SERVER_MODULES = ("sqlalchemy", "fastapi", "starlette", "uvicorn", "alembic", "ray", "torch",
                   "deepspeed", "service.store", "api", "workers")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from client.payloads import StackStatus
+from service.store.stack_requests import StackStatus
 
 
 @dataclass(eq=False)

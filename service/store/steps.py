@@ -57,6 +57,8 @@ class StoredStep:
     loss_nonfinite: bool
     tokens: int | None
     epoch: float | None
+    pp_rank: int | None
+    """The pipeline stage the rank said it ran (None: not said)."""
     figures: dict[str, Any]
     """Every value at the top of `data` but the nested parts (`NESTED`), by its name: what
     the trackers export as it is (`service.tracking.scalars.row_numbers`)."""
@@ -78,6 +80,8 @@ class StoredStep:
             custom=dict(custom) if isinstance(custom, dict) else {},
             loss_nonfinite=bool(data.get("loss_nonfinite")),
             tokens=data.get("tokens"), epoch=data.get("epoch"),
+            pp_rank=p if isinstance(p := data.get("pp_rank"), int)
+            and not isinstance(p, bool) else None,
             figures={k: v for k, v in data.items() if k not in NESTED})
 
     def memory_figures(self) -> dict[str, Any]:

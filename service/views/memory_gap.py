@@ -48,10 +48,9 @@ def _number(value: Any) -> float | None:
 
 
 def _memory(metric: Metric) -> dict[str, Any]:
-    """The step's memory report as stored (validated when it was received): its fields read
-    by name, so that categories a newer trainer reports show as they come."""
-    mem = metric.data.get("memory")
-    return mem if isinstance(mem, dict) else {}
+    """The step's memory report (`Metric.report`, the typed view), its fields by name: the
+    categories name them."""
+    return metric.report.memory.model_dump()
 
 
 def measured_category(metric: Metric, cat: Category) -> float | None:
@@ -106,9 +105,8 @@ def stage_rows(plan: StoredPlan, step_rows: Sequence[Metric]) -> list[dict[str, 
     stage_of = plan.stage_of()
     by_stage: dict[int, list[Metric]] = {}
     for m in step_rows:
-        pp = m.data.get("pp_rank")  # the rank's own word; else the plan's rank layout
-        stage = pp if isinstance(pp, int) and not isinstance(pp, bool) \
-            else stage_of.get(m.rank, 0)
+        pp = m.report.pp_rank  # the rank's own word; else the plan's rank layout
+        stage = pp if pp is not None else stage_of.get(m.rank, 0)
         by_stage.setdefault(stage, []).append(m)
     out = []
     for stage, planned in sorted(_planned(plan).items()):

@@ -41,8 +41,8 @@ from service.files.checkpoint_dirs import CheckpointWriter
 from service.files.order_cache import ServerData
 from service.planner.stored import StoredPlan
 from workers.rank.actor import RankActor, rank_runtime_env
-from workers.rank.command_env import NodePlace
 from workers.runtime import nccl_env
+from workers.runtime.command_env import NodePlace
 from workers.runtime.ranklog import secret_names_env
 
 log = logging.getLogger(__name__)

@@ -121,8 +121,8 @@ class RankActor:
         `writer`: the job the checkpoint folder must belong to
         (`service.files.checkpoint_dirs.CheckpointWriter`); `server`: the server's data rules
         (`service.files.order_cache.ServerData`); `node`: where the rank's node sits among
-        the group's (`workers.rank.command_env.NodePlace`)."""
-        from workers.rank.command_env import NodePlace
+        the group's (`workers.runtime.command_env.NodePlace`)."""
+        from workers.runtime.command_env import NodePlace
         from workers.runtime.programs import RankContext, for_spec
         from workers.runtime.ranklog import capture
 

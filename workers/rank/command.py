@@ -2,7 +2,7 @@
 a process of its own, under the rank's actor (`docs/command.md`).
 
 The process starts in the job's `workdir`, in a session (and so a process group) of its own,
-with torchrun's environment and Trident's (`workers.rank.command_env`). Its stdout and stderr
+with torchrun's environment and Trident's (`workers.runtime.command_env`). Its stdout and stderr
 come through one pipe: a pump thread writes every line to the actor's own stdout, which is the
 rank log (`workers.runtime.ranklog`: capped, time-indexed, the job's secrets redacted), keeps
 the last lines, and on the progress rank (`progress.rank`) turns the lines that match the
@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from service.contract.reports import StepReport
 from service.contract.spec import JobSpec
 from service.files.checkpoint_tags import newest_complete_step
-from workers.rank.command_env import NodePlace, command_env, report_path
+from workers.runtime.command_env import NodePlace, command_env, report_path
 
 LINE_MAX = 1 << 16
 """Bytes of one output line read at a time (a longer line comes in pieces)."""

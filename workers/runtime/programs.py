@@ -31,7 +31,7 @@ from service.planner.stored import RankPlan
 
 if TYPE_CHECKING:
     from service.contract.spec import JobSpec
-    from workers.rank.command_env import NodePlace
+    from workers.runtime.command_env import NodePlace
     from workers.runtime.heartbeat import Heartbeat
 
 Report = Callable[[StepReport], None]
