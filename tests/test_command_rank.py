@@ -27,13 +27,16 @@ PLAN = RankPlan(rank=0, pp=0, dp=0, tp=0, layers=[(0, 1)], stages=[[(0, 1)]],
                 groups={"tp": [0], "pp": [0], "dp": [0]})
 
 
+LINES = {"regex": r"^step (?P<step>\d+) loss (?P<loss>\S+)", "rank": 0}
+
+
 def run(tmp_path: Path, script: str, *, stop: threading.Event | None = None,
-        checkpoint_dir: str | None = None) -> tuple[list[StepReport], Heartbeat]:
+        checkpoint_dir: str | None = None,
+        progress: dict[str, Any] | None = None) -> tuple[list[StepReport], Heartbeat]:
     (tmp_path / "train.py").write_text(script)
     spec = JobSpec.model_validate(tiny_spec(
         command=[sys.executable, "train.py"], workdir=str(tmp_path), parallel={"dp": 1},
-        train={"steps": 4, "global_batch": 2, "micro_batch": 2},
-        progress={"regex": r"^step (?P<step>\d+) loss (?P<loss>\S+)", "rank": 0}))
+        train={"steps": 4, "global_batch": 2, "micro_batch": 2}, progress=progress or LINES))
     beat = Heartbeat(0)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                       master_port=29500, checkpoint_dir=checkpoint_dir, plan=PLAN, attempt=2,
@@ -73,6 +76,22 @@ def test_lines_and_report_file_become_step_reports(tmp_path: Path,
     out = capfd.readouterr().out  # the rank's stdout: its log under a rank actor
     assert "step 2 loss 2.0" in out and "restart 1 resume 2 job 5" in out
     assert "the command exited with code 0" in out
+
+
+def test_a_preset_that_counts_its_lines_counts_on_from_the_step_resumed_at(
+        tmp_path: Path) -> None:
+    """The Hugging Face Trainer's log lines carry no step: the n-th line after a resume from
+    step 2 is step 2 + n (`logging_steps` 1), not step n again."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step2").mkdir(parents=True)
+    (ckpt / "step2" / "COMPLETE").write_text("2\n")
+    line = "{'loss': %s, 'grad_norm': 0.5, 'learning_rate': 5e-05, 'epoch': %s}"
+    script = "".join(f"print({line % (loss, epoch)!r})\n"
+                     for loss, epoch in (("1.25", "0.5"), ("1.125", "1.0")))
+    got, _ = run(tmp_path, script, checkpoint_dir=str(ckpt),
+                 progress={"preset": "hf-trainer", "rank": 0})
+    assert [(r.step, r.loss) for r in got] == [(3, 1.25), (4, 1.125)]
+    assert got[0].resumed_from == 2
 
 
 def test_a_non_zero_exit_fails_with_its_code_and_last_lines(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def command_rank(spec: JobSpec, ctx: Any, report: Any, stop: threading.Event,
                       checkpoint_dir=ctx.checkpoint_dir, resume_step=resume,
                       report_path=reports, gpu_ids=gpu_ids)
     progress = spec.progress
-    reader = (ProgressReader(progress, world_size=ctx.world_size)
+    reader = (ProgressReader(progress, world_size=ctx.world_size, resume_step=resume or 0)
               if progress is not None and progress.rank == ctx.rank else None)
     steps = Steps(ctx.rank, ctx.attempt, report, resume,
                   tokens_per_step=spec.train.global_batch * spec.model.seq_len)
