@@ -36,6 +36,7 @@ def test_a_destination_lies_in_the_owners_folder_under_an_export_root(tmp_path: 
         str(tmp_path / "a" / "alice"): "outside the job owner's folders",  # the folder itself
         str(tmp_path / "a" / "alice" / ".." / "bob" / "m"): "has a '..' part",
         str(tmp_path / "a" / "alice" / "x" / ".." / "m"): "has a '..' part",
+        str(tmp_path / "a" / "alice" / "m\0"): "has a NUL character",
     }
     for raw, why in cases.items():
         got = places.refusal(raw, "alice")

@@ -142,7 +142,9 @@ def _done(job: JobDep, records: ExportRecords, export_id: int) -> ExportRecord:
 
 
 @router.get("/{job_id}/exports/{export_id}/files", dependencies=_EXPORT,
-            responses={409: {"model": Refusal, "description": "The export is not done"}})
+            responses={409: {"model": Refusal, "description": "The export is not done"},
+                       410: {"model": Refusal,
+                             "description": "The export's folder cannot be read (removed)"}})
 def export_files(job: JobDep, records: Records, who: Who, export_id: ExportId) -> ExportFiles:
     """The files of a finished export's folder, as it holds them now (the files it wrote,
     by name, with their bytes)."""

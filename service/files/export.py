@@ -104,6 +104,8 @@ class ExportPlaces:
         allowed = ", ".join(f"{f}/<name>" for f in self.owner_folders(owner))
         if not os.path.isabs(raw):
             return f"{raw!r} is not an absolute path; it must lie in {allowed}"
+        if "\0" in raw:
+            return f"{raw!r} has a NUL character; no path has one"
         if ".." in Path(raw).parts:
             return f"{raw!r} has a '..' part; name the folder itself, in {allowed}"
         real = os.path.realpath(raw)
