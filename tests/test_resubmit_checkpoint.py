@@ -30,7 +30,7 @@ from service.submission.intake import Submitter, submit
 from tests.conftest import tiny_spec, user_token
 from tests.fakes import FakeLauncher
 from tests.servers import serving
-from tests.workers_spawn import losses, run_ranks
+from tests.workers_spawn import each_step, losses, run_ranks
 
 
 def _source(store: Store, root: Path, owner: str = "alice", steps: tuple[int, ...] = (2, 4),
@@ -241,8 +241,7 @@ def test_a_resubmission_with_another_global_batch_reads_the_samples_that_follow(
     (continued,) = run_ranks(spec(6, 16), checkpoint_dir=str(mine),
                              writer=CheckpointWriter(2, "alice"))
     for rank in (0, 1):
-        rows = sorted((r for r in first + continued if r["rank"] == rank),
-                      key=lambda r: r["step"])
+        rows = each_step(first, rank) + each_step(continued, rank)
         assert [r["batch"] for r in rows] == [8, 8, 8, 8, 16, 16]
         assert [j for r in rows for j in range(r["first_sample"],
                                                r["first_sample"] + r["batch"])] == list(range(64))

@@ -91,11 +91,13 @@ def test_after_ten_checkpoints_exactly_the_policys_tags_remain_and_a_failed_save
         tmp_path: Path) -> None:
     """A real rank saves after each of 10 steps (keep_last 2, keep_every 4): steps 4, 8, 9
     and 10 remain, each report says the tag's bytes and what it deleted. A next attempt whose
-    save of step 11 fails (its tag's path is taken by a file) deletes nothing."""
+    save of step 11 fails (its tag's path is taken by a file) deletes nothing. Synchronous
+    saves (`async: false`): each step's own report carries its tag (an async save's is
+    reported at a later step, tests/test_checkpoint_async.py)."""
     spec = JobSpec.model_validate(tiny_spec(
         parallel={"dp": 1, "zero": 1}, train={"steps": 10, "global_batch": 4,
                                               "micro_batch": 2, "precision": "fp32"},
-        checkpoint={"every_steps": 1, "keep_last": 2, "keep_every": 4}))
+        checkpoint={"every_steps": 1, "keep_last": 2, "keep_every": 4, "async": False}))
     (rows,) = run_ranks(spec, checkpoint_dir=str(tmp_path))
     assert _left(tmp_path) == ([4, 8, 9, 10], [])
     by_step = {r["step"]: r for r in rows}

@@ -13,7 +13,7 @@ import pytest
 
 from service.contract.spec import JobSpec
 from tests.corpora import write_corpus
-from tests.workers_spawn import run_ranks
+from tests.workers_spawn import each_step, run_ranks
 
 STEPS = 4
 
@@ -45,7 +45,7 @@ def spec(corpora: tuple[str, str], steps: int = STEPS, global_batch: int = 8,
 
 
 def by_step(rows: list[dict], rank: int = 0) -> list[dict]:
-    return sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["step"])
+    return each_step(rows, rank)
 
 
 @pytest.fixture(scope="module")

@@ -35,10 +35,11 @@ def test_a_new_attempt_resumes_from_the_newest_complete_checkpoint_with_the_same
     # processes, as a restarted Ray actor would, and must go on from step 2.
     first, second = run_ranks(spec, checkpoint_dir=str(tmp_path), attempts=[3, None])
     (uninterrupted,) = run_ranks(spec.model_copy(update={"checkpoint": spec.checkpoint}))
-    assert sorted(r["step"] for r in first if r["rank"] == 0) == [1, 2, 3], "stop is honoured"
+    # (A step whose save was waited for after it, at the stop or the end, is reported again
+    # with its tag: saves are written in the background.)
+    assert sorted({r["step"] for r in first if r["rank"] == 0}) == [1, 2, 3], "stop is honoured"
     assert os.path.exists(tmp_path / "step2" / "COMPLETE")
-    assert [r["step"] for r in sorted(second, key=lambda r: r["step"]) if r["rank"] == 0] == \
-        [3, 4, 5, 6]
+    assert sorted({r["step"] for r in second if r["rank"] == 0}) == [3, 4, 5, 6]
     assert {r["resumed_from"] for r in second} == {2}
     assert losses(first) == losses(uninterrupted)[:3]
     assert losses(second) == losses(uninterrupted)[2:], "bit-identical after resume"

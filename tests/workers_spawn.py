@@ -192,5 +192,17 @@ def run_ranks(spec: JobSpec, *, checkpoint_dir: str | None = None,
     return out
 
 
+def each_step(rows: list[dict], rank: int = 0) -> list[dict]:
+    """`rank`'s reports in step order, each step once: a step reported twice (a save written
+    in the background and waited for after it, at a stop or the end of training, is reported
+    again with its tag) counts by its first report."""
+    first: dict[int, dict] = {}
+    for r in rows:
+        if r["rank"] == rank:
+            first.setdefault(r["step"], r)
+    return [first[s] for s in sorted(first)]
+
+
 def losses(rows: list[dict], rank: int = 0) -> list[float]:
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == rank]
+    """`rank`'s loss of each step, in step order (`each_step`)."""
+    return [r["loss"] for r in each_step(rows, rank)]
