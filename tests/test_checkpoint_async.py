@@ -35,6 +35,25 @@ def test_the_spec_names_it_async_and_it_is_on_by_default() -> None:
     assert JobSpec.model_validate_json(off.model_dump_json()).checkpoint.background is False
 
 
+def test_the_host_copy_keeps_the_types_a_synchronous_save_writes() -> None:
+    """ZeRO-3's `param_shapes` are `torch.Size`s: DeepSpeed's `zero_to_fp32` calls their
+    `numel`, so the copy queued for the writer keeps them (and any tuple's subclass) as
+    they are; the tensors are copies."""
+    from collections import OrderedDict
+
+    import torch
+
+    from workers.checkpoint.background import _to_host
+
+    t = torch.ones(3)
+    state = {"param_shapes": [OrderedDict([("w", torch.Size([2, 3]))])], "pair": (t, 1)}
+    copied = _to_host(state)
+    assert type(copied["param_shapes"][0]["w"]) is torch.Size
+    assert copied["param_shapes"][0]["w"].numel() == 6
+    assert type(copied["pair"]) is tuple and copied["pair"][0] is not t
+    assert torch.equal(copied["pair"][0], t)
+
+
 def per_step(rows: list[dict]) -> dict[int, float]:
     """Rank 0's loss of each step: a step whose save was waited for after it (a stop, the
     end of training) is reported again, with its tag."""

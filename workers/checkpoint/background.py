@@ -50,7 +50,8 @@ written the first file of the save of that step, as a rank killed mid-write."""
 def _to_host(obj: Any) -> Any:
     """A copy of `obj` that the training's next steps cannot change: every tensor cloned to
     host memory, the containers around them copied, any other object deep-copied (fp16's loss
-    scaler changes its scale in place at later steps); one that cannot be copied is kept."""
+    scaler changes its scale in place at later steps; a `torch.Size` or a named tuple keeps
+    its type); one that cannot be copied is kept."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -58,8 +59,8 @@ def _to_host(obj: Any) -> Any:
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, list):
         return [_to_host(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_to_host(v) for v in obj)
+    if type(obj) is tuple:  # not its subclasses: a torch.Size stays one (ZeRO-3's
+        return tuple(_to_host(v) for v in obj)  # param_shapes, which zero_to_fp32 reads)
     try:
         return copy.deepcopy(obj)
     except Exception:  # noqa: BLE001 - not copyable: written as it is then
