@@ -17,7 +17,7 @@ from service.contract.spec import JobSpec, ModelSpec
 from service.planner.shape import ModelShape
 from tests import unfused
 from tests.conftest import tiny_spec
-from tests.workers_spawn import losses, run_ranks
+from tests.workers_spawn import each_step, losses, run_ranks
 from workers.checkpoint.hf_export import consolidate
 from workers.checkpoint.rank_form import read_full
 from workers.checkpoint.saving import FULL, LAYOUT, UNIVERSAL
@@ -132,8 +132,8 @@ def resumes_through_the_full_form(tmp_path: Path, before: dict[str, Any],
     (whole,) = run_ranks(spec(8, precision, **before))
     assert {r["resumed_from"] for r in second} == {4}
     written_by_every_rank(tmp_path / f"step4{FULL}")  # converted, kept
-    assert [r["first_sample"] for r in second if r["rank"] == 0] == [  # the same samples
-        r["first_sample"] for r in whole if r["rank"] == 0][4:]
+    assert [r["first_sample"] for r in each_step(second)] == [  # the same samples
+        r["first_sample"] for r in each_step(whole)][4:]
     assert losses(first) == losses(whole)[:4]
     assert_goes_on(losses(second), losses(whole)[4:], precision)
 
