@@ -75,21 +75,23 @@ def test_torchrun_runs_the_same_entry_point_without_the_control_plane():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "room_mb"), [
-    ({"dp": 2, "zero": 2}, 6), ({"pp": 2, "zero": 1}, 6),
-    ({"pp": 2, "zero": 1, "virtual_stages": 2}, 4.5)],
-    ids=["zero2", "deepspeed-pipeline", "interleaved"])
-def test_a_save_the_full_disk_refuses_costs_that_checkpoint_only(tmp_path, parallel, room_mb):
+@pytest.mark.parametrize(("parallel", "room_mb", "background"), [
+    ({"dp": 2, "zero": 2}, 6, False), ({"dp": 2, "zero": 2}, 6, True),
+    ({"pp": 2, "zero": 1}, 6, False), ({"pp": 2, "zero": 1, "virtual_stages": 2}, 4.5, False)],
+    ids=["zero2", "zero2-async", "deepspeed-pipeline", "interleaved"])
+def test_a_save_the_full_disk_refuses_costs_that_checkpoint_only(tmp_path, parallel, room_mb,
+                                                                 background):
     """Real ranks saving to a small filesystem with room for one tag of two (a tag: 3.8 MB
     with DeepSpeed, 2.9 MB interleaved): the first save completes; the next ones fail
     mid-write (ENOSPC), every rank reports why at that step, the partial tags are removed,
     and training goes on to the end. Once the space is freed, a new attempt resumes from the
     complete tag, with the same losses the ranks had when they trained on past their failed
-    saves, and saves again."""
+    saves, and saves again. Synchronous saves report a tag with its own step; saves in the
+    background (`async`) with the step at which it was marked (`checkpoint_step`)."""
     spec = JobSpec(name="full-disk", model={"preset": "gpt-tiny"}, parallel=parallel,
                    train={"steps": 6, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
                           "precision": "fp32"},
-                   checkpoint={"every_steps": 2})
+                   checkpoint={"every_steps": 2, "async": background})
     with small_fs(tmp_path / "fs", 16) as fs:
         ckpt = fs / "checkpoints"
         filler = Filler(fs / "filler", leave_bytes=int(room_mb * 2**20)).start()
@@ -101,18 +103,21 @@ def test_a_save_the_full_disk_refuses_costs_that_checkpoint_only(tmp_path, paral
         tags = sorted(p.name for p in ckpt.glob("step*"))
 
     by_step = {(r["rank"], r["step"]): r for r in first}
+    tagged = {(r["rank"], r.get("checkpoint_step") or r["step"]): r for r in first
+              if r["checkpoint"] or r["checkpoint_error"]}  # the report of each tag
     for rank in (0, 1):
         assert [s for (r, s) in sorted(by_step) if r == rank] == [1, 2, 3, 4, 5, 6]
-        assert by_step[rank, 2]["checkpoint"] == str(ckpt / "step2")
-        assert "checkpoint_error" not in by_step[rank, 2] or \
-            by_step[rank, 2]["checkpoint_error"] is None
+        assert sorted(s for (r, s) in tagged if r == rank) == [2, 4, 6]
+        assert tagged[rank, 2]["checkpoint"] == str(ckpt / "step2")
+        assert "checkpoint_error" not in tagged[rank, 2] or \
+            tagged[rank, 2]["checkpoint_error"] is None
         for step in (4, 6):
-            row = by_step[rank, step]
+            row = tagged[rank, step]
             assert row["checkpoint"] is None, row
             # torch's zip writer says `unexpected pos`, hence the free space beside it.
             assert re.search(r"No space left on device|\(0\.0 MiB free on its filesystem\)",
                              row["checkpoint_error"]), row
-            assert row["checkpoint_error"] == by_step[0, step]["checkpoint_error"]
+            assert row["checkpoint_error"] == tagged[0, step]["checkpoint_error"]
     assert {r["resumed_from"] for r in second} == {2}
     assert sorted({r["step"] for r in second}) == [3, 4, 5, 6]
     assert losses(second) == [by_step[0, s]["loss"] for s in (3, 4, 5, 6)], \
