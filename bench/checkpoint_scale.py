@@ -54,7 +54,8 @@ MOVES: list[tuple[str, dict[str, int], dict[str, int]]] = [
     ("tp 2 -> 1", {"tp": 2, "dp": 1, "zero": 1}, {"dp": 2, "zero": 1}),
     ("pp 1 -> 2", SOURCE, {"pp": 2, "dp": 1, "zero": 1}),
     ("ZeRO-1 -> 3", SOURCE, {"dp": 2, "zero": 3})]
-STEPS, EVERY = 4, 2  # the saves measured: 2 per run, the second at the end
+STEPS, EVERY = 4, 2
+"""The saves measured: 2 per run, the second at the end (`--steps 2`: the one at the end)."""
 MEMORY = "trident-bench-memory"
 """Each rank's phases and files, written beside the checkpoint folder (`_measured_rank`)."""
 
@@ -247,7 +248,7 @@ def export(folder: Path, step: int, shape: ModelShape, out: Path) -> dict[str, A
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def blocked(size: dict[str, Any], rounds: int, work: Path
+def blocked(size: dict[str, Any], rounds: int, work: Path, steps: int = STEPS
             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     """Part 1 and the saves' memory: sync and async runs alternated (ABBA); the folder of
     the last synchronous run is kept as the source of the moves."""
@@ -256,10 +257,10 @@ def blocked(size: dict[str, Any], rounds: int, work: Path
     order = [b for i in range(rounds) for b in ((False, True) if i % 2 == 0 else (True, False))]
     for i, background in enumerate(order):
         folder = work / f"save{i}"
-        reports, ranks = _run(size, SOURCE, folder, background=background, steps=STEPS,
+        reports, ranks = _run(size, SOURCE, folder, background=background, steps=steps,
                               every=EVERY)
-        runs.append({"async": background, **waits(reports, background, EVERY, STEPS // EVERY)})
-        own = shards(ranks, STEPS)
+        runs.append({"async": background, **waits(reports, background, EVERY, steps // EVERY)})
+        own = shards(ranks, steps)
         memory.append({"async": background, "own": own, "ranks": ranks})
         print(json.dumps(runs[-1]), flush=True)
         if background:
@@ -271,7 +272,7 @@ def blocked(size: dict[str, Any], rounds: int, work: Path
 
 
 def moved(size: dict[str, Any], name: str, source: dict[str, int], target: dict[str, int],
-          source_folder: Path | None, work: Path) -> dict[str, Any]:
+          source_folder: Path | None, work: Path, steps: int = STEPS) -> dict[str, Any]:
     """Part 3 and the resume's memory: a tag of `source`'s layout (the one kept, or written
     now) resumed under `target`, which then saves once."""
     folder = work / name.replace(" ", "").replace(">", "")
@@ -282,7 +283,7 @@ def moved(size: dict[str, Any], name: str, source: dict[str, int], target: dict[
         shutil.copytree(source_folder / "ckpt", folder / "ckpt", copy_function=os.link)
         src_ranks = [json.loads((source_folder / MEMORY / f"rank{r}.json").read_text())
                      for r in range(2)]
-        src_step = STEPS
+        src_step = steps
     src_own = shards(src_ranks, src_step)
     reports, ranks = _run(size, target, folder, background=False, steps=src_step + 1, every=1)
     own = shards(ranks, src_step + 1)
@@ -299,6 +300,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=STEPS, choices=(2, 4),
+                        help="steps of each measured run (a save every 2)")
     parser.add_argument("--quick", action="store_true", help="a 4-layer GPT of hidden 64: seconds")
     parser.add_argument("--work", help="the folder for the checkpoints (default: a temporary"
                                        " one, removed)")
@@ -307,48 +310,69 @@ def main() -> None:
     if args.preset and not args.quick:
         size["preset"] = args.preset
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        summary = measure(size, args.rounds, Path(tmp))
+        summary = measure(size, args.rounds, Path(tmp), args.steps)
     print(json.dumps(summary), flush=True)
 
 
-def measure(size: dict[str, Any], rounds: int, work: Path) -> dict[str, Any]:
-    """Parts 1-3 (see the module); the summary."""
+def largest_of(shape: ModelShape) -> int:
+    """The bytes of the model's largest fp32 tensor: the embedding, the fused q, k, v or the
+    feed-forward's first matrix (fused gate and up with SwiGLU)."""
+    kv = shape.kv_heads * shape.head_dim
+    return 4 * max(shape.vocab * shape.hidden, (shape.q_dim + 2 * kv) * shape.hidden,
+                   shape.ffn_hidden * shape.hidden * (2 if shape.swiglu else 1))
+
+
+def _printed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def measure(size: dict[str, Any], rounds: int, work: Path, steps: int = STEPS
+            ) -> dict[str, Any]:
+    """Parts 1-3 (see the module), each part's rows printed as soon as measured (a move that
+    fails, a rank killed for memory, is printed as its error and the rest goes on); the
+    summary."""
     from service.contract.spec import ModelSpec
 
     shape = ModelShape.from_spec(ModelSpec.model_validate(size))
-    runs, saves, kept = blocked(size, rounds, work)
-    moves = [moved(size, name, src, dst, kept if src is SOURCE else None, work)
-             for name, src, dst in MOVES]
-    exports: list[dict[str, Any]] = []
+    tensor = largest_of(shape)
+    runs, saves, kept = blocked(size, rounds, work, steps)
+    memory: list[dict[str, Any]] = []
+    for s in saves:
+        memory += _printed(_rows("save (async)" if s["async"] else "save (sync)", s["ranks"],
+                                 "save", s["own"], 2 * max(s["own"]) + tensor))
+    moves, failed = [], []
+    for name, src, dst in MOVES:
+        try:
+            m = moved(size, name, src, dst, kept if src is SOURCE else None, work, steps)
+        except Exception as exc:  # noqa: BLE001 - one move's failure is a figure too
+            failed.append({"move": name, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"})
+            print(json.dumps(failed[-1]), flush=True)
+            continue
+        moves.append(m)
+        print(json.dumps({k: m[k] for k in ("move", "resume_s", "convert_s", "tag_bytes",
+                                            "source_shards", "own")}), flush=True)
+        goal = 2 * max(max(m["own"]), max(m["source_shards"])) + tensor
+        for phase in ("resume", "convert"):
+            memory += _printed(_rows(f"{m['move']} {phase}", m["ranks"], phase, m["own"],
+                                     goal))
+    exported = 0
     for m in moves:
         if m["move"] not in ("tp 2 -> 1", "ZeRO-1 -> 3"):
             continue
         # tp 2's source tag, and ZeRO-3's tag saved after the move: the two joining paths.
         step, own = ((m["source_step"], m["source_shards"]) if m["move"] == "tp 2 -> 1"
                      else (m["source_step"] + 1, m["own"]))
-        out = work / f"export-{len(exports)}"
+        out = work / f"export-{exported}"
+        exported += 1
         got = export(m["folder"] / "ckpt", step, shape, out)
-        exports.append({"tag": label(m["to"] if step > m["source_step"] else m["from"]),
-                        "largest_shard_bytes": max(own), **got,
-                        "largest_tensor_bytes": largest_tensor(out)})
-        print(json.dumps(exports[-1]), flush=True)
+        assert largest_tensor(out) <= tensor, (largest_tensor(out), tensor)
         shutil.rmtree(out, ignore_errors=True)
-    tensor = max(e["largest_tensor_bytes"] for e in exports)
-    memory: list[dict[str, Any]] = []
-    for s in saves:
-        goal = 2 * max(s["own"]) + tensor
-        memory += _rows("save (async)" if s["async"] else "save (sync)", s["ranks"], "save",
-                        s["own"], goal)
-    for m in moves:
-        goal = 2 * max(max(m["own"]), max(m["source_shards"])) + tensor
-        for phase in ("resume", "convert"):
-            memory += _rows(f"{m['move']} {phase}", m["ranks"], phase, m["own"], goal)
-    for e in exports:
-        goal = 2 * e["largest_shard_bytes"] + tensor
-        memory.append(_row(f"export of a {e['tag']} tag", "hf_export", "export",
-                           e["peak_bytes"], e["before_bytes"], e["largest_shard_bytes"], goal))
-    for row in memory:
-        print(json.dumps(row), flush=True)
+        what = label(m["to"] if step > m["source_step"] else m["from"])
+        memory += _printed([_row(f"export of a {what} tag", "hf_export", "export",
+                                 got["peak_bytes"], got["before_bytes"], max(own),
+                                 2 * max(own) + tensor)])
     sync = statistics.median(r["at_save_step_s"] for r in runs if not r["async"])
     background = statistics.median(r["at_save_step_s"] for r in runs if r["async"])
     return {"model": size, "parameters": shape.total_params,
@@ -359,6 +383,7 @@ def measure(size: dict[str, Any], rounds: int, work: Path) -> dict[str, Any]:
             "largest_tensor_bytes": tensor,
             "resume": {m["move"]: {"resume_s": m["resume_s"], "convert_s": m["convert_s"],
                                    "tag_bytes": m["tag_bytes"]} for m in moves},
+            "failed": failed,
             "memory_within_goal": all(r["within_goal"] for r in memory),
             "memory_worst_added_over_goal": round(max(r["added_bytes"] / r["goal_bytes"]
                                                       for r in memory), 2)}
