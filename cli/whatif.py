@@ -4,7 +4,8 @@ The server plans the what-if (`POST /plan`, with the profile `trident probe` cal
 planned the job) and gives the job's plan next to what its ranks measured. How far the
 measured step time is from the job's prediction (`measured / predicted`) is the correction
 this cluster and stack need: the what-if's expected step time is its prediction times that
-ratio, its tokens/s divided by it.
+ratio, its tokens/s divided by it. When the what-if's layout is another than the job's, what
+the move would cost (save, convert, resume: `service.planner.relayout`) comes with it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from client.payloads import (
 )
 from client.rest import model_json
 from service.planner.explain import constants_text
+from service.planner.relayout import move_cost
+from service.planner.shape import ModelShape
 from service.planner.stored import PlannedLayout
 
 
@@ -79,10 +82,37 @@ class Expected(BaseModel):
     tokens_per_s: float | None
 
 
+class Move(BaseModel):
+    """What moving the job to the what-if's layout costs (`service.planner.relayout`): its
+    tag saved, converted by `path`, resumed from; seconds from measured rates (`source`)."""
+
+    path: str
+    tag_bytes: int
+    save_s: float
+    convert_s: float
+    resume_s: float
+    total_s: float
+    source: str
+
+
 class Comparison(BaseModel):
     job: JobSide
     what_if: WhatIfSide
     expected: Expected
+    move: Move | None = None
+    """None when the layouts are the same (tp, pp, dp, ZeRO, virtual stages)."""
+
+
+def move_of(job: JobOut, plan: PlanOut) -> Move | None:
+    """What moving `job` to `plan`'s layout costs; None for the same layout."""
+    old, new = job.plan.layout.parallel, plan.layout.parallel
+    if all(getattr(old, k) == getattr(new, k)
+           for k in ("tp", "pp", "dp", "zero", "virtual_stages")):
+        return None
+    cost = move_cost(ModelShape.from_spec(job.spec.model), job.spec.train.precision, old, new)
+    return Move(path=cost.path, tag_bytes=cost.tag_bytes, save_s=cost.save_s,
+                convert_s=cost.convert_s, resume_s=cost.resume_s, total_s=cost.total_s,
+                source=cost.source)
 
 
 def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
@@ -104,7 +134,15 @@ def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
                            memory_bytes=plan.memory.total,
                            constants=(plan.model_extra or {}).get("constants", {})),
         expected=Expected(ratio=ratio, step_s=what_step * ratio if ratio else None,
-                          tokens_per_s=plan.tokens_per_s / ratio if ratio else None))
+                          tokens_per_s=plan.tokens_per_s / ratio if ratio else None),
+        move=move_of(job, plan))
+
+
+def move_text(m: Move) -> str:
+    """The move's line of the what-if."""
+    return (f"moving there costs about {m.total_s:,.1f} s: save {m.save_s:,.1f} s, convert"
+            f" {m.convert_s:,.1f} s ({m.path}), resume {m.resume_s:,.1f} s, a"
+            f" {m.tag_bytes / 1e9:,.2f} GB tag (rates of {m.source})")
 
 
 def render(rows: Comparison) -> str:
@@ -136,6 +174,7 @@ def render(rows: Comparison) -> str:
             _num(w.memory_bytes, 1e-9, "GB", 2) + misfit),
         row("memory/GPU peak", _num(memory.measured_peak if memory else None, 1e-9, "GB", 2),
             ""),
+        *([move_text(rows.move)] if rows.move else []),
         f"job {j.id}'s memory by stage, planned against measured:",
         *memory_gap_lines(j.memory_by_stage),
         "what-if's constants:",

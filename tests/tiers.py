@@ -37,7 +37,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_node_survey",
         "test_order_cache", "test_pace", "test_plan_api", "test_planner",
         "test_planner_calibration", "test_planner_clusters", "test_planner_fit",
-        "test_planner_published", "test_profile",
+        "test_planner_moves", "test_planner_published", "test_profile",
         "test_planner_sac", "test_planner_uneven", "test_preempting", "test_prometheus",
         "test_quota", "test_ray_env", "test_repository", "test_reported_views", "test_rescaling",
         "test_sample_order",
