@@ -8,11 +8,11 @@ kept beside the tag, and loaded under any other layout of the model.
 `load_into` gives every rank of the new layout its shard of each (`full_state.load_full`, the
 form's `rank_form.FormSource`: only the runs of the files that meet the rank's slices are
 read; under ZeRO-3 only the rows that hold the rank's partition of each parameter,
-`_load_partitions`): the module's weights, the fp32 master copy (ZeRO 1/2: the parameter's fragment of the
-flat fp32 partition, `safe_set_full_fp32_param`; ZeRO-3: its partition of the sub-group's flat
-fp32 tensor), both moments (the same places in the optimizer's state, created as Adam's first
-step would) and Adam's step count; the engine's step counters too. It reads the form of
-before (one file per kind, written by rank 0 alone) as well.
+`_load_partitions`): the module's weights, the fp32 master copy (ZeRO 1/2: the parameter's
+fragment of the flat fp32 partition, `safe_set_full_fp32_param`; ZeRO-3: its partition of the
+sub-group's flat fp32 tensor), both moments (the same places in the optimizer's state,
+created as Adam's first step would) and Adam's step count; the engine's step counters too. It
+reads the form of before (one file per kind, written by rank 0 alone) as well.
 
 The interleaved engine (`workers.trainer.interleaved`, `virtual_stages` > 1) is loaded the same way
 as ZeRO 0 (its torch AdamW, or ZeroRedundancyOptimizer's local one, keeps per-parameter state);
