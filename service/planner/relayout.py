@@ -4,9 +4,9 @@ move costs").
 
 A small model of bytes per second, fitted to what `bench/checkpoint_scale.py` measured on 2 CPU
 ranks (gpt3-350m, fp32; docs/benchmarks.md): a rank writes its share of the tag at
-`SAVE_BYTES_PER_S`; the conversion (rank 0, the whole tag, while the other ranks wait:
-`workers.checkpoint.relayout`) reads and writes it at `CONVERT_BYTES_PER_S`; each rank of the
-new layout loads its share at `LOAD_BYTES_PER_S`. The path follows the rule of
+`SAVE_BYTES_PER_S`; each rank of the new layout converts its share of the tag's files into the
+layout-free form (`workers.checkpoint.rank_form`) at `CONVERT_BYTES_PER_S` and then loads its
+share at `LOAD_BYTES_PER_S`. The path follows the rule of
 `workers.checkpoint.relayout.how` on the two layouts: the same layout loads as it is, a change
 of DP degree (or ZeRO 1 <-> 2) with tp = pp = 1 through DeepSpeed's universal form, any other
 through the layout-free form. Rates of another machine (disks, cores) differ: the figures are
@@ -22,16 +22,16 @@ from service.contract.spec import ParallelSpec
 from service.planner.shape import ModelShape
 
 SOURCE = ("bench/checkpoint_scale.py --steps 2, gpt3-350m fp32 ZeRO-1 on 2 CPU ranks of the"
-          " shared 2-core development machine, 2026-12-07 (docs/benchmarks.md)")
-SAVE_BYTES_PER_S = 77e6
+          " shared 2-core development machine, 2026-12-07 16:06 UTC (docs/benchmarks.md)")
+SAVE_BYTES_PER_S = 129e6
 """A rank's synchronous save: its share of the tag over the seconds the save blocked the step
-(a 5.66 GB tag, 2 ranks, 36.8 s)."""
-CONVERT_BYTES_PER_S = 418e6
-"""The conversion by rank 0: the source tag's bytes over the conversion's seconds (the median
-of tp 2 -> 1, pp 1 -> 2 and ZeRO-1 -> 3: 24.5, 13.5 and 12.5 s for 5.66 GB)."""
-LOAD_BYTES_PER_S = 342e6
+(a 5.66 GB tag, 2 ranks, 22.0 s)."""
+CONVERT_BYTES_PER_S = 977e6
+"""A rank's conversion: its share of the source tag over the conversion's seconds (the median
+of tp 2 -> 1, pp 1 -> 2 and ZeRO-1 -> 3 on 2 ranks: 2.9, 2.7 and 3.2 s for 2.83 GB each)."""
+LOAD_BYTES_PER_S = 474e6
 """A rank's load after the conversion: its share of the source tag over the resume's seconds
-less the conversion's (the median of the same moves: 10.0, 8.3 and 2.8 s for 2.83 GB)."""
+less the conversion's (the median of the same moves: 6.0, 5.2 and 7.1 s for 2.83 GB)."""
 OPTIMIZER_BYTES = 12
 """Per parameter: the fp32 master weights and Adam's two moments, in every tag."""
 
@@ -86,5 +86,5 @@ def move_cost(shape: ModelShape, precision: str, old: ParallelSpec,
     return MoveCost(
         path=how, tag_bytes=saved,
         save_s=saved / old.dims.world_size / SAVE_BYTES_PER_S,
-        convert_s=0.0 if how == "as-is" else saved / CONVERT_BYTES_PER_S,
+        convert_s=0.0 if how == "as-is" else saved / new.dims.world_size / CONVERT_BYTES_PER_S,
         resume_s=saved / new.dims.world_size / LOAD_BYTES_PER_S)
