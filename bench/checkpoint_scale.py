@@ -6,7 +6,9 @@
    wait at the save's step), dp 2, ZeRO-1; goal: async at most a quarter of sync.
 2. **Peak memory** of every process during a save (each rank, from the save's start to its
    tag marked), during a resume under another layout (each rank of the new layout, over
-   `saving.load`: the conversion by rank 0 and the load; `convert` alone too) and during
+   `saving.load`; `relayout._converted` alone too; and the per-rank form's own records of
+   each rank's conversion and load, `meta.json` and `load-rank<r>.json`, since its `rss_peak`
+   resets the same high-water mark inside the load) and during
    an export (`python -m workers.checkpoint.hf_export`, its own process). Each rank resets
    its high-water mark (`/proc/self/clear_refs`) when a phase starts and reads `VmHWM` when it
    ends; a rank's peak counts what it holds to train (its engine) too. Each is printed against
@@ -287,12 +289,19 @@ def moved(size: dict[str, Any], name: str, source: dict[str, int], target: dict[
     src_own = shards(src_ranks, src_step)
     reports, ranks = _run(size, target, folder, background=False, steps=src_step + 1, every=1)
     own = shards(ranks, src_step + 1)
-    meta = folder / "ckpt" / f"{tag(src_step)}.full" / "meta.json"
+    form = folder / "ckpt" / f"{tag(src_step)}.full"
+    meta = form / "meta.json"
     first = [r for r in reports if r.get("load_s") is not None]
+    # The per-rank form's own records of each rank's peak growth (`rss_peak`, which resets
+    # the same high-water mark, so the conversion's peak is read from them, not the phases).
+    recorded = json.loads(meta.read_text()).get("ranks", []) if meta.exists() else []
+    loads = [json.loads(p.read_text()) for p in sorted(form.glob("load-rank*.json"))]
     return {"move": name, "from": source, "to": target, "folder": folder,
             "source_step": src_step, "source_shards": src_own, "own": own, "ranks": ranks,
             "resume_s": max(r["load_s"] or 0.0 for r in first),
             "convert_s": json.loads(meta.read_text()).get("seconds") if meta.exists() else None,
+            "recorded": {"conversion": [r.get("peak_growth") for r in recorded],
+                         "load": [r.get("peak_growth") for r in loads]},
             "tag_bytes": sum(src_own)}
 
 
@@ -357,6 +366,11 @@ def measure(size: dict[str, Any], rounds: int, work: Path, steps: int = STEPS
         for phase in ("resume", "convert"):
             memory += _printed(_rows(f"{m['move']} {phase}", m["ranks"], phase, m["own"],
                                      goal))
+        for phase, growths in m["recorded"].items():
+            for rank, (growth, own) in enumerate(zip(growths, m["own"], strict=False)):
+                if growth is not None:
+                    memory += _printed([_row(f"{m['move']} {phase} (its record)",
+                                             f"rank {rank}", phase, growth, 0, own, goal)])
     exported = 0
     for m in moves:
         if m["move"] not in ("tp 2 -> 1", "ZeRO-1 -> 3"):
