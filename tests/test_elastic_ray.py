@@ -43,7 +43,10 @@ def test_a_job_that_loses_a_node_is_re_planned_onto_the_other_and_moves_back(
         # Two ranks of 1.5 CPUs: one on each node; one node holds one rank only. Slowed in
         # the first two attempts, so that the node's loss and return land mid-run.
         spec = JobSpec.model_validate(tiny_spec(
-            name="elastic", max_retries=1, checkpoint={"every_steps": 1},
+            # Synchronous saves: each step's tag is complete when its report is, so the node's
+            # loss re-runs no stored step. (In the background the newest tag lags the newest
+            # report by up to a step, which the next attempt runs again, stored under it.)
+            name="elastic", max_retries=1, checkpoint={"every_steps": 1, "async": False},
             train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
             elastic={"min_ranks": 1, "wait_s": WAIT_S, "scale_up": True},
             monitor={"probe": False},
