@@ -85,7 +85,9 @@ def test_a_host_powered_off_mid_step_resumes_from_the_checkpoint_on_the_spare(
     hosts, up = on_hosts
     every, total = 3, 60
     job_id = submit(up, tiny_spec(
-        name="host-loss", max_retries=2, checkpoint={"every_steps": every},
+        # Synchronous saves: a tag is complete when its step's report is, which the bound on
+        # what is redone below counts on (in the background a tag lags up to a step).
+        name="host-loss", max_retries=2, checkpoint={"every_steps": every, "async": False},
         train={"steps": total, "global_batch": 8, "micro_batch": 2, "precision": "fp32"},
         monitor={"probe": False},
         # Slower steps in the first attempt: the stacks are asked for before the fault.
