@@ -473,7 +473,9 @@ class MetricOut(BaseModel):
     """The learning rate the step ran at (the schedule's, `train.lr` at its peak)."""
     grad_norm: float | None = None
     """The global gradient norm over every rank, before clipping (`train.grad_clip`)."""
-    memory: dict[str, float | str]
+    memory: dict[str, float | str | dict[str, str]]
+    """The step's memory report (`MemoryReport`): bytes by category, the peak's source, and
+    `not_measured`, the categories the rank cannot measure with the reason of each."""
     time: datetime
     eval_loss: float | None = None
     """Validation loss, on the steps that evaluated (`data.eval_every`; docs/data.md)."""

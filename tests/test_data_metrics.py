@@ -1,6 +1,7 @@
 """A job's data figures on the way out (SQLite and PostgreSQL): eval_loss, tokens and epoch in
-the step rows (migration 0014), in the rows of `GET /api/v1/jobs/{id}/metrics`, the job page's
-series, and `trident_job_eval_loss` on `/metrics`."""
+the step rows (migration 0014), in the rows of `GET /api/v1/jobs/{id}/metrics` (with rank 0's
+memory report, its `not_measured` reasons included), the job page's series, and
+`trident_job_eval_loss` on `/metrics`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from tests.conftest import authed_client, tiny_spec
 
 
 def report(step: int, rank: int) -> dict[str, Any]:
-    data: dict[str, Any] = {"memory": {}, "tokens": 256 * step, "epoch": step / 10,
+    memory = {"params_bytes": 930304, "process_peak_bytes": 3.4e8,
+              "process_peak_source": "rss_peak",
+              "not_measured": {"buckets": "no reduction bucket on CPU"}} if rank == 0 else {}
+    data: dict[str, Any] = {"memory": memory, "tokens": 256 * step, "epoch": step / 10,
                             "first_sample": 8 * (step - 1), "drawn": {"/c/a": 8 * step}}
     if step % 2 == 0:
         data["eval_loss"] = 6.0 - step / 10
@@ -50,6 +54,7 @@ def test_eval_loss_tokens_and_epoch_go_out(store: Store, tmp_path) -> None:
     assert [r["tokens"] for r in rows] == [256, 512, 768]
     assert [r["first_sample"] for r in rows] == [0, 8, 16]
     assert rows[-1]["drawn"] == {"/c/a": 24}
+    assert rows[-1]["memory"] == report(3, 0)["data"]["memory"]  # what it cannot measure too
     series = job_series(store, store.get_job(job_id=job.id))
     assert series["eval_step"] == [2] and series["eval_loss"] == [pytest.approx(5.8)]
     fams = {f.name: f for f in text_string_to_metric_families(text)}
