@@ -175,7 +175,8 @@ def test_activation_meter_counts_saved_activations_and_less_with_full_recompute(
         meter = ActivationMeter(model)
         with meter.track():
             model(x).float().mean().backward()
-        assert meter.live == 0, "every saved tensor is released after backward"
+        assert meter.live == {"activations": 0, "logits": 0}, \
+            "every saved tensor is released after backward"
         peaks[recompute] = meter.peak
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     # Full recompute keeps about one hidden-state tensor per block plus embedding and head.
@@ -267,8 +268,8 @@ def test_each_rank_builds_the_parameters_the_plan_counts_for_its_stage_under_tp_
 
 def test_a_ranks_program_is_resolved_from_its_spec_and_imported_only_when_it_runs():
     """The rank actor and the program seam load neither torch nor the trainer: a job's program
-    (under `program: light` the light program or its entrypoint in it, else its entrypoint,
-    else the built-in trainer) is looked up by its spec, and its module is
+    (its `command`; under `program: light` the light program or its entrypoint in it, else its
+    entrypoint, else the built-in trainer) is looked up by its spec, and its module is
     imported when a rank runs it; every registered program names a function that exists."""
     import importlib
     import json
@@ -286,8 +287,9 @@ plain = JobSpec.model_validate(json.loads({json.dumps(tiny_spec())!r}))
 custom = plain.model_copy(update={{"entrypoint": "tests.entrypoints:explode"}})
 light = plain.model_copy(update={{"program": "light"}})
 light_custom = custom.model_copy(update={{"program": "light"}})
+command = plain.model_copy(update={{"command": ["python", "train.py"], "workdir": "/code"}})
 print(json.dumps([for_spec(plain).name, for_spec(custom).name, for_spec(light).name,
-                  for_spec(light_custom).name,
+                  for_spec(light_custom).name, for_spec(command).name,
                   sorted(m for m in ("torch", "deepspeed", "workers.trainer.train")
                          if m in sys.modules)]))
 """
@@ -296,13 +298,13 @@ print(json.dumps([for_spec(plain).name, for_spec(custom).name, for_spec(light).n
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert json.loads(out.splitlines()[-1]) == ["trainer", "entrypoint", "light",
-                                                "light-entrypoint", []]
+                                                "light-entrypoint", "command", []]
     assert set(programs.PROGRAMS) == {"trainer", "entrypoint", "cluster-probe", "light",
-                                      "light-entrypoint"}
+                                      "light-entrypoint", "command"}
     assert programs.PROGRAMS["trainer"].marks_steps and programs.PROGRAMS["light"].marks_steps
     assert not programs.PROGRAMS["entrypoint"].marks_steps
     assert [p.name for p in programs.PROGRAMS.values() if not p.torch] == [
-        "light", "light-entrypoint"]
+        "light", "light-entrypoint", "command"]
     for program in programs.PROGRAMS.values():
         module, function = program.target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), program.name
