@@ -22,6 +22,7 @@ from service.store import Store
 
 if TYPE_CHECKING:
     from service.control.controller import Controller
+    from service.settings import Settings
     from tests.hosts import Hosts
     from tests.up import Up
 
@@ -315,28 +316,41 @@ def ray_ns(local_ray: None) -> Iterator[str]:
         yield namespace
 
 
-@pytest.fixture
-def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
-    """The API (a TestClient, an admin's token), its store and a controller on the real local
-    Ray (a namespace of the test's own), with faults and light ranks allowed (`program:
-    light`, `workers.rank.light`): what the Ray end-to-end tests drive one pass at a time."""
+@contextlib.contextmanager
+def ray_stack(tmp_path: Path, settings: Settings, *, light_ranks: bool = False,
+              log_root: Path | None = None) -> Iterator[tuple[TestClient, Store, Controller]]:
+    """The API on `settings` (a TestClient, an admin's token), its store and a controller on
+    the shared local Ray, in a namespace of the test's own; the controller stops its jobs
+    at the end."""
     from api.app import create_app
     from service.control.controller import Controller
     from service.files.order_cache import ServerData
-    from service.settings import Settings
     from workers.launch.launcher import RayLauncher
 
     store = Store(migrated_sqlite(tmp_path / "e2e.db"))
-    settings = Settings(data_dir=tmp_path, allow_faults=True, light_ranks=True)
     with ray_namespace() as namespace:
-        controller = Controller(store, RayLauncher(server=ServerData.of(settings),
-                                                   light_ranks=True, namespace=namespace),
+        controller = Controller(store, RayLauncher(log_root=log_root,
+                                                   server=ServerData.of(settings),
+                                                   light_ranks=light_ranks,
+                                                   namespace=namespace),
                                 checkpoint_root=tmp_path / "ckpt", start_timeout_s=120,
                                 cancel_grace_s=5, data_dir=tmp_path)
         with authed_client(create_app(settings, store=store), store) as client:
             yield client, store, controller
         controller.shutdown(stop_jobs=True)
     store.close()
+
+
+@pytest.fixture
+def stack(local_ray: None, tmp_path: Path) -> Iterator[tuple[TestClient, Store, Controller]]:
+    """The API (a TestClient, an admin's token), its store and a controller on the real local
+    Ray (a namespace of the test's own), with faults and light ranks allowed (`program:
+    light`, `workers.rank.light`): what the Ray end-to-end tests drive one pass at a time."""
+    from service.settings import Settings
+
+    with ray_stack(tmp_path, Settings(data_dir=tmp_path, allow_faults=True, light_ranks=True),
+                   light_ranks=True) as got:
+        yield got
 
 
 @pytest.fixture
