@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from service.contract.hardware import HardwareProfile, StackCalibration
-from service.planner.fit import solve_linear
+from service.planner.linear import solve_linear
 from service.planner.plan import Plan, assess
 from service.planner.software_stacks import get_stack
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from service.planner.linear import solve_linear
 from service.planner.published import Run, is_tuning, load_data, runs_by_source
 from service.planner.software_stacks import FITTED_PATH, PRIORS, Stack
 
@@ -128,20 +129,6 @@ def _fit_slack(runs: Sequence[Run], c: Constants) -> float:
         num += wi * alloc * (meas - base) / meas ** 2
         den += wi * alloc * alloc / meas ** 2
     return min(MAX_SLACK, max(0.0, num / den))
-
-
-def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the systems are a few unknowns)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col and m[col][col]:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
 
 
 @dataclass
