@@ -152,6 +152,12 @@ def test_megatron_preset() -> None:
     # to the interval's: the line has none, and gives no step report.
     skipped = _megatron_line(5, 0.0, 1.0, None).replace(" lm loss: 1.000000E+00 |", "")
     assert r.feed(skipped) is None
+    # Megatron-LM's training_log of today prints every loss key, its sum over the interval's
+    # advanced iterations divided by max(1, their count): 0 when every one was skipped. The
+    # step is reported without a loss, not with a loss of 0.
+    assert r.feed(_megatron_line(30, 4e-5, 0.0, None)) == {"step": 30, "lr": 4e-5}
+    assert ProgressReader(ProgressSpec(regex=r"step (?P<step>\d+) loss (?P<loss>\S+)")).feed(
+        "step 3 loss 0.0") == {"step": 3, "loss": 0.0}  # a pattern of your own: as printed
 
 
 def test_hf_trainer_preset_counts_its_lines() -> None:

@@ -43,6 +43,9 @@ class Preset:
     tokens_per_device: bool = False
     """True when the line's `tokens_per_s` is one device's: multiplied by the world size to
     give the step report's (global) figure."""
+    zero_loss_is_none: bool = False
+    """True when the line prints a loss of 0 for an interval with no loss (every iteration
+    of it skipped): the step is reported without a loss."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -74,7 +77,8 @@ PRESETS: dict[str, Preset] = {
                rf"(?:.*?\blearning rate: (?P<lr>{_NUM}) \|)?"
                rf".*?\blm loss: (?P<loss>{_NUM}) \|"
                rf"(?:.*?\bgrad norm: (?P<grad_norm>{_NUM}) \|)?"),
-        source="NVIDIA/Megatron-LM megatron/training/training.py (training_log)"),
+        source="NVIDIA/Megatron-LM megatron/training/training.py (training_log)",
+        zero_loss_is_none=True),  # its average over the interval's advanced iterations
 }
 
 

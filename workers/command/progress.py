@@ -56,6 +56,7 @@ class ProgressReader:
         preset = PRESETS[spec.preset] if spec.preset else None
         self.counts_lines = bool(preset and preset.counts_lines)
         self.tokens_scale = world_size if preset and preset.tokens_per_device else 1
+        self.zero_loss_is_none = bool(preset and preset.zero_loss_is_none)
         self.matched = 0
         """Lines that gave a step report so far."""
 
@@ -85,6 +86,8 @@ class ProgressReader:
                 continue
             if name == "tokens_per_s":
                 value *= self.tokens_scale
+            if name == "loss" and value == 0 and self.zero_loss_is_none:
+                continue  # no iteration of the interval had a loss
             if name != "loss" and not (math.isfinite(value) and value >= 0):
                 continue  # not a figure the report can hold (a norm of nan: not measured)
             if name == "lr" and value > 10:
