@@ -3,7 +3,7 @@ DDP script (`examples/command/ddp_train.py`) run once per rank with torchrun's e
 trains to SUCCEEDED with its steps read from its output; a script that exits 3 on one rank
 fails the attempt with that code and is retried from its own checkpoint
 (`TRIDENT_RESUME_STEP`); a script that hangs is ended by the hang monitor with every rank's
-process stacks (`py-spy dump`) stored."""
+process stacks (`py-spy dump`) stored, and `trident stacks` shows those processes before."""
 
 from __future__ import annotations
 
@@ -78,9 +78,27 @@ def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_chec
 def test_a_hung_script_is_failed_by_the_hang_monitor_with_every_ranks_stacks(stack) -> None:  # noqa: F811
     client, store, controller = stack
     r = client.post("/api/v1/jobs", json=command_spec(
-        "--steps", "20", "--hang-at", "3", monitor={"probe": False, "hang_timeout_s": 20}))
+        "--steps", "20", "--hang-at", "3", monitor={"probe": False, "hang_timeout_s": 30}))
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
+    # Before the hang monitor ends it: `trident stacks` shows each rank's script process
+    # (py-spy) beside the actor's threads.
+    def hanging() -> bool:
+        if store.get_job(job_id=job_id).state != JobState.RUNNING:
+            return False
+        told = logs(client, job_id, 1)
+        return len(told) == 2 and all("hanging at step 3" in t for t in told.values())
+
+    drive_until(controller, hanging, 120, "both ranks hanging at step 3")
+    r = client.post(f"/api/v1/jobs/{job_id}/stacks")
+    assert r.status_code == 202, r.text
+    asked = f"/api/v1/jobs/{job_id}/stacks/{r.json()['id']}"
+    drive_until(controller, lambda: client.get(asked).json()["status"] != "pending"
+                and client.get(asked).json()["status"] != "running", 25, "the stacks")
+    answer = client.get(asked).json()
+    [command] = [t for t in answer["result"]["threads"] if t["thread"] == "command"]
+    assert sum(len(g["ranks"]) for g in command["groups"]) == 2, answer
+    assert all("hang_here" in g["stack"] for g in command["groups"]), command
     state = drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 300)
     job = store.get_job(job_id=job_id)
     assert state == JobState.FAILED and "hung: no progress" in (job.error or ""), job.error

@@ -13,7 +13,9 @@ between hosts on a process group of its own, again every `monitor.probe_every_s`
 boundary (`workers.monitor.probe_rounds`). A program without torch collectives (the light
 program, `workers.rank.light`) gets the heartbeat and the faults' stall instead, and the
 actor imports no torch for it.
-Created by `workers.launch.group.RayWorkerGroup`.
+Created by `workers.launch.group.RayWorkerGroup`. One module because each of its methods is one
+call of the control plane (poll, cancel, stacks, profile, preempt) on the same rank's state: its
+work thread, heartbeat and report buffer.
 """
 
 from __future__ import annotations
@@ -346,20 +348,28 @@ class RankActor:
         """Whether this rank's work was started (a controller that re-attaches needs it)."""
         return self._thread is not None
 
-    def stacks(self) -> str:
-        """Python stacks of this process's threads; with a command, its process's first
-        (`py-spy dump`, `workers.rank.command.LIVE`)."""
-        if self._command:
-            from workers.rank.command import LIVE
+    def _command_stacks(self) -> str | None:
+        """With a command running, its process's stacks (`py-spy dump`,
+        `workers.rank.command.LIVE`)."""
+        if not self._command:
+            return None
+        from workers.rank.command import LIVE
 
-            if (theirs := LIVE.stacks()) is not None:
-                return f"{theirs}\n\nthe rank actor's threads:\n{dump_stacks()}"
+        return LIVE.stacks()
+
+    def stacks(self) -> str:
+        """Python stacks of this process's threads; with a command, its process's first."""
+        if (theirs := self._command_stacks()) is not None:
+            return f"{theirs}\n\nthe rank actor's threads:\n{dump_stacks()}"
         return dump_stacks()
 
     def thread_stacks(self, max_bytes: int) -> list[dict[str, str]]:
-        """`trident stacks`: every thread's stack, the rank's work thread named `train`."""
+        """`trident stacks`: every thread's stack, the rank's work thread named `train`; with
+        a command, its process's stacks first, as the thread `command`."""
         work = {self._thread.ident: "train"} if self._thread and self._thread.ident else {}
-        return thread_stacks(work, max_bytes)
+        theirs = self._command_stacks()
+        return ([{"thread": "command", "stack": theirs[-max_bytes:]}] if theirs else []) + \
+            thread_stacks(work, max_bytes)
 
     def step(self) -> int:
         """The step this rank is at (its heartbeat's): `trident profile` starts past it."""
