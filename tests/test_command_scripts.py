@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from service.contract.command import ProgressSpec
 from service.files.checkpoint_tags import complete_steps
 from tests.servers import free_port
@@ -28,9 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent
 HF_SCRIPT = ROOT / "examples" / "command" / "hf_trainer.py"
 
 
-def test_hf_trainer_lines_are_read_by_the_preset(tmp_path: Path) -> None:
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+"""What makes a `Trainer` (through accelerate) start a process group: a test worker may carry
+them from a test of ranks run in its process."""
+
+
+def test_hf_trainer_lines_are_read_by_the_preset(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+
+    for name in TORCHRUN_ENV:  # one process, no process group
+        monkeypatch.delenv(name, raising=False)
 
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
