@@ -21,7 +21,8 @@
    once under its new layout, for its ranks' own shards (and ZeRO-3's tag is exported).
 
 Printed as JSON lines, the summary last. `--quick`: a 4-layer GPT of hidden 64, seconds
-(tests/test_bench.py).
+(tests/test_bench.py). One module because it is one benchmark: its three parts measure the
+same trained tag and its moves, in one process that alternates them.
 """
 
 from __future__ import annotations
