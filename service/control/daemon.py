@@ -89,6 +89,8 @@ def connect_ray(settings: Settings) -> object:
                  log_to_driver=False)
     if on_main and callable(ours):
         signal.signal(signal.SIGTERM, ours)
+    # From here a SIGTERM is the daemon's own again (a stop that waits on it reads this line).
+    log.info("driver of the Ray cluster at %s", settings.ray_address or "local")
     return launcher.RayLauncher(  # type: ignore[no-any-return]
         log_root=settings.log_root, log_max_bytes=settings.rank_log_max_bytes,
         server=ServerData.of(settings), light_ranks=settings.light_ranks)
