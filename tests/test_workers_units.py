@@ -183,6 +183,27 @@ def test_activation_meter_counts_saved_activations_and_less_with_full_recompute(
     assert peaks["full"] < peaks["none"] / 3
 
 
+def test_activation_meter_releases_a_graph_dropped_without_backward():
+    """A forward whose graph is dropped unused (torch's pipelining runs one to infer its stages'
+    shapes) releases its saved activations at once: the meter's records hold no reference
+    cycle through the ops that save their own outputs (attention, norms), which only a full
+    garbage collection would free."""
+    import gc
+
+    x, _ = data.batch(0, 0, 2, CFG.seq_len, CFG.vocab)
+    model = GPT(CFG, 0, recompute="none")
+    meter = ActivationMeter(model)
+    gc.disable()
+    try:
+        with meter.track():
+            out = model(x)
+        assert meter.live["activations"] > 0
+        del out
+        assert meter.live == {"activations": 0, "logits": 0}
+    finally:
+        gc.enable()
+
+
 def test_interleaved_stages_refuse_what_their_torch_path_cannot_do_with_the_reason():
     import pytest
 

@@ -175,7 +175,13 @@ class ActivationMeter:
             self.live[kind] += nbytes
             self.peaks[kind] = max(self.peaks[kind], self.live[kind])
         self._refs[ptr] = self._refs.get(ptr, 0) + 1
-        return _Saved(t, self, ptr, nbytes)
+        # Kept detached: an op that saves its own output (attention, a norm's statistics)
+        # would otherwise hold the output, whose grad_fn holds this record, a reference cycle
+        # that no backward breaks when the graph is dropped unused (torch's pipelining runs
+        # one such forward to infer its stages' shapes): the graph, and every activation
+        # upstream of that op, would stay alive until a full garbage collection. The
+        # unpacked tensor gets its autograd edge back from the saved variable.
+        return _Saved(t.detach(), self, ptr, nbytes)
 
     def _release(self, ptr: int, nbytes: int) -> None:
         self._refs[ptr] -= 1
