@@ -16,9 +16,12 @@ with the same boundaries:
 - Gathered: ZeRO-3's whole weights (kept whole, gathered, prefetched), peak over the step.
 - Buckets: DeepSpeed's communication buckets on GPU; on CPU not measured (`not_measured`
   says why).
-- Framework: on CPU, the resident memory before the model is built (imports and process
-  group); on GPU not measured (the CUDA context is no tensor).
-- Process: peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU.
+- Framework: on CPU, the resident memory before the model is built (imports, `torch._dynamo`
+  included, and process group: `training_start`); on GPU not measured (the CUDA context is
+  no tensor).
+- Process: on CPU the peak RSS since `training_start` (what the process did before, such as
+  the health monitor's bandwidth probe, is not the training's); on GPU
+  `torch.cuda.max_memory_allocated`.
 
 The first two cost a step time (a hook on every saved activation, a walk of the whole
 optimizer state after the step): `MemoryMonitor` measures them only on the steps it samples
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import os
 import resource
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -52,7 +55,8 @@ from workers.monitor.model_states import (
     tensors_in,
 )
 
-__all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "resident_bytes"]
+__all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "resident_bytes",
+           "training_start"]
 
 WATCH_FRACTION = 0.9
 """A process peak (or the plan's prediction) above this fraction of the plan's device capacity
@@ -290,9 +294,29 @@ class MemoryMonitor:
 
 
 def process_peak_bytes(device: torch.device) -> int:
+    """The process's peak: on CPU its peak resident set since `training_start` (`VmHWM`; the
+    peak `getrusage` reports where /proc is absent)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def training_start() -> int:
+    """The framework's resident bytes as training starts (imports and process group, before
+    the model), and the start of the process peak: the kernel's high-water mark is reset to
+    the resident set now (Linux's clear_refs 5), so that the peak is the training's, not that
+    of what the process did before (the health monitor's bandwidth probe, whose largest
+    messages and their gloo buffers are freed before training; a peak of Ray's start-up)."""
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return resident_bytes()
 
 
 def resident_bytes() -> int:

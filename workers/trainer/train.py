@@ -264,7 +264,13 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
     # The pipeline's waits for neighbouring stages (none without a pipeline: a bubble of 0).
     bubble = BubbleMeter(cuda=device.type == "cuda",
                          sample_every=spec.monitor.comm_sample_every) if layout.pp > 1 else None
-    framework = memory.resident_bytes()  # imports and process group, before the model
+    # The framework's bytes: imports and process group, before the model. `torch._dynamo` is
+    # one of its imports (every rank's first optimizer imports it, about 74 MB resident on
+    # CPU): imported here, it is counted there on every host, not only where a fork server
+    # preloaded it. The process peak counts from here (`memory.training_start`).
+    import torch._dynamo  # noqa: F401
+
+    framework = memory.training_start()
     engine = build_engine(spec, shape, ctx.plan, device, groups, ds_config, bubble)
     recipe.mend_unfused_optimizer(engine.optimizer, list(engine.module.parameters()), groups,
                                   t.grad_clip)  # 16-bit ZeRO 0: DeepSpeed's wrapper, mended
