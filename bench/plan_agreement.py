@@ -1,13 +1,16 @@
 """The plan against the built-in trainer's `memory` reports, category by category, and the CPU
 framework's resident memory that the `cpu` profile's `reserved_bytes` is made of.
 
-1. A fresh process imports the trainer (torch, DeepSpeed, `torch._dynamo` as a rank's first
-   optimizer does) and starts a one-rank gloo process group: its resident memory is
-   `CPU_FRAMEWORK_START_BYTES` (service/contract/hardware.py).
+1. A fresh process imports the trainer (torch, DeepSpeed, `torch._dynamo` as the trainer
+   does before it measures) and starts a one-rank gloo process group: its resident memory,
+   342 MB; a rank that Ray runs holds about 97 MB more there (Ray's core worker), the
+   `cpu` profile's `CPU_FRAMEWORK_START_BYTES` (service/contract/hardware.py,
+   `pytest -s tests/test_plan_agreement_ray.py` prints it).
 2. gpt-tiny on 2 forked CPU ranks, fp32, 6 steps, for each layout given (default: the three
-   of issue 46's table): each rank's last-step report against its stage's plan, and the
-   framework's growth (peak RSS less the framework at start and the measured categories),
-   `CPU_FRAMEWORK_GROWTH_BYTES`.
+   of issue 46's table): each rank's last-step report against its stage's plan (the total
+   with the framework's bytes each rank measured, `RankAgreement.planned_total_here`), and
+   the framework's growth (peak RSS less the framework at start and the measured
+   categories; 38-48 MB on forked ranks, 26 MB on Ray's, `CPU_FRAMEWORK_GROWTH_BYTES`).
 
 Prints the table of docs/planner.md ("Plan against the trainer's memory report").
 

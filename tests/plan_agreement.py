@@ -44,10 +44,11 @@ class RankAgreement:
 
     @property
     def planned_total_here(self) -> float:
-        """The plan's total with its framework bytes as this rank measured them (what the
-        process held once the process group was up: a forked rank shares its fork server's
-        pages, a fresh process holds its imports alone) plus the framework's measured growth
-        while it builds the engine and runs the first step."""
+        """The plan's total with its framework bytes as this rank measured them at its
+        training's start (imports, `torch._dynamo` included, and process group: a forked
+        rank shares its fork server's pages, one that Ray runs holds Ray's core worker too)
+        plus the framework's growth while it builds the engine and runs the first step (the
+        `cpu` profile's, measured on ranks that Ray runs)."""
         framework = self.measured["framework_bytes"] + CPU_FRAMEWORK_GROWTH_BYTES
         return self.planned.total - self.planned.framework + framework
 

@@ -8,19 +8,20 @@ equal to the byte; activations within 5 % (measured 0.8 to 1.1 % above the plan:
 saved log-sum-exp, which the plan leaves out; the interleaved pipeline's first stage also
 keeps the joined micro-batches' token indices, 0.9 % in all) on every layout, the interleaved
 first stage included (5 chunk-micro-batches in flight, Megatron's warm-up); the planned total
-(with the framework's bytes as the rank measured them, `RankAgreement.planned_total_here`) no
-more than 10 % above each rank's peak RSS.
+within 10 % of each rank's peak RSS from both sides, with the framework's bytes as the rank
+measured them at its training's start (`RankAgreement.planned_total_here`): a forked rank
+shares its fork server's pages and has faulted in few of its libraries' pages, so it starts
+at about 292 MB where a rank that Ray runs starts at the `cpu` profile's 438 MB
+(tests/test_plan_agreement_ray.py asserts the plan's own total there). Measured 320-324 MB
+planned against 330-343 MB peaks (3-6 % below, `python bench/plan_agreement.py --all`, the
+same under pytest-xdist): forked ranks fault in more of libtorch's code in their first step
+(38-48 MB of growth) than the profile's 26 MB, measured on Ray's ranks.
 
 What does not hold yet, measured (docs/planner.md has the table):
 - Offload: the plan counts device bytes (offloaded states are `host_per_rank`, with DeepSpeed's
   pinned-buffer factor 1.5); the trainer counts its process's tensors, where DeepSpeed keeps a
   staging copy of the partition (params 1,395,456 against 930,304 planned) and CPU-Adam's
   gradient buffers (grads 1.10 to 1.13 MB against 0.47 MB). Not asserted.
-- The total from below: run alone (`python bench/plan_agreement.py`), every rank's peak RSS
-  was within 2.5 % of the planned total; ranks forked from a pytest-xdist worker of the
-  physics tier (CI) peaked 419-433 MB against 376-380 MB planned (12-14 % above), their
-  growth after the process group's start larger than the 40 MB the `cpu` profile counts.
-  So only the upper side is asserted here.
 - Logits: the plan's `logits` are the peak of the logits and the loss's fp32 buffers; the
   meter's `logits_peak_bytes` only what the head and the loss save for backward. Not compared.
 """
@@ -46,10 +47,10 @@ def assert_states_exact(a: RankAgreement) -> None:
         assert measured == planned, (a.rank, category, planned, measured)
 
 
-def assert_total_not_over(a: RankAgreement) -> None:
-    """Not above the peak by more than 10 % (below it, see the module's docstring)."""
+def assert_total_agrees(a: RankAgreement) -> None:
+    """Within 10 % of the rank's peak RSS, from both sides (see the module's docstring)."""
     peak = a.measured["process_peak_bytes"]
-    assert a.planned_total_here <= 1.10 * peak, (a.rank, a.planned_total_here, peak)
+    assert a.planned_total_here == pytest.approx(peak, rel=0.10), (a.rank, peak)
 
 
 @pytest.mark.parametrize("parallel", list(NO_PIPELINE.values()), ids=list(NO_PIPELINE))
@@ -61,7 +62,7 @@ def test_every_category_agrees_without_a_pipeline(parallel) -> None:
         planned, measured = a.pair("activations")
         assert measured == pytest.approx(planned, rel=0.05), a.rank
         assert "buckets" in a.measured["not_measured"]  # said, not folded into another
-        assert_total_not_over(a)
+        assert_total_agrees(a)
     if parallel.get("zero") == 3:
         assert all(a.measured["gathered_peak_bytes"] > 0 for a in ranks)
 
@@ -76,7 +77,7 @@ def test_pipeline_stages_agree_stage_by_stage(parallel) -> None:
         planned, measured = a.pair("activations")
         assert measured == pytest.approx(planned, rel=0.05), (a.stage, planned, measured)
         assert (a.measured["logits_peak_bytes"] > 0) == (a.stage == 1)  # the head's stage
-        assert_total_not_over(a)
+        assert_total_agrees(a)
 
 
 @pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 2, "offload": "optimizer"},
@@ -88,7 +89,7 @@ def test_offload_agrees_on_activations_gathered_and_total(parallel) -> None:
         assert measured == pytest.approx(planned, rel=0.05), a.rank
         planned, measured = a.pair("gathered")
         assert measured == planned, a.rank
-        assert_total_not_over(a)
+        assert_total_agrees(a)
 
 
 def test_adam_step_counters_follow_the_trainers_parameter_groups() -> None:

@@ -83,7 +83,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_e2e_stop", "test_goodput_ray", "test_goodput_views_ray", "test_guards_ray",
         "test_hosts_jobs", "test_hosts_links", "test_node_cordon_ray", "test_node_loss_ray",
         "test_node_ray",
-        "test_placement_ray",
+        "test_placement_ray", "test_plan_agreement_ray",
         "test_preemption_ray", "test_profile_ray", "test_ranklogs", "test_stacks_ray",
         "test_tag_steps_ray",
         "test_tracking_e2e",
