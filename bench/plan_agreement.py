@@ -10,7 +10,7 @@ framework's resident memory that the `cpu` profile's `reserved_bytes` is made of
    of issue 46's table): each rank's last-step report against its stage's plan (the total
    with the framework's bytes each rank measured, `RankAgreement.planned_total_here`), and
    the framework's growth (peak RSS less the framework at start and the measured
-   categories; 38-48 MB on forked ranks, 26 MB on Ray's, `CPU_FRAMEWORK_GROWTH_BYTES`).
+   categories; 35-48 MB on forked ranks, 26 MB on Ray's, `CPU_FRAMEWORK_GROWTH_BYTES`).
 
 Prints the table of docs/planner.md ("Plan against the trainer's memory report").
 

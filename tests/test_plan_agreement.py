@@ -13,9 +13,9 @@ measured them at its training's start (`RankAgreement.planned_total_here`): a fo
 shares its fork server's pages and has faulted in few of its libraries' pages, so it starts
 at about 292 MB where a rank that Ray runs starts at the `cpu` profile's 438 MB
 (tests/test_plan_agreement_ray.py asserts the plan's own total there). Measured 320-324 MB
-planned against 330-343 MB peaks (3-6 % below, `python bench/plan_agreement.py --all`, the
+planned against 330-344 MB peaks (3-7 % below, `python bench/plan_agreement.py --all`, the
 same under pytest-xdist): forked ranks fault in more of libtorch's code in their first step
-(38-48 MB of growth) than the profile's 26 MB, measured on Ray's ranks.
+(35-48 MB of growth) than the profile's 26 MB, measured on Ray's ranks.
 
 What does not hold yet, measured (docs/planner.md has the table):
 - Offload: the plan counts device bytes (offloaded states are `host_per_rank`, with DeepSpeed's

@@ -49,7 +49,7 @@ CPU_FRAMEWORK_GROWTH_BYTES = 26e6
 """What the framework adds on a CPU rank while it builds the engine and runs the first step,
 besides the tensors of the plan's categories: the rank's peak RSS (from the start above) less
 the framework at start and the measured categories, 25-27 MB on ranks that Ray runs (mostly
-libtorch's code pages faulted in by the first step); 44-48 MB on forked ranks, which fault in
+libtorch's code pages faulted in by the first step); 35-48 MB on forked ranks, which fault in
 more of them (a fork does not copy the parent's file-backed page tables)."""
 MiB = 2.0**20
 
