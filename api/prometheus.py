@@ -229,13 +229,16 @@ class StoreCollector(Collector):
         f["info"].add_metric([str(job.id), job.name, job.owner, job.state.value, str(lay.tp),
                               str(lay.pp), str(lay.dp), str(lay.zero)], 1)
         f["steps"].add_metric(jid, job.spec.train.steps)
-        f["step_pred"].add_metric(jid, plan.time.step_s)
-        f["tok_pred"].add_metric(jid, plan.tokens_per_s)
-        mfu_pred = plan.mfu
+        # A job that is not planned has no predicted series (no sample, never a zero).
+        t, mfu_pred = plan.time, plan.mfu
+        if t is not None:
+            f["step_pred"].add_metric(jid, t.step_s)
+        if plan.tokens_per_s is not None:
+            f["tok_pred"].add_metric(jid, plan.tokens_per_s)
         if mfu_pred is not None:
             f["mfu_pred"].add_metric(jid, mfu_pred)
-        if plan.time.step_s:
-            f["bubble"].add_metric([*jid, "predicted"], plan.time.bubble_s / plan.time.step_s)
+        if t is not None and t.step_s:
+            f["bubble"].add_metric([*jid, "predicted"], t.bubble_s / t.step_s)
         for kind, n in store.count_events(job_id=job.id, kinds=GUARD_EVENTS).items():
             guard.add_metric([*jid, kind], n)
         latest = store.latest_metric(job_id=job.id)
@@ -245,8 +248,8 @@ class StoreCollector(Collector):
             return
         f["step"].add_metric(jid, latest.step)
         f["step_s"].add_metric(jid, latest.step_time_s)
-        if plan.time.step_s:
-            f["err"].add_metric(jid, (latest.step_time_s - plan.time.step_s) / plan.time.step_s)
+        if t is not None and t.step_s:
+            f["err"].add_metric(jid, (latest.step_time_s - t.step_s) / t.step_s)
         f["tok"].add_metric(jid, latest.tokens_per_s)
         if mfu_pred is not None and plan.tokens_per_s:
             f["mfu"].add_metric(jid, mfu_pred * latest.tokens_per_s / plan.tokens_per_s)

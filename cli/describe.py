@@ -88,9 +88,12 @@ class AttemptLine(BaseModel):
 class PlanLine(BaseModel):
     layout: str
     world_size: int
-    step_s: Number
-    tokens_per_s: Number
-    memory_bytes: Number
+    planned: bool = True
+    """False for a command job without model: placed from `resources` alone, the figures
+    below None (nothing predicted)."""
+    step_s: Number | None
+    tokens_per_s: Number | None
+    memory_bytes: Number | None
 
 
 class MeasuredSplit(BaseModel):
@@ -104,7 +107,8 @@ class MeasuredSplit(BaseModel):
 
 
 class TimeSplits(BaseModel):
-    predicted: TimeSplit
+    predicted: TimeSplit | None
+    """None: the job is not planned."""
     measured: MeasuredSplit | None
     steps: int
     """How many steps `measured` is the mean of."""
@@ -195,9 +199,10 @@ def gather(client: TridentClient, job_id: int, events: int) -> Description:
     row = JobRow.of(j)
     return Description(
         job=row, spec=j.spec, secrets=j.secrets, env_hidden=j.env_hidden,
-        plan=PlanLine(layout=row.layout, world_size=j.plan.world_size,
-                      step_s=j.plan.time.step_s, tokens_per_s=j.plan.tokens_per_s,
-                      memory_bytes=j.plan.memory.total),
+        plan=PlanLine(layout=row.layout, world_size=j.plan.world_size, planned=j.plan.planned,
+                      step_s=j.plan.time.step_s if j.plan.time else None,
+                      tokens_per_s=j.plan.tokens_per_s,
+                      memory_bytes=j.plan.memory.total if j.plan.memory else None),
         predicted_vs_measured=j.predicted_vs_measured,
         time_split=TimeSplits(predicted=split.predicted, measured=measured, steps=len(steps)),
         attempts=[AttemptLine.of(a) for a in attempts], hang=hangs[0] if hangs else None,
@@ -217,6 +222,15 @@ def _missing(pvm: PredictedVsMeasured | None) -> str:
     return pvm.reported.missing if pvm and pvm.reported else "not measured"
 
 
+NOT_PLANNED_LINE = ("Not planned (a command job without model, placed from resources alone: no"
+                    " memory check, no predicted step)")
+
+
+def _predicted(plan: PlanLine, shown: str) -> str:
+    """A predicted figure as the table shows it: `not planned` for a job without a plan."""
+    return shown if plan.planned else "not planned"
+
+
 def _ratio(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
 
@@ -234,6 +248,8 @@ def text(d: Description) -> str:
     field("State", r.state)
     field("Reason", d.reason or "-")
     field("Layout", f"{r.layout}, {r.ranks} ranks")
+    if not d.plan.planned:
+        field("Plan", "not planned: placed from resources.workers alone, nothing predicted")
     field("Priority", r.priority)
     field("Submitted", _when(r.submitted))
     field("Started", _when(r.started))
@@ -256,26 +272,31 @@ def text(d: Description) -> str:
         epoch = "" if r.epoch is None else f", epoch {r.epoch:.3g}"
         field("Data", f"eval loss {evl}, {r.tokens or 0} tokens{epoch}")
     pvm, plan = d.predicted_vs_measured, d.plan
-    out += ["", f"Plan against measurement (medians of {pvm.steps_measured if pvm else 0}"
-            " steady steps, newest attempt):"]
+    if plan.planned:
+        out += ["", f"Plan against measurement (medians of {pvm.steps_measured if pvm else 0}"
+                " steady steps, newest attempt):"]
+    else:
+        out += ["", f"{NOT_PLANNED_LINE}; measured (medians of"
+                f" {pvm.steps_measured if pvm else 0} steady steps, newest attempt):"]
     step, tok, states = (pvm.step_s, pvm.tokens_per_s, pvm.model_state_bytes) if pvm else (
         None, None, None)
     peak = pvm.memory_bytes.measured_peak if pvm else None
-    rows = [["s/step", secs(plan.step_s), secs(step.measured if step else None),
+    rows = [["s/step", _predicted(plan, secs(plan.step_s)), secs(step.measured if step else None),
              _ratio(step.ratio if step else None)],
-            ["tokens/s", f"{plan.tokens_per_s:.0f}",
+            ["tokens/s", _predicted(plan, f"{plan.tokens_per_s or 0:.0f}"),
              "-" if tok is None or tok.measured is None else f"{tok.measured:.0f}",
              _ratio(tok.ratio if tok else None)],
-            ["model states", size(states.predicted if states else None),
+            ["model states", _predicted(plan, size(states.predicted if states else None)),
              _missing(pvm) if states and states.measured is None and pvm and pvm.steps_measured
              else size(states.measured if states else None),
              _ratio(states.ratio if states else None)],
-            ["peak memory", size(plan.memory_bytes),
+            ["peak memory", _predicted(plan, size(plan.memory_bytes)),
              _missing(pvm) if peak is None and pvm and pvm.steps_measured else size(peak), "-"]]
     split = d.time_split
     for k in ("compute", "tp", "pp", "dp", "bubble", "step"):
         rows.append([f"{k} s (mean of {split.steps})" if k == "step" else f"{k} s",
-                     secs(getattr(split.predicted, k)), secs(getattr(split.measured, k, None)),
+                     _predicted(plan, secs(getattr(split.predicted, k, None))),
+                     secs(getattr(split.measured, k, None)),
                      "-"])
     out += ["  " + line for line in columns(["WHAT", "PREDICTED", "MEASURED", "RATIO"],
                                              rows).splitlines()]

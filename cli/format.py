@@ -139,7 +139,8 @@ class JobRow(BaseModel):
     """The newest validation loss (`data.eval_every`)."""
     tokens: int | None = None
     epoch: float | None = None
-    step_s_predicted: Number
+    step_s_predicted: Number | None
+    """None: the job is not planned."""
     step_s_measured: float | None
     reported_at: datetime | None
     attempts: int
@@ -158,7 +159,7 @@ class JobRow(BaseModel):
             total_steps=j.total_steps, loss=j.loss, loss_nonfinite=j.loss_nonfinite, lr=j.lr,
             grad_norm=j.grad_norm,
             eval_loss=j.eval_loss, tokens=j.tokens, epoch=j.epoch,
-            step_s_predicted=j.plan.time.step_s,
+            step_s_predicted=j.plan.time.step_s if j.plan.time else None,
             step_s_measured=j.step_time_s, reported_at=j.reported_at, attempts=j.attempts,
             restarts=j.restarts, queue_position=j.queue_position, reason=j.reason,
             error=j.error)

@@ -89,7 +89,8 @@ def job_text(f: JobFrame) -> str:
             f"{j.total_steps or '-'}  loss {loss}"
             f"{'' if j.eval_loss is None else f'  eval {j.eval_loss:.4g}'}"
             f"  s/step {secs(j.step_s_measured)}"
-            f" (plan {secs(j.step_s_predicted)})")
+            + (" (not planned)" if j.step_s_predicted is None
+               else f" (plan {secs(j.step_s_predicted)})"))
     if j.reason:
         head += f"\n{j.reason}"
     rows = [[str(c.rank), str(c.tp), str(c.pp), str(c.dp), c.node or "-",

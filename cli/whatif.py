@@ -109,7 +109,8 @@ def move_of(job: JobOut, plan: PlanOut) -> Move | None:
     if all(getattr(old, k) == getattr(new, k)
            for k in ("tp", "pp", "dp", "zero", "virtual_stages")):
         return None
-    cost = move_cost(ModelShape.from_spec(job.spec.model), job.spec.train.precision, old, new)
+    cost = move_cost(ModelShape.from_spec(job.spec.planned_model), job.spec.train.precision,
+                     old, new)
     return Move(path=cost.path, tag_bytes=cost.tag_bytes, save_s=cost.save_s,
                 convert_s=cost.convert_s, resume_s=cost.resume_s, total_s=cost.total_s,
                 source=cost.source)
@@ -121,6 +122,8 @@ def compare_rows(job: JobOut, plan: PlanOut) -> Comparison:
     pvm = job.predicted_vs_measured
     step = pvm.step_s if pvm else Measured()
     ratio = step.ratio
+    if plan.time is None or plan.memory is None or plan.tokens_per_s is None:
+        raise ValueError("the what-if is not planned")  # POST /plan plans, or refuses (422)
     what_step = plan.time.step_s
     return Comparison(
         job=JobSide(id=job.id, name=job.name, state=job.state.value,
@@ -188,6 +191,9 @@ def what_if(server: str, job_id: int, spec: Path | None, sets: list[str],
     print it against job `job_id`'s measurement."""
     with connect(server) as client:
         job = client.get_job(job_id)
+        if not job.plan.planned:
+            fail(f"job {job_id} is not planned (a command job without model, placed from"
+                 " resources alone): there is no prediction to set a what-if against")
         raw = read_spec_file(spec) if spec is not None else job.spec.model_dump(mode="json")
         checked = validate_spec(apply_sets(raw, sets), str(spec or f"job {job_id}'s spec"),
                                 sets)

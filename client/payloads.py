@@ -536,8 +536,8 @@ class Measured(BaseModel):
 
 
 class MeasuredMemory(BaseModel):
-    predicted: Number
-    """The plan's bytes per GPU (its most loaded stage)."""
+    predicted: Number | None = None
+    """The plan's bytes per GPU (its most loaded stage; None: the job is not planned)."""
     measured_peak: Number | None = None
     """The highest process peak any step report of the newest attempt gave."""
 
@@ -591,6 +591,8 @@ class PredictedVsMeasured(BaseModel):
     plan
     (medians of the steps after the warm-up)."""
 
+    planned: bool = True
+    """False for a command job without model: no prediction (every `predicted` is None)."""
     steps_measured: int
     step_s: Measured
     tokens_per_s: Measured
@@ -716,7 +718,8 @@ class StepSplit(BaseModel):
 class CommSteps(BaseModel):
     """`GET /jobs/{id}/comm/steps`: the plan's split and each recent step's, rank means."""
 
-    predicted: TimeSplit
+    predicted: TimeSplit | None = None
+    """None: the job is not planned."""
     steps: list[StepSplit]
 
 

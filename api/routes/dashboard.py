@@ -49,9 +49,9 @@ def comm_steps(job: JobDep, store: StoreDep,
     ranks of the step time, of its time in TP, PP and DP collectives and of the pipeline
     bubble the ranks measured (`bubble`: the part of their PP time spent waiting for
     neighbouring stages, taken out of `pp`; None when no rank measured it), the rest being
-    compute; next to the plan's split."""
+    compute; next to the plan's split (`predicted`: None for a job that is not planned)."""
     t = job.plan.time
-    out: dict[str, Any] = {"predicted": {
+    out: dict[str, Any] = {"predicted": None if t is None else {
         "compute": t.compute_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.offload_s,
         "tp": t.tp_comm_s, "pp": t.pp_comm_s, "dp": t.dp_comm_s + t.zero3_gather_s,
         "bubble": t.bubble_s, "step": t.step_s}, "steps": []}

@@ -85,8 +85,12 @@ def start_export(job: JobDep, request: Request, records: Records, who: Who,
     under an export root (`TRIDENT_EXPORT_ROOTS`). Poll `GET /jobs/{id}/exports/{export_id}`
     until `state` is `done` (or `failed`), then list and fetch its files. Admins export any
     job, members their own. 404 without a complete tag; 422 naming `destination` outside the
-    owner's folder under the roots, or `max_shard_size` that is no size."""
+    owner's folder under the roots, or `max_shard_size` that is no size; 422 naming `job` for a
+    command job without model."""
     check_weights(who, job.owner)
+    if job.spec.model is None:
+        raise _refuse("job", f"job {job.id} gives no model: its checkpoints are its command's"
+                      " own, in no layout Trident converts")
     ask = body or ExportAsk()
     try:
         max_shard_bytes = shard_bytes(ask.max_shard_size)

@@ -12,6 +12,7 @@ from api.schemas import LayoutSearch, PlanOut
 from service.cluster.profiles import profile_for
 from service.contract.spec import JobSpec
 from service.planner import plan_command
+from service.planner.job_plan import NOT_PLANNED
 from service.planner.search import cpu_bound
 
 router = APIRouter(tags=["plan"])
@@ -35,7 +36,11 @@ def plan(spec: JobSpec, store: StoreDep, request: Request,
     plan` and `trident capacity` answer locally, unbounded). Where the server prices the
     spec's profile (`TRIDENT_PRICES`), the plan (for `auto`, the best one) carries `cost`:
     its step time x `train.steps` x its ranks at the price per GPU-hour (CPU-hour on CPU
-    ranks)."""
+    ranks). A command spec without model is not planned: a 422 naming `model`."""
+    if spec.model is None:
+        raise HTTPException(status_code=422, detail=[
+            {"loc": ["body", "model"], "type": "value_error",
+             "msg": f"model: {NOT_PLANNED}; give model (and parallel) to plan it"}])
     profile = profile_for(store, spec.target.gpu)
     price = request.app.state.settings.prices.get(spec.target.gpu)
     try:

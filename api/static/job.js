@@ -265,12 +265,12 @@
     try {
       const c = await getJSON(`${api}/comm`);
       const steps = await getJSON(`${api}/comm/steps`);
-      const predicted = steps.predicted;
-      const max = Math.max(predicted.step, ...steps.steps.map(s => s.step_s));
+      const predicted = steps.predicted;  // null: the job is not planned
+      const max = Math.max(predicted ? predicted.step : 0, ...steps.steps.map(s => s.step_s));
       document.getElementById("comm-bars").innerHTML =
         `<p class="controls">${PARTS.map((p, i) => `<span class="chip" style="border-left:10px solid ${PALETTE[i]}">${p}</span>`).join("")}` +
         ` seconds per step; the measured bubble is the ranks' wait for neighbouring pipeline stages, taken out of pp</p>` +
-        bar("predicted", predicted, max) +
+        (predicted ? bar("predicted", predicted, max) : `<p id="comm-not-planned">Not planned: no predicted split.</p>`) +
         (steps.steps.length ? steps.steps.map(s => bar(`step ${s.step} measured (mean of ${s.ranks} ranks)`, s, max)).join("")
                             : unreported(c.reported) || "<p>No timed step measured yet.</p>");
       document.querySelector("#probe tbody").innerHTML = (c.probe || []).map(r =>

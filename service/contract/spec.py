@@ -444,6 +444,10 @@ class ResourcesSpec(_Strict):
     """GPUs per rank: 1 on GPU clusters, 0 to run on CPU with gloo."""
     cpus_per_worker: Annotated[RayQuantity, Field(gt=0, le=1024)] = 1.0
     """CPUs per rank; a multiple of Ray's unit (0.0001), so that ranks may share a core."""
+    workers: Annotated[int, Field(ge=1, le=MAX_WORLD)] | None = None
+    """Ranks of a `command` job without `model` (required there): it is placed from
+    `resources` alone, `workers` data-parallel ranks, and not planned (`docs/command.md`).
+    Beside a `model`, it may only repeat the layout's tp * pp * dp."""
 
 
 class ClusterSpec(_Strict):
@@ -749,8 +753,10 @@ class JobSpec(_Strict):
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     """Human-readable job name (letters, digits, '.', '_', '-'; at most 128)."""
-    model: ModelSpec
-    """The transformer to train."""
+    model: ModelSpec | None = None
+    """The transformer to train, and plan. Required, except for a `command` job, which
+    without it is placed from `resources.workers` alone and not planned (no predicted memory
+    nor step time)."""
     train: TrainSpec = TrainSpec()
     """The optimisation run."""
     parallel: ParallelSpec | Literal["auto"] = ParallelSpec()
@@ -895,11 +901,43 @@ class JobSpec(_Strict):
             raise SpecError("train.steps", f"steps({self.train.steps}) * global_batch"
                             f"({self.train.global_batch}) = {samples} samples exceed the"
                             f" {MAX_DATA_SAMPLES} a sample order of kind 'tokens' holds")
-        for err in layout_errors(self):
+        for err in layout_errors(self) if self.model is not None else unplanned_errors(self):
             raise err
+        workers = self.resources.workers
+        if self.model is not None and workers is not None and workers != self.world_size:
+            raise SpecError("resources.workers", f"workers({workers}) is not the job's"
+                            f" {self.world_size} ranks (its layout's tp * pp * dp, or its"
+                            " cluster's slots); a planned job's ranks are its layout's")
         for field, why in ds_config.section_errors(self):
             raise SpecError(field, why)
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _place_unplanned(cls, data: Any) -> Any:
+        # A command job without a model runs `resources.workers` data-parallel ranks: its
+        # layout is written as that, so that the stored spec says what runs.
+        if (isinstance(data, dict) and data.get("model") is None
+                and data.get("command") is not None and "parallel" not in data):
+            resources = data.get("resources")
+            workers = _as_int(resources.get("workers") if isinstance(resources, dict)
+                              else getattr(resources, "workers", None))
+            if workers is not None and workers >= 1:
+                return {**data, "parallel": {"dp": workers}}
+        return data
+
+    @property
+    def planned_model(self) -> ModelSpec:
+        """`model`, where only a planned job comes (the planner, the built-in trainer and an
+        entrypoint's ranks, corpora): a ValueError on a command job without one."""
+        if self.model is None:
+            raise ValueError(f"job {self.name!r} gives no model: it is not planned")
+        return self.model
+
+    @property
+    def planned(self) -> bool:
+        """Whether the job is planned (memory checked, step predicted): it gives a `model`."""
+        return self.model is not None
 
     @property
     def world_size(self) -> int:
@@ -946,6 +984,34 @@ def command_errors(spec: JobSpec) -> list[SpecError]:
     return errs
 
 
+def unplanned_errors(spec: JobSpec) -> list[SpecError]:
+    """What a spec without `model` may not ask: only a command job may leave it out, and it
+    is then placed from `resources.workers` alone (what needs a plan is refused)."""
+    if spec.command is None:
+        what = "an entrypoint" if spec.entrypoint is not None else "the built-in trainer"
+        return [SpecError("model", f"{what} needs the model to train (a preset or its"
+                          " dimensions); only a command job may leave it out")]
+    workers = spec.resources.workers
+    if workers is None:
+        return [SpecError("resources.workers", "a command job without model is placed from"
+                          " resources alone: give its ranks as resources.workers (or give"
+                          " model and parallel to plan it)")]
+    errs: list[SpecError] = []
+    if spec.parallel != ParallelSpec(dp=workers):
+        errs.append(SpecError("parallel", "parallel is planned against a model: give model"
+                              f" with it, or leave it out to run resources.workers({workers})"
+                              " data-parallel ranks unplanned"))
+    refused = [("cluster", spec.cluster is not None, "cluster is the hardware a plan is made"
+                " for"),
+               ("elastic", spec.elastic is not None, "elastic moves re-plan the layout for the"
+                " ranks left, which needs the model"),
+               ("train.compile", spec.train.compile, "train.compile compiles the built-in"
+                " trainer's blocks; a command builds its own model")]
+    errs += [SpecError(f, f"{why}: a command job without model is not planned") for f, on, why
+             in refused if on]
+    return errs
+
+
 def layout_errors(spec: JobSpec) -> list[SpecError]:
     """Every inconsistency between the layout and the rest of the spec, with arithmetic."""
     if isinstance(spec.parallel, str):
@@ -954,6 +1020,7 @@ def layout_errors(spec: JobSpec) -> list[SpecError]:
                               " gpus_per_node) to plan for")]
         return []
     p, m, t = spec.parallel, spec.model, spec.train
+    assert m is not None, "layout_errors checks a planned spec"
     errs: list[SpecError] = []
     if spec.data.kind == "chat" and p.pp > 1:
         errs.append(SpecError("parallel.pp", f"pp({p.pp}): data kind 'chat' averages the loss over"

@@ -82,12 +82,12 @@ class CorpusAdmission:
                 if changed(ref):  # not the files checked at submission: rank 0 fails the
                     continue  # job saying so (and where the path leads now), not retried
                 try:
-                    found = self._scan(ref.path, spec.model.vocab)
+                    found = self._scan(ref.path, spec.planned_model.vocab)
                 except (corpus.CorpusError, OSError) as exc:
                     return f"{field}: {exc}"
                 if found is None:
                     waiting = True
-                elif why := found.refusal(spec.model.vocab):
+                elif why := found.refusal(spec.planned_model.vocab):
                     return f"{field}: {corpus.bin_path(ref.path)}: {why}"
         return SCANNING if waiting else READY
 

@@ -75,7 +75,7 @@ class ExportRunner:
             if ranks and isinstance(ranks[0], dict) and ranks[0].get("node_id"):
                 node = str(ranks[0]["node_id"])
                 break
-        return ExportWork.of(job.spec.model, export_id=export_id, job_id=job_id,
+        return ExportWork.of(job.spec.planned_model, export_id=export_id, job_id=job_id,
                              checkpoint_dir=self.records.checkpoint_dir(export_id), step=step,
                              destination=destination, max_shard_bytes=max_shard_bytes,
                              node_id=node)

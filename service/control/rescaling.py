@@ -176,7 +176,7 @@ class Rescaling:
                 replan(job.spec, state, room, min_ranks=job.world_size + 1,
                        profile=profile_for(self.store, job.spec.target.gpu))
             if isinstance(got, str) or (got.world_size < state.world_size
-                                        and got.step_s >= job.plan.time.step_s):
+                                        and got.step_s >= job.plan.planned_time.step_s):
                 continue  # the submitted layout is moved back to as asked; others if faster
             self.loop.fenced()  # stopping ranks is the leader's to do
             run.group.preempt()
@@ -185,7 +185,7 @@ class Rescaling:
                 job_id=job.id, attempt=run.attempt, kind="elastic",
                 message=f"elastic: the room of {fits} rank(s) is free again; moving to"
                 f" {got.plan.layout.label} on {got.world_size} rank(s) (predicted"
-                f" {got.step_s:.4g} s/step, now {job.plan.time.step_s:.4g}): its ranks are"
+                f" {got.step_s:.4g} s/step, now {job.plan.planned_time.step_s:.4g}): its ranks are"
                 " asked to save a checkpoint now and stop",
                 data={"direction": "up", "asked": True,
                       "from": describe(job.plan, job.world_size),

@@ -252,7 +252,7 @@ def check_mask(header: corpus.Header) -> None:
 
 def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
     data = spec.data
-    need = spec.train.global_batch * spec.model.seq_len + 1
+    need = spec.train.global_batch * spec.planned_model.seq_len + 1
     checked: dict[tuple[str, str], tuple[corpus.Header, str]] = {}
     out: dict[str, list[CorpusRef]] = {}
     for name in ("train", "valid"):
@@ -265,7 +265,7 @@ def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
                 refs.append(ref.model_copy(update={"fingerprint": checked[key][1]}))
                 continue
             try:
-                header = read_checked(ref.path, spec.model.vocab, data_dir)
+                header = read_checked(ref.path, spec.planned_model.vocab, data_dir)
                 fp = fingerprint(ref.path)
                 if data.kind == "chat":
                     check_mask(header)
@@ -287,7 +287,7 @@ def _checked(spec: JobSpec, data_dir: Path | None) -> JobSpec:
                     raise SpecError(field, f"{corpus.bin_path(ref.path)}: too few tokens:"
                                     f" {what} {tokens}, one global batch needs"
                                     f" train.global_batch({spec.train.global_batch}) *"
-                                    f" model.seq_len({spec.model.seq_len}) + 1 = {need}")
+                                    f" model.seq_len({spec.planned_model.seq_len}) + 1 = {need}")
             checked[key] = (header, fp)
             refs.append(ref.model_copy(update={"fingerprint": fp}))
         out[name] = refs

@@ -147,7 +147,8 @@ def comm_view(store: Store, job: Job, last: int) -> dict[str, Any]:
             if m.report.comm is not None:
                 rank_reports.setdefault(m.rank, []).append(m)
     probes = store.list_probes(job_id=job.id, limit=1)
-    out = summarize_comm(rank_reports, job.plan.layout.dims, job.plan.time.to_json(),
+    predicted = job.plan.time.to_json() if job.plan.time is not None else None
+    out = summarize_comm(rank_reports, job.plan.layout.dims, predicted,
                          probes[0].results if probes else [])
     out["attempt"] = latest.attempt if latest else None
     out["probe_summary"] = probes[0].summary if probes else None

@@ -143,9 +143,9 @@ def can_train(spec: JobSpec, *, profile: HardwareProfile | None = None,
     world = world_size or spec.target.nodes * spec.target.gpus_per_node
     gpn = spec.target.gpus_per_node
     res = search(spec, profile=prof, world_size=world)
-    shape = ModelShape.from_spec(spec.model)
+    shape = ModelShape.from_spec(spec.planned_model)
     nodes = f" ({spec.target.nodes} nodes)" if spec.target.nodes > 1 else ""
-    out = CanTrain(model=spec.model.preset or spec.name, params=shape.total_params,
+    out = CanTrain(model=spec.planned_model.preset or spec.name, params=shape.total_params,
                    cluster=f"{world} x {prof.name}{nodes}", best=res.best)
     for st in STRATEGIES:
         best = next((p for p in res.ranked if st.matches(p.layout)), None)

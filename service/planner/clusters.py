@@ -109,7 +109,7 @@ def _some_family_fits(spec: JobSpec, shape: ModelShape, prof: HardwareProfile, w
 
 def smallest_cluster(spec: JobSpec, prof: HardwareProfile, gpus_per_node: int = 8
                      ) -> ClusterAnswer:
-    shape = ModelShape.from_spec(spec.model)
+    shape = ModelShape.from_spec(spec.planned_model)
 
     def fits(nodes: int) -> bool:
         return _some_family_fits(spec, shape, prof, nodes * gpus_per_node, gpus_per_node)
@@ -148,7 +148,7 @@ def model_fits_cluster(spec: JobSpec, profile: HardwareProfile | None = None) ->
     from service.contract.hardware import get_profile
 
     prof = profile or get_profile(spec.target.gpu)
-    return _some_family_fits(spec, ModelShape.from_spec(spec.model), prof, spec.world_size,
+    return _some_family_fits(spec, ModelShape.from_spec(spec.planned_model), prof, spec.world_size,
                              spec.target.gpus_per_node)
 
 

@@ -2,6 +2,8 @@
 
 Called at submission through `service.submission.intake.prepare` (the API turns `PlanInfeasible`
 into a 422), which writes the layout the search chose for `parallel: "auto"` into the stored spec.
+A command job without `model` is not planned: its stored plan is its placement only
+(`placement_json`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.contract.hardware import GB, HardwareProfile
+from service.contract.parallel import rank_layout
 from service.contract.spec import JobSpec
 from service.planner.explain import layout_name
 from service.planner.plan import Plan, evaluate
@@ -34,7 +37,10 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
 
     `profile`: a probed profile for the job's cluster (default: `cluster.gpu`'s table entry);
     `zero_cfg`: the trainer's DeepSpeed bucket settings (default: DeepSpeed's defaults).
+    A job without a model gets its placement only (`placement_json`).
     """
+    if spec.model is None:
+        return placement_json(spec)
     if isinstance(spec.parallel, str):
         res = search(spec, profile=profile, zero_cfg=zero_cfg)
         if res.best is None:
@@ -67,3 +73,19 @@ def plan_job(spec: JobSpec, *, profile: HardwareProfile | None = None,
     out = plan_json(plan)
     out["chosen_by"] = "spec"
     return out
+
+
+NOT_PLANNED = ("not planned: a command job without model, placed from resources alone"
+               " (resources.workers data-parallel ranks); no memory check, no predicted step")
+"""Why a job's plan holds no prediction (its `why`)."""
+
+
+def placement_json(spec: JobSpec) -> dict[str, Any]:
+    """The stored plan of a job that is not planned (no `model`): `planned: false`, the
+    ranks it runs (`resources.workers`, data-parallel) and their rows, and no prediction:
+    no `time`, `memory`, `tokens_per_s` nor `mfu`, which the readers show as not planned."""
+    dims = spec.layout.dims
+    return {"planned": False, "why": NOT_PLANNED, "world_size": dims.world_size,
+            "layout": spec.layout.model_dump() | {"micro_batch": spec.train.micro_batch},
+            "rank_layout": rank_layout(dims, [[] for _ in range(dims.pp)]),
+            "chosen_by": "resources"}

@@ -179,7 +179,7 @@ class Plan:
 def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None = None,
                  profile: HardwareProfile | None = None,
                  zero_cfg: ZeroConfig | None = None) -> Scenario:
-    shape = ModelShape.from_spec(spec.model)
+    shape = ModelShape.from_spec(spec.planned_model)
     world = layout.tp * layout.pp * layout.dp
     return Scenario(
         shape=shape, layout=layout,

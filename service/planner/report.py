@@ -18,6 +18,7 @@ from service.planner.explain import (
     layout_name,
     tuning_notes,
 )
+from service.planner.job_plan import NOT_PLANNED
 from service.planner.plan import Plan, evaluate
 from service.planner.search import SearchResult, SearchTooLarge, nearest_fitting, search
 from service.planner.stored import plan_json
@@ -135,6 +136,10 @@ def cost_text(spec: JobSpec, plan: Plan, price: ProfilePrice) -> str:
             f" x {plan.world_size} ranks of {unit}, {spec.target.gpu} prices)")
 
 
+class NotPlanned(ValueError):
+    """A spec without a model: nothing to plan (a command job placed from resources)."""
+
+
 def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
                  profile: HardwareProfile | None = None,
                  price: ProfilePrice | None = None) -> str | dict[str, Any]:
@@ -147,6 +152,8 @@ def plan_command(spec: JobSpec, *, top: int = 5, as_json: bool = False,
     """
     from service.planner.clusters import what_it_takes_text
 
+    if spec.model is None:
+        raise NotPlanned(f"{NOT_PLANNED}; give model (and parallel) to plan it")
     priced = price is not None and (price.gpu_hour is not None or price.cpu_hour is not None)
     if isinstance(spec.parallel, str):
         res = search(spec, profile=profile)

@@ -153,7 +153,7 @@ class SearchResult:
                 f" a request may spend, after {self.work} candidates; give an explicit"
                 " parallel layout, or run `trident plan SPEC` locally (no such bound)")
         if self.work > self.budget:
-            t, m = spec.train, spec.model
+            t, m = spec.train, spec.planned_model
             raise SearchTooLarge(
                 f"the layout search of {self.world_size} ranks would look at more than"
                 f" {self.budget} candidates (layers {m.layers}, global_batch {t.global_batch}"
@@ -210,7 +210,7 @@ def search(spec: JobSpec, *, profile: HardwareProfile | None = None,
     pp, dp, zero, offload) to consider at all (the others are left out, not rejected: an
     elastic re-plan looks only at the layouts its checkpoint conversion reaches)."""
     prof = profile or get_profile(spec.target.gpu)
-    shape = ModelShape.from_spec(spec.model)
+    shape = ModelShape.from_spec(spec.planned_model)
     world = world_size or spec.world_size
     gpn = gpus_per_node or spec.target.gpus_per_node
     gb_ = spec.train.global_batch

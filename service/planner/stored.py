@@ -260,15 +260,19 @@ class StoredPlan(_View):
     layout: PlannedLayout
     world_size: int
     rank_layout: RankRows
-    time: TimeBreakdown
-    memory: MemoryBreakdown
+    planned: bool = True
+    """False for a command job without model (`service.planner.job_plan.placement_json`):
+    the plan is its placement only, and `time`, `memory` and `tokens_per_s` are None."""
+    time: TimeBreakdown | None = None
+    memory: MemoryBreakdown | None = None
     memory_by_stage: list[StageMemory] = []
     """Plans stored before it was added have none."""
-    tokens_per_s: Number
+    tokens_per_s: Number | None = None
     mfu: Number | None = None
-    chosen_by: Literal["spec", "search", "elastic"] = "spec"
+    chosen_by: Literal["spec", "search", "elastic", "resources"] = "spec"
     """`search` when the layout was chosen for `parallel: auto` (then `search` summarises it);
-    `elastic` when an elastic re-plan chose it (`service.policy.elastic_replan`)."""
+    `elastic` when an elastic re-plan chose it (`service.policy.elastic_replan`);
+    `resources` for a job that is not planned."""
     _keys: tuple[str, ...] = PrivateAttr(default=())
     _memory_json: dict[str, Any] | None = PrivateAttr(default=None)
     _dumped: dict[tuple[Any, ...], dict[str, Any]] = PrivateAttr(default_factory=dict)
@@ -281,10 +285,21 @@ class StoredPlan(_View):
             plan._keys = tuple(data)
         return plan
 
+    @model_validator(mode="after")
+    def _predicted_when_planned(self) -> StoredPlan:
+        predictions = (self.time, self.memory, self.tokens_per_s)
+        if self.planned and any(p is None for p in predictions):
+            raise ValueError("a planned job's plan holds time, memory and tokens_per_s")
+        if not self.planned and any(p is not None for p in (*predictions, self.mfu)):
+            raise ValueError("a plan with planned: false holds no prediction")
+        return self
+
     @field_serializer("memory")
-    def _memory_as_planned(self, memory: MemoryBreakdown) -> dict[str, Any]:
+    def _memory_as_planned(self, memory: MemoryBreakdown | None) -> dict[str, Any] | None:
         # With `other`, `total` and the allocator's views, as the planner writes it; worked
         # out once per plan (a job's plan is read, and answered, on every poll of its page).
+        if memory is None:
+            return None
         if self._memory_json is None or memory is not self.memory:
             self._memory_json = memory.to_json()
         return self._memory_json
@@ -315,6 +330,14 @@ class StoredPlan(_View):
     def to_json(self) -> dict[str, Any]:
         """The JSON this plan was read from (what the store keeps and the API returns)."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+    @property
+    def planned_time(self) -> TimeBreakdown:
+        """`time`, where only a planned job comes (the elastic moves: an elastic job gives a
+        model); a ValueError on a plan with `planned: false`."""
+        if self.time is None:
+            raise ValueError("the job is not planned: it has no predicted step")
+        return self.time
 
     def stage_of(self) -> dict[int, int]:
         """Each rank's pipeline stage."""

@@ -122,7 +122,7 @@ class Replan:
 
     @property
     def step_s(self) -> float:
-        return self.plan.time.step_s
+        return self.plan.planned_time.step_s
 
     @property
     def cpus(self) -> float:
@@ -242,7 +242,7 @@ def describe(plan: StoredPlan, world: int) -> dict[str, Any]:
     lay = plan.layout
     return {"layout": lay.label, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
             "micro_batch": lay.micro_batch, "world_size": world,
-            "predicted_step_s": plan.time.step_s}
+            "predicted_step_s": plan.planned_time.step_s}
 
 
 def moved_message(job: Job, to: Replan, *, why: str, checkpoint: int | None) -> str:
@@ -252,7 +252,7 @@ def moved_message(job: Job, to: Replan, *, why: str, checkpoint: int | None) -> 
     resume = (f"resumes from its checkpoint of step {checkpoint}" if checkpoint
               else "starts from step 0 (no checkpoint yet)")
     return (f"elastic re-plan ({why}): {old.label} on {job.world_size} rank(s), predicted"
-            f" {job.plan.time.step_s:.4g} s/step -> {new.label} on {to.world_size} rank(s),"
+            f" {job.plan.planned_time.step_s:.4g} s/step -> {new.label} on {to.world_size} rank(s),"
             f" micro_batch {new.micro_batch} x {accum} accumulated, predicted"
             f" {to.step_s:.4g} s/step (global batch {job.spec.train.global_batch} as before);"
             f" {resume}")

@@ -64,7 +64,7 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     mfu_per_token = (mfu_pred or 0.0) / plan.tokens_per_s if plan.tokens_per_s else 0.0
     out: dict[str, Any] = {"rows": 0, "step": [], "loss": [], "step_time_s": [],
                            "tokens_per_s": [], "mfu": [], "predicted": {
-                               "step_time_s": plan.time.step_s,
+                               "step_time_s": plan.time.step_s if plan.time else None,
                                "tokens_per_s": plan.tokens_per_s, "mfu": mfu_pred}}
     m = MetricRow
     with read_sessions(store).begin() as s:

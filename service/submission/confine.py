@@ -80,7 +80,7 @@ class Confinement:
         if spec.checkpoint.dir is not None:
             self._checkpoint_dir(spec.checkpoint.dir)
         places = CheckpointPlaces(self.checkpoint_roots, self.data_dir)
-        for name, folder in (("model.hf_config", spec.model.hf_config),
+        for name, folder in (("model.hf_config", spec.model.hf_config if spec.model else None),
                              ("init.from_hf", spec.init.from_hf)):
             if folder is not None and (why := places.read_refusal(folder_of(folder))):
                 raise SpecError(name, why)

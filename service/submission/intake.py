@@ -136,8 +136,8 @@ def submit(store: Store, spec: JobSpec, *, idempotency_key: str | None = None,
         raise SpecError("secrets", "this server keeps no secrets")
     sealed = by.box.seal_all(spec.secret_values()) if by.box is not None else {}
     prepared = prepare(spec, profile_for(store, spec.target.gpu))
-    refusal = ModelShape.from_spec(spec.model).builtin_trainer_refusal()
-    if spec.entrypoint is None and spec.command is None and refusal:
+    if spec.entrypoint is None and spec.command is None and (
+            refusal := ModelShape.from_spec(spec.planned_model).builtin_trainer_refusal()):
         raise SpecError("model", refusal)
     unplaceable = placement_refusal(prepared, store.list_nodes())
     if unplaceable is not None:

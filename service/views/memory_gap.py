@@ -85,7 +85,10 @@ def gap(planned: float | None, measured: float | None) -> tuple[float | None, fl
 
 def _planned(plan: StoredPlan) -> dict[int, dict[str, float | None]]:
     """Each stage's planned bytes per category: the stored stage entries, and the most loaded
-    stage's whole breakdown (a stage entry stored before a category was added lacks it)."""
+    stage's whole breakdown (a stage entry stored before a category was added lacks it). A
+    job that is not planned has one stage and no planned bytes (None: measured only)."""
+    if plan.memory is None:
+        return {0: {c.name: None for c in CATEGORIES}}
     out: dict[int, dict[str, float | None]] = {}
     for s in plan.memory_by_stage:
         entry = s.model_dump()

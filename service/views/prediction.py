@@ -25,8 +25,9 @@ def _ratio(measured: float | None, predicted: float | None) -> float | None:
 
 
 def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False) -> dict[str, Any]:
-    """Step time, tokens/s and memory per GPU, predicted and measured (newest attempt), and
-    which memory figures its steps carried (`service.store.reported`; `script`: a command
+    """Step time, tokens/s and memory per GPU, predicted (None for a job that is not
+    planned: `planned` false) and measured (newest attempt), and which memory figures its
+    steps carried (`service.store.reported`; `script`: a command
     job's, whose script reports them itself)."""
     if metrics:
         attempt = max(m.attempt for m in metrics)
@@ -48,9 +49,11 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False
         peaks = [m.report.memory.process_peak_bytes for m in metrics]
         peaks_num = [p for p in peaks if isinstance(p, int | float)]
         peak = max(peaks_num) if peaks_num else None
-    pred_states = plan.memory.model_states or None
-    pred_step = plan.time.step_s
+    # A job that is not planned predicts nothing: every `predicted` is None, no ratio.
+    pred_states = (plan.memory.model_states or None) if plan.memory is not None else None
+    pred_step = plan.time.step_s if plan.time is not None else None
     return {
+        "planned": plan.planned,
         "steps_measured": len(steady),
         "step_s": {"predicted": pred_step, "measured": step_s,
                    "ratio": _ratio(step_s, pred_step)},
@@ -58,6 +61,7 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False
                          "ratio": _ratio(tokens, plan.tokens_per_s)},
         "model_state_bytes": {"predicted": pred_states, "measured": state_bytes,
                               "ratio": _ratio(state_bytes, pred_states)},
-        "memory_bytes": {"predicted": plan.memory.total, "measured_peak": peak},
+        "memory_bytes": {"predicted": plan.memory.total if plan.memory is not None else None,
+                         "measured_peak": peak},
         "reported": reported(metrics, script=script),
     }

@@ -89,7 +89,7 @@ def rank_status(store: Store, job: Job, window: int = WINDOW) -> RanksStatus:
         newest = ms[-1] if ms else None
         tp_s, pp_s, dp_s = _comm_s(newest)
         peak = max(peaks) if peaks else None
-        predicted = by_stage.get(row.pp, float(plan.memory.total))
+        predicted = by_stage.get(row.pp, float(plan.memory.total)) if plan.memory else None
         stage_s = statistics.median(peers[row.pp]) if peers.get(row.pp) else None
         out.append(RankCell(
             rank=row.rank, tp=row.tp, pp=row.pp, dp=row.dp, node=place.get("hostname"),

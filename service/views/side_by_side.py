@@ -134,7 +134,7 @@ def headline(store: Store, job: Job, series: Curve) -> Headline:
                     loss_nonfinite=bool(latest and latest.report.loss_nonfinite),
                     eval_loss=evals[-1] if evals else None, mfu=mfu,
                     mfu_predicted=per_token * float(job.plan.tokens_per_s)
-                    if per_token is not None else None,
+                    if per_token is not None and job.plan.tokens_per_s is not None else None,
                     custom=custom(latest) if latest else {},
                     predicted_vs_measured=compare(job.plan, recent),
                     ettr=GoodputLedger(store).ledger(job.id).ettr)

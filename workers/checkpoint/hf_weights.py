@@ -244,7 +244,7 @@ def load_init(model: nn.Module, spec: Any, groups: RankGroups | None) -> None:
     if path is None:
         return
     try:
-        load_hf(model, ModelShape.from_spec(spec.model), path, groups)
+        load_hf(model, ModelShape.from_spec(spec.planned_model), path, groups)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"init.from_hf: {path}: {exc}") from exc
 

@@ -181,7 +181,7 @@ def load_layout_free(engine, directory: str, step: int, spec: JobSpec, groups: A
     if layout_of(spec)["tp"] > 1 and groups is None:
         raise LayoutRefused("resuming under tp > 1 from another layout needs the rank's"
                             " groups")
-    folder = _by_every_rank(directory, step, ModelShape.from_spec(spec.model))
+    folder = _by_every_rank(directory, step, ModelShape.from_spec(spec.planned_model))
     started, peak = time.monotonic(), PeakRss()
     client = load_into(engine, folder, groups)
     note_load(folder, dist.get_rank(), layout_of(spec), time.monotonic() - started,

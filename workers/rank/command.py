@@ -190,7 +190,8 @@ def command_rank(spec: JobSpec, ctx: Any, report: Any, stop: threading.Event,
     reader = (ProgressReader(progress, world_size=ctx.world_size, resume_step=resume or 0)
               if progress is not None and progress.rank == ctx.rank else None)
     steps = Steps(ctx.rank, ctx.attempt, report, resume,
-                  tokens_per_step=spec.train.global_batch * spec.model.seq_len)
+                  tokens_per_step=(spec.train.global_batch * spec.model.seq_len
+                                   if spec.model is not None else 0))
     heartbeat = ctx.heartbeat
     resumed = f", resuming from step {resume}" if resume else ""
     print(f"[trident] rank {ctx.rank}: {' '.join(spec.command)} (in {spec.workdir}{resumed})",

@@ -252,11 +252,11 @@ def _steps(spec: JobSpec, ctx: RankContext, report: Report, stop: threading.Even
         row = ctx.plan
         report(StepReport(
             rank=ctx.rank, step=step, loss=loss, step_time_s=step_time,
-            tokens_per_s=t.global_batch * spec.model.seq_len / max(step_time, 1e-9),
+            tokens_per_s=t.global_batch * spec.planned_model.seq_len / max(step_time, 1e-9),
             lr=t.lr_at(step), grad_norm=1.0 / math.sqrt(step), memory=_peak_memory(),
             tp_rank=row.tp, pp_rank=row.pp, dp_rank=row.dp, attempt=ctx.attempt,
             resumed_from=0, comm=link.take_comm(), timed=True, ended_at=time.time(),
-            tokens=step * t.global_batch * spec.model.seq_len))
+            tokens=step * t.global_batch * spec.planned_model.seq_len))
         print(f"light rank {ctx.rank} step {step}/{t.steps}: loss {loss:.4f} (made up,"
               f" not measured), {step_time:.3f} s", flush=True)
         if stopping:

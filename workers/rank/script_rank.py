@@ -58,7 +58,7 @@ def start(spec_json: str, rank: int, world: int, port: int) -> ScriptRank:
     groups = build_groups(spec.layout.dims, rank)
     return ScriptRank(spec=spec, ctx=ctx, device=device, groups=groups,
                       ds_config=train.deepspeed_config(spec, device),
-                      shape=ModelShape.from_spec(spec.model))
+                      shape=ModelShape.from_spec(spec.planned_model))
 
 
 def stop() -> None:

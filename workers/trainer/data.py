@@ -273,7 +273,7 @@ def open_source(spec: JobSpec, dp_rank: int, rank: int,
     orders into the server's cache (`server`; None: the one this environment's settings name)
     for `user`'s job (once: they are cached); `share` broadcasts its error (None: none) to
     every rank, which all raise it, and `barrier` waits for the build."""
-    t, d, m = spec.train, spec.data, spec.model
+    t, d, m = spec.train, spec.data, spec.planned_model
     layout = spec.layout
     common = dict(seed=t.seed, seq_len=m.seq_len, vocab=m.vocab, global_batch=t.global_batch,
                   micro_batch=t.micro_batch, dp=layout.dp, dp_rank=dp_rank,
@@ -346,8 +346,8 @@ def _build(spec: JobSpec, server: ServerData, user: str, train: list, valid: lis
     try:
         for ref in [*spec.data.train, *spec.data.valid]:
             if ref.fingerprint is None:  # not submitted through the API (torchrun, tests)
-                corpus.check(ref.path, spec.model.vocab)
-        t, seq_len = spec.train, spec.model.seq_len
+                corpus.check(ref.path, spec.planned_model.vocab)
+        t, seq_len = spec.train, spec.planned_model.seq_len
         built = [sample_order.build(server.orders, user, train, t.seed, seq_len, samples)]
         if valid:
             built.append(sample_order.build(server.orders, user, valid, t.seed + 1, seq_len,

@@ -57,7 +57,7 @@ from workers.trainer import recipe
 
 def check_supported(spec: JobSpec) -> None:
     p, t = spec.layout, spec.train
-    if ModelShape.from_spec(spec.model).tied:
+    if ModelShape.from_spec(spec.planned_model).tied:
         raise NotImplementedError(
             f"virtual_stages({p.virtual_stages}) > 1 runs on torch.distributed.pipelining,"
             " which does not tie the LM head to the embedding across stages: a tied model"

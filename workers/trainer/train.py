@@ -254,7 +254,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                source: data.DataSource,
                step_started: Callable[[int], None] | None = None) -> None:
     layout, t = spec.layout, spec.train
-    shape = ModelShape.from_spec(spec.model)  # what the planner counted; built as it is
+    shape = ModelShape.from_spec(spec.planned_model)  # what the planner counted; built as it is
     if layout.sequence_parallel and shape.seq_len % layout.tp:
         raise ValueError(f"parallel.sequence_parallel: tp({layout.tp}) does not divide"
                          f" seq_len({shape.seq_len})")
