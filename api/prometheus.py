@@ -282,7 +282,8 @@ class StoreCollector(Collector):
         now = utcnow()
         for r in rank_status(store, job, window=RANK_WINDOW).ranks:
             labels = [str(job.id), str(r.rank), r.node or "", r.gpu or ""]
-            f["mem_pred"].add_metric(labels, r.memory_predicted_bytes)
+            if r.memory_predicted_bytes is not None:  # None: the job is not planned
+                f["mem_pred"].add_metric(labels, r.memory_predicted_bytes)
             if r.heartbeat_age_s is not None:
                 f["hb_age"].add_metric(labels, r.heartbeat_age_s)
             if r.memory_peak_bytes is not None:

@@ -300,7 +300,8 @@ def text(d: Description) -> str:
                      "-"])
     out += ["  " + line for line in columns(["WHAT", "PREDICTED", "MEASURED", "RATIO"],
                                              rows).splitlines()]
-    out += ["", "Memory by stage, planned against measured (the most loaded rank of each"
+    against = "planned against measured" if plan.planned else "measured"
+    out += ["", f"Memory by stage, {against} (the most loaded rank of each"
             " stage):"] + memory_gap_lines(pvm.memory_by_stage if pvm else [])
     out += ["", "Spec:"] + ["  " + line for line in yaml.safe_dump(
         d.spec.model_dump(mode="json"), sort_keys=False).rstrip().splitlines()]

@@ -333,9 +333,9 @@ class RankCell(BaseModel):
     """Its GPU indices, comma-separated (None on CPU)."""
     memory_peak_bytes: int | float | None
     """The largest process peak it reported in the window."""
-    memory_predicted_bytes: int | float
+    memory_predicted_bytes: int | float | None
     """The plan's bytes per device for its pipeline stage (the most loaded rank's without
-    a per-stage split)."""
+    a per-stage split; None: the job is not planned)."""
     memory_ratio: float | None
     """`memory_peak_bytes` over `memory_predicted_bytes`."""
     compute_s: float | None
@@ -640,8 +640,10 @@ class LogPage(BaseModel):
 # --- the dashboard's job views -------------------------------------------------------------------
 
 class SeriesPredicted(BaseModel):
-    step_time_s: Number
-    tokens_per_s: Number
+    """The plan's figures (None: the job is not planned)."""
+
+    step_time_s: Number | None
+    tokens_per_s: Number | None
     mfu: Number | None
 
 
@@ -663,7 +665,8 @@ class Series(BaseModel):
     loss: list[float | None]
     step_time_s: list[float]
     tokens_per_s: list[float]
-    mfu: list[float]
+    mfu: list[float | None]
+    """None where the plan predicts no MFU (a job that is not planned)."""
     predicted: SeriesPredicted
     eval_step: list[int] = Field(default_factory=list)
     """The steps that evaluated (`data.eval_every`), at most `max_points` of them."""

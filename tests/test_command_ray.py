@@ -2,7 +2,8 @@
 DDP script (`examples/command/ddp_train.py`) run once per rank with torchrun's environment
 trains to SUCCEEDED with its steps read from its output; a script that exits 3 on one rank
 fails the attempt with that code and is retried from its own checkpoint
-(`TRIDENT_RESUME_STEP`); a script that hangs is ended by the hang monitor with every rank's
+(`TRIDENT_RESUME_STEP`); without model nor parallel the script runs unplanned on the ranks of
+`resources.workers`; a script that hangs is ended by the hang monitor with every rank's
 process stacks (`py-spy dump`) stored, and `trident stacks` shows those processes before."""
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ def test_a_ddp_script_trains_with_its_steps_read_from_its_output(stack) -> None:
     compared = job["predicted_vs_measured"]
     assert compared["step_s"]["predicted"] > 0 and compared["step_s"]["measured"] > 0
     assert compared["tokens_per_s"]["ratio"] is not None
+
+
+def test_a_ddp_script_without_model_runs_unplanned_on_its_workers(stack) -> None:  # noqa: F811
+    """No model nor parallel: placed from `resources.workers` alone, with WORLD_SIZE 2, its
+    steps stored and measured, and nothing predicted."""
+    client, store, controller = stack
+    spec = {k: v for k, v in command_spec("--steps", "4").items()
+            if k not in ("model", "parallel", "train")}
+    spec["resources"] = {"workers": 2, "cpus_per_worker": 0.5}
+    r = client.post("/api/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    assert r.json()["plan"]["planned"] is False and r.json()["world_size"] == 2
+    state = drive(controller, store, job_id, {JobState.SUCCEEDED, JobState.FAILED}, 240)
+    assert state == JobState.SUCCEEDED, store.get_job(job_id=job_id).error
+    steps = client.get(f"/api/v1/jobs/{job_id}/metrics").json()["items"]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    text = logs(client, job_id, 1)
+    assert set(text) == {0, 1} and "the command exited with code 0" in text[1], text
+    job = client.get(f"/api/v1/jobs/{job_id}").json()
+    compared = job["predicted_vs_measured"]
+    assert compared["planned"] is False and compared["step_s"]["predicted"] is None
+    assert compared["step_s"]["measured"] > 0 and compared["step_s"]["ratio"] is None
 
 
 def test_an_exit_3_fails_the_attempt_and_the_retry_resumes_from_the_scripts_checkpoint(

@@ -224,7 +224,7 @@
           cell.innerHTML = `<span class="mark">r${c.rank}${mark}</span><span>${ratio === null ? "n/a" : ratio.toFixed(2) + "×"}</span>`;
           const text = `rank ${c.rank} (tp ${c.tp}, pp ${c.pp}, dp ${c.dp}) on ${c.node || "?"}` +
             (c.gpu ? ` gpu ${c.gpu}` : "") + `: peak memory ${fmtBytes(c.memory_peak_bytes)} of ` +
-            `${fmtBytes(c.memory_predicted_bytes)} predicted; compute ${fmtSecs(c.compute_s)} against ` +
+            (c.memory_predicted_bytes === null ? "not planned" : `${fmtBytes(c.memory_predicted_bytes)} predicted`) + `; compute ${fmtSecs(c.compute_s)} against ` +
             `stage peers' ${fmtSecs(c.stage_compute_s)}` + (c.straggler ? "; straggler" : "") +
             (c.hang_waits_for ? "; a hang waits for this rank" : "") + (c.step ? `; step ${c.step}` : "") +
             `; last heartbeat ${c.heartbeat_age_s === null || c.heartbeat_age_s === undefined ? "not seen" : fmtSecs(c.heartbeat_age_s) + " ago"}`;
