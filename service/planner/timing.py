@@ -24,7 +24,8 @@ Called by `evaluate` (plan.py). The model (docs/planner-model.md, with its sourc
 Ring collectives (alpha-beta): all-reduce 2(n-1)a + 2(n-1)/n * S/B; all-gather and
 reduce-scatter (n-1)a + (n-1)/n * S/B, with B the link the group really uses: a group
 inside one node uses the intra-node bus bandwidth, a group spanning nodes the per-device
-inter-node bandwidth.
+inter-node bandwidth times its ranks per node (NCCL's rings run one rail per NIC; at most
+the intra-node bus bandwidth).
 """
 
 from __future__ import annotations
@@ -83,11 +84,20 @@ def ring_time(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> floa
 
 
 def group_link(sc: Scenario, stride: int, size: int) -> tuple[float, float, bool]:
-    """(bandwidth, latency, spans_nodes) of a group of `size` ranks `stride` apart."""
+    """(bandwidth, latency, spans_nodes) of a group of `size` ranks `stride` apart.
+
+    A group spanning nodes with k of its ranks on each node runs NCCL's rings on k rails:
+    each channel's ring leaves a node through the NIC of the GPU it exits from, so the k
+    ranks' NICs carry the inter-node hops side by side and the ring's bus bandwidth is
+    k x the per-device inter-node bandwidth (one NIC per GPU, as on DGX nodes), never more
+    than the intra-node bus the ring also crosses. With one rank per node (Megatron's DP
+    groups under TP 8, `trident probe`'s DP groups) it is the per-device bandwidth."""
     spans = stride * size > sc.gpus_per_node if size > 1 else False
     prof = sc.profile
     if spans:
-        return prof.inter_node_bw, prof.inter_node_latency_s, True
+        per_node = min(size, sc.gpus_per_node // stride) if stride < sc.gpus_per_node else 1
+        return (min(prof.intra_node_bw, max(1, per_node) * prof.inter_node_bw),
+                prof.inter_node_latency_s, True)
     return prof.intra_node_bw, prof.intra_node_latency_s, False
 
 
