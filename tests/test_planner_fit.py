@@ -11,13 +11,21 @@ import json
 
 import pytest
 
-from service.planner.fit import GOALS, leave_one_source_out, means, oom_agreement, uncertainty
+from service.contract.hardware import get_profile
+from service.planner.fit import (
+    GOALS,
+    fit_gemm_curve,
+    leave_one_source_out,
+    means,
+    oom_agreement,
+    uncertainty,
+)
 from service.planner.published import is_tuning, load_data
 from service.planner.software_stacks import FITTED_PATH
 
 # docs/planner.md, "Published runs": mean over held-out sources of each source's mean
 # absolute error. Lower them when the model improves; never raise them to make this pass.
-DOCUMENTED = {"time_error": 0.083, "memory_error": 0.072}
+DOCUMENTED = {"time_error": 0.073, "memory_error": 0.072}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +105,19 @@ def test_no_constant_is_fitted_to_a_single_source(loso):
     assert len(slacks) == 1
     memory_sources = {r.source for r in load_data()[1] if r.memory_bytes is not None}
     assert len(memory_sources) >= 2
+
+
+def test_the_gemm_curve_is_the_least_squares_fit_of_the_tuning_source():
+    """The profiles' gemm_eff_max and gemm_half_width are `python -m service.planner.fit
+    --curve` rounded: fitted on every Table 5 row with the time model as it is, not carried
+    over from a model with other terms."""
+    emax, half = fit_gemm_curve()
+    prof = get_profile("a100-80gb")
+    assert prof.gemm_eff_max == pytest.approx(emax, abs=6e-4)
+    assert prof.gemm_half_width == pytest.approx(half, abs=0.6)
+
+
+def test_held_out_step_time_meets_the_goal(loso):
+    """Issue 46: held-out step time within 8 % (mean over held-out sources)."""
+    table, _ = loso
+    assert means(table)["time_error"] <= GOALS["time_error"]

@@ -52,7 +52,7 @@ def test_uneven_stages_cost_what_their_slowest_stage_costs():
     assert t5.slowest_stage == 1
     m = five.scenario.micro_batches
     prof = five.scenario.profile
-    assert t5.compute_s + t5.overhead_s - prof.step_overhead_s == pytest.approx(
+    assert t5.compute_s + t5.elementwise_s + t5.overhead_s - prof.step_overhead_s == pytest.approx(
         m * t5.stage_micro_batch_s[1], rel=1e-9)
 
 

@@ -52,7 +52,8 @@ def comm_steps(job: JobDep, store: StoreDep,
     compute; next to the plan's split (`predicted`: None for a job that is not planned)."""
     t = job.plan.time
     out: dict[str, Any] = {"predicted": None if t is None else {
-        "compute": t.compute_s + t.recompute_s + t.optimizer_s + t.overhead_s + t.offload_s,
+        "compute": t.compute_s + t.recompute_s + t.elementwise_s + t.optimizer_s
+        + t.overhead_s + t.offload_s,
         "tp": t.tp_comm_s, "pp": t.pp_comm_s, "dp": t.dp_comm_s + t.zero3_gather_s,
         "bubble": t.bubble_s, "step": t.step_s}, "steps": []}
     latest = store.latest_metric(job_id=job.id)

@@ -16,11 +16,12 @@ Sources (one line per constant family; each profile names its own in `source`):
 - Inter-node bandwidth: one InfiniBand port per GPU (EDR 12.5, HDR 25, NDR 50 GB/s line
   rate) at the 0.86 of line rate that nccl-tests achieves across nodes.
 - Host link: PCIe gen3 / gen4 / gen5 x16 achieved copy rate (about 12 / 24 / 50 GB/s).
-- GEMM efficiency curve (`gemm_eff_max`, `gemm_half_width`): fitted on two points of
-  Korthikanti et al. 2022, Table 5 (A100-80GB; 22B and 1T, full recompute); the other six
-  points of that table are the test (tests/test_planner_published.py). Other GPUs scale the
-  same curve: it models how well a transformer layer's GEMMs of per-GPU width h/tp fill the
-  tensor cores.
+- GEMM efficiency curve (`gemm_eff_max`, `gemm_half_width`): least squares of the log step
+  time over the eight rows of Korthikanti et al. 2022, Table 5 (A100-80GB, TP 8, per-GPU
+  widths 768 to 3200), with the planner's time model as it is (its memory-bound element-wise
+  term included): `python -m service.planner.fit --curve`, checked by
+  tests/test_planner_fit.py. Other GPUs scale the same curve: it models how well a
+  transformer layer's GEMMs of per-GPU width h/tp fill the tensor cores.
 - CPU Adam: DeepSpeed's CPUAdam reaches about 1e9 parameters/s per 16-32 core socket
   (ZeRO-Offload, Ren et al. 2021, Fig. 7); a DGX node has two sockets.
 - `cpu`: measured on one core of a 2-core x86-64 machine (one rank per core): torch matmul
@@ -118,9 +119,9 @@ class HardwareProfile:
     """Host (CPU) memory per node, bytes."""
     host_link_bw: float = 24 * GB
     """Host <-> device copy bandwidth per device (PCIe), bytes/s; used by CPU offload."""
-    gemm_eff_max: float = 0.80
+    gemm_eff_max: float = 0.786
     """Fraction of peak FLOP/s that very wide transformer GEMMs reach."""
-    gemm_half_width: float = 300.0
+    gemm_half_width: float = 258.0
     """Per-GPU GEMM width h/tp at which the efficiency is half of `gemm_eff_max`."""
     cpu_adam_params_per_s: float = 2e9
     """CPU Adam throughput of one node (all sockets), parameters per second."""

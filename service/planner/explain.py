@@ -48,7 +48,7 @@ def explain(plan: Plan) -> str:
         "TP all-reduces": t.tp_comm_s, "the pipeline bubble": t.bubble_s,
         "PP sends": t.pp_comm_s, "DP/ZeRO communication": t.dp_comm_s,
         "recompute": t.recompute_s, "offload and CPU optimizer": t.offload_s + t.optimizer_s,
-        "per-op overheads": t.overhead_s}
+        "per-op overheads": t.overhead_s, "memory-bound element-wise work": t.elementwise_s}
     name, worst = max(costs.items(), key=lambda kv: kv[1])
     if worst > 0:
         detail = ""
@@ -78,14 +78,15 @@ def t_s(x: float) -> str:
 def compare(best: Plan, other: Plan) -> str:
     """Why `best` beats `other`: the part of the step where they differ most."""
     keys = ["compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "offload_s",
-            "optimizer_s", "overhead_s"]
+            "optimizer_s", "overhead_s", "elementwise_s"]
     diffs = {k: getattr(other.time, k) - getattr(best.time, k) for k in keys}
     k, d = max(diffs.items(), key=lambda kv: kv[1])
     label = {"compute_s": "compute on its slowest stage (recompute, GEMM efficiency or the LM "
                           "head on the last stage)", "bubble_s":
              "the pipeline bubble", "tp_comm_s": "TP all-reduce", "pp_comm_s": "PP sends",
              "dp_comm_s": "DP/ZeRO communication", "offload_s": "offload transfers",
-             "optimizer_s": "the optimizer step", "overhead_s": "per-op overheads"}[k]
+             "optimizer_s": "the optimizer step", "overhead_s": "per-op overheads",
+             "elementwise_s": "memory-bound element-wise work"}[k]
     sc, lay = other.scenario, other.layout
     if k == "tp_comm_s":
         label += (f" over the inter-node link (tp{lay.tp} > {sc.gpus_per_node} GPUs per node)"

@@ -15,7 +15,8 @@ What is fitted (everything else is read from datasheets, papers and framework co
   caching allocator, and a slack per stack would be fitted on one source's rows (for
   Megatron-DeepSpeed, on BLOOM alone), i.e. tuned to single runs.
 Sources marked `tuning` (Korthikanti et al. 2022, which tuned the profile's GEMM curve) are
-never fitted and are reported apart.
+never fitted and are reported apart; `--curve` prints the curve's least-squares fit on all of
+their rows (`fit_gemm_curve`), which the hardware profiles hold.
 """
 
 from __future__ import annotations
@@ -72,6 +73,41 @@ class Constants:
         return {"stacks": stacks,
                 "profiles": {g: {"efficiency": round(math.exp(v), 4)}
                              for g, v in sorted(self.log_gpu.items())}}
+
+
+def fit_gemm_curve(iterations: int = 30) -> tuple[float, float]:
+    """(gemm_eff_max, gemm_half_width) of the GPU profiles: least squares of the log step time
+    over every row of the tuning source (Korthikanti et al. 2022, Table 5: Megatron-LM on
+    A100-80GB, TP 8, widths h/t from 768 to 3200), Gauss-Newton from the shipped values.
+    `service/contract/hardware.py` holds the result, rounded."""
+    import service.contract.hardware as hw
+
+    rows = [r for r in load_data()[1] if is_tuning(r.source) and r.step_s is not None]
+    names = [n for n, p in hw.PROFILES.items() if not p.device_is_host]
+    saved = {n: hw.PROFILES[n] for n in names}
+
+    def resid(x: list[float]) -> list[float]:
+        for n in names:
+            hw.PROFILES[n] = replace(saved[n], gemm_eff_max=x[0], gemm_half_width=x[1])
+        return [math.log(r.predict(PRIORS[r.stack], 1.0).time.step_s / r.step_s)  # type: ignore[operator]
+                for r in rows]
+
+    x = [saved[REFERENCE_GPU].gemm_eff_max, saved[REFERENCE_GPU].gemm_half_width]
+    try:
+        for _ in range(iterations):
+            f = resid(x)
+            cols = []
+            for i, d in enumerate((1e-4, 1e-2)):
+                y = list(x)
+                y[i] += d
+                cols.append([(g - fk) / d for g, fk in zip(resid(y), f, strict=True)])
+            a = [[sum(p * q for p, q in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+            b = [-sum(c * v for c, v in zip(ci, f, strict=True)) for ci in cols]
+            dx = solve_linear(a, b)
+            x = [x[0] + dx[0], max(1.0, x[1] + dx[1])]
+    finally:
+        hw.PROFILES.update(saved)
+    return x[0], x[1]
 
 
 def _weights(runs: Sequence[Run]) -> list[float]:
@@ -267,7 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"store {FITTED_PATH.name}")
     parser.add_argument("--runs", action="store_true", help="also print every run's error")
+    parser.add_argument("--curve", action="store_true",
+                        help="also print the GEMM curve fitted on the tuning source")
     args = parser.parse_args(argv)
+    if args.curve:
+        emax, half = fit_gemm_curve()
+        print(f"GEMM curve on the tuning source: gemm_eff_max {emax:.4f}, "
+              f"gemm_half_width {half:.1f}\n")
     table, full = leave_one_source_out()
     print(markdown(table))
     if args.runs:

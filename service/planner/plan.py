@@ -151,7 +151,7 @@ class Plan:
         return {"tp": t.tp_comm_s / t.step_s,
                 "pp": (t.pp_comm_s + t.bubble_s) / t.step_s,
                 "dp": t.dp_comm_s / t.step_s,
-                "compute": (t.compute_s + t.overhead_s) / t.step_s,
+                "compute": (t.compute_s + t.elementwise_s + t.overhead_s) / t.step_s,
                 "offload": (t.offload_s + t.optimizer_s) / t.step_s}
 
     def stages_json(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ def render_plan(plan: Plan) -> str:
         "  time per step:",
         f"    compute     {_s(t.compute_s)}  (recompute {t.recompute_s * 1e3:.1f} ms, GEMM "
         f"efficiency {100 * t.gemm_efficiency:.0f}%)",
+        f"    memory-bound {_s(t.elementwise_s)}  (element-wise work at HBM bandwidth)",
         f"    overheads   {_s(t.overhead_s)}",
         f"    bubble      {_s(t.bubble_s)}",
         f"    TP comm     {_s(t.tp_comm_s)}",

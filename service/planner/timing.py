@@ -6,6 +6,9 @@ Called by `evaluate` (plan.py). The model (docs/planner-model.md, with its sourc
   forward, plus the recomputed forward: all of it for full recompute, the attention core for
   selective) at peak x a GEMM efficiency that rises with the per-GPU GEMM width h/tp, plus
   the profile's fixed per-layer overhead;
+- memory-bound work outside the GEMMs (`elementwise_bytes`: norms, residual adds, dropouts,
+  the MLP's activation, rotary positions, a flash kernel's reads and writes) at the
+  profile's HBM bandwidth, per block and micro-batch on the critical path (GPU profiles);
 - TP: Megatron's all-reduces of b*s*h elements, 2 forward and 2 backward per layer per
   micro-batch (a third pair with full recompute; sequence parallelism's reduce-scatter +
   all-gather cost the same), on the critical path;
@@ -67,6 +70,9 @@ class TimeBreakdown:
     """The pipeline stage whose micro-batch takes longest: it sets the pipeline's pace."""
     stage_micro_batch_s: list[float] = field(default_factory=list)
     """Compute seconds of one micro-batch (forward, backward, recompute) on each stage."""
+    elementwise_s: float = 0.0
+    """Memory-bound work outside the GEMMs (norms, residual adds, dropouts, the MLP's
+    activation, rotary positions, a flash kernel's reads and writes) at HBM bandwidth."""
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
@@ -123,14 +129,19 @@ def step_time(sc: Scenario) -> TimeBreakdown:
              "full": layer_fwd}[sc.recompute]
     head_fwd = shape.head_forward_flops(tokens) / t
     per_layer_overhead = sc.profile.layer_overhead_s * (4 / 3 if lay.recompute == "full" else 1)
-    stage_s = stage_micro_batch_seconds(sc, layer_fwd, extra, head_fwd, rate, per_layer_overhead)
+    # On a host "device" (`cpu`) the per-layer overhead is fitted to the trainer's measured
+    # steps and holds this work already.
+    block_mem = 0.0 if sc.profile.device_is_host else elementwise_bytes(sc, b) / sc.profile.hbm_bw
+    stage_s = stage_micro_batch_seconds(sc, layer_fwd, extra, head_fwd, rate,
+                                        per_layer_overhead + block_mem)
     longest = max(stage_s)
     slowest = p - 1 - stage_s[::-1].index(longest)  # the last of equals (it has the head)
     layers = sc.stage_blocks[slowest]
     mb_flops = layers * (3 * layer_fwd + extra) + (3 * head_fwd if slowest == p - 1 else 0.0)
     mb_recompute = layers * extra
     overhead_mb = layers * per_layer_overhead
-    mb_compute = mb_flops / rate + overhead_mb
+    elementwise_mb = layers * block_mem
+    mb_compute = mb_flops / rate + overhead_mb + elementwise_mb
 
     # TP all-reduces on the critical path.
     tp_bw, tp_alpha, _ = group_link(sc, 1, t)
@@ -142,6 +153,7 @@ def step_time(sc: Scenario) -> TimeBreakdown:
     compute_s = m * (mb_flops / rate)
     recompute_s = m * mb_recompute / rate
     overhead_s = m * overhead_mb + sc.profile.step_overhead_s
+    elementwise_s = m * elementwise_mb
     tp_comm_s = m * tp_mb
     bubble_s = (p - 1) / v * mb_time
 
@@ -186,7 +198,7 @@ def step_time(sc: Scenario) -> TimeBreakdown:
         if lay.offload == "optimizer+params":
             offload_s += m * 2 * shard * w / sc.profile.host_link_bw
 
-    step_s = (compute_s + overhead_s + tp_comm_s + bubble_s + pp_comm_s + dp_comm_s
+    step_s = (compute_s + elementwise_s + overhead_s + tp_comm_s + bubble_s + pp_comm_s + dp_comm_s
               + offload_s + optimizer_s)
     hardware_flops = (shape.model_flops(sc.global_batch * shape.seq_len)
                       + sc.global_batch / b * shape.layers * extra * t)
@@ -195,7 +207,36 @@ def step_time(sc: Scenario) -> TimeBreakdown:
         tp_comm_s=tp_comm_s, pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s,
         zero3_gather_s=zero3_gather_s, offload_s=offload_s, optimizer_s=optimizer_s,
         overhead_s=overhead_s, gemm_efficiency=eff, hardware_flops=hardware_flops,
-        slowest_stage=slowest, stage_micro_batch_s=stage_s)
+        slowest_stage=slowest, stage_micro_batch_s=stage_s, elementwise_s=elementwise_s)
+
+
+def elementwise_bytes(sc: Scenario, b: int) -> float:
+    """HBM bytes one block moves per micro-batch on one rank outside its GEMMs.
+
+    Per token, in elements of the training precision (one byte per dropout-mask element):
+    forward, each op reads its inputs and writes its output: two norms 2h each, two residual
+    adds 3h each (with their dropouts, 2h and an h-byte mask each), the MLP's activation 2f
+    (GELU) or 3f (SwiGLU's gate x up), rotary positions 2(q + kv) for q and k, a flash
+    kernel's q, k, v in and o out; backward reads the saved input and the output gradient
+    and writes the input gradient: norms 3h, residual branches 3h, activation 3f or 5f, the
+    flash kernel's q, k, v, o, dO in and dQ, dK, dV out. Full recompute runs the forward
+    again. Norms and residual adds are whole on every TP rank (split with sequence
+    parallelism); the rest is split over TP. The s x s attention scores of a non-flash
+    kernel are not counted (docs/planner.md says why)."""
+    shape, lay, w = sc.shape, sc.layout, sc.act_bytes
+    h, f, q, kv = shape.hidden, shape.ffn_hidden, shape.q_dim, shape.kv_dim
+    drop = shape.dropout and sc.stack_constants.dropout
+    rep_f = 2 * 2 * h + 2 * 3 * h + (2 * 2 * h if drop else 0)
+    rep_b = 2 * 3 * h + 2 * 3 * h + (2 * 2 * h if drop else 0)
+    mask = (2 * h / w) if drop else 0.0
+    act_f, act_b = (3 * f, 5 * f) if shape.swiglu else (2 * f, 3 * f)
+    rot = 2 * (q + kv) if shape.positions == "rotary" else 0
+    fl_f, fl_b = (2 * q + 2 * kv, 4 * q + 4 * kv) if sc.flash else (0, 0)
+    rep_div = lay.tp if lay.sequence_parallel else 1
+    fwd = (rep_f + mask) / rep_div + (act_f + rot + fl_f) / lay.tp
+    bwd = (rep_b + mask) / rep_div + (act_b + rot + fl_b) / lay.tp
+    again = fwd if sc.recompute == "full" else 0.0
+    return b * shape.seq_len * w * (fwd + bwd + again)
 
 
 def stage_micro_batch_seconds(sc: Scenario, layer_fwd: float, extra: float, head_fwd: float,

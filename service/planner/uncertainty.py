@@ -38,6 +38,7 @@ def _dominant_time(plan: Plan) -> str:
     parts = {
         "efficiency (the stack x GPU GEMM rate: gemm_eff_max, the fitted efficiency)":
             t.compute_s + t.bubble_s + t.overhead_s,
+        "HBM bandwidth (memory-bound element-wise work)": t.elementwise_s,
         "intra-node bandwidth (TP all-reduces)": t.tp_comm_s,
         "inter-node bandwidth and dp_overlap (exposed DP/ZeRO traffic)": t.dp_comm_s,
         "pipeline send latency and bandwidth": t.pp_comm_s,
