@@ -23,6 +23,7 @@ from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.settings import Settings
 from service.store import Store
+from service.tracking.sinks import params
 from tests.conftest import record_steps, tiny_spec, user_token
 from tests.inprocess import client_of
 
@@ -141,6 +142,14 @@ def test_nothing_is_predicted_and_every_view_says_not_planned(
     page = admin.get(f"/jobs/{jid}")
     assert page.status_code == 200 and 'id="not-planned"' in page.text
     assert "Step time split (predicted)" not in page.text
+    rows = admin.get("/ui/jobs/rows")
+    assert rows.status_code == 200 and "<td>not planned</td>" in rows.text
+    what_if = admin.get("/plan", params={"job": jid})
+    assert what_if.status_code == 200 and 'id="job-not-planned"' in what_if.text
+    loc, msg = refusal(admin.post(f"/api/v1/jobs/{jid}/exports", json={}))
+    assert loc == ["body", "job"] and "gives no model" in msg
+    logged = params(store.get_job(job_id=jid))  # the MLflow run's parameters
+    assert logged["plan.planned"] == "false" and "plan.step_s" not in logged
 
     metrics = admin.get("/metrics")
     assert metrics.status_code == 200

@@ -82,12 +82,16 @@ def _flat(prefix: str, value: Any, out: dict[str, str]) -> None:
 
 def params(job: Job) -> dict[str, str]:
     """The run's parameters: the spec flattened (`model.layers`, `train.lr`, ...; not `env`
-    nor `secrets`), the chosen layout (`layout.*`) and the plan's predictions (`plan.*`)."""
+    nor `secrets`), the chosen layout (`layout.*`) and the plan's predictions (`plan.*`; a job
+    that is not planned: `plan.planned` false and no prediction)."""
     out: dict[str, str] = {}
     _flat("", {k: v for k, v in spec_json(job).items() if k not in HIDDEN}, out)
     layout = job.plan.layout
     _flat("layout", {**layout.model_dump(mode="json"), "label": layout.label}, out)
     plan = job.plan.model_dump(mode="json")
+    if not job.plan.planned:  # a command job without model: no prediction to log
+        _flat("plan", {"planned": False, "chosen_by": plan.get("chosen_by")}, out)
+        return out
     _flat("plan", {"step_s": plan["time"]["step_s"], "tokens_per_s": plan["tokens_per_s"],
                    "mfu": plan.get("mfu"), "chosen_by": plan.get("chosen_by", "spec"),
                    "memory_bytes": plan["memory"]["total"], "time": plan["time"],
