@@ -19,7 +19,7 @@ from service.planner.explain import tuning_notes
 from service.planner.report import plan_command, render_can_train, render_plan, render_search
 from service.planner.shape import ModelShape
 from service.planner.stored import plan_json
-from service.planner.timing import ring_time
+from service.planner.timing import elementwise_bytes, group_link, ring_time
 
 
 def job(preset: str = "gpt3-1.3b", *, gpu: str = "a100-80gb", nodes: int = 1, gpn: int = 8,
@@ -88,6 +88,38 @@ def test_first_and_last_stage_carry_embedding_and_head() -> None:
     assert last.logits > 0 and first.logits == 0 and mid.logits == 0
     # 1F1B: the first stage keeps pp micro-batches in flight, the last one.
     assert first.in_flight == 4 and last.in_flight == 1
+
+
+def test_a_group_with_several_ranks_per_node_crosses_nodes_on_each_of_their_nics() -> None:
+    """NCCL's rings leave a node through the NIC next to the GPU they exit from: ZeRO-3 over
+    two whole nodes gathers on 8 NICs per node, over 16 one-GPU nodes on one."""
+    prof = get_profile("a100-80gb")
+    lay = ParallelSpec(dp=16, zero=3)
+    rails = evaluate(job("gpt3-1.3b", nodes=2, gpn=8, gb=64, mb=4), lay)
+    single = evaluate(job("gpt3-1.3b", nodes=16, gpn=1, gb=64, mb=4), lay)
+    assert group_link(rails.scenario, 1, 16) == (min(prof.intra_node_bw,
+                                                     8 * prof.inter_node_bw),
+                                                 prof.inter_node_latency_s, True)
+    assert group_link(rails.scenario, 8, 2)[0] == prof.inter_node_bw  # one rank per node
+    assert group_link(rails.scenario, 1, 8)[0] == prof.intra_node_bw  # inside a node
+    # Gigabyte gathers: bandwidth, not latency, sets the ratio.
+    assert single.time.zero3_gather_s / rails.time.zero3_gather_s == pytest.approx(
+        min(prof.intra_node_bw, 8 * prof.inter_node_bw) / prof.inter_node_bw, rel=0.02)
+
+
+def test_element_wise_work_is_bytes_at_hbm_bandwidth_and_weighs_most_on_narrow_models() -> None:
+    lay = ParallelSpec(dp=8)
+    narrow = evaluate(job("gpt3-1.3b", gb=64, mb=4), lay)
+    wide = evaluate(job("gpt3-13b", gb=64, mb=4), lay)
+    sc, t = narrow.scenario, narrow.time
+    assert t.elementwise_s == pytest.approx(sc.micro_batches * sc.shape.layers
+                                            * elementwise_bytes(sc, 4) / sc.profile.hbm_bw)
+    assert t.elementwise_s / t.step_s > wide.time.elementwise_s / wide.time.step_s > 0
+    # H100's FLOP/s grow 3.2x over A100's, its HBM bandwidth 1.6x: a larger share there.
+    h100 = evaluate(job("gpt3-1.3b", gpu="h100-80gb", gb=64, mb=4), lay)
+    assert h100.time.elementwise_s / h100.time.step_s > t.elementwise_s / t.step_s
+    # On `cpu` the per-layer overhead, fitted to measured steps, holds it.
+    assert evaluate(tiny_cpu()).time.elementwise_s == 0
 
 
 def test_tp_across_nodes_pays_inter_node_link() -> None:
