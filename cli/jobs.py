@@ -115,7 +115,7 @@ def show_and_follow(client: TridentClient, job: JobOut, output: Output, detach: 
         return
     if not as_json:
         typer.echo(f"job {job.id} submitted: {job.name}, {job.plan.layout.label},"
-                   f" {job.world_size} ranks")
+                   f" {job.world_size} ranks" + ("" if job.plan.planned else ", not planned"))
     try:
         state = follow(client, job.id, err=as_json)
     except KeyboardInterrupt:

@@ -111,6 +111,9 @@ def test_nothing_is_predicted_and_every_view_says_not_planned(
     assert [plan.get(k) for k in ("time", "memory", "tokens_per_s", "mfu")] == [None] * 4
     stored = store.get_job(job_id=job["id"]).plan.to_json()  # as kept: no key of a prediction
     assert not {"time", "memory", "tokens_per_s", "mfu"} & set(stored), stored
+    again = admin.post(f"/api/v1/jobs/{job['id']}/resubmit")  # its stored spec reads back
+    assert again.status_code == 201 and again.json()["plan"]["planned"] is False, again.text
+    assert again.json()["spec"]["parallel"]["dp"] == 3 and again.json()["spec"]["model"] is None
     refused = admin.post("/api/v1/plan", json=unplanned(root))
     loc, msg = refusal(refused)
     assert loc == ["body", "model"] and "not planned" in msg
