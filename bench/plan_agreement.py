@@ -12,7 +12,8 @@ framework's resident memory that the `cpu` profile's `reserved_bytes` is made of
    the framework's growth (peak RSS less the framework at start and the measured
    categories; 35-48 MB on forked ranks, 26 MB on Ray's, `CPU_FRAMEWORK_GROWTH_BYTES`).
 
-Prints the table of docs/planner.md ("Plan against the trainer's memory report").
+Prints the tables of docs/planner.md ("Plan against the trainer's memory report"): the device
+categories of every layout, then the host ones of the offload layouts.
 
 Run: python bench/plan_agreement.py [--all]      (about a minute on 2 cores)
 """
@@ -38,6 +39,8 @@ MORE: dict[str, dict[str, Any]] = {
     "dp2 ZeRO-2 offload": {"dp": 2, "zero": 2, "offload": "optimizer"},
     "dp2 ZeRO-3 offload": {"dp": 2, "zero": 3, "offload": "optimizer+params"},
 }
+HOST = ("host_params", "host_grads", "host_optimizer", "offload_buffers")
+"""The categories in host memory under CPU offload (a second table)."""
 FRESH = """
 import os, torch.distributed as dist, workers.trainer.train, torch._dynamo
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
@@ -65,17 +68,26 @@ def main() -> None:
     print("\n| layout | rank (stage) | params planned / measured | grads | optimizer |"
           " activations | gathered | total planned / peak RSS | framework growth |")
     print("|---|---|---|---|---|---|---|---|---|")
+    host: list[str] = []
     for name, parallel in layouts.items():
         for a in agreement(**parallel):
             m = a.measured
             growth = m["process_peak_bytes"] - m["framework_bytes"] - sum(
-                m[k] or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
-                                    "activations_peak_bytes", "gathered_peak_bytes"))
+                m.get(k) or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                        "activations_peak_bytes", "gathered_peak_bytes",
+                                        *(f"{c}_bytes" for c in HOST)))
             cells = [_cell(*a.pair(c)) for c in
                      ("params", "grads", "optimizer", "activations", "gathered")]
             total = f"{a.planned_total_here / 1e6:.1f} MB / {m['process_peak_bytes'] / 1e6:.1f} MB"
             print(f"| {name} | {a.rank} ({a.stage}) | " + " | ".join(cells)
                   + f" | {total} | {growth / 1e6:.1f} MB |", flush=True)
+            if parallel.get("offload", "none") != "none":
+                host.append(f"| {name} | {a.rank} | " + " | ".join(
+                    _cell(*a.pair(c)) for c in HOST) + " |")
+    if host:
+        print("\n| offload layout | rank | host params | host grads | host optimizer |"
+              " offload buffers |\n|---|---|---|---|---|---|")
+        print("\n".join(host))
 
 
 if __name__ == "__main__":

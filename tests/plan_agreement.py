@@ -11,13 +11,16 @@ from typing import Any
 
 from service.contract.hardware import CPU_FRAMEWORK_GROWTH_BYTES
 from service.contract.spec import JobSpec
-from service.planner import evaluate
+from service.planner import evaluate, offload
 from service.planner.memory import MemoryBreakdown, stage_memory
+from service.planner.scenario import Scenario
 from tests.workers_spawn import run_ranks
 
 STEPS = 6
 CATEGORIES = {  # planned field: measured field
     "params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
+    "host_params": "host_params_bytes", "host_grads": "host_grads_bytes",
+    "host_optimizer": "host_optimizer_bytes", "offload_buffers": "offload_buffers_bytes",
     "activations": "activations_peak_bytes", "gathered": "gathered_peak_bytes",
 }
 
@@ -37,10 +40,17 @@ class RankAgreement:
     stage: int
     planned: MemoryBreakdown
     measured: dict[str, Any]
+    dp_rank: int = 0
+    scenario: Scenario | None = None
 
     def pair(self, category: str) -> tuple[float, float | None]:
-        """(planned, measured) bytes of one category."""
-        return getattr(self.planned, category), self.measured.get(CATEGORIES[category])
+        """(planned, measured) bytes of one category. `offload_buffers` differ by DP rank (a
+        parameter straddling two partitions is held whole by both): the plan's for this
+        rank's partition, not the most loaded rank's."""
+        planned = getattr(self.planned, category)
+        if category == "offload_buffers" and self.scenario is not None:
+            planned = offload.host_buffer_bytes(self.scenario, self.stage, self.dp_rank)
+        return planned, self.measured.get(CATEGORIES[category])
 
     @property
     def planned_total_here(self) -> float:
@@ -62,5 +72,5 @@ def agreement(**parallel: Any) -> list[RankAgreement]:
     for r in sorted(rows, key=lambda r: r["rank"]):
         if r["step"] == STEPS:
             out.append(RankAgreement(r["rank"], r["pp_rank"], stage_memory(sc, r["pp_rank"]),
-                                     r["memory"]))
+                                     r["memory"], r["dp_rank"], sc))
     return out

@@ -24,15 +24,27 @@ class MemoryReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     params_bytes: int | None = Field(default=None, ge=0)
-    """Parameters the rank keeps between steps: its TP/PP shard, or its ZeRO-3 partition, plus
-    any staging copy DeepSpeed keeps (bf16 copy for optimizer offload). The categories are
-    defined in docs/planner-model.md ("What each category means"), as the planner counts them."""
+    """Parameters the rank keeps between steps on its device: its TP/PP shard, or its ZeRO-3
+    partition. The categories are defined in docs/planner-model.md ("What each category
+    means"), as the planner counts them."""
     grads_bytes: int | None = Field(default=None, ge=0)
     """Gradients right after the optimizer step (ZeRO-1/2/3: the rank's partition), each
-    tensor's own bytes: the rest of a reduction bucket they are views of is a bucket."""
+    tensor's own bytes: the rest of a reduction bucket they are views of is a bucket. Those
+    offloaded to host memory are `host_grads_bytes`."""
     optimizer_bytes: int | None = Field(default=None, ge=0)
     """Optimizer states: Adam moments, step counters and fp32 master weights of the rank's
-    partition."""
+    partition; offloaded ones are `host_optimizer_bytes`."""
+    host_params_bytes: int | None = Field(default=None, ge=0)
+    """Parameters DeepSpeed keeps in host memory (ZeRO-3's partition under parameter
+    offload)."""
+    host_grads_bytes: int | None = Field(default=None, ge=0)
+    """Gradients in host memory under optimizer offload: the partitions the step reads."""
+    host_optimizer_bytes: int | None = Field(default=None, ge=0)
+    """Optimizer states in host memory under optimizer offload."""
+    offload_buffers_bytes: int | None = Field(default=None, ge=0)
+    """ZeRO-1/2 offload's host staging buffers: the partition's copy in the training
+    precision, the largest parameter's gradient buffer, the per-parameter gradient
+    accumulation buffers."""
     activations_peak_bytes: int | None = Field(default=None, ge=0)
     """Peak bytes of tensors the embedding and the blocks saved for backward so far, over the
     steps measured (saved-tensor hooks; parameters, and what the head and the loss save, are

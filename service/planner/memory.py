@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from service.planner import sac, zero_buffers
+from service.planner import offload, sac, zero_buffers
 from service.planner.scenario import Scenario
 from service.planner.shape import ModelShape
 from service.planner.software_stacks import MIB as MIB_
@@ -58,10 +58,9 @@ _BF16_OPTIMIZER = {0: (2, 0, 6, 0, 12), 1: (2, 0, 6, 0, 12), 2: _MIXED[2], 3: _M
 # states (16/N): FULL_SHARD (3); SHARD_GRAD_OP (2) also keeps the bf16 parameters whole;
 # 0 and 1 are DDP (fp32 weights and gradients, Adam m and v), 1 sharding Adam over dp.
 _FSDP = {0: (4, 0, 4, 0, 8), 1: (4, 0, 4, 0, 8), 2: (2, 4, 0, 4, 8), 3: (0, 4, 0, 4, 8)}
-FP32_GRAD_PARTITION = 4
-"""Bytes per parameter of the fp32 gradient partition that CPU offload moves to the host."""
 HOST_BUFFER_FACTOR = 1.5
-"""Pinned host buffers over offloaded states (DeepSpeed estimators' additional_buffer_factor)."""
+"""Host memory over the offloaded tensors' bytes: pinned allocations (DeepSpeed estimators'
+additional_buffer_factor)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,8 @@ class MemoryBreakdown:
     in_flight: float
     """Micro-batches whose activations that stage holds at the peak."""
     host_per_rank: float
-    """Offloaded states (with pinned buffers) held in host memory for one rank."""
+    """Host memory one rank's offload needs: `host_params` + `host_grads` + `host_optimizer`
+    + `offload_buffers`, times `HOST_BUFFER_FACTOR` (pinned allocations)."""
     host_per_node: float
     """Host memory a node needs: its ranks' offloaded states plus per-process overhead."""
     params_per_rank: float
@@ -100,6 +100,20 @@ class MemoryBreakdown:
     """CUDA context and kernel images of the process (part of `reserved`)."""
     nccl_buffers: float = 0.0
     """NCCL's channel buffers of the rank's communicators (part of `reserved`)."""
+    host_params: float = 0.0
+    """Parameters offloaded to host memory (ZeRO-3's partition with parameter offload); not
+    in `params`, which is the device's."""
+    host_grads: float = 0.0
+    """Gradient partitions offloaded to host memory (what the optimizer step reads); not in
+    `grads`."""
+    host_optimizer: float = 0.0
+    """Optimizer states offloaded to host memory (master weights, moments, step counters); not
+    in `optimizer`."""
+    offload_buffers: float = 0.0
+    """DeepSpeed's host staging buffers for ZeRO-1/2 offload: the 16-bit partition's copy, a
+    gradient buffer of the largest parameter and, with gradient accumulation, a buffer per
+    parameter of the partition (`service.planner.offload`). Its device gradient buffer is
+    in `buckets`."""
     framework: float = 0.0
     """What torch and DeepSpeed hold themselves (part of `reserved`): their device buffers on
     a GPU; on a CPU rank the process's resident memory besides the tensors (the `cpu`
@@ -238,18 +252,19 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
     params = pr * (p_full + p_shard / n)
     grads = pr * (g_full + g_shard / n)
     optimizer = pr * o_shard / (n if lay.zero >= 1 else 1)  # ZeRO-0 shards nothing
-    host = 0.0
-    if lay.offload != "none":
-        # Optimizer states and the fp32 gradient partition live in host memory (DeepSpeed's
-        # 16/N); the GPU keeps the 16-bit weights, gradients go to the host as reduced.
-        host += optimizer + pr * FP32_GRAD_PARTITION / n
-        optimizer = 0.0
-        grads = pr * g_full
     optimizer += zero_buffers.step_counter_bytes(sc, stage) if optimizer else 0.0
+    host_params = host_grads = host_optimizer = 0.0
+    if lay.offload != "none":
+        # Optimizer states (with the step counters) and the gradient partitions the step
+        # reads live in host memory (ZeRO-1/2: the fp32 partition, 4/N; ZeRO-3: its 16-bit
+        # and fp32 partitions); the device keeps the weights, gradients go to the host as
+        # reduced (offload.py lists DeepSpeed's tensors).
+        host_optimizer, optimizer = optimizer, 0.0
+        host_grads, grads = pr * g_shard / n, pr * g_full
     if lay.offload == "optimizer+params":
-        host += params
-        params = 0.0
-    host *= HOST_BUFFER_FACTOR
+        host_params, params = params, 0.0
+    offload_buffers = offload.host_buffer_bytes(sc, stage)
+    host = HOST_BUFFER_FACTOR * (host_params + host_grads + host_optimizer + offload_buffers)
 
     # Activations and logits.
     layers = sc.stage_blocks[stage]
@@ -286,7 +301,7 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         gathered, buckets = _fsdp_buffers(shape, sc, pr), 0.0
     else:
         gathered = zero_buffers.gathered_bytes(sc, stage, pr)
-        buckets = zero_buffers.bucket_bytes(sc, pr)
+        buckets = zero_buffers.bucket_bytes(sc, pr) + offload.device_buffer_bytes(sc, stage)
     buffers = gathered + buckets
 
     allocated = params + grads + optimizer + activations + logits + buffers
@@ -303,6 +318,8 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         logits=logits, zero_buffers=buffers, gathered=gathered, buckets=buckets,
         reserved=reserved, stage=stage,
         in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr,
+        host_params=host_params, host_grads=host_grads, host_optimizer=host_optimizer,
+        offload_buffers=offload_buffers,
         cuda_context=context, nccl_buffers=nccl, framework=framework, allocator_slack=slack)
 
 

@@ -4,7 +4,9 @@ The categories are the planner's (docs/planner-model.md, "What each category mea
 with the same boundaries:
 
 - Model states: bytes of parameters, gradients and optimizer states the DeepSpeed engine holds
-  (`workers.monitor.model_states`: each tensor's own bytes, each byte once). Taken right after
+  (`workers.monitor.model_states`: each tensor's own bytes, each byte once); with CPU offload
+  those DeepSpeed keeps in host memory apart (`host_params`, `host_grads`, `host_optimizer`)
+  and its offload staging buffers (`offload_buffers`). Taken right after
   the inner optimizer's step, when gradients, optimizer states and master weights all exist;
   with ZeRO this is the rank's shard. ZeRO steps its inner optimizer once per parameter group
   (decayed / not decayed), giving each group its fp32 gradient partition for that call only
@@ -14,8 +16,8 @@ with the same boundaries:
   (parameters and views of them are excluded: they are parameters, or under ZeRO-3 gathered
   buffers).
 - Gathered: ZeRO-3's whole weights (kept whole, gathered, prefetched), peak over the step.
-- Buckets: DeepSpeed's communication buckets on GPU; on CPU not measured (`not_measured`
-  says why).
+- Buckets: DeepSpeed's communication buckets (offload's device gradient buffer included) on
+  GPU; on CPU not measured (`not_measured` says why).
 - Framework: on CPU, the resident memory before the model is built (imports, `torch._dynamo`
   included, and process group: `training_start`); on GPU not measured (the CUDA context is
   no tensor).
@@ -46,6 +48,7 @@ from torch import nn
 
 from service.contract.reports import MemoryReport
 from workers.monitor.model_states import (
+    DEVICE_STAGING,
     Tally,
     innermost_optimizer,
     model_state_bytes,
@@ -96,7 +99,8 @@ class ModelStateMeter:
         self._latest = model_state_tally(self.module, self.optimizer)
 
     def read(self) -> dict[str, int]:
-        """{"params", "grads", "optimizer"} bytes of the last step (empty before any)."""
+        """Bytes per category (`model_states.CATEGORIES`) of the last step (empty before
+        any)."""
         tally, self._latest = self._latest, None
         if tally is None:
             return {}
@@ -104,7 +108,7 @@ class ModelStateMeter:
         # parameter may live on in a buffer ZeRO keeps, which the reading counted already.
         for p, rng in self._stepped.values():
             if p.grad is None:
-                tally.add_range("grads", *rng)
+                tally.add_range(tally.optimizer_grads, *rng)
         self._stepped.clear()
         return dict(tally.out)
 
@@ -215,11 +219,12 @@ class _Saved:
 
 def bucket_bytes(optimizer: Any) -> int:
     """Bytes of the communication buckets DeepSpeed's ZeRO optimizers hold now (the reduction
-    bucket of contiguous gradients, ZeRO-3's flat reduce bucket), each storage once."""
+    bucket of contiguous gradients, ZeRO-3's flat reduce bucket, offload's device gradient
+    buffer), each storage once."""
     seen: set[int] = set()
     total = 0
     for name, value in vars(optimizer).items():
-        if "bucket" not in name and not name.startswith("ipg"):
+        if "bucket" not in name and not name.startswith("ipg") and name not in DEVICE_STAGING:
             continue
         for t in tensors_in(value):
             ptr, nbytes = storage(t)
@@ -284,6 +289,10 @@ class MemoryMonitor:
         return MemoryReport(params_bytes=states.get("params", 0),
                             grads_bytes=states.get("grads", 0),
                             optimizer_bytes=states.get("optimizer", 0),
+                            host_params_bytes=states.get("host_params", 0),
+                            host_grads_bytes=states.get("host_grads", 0),
+                            host_optimizer_bytes=states.get("host_optimizer", 0),
+                            offload_buffers_bytes=states.get("offload_buffers", 0),
                             activations_peak_bytes=self.acts.peak,
                             logits_peak_bytes=self.acts.peaks["logits"],
                             gathered_peak_bytes=self.gathered.peak,
