@@ -250,8 +250,9 @@ class StoreCollector(Collector):
         f["step_s"].add_metric(jid, latest.step_time_s)
         if t is not None and t.step_s:
             f["err"].add_metric(jid, (latest.step_time_s - t.step_s) / t.step_s)
-        f["tok"].add_metric(jid, latest.tokens_per_s)
-        if mfu_pred is not None and plan.tokens_per_s:
+        if latest.tokens_per_s is not None:  # None: not known, no sample (as for the loss)
+            f["tok"].add_metric(jid, latest.tokens_per_s)
+        if mfu_pred is not None and plan.tokens_per_s and latest.tokens_per_s is not None:
             f["mfu"].add_metric(jid, mfu_pred * latest.tokens_per_s / plan.tokens_per_s)
         if latest.loss is not None:
             f["loss"].add_metric(jid, latest.loss)

@@ -87,7 +87,8 @@ def job_text(d: Ledger) -> str:
                                                 d.queued_reasons.items()))
     out.append(f"ETTR:         {_pct(d.ettr)} (training seconds over wall seconds)")
     rate = "-" if d.goodput_tokens_per_s is None else f"{d.goodput_tokens_per_s:,.1f}"
-    out.append(f"Goodput:      {rate} tokens/s ({d.tokens:,} tokens of steps that count)")
+    tokens = "tokens not known" if d.tokens is None else f"{d.tokens:,} tokens of steps that count"
+    out.append(f"Goodput:      {rate} tokens/s ({tokens})")
     out.append(f"Steps:        {d.steps_counted} counted, {d.steps_lost} lost")
     measured = d.total("training").seconds
     if d.predicted_training_s is not None:

@@ -137,8 +137,9 @@ class _Lines:
 
     def step(self, m: MetricOut, total: int) -> None:
         loss = "-" if m.loss is None else f"{m.loss:.4f}"
+        rate = "-" if m.tokens_per_s is None else f"{m.tokens_per_s:.0f}"
         self.note(f"  step {m.step:>5}/{total}  loss {loss}  {m.step_time_s * 1000:8.1f}"
-                  f" ms  {m.tokens_per_s:10.0f} tok/s")
+                  f" ms  {rate:>10} tok/s")
 
     def close(self) -> None:
         pass

@@ -83,8 +83,8 @@ class Ledger(BaseModel):
     """Optimizer steps whose work the job kept."""
     steps_lost: int = 0
     """Steps computed and then redone (or never to be kept) after a failure."""
-    tokens: int = 0
-    """Tokens of the steps that count."""
+    tokens: int | None = 0
+    """Tokens of the steps that count (None: not known, a command job without a model)."""
     goodput_tokens_per_s: float | None = None
     """`tokens` per wall second."""
     ranks: int = 0

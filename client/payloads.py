@@ -468,7 +468,9 @@ class MetricOut(BaseModel):
     loss_nonfinite: bool = False
     """True when the loss was NaN or infinite (`loss` is then null)."""
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None
+    """Global tokens per second (null: not known, a command job without a model whose
+    script reports none)."""
     lr: float | None = None
     """The learning rate the step ran at (the schedule's, `train.lr` at its peak)."""
     grad_norm: float | None = None
@@ -664,7 +666,8 @@ class Series(BaseModel):
     step: list[int]
     loss: list[float | None]
     step_time_s: list[float]
-    tokens_per_s: list[float]
+    tokens_per_s: list[float | None]
+    """None where a step's rate is not known (a command job without a model)."""
     mfu: list[float | None]
     """None where the plan predicts no MFU (a job that is not planned)."""
     predicted: SeriesPredicted

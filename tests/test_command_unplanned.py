@@ -175,3 +175,35 @@ def test_nothing_is_predicted_and_every_view_says_not_planned(
     assert "not planned: placed from resources.workers alone" in shown
     assert re.search(r"s/step +not planned +0\.25 ", shown), shown
     assert "Memory by stage, measured" in shown
+
+
+def test_a_rate_no_one_measured_is_stored_and_shown_as_not_known(
+        admin: TestClient, store: Store, root: Path) -> None:
+    """A script of a job without model that reports no tokens per second: its steps' rate is
+    None all the way (the rank's report, the stored rows, the charts, /metrics, the goodput
+    ledger), not a rate of 0; a step that reports one keeps it."""
+    from workers.rank.command import Steps
+
+    reports: list[Any] = []
+    steps = Steps(0, 1, reports.append, tokens_per_step=0)
+    steps.offer({"step": 1, "loss": 2.5})
+    steps.offer({"step": 2, "loss": 2.4, "tokens_per_s": 300.0})
+    assert [r.tokens_per_s for r in reports] == [None, 300.0]
+
+    jid = admin.post("/api/v1/jobs", json=unplanned(
+        root, resources={"workers": 2, "cpus_per_worker": 0.5})).json()["id"]
+    for to in (JobState.PLACING, JobState.RUNNING):
+        store.transition(job_id=jid, to=to, message=to.value)
+    store.start_attempt(job_id=jid)
+    record_steps(store, job_id=jid, attempt=1, rows=[
+        {**r.row(), "rank": rank} for r in reports for rank in (0, 1)])
+    rows = admin.get(f"/api/v1/jobs/{jid}/metrics").json()["items"]
+    assert [(r["step"], r["tokens_per_s"]) for r in rows if r["rank"] == 0] == [
+        (1, None), (2, 300.0)]
+    series = admin.get(f"/api/v1/jobs/{jid}/series").json()
+    assert series["tokens_per_s"] == [None, 300.0] and series["mfu"] == [None, None]
+    fams = {f.name: f for f in text_string_to_metric_families(admin.get("/metrics").text)}
+    assert [s.value for s in fams["trident_job_tokens_per_second"].samples
+            if s.labels["job_id"] == str(jid)] == [300.0]  # the newest step's
+    ledger = admin.get(f"/api/v1/jobs/{jid}/goodput").json()
+    assert ledger["tokens"] is None and ledger["goodput_tokens_per_s"] is None

@@ -149,8 +149,9 @@ class StepReport(BaseModel):
     whose last losses were not finite: `Settings.nonfinite_loss_steps`)."""
     step_time_s: float = Field(ge=0, le=86400)
     """Wall time of this rank's optimizer step."""
-    tokens_per_s: float = Field(ge=0)
-    """Global tokens (global_batch * seq_len) per second of this rank's step time."""
+    tokens_per_s: float | None = Field(ge=0)
+    """Global tokens (global_batch * seq_len) per second of this rank's step time (None:
+    not known, a command job without a model whose script reports none)."""
     lr: float | None = Field(default=None, ge=0, le=10)
     """The learning rate this optimizer step ran at (the schedule's, `TrainSpec.lr_at`)."""
     grad_norm: float | None = Field(default=None, ge=0)

@@ -93,10 +93,10 @@ def job_series(store: Store, job: Job, max_points: int = MAX_POINTS) -> dict[str
     out["step"] = [int(p[0]) for p in points]
     out["loss"] = [None if p[1] is None else float(p[1]) for p in points]
     out["step_time_s"] = [float(p[2]) for p in points]
-    out["tokens_per_s"] = [float(p[3]) for p in points]
+    out["tokens_per_s"] = [None if p[3] is None else float(p[3]) for p in points]
     # No predicted MFU (a job that is not planned): no MFU to scale the tokens/s into.
-    out["mfu"] = [float(p[3]) * mfu_per_token if mfu_pred is not None else None
-                  for p in points]
+    out["mfu"] = [float(p[3]) * mfu_per_token if mfu_pred is not None and p[3] is not None
+                  else None for p in points]
     out["eval_step"], out["eval_loss"] = _eval_points(store, job.id, max_points)
     out["recipe_step"], out["lr"], out["grad_norm"] = _recipe_points(store, job.id, max_points)
     out["guard"] = _guard_marks(store, job.id, max_points)

@@ -193,7 +193,8 @@ def compute(s: Session, row: JobRow, now: datetime) -> Ledger:
         job_id=row.id, name=row.name, project=row.project, owner=row.owner, state=row.state,
         profile=_profile(spec, gpus=float(row.gpus or 0.0)), start=start, end=end,
         ended=state.terminal, wall_s=0.0, categories=[], steps_counted=counted,
-        steps_lost=lost, tokens=counted * tokens_per_step, ranks=ranks_default,
+        steps_lost=lost, tokens=counted * tokens_per_step if tokens_per_step else None,
+        ranks=ranks_default,
         gpus_per_rank=float(row.gpus or 0.0), cpus_per_rank=float(row.cpus or 0.0),
         predicted_training_s=step_s * counted if step_s else None,
         # rank-seconds of the plan: `_priced` turns them into money

@@ -40,7 +40,7 @@ def totals(key: str, ledgers: Sequence[Ledger]) -> GroupTotals:
             if c.cost is not None:
                 t.cost = (t.cost or 0.0) + c.cost
     wall = sum(x.wall_s for x in ledgers)
-    tokens = sum(x.tokens for x in ledgers)
+    tokens = sum(x.tokens or 0 for x in ledgers)  # the jobs whose tokens are known
     priced = [x.cost for x in ledgers if x.cost is not None]
     cost = sum(priced) if priced else None
     return GroupTotals(
@@ -72,7 +72,7 @@ def clip(ledger: Ledger, since: datetime | None, until: datetime | None) -> Ledg
     if full_training > 0:
         share_training = out.total("training").seconds / full_training
     return out.model_copy(update={
-        "tokens": int(ledger.tokens * share_training),
+        "tokens": None if ledger.tokens is None else int(ledger.tokens * share_training),
         "steps_counted": int(round(ledger.steps_counted * share_training))})
 
 
@@ -97,4 +97,5 @@ def summed(base: Ledger, segments: list[Segment], *, start: datetime,
         "start": start, "end": end, "wall_s": wall, "categories": list(cats.values()),
         "queued_reasons": reasons, "segments": segments,
         "ettr": training / wall if wall > 0 else None,
-        "goodput_tokens_per_s": base.tokens / wall if wall > 0 else None})
+        "goodput_tokens_per_s": (base.tokens / wall if wall > 0 and base.tokens is not None
+                                 else None)})

@@ -98,7 +98,7 @@ class StepMetric:
     step_time_min: float
     step_time_max: float
     worst_rank: int
-    tokens_per_s: float
+    tokens_per_s: float | None
     stragglers: int
     time: datetime
     lr: float | None = None
@@ -217,7 +217,7 @@ class MetricsIngest(EngineTx):
                                     world_size=world_size, loss=None, step_time_sum=0.0,
                                     step_time_sumsq=0.0, step_time_min=math.inf,
                                     step_time_max=-1.0, worst_rank=worst["rank"],
-                                    tokens_per_s=math.inf, stragglers=0)
+                                    tokens_per_s=None, stragglers=0)
                 s.add(row)
             for rank in fresh:
                 bits |= 1 << rank
@@ -227,7 +227,10 @@ class MetricsIngest(EngineTx):
             row.step_time_min = min(row.step_time_min, min(times))
             if worst["step_time_s"] > row.step_time_max:
                 row.step_time_max, row.worst_rank = worst["step_time_s"], worst["rank"]
-            row.tokens_per_s = min(row.tokens_per_s, min(r["tokens_per_s"] for r in fresh.values()))
+            rates = [r["tokens_per_s"] for r in fresh.values() if r["tokens_per_s"] is not None]
+            if row.tokens_per_s is not None:
+                rates.append(row.tokens_per_s)
+            row.tokens_per_s = min(rates) if rates else None  # None: no rank knew it
             row.stragglers += sum(1 for t in times if t > slow)
             first = fresh.get(0) or next(iter(fresh.values()))
             if row.loss is None:

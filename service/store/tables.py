@@ -180,7 +180,9 @@ class MetricRow(Base):
     rank: Mapped[int] = mapped_column(Integer)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     step_time_s: Mapped[float] = mapped_column(Float)
-    tokens_per_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Global tokens per second (None: not known, a command job without a model whose
+    script reports none; migration 0024)."""
     lr: Mapped[float | None] = mapped_column(Float, nullable=True)
     """The learning rate the step ran at (None: a report without one)."""
     grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -441,7 +443,8 @@ class StepMetricRow(Base):
     step_time_min: Mapped[float] = mapped_column(Float)
     step_time_max: Mapped[float] = mapped_column(Float)
     worst_rank: Mapped[int] = mapped_column(Integer)
-    tokens_per_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The slowest rank's (None: no rank knew it; migration 0024)."""
     stragglers: Mapped[int] = mapped_column(Integer)
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     lr: Mapped[float | None] = mapped_column(Float, nullable=True)

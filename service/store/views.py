@@ -138,7 +138,8 @@ class Metric:
     rank: int
     loss: float | None
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None
+    """None: not known (a command job without a model whose script reports none)."""
     data: dict[str, Any]
     time: datetime
     lr: float | None = None

@@ -108,7 +108,7 @@ def step_scalars(rank0: Metric, plan: StoredPlan,
     """Rank 0's row of a step (and the first stored row of each later stage) as scalars."""
     values = row_numbers(rank0)
     per_token = mfu_per_token_s(plan)
-    if per_token is not None:
+    if per_token is not None and rank0.tokens_per_s is not None:
         values["mfu"] = rank0.tokens_per_s * per_token
     values.update(comm_shares(rank0))
     values.update(memory(rank0, 0))

@@ -34,7 +34,8 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False
         metrics = [m for m in metrics if m.attempt == attempt]
     steady = [m for m in metrics if m.step > WARMUP_STEPS] or list(metrics)
     step_s = statistics.median(m.step_time_s for m in steady) if steady else None
-    tokens = statistics.median(m.tokens_per_s for m in steady) if steady else None
+    rates = [m.tokens_per_s for m in steady if m.tokens_per_s is not None]
+    tokens = statistics.median(rates) if rates else None
     state_bytes = None
     peak = None
     if metrics:

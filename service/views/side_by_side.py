@@ -126,8 +126,8 @@ def headline(store: Store, job: Job, series: Curve) -> Headline:
     latest = recent[-1] if recent else None
     evals = [v for v in series.metrics.get("eval_loss", []) if v is not None]
     per_token = mfu_per_token_s(job.plan)
-    steady = [m.tokens_per_s for m in recent if m.step > WARMUP_STEPS] or \
-        [m.tokens_per_s for m in recent]
+    known = [(m.step, m.tokens_per_s) for m in recent if m.tokens_per_s is not None]
+    steady = [t for step, t in known if step > WARMUP_STEPS] or [t for _, t in known]
     mfu = statistics.median(steady) * per_token if steady and per_token is not None else None
     return Headline(job=job, step=latest.step if latest else None,
                     loss=latest.loss if latest else None,

@@ -127,7 +127,8 @@ class Steps:
     attempt resumed from (`resumed_from`, 0: fresh), as a built-in attempt's does (the goodput
     ledger reads the work redone from it). Without its own `tokens_per_s`, a step's is the
     spec's tokens per step (`tokens_per_step`: train.global_batch x model.seq_len, what the
-    plan counts) over its time, so that the plan's figure compares with it."""
+    plan counts) over its time, so that the plan's figure compares with it; a job without a
+    model has no tokens per step, and its steps' rate is not known (None)."""
 
     def __init__(self, rank: int, attempt: int, report: Any, resumed_from: int = 0,
                  tokens_per_step: int = 0) -> None:
@@ -149,8 +150,9 @@ class Steps:
                     **fields, "kind": "step", "rank": self.rank, "attempt": self.attempt}
             if data.get("tokens_per_s") is None:
                 took = data["step_time_s"]
-                data["tokens_per_s"] = (self.tokens_per_step / took
-                                        if isinstance(took, int | float) and took > 0 else 0.0)
+                data["tokens_per_s"] = (self.tokens_per_step / took if self.tokens_per_step
+                                        and isinstance(took, int | float) and took > 0 else
+                                        None)
             if self.last_step == 0:
                 data.setdefault("resumed_from", self.resumed_from)
             try:
