@@ -50,7 +50,9 @@ def test_every_stage_every_category_planned_against_measured_with_the_gap() -> N
     for s in out:
         ranks = sorted(r for r, st in stage_of.items() if st == s["stage"])
         assert s["ranks"] == ranks and s["step"] == 7
-        assert [c["name"] for c in s["categories"]] == [c.name for c in CATEGORIES]
+        # No offload on either side: its host categories are left out.
+        assert [c["name"] for c in s["categories"]] == [c.name for c in CATEGORIES
+                                                       if not c.offload]
         scale = max(2.0 if r % 2 else 1.0 for r in ranks)  # the stage's most loaded rank
         p = cat(s, "params")
         assert p["planned"] == pytest.approx(float(planned[s["stage"]].params))
@@ -79,6 +81,33 @@ def test_the_ranks_own_stage_and_reasons_are_used() -> None:
     assert cat(out[0], "params")["not_measured"] is None  # no rank of the stage reported
     assert out[1]["ranks"] == [0]
     assert cat(out[1], "buckets")["not_measured"] == "no reduction bucket on CPU"
+
+
+def test_an_offload_shows_its_host_categories_planned_against_measured() -> None:
+    from service.contract.spec import JobSpec
+    from service.submission.intake import prepare
+    from tests.conftest import tiny_spec
+
+    plan = prepare(JobSpec.model_validate(tiny_spec(
+        model={"layers": 2, "hidden": 64, "heads": 8, "vocab": 256, "seq_len": 32},
+        train={"global_batch": 4, "micro_batch": 1, "precision": "fp32"},
+        parallel={"dp": 2, "zero": 2, "offload": "optimizer"}))).plan
+    assert plan.memory is not None
+    planned = plan.memory.to_json()
+    measured = {"host_grads_bytes": int(planned["host_grads"]),
+                "host_optimizer_bytes": int(planned["host_optimizer"]) + 8,
+                "host_params_bytes": 0, "offload_buffers_bytes": 1000}
+    [stage] = stage_rows(plan, [row(4, r, mem(1.0) | measured) for r in (0, 1)])
+    names = [c["name"] for c in stage["categories"]]
+    # The optimizer's partition and its gradients are on the host; no parameter is.
+    assert {"host_grads", "host_optimizer", "offload_buffers"} <= set(names)
+    assert "host_params" not in names
+    assert cat(stage, "host_grads")["gap"] == 0
+    assert cat(stage, "host_optimizer")["gap"] == pytest.approx(8)
+    buffers = cat(stage, "offload_buffers")
+    assert planned["offload_buffers"] > 0
+    assert buffers["planned"] == pytest.approx(planned["offload_buffers"])
+    assert buffers["measured"] == 1000
 
 
 def test_measured_step_is_rank_0s_newest_measured_row_of_the_newest_attempt() -> None:

@@ -27,6 +27,8 @@ class Category:
     """The `MemoryReport` fields whose sum is the measured bytes (none: not measured by any
     rank)."""
     label: str
+    offload: bool = False
+    """Host memory of an offload: shown only where either side has some."""
 
 
 CATEGORIES: tuple[Category, ...] = (
@@ -38,6 +40,12 @@ CATEGORIES: tuple[Category, ...] = (
     Category("gathered", ("gathered_peak_bytes",), "ZeRO-3 gathered weights"),
     Category("buckets", ("buckets_bytes",), "communication buckets"),
     Category("framework", ("framework_bytes",), "framework"),
+    Category("host_params", ("host_params_bytes",), "parameters in host memory", True),
+    Category("host_grads", ("host_grads_bytes",), "gradients in host memory", True),
+    Category("host_optimizer", ("host_optimizer_bytes",), "optimizer state in host memory",
+             True),
+    Category("offload_buffers", ("offload_buffers_bytes",), "offload staging buffers (host)",
+             True),
     Category("total", ("process_peak_bytes",), "total (process peak)"),
 )
 
@@ -118,6 +126,8 @@ def stage_rows(plan: StoredPlan, step_rows: Sequence[Metric]) -> list[dict[str, 
         for c in CATEGORIES:
             values = [v for m in rows if (v := measured_category(m, c)) is not None]
             measured = max(values) if values else None
+            if c.offload and not planned.get(c.name) and not measured:
+                continue  # no offload on either side
             diff, share = gap(planned.get(c.name), measured)
             cats.append({"name": c.name, "label": c.label, "planned": planned.get(c.name),
                          "measured": measured, "gap": diff, "gap_pct": share,
