@@ -18,6 +18,14 @@ WARMUP_STEPS = 3
 allocator and caches (and JIT-compile on GPUs)."""
 
 
+def steady_tokens_per_s(metrics: Sequence[Metric]) -> float | None:
+    """The median tokens/s of the steps past the warm-up that know theirs (of every step that
+    knows it, when none past the warm-up does); None when no step knows it."""
+    known = [(m.step, m.tokens_per_s) for m in metrics if m.tokens_per_s is not None]
+    steady = [t for step, t in known if step > WARMUP_STEPS] or [t for _, t in known]
+    return statistics.median(steady) if steady else None
+
+
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
     if measured is None or not predicted:
         return None
@@ -34,8 +42,7 @@ def compare(plan: StoredPlan, metrics: Sequence[Metric], *, script: bool = False
         metrics = [m for m in metrics if m.attempt == attempt]
     steady = [m for m in metrics if m.step > WARMUP_STEPS] or list(metrics)
     step_s = statistics.median(m.step_time_s for m in steady) if steady else None
-    rates = [m.tokens_per_s for m in steady if m.tokens_per_s is not None]
-    tokens = statistics.median(rates) if rates else None
+    tokens = steady_tokens_per_s(metrics)
     state_bytes = None
     peak = None
     if metrics:

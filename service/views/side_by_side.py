@@ -14,7 +14,6 @@ read them (`shows_env`); secrets are never in a spec.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from service.store.goodput import GoodputLedger
 from service.store.metrics import MetricsIngest
 from service.tracking.scalars import StepScalars, custom, mfu_per_token_s, step_scalars
 from service.tracking.sinks import spec_json
-from service.views.prediction import WARMUP_STEPS, compare
+from service.views.prediction import compare, steady_tokens_per_s
 
 MAX_POINTS = 2000
 """Steps per curve at most (a longer run is sampled every k-th step)."""
@@ -126,9 +125,8 @@ def headline(store: Store, job: Job, series: Curve) -> Headline:
     latest = recent[-1] if recent else None
     evals = [v for v in series.metrics.get("eval_loss", []) if v is not None]
     per_token = mfu_per_token_s(job.plan)
-    known = [(m.step, m.tokens_per_s) for m in recent if m.tokens_per_s is not None]
-    steady = [t for step, t in known if step > WARMUP_STEPS] or [t for _, t in known]
-    mfu = statistics.median(steady) * per_token if steady and per_token is not None else None
+    tokens = steady_tokens_per_s(recent)
+    mfu = tokens * per_token if tokens is not None and per_token is not None else None
     return Headline(job=job, step=latest.step if latest else None,
                     loss=latest.loss if latest else None,
                     loss_nonfinite=bool(latest and latest.report.loss_nonfinite),
