@@ -27,12 +27,12 @@ def spec(precision: str, background: bool,
         checkpoint={"every_steps": 2, "async": background}))
 
 
-def test_the_spec_names_it_async_and_it_is_off_by_default() -> None:
-    assert JobSpec.model_validate(tiny_spec()).checkpoint.background is False
-    on = spec("fp32", True)
-    assert on.checkpoint.background is True
-    assert on.model_dump(mode="json")["checkpoint"]["async"] is True
-    assert JobSpec.model_validate_json(on.model_dump_json()).checkpoint.background is True
+def test_the_spec_names_it_async_and_it_is_on_by_default() -> None:
+    assert JobSpec.model_validate(tiny_spec()).checkpoint.background is True
+    off = spec("fp32", False)
+    assert off.checkpoint.background is False
+    assert off.model_dump(mode="json")["checkpoint"]["async"] is False
+    assert JobSpec.model_validate_json(off.model_dump_json()).checkpoint.background is False
 
 
 def test_the_host_copy_keeps_the_types_a_synchronous_save_writes() -> None:

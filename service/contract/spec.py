@@ -507,12 +507,11 @@ class CheckpointSpec(_Strict):
     keep_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With `keep_last`: also keep every tag whose step is a multiple of this (a multiple of
     `every_steps`, so that such tags are saved at all)."""
-    background: bool = Field(default=False, alias="async")
-    """`async`: the loop waits only while each rank copies its state to host memory; a
-    thread per rank writes the files, and the tag is marked complete at a later step boundary
-    once every rank's are durable (`workers.checkpoint.background`). False, the default: a
-    save blocks the loop until its tag is complete (an async tag lags its step by up to one
-    step, which a failure in between turns into one more step redone: docs/checkpoints.md)."""
+    background: bool = Field(default=True, alias="async")
+    """`async` (the default): the loop waits only while each rank copies its state to host
+    memory; a thread per rank writes the files, and the tag is marked complete at a later step
+    boundary once every rank's are durable (`workers.checkpoint.background`). False: a save
+    blocks the loop until its tag is complete."""
     resume_from: ResumeFrom | None = None
     """The job starts from this tag of another job (read there, never written): its first
     attempt finds it in its own folder (`service.files.checkpoint_dirs.seed`). Set by
