@@ -1,8 +1,9 @@
 """Saves in the background (`checkpoint.async`, `workers.checkpoint.background`) on real
 DeepSpeed ranks (2 CPU ranks, gloo): a run saved asynchronously resumes with the losses of one
 saved synchronously (fp32 ZeRO-2, bf16 ZeRO-3, fp32 PP 2), the tag reported with the step at
-which it was complete; a rank killed while its thread writes a tag leaves it without its
-marker, and the job resumes from the tag before."""
+which it was complete, and the host copy the planner counts for it is the size of the files the
+rank writes; a rank killed while its thread writes a tag leaves it without its marker, and the
+job resumes from the tag before."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.contract.spec import JobSpec
+from service.planner import evaluate
 from tests.conftest import tiny_spec
 from tests.workers_spawn import run_ranks
 from workers.checkpoint.background import DIE_WRITING
@@ -60,6 +62,13 @@ def per_step(rows: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["rank"] == 0}
 
 
+def first_ranks_files(tag: Path) -> int:
+    """Bytes of the files rank 0 (DP rank 0, no pipeline) wrote into `tag`: its optimizer
+    partition's and its model states (ZeRO-3's own, or the module's weights below it)."""
+    return sum(f.stat().st_size for f in tag.glob("*.pt")
+               if "pp_rank_0_" in f.name or f.name == "mp_rank_00_model_states.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("precision", "parallel"), [
     ("fp32", {"dp": 2, "zero": 2}), ("bf16", {"dp": 2, "zero": 3}),
@@ -86,6 +95,11 @@ def test_an_async_save_resumes_with_the_losses_of_a_synchronous_one(
     assert marked[0]["checkpoint"].endswith("step2") and marked[0]["checkpoint_bytes"] > 0
     blocked = [r["save_s"] for r in async_first if r["rank"] == 0 and r["step"] == 2]
     assert blocked and all(b is not None for b in blocked)
+    if "pp" not in parallel:
+        # What the rank held in host memory is what it wrote: the plan's copy against its files.
+        planned = evaluate(spec(precision, True, parallel)).memory.checkpoint_copy
+        written = first_ranks_files(tmp_path / "async" / "step2")
+        assert planned == pytest.approx(written, rel=0.05), (planned, written)
 
 
 @pytest.mark.slow
