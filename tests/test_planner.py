@@ -155,6 +155,34 @@ def test_offload_moves_optimizer_to_host_and_host_is_checked() -> None:
     assert not tight.fits and any("host memory" in r for r in tight.reasons)
 
 
+def test_a_save_in_the_background_holds_a_host_copy_of_what_the_rank_writes() -> None:
+    """`checkpoint.async` (saves due): each rank's optimizer states and, below ZeRO-3, the
+    weights its DP group's first rank writes, in host memory while the save is in flight;
+    a synchronous save or none holds nothing (the copy against the tag's files on real ranks:
+    tests/test_checkpoint_async.py)."""
+    base = job("gpt3-13b", gb=8)
+
+    def planned(zero: int, **checkpoint: object) -> Any:
+        spec = base.model_copy(update={"checkpoint": base.checkpoint.model_validate(
+            {"every_steps": 100, **checkpoint})})
+        return evaluate(spec, ParallelSpec(dp=8, zero=zero)).memory
+
+    sync, none = planned(1, **{"async": False}), planned(1, every_steps=0)
+    assert sync.checkpoint_copy == none.checkpoint_copy == 0
+    one, three = planned(1), planned(3)
+    params = one.params_per_rank
+    assert one.checkpoint_copy == pytest.approx(one.optimizer + 2 * params)  # bf16 weights
+    assert three.checkpoint_copy == pytest.approx(three.optimizer)  # no weights in its files
+    assert one.host_per_rank - sync.host_per_rank == pytest.approx(one.checkpoint_copy)
+    assert one.host_per_node - sync.host_per_node == pytest.approx(8 * one.checkpoint_copy)
+    small_host = get_profile("a100-80gb").with_(host_memory_bytes=one.host_per_node - 1)
+    spec = base.model_copy(update={"checkpoint": base.checkpoint.model_validate(
+        {"every_steps": 100})})
+    tight = evaluate(spec, ParallelSpec(dp=8, zero=1), profile=small_host)
+    assert not tight.fits and any("host memory" in r for r in tight.reasons)
+    assert "a save in the background" in render_plan(tight)
+
+
 def test_recompute_and_sp_order_memory_and_time() -> None:
     # A stack without flash attention: there selective recompute drops the stored scores.
     spec = job("gpt3-6.7b", gb=8).model_copy(deep=True)

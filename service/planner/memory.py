@@ -120,6 +120,11 @@ class MemoryBreakdown:
     profile's measured `reserved_bytes`: imports, process group, engine)."""
     allocator_slack: float = 0.0
     """The caching allocator's reserve over allocated tensors (part of `reserved`)."""
+    checkpoint_copy: float = 0.0
+    """Host memory a save in the background (`checkpoint.async`) holds while it is in flight:
+    the copy of what the rank writes, its optimizer states and (its DP group's first rank,
+    below ZeRO-3) the module's weights (`workers.checkpoint.background`); in
+    `host_per_rank`. 0 with synchronous saves or none."""
 
     @property
     def allocated(self) -> float:
@@ -265,6 +270,8 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         host_params, params = params, 0.0
     offload_buffers = offload.host_buffer_bytes(sc, stage)
     host = HOST_BUFFER_FACTOR * (host_params + host_grads + host_optimizer + offload_buffers)
+    checkpoint_copy = checkpoint_copy_bytes(sc, pr, optimizer + host_optimizer)
+    host += checkpoint_copy
 
     # Activations and logits.
     layers = sc.stage_blocks[stage]
@@ -319,8 +326,20 @@ def stage_memory(sc: Scenario, stage: int) -> MemoryBreakdown:
         reserved=reserved, stage=stage,
         in_flight=in_flight, host_per_rank=host, host_per_node=host_node, params_per_rank=pr,
         host_params=host_params, host_grads=host_grads, host_optimizer=host_optimizer,
-        offload_buffers=offload_buffers,
+        offload_buffers=offload_buffers, checkpoint_copy=checkpoint_copy,
         cuda_context=context, nccl_buffers=nccl, framework=framework, allocator_slack=slack)
+
+
+def checkpoint_copy_bytes(sc: Scenario, params: float, optimizer: float) -> float:
+    """The host copy of a save in the background (`MemoryBreakdown.checkpoint_copy`): the
+    rank's optimizer states (`optimizer`, device and host) and, below ZeRO-3, the module's
+    weights of its `params` in the precision computed, which its DP group's first rank writes
+    (ZeRO-3's module files hold no weights; in fp32 under ZeRO 0 the weights are the master
+    and the optimizer holds only the moments)."""
+    if not sc.async_save:
+        return 0.0
+    weights = 0.0 if sc.layout.zero == 3 else params * (4 if sc.precision == "fp32" else 2)
+    return optimizer + weights
 
 
 def _fsdp_buffers(shape: ModelShape, sc: Scenario, pr: float) -> float:

@@ -189,7 +189,8 @@ def scenario_for(spec: JobSpec, layout: ParallelSpec, *, micro_batch: int | None
         gpus_per_node=spec.target.gpus_per_node,
         nodes=max(spec.target.nodes, -(-world // spec.target.gpus_per_node)),
         zero_cfg=zero_cfg or ZeroConfig(), stack=spec.train.stack,
-        document_mask=spec.data.document_mask, param_groups=param_groups(spec))
+        document_mask=spec.data.document_mask, param_groups=param_groups(spec),
+        async_save=spec.checkpoint.background and spec.checkpoint.every_steps > 0)
 
 
 def param_groups(spec: JobSpec) -> int:

@@ -50,7 +50,9 @@ def render_plan(plan: Plan) -> str:
         f"    other       {_gb(m.other)}  (logits {m.logits / GB:.2f}, ZeRO buffers "
         f"{m.zero_buffers / GB:.2f}, reserved {m.reserved / GB:.2f})",
         f"    total       {_gb(m.total)}  of {plan.capacity_bytes / GB:.1f} GB",
-        f"    host/node   {_gb(m.host_per_node)}  of {plan.host_capacity_bytes / GB:.0f} GB",
+        f"    host/node   {_gb(m.host_per_node)}  of {plan.host_capacity_bytes / GB:.0f} GB"
+        + (f"  (a save in the background: {m.checkpoint_copy / GB:.2f} per rank)"
+           if m.checkpoint_copy else ""),
         "  time per step:",
         f"    compute     {_s(t.compute_s)}  (recompute {t.recompute_s * 1e3:.1f} ms, GEMM "
         f"efficiency {100 * t.gemm_efficiency:.0f}%)",

@@ -69,6 +69,9 @@ class Scenario:
     param_groups: int = 2
     """The optimizer's parameter groups: decayed and not (`workers.trainer.recipe`); one when
     everything decays alike (`train.weight_decay` 0, or `weight_decay_all`)."""
+    async_save: bool = False
+    """`checkpoint.async` with saves due (`every_steps` > 0): while a save is in flight each
+    rank holds a host copy of what it saves (`MemoryBreakdown.checkpoint_copy`)."""
 
     @property
     def stack_constants(self) -> Stack:

@@ -72,6 +72,7 @@ def plan_json(plan: Plan, *, with_ranks: bool = True) -> dict[str, Any]:
         "stages": plan.stages_json(),
         "ranges": ranges(plan),
         "host_memory": {"per_rank": plan.memory.host_per_rank,
+                        "checkpoint_copy": plan.memory.checkpoint_copy,
                         "per_node": plan.memory.host_per_node,
                         "capacity_per_node": plan.host_capacity_bytes},
         "time": plan.time.to_json(),
