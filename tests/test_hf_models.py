@@ -469,11 +469,14 @@ def test_a_zero3_export_holds_one_shard_and_one_tensor_beside_the_mapped_tag(
         tmp_path: Path) -> None:
     # A ZeRO-3 tag of two DP ranks (each rank's flat fp32 partition of every parameter, as
     # DeepSpeed writes it) exported in shards of an eighth of the weights: the process's
-    # peak above its imports is the tag's mapped pages (the weights once) plus one shard
-    # (or one tensor larger) and the tensor being made, not the ranks' partitions joined
-    # and then every parameter cut from them: 2.16x the weights above the imports before
-    # the export was lazy (5149841), 1.29x since, against a bound of 1.44x here. glibc's
-    # mmap threshold fixed at 1 MiB: freed tensors go back to the system, not to its heap.
+    # peak above its imports is at most twice its largest shard plus its largest tensor
+    # (issue 44's goal: the shard held, the tensor being made and the mapped pages it is
+    # read from), not the ranks' partitions joined and then every parameter cut from them:
+    # 2.16x the weights above the imports before the export was lazy (5149841), 1.29x
+    # while the tag's mapped pages stayed resident once read, 0.52x since they are given
+    # back (workers.checkpoint.mapped), against 0.51x for twice the largest shard (the
+    # largest tensor's own) plus that tensor. glibc's mmap threshold fixed at 1 MiB: freed
+    # tensors go back to the system, not to its heap.
     spec = ModelSpec(layers=4, hidden=512, heads=8, kv_heads=4, vocab=8000, seq_len=16,
                      activation="swiglu")
     shape = ModelShape.from_spec(spec)
@@ -506,10 +509,13 @@ def test_a_zero3_export_holds_one_shard_and_one_tensor_beside_the_mapped_tag(
                   "--shape", json.dumps(dataclasses.asdict(shape)),
                   "--max-shard-bytes", str(size // 8))
     largest = max(t.numel() * t.element_size() for t in params.values())
-    # and a tenth of the weights for what is not tensors: files' pages read around them
-    bound = size + max(size // 8, largest) + largest + size // 10
+    shards = list((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) >= 8
+    largest_shard = max(f.stat().st_size for f in shards)
+    # and a twentieth of the weights for what is not tensors (the pickles' headers, the
+    # pages read around a tensor's), 4 MB here
+    bound = 2 * largest_shard + largest + size // 20
     assert export - imports < bound, ((export - imports) / size, bound / size)
-    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 8
     back = GPT(shape, 1)
     load_hf(back, shape, str(tmp_path / "out"))
     assert all(torch.equal(p.detach(), params[k]) for k, p in back.named_parameters())

@@ -164,12 +164,14 @@ class ExportWork:
 
     def memory_bytes(self) -> int:
         """The memory the task holds at most (`workers.checkpoint.hf_weights.write_hf`): one
-        shard, at most the model's weights (4 bytes a parameter at most), and one tensor
-        (the largest, the embedding or the head), plus 256 MiB for the interpreter and torch."""
+        shard, at most the model's weights (4 bytes a parameter at most), and twice one tensor
+        (the largest, the embedding or the head: made, and the tag's pages it is read from,
+        given back once it is made: `workers.checkpoint.mapped`), plus 256 MiB for the
+        interpreter and torch."""
         shape = ModelShape.from_fields(self.shape)
         weights = 4 * shape.total_params
         tensor = 4 * shape.vocab * shape.hidden
-        return min(self.max_shard_bytes, weights) + tensor + (256 << 20)
+        return min(self.max_shard_bytes, weights) + 2 * tensor + (256 << 20)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from service.files.checkpoint_dirs import ExportRefused
 from service.files.checkpoint_tags import tag
 from service.files.export import ExportDone, ExportWork
 from service.planner.shape import ModelShape
+from workers.checkpoint import mapped
 from workers.checkpoint.full_state import join_shards, unfuse, unfused_names
 from workers.checkpoint.hf_weights import DEFAULT_MAX_SHARD_BYTES, Lazy, write_hf
 from workers.checkpoint.tag_forms import flat_layout, optim_states
@@ -196,7 +197,8 @@ def export(directory: str, step: int, shape: ModelShape, out: str,
     `out` (`config.json`, safetensors in shards of at most `max_shard_bytes`, tensor by
     tensor: `write_hf`); the files written. ExportRefused naming why not."""
     try:
-        return write_hf(shape, lazy_full(directory, step, shape), out, max_shard_bytes)
+        return write_hf(shape, lazy_full(directory, step, shape), out, max_shard_bytes,
+                        read_done=lambda: mapped.release(os.path.join(directory, tag(step))))
     except (OSError, KeyError) as exc:
         raise ExportRefused(f"{directory}/{tag(step)}: {exc}") from exc
     except ValueError as exc:

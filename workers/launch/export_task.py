@@ -2,7 +2,7 @@
 (`service.control.export_run` runs `ray_export` on a thread of the controller's).
 
 The task requests one CPU and the memory the export holds at most (`ExportWork.memory_bytes`:
-one shard, one tensor, the interpreter), so Ray places it only where that much is free; it
+one shard, twice one tensor, the interpreter), so Ray places it only where that much is free; it
 prefers the node where the job's rank 0 last ran (soft affinity), which wrote the tag's
 files, and runs elsewhere when that node is gone (the tag is then read from storage every
 node shares, or the task refuses naming the missing tag). Its worker process ends with it
