@@ -23,7 +23,8 @@ import sys
 TIERS: dict[str, tuple[str, ...]] = {
     "unit": (
         "test_auth_matrix", "test_budgets",
-        "test_checkpoint_mapped", "test_checkpoints", "test_command_spec", "test_command_unplanned", "test_controller",
+        "test_checkpoint_mapped", "test_checkpoints", "test_command_spec",
+        "test_command_unplanned", "test_controller",
         "test_controller_admission",
         "test_chat_prepare", "test_command_progress", "test_controller_cancel",
         "test_controller_reattach", "test_corpus",
