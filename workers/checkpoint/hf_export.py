@@ -191,14 +191,26 @@ def _joined(name: str, parts: list[Lazy]) -> Lazy:
     return lambda: join_shards(name, [p() for p in parts])
 
 
+def _released(make: Lazy, path: str) -> Lazy:
+    def made() -> torch.Tensor:
+        t = make()
+        mapped.release(path)
+        return t
+    return made
+
+
 def export(directory: str, step: int, shape: ModelShape, out: str,
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write tag `step` of the checkpoint folder `directory` as a Hugging Face model folder
     `out` (`config.json`, safetensors in shards of at most `max_shard_bytes`, tensor by
-    tensor: `write_hf`); the files written. ExportRefused naming why not."""
+    tensor: `write_hf`); the files written. ExportRefused naming why not. Once each tensor is
+    made, the tag's pages read so far leave the resident set (`workers.checkpoint.mapped`):
+    the tensor's sources, and the shard just written from the tag's own tensors."""
+    path = os.path.join(directory, tag(step))
     try:
-        return write_hf(shape, lazy_full(directory, step, shape), out, max_shard_bytes,
-                        read_done=lambda: mapped.release(os.path.join(directory, tag(step))))
+        lazy = lazy_full(directory, step, shape)
+        return write_hf(shape, {k: _released(make, path) for k, make in lazy.items()}, out,
+                        max_shard_bytes)
     except (OSError, KeyError) as exc:
         raise ExportRefused(f"{directory}/{tag(step)}: {exc}") from exc
     except ValueError as exc:

@@ -348,8 +348,7 @@ def save_hf(shape: ModelShape, full: dict[str, torch.Tensor], out: str,
 
 
 def write_hf(shape: ModelShape, full: dict[str, Lazy], out: str,
-             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-             read_done: Callable[[], object] | None = None) -> list[str]:
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write the folder `out` as `transformers`' `save_pretrained` does: `config.json` and
     the tensors `full` (canonical names, lazy) under Hugging Face's names, in one
     `model.safetensors` when they fit in `max_shard_bytes`, else in shards
@@ -357,9 +356,8 @@ def write_hf(shape: ModelShape, full: dict[str, Lazy], out: str,
     one of its own) named by `model.safetensors.index.json` (`weight_map`,
     `metadata.total_size`). Tensor by tensor: a shard is written once the next tensor would
     not fit in it, so that one shard and one tensor are held at most (its number in the
-    names is known only at the end: each is written as `.shard-<k>` and renamed);
-    `read_done` runs once each tensor is made and each shard written (the export gives back
-    the pages of the tag it read: `workers.checkpoint.mapped`). The files written."""
+    names is known only at the end: each is written as `.shard-<k>` and renamed). The files
+    written."""
     tensors = to_hf_lazy(shape, full)
     os.makedirs(out, exist_ok=True)
     meta = {"format": "pt"}
@@ -372,13 +370,9 @@ def write_hf(shape: ModelShape, full: dict[str, Lazy], out: str,
         write_safetensors(held, os.path.join(out, f".shard-{len(shards)}"), meta)
         shards.append(list(held))
         held.clear()
-        if read_done is not None:
-            read_done()
 
     for name, make in tensors.items():
         t = make()
-        if read_done is not None:
-            read_done()
         n = t.numel() * t.element_size()
         if held and size + n > max_shard_bytes:
             flush()
