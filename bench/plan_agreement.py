@@ -2,15 +2,15 @@
 framework's resident memory that the `cpu` profile's `reserved_bytes` is made of.
 
 1. A fresh process imports the trainer (torch, DeepSpeed, `torch._dynamo` as the trainer
-   does before it measures) and starts a one-rank gloo process group: its resident memory,
-   342 MB; a rank that Ray runs holds about 97 MB more there (Ray's core worker), the
-   `cpu` profile's `CPU_FRAMEWORK_START_BYTES` (service/contract/hardware.py,
+   does before it measures) and starts a one-rank gloo process group: its own (anonymous)
+   memory, 251 MB; a rank that Ray runs holds more there (Ray's core worker), the `cpu`
+   profile's `CPU_FRAMEWORK_START_BYTES` (307 MB, service/contract/hardware.py,
    `pytest -s tests/test_plan_agreement_ray.py` prints it).
 2. gpt-tiny on 2 forked CPU ranks, fp32, 6 steps, for each layout given (default: the three
    of issue 46's table): each rank's last-step report against its stage's plan (the total
-   with the framework's bytes each rank measured, `RankAgreement.planned_total_here`), and
-   the framework's growth (peak RSS less the framework at start and the measured
-   categories; 35-48 MB on forked ranks, 26 MB on Ray's, `CPU_FRAMEWORK_GROWTH_BYTES`).
+   with the framework's bytes each rank measured, `RankAgreement.planned_total_here`, against
+   the peak of its own memory), and the framework's growth (that peak less the framework at
+   start and the measured categories; 4-13 MB, `CPU_FRAMEWORK_GROWTH_BYTES` 8 MB).
 
 Prints the tables of docs/planner.md ("Plan against the trainer's memory report"): the device
 categories of every layout, then the host ones of the offload layouts.
@@ -45,7 +45,8 @@ FRESH = """
 import os, torch.distributed as dist, workers.trainer.train, torch._dynamo
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
-print(int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+from workers.monitor.memory import anonymous_bytes
+print(anonymous_bytes())
 """
 
 
@@ -66,7 +67,7 @@ def main() -> None:
     print(f"framework at start (fresh process, trainer imported, gloo group up): {start:,} B")
     layouts = LAYOUTS | (MORE if "--all" in sys.argv else {})
     print("\n| layout | rank (stage) | params planned / measured | grads | optimizer |"
-          " activations | gathered | total planned / peak RSS | framework growth |")
+          " activations | gathered | total planned / peak | framework growth |")
     print("|---|---|---|---|---|---|---|---|---|")
     host: list[str] = []
     for name, parallel in layouts.items():

@@ -55,10 +55,10 @@ class RankAgreement:
     @property
     def planned_total_here(self) -> float:
         """The plan's total with its framework bytes as this rank measured them at its
-        training's start (imports, `torch._dynamo` included, and process group: a forked
-        rank shares its fork server's pages, one that Ray runs holds Ray's core worker too)
-        plus the framework's growth while it builds the engine and runs the first step (the
-        `cpu` profile's, measured on ranks that Ray runs)."""
+        training's start (its own memory once imports, `torch._dynamo` included, and process
+        group are done: a forked rank shares its fork server's pages, one that Ray runs holds
+        Ray's core worker too) plus the framework's growth while it builds the engine and runs
+        the first step (the `cpu` profile's)."""
         framework = self.measured["framework_bytes"] + CPU_FRAMEWORK_GROWTH_BYTES
         return self.planned.total - self.planned.framework + framework
 

@@ -25,7 +25,7 @@ def test_demo_job_trains_and_reports_every_step_on_every_rank():
         (rank, step) for rank in range(2) for step in range(1, 21)]
     for row in rows:
         assert row.keys() >= STEP_KEYS and row["memory"].keys() >= MEMORY_KEYS
-        assert row["memory"]["process_peak_source"] == "rss_peak"
+        assert row["memory"]["process_peak_source"] == "anon_peak"
         assert row["memory"]["process_peak_bytes"] > 0, "read every step"
         # monitor.memory_every 50: the first and the last step measured, the others not.
         measured = row["memory"]["optimizer_bytes"] is not None

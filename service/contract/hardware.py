@@ -39,19 +39,18 @@ from typing import Any
 
 GB = 1e9
 GiB = 2.0**30
-CPU_FRAMEWORK_START_BYTES = 438e6
-"""A CPU rank's framework: the resident memory of a rank that Ray runs (its worker process,
-Ray's core worker in it) once torch, DeepSpeed, `torch._dynamo` and the trainer are imported
-and its gloo process group is up: the trainer's `framework_bytes` (435-441 MB measured,
-`pytest -s tests/test_plan_agreement_ray.py`). A fresh process without Ray holds 342 MB there
-(`python bench/plan_agreement.py`), a rank forked from a fork server that imported the trainer
-about 292 MB (it shares the server's pages and has faulted in few of its libraries' pages yet)."""
-CPU_FRAMEWORK_GROWTH_BYTES = 26e6
+CPU_FRAMEWORK_START_BYTES = 307e6
+"""A CPU rank's framework: the own memory (anonymous: `RssAnon` + `RssShmem`) of a rank that
+Ray runs (its worker process, Ray's core worker in it) once torch, DeepSpeed, `torch._dynamo`
+and the trainer are imported and its gloo process group is up: the trainer's `framework_bytes`
+(304-313 MB measured, `pytest -s tests/test_plan_agreement_ray.py`). The library pages its
+resident set also maps (140 MB there, more on files the kernel holds in larger pieces) are
+the page cache's, not the rank's (`workers.monitor.memory`)."""
+CPU_FRAMEWORK_GROWTH_BYTES = 8e6
 """What the framework adds on a CPU rank while it builds the engine and runs the first step,
-besides the tensors of the plan's categories: the rank's peak RSS (from the start above) less
-the framework at start and the measured categories, 25-27 MB on ranks that Ray runs (mostly
-libtorch's code pages faulted in by the first step); 35-48 MB on forked ranks, which fault in
-more of them (a fork does not copy the parent's file-backed page tables)."""
+besides the tensors of the plan's categories: the rank's peak own memory (from the start
+above) less the framework at start and the measured categories, 4-13 MB on every layout
+family (`python bench/plan_agreement.py --all`)."""
 MiB = 2.0**20
 
 

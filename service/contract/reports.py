@@ -59,16 +59,19 @@ class MemoryReport(BaseModel):
     buckets_bytes: int | None = Field(default=None, ge=0)
     """Communication buckets DeepSpeed holds (gradient reduction, ZeRO-3's reduce bucket)."""
     framework_bytes: int | None = Field(default=None, ge=0)
-    """What the framework itself holds: on CPU the process's resident memory once torch,
-    DeepSpeed and the trainer are imported and the process group is up, before the model."""
+    """What the framework itself holds: on CPU the process's anonymous memory (`RssAnon` +
+    `RssShmem`: not the library pages it maps) once torch, DeepSpeed and the trainer are
+    imported and the process group is up, before the model."""
     not_measured: dict[Annotated[str, Field(max_length=64)],
                        Annotated[str, Field(max_length=1024)]] | None = Field(
         default=None, max_length=16)
     """Categories this rank cannot measure, each with the reason (their bytes are in the
     process peak, not in another category)."""
     process_peak_bytes: int | None = Field(default=None, ge=0)
-    """Peak RSS of the process (CPU) or `torch.cuda.max_memory_allocated` (GPU)."""
-    process_peak_source: Literal["rss_peak", "cuda_max_allocated"] | None = None
+    """The process's peak: on CPU its own memory's (`anon_peak`: the peak RSS less the
+    library pages it maps, `workers.monitor.memory`; `rss_peak`: the whole peak RSS, as light
+    ranks and reports of before read it), on GPU `torch.cuda.max_memory_allocated`."""
+    process_peak_source: Literal["anon_peak", "rss_peak", "cuda_max_allocated"] | None = None
 
 
 class CommOpStats(TypedDict):

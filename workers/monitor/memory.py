@@ -18,12 +18,23 @@ with the same boundaries:
 - Gathered: ZeRO-3's whole weights (kept whole, gathered, prefetched), peak over the step.
 - Buckets: DeepSpeed's communication buckets (offload's device gradient buffer included) on
   GPU; on CPU not measured (`not_measured` says why).
-- Framework: on CPU, the resident memory before the model is built (imports, `torch._dynamo`
+- Framework: on CPU, the anonymous memory before the model is built (imports, `torch._dynamo`
   included, and process group: `training_start`); on GPU not measured (the CUDA context is
   no tensor).
-- Process: on CPU the peak RSS since `training_start` (what the process did before, such as
-  the health monitor's bandwidth probe, is not the training's); on GPU
-  `torch.cuda.max_memory_allocated`.
+- Process: on CPU the peak of the process's own memory since `training_start` (what the
+  process did before, such as the health monitor's bandwidth probe, is not the training's):
+  its peak RSS less the library pages mapped now; on GPU `torch.cuda.max_memory_allocated`.
+
+A CPU rank's own memory is its anonymous memory (`RssAnon` + `RssShmem`): what it allocated.
+Its resident set also holds the pages of the libraries it maps (`RssFile`: libtorch's code and
+read-only data), which are the page cache's, shared by every process that maps them and
+dropped under pressure, and whose count depends on how the kernel holds the files rather than
+on the training: ranks forked from one fork server, run alike, had 57-61 MiB of them at their
+peak on a virtual environment installed an hour before and 140-143 MiB on one just
+installed (the fresh clone CI runs), with their anonymous memory the same within 4 MiB
+(docs/planner.md). The file pages only grow as code is first run, so the peak of the
+anonymous memory is read as the peak RSS less the file pages at the report (`VmHWM` less
+`RssFile`: at most the file pages mapped after the peak too low).
 
 The first two cost a step time (a hook on every saved activation, a walk of the whole
 optimizer state after the step): `MemoryMonitor` measures them only on the steps it samples
@@ -38,7 +49,6 @@ Called by `workers.trainer.train`.
 
 from __future__ import annotations
 
-import os
 import resource
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
@@ -58,7 +68,7 @@ from workers.monitor.model_states import (
     tensors_in,
 )
 
-__all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "resident_bytes",
+__all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "anonymous_bytes",
            "training_start"]
 
 WATCH_FRACTION = 0.9
@@ -281,7 +291,7 @@ class MemoryMonitor:
         if self.capacity and peak >= WATCH_FRACTION * self.capacity:
             self.watching = True
         cpu = self.device.type != "cuda"
-        source = "rss_peak" if cpu else "cuda_max_allocated"
+        source = "anon_peak" if cpu else "cuda_max_allocated"
         if not self._measuring:
             return MemoryReport(process_peak_bytes=peak, process_peak_source=source)
         states = self.states.read()
@@ -303,35 +313,48 @@ class MemoryMonitor:
 
 
 def process_peak_bytes(device: torch.device) -> int:
-    """The process's peak: on CPU its peak resident set since `training_start` (`VmHWM`; the
-    peak `getrusage` reports where /proc is absent)."""
+    """The process's peak: on CPU the peak of its own memory since `training_start` (`VmHWM`
+    less `RssFile`, the module's docstring; the peak `getrusage` reports where /proc is
+    absent)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    kib = _status_kib()
+    if "VmHWM" in kib:
+        return (kib["VmHWM"] - kib.get("RssFile", 0)) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def training_start() -> int:
-    """The framework's resident bytes as training starts (imports and process group, before
-    the model), and the start of the process peak: the kernel's high-water mark is reset to
-    the resident set now (Linux's clear_refs 5), so that the peak is the training's, not that
-    of what the process did before (the health monitor's bandwidth probe, whose largest
-    messages and their gloo buffers are freed before training; a peak of Ray's start-up)."""
+    """The framework's own bytes as training starts (imports and process group, before the
+    model: `anonymous_bytes`), and the start of the process peak: the kernel's high-water mark
+    is reset to the resident set now (Linux's clear_refs 5), so that the peak is the
+    training's, not that of what the process did before (the health monitor's bandwidth
+    probe, whose largest messages and their gloo buffers are freed before training; a peak of
+    Ray's start-up)."""
     with suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return resident_bytes()
+    return anonymous_bytes()
 
 
-def resident_bytes() -> int:
-    """Resident memory of this process now (`/proc/self/statm`; the peak where it is absent)."""
+def anonymous_bytes() -> int:
+    """This process's own memory now: `RssAnon` + `RssShmem` (the module's docstring; the
+    resident set where /proc is absent)."""
+    kib = _status_kib()
+    if "RssAnon" in kib:
+        return (kib["RssAnon"] + kib.get("RssShmem", 0)) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_kib() -> dict[str, int]:
+    """The kB fields of /proc/self/status this module reads (none where it is absent)."""
+    out: dict[str, int] = {}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(value.split()[0])
     except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {}
+    return out
+
