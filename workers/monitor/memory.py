@@ -34,7 +34,7 @@ peak on a virtual environment installed an hour before and 140-143 MiB on one ju
 installed (the fresh clone CI runs), with their anonymous memory the same within 4 MiB
 (docs/planner.md). The file pages only grow as code is first run, so the peak of the
 anonymous memory is read as the peak RSS less the file pages at the report (`VmHWM` less
-`RssFile`: at most the file pages mapped after the peak too low).
+`RssFile`), too low by at most the file pages mapped after the peak.
 
 The first two cost a step time (a hook on every saved activation, a walk of the whole
 optimizer state after the step): `MemoryMonitor` measures them only on the steps it samples
@@ -338,7 +338,7 @@ def training_start() -> int:
 
 def anonymous_bytes() -> int:
     """This process's own memory now: `RssAnon` + `RssShmem` (the module's docstring; the
-    resident set where /proc is absent)."""
+    peak resident set where /proc is absent)."""
     kib = _status_kib()
     if "RssAnon" in kib:
         return (kib["RssAnon"] + kib.get("RssShmem", 0)) * 1024
