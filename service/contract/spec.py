@@ -510,7 +510,8 @@ class CheckpointSpec(_Strict):
     background: bool = Field(default=True, alias="async")
     """`async` (the default): the loop waits only while each rank copies its state to host
     memory; a thread per rank writes the files, and the tag is marked complete at a later step
-    boundary once every rank's are durable (`workers.checkpoint.background`). False: a save
+    boundary once every rank's are durable (`workers.checkpoint.background`), so that a
+    failure before then resumes from the tag before (docs/checkpoints.md). False: a save
     blocks the loop until its tag is complete."""
     resume_from: ResumeFrom | None = None
     """The job starts from this tag of another job (read there, never written): its first

@@ -1,9 +1,9 @@
 """Pages of a tag's mapped files given back once read: the export maps the tag's files
 (`torch.load(mmap=True)`) and reads each tensor from them; the pages it touched stay in its
 resident set until the mapping goes, which for a whole model's tag is the whole model again.
-After each shard is written, `release` drops this process's page-table entries of those
-mappings (`madvise(MADV_DONTNEED)`): the file's pages stay in the page cache, a later read
-maps them again, and the resident set holds what the shard being made needs.
+Once each tensor is made (`hf_export.export`), `release` drops this process's page-table
+entries of those mappings (`madvise(MADV_DONTNEED)`): the file's pages stay in the page cache,
+a later read maps them again, and the resident set holds what the shard being made needs.
 
 Only mappings that hold no page of their own are released: a private mapping's page that was
 written to is anonymous memory (copy-on-write), which MADV_DONTNEED would discard, so a
