@@ -208,3 +208,27 @@ def test_preempted_ranks_save_where_they_stop_and_the_next_attempt_loses_nothing
     assert {r["loss"] for r in saved if r["rank"] == 0} == {losses(first)[2]}
     assert {r["resumed_from"] for r in second} == {3}
     assert losses(second) == losses(whole)[3:], "fp32: the same losses after the preemption"
+
+
+@pytest.mark.slow
+def test_a_preemption_after_a_save_in_the_background_saves_its_own_step(tmp_path: Path) -> None:
+    """`checkpoint.async`: tag step2, written in the background, is marked at step 3's
+    boundary and reported with step 3; asked to save now and stop after step 3, the ranks
+    still save step 3 (an earlier tag in the last report is not the stopping step's), and the
+    next attempt resumes there: no step redone."""
+    from tests.workers_spawn import losses, run_ranks
+    from workers.checkpoint.saving import MARKER
+
+    spec = JobSpec.model_validate(tiny_spec(
+        train={"steps": 6, "global_batch": 8, "micro_batch": 2, "lr": 1e-3,
+               "precision": "fp32"},
+        checkpoint={"every_steps": 2, "async": True}))
+    first, second = run_ranks(spec, checkpoint_dir=str(tmp_path), attempts=[3, None],
+                              preempt=True)
+    (whole,) = run_ranks(spec)
+    assert (tmp_path / "step2" / MARKER).exists() and (tmp_path / "step3" / MARKER).exists()
+    tags = {(r["step"], r["checkpoint_step"], r["checkpoint"].rsplit("/", 1)[-1])
+            for r in first if r["rank"] == 0 and r["checkpoint"]}
+    assert (3, None, "step3") in tags, tags
+    assert {r["resumed_from"] for r in second} == {3}
+    assert losses(second) == losses(whole)[3:], "fp32: the same losses after the preemption"

@@ -339,11 +339,12 @@ def saved_now(engine, directory: str, last: StepReport, spec: JobSpec,
               consumed_samples: int | None,
               steps: Callable[[str], None] | None = None) -> StepReport:
     """Collective, when the job is preempted (`RankContext.save_now`): save the tag of the
-    steps done (`last`'s step) as `save` does; `last` again with the tag (the controller
-    stores the step once, and records the tag)."""
+    steps done (`last`'s step) as `save` does; `last` again with the tag, its own step's
+    (the controller stores the step once, and records the tag; an earlier tag marked with
+    `last`'s first report is replaced)."""
     saved = save(engine, directory, last.step, spec, consumed_samples, steps)
     return last.model_copy(update={
-        "checkpoint": saved.path, "checkpoint_error": saved.error,
+        "checkpoint": saved.path, "checkpoint_error": saved.error, "checkpoint_step": None,
         "checkpoint_bytes": saved.bytes, "checkpoints_removed": list(saved.removed) or None})
 
 

@@ -320,7 +320,10 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if world_any(stop.is_set(), device):
             if pending is not None and last is not None:
                 last, pending = _settle(pending, last, report), None
-            if ctx.checkpoint_dir and last is not None and last.checkpoint is None and \
+            # The last step's own tag, not an earlier one marked with its report.
+            own_tag = last is not None and last.checkpoint is not None and \
+                last.checkpoint_step in (None, last.step)
+            if ctx.checkpoint_dir and last is not None and not own_tag and \
                     ctx.save_now is not None and world_any(ctx.save_now.is_set(), device):
                 report(checkpoint.saved_now(engine, ctx.checkpoint_dir, last, spec, consumed,
                                             steps_writer(ctx)))
