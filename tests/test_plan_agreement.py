@@ -18,9 +18,9 @@ shares its fork server's pages, so it starts at about 270 MB where a rank that R
 at the `cpu` profile's 307 MB; tests/test_plan_agreement_ray.py asserts the plan's own total
 there). Both are the rank's own memory, anonymous memory (`workers.monitor.memory`), not the
 library pages its resident set maps: those varied with the virtual environment's files (59-61
-MiB at the start and 140-143 MiB at the peak on one installed just before, as CI's fresh
-clone, 24 and 57-61 MiB on an older one, the anonymous memory the same), which put the whole
-peak RSS 10-15 % above the plan in CI. Measured: within 1.6 % on every layout family (`python
+MiB at the start and 140-143 MiB at the peak on a fresh clone's `.ci/run`'s, 24 and 57-61 MiB
+on the development checkout's, the anonymous memory the same), which put the whole peak RSS
+10-15 % above the plan in CI. Measured: within 1.6 % on every layout family (`python
 bench/plan_agreement.py --all`; docs/planner.md has the table).
 
 What does not hold yet, measured (docs/planner.md has the table):

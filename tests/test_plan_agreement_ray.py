@@ -8,9 +8,9 @@ The plan's own total, with the `cpu` profile's framework figure (`CPU_FRAMEWORK_
 peak from both sides: 320.0 MB planned against peaks of 315.6-323.8 MB (1.4 % above to 1.2 %
 below, four ranks). A CPU rank's peak is that of its own memory, anonymous memory
 (`workers.monitor.memory`): the library pages its resident set also maps vary with how the
-kernel holds the files (a rank on a virtual environment installed just before, as in CI's
-fresh clone, mapped about 100 MB more of them with the same anonymous memory: the plan was 20 %
-under such a rank's whole peak RSS). The peak counts from the training's start
+kernel holds the files (a rank on the virtual environment of a fresh clone's `.ci/run` mapped
+about 100 MB more of them than one on the development checkout's: the plan was 20 % under
+such a rank's whole peak RSS). The peak counts from the training's start
 (`workers.monitor.memory.training_start`): the probe before it, whose 64 MiB messages and their
 gloo buffers are freed by then, is not the training's."""
 

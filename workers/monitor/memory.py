@@ -30,9 +30,9 @@ Its resident set also holds the pages of the libraries it maps (`RssFile`: libto
 read-only data), which are the page cache's, shared by every process that maps them and
 dropped under pressure, and whose count depends on how the kernel holds the files rather than
 on the training: ranks forked from one fork server, run alike, had 57-61 MiB of them at their
-peak on a virtual environment installed an hour before and 140-143 MiB on one just
-installed (the fresh clone CI runs), with their anonymous memory the same within 4 MiB
-(docs/planner.md). The file pages only grow as code is first run, so the peak of the
+peak on the development checkout's virtual environment and 140-143 MiB on that of a fresh
+clone's `.ci/run`, with their anonymous memory the same within 4 MiB (docs/planner.md).
+The file pages only grow as code is first run, so the peak of the
 anonymous memory is read as the peak RSS less the file pages at the report (`VmHWM` less
 `RssFile`), too low by at most the file pages mapped after the peak.
 
