@@ -191,6 +191,13 @@ class Saved(NamedTuple):
     removed: tuple[int, ...] = ()
     """The steps of the older tags deleted after it by the retention policy."""
 
+    def report_fields(self, step: int | None = None) -> dict[str, Any]:
+        """A step report's fields of this save (`step`: the tag's, when not the report's
+        own step)."""
+        return {"checkpoint": self.path, "checkpoint_error": self.error,
+                "checkpoint_bytes": self.bytes, "checkpoint_step": step,
+                "checkpoints_removed": list(self.removed) or None}
+
 
 class _Held:
     """The first error of a rank's checkpoint writes, held instead of raised; and the size and
@@ -343,9 +350,7 @@ def saved_now(engine, directory: str, last: StepReport, spec: JobSpec,
     (the controller stores the step once, and records the tag; an earlier tag marked with
     `last`'s first report is replaced)."""
     saved = save(engine, directory, last.step, spec, consumed_samples, steps)
-    return last.model_copy(update={
-        "checkpoint": saved.path, "checkpoint_error": saved.error, "checkpoint_step": None,
-        "checkpoint_bytes": saved.bytes, "checkpoints_removed": list(saved.removed) or None})
+    return last.model_copy(update=saved.report_fields())
 
 
 def prune(directory: str, newest: int, *, keep_last: int | None,

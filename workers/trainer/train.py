@@ -396,7 +396,7 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
         if pending is not None and (due or outcome.rollback is not None
                                     or not world_any(not pending.written(), device)):
             t_mark = time.perf_counter()
-            last = last.model_copy(update=_saved_fields(pending.finish(), pending.step))
+            last = last.model_copy(update=pending.finish().report_fields(pending.step))
             pending, blocked = None, time.perf_counter() - t_mark
             last = last.model_copy(update={"save_s": blocked})
         if outcome.rollback is not None:
@@ -420,18 +420,11 @@ def _train_gpt(spec: JobSpec, ctx: RankContext, device: torch.device, groups: Ra
                                     consumed_samples=progress.samples,
                                     steps=steps_writer(ctx, last))
             last = last.model_copy(update={
-                **_saved_fields(saved, None), "save_s": time.perf_counter() - t_save})
+                **saved.report_fields(), "save_s": time.perf_counter() - t_save})
         report(last)
     if pending is not None and last is not None:
         _settle(pending, last, report)
     engine.destroy()
-
-
-def _saved_fields(saved: checkpoint.Saved, step: int | None) -> dict[str, Any]:
-    """A step report's fields of a save (`step`: the tag's, when not the report's own)."""
-    return {"checkpoint": saved.path, "checkpoint_error": saved.error,
-            "checkpoint_bytes": saved.bytes, "checkpoint_step": step,
-            "checkpoints_removed": list(saved.removed) or None}
 
 
 def _settle(pending: background.Pending, last: StepReport, report: Report) -> StepReport:
@@ -442,7 +435,7 @@ def _settle(pending: background.Pending, last: StepReport, report: Report) -> St
     saved = pending.finish()
     blocked = time.perf_counter() - t_mark
     own = pending.step == last.step
-    done = last.model_copy(update={**_saved_fields(saved, pending.step),
+    done = last.model_copy(update={**saved.report_fields(pending.step),
                                    "save_s": blocked + ((last.save_s or 0.0) if own else 0.0)})
     report(done)
     return done if own else last
