@@ -10,19 +10,15 @@ the checkpoint exported as a Hugging Face folder (files, route, `TridentClient`)
 `transformers` and gives the logits of Trident's own evaluation of that checkpoint; the
 `trident export` command against a live API gives a folder of a tag's weights that
 `transformers` loads to the same logits as Trident's model; an export above
-`--max-shard-size` is transformers' sharded folder with its index, and a ZeRO-3 export holds
-one shard and one tensor beside the mapped tag. One module because every test here is a
+`--max-shard-size` is transformers' sharded folder with its index (the export's memory:
+tests/test_export_memory.py). One module because every test here is a
 Hugging Face model going into or out of Trident, sharing its makers, tolerances and
 tags."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -426,114 +422,3 @@ def test_an_export_the_converter_refuses_fails_naming_why_and_leaves_nothing_beh
     assert all(e["files"] == [] and e["bytes"] is None for e in ended)
     assert list(scratch.iterdir()) == []
     assert list((tmp_path / "exports" / "alice").iterdir()) == []
-
-
-_PEAK = """import runpy, sys
-if sys.argv[1] == "-c":
-    exec(sys.argv[2])
-else:
-    sys.argv = sys.argv[2:]
-    try:
-        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        if stop.code:
-            raise
-kib = {}
-for line in open("/proc/self/status"):
-    key, value = line.split(":", 1)
-    if value.strip().endswith("kB"):
-        kib[key] = int(value.split()[0])
-print((kib["VmHWM"] - kib["RssFile"]) * 1024)"""
-"""The peak of the process's own memory while it runs `-c CODE` or `-m MODULE ARGS...`: the
-peak resident set less the file pages mapped at its end (as a CPU rank's `anon_peak`,
-workers.monitor.memory). The library pages a process maps differ between two installs of the
-same packages (by 80 MB between a fresh clone's and the development checkout's), and are the
-page cache's; the tag's pages the export reads, mapped at its peak and given back after,
-stay counted."""
-
-
-@pytest.mark.slow
-def test_the_export_maps_the_tag_instead_of_copying_the_weights(tmp_path: Path) -> None:
-    # The export process's own peak memory above what its imports alone take is about the
-    # weights (the tag's file mapped, each tensor written from it), not two copies and
-    # more (a clone of each tensor, then every file's bytes: 1.9 times, measured).
-    spec = ModelSpec(layers=2, hidden=512, heads=8, kv_heads=8, vocab=32000, seq_len=16,
-                     activation="swiglu")
-    shape = ModelShape.from_spec(spec)
-    weights = GPT(shape, 0).state_dict()
-    size = sum(t.numel() * t.element_size() for t in weights.values())
-    folder = tmp_path / tag(3)
-    folder.mkdir()
-    torch.save({"module": weights}, folder / "mp_rank_00_model_states.pt")
-    (folder / LAYOUT).write_text(json.dumps({"tp": 1, "pp": 1, "dp": 1, "zero": 0}))
-    (folder / MARKER).write_text("3\n")
-    del weights
-
-    def peak(*argv: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _PEAK, *argv],
-                             capture_output=True, text=True, check=True, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        return int(out.stdout.splitlines()[-1])
-
-    imports = peak("-c", "import workers.checkpoint.hf_export, safetensors.torch")
-    export = peak("-m", "workers.checkpoint.hf_export", str(tmp_path), "3", str(tmp_path / "out"),
-                  "--shape", json.dumps(dataclasses.asdict(shape)))
-    assert (tmp_path / "out" / "model.safetensors").stat().st_size > size
-    assert export - imports < 1.3 * size, (export - imports) / size
-
-
-@pytest.mark.slow
-def test_a_zero3_export_holds_one_shard_and_one_tensor_beside_the_mapped_tag(
-        tmp_path: Path) -> None:
-    # A ZeRO-3 tag of two DP ranks (each rank's flat fp32 partition of every parameter, as DeepSpeed
-    # writes it) exported in shards of an eighth of the weights: the peak of the process's own
-    # memory (`_PEAK`) above its imports' is at most twice its largest shard plus its largest tensor
-    # (issue 44's goal: the shard held, the tensor being made and the mapped pages it is read from),
-    # not the ranks' partitions joined and then every parameter cut from them: 2.16x the weights
-    # above the imports before the export was lazy (5149841), 1.29x while the tag's mapped pages
-    # stayed resident once read, 0.52x since they are given back (workers.checkpoint.mapped),
-    # against 0.51x for twice the largest shard (the largest tensor's own) plus that tensor. Counted
-    # with the library pages too, a fresh clone's CI measured 0.57x. glibc's mmap threshold fixed at
-    # 1 MiB: freed tensors go back to the system, not to its heap.
-    spec = ModelSpec(layers=4, hidden=512, heads=8, kv_heads=4, vocab=8000, seq_len=16,
-                     activation="swiglu")
-    shape = ModelShape.from_spec(spec)
-    params = {k: v.detach() for k, v in GPT(shape, 0).named_parameters()}
-    size = sum(t.numel() * t.element_size() for t in params.values())
-    path = tmp_path / tag(3)
-    path.mkdir()
-    (path / LAYOUT).write_text(json.dumps({"tp": 1, "pp": 1, "dp": 2, "zero": 3}))
-    (path / MARKER).write_text("3\n")
-    for d in range(2):
-        parts = []
-        for t in params.values():
-            per = -(-t.numel() // 2)
-            parts.append(torch.cat([t.reshape(-1), torch.zeros(1)])[d * per:(d + 1) * per])
-        torch.save({"optimizer_state_dict": {"fp32_flat_groups": [torch.cat(parts)]}},
-                   path / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
-        torch.save({"param_shapes": [{k: v.shape for k, v in params.items()}]},
-                   path / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
-    del parts
-
-    def peak(*argv: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _PEAK, *argv],
-                             capture_output=True, text=True, check=True, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT),
-                                  "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-        return int(out.stdout.splitlines()[-1])
-
-    imports = peak("-c", "import workers.checkpoint.hf_export, safetensors.torch, deepspeed")
-    export = peak("-m", "workers.checkpoint.hf_export", str(tmp_path), "3", str(tmp_path / "out"),
-                  "--shape", json.dumps(dataclasses.asdict(shape)),
-                  "--max-shard-bytes", str(size // 8))
-    largest = max(t.numel() * t.element_size() for t in params.values())
-    shards = list((tmp_path / "out").glob("model-*.safetensors"))
-    assert len(shards) >= 8
-    largest_shard = max(f.stat().st_size for f in shards)
-    # and a twentieth of the weights for what is not tensors (the pickles' headers, the
-    # pages read around a tensor's), 4 MB here
-    bound = 2 * largest_shard + largest + size // 20
-    assert export - imports < bound, ((export - imports) / size, bound / size)
-    back = GPT(shape, 1)
-    load_hf(back, shape, str(tmp_path / "out"))
-    assert all(torch.equal(p.detach(), params[k]) for k, p in back.named_parameters())
