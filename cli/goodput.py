@@ -111,7 +111,9 @@ def _group_row(scope: str, g: GroupTotals) -> list[str]:
     return [scope, g.key, str(g.jobs), span(g.wall_s), _pct(g.ettr),
             span(seconds.get("training", 0.0)), span(sum(seconds.get(k, 0.0) for k in LOST)),
             span(seconds.get("queued", 0.0)), _hours(g.gpu_seconds), _hours(g.cpu_seconds),
-            f"{g.tokens:,}", _money(g.cost), _money(g.cost_per_billion_tokens)]
+            f"{g.tokens:,}" + (f" (+{g.jobs_tokens_unknown} not known)"
+                               if g.jobs_tokens_unknown else ""),
+            _money(g.cost), _money(g.cost_per_billion_tokens)]
 
 
 def summary_text(s: GoodputSummary) -> str:

@@ -121,8 +121,14 @@ class GroupTotals(BaseModel):
     gpu_seconds: float = 0.0
     cpu_seconds: float = 0.0
     tokens: int = 0
+    """Tokens of the steps that count, of the jobs whose tokens are known."""
+    jobs_tokens_unknown: int = 0
+    """Jobs whose tokens nobody measured (a command job without a model whose script reports
+    no rate): not in `tokens` nor in `cost_per_billion_tokens`."""
     cost: float | None = None
+    """Everything the priced jobs held (None: none priced)."""
     cost_per_billion_tokens: float | None = None
+    """The cost of the jobs both priced and of known tokens, per billion of their tokens."""
 
 
 class LostJob(BaseModel):

@@ -11,7 +11,8 @@ from datetime import timedelta
 
 import pytest
 
-from client.ledger import CATEGORIES, ProfilePrice
+from cli.goodput import summary_text
+from client.ledger import CATEGORIES, GoodputSummary, ProfilePrice
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
 from service.store import AttemptStatus, Store
@@ -111,14 +112,20 @@ def test_a_restarted_job_loses_the_steps_past_the_checkpoint_and_tiles_its_wall_
     assert all(a.end == b.start for a, b in zip(segs, segs[1:], strict=False))
 
 
-def test_prices_turn_held_seconds_into_money_and_a_window_clips_the_ledger(
-        store: Store) -> None:
+def four_steps(store: Store) -> int:
+    """A job of 4 steps on 2 ranks of 0.5 CPU, succeeded: its id."""
     job = submit(store, JobSpec.model_validate(tiny_spec()))
     one = begin(store, job.id)
     ends = run_steps(store, job.id, one, range(1, 5), time.time() + 0.05, 0)
     time.sleep(max(0.0, ends[4] - time.time()) + 0.05)
     store.end_attempt(job_id=job.id, number=one, status=AttemptStatus.SUCCEEDED)
     store.transition(job_id=job.id, to=JobState.SUCCEEDED, message="done", attempt=one)
+    return job.id
+
+
+def test_prices_turn_held_seconds_into_money_and_a_window_clips_the_ledger(
+        store: Store) -> None:
+    job = store.get_job(job_id=four_steps(store))
     priced = GoodputLedger(store, {"cpu": ProfilePrice(cpu_hour=3600.0)}).ledger(job.id)
     # 2 ranks of 0.5 CPU at 1 a CPU-second.
     held = sum(c.cpu_seconds for c in priced.categories)
@@ -137,3 +144,29 @@ def test_prices_turn_held_seconds_into_money_and_a_window_clips_the_ledger(
     assert both.ettr == pytest.approx(priced.ettr, rel=1e-4)
     summary = GoodputLedger(store).summary(since=half - timedelta(hours=1))
     assert summary.cluster.jobs == 1 and summary.projects[0].key == (job.project or "")
+
+
+def test_a_group_costs_per_billion_tokens_only_the_jobs_of_known_tokens_and_price(
+        store: Store) -> None:
+    # Three jobs: one priced with its tokens, one whose tokens nobody measured (a command
+    # job without a model) that held three times the money, one of known tokens and no
+    # price. The group's tokens are the known ones; its cost is every priced job's; per
+    # billion tokens counts only the first job's money and tokens (the second's money over
+    # the others' tokens was 4 and then 2 times too much).
+    a, b = four_steps(store), four_steps(store)
+    ledger = GoodputLedger(store, {"cpu": ProfilePrice(cpu_hour=3600.0)}).ledger(a)
+    assert ledger.cost and ledger.tokens
+    unknown = GoodputLedger(store, {"cpu": ProfilePrice(cpu_hour=3600.0)}).ledger(b) \
+        .model_copy(update={"tokens": None, "cost": 3 * ledger.cost})
+    unpriced = GoodputLedger(store).ledger(a)
+    assert unpriced.cost is None and unpriced.tokens == ledger.tokens
+    group = totals("project", [ledger, unknown, unpriced])
+    assert (group.jobs, group.jobs_tokens_unknown) == (3, 1)
+    assert group.tokens == 2 * ledger.tokens
+    assert group.cost == pytest.approx(4 * ledger.cost)
+    assert group.cost_per_billion_tokens == pytest.approx(ledger.cost / ledger.tokens * 1e9)
+    none_known = totals("project", [unknown])
+    assert none_known.tokens == 0 and none_known.cost_per_billion_tokens is None
+    text = summary_text(GoodputSummary(until=ledger.end, cluster=group))
+    row = next(line for line in text.splitlines() if line.startswith("cluster"))
+    assert f"{2 * ledger.tokens:,} (+1 not known)" in row, text

@@ -40,15 +40,21 @@ def totals(key: str, ledgers: Sequence[Ledger]) -> GroupTotals:
             if c.cost is not None:
                 t.cost = (t.cost or 0.0) + c.cost
     wall = sum(x.wall_s for x in ledgers)
-    tokens = sum(x.tokens or 0 for x in ledgers)  # the jobs whose tokens are known
+    known = [x for x in ledgers if x.tokens is not None]
     priced = [x.cost for x in ledgers if x.cost is not None]
     cost = sum(priced) if priced else None
+    # Per billion tokens: the money of the jobs both priced and of known tokens, over those
+    # tokens; a job whose tokens nobody measured is in neither side.
+    both = [(x.cost, x.tokens or 0) for x in known if x.cost is not None]
+    both_tokens = sum(t for _, t in both)
     return GroupTotals(
         key=key, jobs=len(ledgers), wall_s=wall, categories=list(cats.values()),
         ettr=cats["training"].seconds / wall if wall > 0 else None,
         gpu_seconds=sum(c.gpu_seconds for c in cats.values()),
-        cpu_seconds=sum(c.cpu_seconds for c in cats.values()), tokens=tokens, cost=cost,
-        cost_per_billion_tokens=cost / tokens * 1e9 if cost is not None and tokens else None)
+        cpu_seconds=sum(c.cpu_seconds for c in cats.values()),
+        tokens=sum(x.tokens or 0 for x in known), jobs_tokens_unknown=len(ledgers) - len(known),
+        cost=cost, cost_per_billion_tokens=(sum(c for c, _ in both) / both_tokens * 1e9
+                                            if both_tokens else None))
 
 
 def clip(ledger: Ledger, since: datetime | None, until: datetime | None) -> Ledger:
