@@ -151,8 +151,8 @@ def test_a_group_costs_per_billion_tokens_only_the_jobs_of_known_tokens_and_pric
     # Three jobs: one priced with its tokens, one whose tokens nobody measured (a command
     # job without a model) that held three times the money, one of known tokens and no
     # price. The group's tokens are the known ones; its cost is every priced job's; per
-    # billion tokens counts only the first job's money and tokens (the second's money over
-    # the others' tokens was 4 and then 2 times too much).
+    # billion tokens counts only the first job's money and tokens (every priced job's money
+    # over every known token, as before, was twice that).
     a, b = four_steps(store), four_steps(store)
     ledger = GoodputLedger(store, {"cpu": ProfilePrice(cpu_hour=3600.0)}).ledger(a)
     assert ledger.cost and ledger.tokens
