@@ -17,6 +17,7 @@ sleeps forever at STEP.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -97,6 +98,10 @@ def main() -> None:
         if args.step_s:
             time.sleep(args.step_s)
     dist.barrier()
+    # DDP's reducer holds the process group and its last works: dropped here, while the
+    # interpreter is whole, so that gloo's threads do not release them during its exit.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
