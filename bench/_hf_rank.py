@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 
+from workers.monitor.proc_status import reset_peak, status_kib
 from workers.rank import script_rank
 
 
@@ -40,8 +41,9 @@ def main() -> None:
 
     spec, groups, shape, ds_config = r.spec, r.groups, r.shape, r.ds_config
     t = spec.train
-    script_rank.reset_peak()  # the peak resident set from here on is the construction's
-    before = script_rank.status_kib("VmRSS")
+    if not reset_peak():  # the peak resident set from here on is the construction's
+        raise OSError("/proc/self/clear_refs refused: the construction's peak is not readable")
+    before = status_kib()["VmRSS"]
     t0 = time.perf_counter()
     if which == "trident":
         engine = train.build_engine(spec, shape, r.ctx.plan, r.device, groups, ds_config)
@@ -61,7 +63,7 @@ def main() -> None:
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                      y.reshape(-1))
     built_s = time.perf_counter() - t0
-    peak = script_rank.status_kib("VmHWM")
+    peak = status_kib()["VmHWM"]
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                  for p in engine.module.parameters())
     times, cpu = [], []

@@ -33,6 +33,7 @@ import numpy as np
 from service.contract.spec import JobSpec
 from service.files.order_cache import OrderCache, ServerData
 from service.planner import evaluate
+from workers.monitor.proc_status import status_kib
 from workers.trainer import data, sample_order
 
 SEQ_LEN, GLOBAL_BATCH, DP, MICRO = 2048, 512, 8, 4
@@ -63,13 +64,8 @@ def write_corpus(prefix: str, gib: float) -> tuple[int, int]:
 
 def rss() -> tuple[float, float]:
     """(anonymous, file-backed) resident MiB of this process."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                name, value, _ = line.split()
-                fields[name] = int(value) / 1024
-    return fields["RssAnon:"], fields["RssFile:"]
+    kib = status_kib()
+    return kib["RssAnon"] / 1024, kib["RssFile"] / 1024
 
 
 def main() -> None:

@@ -45,6 +45,7 @@ from bench.checkpoint_blocking import spec, waits
 from service.files.checkpoint_tags import tag
 from service.planner.shape import ModelShape
 from tests.workers_spawn import run_ranks
+from workers.monitor.proc_status import reset_peak, status_kib
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES: dict[str, dict[str, Any]] = {
@@ -67,11 +68,7 @@ MEMORY = "trident-bench-memory"
 
 def _status(key: str) -> int:
     """`key` (VmHWM, VmRSS) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return status_kib().get(key, 0) * 1024
 
 
 class _Phases:
@@ -86,8 +83,8 @@ class _Phases:
         hwm = _status("VmHWM")
         for p in self.open:
             p["peak_bytes"] = max(p["peak_bytes"], hwm)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark restarts from the resident size now
+        if not reset_peak():  # the high-water mark restarts from the resident size now
+            raise OSError("/proc/self/clear_refs refused: a phase's peak is not readable")
         rss = _status("VmRSS")
         self.open.append({"phase": name, "rss_before_bytes": rss, "peak_bytes": rss})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from workers.monitor.proc_status import reset_peak, status_kib
 from workers.rank import script_rank
 
 
@@ -17,21 +18,22 @@ def main() -> None:
     r = script_rank.start(spec_json, rank, world, port)
     from workers.trainer import train
     # Everything imported and the groups made: the peak from here is the construction's.
-    script_rank.reset_peak()
-    before = script_rank.status_kib("VmRSS")
+    if not reset_peak():
+        raise OSError("/proc/self/clear_refs refused: the construction's peak is not readable")
+    before = status_kib()["VmRSS"]
     from workers.runtime.deepspeed_import import deepspeed
     phases = {}
     initialize = deepspeed.initialize
 
     def timed_initialize(*args, **kwargs):
-        phases["built_peak"] = script_rank.status_kib("VmHWM") * 1024
-        phases["built_rss"] = script_rank.status_kib("VmRSS") * 1024
+        phases["built_peak"] = status_kib()["VmHWM"] * 1024
+        phases["built_rss"] = status_kib()["VmRSS"] * 1024
         return initialize(*args, **kwargs)
 
     deepspeed.initialize = timed_initialize
     engine = train.build_engine(r.spec, r.shape, r.ctx.plan, r.device, r.groups, r.ds_config)
-    peak = script_rank.status_kib("VmHWM")
-    phases["end_rss"] = script_rank.status_kib("VmRSS") * 1024
+    peak = status_kib()["VmHWM"]
+    phases["end_rss"] = status_kib()["VmRSS"] * 1024
     kept = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                for p in engine.module.parameters())
     print(json.dumps({"rank": rank, "before": before * 1024, "peak": peak * 1024,

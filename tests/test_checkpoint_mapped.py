@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from workers.checkpoint.mapped import release
+from workers.monitor.proc_status import status_kib
 
 MB = 1 << 20
 
 
 def rss_file() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+    return status_kib()["RssFile"] * 1024
 
 
 def test_pages_read_from_a_mapped_tag_leave_the_resident_set(tmp_path: Path) -> None:

@@ -11,29 +11,16 @@ peak, `workers.monitor.memory`) counts from there on too.
 
 from __future__ import annotations
 
-
-def _status(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+from workers.monitor.proc_status import reset_peak, status_kib
 
 
 class PeakRss:
     """The peak resident growth of this process from its making (see the module)."""
 
     def __init__(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = _status("VmRSS")
-        except OSError:
-            self.base = None
+        rss = status_kib().get("VmRSS") if reset_peak() else None
+        self.base = None if rss is None else rss * 1024
 
     def growth(self) -> int | None:
-        peak = _status("VmHWM")
-        return None if self.base is None or peak is None else max(0, peak - self.base)
+        peak = status_kib().get("VmHWM")
+        return None if self.base is None or peak is None else max(0, peak * 1024 - self.base)

@@ -50,7 +50,7 @@ Called by `workers.trainer.train`.
 from __future__ import annotations
 
 import resource
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ from workers.monitor.model_states import (
     tensor_range,
     tensors_in,
 )
+from workers.monitor.proc_status import reset_peak, status_kib
 
 __all__ = ["MemoryMonitor", "innermost_optimizer", "model_state_bytes", "anonymous_bytes",
            "training_start"]
@@ -318,7 +319,7 @@ def process_peak_bytes(device: torch.device) -> int:
     absent)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    kib = _status_kib()
+    kib = status_kib()
     if "VmHWM" in kib:
         return (kib["VmHWM"] - kib.get("RssFile", 0)) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -331,30 +332,14 @@ def training_start() -> int:
     training's, not that of what the process did before (the health monitor's bandwidth
     probe, whose largest messages and their gloo buffers are freed before training; a peak of
     Ray's start-up)."""
-    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak()
     return anonymous_bytes()
 
 
 def anonymous_bytes() -> int:
     """This process's own memory now: `RssAnon` + `RssShmem` (the module's docstring; the
     peak resident set where /proc is absent)."""
-    kib = _status_kib()
+    kib = status_kib()
     if "RssAnon" in kib:
         return (kib["RssAnon"] + kib.get("RssShmem", 0)) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _status_kib() -> dict[str, int]:
-    """The kB fields of /proc/self/status this module reads (none where it is absent)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    out[key] = int(value.split()[0])
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
-

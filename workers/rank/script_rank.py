@@ -1,8 +1,8 @@
 """One CPU rank of a job in a process a script started itself (one per rank, on gloo), set up
 as the trainer sets up its ranks (`workers.trainer.train.setup_rank`: the job's environment, the
-process group, DeepSpeed; then this rank's row of the plan, its groups and DeepSpeed config),
-and the readings of this process's resident memory such a script takes around the engine's
-construction.
+process group, DeepSpeed; then this rank's row of the plan, its groups and DeepSpeed config).
+Such a script reads its resident memory around the engine's construction with
+`workers.monitor.proc_status`.
 
 For the scripts that start ranks by hand and time or measure the construction:
 `bench/_hf_rank.py` (`bench.models_hf`) and `tests/_construction_rank.py`
@@ -67,17 +67,3 @@ def stop() -> None:
     train.teardown_rank(wait_for_peers=True)
 
 
-def status_kib(field: str) -> int:
-    """Field `field` of /proc/self/status in KiB (`VmRSS`: resident now, `VmHWM`: its peak)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    """Reset the peak resident set (`VmHWM`) to the current one (Linux's clear_refs 5): the
-    peak read afterwards is what came since."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
