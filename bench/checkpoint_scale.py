@@ -235,10 +235,11 @@ def largest_tensor(folder: Path) -> int:
 def export(folder: Path, step: int, shape: ModelShape, out: Path) -> dict[str, Any]:
     """`hf_export` in its own process, as the API runs it; its peak resident bytes."""
     code = ("import json, sys\nfrom workers.checkpoint.hf_export import main\n"
-            "def kb(k): return [int(l.split()[1]) * 1024 for l in open('/proc/self/status')"
-            " if l.startswith(k + ':')][0]\n"
-            "before = kb('VmRSS')\nrc = main(sys.argv[1:])\nassert rc == 0, rc\n"
-            "print(json.dumps({'peak_bytes': kb('VmHWM'), 'before_bytes': before}))")
+            "from workers.monitor.proc_status import status_kib\n"
+            "before = status_kib()['VmRSS'] * 1024\nrc = main(sys.argv[1:])\n"
+            "assert rc == 0, rc\n"
+            "print(json.dumps({'peak_bytes': status_kib()['VmHWM'] * 1024,"
+            " 'before_bytes': before}))")
     proc = subprocess.run([sys.executable, "-c", code, str(folder), str(step), str(out),
                            "--shape", json.dumps(dataclasses.asdict(shape))],
                           capture_output=True, text=True, cwd=ROOT, timeout=3600,

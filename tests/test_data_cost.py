@@ -47,12 +47,10 @@ def write_many_sequences(prefix: Path, n: int) -> None:
 
 PEAK_RSS = """
 import sys
-from pathlib import Path
 from service.files.corpus import read_header
+from workers.monitor.proc_status import status_kib
 h = read_header(sys.argv[1])
-hwm = next(line for line in Path("/proc/self/status").read_text().splitlines()
-           if line.startswith("VmHWM:"))
-print(h.sequences, h.tokens, hwm.split()[1])
+print(h.sequences, h.tokens, status_kib()["VmHWM"])
 """
 """The peak is this process's own (`VmHWM`, kept per address space): `ru_maxrss` keeps the
 forking process's peak across `exec`, so it read the test worker's size, not the check's."""

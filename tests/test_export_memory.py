@@ -38,11 +38,8 @@ else:
     except SystemExit as stop:
         if stop.code:
             raise
-kib = {}
-for line in open("/proc/self/status"):
-    key, value = line.split(":", 1)
-    if value.strip().endswith("kB"):
-        kib[key] = int(value.split()[0])
+from workers.monitor.proc_status import status_kib
+kib = status_kib()
 print((kib["VmHWM"] - kib["RssFile"]) * 1024)"""
 """The peak of the process's own memory while it runs `-c CODE` or `-m MODULE ARGS...`: the
 peak resident set less the file pages mapped at its end (as a CPU rank's `anon_peak`,
